@@ -1,0 +1,1 @@
+"""A replica: EngineCore (schedule -> execute -> update), workers, model, the offline LLM API."""

@@ -1,0 +1,69 @@
+"""What the engine streams back to callers (vLLM's RequestOutput, in delta form).
+
+Each item an `AsyncEngine.generate()` iterator yields carries only what is new
+since the previous item: new text and token ids per completion index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+# Per token: {token_id: logprob} for the sampled token and the top-N.
+TokenLogprobs = dict[int, float]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str  # new text since the last yield
+    token_ids: list[int]  # new token ids since the last yield
+    logprobs: Optional[list[TokenLogprobs]] = None  # one entry per new token
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+
+    @property
+    def queue_time(self) -> Optional[float]:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> Optional[float]:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e(self) -> Optional[float]:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
+    metrics: Optional[RequestMetrics] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None
+    # Inter-token latencies (seconds) observed for this request, on the final item.
+    itl: list[float] = field(default_factory=list)

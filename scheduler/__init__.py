@@ -1,0 +1,33 @@
+"""fleetserve's scheduler: pure Python (standard library + pydantic), no torch, no ray.
+
+The public names here are the contract the replica, the KV connectors and the
+router rely on; they follow vLLM v1's names.
+"""
+
+from scheduler.block_pool import BlockPool, KVCacheBlock
+from scheduler.config import CacheConfig, SchedulerConfig
+from scheduler.connector import KVConnectorScheduler
+from scheduler.kv_cache_manager import KVCacheManager, hash_token_blocks
+from scheduler.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+                               NewRequestData, SchedulerOutput)
+from scheduler.policies import resolve_obj_by_qualname
+from scheduler.request import Request, RequestStatus
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import Scheduler, SchedulerStats
+
+
+def create_scheduler(scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                     connector: KVConnectorScheduler | None = None) -> Scheduler:
+    """Build the scheduler class named by `scheduler_config.scheduler_cls`."""
+    cls = resolve_obj_by_qualname(scheduler_config.scheduler_cls)
+    if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
+        raise ValueError(f"scheduler_cls {scheduler_config.scheduler_cls!r} is not a Scheduler subclass")
+    return cls(scheduler_config, cache_config, connector)
+
+
+__all__ = [
+    "BlockPool", "CacheConfig", "CachedRequestData", "EngineCoreOutput", "KVCacheBlock",
+    "KVCacheManager", "KVConnectorScheduler", "ModelRunnerOutput", "NewRequestData",
+    "Request", "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig",
+    "SchedulerOutput", "SchedulerStats", "create_scheduler", "hash_token_blocks",
+]

@@ -1,0 +1,205 @@
+"""Paged KV cache bookkeeping for the scheduler: which blocks each request owns.
+
+Small verbs, one result type (a list of block ids):
+
+* ``get_computed_blocks(request)`` -> (hit blocks, hit tokens): the longest
+  chain of cached full blocks of the prompt, never including the last prompt
+  token (the model must compute at least one token to produce logits);
+* ``allocate_slots(request, num_new_tokens, ...)`` -> new block ids, or None
+  when the pool cannot hold them;
+* ``free(request)``.
+
+Block hashes chain: ``hash(parent_hash, block_tokens, extra_keys)``. They are
+Python's hash of a tuple of ints, which is deterministic across processes
+(only str/bytes hashing is salted), so a router can compute the same hashes as
+a replica. The per-request `cache_salt` enters the first block's extra key.
+A 64-bit hash makes an accidental collision between two different prefixes
+astronomically unlikely; vLLM offers sha256 for adversarial settings, which we
+leave for later.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Optional
+
+from scheduler.block_pool import BlockPool, KVCacheBlock
+from scheduler.request import Request
+
+NONE_HASH = 0x5EED
+
+
+def salt_to_int(cache_salt: Optional[str]) -> int:
+    if not cache_salt:
+        return 0
+    return int.from_bytes(hashlib.blake2b(cache_salt.encode(), digest_size=8).digest(), "little")
+
+
+def hash_block_tokens(parent_hash: int, tokens: tuple[int, ...], extra: int = 0) -> int:
+    return hash((parent_hash, tokens, extra))
+
+
+def hash_token_blocks(token_ids: list[int], block_size: int,
+                      cache_salt: Optional[str] = None, start: int = 0,
+                      parent: int = NONE_HASH) -> list[int]:
+    """Chained hashes of the full blocks of `token_ids`, from block `start`."""
+    salt = salt_to_int(cache_salt)
+    out = []
+    for i in range(start, len(token_ids) // block_size):
+        extra = salt if i == 0 else 0
+        parent = hash((parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), extra))
+        out.append(parent)
+    return out
+
+
+def update_block_hashes(request: Request, block_size: int) -> None:
+    """Extend `request.block_hashes` to cover every full block of its tokens."""
+    hashes = request.block_hashes
+    if len(hashes) < request.num_tokens // block_size:
+        parent = hashes[-1] if hashes else NONE_HASH
+        hashes.extend(hash_token_blocks(
+            request.all_token_ids, block_size, request.cache_salt, len(hashes), parent))
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are registered in the cache.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    # ---- queries -----------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def cdiv(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        if not self.enable_caching:
+            return [], 0
+        update_block_hashes(request, self.block_size)
+        # Never hit the last token: at least one must be computed for logits.
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.cached.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
+        """Count a lookup once, when the request is actually admitted."""
+        self.prefix_cache_queries += num_queried
+        self.prefix_cache_hits += num_hit
+
+    def num_blocks_to_allocate(self, request: Request, num_tokens: int,
+                               new_computed_blocks: list[KVCacheBlock] = ()) -> int:
+        """Free blocks that holding `num_tokens` tokens of `request` would consume."""
+        owned = len(self.req_to_blocks.get(request.request_id, ())) + len(new_computed_blocks)
+        # Hits that sit in the free queue are taken out of it, costing a free block each.
+        revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        return max(0, self.cdiv(num_tokens) - owned) + revived
+
+    # ---- verbs -------------------------------------------------------------
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] = (),
+        num_external_tokens: int = 0,
+        delay_caching: bool = False,
+    ) -> Optional[list[int]]:
+        """Make room for `num_new_tokens` (+ external ones) after the computed tokens.
+
+        `new_computed_blocks` are this request's prefix-cache hits (only on
+        admission). Returns the ids of the blocks added to the request (hits
+        included), or None when the pool cannot hold them; on None nothing
+        has changed. `delay_caching` keeps blocks that are still being filled
+        by an asynchronous load out of the prefix cache.
+        """
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        total = num_computed + num_external_tokens + num_new_tokens
+        need = self.num_blocks_to_allocate(request, total, new_computed_blocks)
+        if need > self.pool.num_free_blocks:
+            return None
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        added: list[KVCacheBlock] = []
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
+            added.extend(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+            self.num_cached_blocks[request.request_id] = len(blocks)
+        num_new_blocks = self.cdiv(total) - len(blocks)
+        if num_new_blocks > 0:
+            new = self.pool.get_new_blocks(num_new_blocks)
+            blocks.extend(new)
+            added.extend(new)
+        if self.enable_caching and not delay_caching:
+            # Blocks whose tokens will be known and computed after this step.
+            self.cache_blocks(request, min(total, request.num_tokens))
+        return [b.block_id for b in added]
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the full blocks among the first `num_tokens` tokens."""
+        num_full = num_tokens // self.block_size
+        rid = request.request_id
+        done = self.num_cached_blocks.get(rid, 0)
+        if num_full <= done:
+            return
+        update_block_hashes(request, self.block_size)
+        blocks = self.req_to_blocks[rid]
+        hashes = request.block_hashes
+        for i in range(done, num_full):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self.num_cached_blocks[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            # Tail blocks first: they are the least likely to be shared.
+            self.pool.free_blocks(reversed(blocks))
+
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Forget cache registration past `num_tokens` (after a failed KV load)."""
+        rid = request.request_id
+        keep = num_tokens // self.block_size
+        if self.num_cached_blocks.get(rid, 0) > keep:
+            self.num_cached_blocks[rid] = keep
+
+    def uncache_blocks(self, block_ids: set[int]) -> None:
+        self.pool.uncache_blocks(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    # ---- invariants (tests and debug checks) --------------------------------
+    def check_invariants(self) -> None:
+        refs = [0] * self.pool.num_blocks
+        for blocks in self.req_to_blocks.values():
+            for b in blocks:
+                refs[b.block_id] += 1
+        free_ids = {b.block_id for b in self.pool.free_queue}
+        assert len(free_ids) == self.pool.free_queue.num_free, "free queue count drifted"
+        for block in self.pool.blocks:
+            assert block.ref_cnt == refs[block.block_id], f"{block} owned {refs[block.block_id]}x"
+            assert (block.ref_cnt == 0) == (block.block_id in free_ids), f"{block} free state"
+        for h, block in self.pool.cached.items():
+            assert block.block_hash == h, f"hash map points at {block} for {h}"

@@ -1,0 +1,104 @@
+"""The messages between scheduler, workers and engine.
+
+    Scheduler.schedule()            -> SchedulerOutput      (to every worker)
+    worker.execute_model(...)       -> ModelRunnerOutput    (from rank 0)
+    Scheduler.update_from_output()  -> list[EngineCoreOutput] (to the engine)
+
+`SchedulerOutput` carries diffs: a request travels in full once
+(`NewRequestData`), later steps send only what changed (`CachedRequestData`).
+A request resumed after preemption is sent in full again: the worker dropped
+its state when it saw the id in `preempted_req_ids`, which is simpler than
+vLLM's in-place "resumed" delta and costs one list of ints per preemption.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from scheduler.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    # Output tokens produced before a preemption (empty for a fresh request);
+    # the worker needs them as input and for penalties.
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    req_id: str
+    # Tokens appended since the worker last heard of this request (the token
+    # sampled in the previous step, for a decode).
+    new_token_ids: list[int]
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    # req_id -> tokens to compute this step.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests that finished (or were aborted) since the last step: workers
+    # drop their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+    kv_connector_metadata: Any = None
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+    @staticmethod
+    def empty() -> "SchedulerOutput":
+        return SchedulerOutput([], [], {}, 0)
+
+
+# One entry per sampled token: (top token ids, their logprobs, rank of the
+# sampled token). The sampled token itself is always first in the lists.
+Logprobs = list[tuple[list[int], list[float], int]]
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # Per request in `req_ids` order; empty for a prefill chunk that does not
+    # reach the end of the prompt.
+    sampled_token_ids: list[list[int]]
+    logprobs: Optional[dict[str, Logprobs]] = None
+    prompt_logprobs: Optional[dict[str, Logprobs]] = None
+    # From the worker side of the KV connector.
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+
+    @staticmethod
+    def empty() -> "ModelRunnerOutput":
+        return ModelRunnerOutput([], [])
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    new_logprobs: Optional[Logprobs] = None
+    new_prompt_logprobs: Optional[Logprobs] = None
+    num_cached_tokens: int = 0
+    kv_transfer_params: Optional[dict[str, Any]] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,162 @@
+"""The small policy objects the scheduling loop delegates to.
+
+* a waiting queue (FCFS deque or priority heap): the order of admission;
+* a preemption choice: which running request gives its blocks back;
+* a capacity policy: may a waiting request be admitted, and may the running
+  pass preempt at all.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from typing import Iterable, Iterator, Optional
+
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.request import Request
+
+
+# ---- waiting queues ---------------------------------------------------------
+class FCFSQueue:
+    def __init__(self) -> None:
+        self._q: deque[Request] = deque()
+
+    def add(self, request: Request) -> None:
+        self._q.append(request)
+
+    def prepend(self, request: Request) -> None:
+        self._q.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._q[0]
+
+    def pop(self) -> Request:
+        return self._q.popleft()
+
+    def remove_many(self, requests: Iterable[Request]) -> None:
+        drop = {id(r) for r in requests}
+        self._q = deque(r for r in self._q if id(r) not in drop)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __bool__(self) -> bool:
+        return bool(self._q)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._q)
+
+
+class PriorityQueue:
+    """Lowest (priority, arrival_time) first. A preempted request keeps its key,
+    so "to the front" is automatic for the request that was ahead anyway."""
+
+    def __init__(self) -> None:
+        self._heap: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        heapq.heappush(self._heap, request)
+
+    prepend = add
+
+    def peek(self) -> Request:
+        return self._heap[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)
+
+    def remove_many(self, requests: Iterable[Request]) -> None:
+        drop = {id(r) for r in requests}
+        self._heap = [r for r in self._heap if id(r) not in drop]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(sorted(self._heap))
+
+
+def make_waiting_queue(policy: str):
+    return PriorityQueue() if policy == "priority" else FCFSQueue()
+
+
+# ---- preemption choice --------------------------------------------------------
+def pick_victim(running: list[Request], policy: str) -> Request:
+    """FCFS: the most recently admitted; priority: the largest (priority, arrival)."""
+    if policy == "priority":
+        return max(running, key=lambda r: (r.priority, r.arrival_time))
+    return running[-1]
+
+
+# ---- capacity ----------------------------------------------------------------
+class MaxUtilization:
+    """vLLM: admit while blocks exist for this step's tokens, preempt under pressure."""
+
+    can_preempt = True
+
+    def begin_step(self, running: list[Request], kv: KVCacheManager) -> None:
+        pass
+
+    def can_admit(self, request: Request, hits: list, kv: KVCacheManager) -> bool:
+        return True
+
+    def admitted(self, request: Request, kv: KVCacheManager) -> None:
+        pass
+
+
+class GuaranteedNoEvict:
+    """TensorRT-LLM's GuaranteedNoEvict: admit a request only if the blocks it
+    needs to run to completion (prompt + max_tokens) can be reserved on top of
+    what the running requests still need. Running requests therefore never run
+    out of blocks, and nothing is ever preempted."""
+
+    can_preempt = False
+
+    def __init__(self) -> None:
+        self._reserved = 0
+
+    @staticmethod
+    def _blocks_to_completion(request: Request, kv: KVCacheManager) -> int:
+        final_len = request.num_prompt_tokens + request.max_tokens
+        return kv.cdiv(final_len)
+
+    def begin_step(self, running: list[Request], kv: KVCacheManager) -> None:
+        owned = kv.req_to_blocks
+        self._reserved = sum(
+            max(0, self._blocks_to_completion(r, kv) - len(owned.get(r.request_id, ())))
+            for r in running)
+
+    def can_admit(self, request: Request, hits: list, kv: KVCacheManager) -> bool:
+        owned = len(kv.req_to_blocks.get(request.request_id, ()))
+        need = self._blocks_to_completion(request, kv) - owned - len(hits)
+        need += sum(1 for b in hits if b.ref_cnt == 0)
+        return need <= kv.num_free_blocks - self._reserved
+
+    def admitted(self, request: Request, kv: KVCacheManager) -> None:
+        self._reserved += max(0, self._blocks_to_completion(request, kv)
+                              - len(kv.req_to_blocks.get(request.request_id, ())))
+
+
+def make_capacity_policy(name: str):
+    return GuaranteedNoEvict() if name == "guaranteed_no_evict" else MaxUtilization()
+
+
+def resolve_obj_by_qualname(qualname: str) -> Optional[type]:
+    """"pkg.mod:Class" or "pkg.mod.Class" -> the object."""
+    import importlib
+
+    if ":" in qualname:
+        module_name, _, attr = qualname.partition(":")
+    else:
+        module_name, _, attr = qualname.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"scheduler_cls {qualname!r} is not a qualified name like 'pkg.mod:Class'")
+    try:
+        module = importlib.import_module(module_name)
+        return getattr(module, attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"scheduler_cls {qualname!r} cannot be imported: {e}") from e

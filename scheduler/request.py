@@ -1,0 +1,136 @@
+"""A request as the scheduler sees it: token ids, two counters and a status.
+
+    prompt_token_ids          output_token_ids
+    |--------------------------|-----------|
+    |<--- num_computed_tokens --->|            (KV cache holds these)
+    |<------------------ num_tokens ---------->|
+
+Each step the scheduler hands out tokens so that `num_computed_tokens`
+catches up with `num_tokens`; a decode is simply a gap of one.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any, Optional
+
+from scheduler.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after this line is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        """The OpenAI `finish_reason` for a finished status, None otherwise."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    # vLLM reports a prompt that can never fit as "length" too.
+    RequestStatus.FINISHED_IGNORED: "length",
+}
+
+
+class Request:
+    __slots__ = (
+        "request_id", "prompt_token_ids", "sampling_params", "eos_token_id",
+        "arrival_time", "priority", "cache_salt", "kv_transfer_params",
+        "status", "num_computed_tokens", "output_token_ids", "_all_token_ids",
+        "num_cached_tokens", "num_preemptions", "stop_reason", "block_hashes",
+        "max_tokens", "num_external_computed_tokens",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: Optional[SamplingParams] = None,
+        eos_token_id: Optional[int] = None,
+        arrival_time: Optional[float] = None,
+        priority: int = 0,
+        cache_salt: Optional[str] = None,
+        kv_transfer_params: Optional[dict[str, Any]] = None,
+    ) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if len(prompt_token_ids) == 0:
+            raise ValueError(f"request {request_id}: the prompt is empty")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params or SamplingParams()
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.kv_transfer_params = kv_transfer_params
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.output_token_ids: list[int] = []
+        self._all_token_ids = list(self.prompt_token_ids)
+        # Tokens found in the prefix cache (local + external) at admission.
+        self.num_cached_tokens = 0
+        self.num_external_computed_tokens = 0
+        self.num_preemptions = 0
+        # The stop token id (or stop string, set by the detokenizer) that ended it.
+        self.stop_reason: int | str | None = None
+        # Chained hashes of the full blocks of `all_token_ids`, kept up to date
+        # by the KV cache manager (see kv_cache_utils.hash_request_tokens).
+        self.block_hashes: list[int] = []
+        # Resolved by the scheduler once max_model_len is known.
+        self.max_tokens: int = self.sampling_params.max_tokens or 0
+
+    # ---- token views -------------------------------------------------------
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)
+
+    # ---- status ------------------------------------------------------------
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def get_finished_reason(self) -> Optional[str]:
+        return self.status.finish_reason
+
+    def __lt__(self, other: "Request") -> bool:
+        # Heap order for the priority queue: lower priority value first, then
+        # earlier arrival, then id for a total order.
+        return (self.priority, self.arrival_time, self.request_id) < (
+            other.priority, other.arrival_time, other.request_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")

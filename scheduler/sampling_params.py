@@ -1,0 +1,90 @@
+"""Sampling parameters of one request.
+
+They live in `scheduler/` because the scheduler reads the stop fields
+(`max_tokens`, `min_tokens`, `ignore_eos`, `stop_token_ids`); the model runner
+reads the rest. Field names and defaults follow vLLM's `SamplingParams`, so
+OpenAI-style requests map onto it one to one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    best_of: Optional[int] = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # None: generate until EOS or max_model_len.
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        if self.n < 1:
+            raise bad("n", "must be at least 1")
+        if self.best_of is not None and self.best_of < self.n:
+            raise bad("best_of", f"must be at least n={self.n}")
+        if self.temperature < 0.0:
+            raise bad("temperature", "must be non-negative")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if self.top_k < 0:
+            raise bad("top_k", "must be -1 (disabled), 0 (disabled) or positive")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "must be in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise bad("repetition_penalty", "must be in (0, 2]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", "must be at least 1")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", "must be non-negative")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be at most max_tokens={self.max_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise bad("logprobs", "must be in [0, 20]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise bad("prompt_logprobs", "must be in [0, 20]")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def replace(self, **changes) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,426 @@
+"""The per-step scheduler: who runs now, for how many tokens, and where the KV goes.
+
+There is no prefill phase and no decode phase. Each request has
+`num_computed_tokens` and `num_tokens`; every step hands out a token budget
+(`max_num_batched_tokens`) so that computed catches up with the total. That
+one rule covers prefill, chunked prefill, prefix-cache continuations, decode
+and recompute after preemption.
+
+    schedule():
+      1. running first: each gets min(gap, threshold, budget, room to
+         max_model_len) tokens; when the pool is full, preempt (the victim
+         goes to the front of waiting) and retry; a request that would have to
+         preempt itself ends the pass.
+      2. waiting next, only if nothing was preempted this step and fewer than
+         max_num_seqs run: prefix-cache and connector hits first, then
+         allocation; asynchronous KV loads park in WAITING_FOR_REMOTE_KVS.
+      3. build the SchedulerOutput (new requests in full, known ones as
+         diffs) and advance num_computed_tokens optimistically.
+
+    update_from_output(): append sampled tokens, apply stop conditions, free
+    finished requests (unless the connector is still sending their KV),
+    move finished remote loads back to waiting, roll back failed loads.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from scheduler.config import CacheConfig, SchedulerConfig
+from scheduler.connector import KVConnectorScheduler
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+                               NewRequestData, SchedulerOutput)
+from scheduler.policies import make_capacity_policy, make_waiting_queue, pick_victim
+from scheduler.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_waiting_for_remote_kvs: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 connector: Optional[KVConnectorScheduler] = None) -> None:
+        if cache_config.num_blocks is None:
+            raise ValueError("cache_config.num_blocks must be set before building a Scheduler")
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.block_size = cache_config.block_size
+        self.connector = connector
+        self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
+                                 cache_config.enable_prefix_caching)
+        self.capacity = make_capacity_policy(scheduler_config.capacity_policy)
+
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_waiting_queue(scheduler_config.policy)
+        self.running: list[Request] = []
+        # Parked while a connector loads their KV; they hold blocks.
+        self.waiting_for_remote_kvs: dict[str, Request] = {}
+        # Finished, but the connector is still sending their KV: blocks held.
+        self.sending: dict[str, Request] = {}
+
+        self._finished_req_ids: set[str] = set()  # for the next SchedulerOutput
+        self._pending_outputs: list[EngineCoreOutput] = []  # ignored on arrival
+        self._finished_recving: set[str] = set()
+        # Output tokens each worker-known request has not been sent yet.
+        self._num_tokens_sent: dict[str, int] = {}
+        self.num_preemptions = 0
+
+    # ---- requests in and out ---------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"duplicate request id {rid!r}")
+        if request.status != RequestStatus.WAITING:
+            raise ValueError(f"request {rid!r} has status {request.status.name}, expected WAITING")
+        max_len = self.config.max_model_len
+        sp = request.sampling_params
+        room = max_len - request.num_prompt_tokens
+        request.max_tokens = room if sp.max_tokens is None else min(sp.max_tokens, room)
+        if room < 1 or self.kv.cdiv(request.num_prompt_tokens + 1) > self.kv.num_blocks:
+            # Too long to ever run: finish it at once rather than block the queue.
+            request.status = RequestStatus.FINISHED_IGNORED
+            self._pending_outputs.append(EngineCoreOutput(rid, [], request.get_finished_reason()))
+            return
+        self.requests[rid] = request
+        self.waiting.add(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Abort the given ids; unknown or already finished ids are ignored.
+
+        Returns the ids that were actually aborted."""
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[str]:
+        """Finish requests from outside the step (abort, a stop string)."""
+        if not status.is_finished:
+            raise ValueError(f"{status.name} is not a finished status")
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        to_finish = [self.requests[rid] for rid in request_ids
+                     if rid in self.requests and not self.requests[rid].is_finished]
+        if not to_finish:
+            return []
+        running = [r for r in to_finish if r.status == RequestStatus.RUNNING]
+        if running:
+            drop = {id(r) for r in running}
+            self.running = [r for r in self.running if id(r) not in drop]
+        waiting = [r for r in to_finish
+                   if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)]
+        if waiting:
+            self.waiting.remove_many(waiting)
+        for r in to_finish:
+            self.waiting_for_remote_kvs.pop(r.request_id, None)
+            r.status = status
+            self._free_request(r)
+        return [r.request_id for r in to_finish]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting or self.waiting_for_remote_kvs)
+
+    def has_pending_outputs(self) -> bool:
+        return bool(self._pending_outputs)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting) + len(self.waiting_for_remote_kvs)
+
+    # ---- schedule --------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_blocks: dict[str, list[int]] = {}
+        preempted: list[Request] = []
+        new_reqs: list[Request] = []
+
+        budget = self._schedule_running(budget, num_scheduled, new_blocks, preempted)
+        if not preempted:
+            self._schedule_waiting(budget, num_scheduled, new_blocks, new_reqs)
+
+        output = self._build_output(num_scheduled, new_blocks, new_reqs, preempted)
+        if self.connector is not None:
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        return output
+
+    def _num_new_tokens(self, num_tokens: int, num_computed: int, budget: int) -> int:
+        n = num_tokens - num_computed
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < n:
+            n = threshold
+        return min(n, budget, self.config.max_model_len - 1 - num_computed)
+
+    def _schedule_running(self, budget: int, num_scheduled: dict[str, int],
+                          new_blocks: dict[str, list[int]], preempted: list[Request]) -> int:
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            n = self._num_new_tokens(request.num_tokens, request.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            blocks = self.kv.allocate_slots(request, n)
+            preempted_now = False
+            while blocks is None and self.capacity.can_preempt:
+                victim = pick_victim(running, self.config.policy)
+                running.remove(victim)
+                # A victim scheduled earlier in this pass gives its tokens back.
+                budget += num_scheduled.pop(victim.request_id, 0)
+                new_blocks.pop(victim.request_id, None)
+                self._preempt(victim)
+                preempted.append(victim)
+                preempted_now = True
+                if victim is request:
+                    break
+                blocks = self.kv.allocate_slots(request, n)
+            if request.status == RequestStatus.PREEMPTED:
+                break  # it had to preempt itself: nobody else can fit either
+            if blocks is not None:
+                num_scheduled[request.request_id] = n
+                if blocks:
+                    new_blocks[request.request_id] = blocks
+                budget -= n
+            # (blocks is None only without preemption, i.e. guaranteed_no_evict: skip it.)
+            i = running.index(request) + 1 if preempted_now else i + 1
+        return budget
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._num_tokens_sent.pop(request.request_id, None)
+        self.waiting.prepend(request)
+
+    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
+                          new_blocks: dict[str, list[int]], new_reqs: list[Request]) -> None:
+        cfg = self.config
+        kv = self.kv
+        self.capacity.begin_step(self.running, kv)
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            request = self.waiting.peek()
+            # A request back from a remote KV load already holds its blocks.
+            fresh = request.request_id not in kv.req_to_blocks
+            hits, num_external, load_async = [], 0, False
+            if fresh:
+                hits, computed = kv.get_computed_blocks(request)
+                if self.connector is not None:
+                    ext, load_async = self.connector.get_num_new_matched_tokens(request, computed)
+                    if ext is None:  # the connector does not know yet: ask again later
+                        skipped.append(self.waiting.pop())
+                        continue
+                    # At least the last prompt token is always computed here.
+                    num_external = max(0, min(ext, request.num_tokens - 1 - computed))
+            else:
+                computed = request.num_computed_tokens
+            if load_async:
+                n = 0
+            else:
+                n = self._num_new_tokens(request.num_tokens, computed + num_external,
+                                         request.num_tokens)
+                if not cfg.enable_chunked_prefill and n > budget:
+                    # The prompt does not fit what is left of the budget: skip, don't cut.
+                    skipped.append(self.waiting.pop())
+                    continue
+                n = min(n, budget)
+            if not self.capacity.can_admit(request, hits, kv):
+                break
+            request.num_computed_tokens = computed
+            blocks = kv.allocate_slots(request, n, hits, num_external, delay_caching=load_async)
+            if blocks is None:
+                request.num_computed_tokens = 0 if fresh else computed
+                break
+            self.waiting.pop()
+            request.num_computed_tokens = computed + num_external
+            if fresh:
+                kv.record_prefix_lookup(request.num_tokens, len(hits) * kv.block_size)
+                request.num_external_computed_tokens = num_external
+                if request.num_preemptions == 0:
+                    request.num_cached_tokens = computed + num_external
+                if self.connector is not None:
+                    self.connector.update_state_after_alloc(
+                        request, kv.get_block_ids(request.request_id), num_external)
+            if load_async:
+                # Blocks are held; the worker fills them in the background.
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                self.waiting_for_remote_kvs[request.request_id] = request
+                continue
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self.capacity.admitted(request, kv)
+            num_scheduled[request.request_id] = n
+            new_blocks[request.request_id] = blocks
+            new_reqs.append(request)
+            budget -= n
+        for request in reversed(skipped):
+            self.waiting.prepend(request)
+
+    def _build_output(self, num_scheduled: dict[str, int], new_blocks: dict[str, list[int]],
+                      new_reqs: list[Request], preempted: list[Request]) -> SchedulerOutput:
+        new_ids = {r.request_id for r in new_reqs}
+        new_data = []
+        for r in new_reqs:
+            new_data.append(NewRequestData(
+                r.request_id, r.prompt_token_ids, list(r.output_token_ids), r.sampling_params,
+                self.kv.get_block_ids(r.request_id), r.num_computed_tokens))
+            self._num_tokens_sent[r.request_id] = r.num_tokens
+        cached_data = []
+        sent = self._num_tokens_sent
+        empty: list[int] = []
+        for r in self.running:
+            rid = r.request_id
+            if rid in new_ids or rid not in num_scheduled:
+                continue
+            num_tokens = r.num_tokens
+            old = sent[rid]
+            new_tokens = r.all_token_ids[old:] if old < num_tokens else empty
+            sent[rid] = num_tokens
+            cached_data.append(CachedRequestData(
+                rid, new_tokens, new_blocks.get(rid, empty), r.num_computed_tokens))
+        total = 0
+        for rid, n in num_scheduled.items():
+            self.requests[rid].num_computed_tokens += n
+            total += n
+        finished, self._finished_req_ids = self._finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_data,
+            scheduled_cached_reqs=cached_data,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=finished,
+            preempted_req_ids={r.request_id for r in preempted},
+        )
+
+    # ---- update ----------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        if runner_output.invalid_block_ids:
+            self._handle_invalid_blocks(runner_output.invalid_block_ids, scheduler_output)
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        logprobs = runner_output.logprobs or {}
+        prompt_logprobs = runner_output.prompt_logprobs or {}
+        stopped: list[Request] = []
+        requests = self.requests
+        for rid, sampled in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+            request = requests.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING or rid not in num_scheduled:
+                continue  # aborted, or rolled back after a failed KV load
+            new_tokens: list[int] = []
+            # Only a step that reached the end of the known tokens yields a token.
+            if sampled and request.num_computed_tokens >= request.num_tokens:
+                for token in sampled:
+                    request.append_output_token_ids([token])
+                    new_tokens.append(token)
+                    if self._check_stop(request, token):
+                        break
+            plp = prompt_logprobs.get(rid)
+            if not new_tokens and not plp:
+                continue
+            params = None
+            if request.is_finished:
+                stopped.append(request)
+                params = self._free_request(request)
+            outputs.append(EngineCoreOutput(
+                rid, new_tokens, request.get_finished_reason(), request.stop_reason,
+                logprobs.get(rid), plp, request.num_cached_tokens, params))
+        if stopped:
+            drop = {id(r) for r in stopped}
+            self.running = [r for r in self.running if id(r) not in drop]
+        self._update_from_connector(runner_output)
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> bool:
+        sp = request.sampling_params
+        if request.num_output_tokens >= sp.min_tokens:
+            if token == request.eos_token_id and not sp.ignore_eos:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token in sp.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token
+                return True
+        if request.num_output_tokens >= request.max_tokens or \
+                request.num_tokens >= self.config.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _free_request(self, request: Request) -> Optional[dict]:
+        """Release a finished request; its blocks wait if the connector still sends them."""
+        rid = request.request_id
+        self._finished_req_ids.add(rid)
+        self._num_tokens_sent.pop(rid, None)
+        delay, params = False, None
+        if self.connector is not None:
+            delay, params = self.connector.request_finished(request, self.kv.get_block_ids(rid))
+        if delay:
+            self.sending[rid] = request
+        else:
+            self.kv.free(request)
+            del self.requests[rid]
+        return params
+
+    def _update_from_connector(self, runner_output: ModelRunnerOutput) -> None:
+        for rid in runner_output.finished_sending:
+            request = self.sending.pop(rid, None)
+            if request is not None:
+                self.kv.free(request)
+                del self.requests[rid]
+        for rid in runner_output.finished_recving:
+            request = self.waiting_for_remote_kvs.pop(rid, None)
+            if request is None:
+                continue
+            # Back to the front of waiting: it already holds its blocks.
+            request.status = RequestStatus.WAITING
+            if self.kv.enable_caching:
+                self.kv.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
+            self.waiting.prepend(request)
+
+    def _handle_invalid_blocks(self, invalid: set[int], scheduler_output: SchedulerOutput) -> None:
+        """Roll requests whose KV failed to load back to their first bad block."""
+        self.kv.uncache_blocks(invalid)
+        bs = self.block_size
+        for request in list(self.running) + list(self.waiting_for_remote_kvs.values()):
+            block_ids = self.kv.get_block_ids(request.request_id)
+            first_bad = next((i for i, b in enumerate(block_ids) if b in invalid), None)
+            if first_bad is None:
+                continue
+            good = first_bad * bs
+            if request.num_computed_tokens <= good:
+                continue
+            request.num_computed_tokens = good
+            request.num_cached_tokens = min(request.num_cached_tokens, good)
+            self.kv.truncate(request, good)
+            # The step's sampled token (if any) was computed over bad KV: drop it.
+            scheduler_output.num_scheduled_tokens.pop(request.request_id, None)
+
+    # ---- stats -------------------------------------------------------------------
+    def get_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_waiting_for_remote_kvs=len(self.waiting_for_remote_kvs),
+            kv_cache_usage=self.kv.usage(),
+            num_free_blocks=self.kv.num_free_blocks,
+            num_blocks=self.kv.num_blocks,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
