@@ -39,6 +39,8 @@ class EngineArgs(BaseModel):
     num_gpu_blocks_override: Optional[int] = Field(None, ge=1)
     kv_cache_memory_bytes: Optional[int] = Field(None, ge=1)
     tensor_parallel_size: int = Field(1, ge=1)
+    # Placement of the TP workers' bundles (Ray placement group strategy).
+    placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD"] = "PACK"
     # Bounded waiting queue per replica: a request beyond it is refused (HTTP 429).
     max_waiting_requests: int = Field(1024, ge=1)
     # torch threads for this process (None: chosen from the cores available).

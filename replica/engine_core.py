@@ -1,0 +1,110 @@
+"""EngineCore: the heartbeat of a replica.
+
+    step():  scheduler.schedule()                      -> SchedulerOutput
+             executor.execute_model(scheduler_output)  -> ModelRunnerOutput
+             scheduler.update_from_output(...)         -> EngineCoreOutputs
+
+It is synchronous and single-threaded on purpose: the offline `LLM` drives it
+directly, and `AsyncEngine` drives it from one background thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from replica.engine_args import EngineArgs
+from replica.executor import Executor, make_executor
+from scheduler import EngineCoreOutput, Request, RequestStatus, create_scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepResult:
+    outputs: list[EngineCoreOutput]
+    # Requests scheduled for the first time in this step (for queue-time stats).
+    first_scheduled: list[str] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+    timestamp: float = 0.0
+
+
+def resolve_max_model_len(args: EngineArgs, hf_config) -> int:
+    model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if args.max_model_len is None:
+        return int(model_max)
+    if args.max_model_len > model_max:
+        raise ValueError(f"max_model_len={args.max_model_len} exceeds the model's "
+                         f"max_position_embeddings={model_max}")
+    return args.max_model_len
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs, eos_token_id: Optional[int],
+                 executor: Optional[Executor] = None) -> None:
+        self.args = args
+        self.executor = executor or make_executor(args, eos_token_id)
+        self.hf_config = self.executor.hf_config
+        self.max_model_len = resolve_max_model_len(args, self.hf_config)
+        num_blocks = self.executor.determine_num_blocks()
+        self.executor.initialize_kv_cache(num_blocks)
+        self.scheduler = create_scheduler(args.scheduler_config(self.max_model_len),
+                                          args.cache_config(num_blocks))
+        self._ever_scheduled: set[str] = set()
+        capacity = num_blocks * args.block_size
+        if capacity < self.max_model_len:
+            logger.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: a request "
+                           "that alone outgrows the cache finishes with reason 'length'",
+                           capacity, self.max_model_len)
+        logger.info("EngineCore ready: %d KV blocks of %d tokens, max_model_len %d",
+                    num_blocks, args.block_size, self.max_model_len)
+
+    # ---- requests -----------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        aborted = self.scheduler.abort_requests(request_ids)
+        self._ever_scheduled.difference_update(aborted)
+        return aborted
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[str]:
+        done = self.scheduler.finish_requests(request_ids, status)
+        self._ever_scheduled.difference_update(done)
+        return done
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_requests()
+
+    # ---- the step ----------------------------------------------------------------
+    def step(self) -> StepResult:
+        scheduler_output = self.scheduler.schedule()
+        now = time.monotonic()
+        first = [n.req_id for n in scheduler_output.scheduled_new_reqs
+                 if n.req_id not in self._ever_scheduled]
+        self._ever_scheduled.update(first)
+        runner_output = self.executor.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        for out in outputs:
+            if out.finished:
+                self._ever_scheduled.discard(out.request_id)
+        return StepResult(outputs, first, scheduler_output.total_num_scheduled_tokens, now)
+
+    def get_load(self) -> dict:
+        s = self.scheduler
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in s.running)
+        queued += sum(r.num_tokens for r in s.waiting)
+        stats = s.get_stats()
+        return {
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting + stats.num_waiting_for_remote_kvs,
+            "num_queued_tokens": queued,
+            "kv_cache_usage": stats.kv_cache_usage,
+            "num_free_blocks": stats.num_free_blocks,
+            "num_blocks": stats.num_blocks,
+        }
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,112 @@
+"""The offline API: `LLM(model=...).generate(prompts, sampling_params)`.
+
+It drives an EngineCore synchronously in the calling thread (no background
+thread, no Ray for TP=1): add every request, step until all are done,
+accumulate the deltas into whole outputs.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from replica.engine_args import DEFAULT_MODEL, EngineArgs
+from replica.engine_core import EngineCore
+from replica.metrics import EngineMetrics
+from replica.model_registry import resolve_model
+from replica.outputs import CompletionOutput, RequestOutput
+from replica.processor import InputProcessor, OutputProcessor, PromptType
+from replica.tokenizer import apply_chat_template, load_tokenizer
+from scheduler import RequestStatus, SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_args) -> None:
+        self.args = EngineArgs(model=model, **engine_args)
+        source = resolve_model(self.args.model)
+        self.tokenizer = load_tokenizer(source)
+        self.core = EngineCore(self.args, self.tokenizer.eos_token_id)
+        self.metrics = EngineMetrics(self.args.served_model_name or source.name)
+        self.input_processor = InputProcessor(self.tokenizer, self.core.max_model_len,
+                                              self.core.hf_config.vocab_size)
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        op = OutputProcessor(self.tokenizer, self.metrics)
+        # Validate everything before adding anything: a bad prompt fails the call whole.
+        batch = []
+        for prompt, sp in zip(prompts, params):
+            rid = uuid.uuid4().hex
+            batch.append((rid, *self.input_processor.process(prompt, sp, rid)))
+        order = [rid for rid, _, _ in batch]
+        results: dict[str, RequestOutput] = {}
+        for rid, text, requests in batch:
+            op.add(rid, text, requests)
+            for r in requests:
+                self.core.add_request(r)
+        bar = tqdm(total=len(batch), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while op.has_unfinished():
+                result = self.core.step()
+                if result.first_scheduled:
+                    op.mark_scheduled(result.first_scheduled, result.timestamp)
+                deltas, stopped = op.process(result.outputs)
+                if stopped:
+                    self.core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+                for delta in deltas:
+                    _accumulate(results, delta)
+                    if delta.finished:
+                        bar.update(1)
+        except BaseException:
+            # Leave the engine clean for the next call (KeyboardInterrupt included).
+            for rid in list(op.parents):
+                self.core.abort_requests(op.abort(rid))
+            raise
+        finally:
+            bar.close()
+        return [results[rid] for rid in order]
+
+    def chat(self, messages: Union[list[dict], Sequence[list[dict]]],
+             sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [apply_chat_template(self.tokenizer, conv) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+
+def _accumulate(results: dict[str, RequestOutput], delta: RequestOutput) -> None:
+    acc = results.get(delta.request_id)
+    if acc is None:
+        acc = results[delta.request_id] = RequestOutput(
+            delta.request_id, delta.prompt, delta.prompt_token_ids, [], False)
+    by_index = {c.index: c for c in acc.outputs}
+    for c in delta.outputs:
+        mine = by_index.get(c.index)
+        if mine is None:
+            mine = CompletionOutput(c.index, "", [], [] if c.logprobs is not None else None)
+            acc.outputs.append(mine)
+            by_index[c.index] = mine
+        mine.text += c.text
+        mine.token_ids.extend(c.token_ids)
+        if c.logprobs is not None and mine.logprobs is not None:
+            mine.logprobs.extend(c.logprobs)
+        mine.finish_reason, mine.stop_reason = c.finish_reason, c.stop_reason
+    acc.outputs.sort(key=lambda c: c.index)
+    acc.finished = delta.finished
+    acc.num_cached_tokens = max(acc.num_cached_tokens, delta.num_cached_tokens)
+    acc.metrics = delta.metrics
+    if delta.finished:
+        acc.prompt_logprobs = delta.prompt_logprobs
+        acc.itl = delta.itl
+        acc.kv_transfer_params = delta.kv_transfer_params

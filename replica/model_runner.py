@@ -1,0 +1,181 @@
+"""The model runner: SchedulerOutput in, one forward pass, ModelRunnerOutput out.
+
+It keeps a persistent batch: a request's prompt, sampling params and block
+table arrive once (`scheduled_new_reqs`); later steps send only new tokens
+and new block ids (`scheduled_cached_reqs`). Tokens of all scheduled requests
+are flattened in one forward (prefill chunks and decodes mixed, no padding):
+
+    req A (prefill chunk, context 32):  tokens 32..95   -> no sample (prompt continues)
+    req B (decode, context 120):        token 120       -> sample
+    req C (last prefill chunk):         tokens 64..70   -> sample
+
+Only the last position of a request that reaches the end of its known tokens
+is turned into logits and sampled.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from replica.attention import AttentionMetadata
+from replica.sampler import Sampler, SamplingBatch, compute_prompt_logprobs, make_generator
+from replica.weights import allocate_kv_caches, kv_cache_bytes_per_block, load_model
+from scheduler import ModelRunnerOutput, SamplingParams, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    token_ids: list[int]  # prompt + output, as known to this worker
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: Optional[torch.Generator]
+
+
+class ModelRunner:
+    def __init__(self, model, hf_config, *, device: torch.device, dtype: torch.dtype,
+                 block_size: int, eos_token_id: Optional[int], tp_size: int = 1,
+                 tp_rank: int = 0) -> None:
+        self.model = model
+        self.hf_config = hf_config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.eos_token_id = eos_token_id
+        self.tp_size = tp_size
+        # Only rank 0 samples; the other ranks take part in the collectives only.
+        self.is_driver = tp_rank == 0
+        self.vocab_size = hf_config.vocab_size
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+        self.kv_caches: list = []
+        self.num_blocks = 0
+
+    @classmethod
+    def load(cls, source, *, device: torch.device, dtype: torch.dtype, block_size: int,
+             eos_token_id: Optional[int], tp_size: int = 1, tp_rank: int = 0) -> "ModelRunner":
+        model, hf_config = load_model(source, dtype, device)
+        return cls(model, hf_config, device=device, dtype=dtype, block_size=block_size,
+                   eos_token_id=eos_token_id, tp_size=tp_size, tp_rank=tp_rank)
+
+    # ---- KV cache ------------------------------------------------------------
+    def bytes_per_block(self) -> int:
+        return kv_cache_bytes_per_block(self.hf_config, self.block_size, self.dtype, self.tp_size)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_caches(self.hf_config, num_blocks, self.block_size,
+                                            self.dtype, self.device, self.tp_size)
+        self.num_blocks = num_blocks
+
+    # ---- persistent batch -------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+        for rid in so.preempted_req_ids:
+            self.requests.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            sp = new.sampling_params
+            gen = make_generator(sp.seed, self.device) if sp.seed is not None else None
+            output = list(new.output_token_ids)
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id, new.prompt_token_ids, output, new.prompt_token_ids + output,
+                sp, list(new.block_ids), new.num_computed_tokens, gen)
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            if cached.new_token_ids:
+                state.output_token_ids.extend(cached.new_token_ids)
+                state.token_ids.extend(cached.new_token_ids)
+            if cached.new_block_ids:
+                state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    # ---- one step ------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput.empty()
+        req_ids = list(so.num_scheduled_tokens)
+        states = [self.requests[rid] for rid in req_ids]
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        sample_rows: list[int] = []  # index into req_ids
+        logits_index: list[int] = []  # flattened token index of each sampled row
+        offset = 0
+        for i, (rid, state) in enumerate(zip(req_ids, states)):
+            n = so.num_scheduled_tokens[rid]
+            start = state.num_computed_tokens
+            input_ids.extend(state.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            query_lens.append(n)
+            context_lens.append(start)
+            offset += n
+            if start + n >= len(state.token_ids):
+                sample_rows.append(i)
+                logits_index.append(offset - 1)
+            # The scheduler advanced its counter optimistically; mirror it.
+            state.num_computed_tokens = start + n
+
+        device = self.device
+        attn_metadata = AttentionMetadata.build(
+            query_lens, context_lens, [s.block_ids for s in states], self.block_size, device)
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            self.kv_caches, attn_metadata)
+
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        logprobs: dict = {}
+        if sample_rows:
+            logits = self.model.compute_logits(
+                hidden[torch.tensor(logits_index, dtype=torch.long, device=device)])
+        if sample_rows and self.is_driver:
+            rows = [states[i] for i in sample_rows]
+            for s in rows:
+                if s.generator is not None:
+                    # Reseed from (seed, output position): the draw for a given
+                    # token is the same whatever the batch or a preemption did.
+                    s.generator.manual_seed(
+                        (s.sampling_params.seed * 1_000_003 + len(s.output_token_ids)) % (1 << 63))
+            batch = SamplingBatch.build(
+                [s.sampling_params for s in rows], [s.prompt_token_ids for s in rows],
+                [s.output_token_ids for s in rows], [s.generator for s in rows],
+                self.eos_token_id, self.vocab_size, device)
+            out = self.sampler(logits, batch)
+            for j, i in enumerate(sample_rows):
+                sampled[i] = [out.sampled_token_ids[j]]
+                if out.logprobs[j] is not None:
+                    logprobs[req_ids[i]] = [out.logprobs[j]]
+        prompt_logprobs = self._prompt_logprobs(so, req_ids, states, query_lens, context_lens, hidden)
+        return ModelRunnerOutput(req_ids, sampled, logprobs or None, prompt_logprobs or None)
+
+    def _prompt_logprobs(self, so, req_ids, states, query_lens, context_lens, hidden) -> dict:
+        """Logprobs of prompt tokens 1.. for requests that asked, chunk by chunk."""
+        out = {}
+        offset = 0
+        for rid, state, n, start in zip(req_ids, states, query_lens, context_lens):
+            num = state.sampling_params.prompt_logprobs
+            num_prompt = len(state.prompt_token_ids)
+            if num is not None and start < num_prompt and not state.output_token_ids:
+                # Positions start..start+n-1 predict tokens start+1..start+n (within the prompt).
+                end = min(start + n, num_prompt - 1)
+                if end > start:
+                    logits = self.model.compute_logits(hidden[offset:offset + end - start])
+                    targets = torch.tensor(state.prompt_token_ids[start + 1:end + 1], device=self.device)
+                    out[rid] = compute_prompt_logprobs(logits, targets, num)
+                else:
+                    out[rid] = []
+            offset += n
+        return out

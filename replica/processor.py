@@ -1,0 +1,230 @@
+"""Between users and the EngineCore: prompts in, text out.
+
+`InputProcessor` turns a prompt (text or token ids) and sampling params into
+scheduler `Request`s, rejecting bad input with a `ValueError` that says what
+is wrong. A request with `n > 1` becomes n child requests that share the
+prompt (and so its prefix-cache blocks), as vLLM v1 does.
+
+`OutputProcessor` turns `EngineCoreOutput`s into `RequestOutput` deltas: it
+detokenizes incrementally, applies stop strings (asking the core to finish
+the request), and records per-request latency metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from replica.detokenizer import IncrementalDetokenizer
+from replica.metrics import EngineMetrics
+from replica.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from scheduler import EngineCoreOutput, Request, SamplingParams
+
+PromptType = Union[str, list[int]]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_id = tokenizer.eos_token_id
+
+    def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
+            raise ValueError("the prompt must be a string or a list of token ids")
+        return None, list(prompt)
+
+    def process(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
+                priority: int = 0, arrival_time: Optional[float] = None,
+                cache_salt: Optional[str] = None,
+                kv_transfer_params: Optional[dict[str, Any]] = None) -> tuple[Optional[str], list[Request]]:
+        text, token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, but this model's maximum context length "
+                f"is {self.max_model_len} tokens (prompt plus at least one output token)")
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is out of the vocabulary (size {self.vocab_size})")
+        bad = next((t for t in sampling_params.stop_token_ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: {bad} is out of the vocabulary (size {self.vocab_size})")
+        if sampling_params.best_of is not None and sampling_params.best_of != sampling_params.n:
+            raise ValueError("best_of different from n is not supported; use n")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        n = sampling_params.n
+        requests = []
+        for i in range(n):
+            sp = sampling_params
+            if n > 1:
+                seed = None if sp.seed is None else sp.seed + i
+                sp = sp.replace(n=1, best_of=None, seed=seed)
+            rid = request_id if n == 1 else f"{request_id}#{i}"
+            requests.append(Request(rid, token_ids, sp, self.eos_token_id, arrival, priority,
+                                    cache_salt, kv_transfer_params))
+        return text, requests
+
+
+@dataclass
+class _ChildState:
+    parent: "_ParentState"
+    index: int
+    detok: IncrementalDetokenizer
+    num_logprobs: Optional[int]
+    finished: bool = False
+
+
+@dataclass
+class _ParentState:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    metrics: RequestMetrics
+    num_children: int
+    num_finished: int = 0
+    num_generated: int = 0
+    prompt_logprobs: Optional[list] = None
+    itl: list[float] = field(default_factory=list)
+    child_ids: list[str] = field(default_factory=list)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, metrics: Optional[EngineMetrics] = None) -> None:
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.children: dict[str, _ChildState] = {}
+        self.parents: dict[str, _ParentState] = {}
+
+    def add(self, request_id: str, prompt: Optional[str], requests: list[Request]) -> None:
+        first = requests[0]
+        parent = _ParentState(request_id, prompt, first.prompt_token_ids,
+                              RequestMetrics(first.arrival_time), len(requests))
+        if first.sampling_params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None]
+        self.parents[request_id] = parent
+        for i, r in enumerate(requests):
+            detok = IncrementalDetokenizer(self.tokenizer, r.prompt_token_ids, r.sampling_params)
+            self.children[r.request_id] = _ChildState(parent, i, detok, r.sampling_params.logprobs)
+            parent.child_ids.append(r.request_id)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        return list(parent.child_ids) if parent is not None else []
+
+    def has_unfinished(self) -> bool:
+        return bool(self.parents)
+
+    def mark_scheduled(self, child_ids: list[str], when: float) -> None:
+        for cid in child_ids:
+            child = self.children.get(cid)
+            if child is not None and child.parent.metrics.first_scheduled_time is None:
+                child.parent.metrics.first_scheduled_time = when
+
+    def process(self, outputs: list[EngineCoreOutput],
+                now: Optional[float] = None) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the RequestOutput deltas and the child ids a stop string finished."""
+        now = time.monotonic() if now is None else now
+        by_parent: dict[str, list[CompletionOutput]] = {}
+        stopped: list[str] = []
+        extra: dict[str, dict] = {}
+        for out in outputs:
+            child = self.children.get(out.request_id)
+            if child is None:
+                continue
+            parent = child.parent
+            if out.new_prompt_logprobs and parent.prompt_logprobs is not None:
+                parent.prompt_logprobs.extend(_to_dicts(out.new_prompt_logprobs))
+            completion = self._completion(child, out, stopped)
+            if completion is None:
+                continue
+            self._observe(parent, len(out.new_token_ids), now)
+            by_parent.setdefault(parent.request_id, []).append(completion)
+            if out.kv_transfer_params is not None or out.num_cached_tokens:
+                extra[parent.request_id] = {"kv": out.kv_transfer_params, "cached": out.num_cached_tokens}
+        results = []
+        for rid, completions in by_parent.items():
+            parent = self.parents[rid]
+            finished = parent.num_finished == parent.num_children
+            info = extra.get(rid, {})
+            ro = RequestOutput(rid, parent.prompt, parent.prompt_token_ids, completions, finished,
+                               num_cached_tokens=info.get("cached", 0), metrics=parent.metrics,
+                               kv_transfer_params=info.get("kv"))
+            if finished:
+                parent.metrics.finished_time = now
+                ro.prompt_logprobs = parent.prompt_logprobs
+                ro.itl = parent.itl
+                self._finish_parent(parent, completions)
+            results.append(ro)
+        return results, stopped
+
+    def _completion(self, child: _ChildState, out: EngineCoreOutput,
+                    stopped: list[str]) -> Optional[CompletionOutput]:
+        if child.finished:
+            return None
+        text, stop_str = child.detok.update(out.new_token_ids) if out.new_token_ids else ("", None)
+        finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        token_ids = out.new_token_ids
+        if stop_str is not None:
+            finish_reason, stop_reason = "stop", stop_str
+            if not out.finished:
+                stopped.append(out.request_id)
+        elif finish_reason is not None:
+            text += child.detok.flush()
+        if finish_reason is not None:
+            child.finished = True
+            child.parent.num_finished += 1
+        logprobs = _to_dicts(out.new_logprobs) if out.new_logprobs and child.num_logprobs is not None else None
+        return CompletionOutput(child.index, text, list(token_ids), logprobs, finish_reason, stop_reason)
+
+    def _observe(self, parent: _ParentState, num_new: int, now: float) -> None:
+        m = parent.metrics
+        if num_new:
+            if m.first_token_time is None:
+                m.first_token_time = now
+                if self.metrics is not None:
+                    self.metrics.ttft.observe(now - m.arrival_time)
+                    self.metrics.prompt_tokens.inc(len(parent.prompt_token_ids))
+            elif m.last_token_time is not None:
+                parent.itl.append(now - m.last_token_time)
+                if self.metrics is not None:
+                    self.metrics.itl.observe(now - m.last_token_time)
+            m.last_token_time = now
+            parent.num_generated += num_new
+            if self.metrics is not None:
+                self.metrics.generation_tokens.inc(num_new)
+
+    def _finish_parent(self, parent: _ParentState, completions: list[CompletionOutput]) -> None:
+        self.parents.pop(parent.request_id, None)
+        for cid in parent.child_ids:
+            self.children.pop(cid, None)
+        if self.metrics is not None:
+            m = parent.metrics
+            self.metrics.e2e.observe(m.finished_time - m.arrival_time)
+            if m.queue_time is not None:
+                self.metrics.queue_time.observe(m.queue_time)
+            reason = completions[-1].finish_reason or "abort"
+            self.metrics.request_finished(reason)
+
+    def abort(self, request_id: str) -> list[str]:
+        """Forget a parent request; returns its child ids for the core to abort."""
+        parent = self.parents.pop(request_id, None)
+        if parent is None:
+            return []
+        ids = parent.child_ids
+        for cid in ids:
+            self.children.pop(cid, None)
+        if self.metrics is not None:
+            self.metrics.request_finished("abort")
+        return ids
+
+
+def _to_dicts(entries) -> list[dict[int, float]]:
+    return [dict(zip(ids, lps)) for ids, lps, _rank in entries]

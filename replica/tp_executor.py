@@ -1,0 +1,179 @@
+"""Tensor parallelism across Ray actors: one worker per rank, one process group per replica.
+
+    driver (EngineCore)                    rank 0 actor        rank 1 actor ...
+      ray.put(SchedulerOutput) ---------->  execute_model       execute_model
+      (one object, read by every rank)      all-reduce <------> all-reduce  (gloo / NCCL)
+      ray.get(rank 0's result) <----------  ModelRunnerOutput   None
+
+The step input is the scheduler's diff, put into the object store once and
+read by each rank; only rank 0 samples and returns a `ModelRunnerOutput`.
+Workers live in a placement group (one bundle per rank, PACK by default) and
+rendezvous over TCP on a free port chosen by rank 0's node (never a fixed
+port). The process group uses NCCL when CUDA is present and gloo otherwise,
+chosen inside `replica.parallel.init_tp_group`.
+
+A worker that dies or stops answering fails the step with `ExecutorError`
+within `step_timeout_s`; the engine then fails its in-flight requests and
+reports itself dead, so the replica can be restarted.
+
+Not run on a GPU yet: the NCCL path (device selection per rank, NCCL group)
+is written device-agnostically but has only been exercised with gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Optional
+
+from replica.engine_args import EngineArgs
+from replica.executor import Executor, ExecutorError
+from scheduler import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class TPWorkerActor:
+    """Runs in a Ray actor; wraps one rank's `replica.worker.Worker`."""
+
+    def __init__(self) -> None:
+        self.worker = None
+
+    def get_rendezvous_address(self) -> tuple[str, int]:
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ip, port
+
+    def init_worker(self, args: EngineArgs, eos_token_id: Optional[int], rank: int,
+                    world_size: int, init_method: str) -> dict:
+        from replica.worker import Worker
+
+        self.worker = Worker(args, eos_token_id, rank=rank, world_size=world_size,
+                             init_method=init_method, threads_share=world_size)
+        cfg = self.worker.hf_config
+        return {"vocab_size": cfg.vocab_size, "num_threads": self.worker.num_threads,
+                "pid": os.getpid()}
+
+    def get_hf_config(self):
+        return self.worker.hf_config
+
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Optional[ModelRunnerOutput]:
+        out = self.worker.execute_model(scheduler_output)
+        return out if self.worker.rank == 0 else None
+
+    def shutdown(self) -> None:
+        from replica.parallel import destroy_tp_group
+
+        destroy_tp_group()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RayTPExecutor(Executor):
+    def __init__(self, args: EngineArgs, eos_token_id: Optional[int],
+                 step_timeout_s: float = 60.0, start_timeout_s: float = 300.0) -> None:
+        import ray
+        import torch
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self._ray = ray
+        self.step_timeout_s = step_timeout_s
+        tp = args.tensor_parallel_size
+        if not ray.is_initialized():
+            # Offline use (LLM / fleetserve generate): an embedded local Ray on loopback.
+            # One logical CPU per rank even on a machine with fewer cores: the
+            # ranks split the real cores between them (see Worker threads_share).
+            from replica.device import available_cores
+
+            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
+                     log_to_driver=False, num_cpus=max(available_cores(), tp + 1),
+                     _node_ip_address="127.0.0.1")
+        use_gpu = args.device != "cpu" and torch.cuda.is_available()
+        bundle = {"CPU": 1.0, "GPU": 1.0} if use_gpu else {"CPU": 1.0}
+        self.pg = placement_group([dict(bundle) for _ in range(tp)],
+                                  strategy=args.placement_strategy)
+        try:
+            ray.get(self.pg.ready(), timeout=start_timeout_s)
+        except ray.exceptions.GetTimeoutError as e:
+            ray.util.remove_placement_group(self.pg)
+            raise ExecutorError(
+                f"could not reserve {tp} x {bundle} for tensor parallelism within "
+                f"{start_timeout_s:.0f} s; the cluster lacks resources") from e
+        actor_cls = ray.remote(TPWorkerActor)
+        self.workers = [
+            actor_cls.options(
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=rank),
+            ).remote()
+            for rank in range(tp)
+        ]
+        try:
+            ip, port = ray.get(self.workers[0].get_rendezvous_address.remote(), timeout=start_timeout_s)
+            init_method = f"tcp://{ip}:{port}"
+            infos = self._get([w.init_worker.remote(args, eos_token_id, rank, tp, init_method)
+                               for rank, w in enumerate(self.workers)], start_timeout_s)
+            self.hf_config = self._get([self.workers[0].get_hf_config.remote()], start_timeout_s)[0]
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("tensor parallel group of %d ranks up at %s (%s); threads per rank: %s",
+                    tp, init_method, "nccl" if use_gpu else "gloo", [i["num_threads"] for i in infos])
+
+    def _get(self, refs: list, timeout: float) -> list:
+        """Wait for every ref; the first failure (or the timeout) fails the whole call."""
+        ray = self._ray
+        deadline = time.monotonic() + timeout
+        pending = list(refs)
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ExecutorError(f"a tensor-parallel worker did not answer within {timeout:.0f} s")
+            done, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError as e:
+                    raise ExecutorError(f"a tensor-parallel worker failed: {e}") from e
+        return ray.get(refs)
+
+    def determine_num_blocks(self) -> int:
+        # Every rank holds the same share of each block: take the smallest budget.
+        return min(self._get([w.determine_num_blocks.remote() for w in self.workers], 120))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._get([w.initialize_kv_cache.remote(num_blocks) for w in self.workers], 120)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        ref = self._ray.put(scheduler_output)
+        results = self._get([w.execute_model.remote(ref) for w in self.workers], self.step_timeout_s)
+        return results[0]
+
+    def shutdown(self) -> None:
+        ray = self._ray
+        for w in getattr(self, "workers", []):
+            try:
+                ray.kill(w)
+            except Exception:  # noqa: BLE001 - already dead is fine at shutdown
+                logger.debug("worker already gone at shutdown")
+        self.workers = []
+        if getattr(self, "pg", None) is not None:
+            try:
+                ray.util.remove_placement_group(self.pg)
+            except Exception:  # noqa: BLE001
+                logger.debug("placement group already removed")
+            self.pg = None

@@ -1,0 +1,71 @@
+"""A worker: one rank's model shard, KV cache shard and model runner.
+
+The in-process executor holds one; the tensor-parallel executor runs one per
+Ray actor. The same class either way, so TP=1 and TP>1 share every line of
+model code.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from replica.device import default_kv_cache_bytes, select_device, select_dtype, set_num_threads
+from replica.engine_args import EngineArgs
+from replica.model_registry import resolve_model
+from replica.model_runner import ModelRunner
+from scheduler import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, args: EngineArgs, eos_token_id: Optional[int], *, rank: int = 0,
+                 world_size: int = 1, init_method: Optional[str] = None,
+                 threads_share: int = 1) -> None:
+        self.args = args
+        self.rank = rank
+        self.world_size = world_size
+        self.num_threads = set_num_threads(args.num_threads, threads_share)
+        self.device = select_device(args.device)
+        if self.device.type == "cuda" and world_size > 1:
+            self.device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+        self.dtype = select_dtype(args.dtype, self.device)
+        if world_size > 1:
+            from replica.parallel import init_tp_group
+
+            init_tp_group(world_size, rank, init_method)
+        torch.manual_seed(args.seed)
+        source = resolve_model(args.model)
+        self.runner = ModelRunner.load(source, device=self.device, dtype=self.dtype,
+                                       block_size=args.block_size, eos_token_id=eos_token_id,
+                                       tp_size=world_size, tp_rank=rank)
+
+    @property
+    def hf_config(self):
+        return self.runner.hf_config
+
+    def determine_num_blocks(self) -> int:
+        """Blocks that fit this rank's KV memory budget (or the explicit override)."""
+        if self.args.num_gpu_blocks_override is not None:
+            return self.args.num_gpu_blocks_override
+        budget = self.args.kv_cache_memory_bytes or default_kv_cache_bytes(self.device)
+        num_blocks = budget // self.runner.bytes_per_block()
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV cache budget ({budget} bytes) holds no block of "
+                f"{self.runner.bytes_per_block()} bytes; raise --kv-cache-memory-bytes")
+        return int(num_blocks)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+        logger.info("rank %d: KV cache of %d blocks x %d tokens (%.1f MiB) on %s, %s, %d threads",
+                    self.rank, num_blocks, self.args.block_size,
+                    num_blocks * self.runner.bytes_per_block() / 2**20, self.device,
+                    str(self.dtype).removeprefix("torch."), self.num_threads)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)

@@ -1,0 +1,247 @@
+"""The full engine (scheduler + model runner + sampler + detokenizer) on a tiny model,
+checked token for token against HF transformers."""
+
+import asyncio
+
+import pytest
+
+from replica.async_engine import AsyncEngine, QueueFullError
+from replica.llm import LLM
+from replica.model_registry import ModelNotFoundError
+from scheduler import SamplingParams
+from tests.replica.conftest import hf_greedy
+
+PROMPTS = [
+    "The quick brown fox",
+    "Hello, world! How are you today? I am fine, thank you. Paged attention stores keys",
+    "def add(a, b):",
+    "Numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000 and symbols + - * / = < > ( ) [ ] { } # @ & % $ and more",
+    "A",
+]
+MAX_NEW = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=256)
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    return ids, hf_greedy(tiny_model_dir, ids, MAX_NEW)
+
+
+def assert_no_leak(core):
+    sched = core.scheduler
+    assert not sched.has_unfinished_requests()
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+    sched.kv.check_invariants()
+
+
+ENGINE_VARIANTS = {
+    "default": dict(),
+    "no_prefix_cache": dict(enable_prefix_caching=False),
+    "chunked_small_budget": dict(max_num_batched_tokens=8, long_prefill_token_threshold=5),
+    # 24 blocks x 4 tokens: the longest request (71 + 12 tokens) fits alone, all five do not.
+    "preemption_tiny_pool": dict(num_gpu_blocks_override=24, block_size=4),
+    "no_chunking": dict(enable_chunked_prefill=False, max_num_batched_tokens=2048),
+    "priority_no_evict": dict(scheduling_policy="priority", capacity_policy="guaranteed_no_evict",
+                              num_gpu_blocks_override=24, block_size=4),
+}
+
+
+@pytest.mark.parametrize("variant", list(ENGINE_VARIANTS))
+def test_greedy_matches_hf(tiny_model_dir, reference, variant):
+    ids, expected = reference
+    kwargs = dict(dtype="float32", num_gpu_blocks_override=256)
+    kwargs.update(ENGINE_VARIANTS[variant])
+    llm = LLM(str(tiny_model_dir), **kwargs)
+    # Twice: the second pass hits the prefix cache (when on).
+    for _ in range(2):
+        outs = llm.generate(ids, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert all(o.outputs[0].finish_reason == "length" for o in outs)
+        assert_no_leak(llm.core)
+    if variant == "preemption_tiny_pool":
+        assert llm.core.scheduler.get_stats().num_preemptions > 0
+    if variant == "default":
+        assert llm.core.scheduler.get_stats().prefix_cache_hits > 0
+
+
+def test_text_matches_tokens(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=128)
+    (out,) = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
+    c = out.outputs[0]
+    assert c.text == llm.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+
+
+def test_seeded_sampling_reproducible_and_n(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=128)
+    sp = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True, n=3)
+    a = llm.generate(PROMPTS[:2], sp, use_tqdm=False)
+    # Different batch composition: the seeded request must still produce the same tokens.
+    b = llm.generate([PROMPTS[3], PROMPTS[0]], sp, use_tqdm=False)
+    assert [c.token_ids for c in a[0].outputs] == [c.token_ids for c in b[1].outputs]
+    assert len(a[0].outputs) == 3 and [c.index for c in a[0].outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in a[0].outputs}) > 1  # children use different seeds
+    assert_no_leak(llm.core)
+
+
+def test_stop_string_never_leaks(tiny_model_dir, reference):
+    ids, expected = reference
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=128)
+    full = llm.tokenizer.decode(expected[1], skip_special_tokens=True)
+    stop = full[3:6]
+    assert stop.strip(), "the reference continuation is too short for this test"
+    (out,) = llm.generate([ids[1]], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
+                                                    stop=[stop]), use_tqdm=False)
+    c = out.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    assert c.text == full[:full.index(stop)]
+    assert stop not in c.text
+    assert_no_leak(llm.core)
+
+
+def test_stop_token_ids_and_min_tokens(tiny_model_dir, reference):
+    ids, expected = reference
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=128)
+    stop_tok = expected[0][4]
+    (out,) = llm.generate([ids[0]], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
+                                                    stop_token_ids=[stop_tok]), use_tqdm=False)
+    first = expected[0].index(stop_tok)
+    assert out.outputs[0].token_ids == expected[0][:first + 1]
+    assert out.outputs[0].stop_reason == stop_tok
+
+
+def test_bad_input_then_still_serves(tiny_model_dir, reference):
+    ids, expected = reference
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=128, max_model_len=64)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([""], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.generate([list(range(3, 70))], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([[1, 2, 10**6]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    outs = llm.generate(ids[:2], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected[:2]
+    assert_no_leak(llm.core)
+
+
+def test_unknown_model_and_corrupt_weights(tmp_path, tiny_model_dir):
+    with pytest.raises(ModelNotFoundError, match="unknown model"):
+        LLM("no-such-model")
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    data = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[: len(data) // 3])
+    with pytest.raises(ValueError, match="safetensors|weight|corrupt|truncated"):
+        LLM(str(broken))
+
+
+# ---- AsyncEngine ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def async_engine(tiny_model_dir):
+    engine = AsyncEngine(model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=128,
+                         max_waiting_requests=64)
+    yield engine
+    engine.shutdown()
+
+
+async def _collect(engine, prompt, sp, rid):
+    text, tokens, final = "", [], None
+    async for out in engine.generate(prompt, sp, rid):
+        for c in out.outputs:
+            text += c.text
+            tokens += c.token_ids
+        final = out
+    return text, tokens, final
+
+
+def test_async_streams_match_reference(async_engine, reference):
+    ids, expected = reference
+
+    async def main():
+        return await asyncio.gather(*[_collect(async_engine, p, GREEDY, f"r{i}") for i, p in enumerate(ids)])
+
+    results = asyncio.run(main())
+    assert [tokens for _, tokens, _ in results] == expected
+    for _, _, final in results:
+        assert final.finished and final.metrics.ttft is not None and final.metrics.ttft >= 0
+        assert len(final.itl) == MAX_NEW - 1 or len(final.itl) > 0
+    load = async_engine.get_load()
+    assert load["num_running"] == 0 and load["num_free_blocks"] == load["num_blocks"]
+    text = async_engine.metrics_text()
+    assert "vllm:generation_tokens_total" in text and "vllm:time_to_first_token_seconds_bucket" in text
+
+
+def test_async_abort_frees_blocks(async_engine, reference):
+    ids, _ = reference
+    sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        got = 0
+        async for out in async_engine.generate(ids[1], sp, "to-abort"):
+            got += len(out.outputs[0].token_ids)
+            if got >= 3:
+                break  # the client goes away
+        await asyncio.sleep(0.3)
+
+    asyncio.run(main())
+    for _ in range(50):
+        load = async_engine.get_load()
+        if load["num_running"] == 0:
+            break
+        asyncio.run(asyncio.sleep(0.05))
+    assert load["num_running"] == 0 and load["num_free_blocks"] == load["num_blocks"]
+
+
+def test_async_bad_input_keeps_serving(async_engine, reference):
+    ids, expected = reference
+
+    async def main():
+        with pytest.raises(ValueError):
+            async for _ in async_engine.generate("", GREEDY, "empty"):
+                pass
+        with pytest.raises(ValueError, match="maximum context length"):
+            async for _ in async_engine.generate(list(range(3, 3000)), GREEDY, "long"):
+                pass
+        return await _collect(async_engine, ids[0], GREEDY, "after-bad")
+
+    _, tokens, _ = asyncio.run(main())
+    assert tokens == expected[0]
+
+
+def test_async_queue_full(tiny_model_dir):
+    engine = AsyncEngine(model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64,
+                         max_waiting_requests=2, max_num_seqs=1)
+    long = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
+
+    async def main():
+        tasks = []
+        for i in range(3):  # one runs (max_num_seqs=1), two wait: the queue is then full
+            tasks.append(asyncio.create_task(_collect(engine, PROMPTS[0], long, f"q{i}")))
+            await asyncio.sleep(0.1)
+        with pytest.raises(QueueFullError):
+            async for _ in engine.generate(PROMPTS[1], GREEDY, "overflow"):
+                pass
+        for t in tasks:  # the clients go away: their requests are aborted
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for _ in range(100):
+            if engine.get_load()["num_running"] == 0 and engine.get_load()["num_waiting"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        # Room again: a new request is served.
+        return await _collect(engine, PROMPTS[0], GREEDY, "after-full")
+
+    try:
+        _, tokens, _ = asyncio.run(main())
+        assert len(tokens) == MAX_NEW
+        load = engine.get_load()
+        assert load["num_free_blocks"] == load["num_blocks"]
+    finally:
+        engine.shutdown()

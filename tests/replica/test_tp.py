@@ -1,0 +1,105 @@
+"""Tensor parallelism over Ray actors and gloo: TP>1 gives the same tokens as TP=1."""
+
+import os
+import time
+
+import pytest
+
+from scheduler import SamplingParams
+
+ray = pytest.importorskip("ray")
+
+PROMPTS = ["The quick brown fox", "Hello, world! How are you today?", "def add(a, b):"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 _node_ip_address="127.0.0.1")
+    yield
+    if started:
+        ray.shutdown()
+
+
+def _run(model_dir, tp, **kw):
+    from replica.llm import LLM
+
+    llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64, block_size=4,
+              tensor_parallel_size=tp, num_threads=1, **kw)
+    try:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        sched = llm.core.scheduler
+        assert sched.kv.num_free_blocks == sched.kv.num_blocks
+        return outs
+    finally:
+        llm.core.shutdown()
+
+
+@pytest.mark.slow
+def test_tp2_matches_tp1(local_ray, tiny_model_dir):
+    kw = dict(max_num_batched_tokens=8, long_prefill_token_threshold=6)  # chunked prefill
+    ref = _run(tiny_model_dir, 1, **kw)
+    got = _run(tiny_model_dir, 2, **kw)
+    for a, b in zip(ref, got):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys()
+            for t in la:
+                assert abs(la[t] - lb[t]) < 1e-4
+
+
+@pytest.mark.slow
+def test_tp2_with_preemption(local_ray, tiny_model_dir):
+    ref = _run(tiny_model_dir, 1)
+    from replica.llm import LLM
+
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=9, block_size=4,
+              tensor_parallel_size=2, num_threads=1)
+    try:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+        assert llm.core.scheduler.get_stats().num_preemptions > 0
+    finally:
+        llm.core.shutdown()
+
+
+def test_tp_size_not_dividing_heads_is_refused(local_ray, tiny_model_dir):
+    from replica.llm import LLM
+
+    with pytest.raises(Exception, match="divisible|divide"):
+        LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=16, tensor_parallel_size=3,
+            num_threads=1)
+
+
+@pytest.mark.slow
+def test_killed_worker_fails_requests_not_hang(local_ray, tiny_model_dir):
+    import asyncio
+
+    from replica.async_engine import AsyncEngine, EngineDeadError
+
+    engine = AsyncEngine(model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64,
+                         tensor_parallel_size=2, num_threads=1)
+    sp = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    executor = engine.core.executor
+
+    async def main():
+        got = 0
+        t0 = time.monotonic()
+        with pytest.raises((EngineDeadError, RuntimeError)):
+            async for out in engine.generate(PROMPTS[0], sp, "victim"):
+                got += len(out.outputs[0].token_ids)
+                if got == 3:
+                    ray.kill(executor.workers[1])
+        return time.monotonic() - t0
+
+    try:
+        elapsed = asyncio.run(main())
+        assert elapsed < 60
+        with pytest.raises(EngineDeadError):
+            engine.check_health()
+    finally:
+        engine.shutdown()
