@@ -1,0 +1,59 @@
+"""Our weights as a `transformers` model / HF folder, for comparisons and baselines.
+
+A GGUF checkpoint is dequantized exactly as `replica.weights.load_model` does,
+so HF transformers (and vLLM, which needs an HF folder) run the very same
+weights as fleetserve: that is what makes token-for-token comparisons and
+same-weights benchmarks meaningful.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from replica.model_registry import ModelSource, resolve_model
+from replica.weights import gguf_config, iter_gguf_weights, iter_safetensors_weights, load_hf_config
+
+
+def build_hf_model(source: ModelSource | str, dtype: torch.dtype = torch.float32):
+    """A `transformers.AutoModelForCausalLM` holding the source's weights (eval mode)."""
+    from transformers import AutoModelForCausalLM
+
+    if isinstance(source, str):
+        source = resolve_model(source)
+    if source.kind == "hf":
+        return AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype).eval()
+    from replica.gguf_reader import GGUFFile
+
+    gguf_file = GGUFFile(source.path)
+    try:
+        config = gguf_config(gguf_file.metadata, set(gguf_file.tensors), source.path)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        state = {name: t.to(dtype) for name, t in iter_gguf_weights(source.path, gguf_file, config)}
+    finally:
+        gguf_file.close()
+    if config.tie_word_embeddings:
+        state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    model.load_state_dict(state, strict=True)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
+
+
+def export_hf_folder(model: str, out: Path) -> Path:
+    """Write `model` (a registry name, GGUF or HF folder) as an fp32 HF folder once."""
+    out = Path(out)
+    if (out / "config.json").exists():
+        return out
+    from replica.tokenizer import load_tokenizer
+
+    source = resolve_model(model)
+    hf = build_hf_model(source, torch.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(out)
+    load_tokenizer(source).save_pretrained(out)
+    return out
+
+
+__all__ = ["build_hf_model", "export_hf_folder", "iter_safetensors_weights", "load_hf_config"]
