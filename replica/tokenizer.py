@@ -1,0 +1,146 @@
+"""Tokenizers for HF folders and GGUF files, and chat formatting.
+
+A GGUF file carries its tokenizer as metadata (`tokenizer.ggml.*`);
+transformers converts it to a fast tokenizer, which takes ~10 s for SmolLM2's
+49k vocabulary. The result is saved once under
+`$FLEETSERVE_CACHE_DIR/tokenizers/<key>/` (default `~/.cache/fleetserve`),
+keyed by the file's path, size and modification time, so later loads read a
+`tokenizer.json` in well under a second. Replicas that start together may
+both convert; each writes a private folder and renames it into place, and the
+loser's rename simply fails.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from replica.model_registry import ModelSource
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV = "FLEETSERVE_CACHE_DIR"
+_ROLES = {"system", "user", "assistant", "tool", "developer"}
+
+
+def tokenizer_cache_root() -> Path:
+    root = os.environ.get(CACHE_ENV)
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "fleetserve"
+
+
+def load_tokenizer(source: ModelSource, cache_root: Optional[Path] = None) -> PreTrainedTokenizerFast:
+    """The fast tokenizer of a model, with its chat template when it has one."""
+    if source.kind == "hf":
+        return AutoTokenizer.from_pretrained(str(source.path))
+    if source.kind != "gguf":
+        raise ValueError(f"unknown model source kind {source.kind!r}")
+    cached = _cache_dir(source.path, cache_root)
+    if (cached / "tokenizer.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached))
+        except Exception as e:  # a damaged cache entry (any parse error): convert again
+            logger.warning("ignoring unreadable tokenizer cache %s: %s", cached, e)
+            shutil.rmtree(cached, ignore_errors=True)
+    tokenizer = _convert_gguf(source.path)
+    _store(tokenizer, cached)
+    return tokenizer
+
+
+def _cache_dir(gguf_path: Path, cache_root: Optional[Path]) -> Path:
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
+    return (cache_root or tokenizer_cache_root()) / "tokenizers" / key
+
+
+def _convert_gguf(gguf_path: Path) -> PreTrainedTokenizerFast:
+    logger.info("converting the tokenizer of %s (once; cached afterwards)", gguf_path.name)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    if not tokenizer.chat_template:
+        template = _gguf_chat_template(gguf_path)
+        if template:
+            tokenizer.chat_template = template
+    return tokenizer
+
+
+def _gguf_chat_template(gguf_path: Path) -> Optional[str]:
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(gguf_path)).fields.get("tokenizer.chat_template")
+    if field is None:
+        return None
+    value = field.contents()
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def _store(tokenizer: PreTrainedTokenizerFast, target: Path) -> None:
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    except OSError as e:
+        logger.warning("cannot cache the tokenizer under %s: %s", target.parent, e)
+        return
+    try:
+        tokenizer.save_pretrained(str(tmp))
+        os.rename(tmp, target)
+    except OSError:
+        # Another process stored it first (or the disk refused): either way
+        # the tokenizer in hand is good.
+        pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def apply_chat_template(tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, Any]],
+                        add_generation_prompt: bool = True) -> str:
+    """The prompt text for a conversation, checked first so that bad input is a ValueError."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template; send a plain prompt instead")
+    normalized = [_check_message(i, m) for i, m in enumerate(_check_list(messages))]
+    try:
+        text = tokenizer.apply_chat_template(normalized, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # jinja2 errors (e.g. `raise_exception` in a template) are the user's input
+        if type(e).__module__.startswith("jinja2"):
+            raise ValueError(f"the chat template rejected the messages: {e}") from e
+        raise
+    if not isinstance(text, str):
+        raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected str")
+    return text
+
+
+def _check_list(messages: Any) -> list:
+    if not isinstance(messages, (list, tuple)):
+        raise ValueError(f"messages must be a list of {{'role', 'content'}} objects, got {type(messages).__name__}")
+    if not messages:
+        raise ValueError("messages must not be empty")
+    return list(messages)
+
+
+def _check_message(i: int, message: Any) -> dict[str, Any]:
+    if not isinstance(message, dict):
+        raise ValueError(f"messages[{i}] must be an object with 'role' and 'content', got {type(message).__name__}")
+    role = message.get("role")
+    if not isinstance(role, str) or role not in _ROLES:
+        raise ValueError(f"messages[{i}].role must be one of {sorted(_ROLES)}, got {role!r}")
+    content = message.get("content")
+    if content is None and role == "assistant":
+        content = ""
+    if isinstance(content, list):
+        content = "".join(_text_part(i, j, part) for j, part in enumerate(content))
+    if not isinstance(content, str):
+        raise ValueError(f"messages[{i}].content must be a string or a list of text parts, got {content!r}")
+    return {**message, "content": content}
+
+
+def _text_part(i: int, j: int, part: Any) -> str:
+    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+    raise ValueError(f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
