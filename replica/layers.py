@@ -1,0 +1,387 @@
+"""Tensor-parallel layers (nano-vllm / vLLM style) and the small ops around them.
+
+Sharding, for a TP group of `tp` ranks:
+
+    VocabParallelEmbedding  vocab rows split in `tp` contiguous ranges; out-of-range ids -> 0, all-reduce
+    ParallelLMHead          same rows; each rank computes its logits slice, all-gather along vocab
+    ColumnParallelLinear    output features split: y_local = x @ W_local^T      (no communication)
+    MergedColumnParallel    [gate; up]: each part split separately, stacked per rank
+    QKVParallelLinear       [q; k; v] heads split per rank; kv heads replicated when tp > kv heads
+    RowParallelLinear       input features split: y = all_reduce(x_local @ W_local^T) (+ bias once)
+
+Every parameter carries `weight_loader(param, loaded_weight[, shard_id])` which
+takes the full checkpoint tensor and copies in this rank's narrow slice, so the
+model's `load_weights` is a name -> (param, shard) table. Parameters are made
+with `torch.empty` (no random init: a 1B-parameter model would spend seconds
+initializing what loading overwrites). With a world of one the layers are plain
+`F.embedding` / `F.linear`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from replica.parallel import TPGroup, get_tp_group
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(f"{what} ({numerator}) is not divisible by the tensor-parallel size ({denominator})")
+    return numerator // denominator
+
+
+def _check_shape(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(f"shape mismatch loading {name}: expected {tuple(param.shape)}, got {tuple(loaded.shape)}")
+
+
+def _check_full(loaded: torch.Tensor, param: torch.Tensor, dim: int, full_size: int, name: str) -> None:
+    """The checkpoint tensor must be the unsharded one: `param`'s shape with `full_size` along `dim`."""
+    expected = list(param.shape)
+    expected[dim] = full_size
+    if list(loaded.shape) != expected:
+        raise ValueError(f"shape mismatch loading {name}: expected {tuple(expected)}, got {tuple(loaded.shape)}")
+
+
+def _new_param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+# --------------------------------------------------------------------------- embeddings
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the vocabulary split across ranks (padded to a multiple of tp)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp_group: Optional[TPGroup] = None):
+        super().__init__()
+        self.tp = tp_group or get_tp_group()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.num_per_partition = math.ceil(num_embeddings / self.tp.world_size)
+        self.vocab_start = self.num_per_partition * self.tp.rank
+        self.vocab_end = min(self.vocab_start + self.num_per_partition, num_embeddings)
+        self.weight = _new_param(self.num_per_partition, embedding_dim)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        if loaded_weight.shape != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(f"shape mismatch loading the embedding: expected "
+                             f"{(self.num_embeddings, self.embedding_dim)}, got {tuple(loaded_weight.shape)}")
+        shard = loaded_weight[self.vocab_start:self.vocab_end]
+        param.data[:shard.shape[0]].copy_(shard)
+        param.data[shard.shape[0]:].zero_()  # padding rows of the last rank
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = torch.where(in_range, input_ids - self.vocab_start, 0)
+        out = F.embedding(local_ids, self.weight) * in_range.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection to the vocabulary; logits are gathered across ranks.
+
+    Tied embeddings share the embedding's parameter (`tie_to(embedding)`); the
+    sharding of both is the same vocab split, so no extra memory is used.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False,
+                 tp_group: Optional[TPGroup] = None):
+        super().__init__(num_embeddings, embedding_dim, tp_group)
+        if bias:
+            self.bias = _new_param(self.num_per_partition)
+            self.bias.weight_loader = self._bias_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def _bias_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        if tuple(loaded_weight.shape) != (self.num_embeddings,):
+            raise ValueError(f"shape mismatch loading the lm_head bias: got {tuple(loaded_weight.shape)}")
+        shard = loaded_weight[self.vocab_start:self.vocab_end]
+        param.data[:shard.shape[0]].copy_(shard)
+        param.data[shard.shape[0]:].zero_()
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight, self.bias)  # [S, vocab / tp]
+        if self.tp.world_size > 1:
+            logits = self.tp.all_gather(logits, dim=-1)
+        return logits[..., :self.num_embeddings] if logits.shape[-1] != self.num_embeddings else logits
+
+
+# --------------------------------------------------------------------------- linears
+
+
+class LinearBase(nn.Module):
+    """A linear layer whose weight is [output_size_per_partition, input_size_per_partition]."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_group: Optional[TPGroup]):
+        super().__init__()
+        self.tp = tp_group or get_tp_group()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.weight = _new_param(output_size, input_size)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = _new_param(output_size)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, *args: Any) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_group: Optional[TPGroup] = None):
+        super().__init__(input_size, output_size, bias, tp_group)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        _check_shape(param, loaded_weight, "a replicated linear")
+        param.data.copy_(loaded_weight)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; each rank returns its slice (or all of it with gather_output)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False,
+                 tp_group: Optional[TPGroup] = None):
+        tp = tp_group or get_tp_group()
+        self.total_output_size = output_size
+        super().__init__(input_size, divide(output_size, tp.world_size, "output size"), bias, tp)
+        self.gather_output = gather_output
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        size = param.shape[0]
+        _check_full(loaded_weight, param, 0, size * self.tp.world_size, "a column-parallel linear")
+        param.data.copy_(loaded_weight.narrow(0, self.tp.rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return self.tp.all_gather(y, dim=-1) if self.gather_output else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate and up); shard_id indexes `output_sizes`."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 tp_group: Optional[TPGroup] = None):
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias, tp_group=tp_group)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int) -> None:
+        tp = self.tp.world_size
+        offset = sum(self.output_sizes[:shard_id]) // tp
+        size = self.output_sizes[shard_id] // tp
+        target = param.data.narrow(0, offset, size)
+        _check_full(loaded_weight, target, 0, self.output_sizes[shard_id], f"shard {shard_id} of a merged linear")
+        target.copy_(loaded_weight.narrow(0, self.tp.rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections in one matmul, split by heads.
+
+    Per rank: num_heads / tp query heads, and max(1, num_kv_heads / tp) kv
+    heads; when tp > num_kv_heads each kv head is replicated on tp /
+    num_kv_heads ranks (as vLLM does), which needs tp % num_kv_heads == 0.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
+                 bias: bool = False, tp_group: Optional[TPGroup] = None):
+        tp = tp_group or get_tp_group()
+        self.head_dim = head_dim
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads
+        self.num_heads = divide(total_num_heads, tp.world_size, "number of attention heads")
+        if tp.world_size >= total_num_kv_heads:
+            if tp.world_size % total_num_kv_heads != 0:
+                raise ValueError(f"tensor-parallel size ({tp.world_size}) must be a multiple of the number of "
+                                 f"kv heads ({total_num_kv_heads}) when it exceeds it")
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = tp.world_size // total_num_kv_heads
+        else:
+            self.num_kv_heads = divide(total_num_kv_heads, tp.world_size, "number of kv heads")
+            self.num_kv_head_replicas = 1
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        out_total = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp.world_size
+        super().__init__(hidden_size, out_total, bias, tp_group=tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str) -> None:
+        if shard_id == "q":
+            offset, size, rank = 0, self.q_size, self.tp.rank
+            full = self.total_num_heads * self.head_dim
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            size, rank = self.kv_size, self.tp.rank // self.num_kv_head_replicas
+            full = self.total_num_kv_heads * self.head_dim
+        else:
+            raise ValueError(f"unknown qkv shard id {shard_id!r}")
+        target = param.data.narrow(0, offset, size)
+        _check_full(loaded_weight, target, 0, full, f"the {shard_id} projection")
+        target.copy_(loaded_weight.narrow(0, rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial products summed with an all-reduce."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_group: Optional[TPGroup] = None):
+        tp = tp_group or get_tp_group()
+        super().__init__(divide(input_size, tp.world_size, "input size"), output_size, bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        if param.dim() == 1:  # the bias is not split: rank 0 adds it after the reduce
+            _check_shape(param, loaded_weight, "a row-parallel bias")
+            param.data.copy_(loaded_weight)
+            return
+        size = param.shape[1]
+        _check_full(loaded_weight, param, 1, size * self.tp.world_size, "a row-parallel linear")
+        param.data.copy_(loaded_weight.narrow(1, self.tp.rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.tp.rank == 0 else None
+        y = F.linear(x, self.weight, bias)
+        return self.tp.all_reduce(y)
+
+
+# --------------------------------------------------------------------------- norms and activations
+
+
+class RMSNorm(nn.Module):
+    """y = weight * x / rms(x), computed in float32 like HF's LlamaRMSNorm.
+
+    `forward(x, residual)` is the fused variant used between layers: it adds
+    the residual first and returns (normed, new_residual), saving one pass.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = _new_param(hidden_size)
+        self.weight.weight_loader = self.weight_loader
+
+    @staticmethod
+    def weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        _check_shape(param, loaded_weight, "a norm")
+        param.data.copy_(loaded_weight)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+
+class SiluAndMul(nn.Module):
+    """[..., 2d] -> silu(x[..., :d]) * x[..., d:] (the gate/up halves of the merged projection)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+# --------------------------------------------------------------------------- rotary embedding
+
+
+def _inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent scaling: long wavelengths slowed by `factor`, short kept, smooth between."""
+    factor = float(p["factor"])
+    low_freq_factor = float(p.get("low_freq_factor", 1.0))
+    high_freq_factor = float(p.get("high_freq_factor", 4.0))
+    old_len = float(p["original_max_position_embeddings"])
+    low_freq_wavelen = old_len / low_freq_factor
+    high_freq_wavelen = old_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _hf_rope_init(rope_type: str, rope_parameters: dict[str, Any], head_dim: int,
+                  max_position: int) -> tuple[torch.Tensor, float]:
+    """Other static rope types (yarn, longrope, ...) through transformers' own init functions."""
+    from transformers import PretrainedConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS or rope_type.startswith("dynamic"):
+        raise ValueError(f"unsupported rope type {rope_type!r} (supported: default, linear, llama3, "
+                         f"and static types known to transformers such as yarn)")
+    cfg = PretrainedConfig()
+    cfg.rope_parameters = dict(rope_parameters)
+    cfg.head_dim, cfg.hidden_size, cfg.num_attention_heads = head_dim, head_dim, 1
+    cfg.max_position_embeddings = max_position
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+    return inv_freq.float(), float(attention_scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate-half) rotary embedding with a precomputed [max_position, head_dim] cos|sin table.
+
+    `rope_parameters` is transformers-5's `config.rope_parameters`
+    ({"rope_type", "rope_theta", "factor", ...}); transformers-4 style
+    `rope_scaling` dicts ("type" instead of "rope_type") are accepted too.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, rope_parameters: Optional[dict[str, Any]] = None,
+                 rope_theta: float = 10000.0):
+        super().__init__()
+        p = dict(rope_parameters or {})
+        rope_type = p.get("rope_type", p.get("type", "default")) or "default"
+        theta = float(p.get("rope_theta", rope_theta))
+        if float(p.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError("partial rotary embeddings are not supported by the Llama family model")
+        self.head_dim = head_dim
+        self.rope_type = rope_type
+        attention_scaling = 1.0
+        if rope_type == "default":
+            inv_freq = _inv_freq(head_dim, theta)
+        elif rope_type == "linear":
+            inv_freq = _inv_freq(head_dim, theta) / float(p["factor"])
+        elif rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(_inv_freq(head_dim, theta), p)
+        else:
+            p.setdefault("rope_theta", theta)
+            inv_freq, attention_scaling = _hf_rope_init(rope_type, p, head_dim, max_position)
+        self.max_position = max_position
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)  # [P, d/2]
+        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_scaling  # [P, d]
+        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for `positions` [T]: each [T, 1, head_dim/2] in `dtype`; compute once per forward."""
+        cs = self.cos_sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
+        return cs.chunk(2, dim=-1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim] -> rotated (same rounding steps as HF's rotate_half formulation)."""
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos, sin = self.cos_sin(positions, q.dtype)
+        return self.apply(q, cos, sin), self.apply(k, cos, sin)

@@ -1,0 +1,215 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM) on tensor-parallel layers and paged attention.
+
+    input_ids [T] --embed--> [T, H] --(decoder layer x N)--> norm --> hidden [T, H]
+    decoder layer:  x, residual = norm(x + residual); x = o_proj(attn(rope(qkv_proj(x))))
+                    x, residual = norm(x + residual); x = down(silu(gate) * up)
+
+Differences inside the family are config switches: GQA (num_key_value_heads),
+rope scaling (config.rope_parameters), q/k/v biases (Qwen2, or Llama's
+`attention_bias`, which also biases o_proj), `mlp_bias`, tied embeddings.
+Mistral's sliding window is not applied (it only matters past 4096 tokens of
+context; the runner's max_model_len should stay within it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+from replica.attention import AttentionMetadata, PagedAttention
+from replica.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
+                            RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabParallelEmbedding)
+from replica.parallel import TPGroup, get_tp_group
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def _rope_parameters(config: Any) -> dict[str, Any]:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = dict(params)
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+def _head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, tp: TPGroup):
+        super().__init__()
+        head_dim = _head_dim(config)
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        is_qwen2 = getattr(config, "model_type", "") == "qwen2"
+        llama_bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads, num_kv_heads,
+                                          bias=llama_bias or is_qwen2, tp_group=tp)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
+                                        bias=llama_bias and not is_qwen2, tp_group=tp)
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.rotary_emb = rotary_emb
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                md: AttentionMetadata) -> torch.Tensor:
+        T = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [T, (H + 2 KVH) d]
+        # Rotate q and k in one go: they are adjacent in the qkv output.
+        qk = qkv[:, :self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = RotaryEmbedding.apply(qk, cos, sin).view(T, -1)
+        q, k = qk.split([self.q_size, self.kv_size], dim=-1)
+        v = qkv[:, self.q_size + self.kv_size:]
+        return self.o_proj(self.attn(q, k, v, kv_cache, md))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, tp: TPGroup):
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (the Llama family uses silu)")
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
+                                                       bias=bias, tp_group=tp)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, tp_group=tp)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, tp: TPGroup):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary_emb, tp)
+        self.mlp = LlamaMLP(config, tp)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], cos: torch.Tensor,
+                sin: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, md)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, tp: TPGroup, max_position: int):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group=tp)
+        self.rotary_emb = RotaryEmbedding(_head_dim(config), max_position, _rope_parameters(config))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, self.rotary_emb, tp) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                md: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)  # once per forward, shared by all layers
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, md)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name piece -> (our parameter name piece, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    # checkpoint entries that carry no weights of ours
+    ignored_suffixes = ("rotary_emb.inv_freq",)
+
+    def __init__(self, config: Any, tp_group: Optional[TPGroup] = None, max_position: Optional[int] = None):
+        super().__init__()
+        archs = getattr(config, "architectures", None) or ["LlamaForCausalLM"]
+        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise ValueError(f"unsupported architecture {archs}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        tp = tp_group or get_tp_group()
+        self.config = config
+        self.tp = tp
+        max_position = max(max_position or 0, getattr(config, "max_position_embeddings", 0) or 0, 1)
+        self.model = LlamaModel(config, tp, max_position)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_group=tp)
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    @property
+    def max_position(self) -> int:
+        return self.model.rotary_emb.max_position
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """input_ids [T], positions [T] -> final hidden states [T, hidden]."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden] (the rows to sample from) -> logits [S, vocab], float32, full vocab on every rank."""
+        return self.lm_head(hidden).float()
+
+    # ----------------------------------------------------------------------- weights
+
+    def _target(self, hf_name: str) -> tuple[str, Any]:
+        for ckpt_piece, (ours, shard_id) in self.packed_modules_mapping.items():
+            if f".{ckpt_piece}." in hf_name:
+                return hf_name.replace(f".{ckpt_piece}.", f".{ours}."), shard_id
+        return hf_name, None
+
+    def expected_weight_names(self) -> set[str]:
+        """The checkpoint (HF) names a complete checkpoint must provide."""
+        inverse: dict[str, list[str]] = {}
+        for ckpt_piece, (ours, _) in self.packed_modules_mapping.items():
+            inverse.setdefault(ours, []).append(ckpt_piece)
+        names = set()
+        for name, _ in self.named_parameters(remove_duplicate=True):
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            pieces = [p for ours, ps in inverse.items() if f".{ours}." in name for p in ps]
+            if not pieces:
+                names.add(name)
+                continue
+            ours = next(o for o in inverse if f".{o}." in name)
+            names.update(name.replace(f".{ours}.", f".{p}.") for p in pieces)
+        return names
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> set[str]:
+        """Copy (hf_name, tensor) pairs into this rank's shards; raises ValueError on unknown or missing names."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        with torch.no_grad():
+            for hf_name, tensor in weights:
+                if hf_name.endswith(self.ignored_suffixes):
+                    continue
+                if hf_name == "lm_head.weight" and self.tie_word_embeddings:
+                    continue  # some tied checkpoints store a copy; the embedding is the source of truth
+                name, shard_id = self._target(hf_name)
+                param = params.get(name)
+                if param is None:
+                    raise ValueError(f"{source}: unexpected weight {hf_name!r} (not part of "
+                                     f"{type(self).__name__} for this config)")
+                loader = getattr(param, "weight_loader")
+                tensor = tensor.to(param.dtype)
+                if shard_id is None:
+                    loader(param, tensor)
+                else:
+                    loader(param, tensor, shard_id)
+                loaded.add(hf_name)
+        missing = self.expected_weight_names() - loaded
+        if missing:
+            shown = ", ".join(sorted(missing)[:8])
+            raise ValueError(f"{source}: {len(missing)} weight(s) missing, e.g. {shown}")
+        return loaded

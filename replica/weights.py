@@ -1,0 +1,241 @@
+"""Weight loading (HF folders and GGUF files) and KV cache allocation.
+
+    load_model(source, dtype, device) -> (model, hf_config)
+
+* ``kind == "hf"``: config.json through `transformers.AutoConfig`, tensors from
+  every ``*.safetensors`` file in the folder.
+* ``kind == "gguf"``: metadata and tensors from the file (`replica.gguf_reader`),
+  each tensor dequantized with `gguf.quants.dequantize`, renamed to its HF name,
+  and -- for the ``llama`` architecture -- Q/K rows un-permuted: llama.cpp's
+  converter reorders each head's rows from HF's rotate-half layout
+  ([first halves..., second halves...]) to interleaved pairs, and its
+  ``permute`` is undone exactly as transformers' ``LlamaTensorProcessor`` does.
+  A `LlamaConfig` is built from the GGUF metadata (no ``output.weight`` means
+  tied embeddings).
+
+Every problem with the files (corrupt, truncated, missing tensors, wrong
+shapes) raises ValueError naming the file.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from replica.model_registry import ModelSource
+from replica.models import get_model_class
+from replica.parallel import TPGroup, get_tp_group
+
+# GGUF per-layer name -> HF per-layer name
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for tensors we do not use."""
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    m = _LAYER_RE.match(name)
+    if m and m.group(2) in _GGUF_LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def reverse_llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row interleave of Q/K (weights [n_head*d, in] or biases [n_head*d])."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def gguf_config(meta: dict[str, Any], tensor_names: set[str], path: Path):
+    """A transformers `LlamaConfig` / `MistralConfig` / `Qwen2Config` from GGUF metadata."""
+    from transformers import AutoConfig
+
+    arch = meta.get("general.architecture")
+    if arch not in _GGUF_ARCHITECTURES:
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {sorted(_GGUF_ARCHITECTURES)}")
+    if "rope_freqs.weight" in tensor_names:
+        raise ValueError(f"{path}: per-frequency rope factors (rope_freqs.weight, Llama 3.1 style) are not supported")
+
+    def get(key: str, default: Any = None, required: bool = False) -> Any:
+        full = f"{arch}.{key}"
+        if required and full not in meta:
+            raise ValueError(f"{path}: GGUF metadata lacks {full!r}")
+        return meta.get(full, default)
+
+    hidden = int(get("embedding_length", required=True))
+    heads = int(get("attention.head_count", required=True))
+    vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", ())) or None
+    if vocab is None:
+        raise ValueError(f"{path}: cannot tell the vocabulary size (no vocab_size nor tokenizer tokens)")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
+    scaling = get("rope.scaling.type")
+    if scaling and scaling != "none":
+        rope["rope_type"] = scaling
+        rope["factor"] = float(get("rope.scaling.factor", 1.0))
+        if get("rope.scaling.original_context_length"):
+            rope["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
+    head_dim = get("attention.key_length") or get("rope.dimension_count") or hidden // heads
+    kwargs = dict(
+        architectures=[_GGUF_ARCHITECTURES[arch]],
+        vocab_size=int(vocab), hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length", required=True)),
+        num_hidden_layers=int(get("block_count", required=True)),
+        num_attention_heads=heads,
+        num_key_value_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(head_dim),
+        max_position_embeddings=int(get("context_length", 2048)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_parameters=rope,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+    )
+    if arch == "qwen2":
+        kwargs.pop("head_dim")
+    return AutoConfig.for_model(arch, **kwargs)
+
+
+# --------------------------------------------------------------------------- tensor iterators
+
+
+def iter_gguf_weights(path: Path, gguf_file: Any, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, float32 tensor) for every tensor we use, dequantized and un-permuted."""
+    from gguf.quants import dequantize
+
+    arch = gguf_file.metadata.get("general.architecture")
+    unpermute = arch == "llama"  # as transformers does: only llama.cpp's llama converter permutes
+    for name, info in gguf_file.tensors.items():
+        hf_name = gguf_to_hf_name(name)
+        if hf_name is None:
+            continue
+        try:
+            w = dequantize(gguf_file.raw(name), info.ggml_type)
+        except (ValueError, NotImplementedError) as e:
+            raise ValueError(f"{path}: cannot dequantize {name} ({info.ggml_type.name}): {e}") from e
+        w = np.asarray(w).reshape(info.shape)
+        if unpermute and ".self_attn.q_proj." in hf_name:
+            w = reverse_llama_cpp_permute(w, config.num_attention_heads)
+        elif unpermute and ".self_attn.k_proj." in hf_name:
+            w = reverse_llama_cpp_permute(w, config.num_key_value_heads)
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if not w.flags.writeable:  # an F32 tensor is a view of the read-only file mapping
+            w = w.copy()
+        yield hf_name, torch.from_numpy(w)
+
+
+def iter_safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder}: no *.safetensors files (only safetensors checkpoints are supported)")
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for key in st.keys():
+                    yield key, st.get_tensor(key)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise ValueError(f"corrupt or unreadable weight file {f}: {e}") from e
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_hf_config(folder: Path):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(folder))
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{folder}/config.json: cannot read the model config: {e}") from e
+
+
+def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str = "cpu",
+               tp_group: TPGroup | None = None, max_model_len: int | None = None):
+    """Build our model for `source` on `device` in `dtype` and load this rank's weight shards.
+
+    Returns (model in eval mode, hf_config). `max_model_len` extends the rotary
+    table past the config's max_position_embeddings if a longer length is served.
+    """
+    tp = tp_group or get_tp_group()
+    t0 = time.perf_counter()
+    gguf_file = None
+    if source.kind == "hf":
+        config = load_hf_config(source.path)
+    elif source.kind == "gguf":
+        from replica.gguf_reader import GGUFFile
+
+        gguf_file = GGUFFile(source.path)
+        config = gguf_config(gguf_file.metadata, set(gguf_file.tensors), source.path)
+    else:
+        raise ValueError(f"unknown model source kind {source.kind!r}")
+    model_cls = get_model_class(config)
+    device = torch.device(device)
+    prev_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_cls(config, tp_group=tp, max_position=max_model_len)
+    finally:
+        torch.set_default_dtype(prev_dtype)
+    try:
+        if gguf_file is not None:
+            model.load_weights(iter_gguf_weights(source.path, gguf_file, config), source=str(source.path))
+        else:
+            model.load_weights(iter_safetensors_weights(source.path), source=str(source.path))
+    finally:
+        if gguf_file is not None:
+            gguf_file.close()
+    model.eval()
+    model.load_seconds = time.perf_counter() - t0
+    return model, config
+
+
+# --------------------------------------------------------------------------- KV cache
+
+
+def kv_cache_shape(hf_config: Any, num_blocks: int, block_size: int, tp_size: int = 1) -> tuple[int, ...]:
+    """One layer's cache: [2 (K, V), local kv heads, num_blocks, block_size, head_dim] (see replica.attention)."""
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    local_kv_heads = max(1, kv_heads // tp_size)
+    return (2, local_kv_heads, num_blocks, block_size, head_dim)
+
+
+def kv_cache_bytes_per_block(hf_config: Any, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes one block takes on one rank, summed over all layers (K and V)."""
+    per_layer = int(np.prod(kv_cache_shape(hf_config, 1, block_size, tp_size)))
+    return per_layer * hf_config.num_hidden_layers * torch.empty((), dtype=dtype).element_size()
+
+
+def allocate_kv_caches(hf_config: Any, num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device: torch.device | str = "cpu", tp_size: int = 1) -> list[torch.Tensor]:
+    """One zeroed cache tensor per layer (zeros: masked-out slots must not hold NaN, since 0 * NaN = NaN)."""
+    shape = kv_cache_shape(hf_config, num_blocks, block_size, tp_size)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(hf_config.num_hidden_layers)]

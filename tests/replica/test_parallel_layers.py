@@ -1,0 +1,120 @@
+"""Tensor-parallel layers: sharding errors, and 2 gloo ranks giving the same logits as one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replica.layers import QKVParallelLinear, RMSNorm
+from replica.parallel import TPGroup, get_tp_group
+
+
+def fake_group(rank: int, world_size: int) -> TPGroup:
+    """A group for building (not running) sharded layers."""
+    return TPGroup(rank, world_size, group=object(), backend="gloo")
+
+
+def test_world_of_one_by_default():
+    tp = get_tp_group()
+    assert (tp.rank, tp.world_size) == (0, 1)
+    t = torch.ones(3)
+    assert tp.all_reduce(t) is t and tp.all_gather(t) is t
+
+
+def test_heads_not_divisible_by_tp():
+    with pytest.raises(ValueError, match=r"number of attention heads \(9\) is not divisible.*\(2\)"):
+        QKVParallelLinear(576, 64, 9, 3, tp_group=fake_group(0, 2))
+
+
+def test_kv_heads_replicated_when_tp_exceeds_them():
+    qkv = QKVParallelLinear(64, 8, 8, 2, tp_group=fake_group(3, 4))
+    assert (qkv.num_heads, qkv.num_kv_heads, qkv.num_kv_head_replicas) == (2, 1, 2)
+    full_k = torch.arange(16 * 64, dtype=torch.float32).view(16, 64)  # 2 kv heads of 8 rows
+    qkv.weight_loader(qkv.weight, full_k, "k")
+    torch.testing.assert_close(qkv.weight.data[16:24], full_k[8:16])  # rank 3 holds kv head 1
+    with pytest.raises(ValueError, match="multiple of the number of kv heads"):
+        QKVParallelLinear(64, 8, 6, 2, tp_group=fake_group(0, 3))
+
+
+def test_tp_size_not_dividing_heads_fails_at_model_build(tmp_path):
+    from replica.model_registry import resolve_model
+    from replica.testing import make_tiny_llama
+    from replica.weights import load_model
+
+    path = make_tiny_llama(tmp_path, hidden_size=48, num_heads=3, num_kv_heads=1)
+    with pytest.raises(ValueError, match="not divisible by the tensor-parallel size"):
+        load_model(resolve_model(str(path)), torch.float32, "cpu", tp_group=fake_group(0, 2))
+
+
+def test_rmsnorm_fused_residual():
+    norm = RMSNorm(8, eps=1e-5)
+    norm.weight.data.copy_(torch.linspace(0.5, 1.5, 8))
+    x, r = torch.randn(3, 8), torch.randn(3, 8)
+    out, new_r = norm(x, r)
+    torch.testing.assert_close(new_r, x + r)
+    torch.testing.assert_close(out, norm(x + r))
+
+
+def _tp_worker(rank: int, world_size: int, init_file: str, model_dir: str, out_file: str) -> None:
+    torch.set_num_threads(1)
+    from replica.attention import AttentionMetadata
+    from replica.model_registry import resolve_model
+    from replica.parallel import destroy_tp_group, init_tp_group
+    from replica.weights import allocate_kv_caches, load_model
+
+    tp = init_tp_group(world_size, rank, f"file://{init_file}", backend="gloo")
+    try:
+        step = tp.broadcast_object({"req": [1, 2, 3], "text": "é"} if rank == 0 else None)
+        assert step == {"req": [1, 2, 3], "text": "é"}
+        gathered = tp.all_gather(torch.full((2,), float(rank), dtype=torch.bfloat16), dim=0)
+        assert gathered.dtype == torch.bfloat16 and gathered.tolist() == [0.0, 0.0, 1.0, 1.0]
+        model, cfg = load_model(resolve_model(model_dir), torch.float32, "cpu")
+        caches = allocate_kv_caches(cfg, 16, 4, torch.float32, "cpu", tp_size=world_size)
+        ids = torch.arange(3, 14)
+        md = AttentionMetadata.build([10], [0], [[5, 2, 9]], 4)
+        with torch.no_grad():
+            prefill = model.compute_logits(model(ids[:10], md.positions, caches, md))
+            md = AttentionMetadata.build([1], [10], [[5, 2, 9]], 4)
+            decode = model.compute_logits(model(ids[10:], md.positions, caches, md))
+        if tp.rank == 0:
+            torch.save({"prefill": prefill, "decode": decode}, out_file)
+    finally:
+        destroy_tp_group()
+
+
+def _run_tp(model_dir, world_size, tmp_path):
+    import torch.multiprocessing as mp
+
+    out = tmp_path / f"tp{world_size}.pt"
+    if world_size == 1:
+        from replica.attention import AttentionMetadata
+        from replica.model_registry import resolve_model
+        from replica.weights import allocate_kv_caches, load_model
+
+        model, cfg = load_model(resolve_model(str(model_dir)), torch.float32, "cpu")
+        caches = allocate_kv_caches(cfg, 16, 4, torch.float32)
+        ids = torch.arange(3, 14)
+        with torch.no_grad():
+            md = AttentionMetadata.build([10], [0], [[5, 2, 9]], 4)
+            prefill = model.compute_logits(model(ids[:10], md.positions, caches, md))
+            md = AttentionMetadata.build([1], [10], [[5, 2, 9]], 4)
+            decode = model.compute_logits(model(ids[10:], md.positions, caches, md))
+        return {"prefill": prefill, "decode": decode}
+    mp.spawn(_tp_worker, args=(world_size, str(tmp_path / "init"), str(model_dir), str(out)),
+             nprocs=world_size, join=True)
+    return torch.load(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_kv_heads", [2, 1], ids=["kv_split", "kv_replicated"])
+def test_tp2_gloo_matches_tp1(tmp_path, num_kv_heads):
+    """Odd vocab (padded vocab shards), GQA split or replicated, biases: 2 ranks == 1 rank."""
+    from replica.testing import make_tiny_llama
+
+    path = make_tiny_llama(tmp_path / "m", vocab_size=301, num_heads=4, num_kv_heads=num_kv_heads,
+                           attention_bias=True, tie_word_embeddings=(num_kv_heads == 1))
+    ref = _run_tp(path, 1, tmp_path)
+    got = _run_tp(path, 2, tmp_path)
+    for key in ("prefill", "decode"):
+        assert got[key].shape == ref[key].shape
+        torch.testing.assert_close(got[key], ref[key], atol=1e-4, rtol=0)
