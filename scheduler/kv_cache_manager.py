@@ -91,7 +91,8 @@ class KVCacheManager:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            # Prompt logprobs need every prompt position computed: no hits.
             return [], 0
         update_block_hashes(request, self.block_size)
         # Never hit the last token: at least one must be computed for logits.
@@ -134,6 +135,14 @@ class KVCacheManager:
         has changed. `delay_caching` keeps blocks that are still being filled
         by an asynchronous load out of the prefix cache.
         """
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is not None and not new_computed_blocks and not num_external_tokens:
+            # Fast path (most decodes): the owned blocks already have room.
+            total = request.num_computed_tokens + num_new_tokens
+            if total <= len(blocks) * self.block_size:
+                if self.enable_caching and not delay_caching:
+                    self.cache_blocks(request, min(total, request.num_tokens))
+                return []
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         total = num_computed + num_external_tokens + num_new_tokens
         need = self.num_blocks_to_allocate(request, total, new_computed_blocks)
@@ -182,6 +191,17 @@ class KVCacheManager:
         rid = request.request_id
         keep = num_tokens // self.block_size
         if self.num_cached_blocks.get(rid, 0) > keep:
+            self.num_cached_blocks[rid] = keep
+
+    def uncache_tail(self, request: Request, num_valid_tokens: int) -> None:
+        """Unregister the hashes this request set on blocks past its first
+        `num_valid_tokens` tokens: their KV is not (or not correctly) computed."""
+        rid = request.request_id
+        keep = num_valid_tokens // self.block_size
+        done = self.num_cached_blocks.get(rid, 0)
+        if done > keep:
+            blocks = self.req_to_blocks[rid]
+            self.pool.uncache_blocks(b.block_id for b in blocks[keep:done])
             self.num_cached_blocks[rid] = keep
 
     def uncache_blocks(self, block_ids: set[int]) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.request import Request
@@ -88,7 +88,11 @@ def make_waiting_queue(policy: str):
 def pick_victim(running: list[Request], policy: str) -> Request:
     """FCFS: the most recently admitted; priority: the largest (priority, arrival)."""
     if policy == "priority":
-        return max(running, key=lambda r: (r.priority, r.arrival_time))
+        # The full waiting-queue key, so the victim is the request the queue
+        # ranks last. On (priority, arrival) ties vLLM's key picks the first
+        # running one, which can be the request being scheduled: two equal
+        # requests then preempt themselves in turn forever.
+        return max(running, key=lambda r: (r.priority, r.arrival_time, r.request_id))
     return running[-1]
 
 
@@ -98,7 +102,7 @@ class MaxUtilization:
 
     can_preempt = True
 
-    def begin_step(self, running: list[Request], kv: KVCacheManager) -> None:
+    def begin_step(self, holders: Callable[[], list[Request]], kv: KVCacheManager) -> None:
         pass
 
     def can_admit(self, request: Request, hits: list, kv: KVCacheManager) -> bool:
@@ -121,18 +125,23 @@ class GuaranteedNoEvict:
 
     @staticmethod
     def _blocks_to_completion(request: Request, kv: KVCacheManager) -> int:
-        final_len = request.num_prompt_tokens + request.max_tokens
+        # The last output token is never fed back, so it needs no KV slot.
+        final_len = request.num_prompt_tokens + request.max_tokens - 1
         return kv.cdiv(final_len)
 
-    def begin_step(self, running: list[Request], kv: KVCacheManager) -> None:
+    def begin_step(self, holders: Callable[[], list[Request]], kv: KVCacheManager) -> None:
+        """`holders()`: every unfinished request that owns blocks (running, and
+        parked for or back from a remote KV load): their future blocks are
+        reserved."""
         owned = kv.req_to_blocks
         self._reserved = sum(
             max(0, self._blocks_to_completion(r, kv) - len(owned.get(r.request_id, ())))
-            for r in running)
+            for r in holders())
 
     def can_admit(self, request: Request, hits: list, kv: KVCacheManager) -> bool:
-        owned = len(kv.req_to_blocks.get(request.request_id, ()))
-        need = self._blocks_to_completion(request, kv) - owned - len(hits)
+        if request.request_id in kv.req_to_blocks:
+            return True  # a holder: its blocks to completion are already reserved
+        need = self._blocks_to_completion(request, kv) - len(hits)
         need += sum(1 for b in hits if b.ref_cnt == 0)
         return need <= kv.num_free_blocks - self._reserved
 

@@ -24,7 +24,6 @@ and recompute after preemption.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -85,11 +84,15 @@ class Scheduler:
             raise ValueError(f"duplicate request id {rid!r}")
         if request.status != RequestStatus.WAITING:
             raise ValueError(f"request {rid!r} has status {request.status.name}, expected WAITING")
-        max_len = self.config.max_model_len
+        # The whole pool holds num_blocks * block_size tokens of KV; the last
+        # token of a request is never computed, so a request can grow to one
+        # more than that. Capping here (finish_reason "length") keeps a request
+        # that alone outgrows the pool from preempting itself forever.
+        max_len = min(self.config.max_model_len, self.kv.num_blocks * self.block_size + 1)
         sp = request.sampling_params
         room = max_len - request.num_prompt_tokens
         request.max_tokens = room if sp.max_tokens is None else min(sp.max_tokens, room)
-        if room < 1 or self.kv.cdiv(request.num_prompt_tokens + 1) > self.kv.num_blocks:
+        if room < 1:
             # Too long to ever run: finish it at once rather than block the queue.
             request.status = RequestStatus.FINISHED_IGNORED
             self._pending_outputs.append(EngineCoreOutput(rid, [], request.get_finished_reason()))
@@ -109,7 +112,8 @@ class Scheduler:
             raise ValueError(f"{status.name} is not a finished status")
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        to_finish = [self.requests[rid] for rid in request_ids
+        # dict.fromkeys: an id listed twice is finished (and freed) once.
+        to_finish = [self.requests[rid] for rid in dict.fromkeys(request_ids)
                      if rid in self.requests and not self.requests[rid].is_finished]
         if not to_finish:
             return []
@@ -129,6 +133,12 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running or self.waiting or self.waiting_for_remote_kvs)
+
+    def has_requests(self) -> bool:
+        """Whether the engine should keep stepping: unfinished requests, or
+        finished ones the workers have not heard of / whose KV is still being sent."""
+        return bool(self.has_unfinished_requests() or self._finished_req_ids
+                    or self.sending or self._pending_outputs)
 
     def has_pending_outputs(self) -> bool:
         return bool(self._pending_outputs)
@@ -155,8 +165,10 @@ class Scheduler:
 
     def _num_new_tokens(self, num_tokens: int, num_computed: int, budget: int) -> int:
         n = num_tokens - num_computed
+        # The threshold cuts prefills into chunks, so it only applies when
+        # chunking is allowed (without it a prompt is skipped, never cut).
         threshold = self.config.long_prefill_token_threshold
-        if 0 < threshold < n:
+        if 0 < threshold < n and self.config.enable_chunked_prefill:
             n = threshold
         return min(n, budget, self.config.max_model_len - 1 - num_computed)
 
@@ -174,6 +186,11 @@ class Scheduler:
             preempted_now = False
             while blocks is None and self.capacity.can_preempt:
                 victim = pick_victim(running, self.config.policy)
+                if victim is request and self._release_waiting_holders(request):
+                    # Blocks held in waiting (back from remote loads) went
+                    # back to the pool instead: retry before preempting itself.
+                    blocks = self.kv.allocate_slots(request, n)
+                    continue
                 running.remove(victim)
                 # A victim scheduled earlier in this pass gives its tokens back.
                 budget += num_scheduled.pop(victim.request_id, 0)
@@ -196,6 +213,9 @@ class Scheduler:
         return budget
 
     def _preempt(self, request: Request) -> None:
+        # A victim scheduled earlier in this pass already registered hashes for
+        # blocks this step would have filled; they will never be computed.
+        self.kv.uncache_tail(request, request.num_computed_tokens)
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -204,16 +224,45 @@ class Scheduler:
         self._num_tokens_sent.pop(request.request_id, None)
         self.waiting.prepend(request)
 
+    def _release_waiting_holders(self, keep: Request) -> bool:
+        """Last resort when `keep` cannot grow and would otherwise wait (or
+        preempt itself) forever: waiting requests back from a remote load give
+        their blocks back and will start over, like a preemption. Nothing
+        else can reclaim those blocks. Returns whether any block was freed."""
+        released = False
+        for r in list(self.waiting):
+            if r is not keep and r.request_id in self.kv.req_to_blocks:
+                self.kv.free(r)
+                r.num_computed_tokens = 0
+                r.status = RequestStatus.PREEMPTED
+                r.num_preemptions += 1
+                self.num_preemptions += 1
+                released = True
+        return released
+
+    def _block_holders(self) -> list[Request]:
+        """Unfinished requests that own blocks: running, parked for a remote
+        load, and back from one but not yet re-admitted."""
+        holders = list(self.running)
+        holders.extend(self.waiting_for_remote_kvs.values())
+        owned = self.kv.req_to_blocks
+        holders.extend(r for r in self.waiting if r.request_id in owned)
+        return holders
+
     def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
                           new_blocks: dict[str, list[int]], new_reqs: list[Request]) -> None:
         cfg = self.config
         kv = self.kv
-        self.capacity.begin_step(self.running, kv)
+        self.capacity.begin_step(self._block_holders, kv)
         skipped: list[Request] = []
+        holders_only = False
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             request = self.waiting.peek()
             # A request back from a remote KV load already holds its blocks.
             fresh = request.request_id not in kv.req_to_blocks
+            if holders_only and fresh:
+                skipped.append(self.waiting.pop())
+                continue
             hits, num_external, load_async = [], 0, False
             if fresh:
                 hits, computed = kv.get_computed_blocks(request)
@@ -236,12 +285,23 @@ class Scheduler:
                     skipped.append(self.waiting.pop())
                     continue
                 n = min(n, budget)
-            if not self.capacity.can_admit(request, hits, kv):
-                break
-            request.num_computed_tokens = computed
-            blocks = kv.allocate_slots(request, n, hits, num_external, delay_caching=load_async)
+            # A fresh request has num_computed_tokens == 0 here: allocate_slots
+            # counts the hits itself (setting it to `computed` first would count
+            # them twice, over-allocate and cache blocks not yet computed).
+            blocks = None
+            if self.capacity.can_admit(request, hits, kv):
+                blocks = kv.allocate_slots(request, n, hits, num_external,
+                                           delay_caching=load_async)
             if blocks is None:
-                request.num_computed_tokens = 0 if fresh else computed
+                # Waiting requests back from a remote load hold blocks that no
+                # preemption can reclaim: let them go first, or a request that
+                # needs those blocks would wait for them forever.
+                if fresh and any(r.request_id in kv.req_to_blocks for r in self.waiting):
+                    skipped.append(self.waiting.pop())
+                    holders_only = True
+                    continue
+                if not fresh and not self.running:
+                    self._release_waiting_holders(request)
                 break
             self.waiting.pop()
             request.num_computed_tokens = computed + num_external
@@ -253,6 +313,8 @@ class Scheduler:
                 if self.connector is not None:
                     self.connector.update_state_after_alloc(
                         request, kv.get_block_ids(request.request_id), num_external)
+                # A parked request holds blocks too: reserve its future ones now.
+                self.capacity.admitted(request, kv)
             if load_async:
                 # Blocks are held; the worker fills them in the background.
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -260,7 +322,6 @@ class Scheduler:
                 continue
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self.capacity.admitted(request, kv)
             num_scheduled[request.request_id] = n
             new_blocks[request.request_id] = blocks
             new_reqs.append(request)
@@ -311,13 +372,14 @@ class Scheduler:
         if runner_output.invalid_block_ids:
             self._handle_invalid_blocks(runner_output.invalid_block_ids, scheduler_output)
         num_scheduled = scheduler_output.num_scheduled_tokens
-        logprobs = runner_output.logprobs or {}
-        prompt_logprobs = runner_output.prompt_logprobs or {}
+        logprobs = runner_output.logprobs
+        prompt_logprobs = runner_output.prompt_logprobs
         stopped: list[Request] = []
         requests = self.requests
+        running = RequestStatus.RUNNING
         for rid, sampled in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = requests.get(rid)
-            if request is None or request.status != RequestStatus.RUNNING or rid not in num_scheduled:
+            if request is None or request.status != running or rid not in num_scheduled:
                 continue  # aborted, or rolled back after a failed KV load
             new_tokens: list[int] = []
             # Only a step that reached the end of the known tokens yields a token.
@@ -327,16 +389,17 @@ class Scheduler:
                     new_tokens.append(token)
                     if self._check_stop(request, token):
                         break
-            plp = prompt_logprobs.get(rid)
+            plp = prompt_logprobs.get(rid) if prompt_logprobs else None
             if not new_tokens and not plp:
                 continue
-            params = None
-            if request.is_finished:
+            params = reason = None
+            if request.status != running:
                 stopped.append(request)
                 params = self._free_request(request)
+                reason = request.get_finished_reason()
             outputs.append(EngineCoreOutput(
-                rid, new_tokens, request.get_finished_reason(), request.stop_reason,
-                logprobs.get(rid), plp, request.num_cached_tokens, params))
+                rid, new_tokens, reason, request.stop_reason,
+                logprobs.get(rid) if logprobs else None, plp, request.num_cached_tokens, params))
         if stopped:
             drop = {id(r) for r in stopped}
             self.running = [r for r in self.running if id(r) not in drop]
@@ -345,7 +408,8 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token: int) -> bool:
         sp = request.sampling_params
-        if request.num_output_tokens >= sp.min_tokens:
+        num_output = len(request.output_token_ids)
+        if num_output >= sp.min_tokens:
             if token == request.eos_token_id and not sp.ignore_eos:
                 request.status = RequestStatus.FINISHED_STOPPED
                 return True
@@ -353,7 +417,7 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token
                 return True
-        if request.num_output_tokens >= request.max_tokens or \
+        if num_output >= request.max_tokens or \
                 request.num_tokens >= self.config.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
@@ -404,7 +468,9 @@ class Scheduler:
                 continue
             request.num_computed_tokens = good
             request.num_cached_tokens = min(request.num_cached_tokens, good)
-            self.kv.truncate(request, good)
+            # Blocks from the first bad one on were loaded wrong or computed
+            # over wrong KV: no later request may hit them.
+            self.kv.uncache_tail(request, good)
             # The step's sampled token (if any) was computed over bad KV: drop it.
             scheduler_output.num_scheduled_tokens.pop(request.request_id, None)
 

@@ -1,0 +1,178 @@
+"""The scheduler side of the KV connector, driven by TestConnector on every path."""
+
+from __future__ import annotations
+
+from scheduler import RequestStatus
+
+from tests.scheduler.utils import (ConnectorPlan, FakeModelRunner, TestConnector,
+                                   assert_serves_and_no_leaks, create_requests, create_scheduler,
+                                   reference_tokens, run_to_completion, step)
+
+
+def setup(plans, **overrides):
+    connector = TestConnector(plans)
+    sched = create_scheduler(connector=connector, **overrides)
+    runner = FakeModelRunner(sched.kv.num_blocks, sched.block_size, connector)
+    return sched, runner, connector
+
+
+def test_sync_external_hit_skips_those_tokens():
+    sched, runner, conn = setup({"r0": ConnectorPlan(num_external=8)})
+    (r,) = create_requests(1, num_tokens=10, max_tokens=3)
+    sched.add_request(r)
+    so, _ = step(sched, runner)
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 8
+    assert so.num_scheduled_tokens == {"r0": 2}
+    assert r.num_cached_tokens == 8 and r.num_external_computed_tokens == 8
+    assert ("update_state_after_alloc", "r0") in conn.calls
+    tokens, _ = run_to_completion(sched, runner)
+    assert r.output_token_ids == reference_tokens(r, 64)
+    assert_serves_and_no_leaks(sched, runner)
+
+
+def test_external_tokens_never_include_the_last_prompt_token():
+    sched, runner, _ = setup({"r0": ConnectorPlan(num_external=100)})
+    (r,) = create_requests(1, num_tokens=10, max_tokens=2)
+    sched.add_request(r)
+    so, _ = step(sched, runner)
+    assert so.num_scheduled_tokens == {"r0": 1}
+    run_to_completion(sched, runner)
+    assert r.output_token_ids == reference_tokens(r, 64)
+
+
+def test_async_load_parks_without_budget_and_blocks_nobody():
+    sched, runner, conn = setup({"r0": ConnectorPlan(num_external=8, is_async=True, load_delay=2)},
+                                max_num_batched_tokens=12)
+    a, b = create_requests(2, num_tokens=12, max_tokens=3)
+    sched.add_request(a)
+    sched.add_request(b)
+    so, _ = step(sched, runner)
+    assert a.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert "r0" in sched.waiting_for_remote_kvs and "r0" not in so.num_scheduled_tokens
+    assert so.num_scheduled_tokens == {"r1": 12}  # the whole budget went to r1
+    assert sched.kv.get_block_ids("r0")  # blocks held for the load
+    step(sched, runner)
+    assert a.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    step(sched, runner)  # the worker reports finished_recving
+    assert a.status == RequestStatus.WAITING
+    so, _ = step(sched, runner)
+    assert a.status == RequestStatus.RUNNING
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 8
+    assert so.num_scheduled_tokens["r0"] == 4
+    run_to_completion(sched, runner)
+    assert a.output_token_ids == reference_tokens(a, 64)
+    assert b.output_token_ids == reference_tokens(b, 64)
+    assert_serves_and_no_leaks(sched, runner)
+
+
+def test_failed_async_load_recomputes_from_the_first_bad_block():
+    sched, runner, _ = setup({"r0": ConnectorPlan(num_external=12, is_async=True, fail_block=1)})
+    (r,) = create_requests(1, num_tokens=14, max_tokens=4)
+    sched.add_request(r)
+    step(sched, runner)  # parked; the load finishes (with a bad block) in the same step
+    assert r.status == RequestStatus.WAITING and r.num_computed_tokens == 4
+    so, _ = step(sched, runner)
+    assert so.num_scheduled_tokens == {"r0": 10}
+    run_to_completion(sched, runner)
+    assert r.output_token_ids == reference_tokens(r, 64)
+    assert_serves_and_no_leaks(sched, runner)
+
+
+def test_failed_sync_load_drops_the_token_and_recomputes():
+    sched, runner, _ = setup({"r0": ConnectorPlan(num_external=8, fail_block=1)})
+    (r,) = create_requests(1, num_tokens=10, max_tokens=4)
+    sched.add_request(r)
+    _, outs = step(sched, runner)
+    assert "r0" not in outs  # sampled over bad KV: discarded
+    assert r.num_computed_tokens == 4 and r.output_token_ids == []
+    # The bad blocks are not served as prefix hits to anyone.
+    (twin,) = create_requests(1, num_tokens=10, prefix="twin")
+    assert sched.kv.get_computed_blocks(twin)[1] <= 4
+    run_to_completion(sched, runner)
+    assert r.output_token_ids == reference_tokens(r, 64)
+    assert_serves_and_no_leaks(sched, runner)
+
+
+def test_none_means_ask_again_later_without_blocking_others():
+    sched, runner, conn = setup({"r0": ConnectorPlan(num_external=4, ask_later=2)})
+    a, b = create_requests(2, num_tokens=6, max_tokens=2)
+    sched.add_request(a)
+    sched.add_request(b)
+    so, _ = step(sched, runner)
+    assert so.num_scheduled_tokens == {"r1": 6}
+    assert [r.request_id for r in sched.waiting] == ["r0"]
+    so, _ = step(sched, runner)
+    assert "r0" not in so.num_scheduled_tokens
+    so, _ = step(sched, runner)
+    assert so.num_scheduled_tokens["r0"] == 2  # 4 external tokens
+    asked = [c for c in conn.calls if c == ("get_num_new_matched_tokens", "r0")]
+    assert len(asked) == 3
+    run_to_completion(sched, runner)
+    assert a.output_token_ids == reference_tokens(a, 64)
+    assert_serves_and_no_leaks(sched, runner)
+
+
+def test_delayed_free_until_finished_sending():
+    sched, runner, conn = setup({"r0": ConnectorPlan(delay_free=2)})
+    (r,) = create_requests(1, num_tokens=6, max_tokens=1)
+    sched.add_request(r)
+    _, outs = step(sched, runner)
+    assert outs["r0"].finished
+    assert outs["r0"].kv_transfer_params == {"remote_blocks": [0, 1]}
+    held = sched.kv.num_blocks - sched.kv.num_free_blocks
+    assert held == 2 and not sched.has_unfinished_requests() and sched.has_requests()
+    step(sched, runner)
+    step(sched, runner)
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks - 2
+    step(sched, runner)  # finished_sending arrives
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+    assert not sched.has_requests()
+    assert_serves_and_no_leaks(sched, runner)
+
+
+def test_abort_while_loading_keeps_blocks_until_the_load_lands():
+    sched, runner, conn = setup({"r0": ConnectorPlan(num_external=8, is_async=True, load_delay=3)})
+    (r,) = create_requests(1, num_tokens=12, max_tokens=2)
+    sched.add_request(r)
+    step(sched, runner)
+    assert sched.abort_requests(["r0"]) == ["r0"]
+    assert not sched.has_unfinished_requests()
+    assert sched.kv.num_free_blocks < sched.kv.num_blocks  # the worker still writes there
+    run_to_completion(sched, runner)
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+    assert_serves_and_no_leaks(sched, runner)
+
+
+def test_connector_call_order():
+    sched, runner, conn = setup({"r0": ConnectorPlan(num_external=4)})
+    (r,) = create_requests(1, num_tokens=6, max_tokens=1)
+    sched.add_request(r)
+    run_to_completion(sched, runner)
+    assert conn.calls[:3] == [("get_num_new_matched_tokens", "r0"),
+                              ("update_state_after_alloc", "r0"), ("build_connector_meta", "")]
+    assert ("request_finished", "r0") in conn.calls
+    # build_connector_meta once per schedule() call.
+    assert sum(c[0] == "build_connector_meta" for c in conn.calls) >= 1
+
+
+def test_a_request_back_from_a_load_cannot_deadlock_the_queue():
+    # Found by hypothesis: r1's loaded block sat in waiting behind r2, which
+    # needed the whole pool (r1's block included) and so could never be admitted.
+    plans = {"r1": ConnectorPlan(num_external=1, is_async=True)}
+    sched, runner, _ = setup(plans, block_size=2, num_blocks=13, enable_prefix_caching=False,
+                             max_num_batched_tokens=33, max_num_seqs=1, max_model_len=30,
+                             enable_chunked_prefill=False, policy="priority")
+    (r0,) = create_requests(1, num_tokens=3, max_tokens=1, priority=0)
+    (r1,) = create_requests(1, num_tokens=2, max_tokens=1, priority=1, start=1)
+    for r in (r0, r1):
+        sched.add_request(r)
+    step(sched, runner)
+    step(sched, runner)  # r1 loads and comes back to waiting holding a block
+    assert r1.status == RequestStatus.WAITING and sched.kv.get_block_ids("r1")
+    (r2,) = create_requests(1, num_tokens=14, max_tokens=16, priority=0, start=2)
+    sched.add_request(r2)
+    tokens, reasons = run_to_completion(sched, runner, max_steps=200)
+    assert reasons == {"r1": "length", "r2": "length"}  # r0 finished in the first step
+    for r in (r0, r1, r2):
+        assert r.output_token_ids == reference_tokens(r, 30)
+    assert_serves_and_no_leaks(sched, runner)
