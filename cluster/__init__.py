@@ -1,0 +1,1 @@
+"""`fleetserve serve`, the application config schema, and deploying it onto Ray."""

@@ -1,0 +1,414 @@
+"""Serving benchmark: open-loop Poisson arrivals over HTTP streaming.
+
+Three parts, one table and one PNG (benchmarks/results/serving.{md,json,png}):
+
+1. overhead -- the same workload on one in-process AsyncEngine and on a 1-replica
+   Serve app over HTTP (TTFT and ITL percentiles): what the router path adds.
+2. rates -- the 2-replica app at several request rates: throughput, TTFT and
+   ITL p50/p90/p99.
+3. prefix -- a shared-prefix workload (several long system prompts, unique
+   questions) on 2 replicas with `prefix_aware` vs `power_of_two`: prefix-cache
+   hit rate (from /metrics) and TTFT. The KV cache per replica is sized to hold
+   about half of the system prompts, as when many tenants share a fleet.
+
+Also the RSS of the whole Ray process tree (driver + GCS + raylet + workers).
+
+    python benchmarks/serving.py                       # tiny random model (fast)
+    python benchmarks/serving.py --model smollm2-135m  # the real default model
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+RESULTS = Path(__file__).parent / "results"
+
+
+# -- workload ------------------------------------------------------------------
+
+WORDS = ("time person year way day thing man world life hand part child eye woman place work "
+         "week case point government company number group problem fact river stone light").split()
+
+
+def text_of(rng: random.Random, n_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+@dataclass
+class Request:
+    prompt: str
+    max_tokens: int
+
+
+@dataclass
+class Result:
+    ttft: float = float("nan")
+    itl: list[float] = field(default_factory=list)
+    tokens: int = 0
+    ok: bool = False
+
+
+def plain_workload(n: int, prompt_words: int, out_tokens: int, seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    return [Request(text_of(rng, prompt_words), out_tokens) for _ in range(n)]
+
+
+def prefix_workload(n: int, n_prefixes: int, prefix_words: int, question_words: int,
+                    out_tokens: int, seed: int) -> list[Request]:
+    rng = random.Random(seed)
+    systems = [f"System prompt {i}: " + text_of(rng, prefix_words) for i in range(n_prefixes)]
+    return [Request(f"{rng.choice(systems)}\nQuestion: {text_of(rng, question_words)}", out_tokens)
+            for _ in range(n)]
+
+
+def arrivals(n: int, rate: float, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+async def open_loop(requests: list[Request], rate: float, send) -> tuple[list[Result], float]:
+    """Fire `send(request)` at Poisson times (open loop: arrivals never wait for replies)."""
+    start = time.perf_counter()
+    tasks = []
+    for req, at in zip(requests, arrivals(len(requests), rate, seed=len(requests))):
+        delay = start + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(send(req)))
+    results = await asyncio.gather(*tasks)
+    return results, time.perf_counter() - start
+
+
+# -- clients -------------------------------------------------------------------
+
+async def send_http(client, url: str, model: str, req: Request) -> Result:
+    res, t0 = Result(), time.perf_counter()
+    last = None
+    body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return res
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if not chunk.get("choices"):
+                continue
+            now = time.perf_counter()
+            if last is None:
+                res.ttft = now - t0
+            else:
+                res.itl.append(now - last)
+            last = now
+            res.tokens += 1
+    res.ok = res.tokens > 0
+    return res
+
+
+async def send_engine(engine, req: Request) -> Result:
+    from scheduler import SamplingParams
+
+    res, t0 = Result(), time.perf_counter()
+    last = None
+    params = SamplingParams(max_tokens=req.max_tokens, ignore_eos=True, temperature=0)
+    async for out in engine.generate(req.prompt, params, f"bench-{id(req)}-{t0}"):
+        if not out.outputs[0].token_ids:
+            continue
+        now = time.perf_counter()
+        if last is None:
+            res.ttft = now - t0
+        else:
+            res.itl.append(now - last)
+        last = now
+        res.tokens += len(out.outputs[0].token_ids)
+    res.ok = True
+    return res
+
+
+# -- statistics ----------------------------------------------------------------
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def summarize(label: str, rate: float, results: list[Result], elapsed: float) -> dict:
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft for r in ok]
+    itl = [x for r in ok for x in r.itl]
+    return {"label": label, "rate": rate, "requests": len(results), "ok": len(ok),
+            "out_tok_s": sum(r.tokens for r in ok) / elapsed,
+            **{f"ttft_p{q}_ms": 1000 * pct(ttft, q) for q in (50, 90, 99)},
+            **{f"itl_p{q}_ms": 1000 * pct(itl, q) for q in (50, 90, 99)}}
+
+
+# -- serving -------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def app_config(args, port: int, replicas: int, policy: str, blocks: int | None):
+    from cluster.config import AppConfig
+
+    engine = {"model": args.model, "max_model_len": args.max_model_len, "num_threads": 1,
+              "max_num_seqs": args.max_num_seqs}
+    if blocks:
+        engine["num_gpu_blocks_override"] = blocks
+    return AppConfig.model_validate({
+        "name": "bench", "engine": engine, "num_replicas": replicas, "routing_policy": policy,
+        "http": {"port": port}, "grpc": {"enabled": False}, "num_cpus_per_replica": 0})
+
+
+def redeploy(config) -> None:
+    from ray import serve
+
+    from cluster.deploy import deploy
+
+    try:
+        serve.delete(config.name)
+    except Exception as e:  # nothing deployed yet
+        print(f"(no previous app: {e})", file=sys.stderr)
+    deploy(config)
+
+
+def scrape(url: str) -> dict[str, float]:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=60).text):
+        for s in fam.samples:
+            if s.name.endswith("_total"):
+                totals[s.name] = totals.get(s.name, 0.0) + s.value
+    return totals
+
+
+def ray_tree_rss_mib() -> float:
+    """PSS (shared pages split between sharers, so the sum is not inflated) of this
+    process and all its descendants: with an embedded Ray that is GCS, raylet,
+    Serve controller/proxy, ingress and engine replicas."""
+    import psutil
+
+    me = psutil.Process()
+    procs = [me, *me.children(recursive=True)]
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_full_info().pss
+        except psutil.Error:
+            pass
+    return total / 2**20
+
+
+async def run_http(url: str, model: str, requests: list[Request], rate: float, label: str) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        await send_http(client, url, model, Request("warm up", 2))
+        results, elapsed = await open_loop(requests, rate,
+                                           lambda r: send_http(client, url, model, r))
+    return summarize(label, rate, results, elapsed)
+
+
+def run_in_process(args, requests: list[Request], rate: float) -> dict:
+    import torch
+
+    from replica.async_engine import AsyncEngine
+    from replica.engine_args import EngineArgs
+
+    torch.set_num_threads(1)
+    engine = AsyncEngine(EngineArgs(model=args.model, max_model_len=args.max_model_len,
+                                    num_threads=1, max_num_seqs=args.max_num_seqs))
+    try:
+        async def go():
+            await send_engine(engine, Request("warm up", 2))
+            return await open_loop(requests, rate, lambda r: send_engine(engine, r))
+        results, elapsed = asyncio.run(go())
+    finally:
+        engine.shutdown()
+    return summarize("in-process engine", rate, results, elapsed)
+
+
+# -- main ----------------------------------------------------------------------
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="default: a tiny random Llama written to a temp dir")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--rates", type=float, nargs="+", default=[2.0, 4.0, 8.0])
+    p.add_argument("--num-requests", type=int, default=48)
+    p.add_argument("--prompt-words", type=int, default=64)
+    p.add_argument("--out-tokens", type=int, default=32)
+    p.add_argument("--overhead-rate", type=float, default=2.0)
+    p.add_argument("--prefix-rate", type=float, default=4.0)
+    p.add_argument("--prefix-count", type=int, default=8)
+    p.add_argument("--prefix-words", type=int, default=200)
+    p.add_argument("--prefix-blocks", type=int, default=None,
+                   help="KV blocks per replica in the prefix part (default: about half the prefixes)")
+    p.add_argument("--skip", nargs="*", default=[], choices=["overhead", "rates", "prefix"])
+    args = p.parse_args()
+    if args.model is None:
+        from replica.testing import make_tiny_llama
+
+        args.model = str(make_tiny_llama(Path(tempfile.mkdtemp()) / "tiny"))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    plain = plain_workload(args.num_requests, args.prompt_words, args.out_tokens, seed=0)
+
+    if "overhead" not in args.skip:  # before Ray starts: nothing else on the cores
+        rows.append(run_in_process(args, plain, args.overhead_rate))
+        print(rows[-1], flush=True)
+
+    import ray
+    from ray import serve
+
+    from cluster.deploy import connect_ray, start_serve
+
+    port = free_port()
+    config = app_config(args, port, 1, "power_of_two", None)
+    connect_ray(config, log_to_driver=False)
+    start_serve(config)
+    url = f"http://127.0.0.1:{port}"
+    memory = {}
+    try:
+        if "overhead" not in args.skip:
+            redeploy(config)
+            memory["1 replica"] = ray_tree_rss_mib()
+            rows.append(asyncio.run(run_http(url, config.served_model_name, plain,
+                                             args.overhead_rate, "HTTP, 1 replica")))
+            print(rows[-1], flush=True)
+        if "rates" not in args.skip:
+            config = app_config(args, port, 2, "power_of_two", None)
+            redeploy(config)
+            memory["2 replicas"] = ray_tree_rss_mib()
+            for rate in args.rates:
+                rows.append(asyncio.run(run_http(url, config.served_model_name, plain, rate,
+                                                 "HTTP, 2 replicas")))
+                print(rows[-1], flush=True)
+        if "prefix" not in args.skip:
+            rows.extend(run_prefix(args, port, url))
+        memory["after runs"] = ray_tree_rss_mib()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    report(rows, memory, args)
+
+
+def run_prefix(args, port: int, url: str) -> list[dict]:
+    from replica.model_registry import resolve_model
+    from replica.tokenizer import load_tokenizer
+
+    work = prefix_workload(args.num_requests, args.prefix_count, args.prefix_words, 16,
+                           args.out_tokens, seed=1)
+    blocks = args.prefix_blocks
+    if blocks is None:  # size each replica's cache to hold about half the system prompts
+        tok = load_tokenizer(resolve_model(args.model))
+        n_tok = len(tok(work[0].prompt).input_ids) + args.out_tokens
+        blocks = max(32, (n_tok // 16 + 1) * (args.prefix_count // 2 + 2))
+    rows = []
+    for policy in ("power_of_two", "prefix_aware"):
+        config = app_config(args, port, 2, policy, blocks)
+        redeploy(config)
+        before = scrape(url)
+        row = asyncio.run(run_http(url, config.served_model_name, work, args.prefix_rate,
+                                   f"shared prefix, {policy}"))
+        after = scrape(url)
+        q = after.get("vllm:prefix_cache_queries_total", 0) - before.get("vllm:prefix_cache_queries_total", 0)
+        h = after.get("vllm:prefix_cache_hits_total", 0) - before.get("vllm:prefix_cache_hits_total", 0)
+        row["prefix_hit_rate"] = h / q if q else float("nan")
+        row["kv_blocks_per_replica"] = blocks
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def report(rows: list[dict], memory: dict, args) -> None:
+    cols = ["label", "rate", "ok", "out_tok_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms",
+            "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "prefix_hit_rate"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r.get(c, "")
+            cells.append(f"{v:.3g}" if isinstance(v, float) else str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    overhead = [r for r in rows if r["label"] in ("in-process engine", "HTTP, 1 replica")]
+    extra = []
+    if len(overhead) == 2:
+        a, b = overhead
+        extra.append(f"router overhead (HTTP 1 replica - in-process): TTFT p50 "
+                     f"{b['ttft_p50_ms'] - a['ttft_p50_ms']:+.1f} ms, ITL p50 "
+                     f"{b['itl_p50_ms'] - a['itl_p50_ms']:+.2f} ms, ITL p90 "
+                     f"{b['itl_p90_ms'] - a['itl_p90_ms']:+.2f} ms")
+    pre = {r["label"]: r for r in rows if r["label"].startswith("shared prefix")}
+    if len(pre) == 2:
+        a, b = pre["shared prefix, power_of_two"], pre["shared prefix, prefix_aware"]
+        extra.append(f"prefix_aware / power_of_two TTFT p50: {b['ttft_p50_ms'] / a['ttft_p50_ms']:.2f}x; "
+                     f"hit rate {b['prefix_hit_rate']:.2f} vs {a['prefix_hit_rate']:.2f}")
+    extra.append("Ray process tree PSS (MiB, driver included): " + ", ".join(f"{k} {v:.0f}" for k, v in memory.items()))
+    text = "\n".join([f"model: {args.model}; requests per run: {args.num_requests}; "
+                      f"out tokens: {args.out_tokens}", "", *lines, "", *extra])
+    print(text)
+    (RESULTS / "serving.md").write_text(text + "\n")
+    (RESULTS / "serving.json").write_text(json.dumps({"rows": rows, "memory_mib": memory}, indent=1))
+    plot(rows)
+
+
+def plot(rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    rated = [r for r in rows if r["label"] == "HTTP, 2 replicas"]
+    if rated:
+        x = [r["rate"] for r in rated]
+        for q in (50, 90, 99):
+            axes[0].plot(x, [r[f"ttft_p{q}_ms"] for r in rated], marker="o", label=f"TTFT p{q}")
+            axes[1].plot(x, [r[f"itl_p{q}_ms"] for r in rated], marker="o", label=f"ITL p{q}")
+        axes[0].set_xlabel("request rate (req/s)")
+        axes[1].set_xlabel("request rate (req/s)")
+        axes[0].set_ylabel("ms")
+        axes[0].set_title("TTFT, 2 replicas over HTTP")
+        axes[1].set_title("inter-token latency")
+        axes[0].legend()
+        axes[1].legend()
+    bars = [r for r in rows if r["label"] in ("in-process engine", "HTTP, 1 replica")
+            or r["label"].startswith("shared prefix")]
+    if bars:
+        names = [r["label"].replace("shared prefix, ", "prefix: ") for r in bars]
+        axes[2].bar(names, [r["ttft_p50_ms"] for r in bars])
+        axes[2].set_ylabel("TTFT p50 (ms)")
+        axes[2].set_title("router overhead and prefix-aware routing")
+        axes[2].tick_params(axis="x", rotation=20)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "serving.png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""The `fleetserve` command line.
+
+    fleetserve serve [--model M] [--num-replicas 2] [--routing-policy prefix_aware] ...
+    fleetserve serve --config app.yaml [--port 8080]      # flags override the file
+
+Each subcommand is one `add_<name>_parser(subparsers)` + `cmd_<name>(args)` pair
+registered in `SUBCOMMANDS`; adding one is adding a pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from typing import Any, Callable, Optional
+
+from pydantic import ValidationError
+
+log = logging.getLogger("fleetserve")
+
+# CLI flag (vLLM's spelling) -> EngineArgs field. The type comes from argparse below.
+ENGINE_FLAGS = {
+    "model": str, "served_model_name": str, "max_num_seqs": int, "max_num_batched_tokens": int,
+    "max_model_len": int, "tensor_parallel_size": int, "dtype": str, "block_size": int,
+    "num_gpu_blocks_override": int, "kv_cache_memory_bytes": int, "max_waiting_requests": int,
+    "scheduling_policy": str, "seed": int, "num_threads": int,
+}
+
+
+def add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over OpenAI HTTP and gRPC from a Ray cluster",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       argument_default=argparse.SUPPRESS)
+    p.add_argument("model_tag", nargs="?", help="the model (same as --model)")
+    p.add_argument("--config", help="application YAML; flags given here override it")
+    engine = p.add_argument_group("engine (vLLM flag names)")
+    for name, typ in ENGINE_FLAGS.items():
+        engine.add_argument("--" + name.replace("_", "-"), dest=name, type=typ)
+    engine.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
+                        action=argparse.BooleanOptionalAction)
+    engine.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill",
+                        action=argparse.BooleanOptionalAction)
+    app = p.add_argument_group("application")
+    app.add_argument("--num-replicas", type=int, help="engine replicas (default 2)")
+    app.add_argument("--routing-policy", choices=["power_of_two", "least_loaded", "prefix_aware"])
+    app.add_argument("--api-key", help="require 'Authorization: Bearer <key>'")
+    app.add_argument("--host", help="HTTP host (default 127.0.0.1)")
+    app.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    app.add_argument("--grpc-port", type=int, help="gRPC port (default 9000)")
+    app.add_argument("--no-grpc", action="store_true", help="do not start the gRPC proxy")
+    app.add_argument("--address", help="Ray address: 'auto' or host:port joins a cluster "
+                                       "(default: an embedded local Ray)")
+    app.add_argument("--num-cpus-per-replica", type=float)
+    p.set_defaults(func=cmd_serve)
+
+
+def config_from_args(args: argparse.Namespace):
+    """Build the AppConfig: YAML file (if any), then flags on top."""
+    from cluster.config import AppConfig
+
+    given = vars(args)
+    engine = {k: given[k] for k in (*ENGINE_FLAGS, "enable_prefix_caching", "enable_chunked_prefill")
+              if k in given}
+    if "model_tag" in given and given["model_tag"]:
+        engine.setdefault("model", given["model_tag"])
+    overrides: dict[str, Any] = {"engine": engine} if engine else {}
+    for flag, field in (("num_replicas", "num_replicas"), ("routing_policy", "routing_policy"),
+                        ("api_key", "api_key"), ("address", "address"),
+                        ("num_cpus_per_replica", "num_cpus_per_replica")):
+        if flag in given:
+            overrides[field] = given[flag]
+    http = {k: given[k] for k in ("host", "port") if k in given}
+    if http:
+        overrides["http"] = http
+    grpc: dict[str, Any] = {}
+    if "grpc_port" in given:
+        grpc["port"] = given["grpc_port"]
+    if given.get("no_grpc"):
+        grpc["enabled"] = False
+    if grpc:
+        overrides["grpc"] = grpc
+    if given.get("config"):
+        return AppConfig.from_yaml(given["config"], **overrides)
+    return AppConfig.model_validate(overrides)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except (ValidationError, ValueError, OSError) as e:
+        print(f"fleetserve serve: invalid configuration:\n{e}", file=sys.stderr)
+        return 2
+    from ray import serve
+
+    from cluster.deploy import connect_ray, deploy, endpoints, start_serve
+
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    log.info("starting Ray (%s)", config.address or "embedded, local")
+    connect_ray(config)
+    try:
+        start_serve(config)
+        deploy(config)
+        for line in endpoints(config):
+            log.info("%s", line)
+        log.info("ready; Ctrl-C to stop")
+        stop.wait()
+        log.info("shutting down")
+    finally:
+        serve.delete(config.name)
+        if not config.address:
+            serve.shutdown()
+        import ray
+        ray.shutdown()
+    return 0
+
+
+SUBCOMMANDS: list[Callable] = [add_serve_parser]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fleetserve", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

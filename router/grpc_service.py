@@ -1,0 +1,124 @@
+"""The `fleetserve.v1.FleetServe` gRPC service, as methods of the ingress deployment.
+
+Ray Serve's gRPC proxy calls deployment methods named exactly like the RPCs
+(`Generate` is server-streaming, so it is an async generator of messages). It
+shares the HTTP path's validation, tokenization and routing (the ingress
+methods it calls are in router/ingress.py); errors map to gRPC status codes
+(INVALID_ARGUMENT, NOT_FOUND, UNAUTHENTICATED, RESOURCE_EXHAUSTED) with the
+same message the HTTP API would give.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import AsyncIterator
+
+import grpc
+from ray.serve.grpc_util import RayServegRPCContext
+
+from router.errors import APIError, is_error
+from router.proto import fleetserve_pb2 as pb
+from scheduler import SamplingParams
+
+_STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+           404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT,
+           429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+                    "presence_penalty", "frequency_penalty", "repetition_penalty",
+                    "logprobs", "n", "min_tokens")
+
+
+class GrpcError(Exception):
+    """Raised after the status is set on the context: Serve then sends that status
+    (a streaming call that yielded nothing would otherwise end with OK)."""
+
+
+def _fail(ctx: RayServegRPCContext, status: int, message: str) -> None:
+    ctx.set_code(_STATUS.get(status, grpc.StatusCode.INTERNAL))
+    ctx.set_details(message)
+    raise GrpcError(message)
+
+
+def sampling_from_proto(msg: "pb.SamplingParams") -> SamplingParams:
+    fields = {name: getattr(msg, name) for name in _SAMPLING_FIELDS if msg.HasField(name)}
+    fields.setdefault("max_tokens", 16)
+    fields.update(stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
+                  ignore_eos=msg.ignore_eos)
+    try:
+        return SamplingParams(**fields)
+    except ValueError as e:
+        raise APIError(f"sampling_params.{e}", 400) from e
+
+
+class GrpcMethods:
+    """Mixed into the ingress class (which provides check_model, tokenize_prompt, ...)."""
+
+    async def Generate(self, request: "pb.GenerateRequest",
+                       grpc_context: RayServegRPCContext) -> AsyncIterator["pb.GenerateResponse"]:
+        try:
+            self._grpc_auth(grpc_context)
+            body = await self._grpc_body(request)
+            gen, first = await self.open_stream(body)
+        except APIError as e:
+            _fail(grpc_context, e.status, e.body["error"]["message"])
+        if is_error(first):
+            _fail(grpc_context, first["status"], first["error"]["message"])
+        completion_tokens: dict[int, int] = {}
+        prompt_tokens = len(body["prompt_token_ids"])
+        try:
+            item = first
+            while True:
+                if is_error(item):
+                    _fail(grpc_context, item["status"], item["error"]["message"])
+                for out in item["outputs"]:
+                    n = completion_tokens.get(out["index"], 0) + len(out["token_ids"])
+                    completion_tokens[out["index"]] = n
+                    yield pb.GenerateResponse(
+                        request_id=body["request_id"], index=out["index"], text=out["text"],
+                        token_ids=out["token_ids"], finish_reason=out["finish_reason"] or "",
+                        prompt_tokens=prompt_tokens, completion_tokens=n)
+                try:
+                    item = await gen.__anext__()
+                except StopAsyncIteration:
+                    break
+        finally:
+            gen.cancel()  # a cancelled call aborts the request in the engine
+
+    async def Health(self, request: "pb.HealthRequest",
+                     grpc_context: RayServegRPCContext) -> "pb.HealthResponse":
+        try:
+            loads = await self.replica_calls("get_load", timeout_s=5.0)
+        except Exception as e:  # replicas unreachable: report, don't crash the call
+            _fail(grpc_context, 503, f"replicas unreachable: {e!r}")
+        return pb.HealthResponse(ok=True, num_replicas=len(loads))
+
+    async def ListModels(self, request: "pb.ListModelsRequest",
+                         grpc_context: RayServegRPCContext) -> "pb.ListModelsResponse":
+        try:
+            self._grpc_auth(grpc_context)
+        except APIError as e:
+            _fail(grpc_context, e.status, e.body["error"]["message"])
+        info = await self.info()
+        return pb.ListModelsResponse(models=[pb.ModelInfo(
+            id=self.served_model_name, max_model_len=info["max_model_len"])])
+
+    def _grpc_auth(self, ctx: RayServegRPCContext) -> None:
+        metadata = dict(ctx.invocation_metadata() or [])
+        self.check_api_key(metadata.get("authorization"))
+
+    async def _grpc_body(self, request: "pb.GenerateRequest") -> dict:
+        self.check_model(request.model)
+        which = request.WhichOneof("input")
+        if which == "prompt":
+            token_ids = await self.tokenize_prompt(request.prompt, True, "prompt")
+        elif which == "prompt_token_ids":
+            token_ids = await self.tokenize_prompt(list(request.prompt_token_ids.ids), False,
+                                                   "prompt_token_ids")
+        else:
+            raise APIError("one of prompt or prompt_token_ids is required", 400, param="prompt")
+        params = sampling_from_proto(request.sampling_params)
+        explicit = (request.sampling_params.max_tokens
+                    if request.sampling_params.HasField("max_tokens") else None)
+        rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
+        return await self.build_body(rid, token_ids, params, request.priority, None, explicit,
+                                     which)

@@ -1,0 +1,343 @@
+"""The ingress deployment: OpenAI-compatible HTTP (FastAPI) and the gRPC service.
+
+Every request is parsed and validated here (400 naming the field, 401, 404,
+413 before anything reaches a replica), tokenized here (the request router
+hashes the prompt's token blocks to pick a replica), then streamed from the
+chosen replica through a Serve handle, chunk by chunk with no batching. The
+tokenizer, model name and context length come from a replica once
+(`EngineReplica.get_info`), so the ingress never loads the model itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import uuid
+from typing import AsyncIterator, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from router import openai_format as fmt
+from router.errors import (APIError, error_body, field_path, from_validation_error, is_error,
+                           to_response)
+from router.grpc_service import GrpcMethods
+from router.metrics import merge_metrics
+from router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                             TokenizeRequest, sampling_dict)
+from router.registry import get_router
+from router.request_router import TARGET_KWARG
+
+app = FastAPI(title="fleetserve", docs_url=None, redoc_url=None)
+
+
+@app.exception_handler(APIError)
+async def _api_error(_: Request, e: APIError) -> JSONResponse:
+    return to_response(e.body)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+    first = e.errors()[0] if e.errors() else {}
+    param = field_path(first.get("loc", ()))
+    return to_response(error_body(f"{param}: {first.get('msg')}", 400, param))
+
+
+@app.exception_handler(Exception)
+async def _internal_error(_: Request, e: Exception) -> JSONResponse:
+    # Not the user's fault (a replica died, an engine failed): still an OpenAI body.
+    return to_response(error_body(f"internal error: {type(e).__name__}: {e}", 500))
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    return to_response(error_body(str(e.detail), e.status_code))
+
+
+class Ingress(GrpcMethods):
+    def __init__(self, engine: DeploymentHandle, served_model_name: str,
+                 api_key: Optional[str] = None, max_body_bytes: int = 4 << 20,
+                 model_aliases: tuple[str, ...] = ()) -> None:
+        self._engine = engine
+        self._stream = engine.options(stream=True)
+        self.served_model_name = served_model_name
+        self._model_names = {served_model_name, *model_aliases}
+        self._api_key = api_key
+        self._max_body_bytes = max_body_bytes
+        self._info: Optional[dict] = None
+        self._info_lock = asyncio.Lock()
+
+    # -- shared plumbing (HTTP and gRPC) ---------------------------------------
+
+    async def info(self) -> dict:
+        if self._info is None:
+            async with self._info_lock:
+                if self._info is None:
+                    self._info = await self._engine.get_info.remote()
+        return self._info
+
+    def decode_one(self, token_id: int) -> str:
+        return self._info["tokenizer"].decode([token_id])
+
+    def check_model(self, model: Optional[str]) -> None:
+        if model and model not in self._model_names:
+            raise APIError(f"The model `{model}` does not exist; this server serves "
+                           f"`{self.served_model_name}`", 404, param="model", code="model_not_found")
+
+    def check_api_key(self, presented: Optional[str]) -> None:
+        if self._api_key is None:
+            return
+        token = (presented or "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(token.encode(), self._api_key.encode()):
+            raise APIError("Incorrect API key provided", 401, code="invalid_api_key")
+
+    async def tokenize_prompt(self, prompt: Union[str, list[int]], add_special_tokens: bool,
+                              param: str) -> list[int]:
+        info = await self.info()
+        tok = info["tokenizer"]
+        if isinstance(prompt, str):
+            return tok(prompt, add_special_tokens=add_special_tokens).input_ids
+        vocab = len(tok)
+        if any(not 0 <= t < vocab for t in prompt):
+            raise APIError(f"{param} contains token ids outside the vocabulary [0, {vocab})",
+                           400, param=param)
+        return list(prompt)
+
+    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        tok = (await self.info())["tokenizer"]
+        try:
+            return tok.apply_chat_template(messages, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # jinja errors, missing template: the messages are at fault
+            raise APIError(f"messages could not be rendered with the chat template: {e}", 400,
+                           param="messages") from e
+
+    async def build_body(self, request_id: str, token_ids: list[int], params, priority: int,
+                         cache_salt: Optional[str], explicit_max_tokens: Optional[int],
+                         param: str) -> dict:
+        max_len = (await self.info())["max_model_len"]
+        if not token_ids:
+            raise APIError(f"{param} must not be empty", 400, param=param)
+        if len(token_ids) >= max_len:
+            raise APIError(f"This model's maximum context length is {max_len} tokens. However, "
+                           f"your prompt has {len(token_ids)} tokens; shorten the {param}.",
+                           400, param=param, code="context_length_exceeded")
+        if explicit_max_tokens is not None and len(token_ids) + explicit_max_tokens > max_len:
+            raise APIError(f"This model's maximum context length is {max_len} tokens. However, you "
+                           f"requested {len(token_ids) + explicit_max_tokens} tokens "
+                           f"({len(token_ids)} in the prompt, {explicit_max_tokens} for the "
+                           "completion); reduce max_tokens or the prompt.",
+                           400, param="max_tokens", code="context_length_exceeded")
+        return {"request_id": request_id, "prompt_token_ids": token_ids,
+                "sampling_params": sampling_dict(params), "priority": priority,
+                "cache_salt": cache_salt}
+
+    async def open_stream(self, body: dict):
+        """Send to a replica; return (generator, first item). The first item may be an error."""
+        gen = self._stream.generate.remote(body)
+        try:
+            first = await gen.__anext__()
+        except BaseException:
+            gen.cancel()
+            raise
+        if is_error(first):
+            gen.cancel()
+        return gen, first
+
+    async def replica_calls(self, op: str, timeout_s: float = 10.0) -> dict[str, dict]:
+        """`op` on every replica this ingress routes to: replica id -> result.
+
+        One at a time on purpose: Serve gives every child call of one incoming
+        request the same internal request id, and its router mixes up
+        concurrent calls that share one (they hang).
+        """
+        await self.info()  # makes sure the handle's router exists and knows the replicas
+        router = get_router(self._engine.app_name, self._engine.deployment_name)
+        results = {}
+        for rid in (router.replica_ids() if router else []):
+            call = self._engine.control.remote(op, **{TARGET_KWARG: rid})
+            r = await asyncio.wait_for(call, timeout_s)
+            results[r["replica"]] = r
+        return results
+
+    # -- HTTP: generation ------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        req = await self._parse(request, CompletionRequest)
+        self.check_model(req.model)
+        token_ids = await self.tokenize_prompt(req.single_prompt(), True, "prompt")
+        params = req.sampling_params(default_max_tokens=16)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        body = await self.build_body(rid, token_ids, params, req.priority, req.cache_salt,
+                                     req.max_tokens, "prompt")
+        return await self._respond(body, req, chat=False, logprobs_n=req.logprobs)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        req = await self._parse(request, ChatCompletionRequest)
+        self.check_model(req.model)
+        text = await self.apply_chat_template([m.flat() for m in req.messages],
+                                              req.add_generation_prompt)
+        token_ids = await self.tokenize_prompt(text, False, "messages")
+        max_len = (await self.info())["max_model_len"]
+        params = req.sampling_params(default_max_tokens=max(1, max_len - len(token_ids)))
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        body = await self.build_body(rid, token_ids, params, req.priority, req.cache_salt,
+                                     req._max_tokens(), "messages")
+        return await self._respond(body, req, chat=True, logprobs_n=params.logprobs)
+
+    async def _respond(self, body: dict, req, chat: bool, logprobs_n: Optional[int]):
+        gen, first = await self.open_stream(body)
+        if is_error(first):
+            return to_response(first)
+        model = req.model or self.served_model_name
+        if req.stream:
+            writer = fmt.ChunkWriter(body["request_id"], model, chat, logprobs_n, self.decode_one)
+            return StreamingResponse(self._sse(gen, first, writer, req.include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        choices: dict[int, fmt.Choice] = {}
+        usage = fmt.Usage()
+        try:
+            item = first
+            while True:
+                if is_error(item):
+                    return to_response(item)
+                fmt.accumulate(choices, item)
+                fmt.observe(item, usage)
+                try:
+                    item = await gen.__anext__()
+                except StopAsyncIteration:
+                    break
+        finally:
+            gen.cancel()  # no-op when finished; aborts the request if we were cancelled
+        build = fmt.chat_body if chat else fmt.completion_body
+        return JSONResponse(build(body["request_id"], model, choices, usage, logprobs_n,
+                                  self.decode_one))
+
+    async def _sse(self, gen, first: dict, writer: fmt.ChunkWriter,
+                   include_usage: bool) -> AsyncIterator[str]:
+        usage = fmt.Usage()
+        try:
+            item = first
+            while True:
+                if is_error(item):
+                    yield fmt.sse({"error": item["error"]})
+                    break
+                fmt.observe(item, usage)
+                for chunk in writer.chunks(item):
+                    yield chunk
+                try:
+                    item = await gen.__anext__()
+                except StopAsyncIteration:
+                    break
+                except Exception as e:  # the replica failed mid-stream: tell the client
+                    item = error_body(f"internal error: {type(e).__name__}: {e}", 500)
+            if include_usage:
+                yield writer.usage_chunk(usage)
+            yield fmt.SSE_DONE
+        finally:
+            # Client gone (this generator cancelled/closed) or done: cancelling the
+            # handle's stream cancels the replica's generator, which aborts the
+            # request in the engine and frees its KV blocks.
+            gen.cancel()
+
+    # -- HTTP: the rest --------------------------------------------------------
+
+    @app.get("/v1/models")
+    async def models(self, request: Request):
+        self.check_api_key(request.headers.get("authorization"))
+        info = await self.info()
+        return {"object": "list", "data": [{
+            "id": self.served_model_name, "object": "model", "created": 0,
+            "owned_by": "fleetserve", "root": info["model_name"],
+            "max_model_len": info["max_model_len"]}]}
+
+    @app.get("/health")
+    async def health(self):
+        try:
+            loads = await self.replica_calls("get_load", timeout_s=5.0)
+        except Exception as e:  # a replica is down or slow: unhealthy, say why
+            return to_response(error_body(f"replicas unreachable: {e!r}", 503))
+        return {"status": "ok", "num_replicas": len(loads)}
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request):
+        req = await self._parse(request, TokenizeRequest)
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError("give exactly one of prompt or messages", 400, param="prompt")
+        if req.messages is not None:
+            text = await self.apply_chat_template([m.flat() for m in req.messages],
+                                                  req.add_generation_prompt)
+            ids = await self.tokenize_prompt(text, False, "messages")
+        else:
+            ids = await self.tokenize_prompt(req.prompt, req.add_special_tokens, "prompt")
+        info = await self.info()
+        return {"count": len(ids), "max_model_len": info["max_model_len"], "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request):
+        req = await self._parse(request, DetokenizeRequest)
+        self.check_model(req.model)
+        ids = await self.tokenize_prompt(req.tokens, False, "tokens")
+        return {"prompt": (await self.info())["tokenizer"].decode(ids)}
+
+    @app.get("/metrics")
+    async def metrics(self):
+        try:
+            results = await self.replica_calls("metrics_text")
+        except Exception as e:  # a replica is down or slow: say so, don't 500
+            return to_response(error_body(f"replicas unreachable: {e!r}", 503))
+        text = merge_metrics({rid: r["text"] for rid, r in results.items()})
+        return PlainTextResponse(text + self._router_metrics(),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def _router_metrics(self) -> str:
+        router = get_router(self._engine.app_name, self._engine.deployment_name)
+        if router is None:
+            return ""
+        lines = ["# HELP fleetserve:router_ongoing_requests Requests this ingress has in flight per replica.",
+                 "# TYPE fleetserve:router_ongoing_requests gauge"]
+        for rid, n in sorted(router.ongoing().items()):
+            lines.append(f'fleetserve:router_ongoing_requests{{replica="{rid}"}} {n}')
+        return "\n".join(lines) + "\n"
+
+    # -- request parsing -------------------------------------------------------
+
+    async def _parse(self, request: Request, model: type[BaseModel]):
+        self.check_api_key(request.headers.get("authorization"))
+        raw = await self._read_body(request)
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(f"the request body is not valid JSON: {e}", 400) from e
+        if not isinstance(data, dict):
+            raise APIError("the request body must be a JSON object", 400)
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            raise from_validation_error(e) from e
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self._max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise APIError(f"the request body is larger than {limit} bytes", 413)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(f"the request body is larger than {limit} bytes", 413)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+IngressDeployment = serve.ingress(app)(Ingress)

@@ -1,0 +1,179 @@
+"""Engine deltas -> OpenAI response bodies (whole responses and SSE chunks).
+
+The replica streams `{"outputs": [{"index", "text", "token_ids", "logprobs",
+"finish_reason"}], "prompt_tokens"?, "finished"}` items (see router/replica.py);
+this module turns them into `text_completion`, `chat.completion` and their
+`.chunk` forms, with usage and logprobs in OpenAI's shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+Decode = Callable[[int], str]
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def as_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+def observe(item: dict, usage: Usage) -> None:
+    """Count tokens of one replica item into `usage`."""
+    usage.prompt_tokens = item.get("prompt_tokens", usage.prompt_tokens)
+    usage.cached_tokens = max(usage.cached_tokens, item.get("num_cached_tokens") or 0)
+    for out in item["outputs"]:
+        usage.completion_tokens += len(out["token_ids"])
+
+
+def accumulate(choices: dict[int, Choice], item: dict) -> None:
+    for out in item["outputs"]:
+        c = choices.setdefault(out["index"], Choice(out["index"]))
+        c.text += out["text"]
+        c.token_ids.extend(out["token_ids"])
+        if out.get("logprobs"):
+            c.logprobs.extend(out["logprobs"])
+        if out.get("finish_reason"):
+            c.finish_reason = out["finish_reason"]
+
+
+# -- logprobs ------------------------------------------------------------------
+
+def _top(entry: dict, n: int) -> list[tuple[int, float]]:
+    ranked = sorted(((int(t), float(lp)) for t, lp in entry.items()), key=lambda x: -x[1])
+    return ranked[:n]
+
+
+def completion_logprobs(token_ids: list[int], entries: list[dict], n: int, decode: Decode,
+                        offset: int = 0) -> dict:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, entry in zip(token_ids, entries):
+        text = decode(tid)
+        tokens.append(text)
+        token_lps.append(float(entry.get(tid, entry.get(str(tid), float("-inf")))))
+        tops.append({decode(t): lp for t, lp in _top(entry, n)} if n else None)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict], n: int, decode: Decode) -> dict:
+    content = []
+    for tid, entry in zip(token_ids, entries):
+        text = decode(tid)
+        content.append({
+            "token": text, "logprob": float(entry.get(tid, entry.get(str(tid), float("-inf")))),
+            "bytes": list(text.encode()),
+            "top_logprobs": [{"token": decode(t), "logprob": lp, "bytes": list(decode(t).encode())}
+                             for t, lp in _top(entry, n)]})
+    return {"content": content}
+
+
+# -- bodies --------------------------------------------------------------------
+
+def _base(rid: str, obj: str, model: str, created: int) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model}
+
+
+def completion_body(rid: str, model: str, choices: dict[int, Choice], usage: Usage,
+                    logprobs_n: Optional[int], decode: Decode) -> dict:
+    body = _base(rid, "text_completion", model, int(time.time()))
+    body["choices"] = [{
+        "index": c.index, "text": c.text, "finish_reason": c.finish_reason,
+        "logprobs": (completion_logprobs(c.token_ids, c.logprobs, logprobs_n, decode)
+                     if logprobs_n is not None else None)}
+        for c in sorted(choices.values(), key=lambda c: c.index)]
+    body["usage"] = usage.as_dict()
+    return body
+
+
+def chat_body(rid: str, model: str, choices: dict[int, Choice], usage: Usage,
+              logprobs_n: Optional[int], decode: Decode) -> dict:
+    body = _base(rid, "chat.completion", model, int(time.time()))
+    body["choices"] = [{
+        "index": c.index, "message": {"role": "assistant", "content": c.text},
+        "finish_reason": c.finish_reason,
+        "logprobs": (chat_logprobs(c.token_ids, c.logprobs, logprobs_n, decode)
+                     if logprobs_n is not None else None)}
+        for c in sorted(choices.values(), key=lambda c: c.index)]
+    body["usage"] = usage.as_dict()
+    return body
+
+
+class ChunkWriter:
+    """SSE chunks for one streaming request, completions or chat."""
+
+    def __init__(self, rid: str, model: str, chat: bool, logprobs_n: Optional[int],
+                 decode: Decode) -> None:
+        self.rid, self.model, self.chat = rid, model, chat
+        self.logprobs_n, self.decode = logprobs_n, decode
+        self.created = int(time.time())
+        self.obj = "chat.completion.chunk" if chat else "text_completion"
+        self._started: set[int] = set()
+        self._offsets: dict[int, int] = {}
+
+    def chunks(self, item: dict) -> list[str]:
+        out = []
+        for o in item["outputs"]:
+            if not o["text"] and not o["token_ids"] and not o.get("finish_reason"):
+                continue
+            out.append(sse(self._chunk([self._choice(o)])))
+        return out
+
+    def usage_chunk(self, usage: Usage) -> str:
+        body = self._chunk([])
+        body["usage"] = usage.as_dict()
+        return sse(body)
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        body = _base(self.rid, self.obj, self.model, self.created)
+        body["choices"] = choices
+        return body
+
+    def _choice(self, o: dict) -> dict:
+        idx = o["index"]
+        logprobs = None
+        if self.logprobs_n is not None and o.get("logprobs"):
+            if self.chat:
+                logprobs = chat_logprobs(o["token_ids"], o["logprobs"], self.logprobs_n, self.decode)
+            else:
+                off = self._offsets.get(idx, 0)
+                logprobs = completion_logprobs(o["token_ids"], o["logprobs"], self.logprobs_n,
+                                               self.decode, off)
+        self._offsets[idx] = self._offsets.get(idx, 0) + len(o["text"])
+        if not self.chat:
+            return {"index": idx, "text": o["text"], "logprobs": logprobs,
+                    "finish_reason": o.get("finish_reason")}
+        delta: dict[str, Any] = {"content": o["text"]}
+        if idx not in self._started:
+            self._started.add(idx)
+            delta["role"] = "assistant"
+        return {"index": idx, "delta": delta, "logprobs": logprobs,
+                "finish_reason": o.get("finish_reason")}
+
+
+def sse(body: dict) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

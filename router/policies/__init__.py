@@ -1,0 +1,28 @@
+"""Routing policies, chosen by name from the application config.
+
+Each is a small class behind `RoutingPolicy.rank(replicas, request) -> tiers`;
+`router.request_router.FleetRequestRouter` plugs the chosen one into Ray Serve.
+"""
+
+from router.policies.base import ReplicaLoad, RouteRequest, RoutingPolicy
+from router.policies.least_loaded import LeastLoadedPolicy
+from router.policies.power_of_two import PowerOfTwoPolicy
+from router.policies.prefix_aware import PrefixAwarePolicy
+
+POLICIES: dict[str, type[RoutingPolicy]] = {
+    "power_of_two": PowerOfTwoPolicy,
+    "least_loaded": LeastLoadedPolicy,
+    "prefix_aware": PrefixAwarePolicy,
+}
+
+
+def make_policy(name: str, **kwargs) -> RoutingPolicy:
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"routing_policy {name!r} is not one of {sorted(POLICIES)}") from None
+    return cls(**kwargs)
+
+
+__all__ = ["POLICIES", "LeastLoadedPolicy", "PowerOfTwoPolicy", "PrefixAwarePolicy",
+           "ReplicaLoad", "RouteRequest", "RoutingPolicy", "make_policy"]

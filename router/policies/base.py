@@ -1,0 +1,66 @@
+"""The routing-policy interface: rank replicas for one request, without Ray.
+
+A policy sees plain `ReplicaLoad` snapshots and a `RouteRequest`, and returns
+ranked tiers of replica ids (first tier preferred; later tiers are fallbacks
+when Serve finds every replica of a tier full). `router/request_router.py`
+adapts this to Ray Serve's `RequestRouter`, so policies stay unit-testable.
+
+Load a router can know:
+- `num_ongoing`: requests this router sent and that have not finished (exact
+  and instant for this router; another ingress replica's traffic shows up only
+  through the replica's reported stats).
+- `num_running` / `num_waiting` / `kv_cache_usage`: what the engine reported in
+  its last routing-stats snapshot (about a second old).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass(slots=True)
+class ReplicaLoad:
+    replica_id: str
+    num_ongoing: int = 0  # this router's in-flight requests on it
+    ongoing_tokens: int = 0  # prompt tokens of those requests
+    num_running: int = 0  # engine-reported (stale by up to one stats period)
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+
+    @property
+    def score(self) -> tuple:
+        """Smaller is less loaded: requests first, then queued tokens, then KV."""
+        requests = max(self.num_ongoing, self.num_running + self.num_waiting)
+        return (requests, self.ongoing_tokens, self.kv_cache_usage)
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    request_id: str
+    prompt_token_ids: list[int] = field(default_factory=list)
+    cache_salt: Optional[str] = None
+
+
+class RoutingPolicy(ABC):
+    name: str = "base"
+
+    @abstractmethod
+    def rank(self, replicas: list[ReplicaLoad], request: Optional[RouteRequest]) -> list[list[str]]:
+        """Ranked tiers of replica ids for `request` (non-empty when `replicas` is)."""
+
+    def on_routed(self, replica_id: str, request: RouteRequest) -> None:
+        """The request was sent to `replica_id` (the first tier's pick)."""
+
+    def on_replicas_changed(self, replica_ids: set[str]) -> None:
+        """Forget state about replicas that are gone."""
+
+
+def by_load(replicas: list[ReplicaLoad]) -> list[ReplicaLoad]:
+    return sorted(replicas, key=lambda r: r.score)
+
+
+def tiers(ordered: list[ReplicaLoad]) -> list[list[str]]:
+    """One replica per tier, in order: Serve then tries exactly this order."""
+    return [[r.replica_id] for r in ordered]

@@ -1,0 +1,161 @@
+"""OpenAI request schemas and their mapping onto `SamplingParams`.
+
+Unknown fields are ignored (as vLLM does). Types are checked by pydantic
+(mapped to 400 naming the field, never FastAPI's 422 shape); ranges are checked
+by `SamplingParams`, whose messages also start with the field name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+from router.errors import APIError
+from scheduler import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
+class _SamplingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    n: int = 1
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: StrictBool = False
+    min_tokens: int = 0
+    stream: StrictBool = False
+    stream_options: Optional[StreamOptions] = None
+    priority: int = 0
+    user: Optional[str] = None
+    cache_salt: Optional[str] = None
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+
+    def _max_tokens(self) -> Optional[int]:
+        return self.max_tokens
+
+    def _logprobs(self) -> Optional[int]:
+        return None
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """Validated engine sampling params; `APIError` (400, field named) otherwise."""
+        max_tokens = self._max_tokens()
+        fields: dict[str, Any] = {
+            "n": self.n, "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
+            "seed": self.seed, "stop": self.stop or [], "stop_token_ids": self.stop_token_ids or [],
+            "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
+            "logprobs": self._logprobs(), "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+        }
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                fields[name] = value
+        try:
+            return SamplingParams(**fields)
+        except ValueError as e:
+            word = str(e).split(" ", 1)[0]
+            raise APIError(str(e), 400, param=word if word in fields or word == "stop" else None)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    logprobs: Optional[int] = None
+    echo: StrictBool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+    def _logprobs(self) -> Optional[int]:
+        return self.logprobs
+
+    def single_prompt(self) -> Union[str, list[int]]:
+        for name, unsupported in (("echo", self.echo), ("suffix", self.suffix is not None),
+                                  ("best_of", self.best_of not in (None, self.n))):
+            if unsupported:
+                raise APIError(f"{name} is not supported by this server", 400, param=name)
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise APIError("batched prompts (a list of several prompts) are not supported; "
+                               "send one request per prompt", 400, param="prompt")
+            p = p[0]
+        if isinstance(p, list) and not p or p == "":
+            raise APIError("prompt must not be empty", 400, param="prompt")
+        return p
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: Optional[Union[str, list[dict[str, Any]]]] = None
+
+    def flat(self) -> dict:
+        content = self.content
+        if isinstance(content, list):  # OpenAI content parts: keep the text ones
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise APIError("only text content parts are supported", 400,
+                                   param="messages.content")
+                texts.append(part["text"])
+            content = "".join(texts)
+        return {"role": "system" if self.role == "developer" else self.role,
+                "content": content or ""}
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = None
+    logprobs: StrictBool = False
+    top_logprobs: Optional[int] = None
+    add_generation_prompt: StrictBool = True
+
+    def _max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def _logprobs(self) -> Optional[int]:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise APIError("top_logprobs requires logprobs=true", 400, param="top_logprobs")
+            return None
+        return self.top_logprobs or 0
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+def sampling_dict(params: SamplingParams) -> dict:
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}

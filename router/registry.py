@@ -1,0 +1,26 @@
+"""Process-local registry of this process's request routers, by deployment.
+
+Serve pickles the request router class *by value* when it ships the deployment
+config, so module globals of `router/request_router.py` are copies inside the
+handle's process. The registry therefore lives here, in a module imported by
+reference: the router registers itself, the ingress looks it up.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional
+
+_ROUTERS: dict[tuple[str, str], Any] = {}
+_LOCK = threading.Lock()
+
+
+def register(app_name: str, deployment_name: str, router: Any) -> None:
+    with _LOCK:
+        _ROUTERS[(app_name, deployment_name)] = router
+
+
+def get_router(app_name: str, deployment_name: str) -> Optional[Any]:
+    """The `FleetRequestRouter` of this process's handle to that deployment, if any."""
+    with _LOCK:
+        return _ROUTERS.get((app_name, deployment_name))

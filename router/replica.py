@@ -1,0 +1,131 @@
+"""The replica deployment: one AsyncEngine per Ray Serve replica.
+
+The ingress calls it with plain dicts (already tokenized, sampling params
+already validated) so that the request router can read the prompt's token ids.
+`generate` is an async generator of small dicts, one per engine delta. Errors the
+user caused (bad input, full queue) come back as one `{"error": ...}` item rather
+than an exception, so they keep their HTTP status across the Ray boundary.
+
+Cancellation: when the caller drops the stream (client disconnect), Serve
+cancels this generator's task; leaving the `async for` aborts the request in
+the engine, whose blocks go back to the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import uuid
+from typing import Any, AsyncIterator, Optional
+
+from ray import serve
+from ray.serve.exceptions import RayServeException
+
+from replica.engine_args import EngineArgs
+from router.errors import error_body
+from scheduler import SamplingParams, resolve_obj_by_qualname
+
+logger = logging.getLogger("ray.serve")
+
+
+class _NeverRaised(Exception):
+    pass
+
+
+class EngineReplica:
+    """Deployment class; `router.app.build_app` wraps it with `serve.deployment`."""
+
+    def __init__(self, engine_args: dict, engine_cls: str) -> None:
+        args = EngineArgs.model_validate(engine_args)
+        cls = resolve_obj_by_qualname(engine_cls)
+        self.engine = cls(args)
+        # The engine's module defines its QueueFullError (replica.async_engine).
+        self._queue_full = getattr(sys.modules[cls.__module__], "QueueFullError", _NeverRaised)
+        self.block_size = args.block_size
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except RayServeException:  # outside Serve (unit tests): a random id
+            self.replica_id = uuid.uuid4().hex[:8]
+
+    # -- generation ------------------------------------------------------------
+
+    async def generate(self, body: dict) -> AsyncIterator[dict]:
+        try:
+            params = SamplingParams(**body["sampling_params"])
+        except (TypeError, ValueError) as e:
+            yield error_body(str(e), param=_param_of(str(e)))
+            return
+        prompt_len = len(body["prompt_token_ids"])
+        first = True
+        try:
+            async for out in self.engine.generate(
+                    body["prompt_token_ids"], params, body["request_id"],
+                    priority=int(body.get("priority", 0)), cache_salt=body.get("cache_salt")):
+                yield _encode(out, self.replica_id, prompt_len if first else None)
+                first = False
+        except self._queue_full as e:
+            yield error_body(str(e) or "the replica's waiting queue is full; retry later",
+                             status=429)
+        except ValueError as e:
+            yield error_body(str(e), param=_param_of(str(e)), code=_code_of(str(e)))
+
+    # -- control ---------------------------------------------------------------
+
+    async def control(self, op: str, _fleetserve_target: Optional[str] = None) -> dict:
+        """Calls the ingress pins to this replica (see router.request_router)."""
+        if op == "metrics_text":
+            return {"replica": self.replica_id, "text": self.engine.metrics_text()}
+        if op == "get_load":
+            return {"replica": self.replica_id, "load": self.engine.get_load()}
+        raise ValueError(f"unknown control op {op!r}")
+
+    def get_info(self) -> dict:
+        """What the ingress needs to tokenize and validate on its own."""
+        return {"replica": self.replica_id, "tokenizer": self.engine.tokenizer,
+                "model_name": self.engine.model_name,
+                "max_model_len": self.engine.max_model_len, "block_size": self.block_size}
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Serve calls this every `request_routing_stats_period_s`; routers read it."""
+        return self.engine.get_load()
+
+    def check_health(self) -> None:
+        """Serve calls this periodically; a dead engine makes Serve replace the replica."""
+        check = getattr(self.engine, "check_health", None)
+        if check is not None:
+            check()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception as e:  # interpreter teardown: nothing left to do but say so
+                logger.warning("engine shutdown failed: %s", e)
+
+
+def _encode(out: Any, replica_id: str, prompt_len: Optional[int]) -> dict:
+    item = {
+        "replica": replica_id,
+        "finished": out.finished,
+        "num_cached_tokens": out.num_cached_tokens,
+        "outputs": [{"index": c.index, "text": c.text, "token_ids": list(c.token_ids),
+                     "logprobs": c.logprobs, "finish_reason": c.finish_reason,
+                     "stop_reason": c.stop_reason} for c in out.outputs],
+    }
+    if prompt_len is not None:
+        item["prompt_tokens"] = prompt_len
+    return item
+
+
+def _param_of(message: str) -> Optional[str]:
+    """SamplingParams and the engine start their messages with the field name."""
+    word = message.split(" ", 1)[0]
+    return word if word.isidentifier() and word.islower() else None
+
+
+def _code_of(message: str) -> Optional[str]:
+    lowered = message.lower()
+    if "too long" in lowered or "maximum context length" in lowered or "max_model_len" in lowered:
+        return "context_length_exceeded"
+    return None

@@ -1,0 +1,125 @@
+"""Ray Serve's custom request router, driven by a fleetserve routing policy.
+
+Serve builds one `FleetRequestRouter` per deployment handle, in the process that
+holds the handle (the ingress replica), and asks `choose_replicas()` for ranked
+tiers of replicas for every call. This class turns Serve's `RunningReplica`s into
+plain `ReplicaLoad` snapshots, lets the policy rank them, and keeps the router's
+own exact in-flight accounting (requests and prompt tokens per replica), which
+`on_request_completed` releases. Engine-reported load (`record_routing_stats` on
+the replica deployment, every `stats_period_s`) arrives on `RunningReplica.routing_stats`.
+
+Two kinds of calls go through it:
+- `generate(request_dict)`: `request_dict["prompt_token_ids"]` is what the
+  prefix-aware policy hashes (the ingress tokenizes before routing).
+- calls pinned to one replica: a keyword argument `_fleetserve_target=<replica id>`
+  makes the router return exactly that replica. The ingress uses it to reach
+  every replica (metrics, load); it learns their ids from `replica_ids()` of
+  the router registered in `router.registry` under the deployment's name.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from router import registry
+from router.policies import ReplicaLoad, RouteRequest, RoutingPolicy, make_policy
+
+TARGET_KWARG = "_fleetserve_target"
+
+
+class FleetRequestRouter(RequestRouter):
+    def initialize_state(self, policy: str = "power_of_two", **policy_kwargs: Any) -> None:
+        self.policy: RoutingPolicy = make_policy(policy, **policy_kwargs)
+        # internal request id -> (replica id, prompt tokens) for requests in flight.
+        self._inflight: dict[str, tuple[str, int]] = {}
+        self._ongoing: dict[str, list[int]] = {}  # replica id -> [requests, tokens]
+        self._lock = threading.Lock()
+        registry.register(self._deployment_id.app_name, self._deployment_id.name, self)
+
+    # -- what the ingress asks -------------------------------------------------
+
+    def replica_ids(self) -> list[str]:
+        return [rid.unique_id for rid in list(self.curr_replicas)]
+
+    def ongoing(self) -> dict[str, int]:
+        with self._lock:
+            return {rid: v[0] for rid, v in self._ongoing.items()}
+
+    # -- Serve's hooks ---------------------------------------------------------
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: Optional[PendingRequest] = None
+                              ) -> list[list[RunningReplica]]:
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        if not by_id:
+            return []
+        if pending_request is not None:
+            # Without this Serve retries a full tier in a tight loop, starving its
+            # own event loop (the probes that would free the tier never run).
+            pending_request.routing_context.should_backoff = True
+        target = pending_request.kwargs.get(TARGET_KWARG) if pending_request else None
+        if target is not None:
+            # A pinned call to a replica that is gone goes anywhere; the caller
+            # sees which replica answered.
+            return [[by_id[target]]] if target in by_id else [list(by_id.values())]
+        request = _route_request(pending_request)
+        ranked = self.policy.rank([self._load(r) for r in by_id.values()], request)
+        if request is not None and ranked:
+            self._record(ranked[0][0], request, pending_request)
+        return [[by_id[rid] for rid in tier] for tier in ranked]
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        with self._lock:
+            entry = self._inflight.pop(internal_request_id, None)
+            if entry is not None:
+                self._release(*entry)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self.policy.on_replicas_changed({r.replica_id.unique_id for r in replicas})
+
+    # -- bookkeeping -----------------------------------------------------------
+
+    def _load(self, r: RunningReplica) -> ReplicaLoad:
+        rid = r.replica_id.unique_id
+        stats = r.routing_stats or {}
+        with self._lock:
+            requests, tokens = self._ongoing.get(rid, (0, 0))
+        return ReplicaLoad(
+            replica_id=rid, num_ongoing=requests, ongoing_tokens=tokens,
+            num_running=int(stats.get("num_running", 0)),
+            num_waiting=int(stats.get("num_waiting", 0)),
+            kv_cache_usage=float(stats.get("kv_cache_usage", 0.0)))
+
+    def _record(self, replica_id: str, request: RouteRequest, pending: PendingRequest) -> None:
+        internal_id = pending.metadata.internal_request_id
+        with self._lock:
+            previous = self._inflight.pop(internal_id, None)
+            if previous is not None:  # Serve retried routing (a full tier): undo
+                self._release(*previous)
+            self._inflight[internal_id] = (replica_id, len(request.prompt_token_ids))
+            counts = self._ongoing.setdefault(replica_id, [0, 0])
+            counts[0] += 1
+            counts[1] += len(request.prompt_token_ids)
+        if previous is None:
+            self.policy.on_routed(replica_id, request)
+
+    def _release(self, replica_id: str, num_tokens: int) -> None:
+        counts = self._ongoing.get(replica_id)
+        if counts is not None:
+            counts[0] = max(0, counts[0] - 1)
+            counts[1] = max(0, counts[1] - num_tokens)
+
+
+def _route_request(pending: Optional[PendingRequest]) -> Optional[RouteRequest]:
+    if pending is None or not pending.args or not isinstance(pending.args[0], dict):
+        return None
+    body = pending.args[0]
+    token_ids = body.get("prompt_token_ids")
+    if not isinstance(token_ids, list):
+        return None
+    return RouteRequest(request_id=str(body.get("request_id", "")),
+                        prompt_token_ids=token_ids, cache_salt=body.get("cache_salt"))

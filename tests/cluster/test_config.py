@@ -1,0 +1,77 @@
+"""The application config: CLI flags and YAML produce one validated AppConfig."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from cluster.cli import build_parser, config_from_args, main
+from cluster.config import AppConfig
+
+
+def from_cli(*argv: str) -> AppConfig:
+    return config_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+def test_defaults_match_the_design():
+    c = AppConfig()
+    assert c.num_replicas == 2 and c.http.host == "127.0.0.1" and c.http.port == 8000
+    assert c.grpc.port == 9000 and c.address is None and c.engine.model == "smollm2-135m"
+    assert from_cli() == c
+
+
+def test_cli_flags_use_vllm_names():
+    c = from_cli("--model", "/m", "--max-num-seqs", "4", "--max-num-batched-tokens", "512",
+                 "--max-model-len", "1024", "--tensor-parallel-size", "2", "--no-enable-prefix-caching",
+                 "--dtype", "float32", "--block-size", "32", "--num-gpu-blocks-override", "100",
+                 "--kv-cache-memory-bytes", "1000000", "--num-replicas", "3",
+                 "--routing-policy", "prefix_aware", "--api-key", "k", "--port", "8100",
+                 "--grpc-port", "9100", "--address", "auto")
+    e = c.engine
+    assert (e.model, e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len) == ("/m", 4, 512, 1024)
+    assert (e.tensor_parallel_size, e.enable_prefix_caching, e.dtype, e.block_size) == (2, False, "float32", 32)
+    assert (e.num_gpu_blocks_override, e.kv_cache_memory_bytes) == (100, 1000000)
+    assert (c.num_replicas, c.routing_policy, c.api_key) == (3, "prefix_aware", "k")
+    assert (c.http.port, c.grpc.port, c.address) == (8100, 9100, "auto")
+
+
+def test_yaml_then_flags_override(tmp_path):
+    f = tmp_path / "app.yaml"
+    f.write_text("engine:\n  model: /from/yaml\n  max_num_seqs: 7\nnum_replicas: 3\n"
+                 "routing_policy: least_loaded\nhttp:\n  port: 8200\n")
+    c = from_cli("--config", str(f), "--num-replicas", "1", "--max-num-seqs", "9")
+    assert c.engine.model == "/from/yaml" and c.engine.max_num_seqs == 9
+    assert c.num_replicas == 1 and c.routing_policy == "least_loaded" and c.http.port == 8200
+
+
+@pytest.mark.parametrize("data,field", [
+    ({"num_replicas": 0}, "num_replicas"),
+    ({"routing_policy": "random"}, "routing_policy"),
+    ({"engine": {"max_num_seqs": 0}}, "engine.max_num_seqs"),
+    ({"engine": {"block_size": 0}}, "engine.block_size"),
+    ({"engine": {"dtype": "int3"}}, "engine.dtype"),
+    ({"engine": {"max_num_sequences": 4}}, "engine.max_num_sequences"),
+    ({"http": {"port": 70000}}, "http.port"),
+    ({"grpc": {"port": -1}}, "grpc.port"),
+    ({"routing": {"min_match_fraction": 0}}, "routing.min_match_fraction"),
+    ({"replicas": 2}, "replicas"),
+])
+def test_invalid_config_names_the_field(data, field):
+    with pytest.raises(ValidationError) as e:
+        AppConfig.model_validate(data)
+    assert field in str(e.value)
+
+
+def test_invalid_yaml_names_the_field(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("engine:\n  max_num_seqs: -1\n")
+    with pytest.raises(ValidationError, match="engine.max_num_seqs"):
+        AppConfig.from_yaml(f)
+    f.write_text("- just\n- a list\n")
+    with pytest.raises(ValueError, match="mapping"):
+        AppConfig.from_yaml(f)
+
+
+def test_serve_with_invalid_config_exits_2_naming_the_field(capsys):
+    assert main(["serve", "--num-replicas", "0"]) == 2
+    assert "num_replicas" in capsys.readouterr().err

@@ -1,0 +1,104 @@
+"""One Ray + Serve instance for the whole router suite (it takes 10-20 s to start).
+
+The application: a tiny random Llama (replica.testing.make_tiny_llama) on the
+real AsyncEngine, 2 replicas, prefix-aware routing, HTTP and gRPC on free
+loopback ports, an API key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+
+import pytest
+
+API_KEY = "test-key"
+APP = "fleetserve-test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from replica.testing import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_dir):
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+
+    from cluster.config import AppConfig
+    from cluster.deploy import connect_ray, deploy, start_serve
+
+    config = AppConfig.model_validate({
+        "name": APP,
+        "engine": {"model": str(tiny_model_dir), "served_model_name": "tiny", "max_model_len": 256,
+                   "num_gpu_blocks_override": 96, "max_num_seqs": 8, "num_threads": 1,
+                   "max_waiting_requests": 64},
+        "num_replicas": 2, "routing_policy": "prefix_aware", "num_cpus_per_replica": 0,
+        "routing": {"imbalance_threshold": 3},
+        "http": {"port": free_port(), "max_body_bytes": 64 * 1024},
+        "grpc": {"port": free_port()},
+        "api_key": API_KEY,
+    })
+    connect_ray(config, num_cpus=2, log_to_driver=False)
+    start_serve(config)
+    deploy(config)
+    yield ServerInfo(config)
+    serve.shutdown()
+    ray.shutdown()
+
+
+class ServerInfo:
+    def __init__(self, config) -> None:
+        self.config = config
+        self.base_url = f"http://127.0.0.1:{config.http.port}"
+        self.grpc_target = f"127.0.0.1:{config.grpc.port}"
+        self.model = config.served_model_name
+        self.api_key = API_KEY
+        self.app = config.name
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {API_KEY}"}
+
+    def replica_loads(self) -> dict[str, dict]:
+        """get_load() of every engine replica, through pinned calls (the ingress's mechanism)."""
+        from ray import serve
+
+        from router.registry import get_router
+        from router.request_router import TARGET_KWARG
+
+        handle = serve.get_deployment_handle("engine", self.app)
+
+        async def go():
+            await handle.get_info.remote()  # creates this process's router
+            router = get_router(self.app, "engine")
+            out = {}
+            for rid in router.replica_ids():
+                r = await handle.control.remote("get_load", **{TARGET_KWARG: rid})
+                out[r["replica"]] = r["load"]
+            return out
+
+        return asyncio.run(go())
+
+    def wait_idle(self, timeout_s: float = 20.0) -> dict[str, dict]:
+        """Wait until no replica runs, queues or holds KV blocks; the loads (fails on timeout)."""
+        deadline = time.time() + timeout_s
+        while True:
+            loads = self.replica_loads()
+            if all(l["num_running"] == 0 and l["num_waiting"] == 0
+                   and l["num_free_blocks"] == l["num_blocks"] for l in loads.values()):
+                return loads
+            if time.time() > deadline:
+                raise AssertionError(f"replicas not idle (leaked requests or blocks?): {loads}")
+            time.sleep(0.2)

@@ -1,0 +1,134 @@
+"""Routing policies as plain objects (no Ray)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from router.policies import (LeastLoadedPolicy, PowerOfTwoPolicy, PrefixAwarePolicy, ReplicaLoad,
+                             RouteRequest, make_policy)
+
+BS = 4
+
+
+def loads(**ongoing: int) -> list[ReplicaLoad]:
+    return [ReplicaLoad(rid, num_ongoing=n) for rid, n in ongoing.items()]
+
+
+def req(tokens: list[int], rid: str = "r") -> RouteRequest:
+    return RouteRequest(rid, tokens)
+
+
+def route(policy, replicas, request) -> str:
+    """What FleetRequestRouter does: rank, take the first tier, record it."""
+    tiers = policy.rank(replicas, request)
+    assert all(len(t) == 1 for t in tiers)
+    assert sorted(t[0] for t in tiers) == sorted(r.replica_id for r in replicas)
+    chosen = tiers[0][0]
+    policy.on_routed(chosen, request)
+    return chosen
+
+
+def test_make_policy_names():
+    assert isinstance(make_policy("power_of_two"), PowerOfTwoPolicy)
+    assert isinstance(make_policy("least_loaded"), LeastLoadedPolicy)
+    assert isinstance(make_policy("prefix_aware", block_size=8), PrefixAwarePolicy)
+    with pytest.raises(ValueError, match="routing_policy"):
+        make_policy("random")
+
+
+def test_least_loaded_orders_by_load_then_tokens_then_kv():
+    p = LeastLoadedPolicy(seed=0)
+    reps = [ReplicaLoad("a", num_ongoing=3), ReplicaLoad("b", num_ongoing=1, ongoing_tokens=900),
+            ReplicaLoad("c", num_ongoing=1, ongoing_tokens=10)]
+    assert p.rank(reps, None) == [["c"], ["b"], ["a"]]
+    # Engine-reported load counts when it is higher than what this router sent.
+    reps = [ReplicaLoad("a", num_ongoing=0, num_running=5), ReplicaLoad("b", num_ongoing=2)]
+    assert p.rank(reps, None)[0] == ["b"]
+
+
+def test_power_of_two_picks_less_loaded_of_two_and_spreads():
+    p = PowerOfTwoPolicy(seed=1)
+    assert p.rank(loads(a=5, b=0), None)[0] == ["b"]
+    firsts = collections.Counter(p.rank(loads(a=0, b=0, c=0, d=0), None)[0][0] for _ in range(400))
+    assert set(firsts) == {"a", "b", "c", "d"} and min(firsts.values()) > 50
+    # Among 4, the most loaded is never the first choice (it is in a pair with a lighter one).
+    firsts = {p.rank(loads(a=0, b=1, c=2, d=9), None)[0][0] for _ in range(200)}
+    assert "d" not in firsts
+
+
+def test_prefix_aware_sticks_to_the_replica_holding_the_prefix():
+    p = PrefixAwarePolicy(block_size=BS, imbalance_threshold=3, seed=0)
+    prefix = list(range(100, 132))  # 8 blocks
+    first = route(p, loads(a=0, b=0), req(prefix + [1, 2, 3, 4]))
+    for i in range(10):
+        other = "b" if first == "a" else "a"
+        # even when the holder is a little busier, the prefix wins
+        reps = [ReplicaLoad(first, num_ongoing=2), ReplicaLoad(other, num_ongoing=0)]
+        assert route(p, reps, req(prefix + [i, i, i, i])) == first
+
+
+def test_prefix_aware_spills_when_the_holder_is_overloaded():
+    p = PrefixAwarePolicy(block_size=BS, imbalance_threshold=3, seed=0)
+    prefix = list(range(100, 132))
+    home = route(p, loads(a=0, b=0), req(prefix))
+    other = "b" if home == "a" else "a"
+    reps = [ReplicaLoad(home, num_ongoing=5), ReplicaLoad(other, num_ongoing=1)]
+    assert route(p, reps, req(prefix + [7] * 8)) == other
+    # Now both hold it: the less loaded holder wins.
+    reps = [ReplicaLoad(home, num_ongoing=5), ReplicaLoad(other, num_ongoing=2)]
+    assert route(p, reps, req(prefix + [9] * 8)) == other
+
+
+def test_prefix_aware_never_collapses_on_a_short_shared_header():
+    """Prompts sharing only a small header (a chat template) balance by load."""
+    p = PrefixAwarePolicy(block_size=BS, imbalance_threshold=4, min_match_fraction=0.5, seed=0)
+    header = [1, 2, 3, 4]  # one block shared by everyone
+    inflight = {"a": 0, "b": 0}
+    for i in range(40):
+        body = [1000 + i * 10 + j for j in range(12)]  # 3 distinct blocks
+        chosen = route(p, loads(**inflight), req(header + body))
+        inflight[chosen] += 1
+    assert min(inflight.values()) >= 18, inflight
+
+
+def test_prefix_aware_closed_loop_burst_uses_both_replicas():
+    """A burst of one prefix: the holder takes it until it is imbalance_threshold ahead."""
+    p = PrefixAwarePolicy(block_size=BS, imbalance_threshold=3, seed=0)
+    prefix = list(range(200, 240))
+    inflight = {"a": 0, "b": 0}
+    for i in range(12):
+        chosen = route(p, loads(**inflight), req(prefix + [i] * 4))
+        inflight[chosen] += 1
+    assert inflight["a"] > 0 and inflight["b"] > 0
+
+
+def test_prefix_aware_match_is_a_chain_and_respects_salt():
+    p = PrefixAwarePolicy(block_size=BS, seed=0)
+    p.on_routed("a", req([1, 2, 3, 4, 5, 6, 7, 8]))
+    h = p.block_hashes(req([1, 2, 3, 4, 5, 6, 7, 8]))
+    assert p.match_lengths(h, {"a", "b"}) == {"a": 2}
+    # same second block after a different first block: no match at all
+    assert p.match_lengths(p.block_hashes(req([9, 9, 9, 9, 5, 6, 7, 8])), {"a"}) == {}
+    salted = RouteRequest("s", [1, 2, 3, 4, 5, 6, 7, 8], cache_salt="tenant-1")
+    assert p.match_lengths(p.block_hashes(salted), {"a"}) == {}
+
+
+def test_prefix_aware_forgets_removed_replicas_and_bounds_its_table():
+    p = PrefixAwarePolicy(block_size=BS, max_table_entries=16, seed=0)
+    for i in range(20):
+        p.on_routed("a" if i % 2 else "b", req([i] * 16))
+    assert len(p._table) <= 16
+    p.on_replicas_changed({"a"})
+    assert all(holders == {"a"} for holders in p._table.values())
+
+
+def test_block_hashes_match_the_engine_cache_hashes():
+    """The router must hash exactly like the KV cache manager (same function, same chain)."""
+    from scheduler import hash_token_blocks
+
+    p = PrefixAwarePolicy(block_size=16)
+    tokens = list(range(50))
+    assert p.block_hashes(req(tokens)) == hash_token_blocks(tokens, 16)
+    assert len(p.block_hashes(req(tokens))) == 3  # full blocks only
