@@ -22,6 +22,7 @@ is written device-agnostically but has only been exercised with gloo on CPU.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import socket
@@ -69,9 +70,11 @@ class TPWorkerActor:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> Optional[ModelRunnerOutput]:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> tuple[Optional[ModelRunnerOutput], float]:
+        """(rank 0's output or None, seconds this rank spent in the step)."""
+        t0 = time.perf_counter()
         out = self.worker.execute_model(scheduler_output)
-        return out if self.worker.rank == 0 else None
+        return (out if self.worker.rank == 0 else None), time.perf_counter() - t0
 
     def shutdown(self) -> None:
         from replica.parallel import destroy_tp_group
@@ -92,6 +95,8 @@ class RayTPExecutor(Executor):
 
         self._ray = ray
         self.step_timeout_s = step_timeout_s
+        # (driver wall seconds, slowest rank's seconds) per step, for benchmarks.
+        self.step_timings: collections.deque = collections.deque(maxlen=10_000)
         tp = args.tensor_parallel_size
         if not ray.is_initialized():
             # Offline use (LLM / fleetserve generate): an embedded local Ray on loopback.
@@ -159,9 +164,13 @@ class RayTPExecutor(Executor):
         self._get([w.initialize_kv_cache.remote(num_blocks) for w in self.workers], 120)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
         ref = self._ray.put(scheduler_output)
         results = self._get([w.execute_model.remote(ref) for w in self.workers], self.step_timeout_s)
-        return results[0]
+        wall = time.perf_counter() - t0
+        # What the fan-out (put, calls, result return) costs on top of the ranks' own work.
+        self.step_timings.append((wall, max(t for _, t in results)))
+        return results[0][0]
 
     def shutdown(self) -> None:
         ray = self._ray
