@@ -18,16 +18,10 @@ from typing import Any, Callable, Optional
 
 from pydantic import ValidationError
 
+from cluster.cli_engine import add_engine_flags, engine_kwargs
+from cluster.generate import add_generate_parser
+
 log = logging.getLogger("fleetserve")
-
-# CLI flag (vLLM's spelling) -> EngineArgs field. The type comes from argparse below.
-ENGINE_FLAGS = {
-    "model": str, "served_model_name": str, "max_num_seqs": int, "max_num_batched_tokens": int,
-    "max_model_len": int, "tensor_parallel_size": int, "dtype": str, "block_size": int,
-    "num_gpu_blocks_override": int, "kv_cache_memory_bytes": int, "max_waiting_requests": int,
-    "scheduling_policy": str, "seed": int, "num_threads": int,
-}
-
 
 def add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over OpenAI HTTP and gRPC from a Ray cluster",
@@ -35,13 +29,7 @@ def add_serve_parser(sub) -> None:
                        argument_default=argparse.SUPPRESS)
     p.add_argument("model_tag", nargs="?", help="the model (same as --model)")
     p.add_argument("--config", help="application YAML; flags given here override it")
-    engine = p.add_argument_group("engine (vLLM flag names)")
-    for name, typ in ENGINE_FLAGS.items():
-        engine.add_argument("--" + name.replace("_", "-"), dest=name, type=typ)
-    engine.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
-                        action=argparse.BooleanOptionalAction)
-    engine.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill",
-                        action=argparse.BooleanOptionalAction)
+    add_engine_flags(p)
     app = p.add_argument_group("application")
     app.add_argument("--num-replicas", type=int, help="engine replicas (default 2)")
     app.add_argument("--routing-policy", choices=["power_of_two", "least_loaded", "prefix_aware"])
@@ -61,10 +49,7 @@ def config_from_args(args: argparse.Namespace):
     from cluster.config import AppConfig
 
     given = vars(args)
-    engine = {k: given[k] for k in (*ENGINE_FLAGS, "enable_prefix_caching", "enable_chunked_prefill")
-              if k in given}
-    if "model_tag" in given and given["model_tag"]:
-        engine.setdefault("model", given["model_tag"])
+    engine = engine_kwargs(args)
     overrides: dict[str, Any] = {"engine": engine} if engine else {}
     for flag, field in (("num_replicas", "num_replicas"), ("routing_policy", "routing_policy"),
                         ("api_key", "api_key"), ("address", "address"),
@@ -118,7 +103,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-SUBCOMMANDS: list[Callable] = [add_serve_parser]
+SUBCOMMANDS: list[Callable] = [add_serve_parser, add_generate_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,39 @@
+"""`fleetserve generate`: the offline one-shot command."""
+
+import pytest
+
+from cluster.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from replica.testing import make_tiny_llama
+
+    return str(make_tiny_llama(tmp_path_factory.mktemp("gen-model")))
+
+
+def test_generate_prints_the_engine_output(tiny_dir, capsys):
+    from replica.llm import LLM
+    from scheduler import SamplingParams
+
+    rc = main(["generate", "The quick brown fox", "--model", tiny_dir, "--dtype", "float32",
+               "--max-tokens", "6", "--ignore-eos", "--quiet", "--num-threads", "1"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    llm = LLM(tiny_dir, dtype="float32", num_threads=1)
+    (ref,) = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                          use_tqdm=False)
+    assert printed == ref.outputs[0].text + "\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "no-such-model"], "unknown model"),
+    (["--max-tokens", "0"], "max_tokens"),
+    (["--temperature", "-1"], "temperature"),
+    (["--max-num-seqs", "0"], "max_num_seqs"),
+])
+def test_generate_bad_input_is_a_clear_message(tiny_dir, capsys, argv, message):
+    argv = ["generate", "hi", "--quiet"] + (argv if argv[0] == "--model" else ["--model", tiny_dir] + argv)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
