@@ -34,6 +34,7 @@ class RequestMetrics:
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
     finished_time: Optional[float] = None
+    num_generation_tokens: int = 0
 
     @property
     def queue_time(self) -> Optional[float]:
@@ -46,6 +47,14 @@ class RequestMetrics:
         if self.first_token_time is None:
             return None
         return self.first_token_time - self.arrival_time
+
+    @property
+    def decode_tokens_per_s(self) -> Optional[float]:
+        """Output tokens per second after the first token (None until there are two)."""
+        if self.first_token_time is None or self.last_token_time is None \
+                or self.last_token_time <= self.first_token_time:
+            return None
+        return (self.num_generation_tokens - 1) / (self.last_token_time - self.first_token_time)
 
     @property
     def e2e(self) -> Optional[float]:

@@ -90,7 +90,6 @@ class _ParentState:
     metrics: RequestMetrics
     num_children: int
     num_finished: int = 0
-    num_generated: int = 0
     prompt_logprobs: Optional[list] = None
     itl: list[float] = field(default_factory=list)
     child_ids: list[str] = field(default_factory=list)
@@ -181,7 +180,8 @@ class OutputProcessor:
         if finish_reason is not None:
             child.finished = True
             child.parent.num_finished += 1
-        logprobs = _to_dicts(out.new_logprobs) if out.new_logprobs and child.num_logprobs is not None else None
+        # A request that asked for logprobs always carries a list (empty without new tokens).
+        logprobs = _to_dicts(out.new_logprobs or ()) if child.num_logprobs is not None else None
         return CompletionOutput(child.index, text, list(token_ids), logprobs, finish_reason, stop_reason)
 
     def _observe(self, parent: _ParentState, num_new: int, now: float) -> None:
@@ -197,7 +197,7 @@ class OutputProcessor:
                 if self.metrics is not None:
                     self.metrics.itl.observe(now - m.last_token_time)
             m.last_token_time = now
-            parent.num_generated += num_new
+            m.num_generation_tokens += num_new
             if self.metrics is not None:
                 self.metrics.generation_tokens.inc(num_new)
 
