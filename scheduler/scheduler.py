@@ -249,6 +249,21 @@ class Scheduler:
         holders.extend(r for r in self.waiting if r.request_id in owned)
         return holders
 
+    def _lookup(self, request: Request) -> Optional[tuple[list, int, int, bool]]:
+        """(local hit blocks, local hit tokens, external tokens, load_async) for a
+        request about to be admitted; None when the connector asks to wait."""
+        if request.request_id in self.kv.req_to_blocks:
+            # Back from a remote KV load: it already holds its blocks.
+            return [], request.num_computed_tokens, 0, False
+        hits, computed = self.kv.get_computed_blocks(request)
+        if self.connector is None:
+            return hits, computed, 0, False
+        ext, load_async = self.connector.get_num_new_matched_tokens(request, computed)
+        if ext is None:  # the connector does not know yet: ask again later
+            return None
+        # At least the last prompt token is always computed here.
+        return hits, computed, max(0, min(ext, request.num_tokens - 1 - computed)), load_async
+
     def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
                           new_blocks: dict[str, list[int]], new_reqs: list[Request]) -> None:
         cfg = self.config
@@ -258,26 +273,14 @@ class Scheduler:
         holders_only = False
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             request = self.waiting.peek()
-            # A request back from a remote KV load already holds its blocks.
             fresh = request.request_id not in kv.req_to_blocks
-            if holders_only and fresh:
+            lookup = None if holders_only and fresh else self._lookup(request)
+            if lookup is None:
                 skipped.append(self.waiting.pop())
                 continue
-            hits, num_external, load_async = [], 0, False
-            if fresh:
-                hits, computed = kv.get_computed_blocks(request)
-                if self.connector is not None:
-                    ext, load_async = self.connector.get_num_new_matched_tokens(request, computed)
-                    if ext is None:  # the connector does not know yet: ask again later
-                        skipped.append(self.waiting.pop())
-                        continue
-                    # At least the last prompt token is always computed here.
-                    num_external = max(0, min(ext, request.num_tokens - 1 - computed))
-            else:
-                computed = request.num_computed_tokens
-            if load_async:
-                n = 0
-            else:
+            hits, computed, num_external, load_async = lookup
+            n = 0
+            if not load_async:
                 n = self._num_new_tokens(request.num_tokens, computed + num_external,
                                          request.num_tokens)
                 if not cfg.enable_chunked_prefill and n > budget:
@@ -286,12 +289,10 @@ class Scheduler:
                     continue
                 n = min(n, budget)
             # A fresh request has num_computed_tokens == 0 here: allocate_slots
-            # counts the hits itself (setting it to `computed` first would count
-            # them twice, over-allocate and cache blocks not yet computed).
+            # counts the hits itself.
             blocks = None
             if self.capacity.can_admit(request, hits, kv):
-                blocks = kv.allocate_slots(request, n, hits, num_external,
-                                           delay_caching=load_async)
+                blocks = kv.allocate_slots(request, n, hits, num_external, delay_caching=load_async)
             if blocks is None:
                 # Waiting requests back from a remote load hold blocks that no
                 # preemption can reclaim: let them go first, or a request that
@@ -306,15 +307,7 @@ class Scheduler:
             self.waiting.pop()
             request.num_computed_tokens = computed + num_external
             if fresh:
-                kv.record_prefix_lookup(request.num_tokens, len(hits) * kv.block_size)
-                request.num_external_computed_tokens = num_external
-                if request.num_preemptions == 0:
-                    request.num_cached_tokens = computed + num_external
-                if self.connector is not None:
-                    self.connector.update_state_after_alloc(
-                        request, kv.get_block_ids(request.request_id), num_external)
-                # A parked request holds blocks too: reserve its future ones now.
-                self.capacity.admitted(request, kv)
+                self._admitted_fresh(request, len(hits) * kv.block_size, num_external)
             if load_async:
                 # Blocks are held; the worker fills them in the background.
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -328,6 +321,19 @@ class Scheduler:
             budget -= n
         for request in reversed(skipped):
             self.waiting.prepend(request)
+
+    def _admitted_fresh(self, request: Request, num_local_hit: int, num_external: int) -> None:
+        """Bookkeeping for a request that got its first blocks."""
+        kv = self.kv
+        kv.record_prefix_lookup(request.num_tokens, num_local_hit)
+        request.num_external_computed_tokens = num_external
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_local_hit + num_external
+        if self.connector is not None:
+            self.connector.update_state_after_alloc(
+                request, kv.get_block_ids(request.request_id), num_external)
+        # A parked request holds blocks too: reserve its future ones now.
+        self.capacity.admitted(request, kv)
 
     def _build_output(self, num_scheduled: dict[str, int], new_blocks: dict[str, list[int]],
                       new_reqs: list[Request], preempted: list[Request]) -> SchedulerOutput:
