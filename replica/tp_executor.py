@@ -1,12 +1,14 @@
 """Tensor parallelism across Ray actors: one worker per rank, one process group per replica.
 
     driver (EngineCore)                    rank 0 actor        rank 1 actor ...
-      ray.put(SchedulerOutput) ---------->  execute_model       execute_model
-      (one object, read by every rank)      all-reduce <------> all-reduce  (gloo / NCCL)
-      ray.get(rank 0's result) <----------  ModelRunnerOutput   None
+      SchedulerOutput (a diff) ---------->  execute_model       execute_model
+                                            all-reduce <------> all-reduce  (gloo / NCCL)
+      rank 0's result <-------------------  ModelRunnerOutput   None
 
-The step input is the scheduler's diff, put into the object store once and
-read by each rank; only rank 0 samples and returns a `ModelRunnerOutput`.
+The step input is the scheduler's diff (new requests once, then only new
+tokens and block ids), sent to each rank with the call; only rank 0 samples
+and returns a `ModelRunnerOutput`. Ray's compiled graphs (shared-memory
+channels) would cut the per-call cost further; not done yet.
 Workers live in a placement group (one bundle per rank, PACK by default) and
 rendezvous over TCP on a free port chosen by rank 0's node (never a fixed
 port). The process group uses NCCL when CUDA is present and gloo otherwise,
@@ -165,8 +167,11 @@ class RayTPExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()
-        ref = self._ray.put(scheduler_output)
-        results = self._get([w.execute_model.remote(ref) for w in self.workers], self.step_timeout_s)
+        # Passed by value: a step's diff is small enough for Ray to inline it in
+        # each call, which measured half the overhead of ray.put + a reference
+        # (about 3 vs 6.5 ms per step with two ranks on this 2-core machine).
+        results = self._get([w.execute_model.remote(scheduler_output) for w in self.workers],
+                            self.step_timeout_s)
         wall = time.perf_counter() - t0
         # What the fan-out (put, calls, result return) costs on top of the ranks' own work.
         self.step_timings.append((wall, max(t for _, t in results)))
