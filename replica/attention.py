@@ -23,7 +23,17 @@ padding. For request i with `context_lens[i]` tokens already cached and
   `index_select` into [kv_heads, B, L, head_dim] (L = longest row, padded to
   whole blocks), and attention is two `bmm`s over the kv_heads * B batch with
   the query heads of a group as the M dimension -- GQA costs nothing, the
-  cache is never repeated per query head -- and an additive length mask;
+  cache is never repeated per query head -- and an additive length mask.
+  That gather copies every decode row's keys and values in every layer at
+  every step (~25% of a batch-64 decode step), so each layer keeps its
+  gathered copy as a *decode buffer* [2, kv_heads, B, W, head_dim] from step
+  to step: when this step's decode rows are last step's rows one token
+  further (checked once per step from (request id, first block, length) per
+  row; the runner passes request ids to `build`), the new
+  token is appended (one small `index_copy_`) and the bmms read the buffer;
+  the blocks are gathered again only when the batch changes or the width W
+  (one block of headroom) runs out. The paged cache stays the source of truth
+  (it is written as before), so prefix caching and KV transfer are unaffected;
 * **prefill chunks** (query_len > 1) run `scaled_dot_product_attention` per
   request (its `enable_gqa`, no repeated K/V): causal on the new K/V when there is no cached context, otherwise
   over the request's blocks read back from the cache with a causal mask
@@ -80,23 +90,72 @@ class AttentionMetadata:
     # [1, B, 1, max_blocks * block_size] float32: 0 where a key exists, -inf past the row's length.
     decode_bias: Optional[torch.Tensor] = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # Per decode row (request id, first block id, sequence length incl. the new token), when the
+    # caller passed request ids: lets a layer tell that this step's decode rows are last step's
+    # rows, each one token longer. None: no carrying over between steps.
+    decode_row_keys: Optional[tuple] = None
+    decode_seq_lens: Optional[torch.Tensor] = None  # [B] long
+    decode_max_len: int = 0
+    _successor: dict = field(default_factory=dict)
     # (num_kv_heads, num_blocks) -> rows of the [kv_heads * num_blocks, block] cache view to gather.
     _gather_index: dict = field(default_factory=dict)
 
-    def decode_gather_index(self, num_kv_heads: int, num_blocks: int) -> torch.Tensor:
-        """[kv_heads * B * max_blocks] long: row h * num_blocks + block of every (head, decode row, block)."""
-        key = (num_kv_heads, num_blocks)
+    def continues(self, prev_keys: Optional[tuple]) -> bool:
+        """Whether this step's decode rows are exactly `prev_keys`' rows (same order), one token further."""
+        if prev_keys is None or self.decode_row_keys is None:
+            return False
+        hit = self._successor.get(id(prev_keys))
+        if hit is None or hit[0] is not prev_keys:
+            cur = self.decode_row_keys
+            ok = len(cur) == len(prev_keys) and all(
+                r == pr and b == pb and n == pn + 1 for (r, b, n), (pr, pb, pn) in zip(cur, prev_keys))
+            hit = (prev_keys, ok)
+            self._successor[id(prev_keys)] = hit
+        return hit[1]
+
+    def decode_bias_width(self, width: int) -> torch.Tensor:
+        """[1, B, 1, width] float32: 0 where a key exists, -inf past the row's length (memoized per width)."""
+        key = ("bias", width)
+        bias = self._gather_index.get(key)
+        if bias is None:
+            valid = torch.arange(width, device=self.decode_seq_lens.device)[None, :] < self.decode_seq_lens[:, None]
+            bias = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device).masked_fill_(
+                ~valid, float("-inf"))[None, :, None, :]
+            self._gather_index[key] = bias
+        return bias
+
+    def decode_append_index(self, width: int) -> torch.Tensor:
+        """[B] long: row b * width + (seq_len_b - 1), where each decode row's new token goes in a buffer."""
+        key = ("append", width)
         idx = self._gather_index.get(key)
         if idx is None:
-            heads = torch.arange(num_kv_heads, device=self.decode_block_ids.device) * num_blocks
-            idx = (heads[:, None] + self.decode_block_ids[None, :]).reshape(-1)
+            rows = torch.arange(self.num_decodes, device=self.decode_seq_lens.device)
+            idx = rows * width + self.decode_seq_lens - 1
+            self._gather_index[key] = idx
+        return idx
+
+    def decode_gather_index(self, num_kv_heads: int, num_blocks: int, extra_blocks: int = 0) -> torch.Tensor:
+        """[kv_heads * B * (max_blocks + extra_blocks)] long: row h * num_blocks + block of every
+        (head, decode row, block); the `extra_blocks` per row point at block 0 (headroom, masked)."""
+        key = (num_kv_heads, num_blocks, extra_blocks)
+        idx = self._gather_index.get(key)
+        if idx is None:
+            blocks = self.decode_block_ids.view(self.num_decodes, -1)
+            if extra_blocks:
+                blocks = torch.cat([blocks, blocks.new_zeros(self.num_decodes, extra_blocks)], dim=1)
+            heads = torch.arange(num_kv_heads, device=blocks.device) * num_blocks
+            idx = (heads[:, None] + blocks.reshape(1, -1)).reshape(-1)
             self._gather_index[key] = idx
         return idx
 
     @staticmethod
     def build(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int,
-              device: torch.device | str = "cpu") -> "AttentionMetadata":
-        """Index tensors for one step. `block_tables[i]` must cover context_lens[i] + query_lens[i] tokens."""
+              device: torch.device | str = "cpu", request_ids: Optional[list] = None) -> "AttentionMetadata":
+        """Index tensors for one step. `block_tables[i]` must cover context_lens[i] + query_lens[i] tokens.
+
+        `request_ids` (one per request, unique among live requests) lets decode attention carry
+        its per-layer buffer over from the previous step; without them it is rebuilt every step.
+        """
         n = len(query_lens)
         if not (len(context_lens) == len(block_tables) == n):
             raise ValueError("query_lens, context_lens and block_tables must have one entry per request")
@@ -124,7 +183,7 @@ class AttentionMetadata:
             last_token_indices=(starts + q_lens - 1).to(device))
         decode_rows = [i for i, q in enumerate(query_lens) if q == 1]
         if decode_rows:
-            md._build_decodes(decode_rows, table, starts, seq_lens, block_size, device)
+            md._build_decodes(decode_rows, table, starts, seq_lens, block_size, device, request_ids)
         start_list = starts.tolist()
         for i, (q, c) in enumerate(zip(query_lens, context_lens)):
             if q == 1:
@@ -139,7 +198,7 @@ class AttentionMetadata:
         return md
 
     def _build_decodes(self, rows: list[int], table: torch.Tensor, starts: torch.Tensor, seq_lens: list[int],
-                       block_size: int, device: torch.device) -> None:
+                       block_size: int, device: torch.device, request_ids: Optional[list] = None) -> None:
         rows_t = torch.tensor(rows, dtype=torch.long)
         lens = torch.tensor([seq_lens[i] for i in rows], dtype=torch.long)
         max_blocks = -(-int(lens.max()) // block_size)
@@ -152,6 +211,11 @@ class AttentionMetadata:
         self.num_decodes = len(rows)
         self.decode_max_blocks = max_blocks
         self.decode_block_ids = table[rows_t, :max_blocks].reshape(-1).to(device)
+        if request_ids is not None:
+            self.decode_row_keys = tuple(zip([request_ids[i] for i in rows], table[rows_t, 0].tolist(),
+                                             lens.tolist()))
+        self.decode_seq_lens = lens.to(device)
+        self.decode_max_len = int(lens.max())
         valid = torch.arange(max_blocks * block_size)[None, :] < lens[:, None]  # [B, L]
         self.decode_bias = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(
             ~valid, float("-inf"))[None, :, None, :].to(device)
@@ -159,6 +223,11 @@ class AttentionMetadata:
 
 class PagedAttention(nn.Module):
     """Attention of one layer (this rank's heads) over its paged KV cache."""
+
+    # Keep a per-layer contiguous copy of the decode rows' keys/values across steps (see
+    # `_decode_buffer`); past `decode_buffer_max_bytes` per layer, blocks are gathered every step.
+    use_decode_buffer = True
+    decode_buffer_max_bytes = 16 << 20
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: Optional[float] = None):
         super().__init__()
@@ -169,6 +238,8 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
         self.scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+        # Decode buffer: (buffer [2, KVH, B, W, D], row keys it holds, cache data_ptr) or None.
+        self._dbuf: Optional[tuple] = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:
@@ -182,11 +253,11 @@ class PagedAttention(nn.Module):
         v_cache.view(KVH, -1, D).index_copy_(1, md.slot_mapping, v.transpose(0, 1))
 
         if md.num_decodes == T:
-            return self._decode(q, k_cache, v_cache, md)
+            return self._decode(q, k, v, k_cache, v_cache, md)
         out = torch.empty_like(q)
         if md.num_decodes:
             rows = md.decode_slice if md.decode_slice is not None else md.decode_token_indices
-            out[rows] = self._decode(q[rows], k_cache, v_cache, md).view(-1, self.num_heads, D)
+            out[rows] = self._decode(q[rows], k[rows], v[rows], k_cache, v_cache, md).view(-1, self.num_heads, D)
         for chunk in md.prefills:
             out[chunk.start:chunk.end] = self._prefill(q, k, v, k_cache, v_cache, chunk)
         return out.view(T, -1)
@@ -206,20 +277,67 @@ class PagedAttention(nn.Module):
                                            is_causal=causal, scale=self.scale, enable_gqa=self.group > 1)
         return o[0].transpose(0, 1)  # [q, H, d]
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                md: AttentionMetadata) -> torch.Tensor:
-        """q [B, H, d] (one query per request) -> [B, H * d]."""
+    def _decode_buffer(self, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, md: AttentionMetadata) -> Optional[torch.Tensor]:
+        """[2, KVH, B, W, D]: every decode row's keys/values, contiguous, kept from step to step.
+
+        Gathering the rows' blocks out of the paged cache costs a copy of all their
+        keys and values in every layer at every step (a quarter of a decode step
+        at batch 64). Instead each layer keeps last step's gathered copy and, when
+        this step's decode rows are the same requests one token further (the
+        steady state of decoding), appends the new token; it is re-gathered when
+        the batch changes or the width W (a block of headroom) runs out.
+        """
+        if not self.use_decode_buffer:
+            return None
+        KVH, D = self.num_kv_heads, self.head_dim
+        B, bs = md.num_decodes, md.block_size
+        state = self._dbuf
+        if (state is not None and state[2] == k_cache.data_ptr() and md.decode_max_len <= state[0].shape[3]
+                and md.continues(state[1])):
+            buf = state[0]
+            W = buf.shape[3]
+            idx = md.decode_append_index(W)
+            buf[0].view(KVH, B * W, D).index_copy_(1, idx, k_new.view(B, KVH, D).transpose(0, 1))
+            buf[1].view(KVH, B * W, D).index_copy_(1, idx, v_new.view(B, KVH, D).transpose(0, 1))
+            self._dbuf = (buf, md.decode_row_keys, state[2])
+            return buf
+        W = (md.decode_max_blocks + 1) * bs  # one block of headroom
+        if 2 * KVH * B * W * D * k_cache.element_size() > self.decode_buffer_max_bytes:
+            self._dbuf = None
+            return None
+        self._dbuf = None  # free the old one first
+        buf = torch.empty(2, KVH, B, W, D, dtype=k_cache.dtype, device=k_cache.device)
+        num_blocks = k_cache.shape[1]
+        # Straight into the buffer (no second copy): the headroom block is block 0's data, finite
+        # (the cache is zero-initialized) and masked until this row's tokens overwrite it.
+        idx = md.decode_gather_index(KVH, num_blocks, extra_blocks=1)
+        for j, cache in enumerate((k_cache, v_cache)):
+            torch.index_select(cache.view(KVH * num_blocks, -1), 0, idx, out=buf[j].view(idx.numel(), -1))
+        self._dbuf = (buf, md.decode_row_keys, k_cache.data_ptr())
+        return buf
+
+    def _decode(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """q [B, H, d] (one query per request), k_new/v_new its new keys/values -> [B, H * d]."""
         B, H, D = q.shape
         KVH, G = self.num_kv_heads, self.group
-        L = md.decode_max_blocks * md.block_size
-        num_blocks = k_cache.shape[1]
-        idx = md.decode_gather_index(KVH, num_blocks)
-        # [KVH * B, L, d]: every decode row's blocks, per kv head, one contiguous copy.
-        keys = k_cache.view(KVH * num_blocks, -1).index_select(0, idx).view(KVH * B, L, D)
-        values = v_cache.view(KVH * num_blocks, -1).index_select(0, idx).view(KVH * B, L, D)
+        buf = self._decode_buffer(k_new, v_new, k_cache, v_cache, md)
+        if buf is not None:
+            L = buf.shape[3]
+            keys, values = buf[0].view(KVH * B, L, D), buf[1].view(KVH * B, L, D)
+            bias = md.decode_bias_width(L)
+        else:
+            L = md.decode_max_blocks * md.block_size
+            num_blocks = k_cache.shape[1]
+            idx = md.decode_gather_index(KVH, num_blocks)
+            # [KVH * B, L, d]: every decode row's blocks, per kv head, one contiguous copy.
+            keys = k_cache.view(KVH * num_blocks, -1).index_select(0, idx).view(KVH * B, L, D)
+            values = v_cache.view(KVH * num_blocks, -1).index_select(0, idx).view(KVH * B, L, D)
+            bias = md.decode_bias
         # Query heads of one kv head are the rows of one small matmul: [KVH * B, G, d].
         qg = q.view(B, KVH, G, D).transpose(0, 1).reshape(KVH * B, G, D)
         scores = torch.bmm(qg, keys.transpose(1, 2)).view(KVH, B, G, L)
-        probs = torch.softmax(scores.float().mul_(self.scale).add_(md.decode_bias), dim=-1).to(q.dtype)
+        probs = torch.softmax(scores.float().mul_(self.scale).add_(bias), dim=-1).to(q.dtype)
         out = torch.bmm(probs.view(KVH * B, G, L), values)  # [KVH * B, G, d]
         return out.view(KVH, B, G, D).transpose(0, 1).reshape(B, H * D)

@@ -130,7 +130,8 @@ class ModelRunner:
 
         device = self.device
         attn_metadata = AttentionMetadata.build(
-            query_lens, context_lens, [s.block_ids for s in states], self.block_size, device)
+            query_lens, context_lens, [s.block_ids for s in states], self.block_size, device,
+            request_ids=req_ids)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),
