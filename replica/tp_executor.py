@@ -87,6 +87,37 @@ class TPWorkerActor:
         return os.getpid()
 
 
+def check_tp_size(args: EngineArgs) -> None:
+    """Refuse a TP size the model cannot be split by before starting any worker."""
+    from replica.model_registry import resolve_model
+    from replica.weights import gguf_config, load_hf_config
+
+    tp = args.tensor_parallel_size
+    source = resolve_model(args.model)
+    if source.kind == "hf":
+        cfg = load_hf_config(source.path)
+    else:
+        from replica.gguf_reader import GGUFFile
+
+        f = GGUFFile(source.path)
+        try:
+            cfg = gguf_config(f.metadata, set(f.tensors), source.path)
+        finally:
+            f.close()
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    problems = []
+    if heads % tp:
+        problems.append(f"{heads} attention heads")
+    if kv_heads % tp and tp % kv_heads:
+        problems.append(f"{kv_heads} kv heads (neither divisible by it nor dividing it)")
+    if cfg.intermediate_size % tp:
+        problems.append(f"intermediate size {cfg.intermediate_size}")
+    if problems:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the model {args.model!r}: "
+                         f"{', '.join(problems)} are not divisible by {tp}")
+
+
 class RayTPExecutor(Executor):
     def __init__(self, args: EngineArgs, eos_token_id: Optional[int],
                  step_timeout_s: float = 60.0, start_timeout_s: float = 300.0) -> None:
@@ -95,6 +126,7 @@ class RayTPExecutor(Executor):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        check_tp_size(args)
         self._ray = ray
         self.step_timeout_s = step_timeout_s
         # (driver wall seconds, slowest rank's seconds) per step, for benchmarks.

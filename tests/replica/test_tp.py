@@ -103,3 +103,29 @@ def test_killed_worker_fails_requests_not_hang(local_ray, tiny_model_dir):
             engine.check_health()
     finally:
         engine.shutdown()
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_smollm2_tp3_matches_tp1(local_ray):
+    from replica.llm import LLM
+
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    sp = SamplingParams(temperature=0.0, max_tokens=12)
+    outs = {}
+    for tp in (1, 3):
+        llm = LLM("smollm2-135m", dtype="float32", num_gpu_blocks_override=64, tensor_parallel_size=tp,
+                  num_threads=1)
+        try:
+            outs[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        finally:
+            llm.core.shutdown()
+    assert outs[1] == outs[3]
+
+
+@pytest.mark.real_model
+def test_smollm2_tp2_refused_clearly():
+    from replica.llm import LLM
+
+    with pytest.raises(ValueError, match="9 attention heads.*not divisible by 2"):
+        LLM("smollm2-135m", tensor_parallel_size=2)
