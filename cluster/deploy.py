@@ -29,11 +29,34 @@ ENGINE_DEPLOYMENT = "engine"
 INGRESS_DEPLOYMENT = "ingress"
 _NO_ACCESS_LOG = {"enable_access_log": False}
 
+# Ray Serve settings on the request path (measured in benchmarks/serving.py, issue 5):
+# by default Serve runs user code on a second event loop in its own thread and a
+# handle's router on a third, so every request and every streamed chunk crosses
+# threads (and the GIL) several times in the ingress and in the engine replica:
+# ~5 ms of TTFT and ~1 ms per chunk on 2 busy cores. Our user code never blocks
+# its loop (the engine steps on its own thread; the ingress's per-request work is
+# ~0.5 ms of tokenizing and validation), so it can run on Serve's loop.
+# A value already in the environment wins (export ...=1 to get Serve's defaults back).
+SERVE_ENV_DEFAULTS = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+}
+
+
+def serve_env() -> dict[str, str]:
+    """The Serve request-path settings, environment overrides applied."""
+    return {k: os.environ.get(k, v) for k, v in SERVE_ENV_DEFAULTS.items()}
+
 
 def connect_ray(config: AppConfig, **init_kwargs) -> None:
     """Start an embedded local Ray (loopback) or join `config.address`."""
     if ray.is_initialized():
         return
+    # Serve reads these when its modules are imported in each process: set here,
+    # the embedded Ray's processes (proxy, controller, replicas) inherit them; the
+    # replicas also get them through their runtime_env (a joined cluster).
+    for key, value in serve_env().items():
+        os.environ.setdefault(key, value)
     if config.address:
         ray.init(address=config.address, **init_kwargs)
         return
@@ -64,12 +87,14 @@ def build_app(config: AppConfig):
     replica = serve.deployment(
         EngineReplica, name=ENGINE_DEPLOYMENT, num_replicas=config.num_replicas,
         max_ongoing_requests=config.max_ongoing_requests,
-        ray_actor_options={"num_cpus": config.num_cpus_per_replica},
+        ray_actor_options={"num_cpus": config.num_cpus_per_replica,
+                           "runtime_env": {"env_vars": serve_env()}},
         request_router_config=router_config, logging_config=_NO_ACCESS_LOG,
         health_check_period_s=10, graceful_shutdown_timeout_s=5)
     ingress = serve.deployment(
         IngressDeployment, name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=100_000,
-        ray_actor_options={"num_cpus": 0}, logging_config=_NO_ACCESS_LOG)
+        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": serve_env()}},
+        logging_config=_NO_ACCESS_LOG)
     aliases = tuple({engine.model} - {config.served_model_name})
     engine_args = engine.model_dump()
     if engine_args["num_threads"] is None:

@@ -63,4 +63,8 @@ def default_kv_cache_bytes(device: torch.device) -> int:
         avail = avail_kb * 1024
     except (OSError, StopIteration):
         avail = 8 << 30
-    return int(min(2 << 30, avail * 0.2))
+    # On CPU the KV cache is ordinary process memory next to Ray, the other
+    # replicas and everything else on the host: 1 GiB holds ~46k tokens of
+    # SmolLM2-135M in bf16 (23 KB per token), several full 8k contexts; more is
+    # an explicit choice (kv_cache_memory_bytes or num_gpu_blocks_override).
+    return int(min(1 << 30, avail * 0.1))

@@ -11,6 +11,7 @@ tokenizer, model name and context length come from a replica once
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import json
 import uuid
@@ -66,6 +67,7 @@ class Ingress(GrpcMethods):
                  model_aliases: tuple[str, ...] = ()) -> None:
         self._engine = engine
         self._stream = engine.options(stream=True)
+        self._generate = self._stream.generate  # built once: each attribute access makes a new handle
         self.served_model_name = served_model_name
         self._model_names = {served_model_name, *model_aliases}
         self._api_key = api_key
@@ -140,7 +142,7 @@ class Ingress(GrpcMethods):
 
     async def open_stream(self, body: dict):
         """Send to a replica; return (generator, first item). The first item may be an error."""
-        gen = self._stream.generate.remote(body)
+        gen = ReplicaStream(self._generate.remote(body))
         try:
             first = await gen.__anext__()
         except BaseException:
@@ -338,6 +340,32 @@ class Ingress(GrpcMethods):
                 raise APIError(f"the request body is larger than {limit} bytes", 413)
             chunks.append(chunk)
         return b"".join(chunks)
+
+
+class ReplicaStream:
+    """A replica's `generate` stream, one delta at a time. The replica sends a list
+    when several deltas were ready at once (router.replica.ready_batches); they are
+    handed out here without awaiting in between, so their SSE chunks also leave in one
+    ASGI message."""
+
+    def __init__(self, gen) -> None:
+        self._gen = gen
+        self._ready: collections.deque = collections.deque()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self._ready:
+            return self._ready.popleft()
+        item = await self._gen.__anext__()
+        if isinstance(item, list):
+            self._ready.extend(item[1:])
+            return item[0]
+        return item
+
+    def cancel(self) -> None:
+        self._gen.cancel()
 
 
 IngressDeployment = serve.ingress(app)(Ingress)

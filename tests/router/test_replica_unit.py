@@ -66,3 +66,72 @@ def test_bad_params_and_too_long_prompt_are_400_items(replica):
         assert long["status"] == 400 and long["error"]["message"]
 
     asyncio.run(go())
+
+
+class _Out:
+    def __init__(self, i: int, finished: bool = False) -> None:
+        self.i, self.finished = i, finished
+
+
+def test_ready_batches_sends_at_once_and_groups_only_what_is_queued():
+    from router.replica import ready_batches
+
+    closed = []
+
+    async def engine(queue):
+        try:
+            while True:
+                out = await queue.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            closed.append(True)  # the real engine aborts the request here
+
+    async def go():
+        queue: asyncio.Queue = asyncio.Queue()
+        got = []
+
+        async def slow_consumer():
+            async for batch in ready_batches(engine(queue)):
+                got.append([o.i for o in batch])
+                await asyncio.sleep(0.02)
+
+        task = asyncio.create_task(slow_consumer())
+        for i in range(10):
+            queue.put_nowait(_Out(i, finished=i == 9))
+            await asyncio.sleep(0.005)
+        await task
+        assert [i for b in got for i in b] == list(range(10))
+        assert got[0] == [0] and len(got) < 10  # first alone (TTFT), later ones grouped
+        assert closed
+
+        # A caller that goes away closes the engine's stream (abort).
+        closed.clear()
+        queue = asyncio.Queue()
+
+        async def consumer():
+            async for _ in ready_batches(engine(queue)):
+                pass
+
+        task = asyncio.create_task(consumer())
+        queue.put_nowait(_Out(0))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert closed
+
+        # An error after some outputs: the outputs go out first, then the error.
+        async def failing():
+            yield _Out(0)
+            yield _Out(1)
+            raise ValueError("boom")
+
+        seen = []
+        with pytest.raises(ValueError):
+            async for batch in ready_batches(failing()):
+                seen.extend(o.i for o in batch)
+        assert seen == [0, 1]
+
+    asyncio.run(go())
