@@ -168,8 +168,8 @@ class AsyncEngine:
 
     def _handle(self, result: StepResult) -> None:
         op = self.output_processor
-        if result.first_scheduled:
-            op.mark_scheduled(result.first_scheduled, result.timestamp)
+        if result.newly_scheduled:
+            op.mark_scheduled(result.newly_scheduled, result.timestamp)
         outputs, stopped = op.process(result.outputs)
         if stopped:
             self.core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)

@@ -25,8 +25,8 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class StepResult:
     outputs: list[EngineCoreOutput]
-    # Requests scheduled for the first time in this step (for queue-time stats).
-    first_scheduled: list[str] = field(default_factory=list)
+    # Requests sent in full this step (new, or resumed after preemption).
+    newly_scheduled: list[str] = field(default_factory=list)
     num_scheduled_tokens: int = 0
     timestamp: float = 0.0
 
@@ -52,7 +52,6 @@ class EngineCore:
         self.executor.initialize_kv_cache(num_blocks)
         self.scheduler = create_scheduler(args.scheduler_config(self.max_model_len),
                                           args.cache_config(num_blocks))
-        self._ever_scheduled: set[str] = set()
         capacity = num_blocks * args.block_size
         if capacity < self.max_model_len:
             logger.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: a request "
@@ -66,14 +65,10 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
-        aborted = self.scheduler.abort_requests(request_ids)
-        self._ever_scheduled.difference_update(aborted)
-        return aborted
+        return self.scheduler.abort_requests(request_ids)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[str]:
-        done = self.scheduler.finish_requests(request_ids, status)
-        self._ever_scheduled.difference_update(done)
-        return done
+        return self.scheduler.finish_requests(request_ids, status)
 
     def has_work(self) -> bool:
         return self.scheduler.has_requests()
@@ -82,15 +77,12 @@ class EngineCore:
     def step(self) -> StepResult:
         scheduler_output = self.scheduler.schedule()
         now = time.monotonic()
-        first = [n.req_id for n in scheduler_output.scheduled_new_reqs
-                 if n.req_id not in self._ever_scheduled]
-        self._ever_scheduled.update(first)
         runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        for out in outputs:
-            if out.finished:
-                self._ever_scheduled.discard(out.request_id)
-        return StepResult(outputs, first, scheduler_output.total_num_scheduled_tokens, now)
+        # Resumed (preempted) requests are sent as new again; the output
+        # processor keeps only the first schedule time of each request.
+        scheduled = [n.req_id for n in scheduler_output.scheduled_new_reqs]
+        return StepResult(outputs, scheduled, scheduler_output.total_num_scheduled_tokens, now)
 
     def get_load(self) -> dict:
         s = self.scheduler

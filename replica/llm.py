@@ -60,8 +60,8 @@ class LLM:
         try:
             while op.has_unfinished():
                 result = self.core.step()
-                if result.first_scheduled:
-                    op.mark_scheduled(result.first_scheduled, result.timestamp)
+                if result.newly_scheduled:
+                    op.mark_scheduled(result.newly_scheduled, result.timestamp)
                 deltas, stopped = op.process(result.outputs)
                 if stopped:
                     self.core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)

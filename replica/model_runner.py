@@ -159,10 +159,10 @@ class ModelRunner:
                 sampled[i] = [out.sampled_token_ids[j]]
                 if out.logprobs[j] is not None:
                     logprobs[req_ids[i]] = [out.logprobs[j]]
-        prompt_logprobs = self._prompt_logprobs(so, req_ids, states, query_lens, context_lens, hidden)
+        prompt_logprobs = self._prompt_logprobs(req_ids, states, query_lens, context_lens, hidden)
         return ModelRunnerOutput(req_ids, sampled, logprobs or None, prompt_logprobs or None)
 
-    def _prompt_logprobs(self, so, req_ids, states, query_lens, context_lens, hidden) -> dict:
+    def _prompt_logprobs(self, req_ids, states, query_lens, context_lens, hidden) -> dict:
         """Logprobs of prompt tokens 1.. for requests that asked, chunk by chunk."""
         out = {}
         offset = 0

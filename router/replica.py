@@ -16,22 +16,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sys
 import uuid
 from typing import Any, AsyncIterator, Optional
 
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
+from replica.async_engine import QueueFullError
 from replica.engine_args import EngineArgs
 from router.errors import error_body
 from scheduler import SamplingParams, resolve_obj_by_qualname
 
 logger = logging.getLogger("ray.serve")
-
-
-class _NeverRaised(Exception):
-    pass
 
 
 class EngineReplica:
@@ -41,8 +37,6 @@ class EngineReplica:
         args = EngineArgs.model_validate(engine_args)
         cls = resolve_obj_by_qualname(engine_cls)
         self.engine = cls(args)
-        # The engine's module defines its QueueFullError (replica.async_engine).
-        self._queue_full = getattr(sys.modules[cls.__module__], "QueueFullError", _NeverRaised)
         self.block_size = args.block_size
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -70,7 +64,7 @@ class EngineReplica:
                         items.append(_encode(out, self.replica_id, prompt_len if first else None))
                         first = False
                     yield items[0] if len(items) == 1 else items
-        except self._queue_full as e:
+        except QueueFullError as e:
             yield error_body(str(e) or "the replica's waiting queue is full; retry later",
                              status=429)
         except ValueError as e:
