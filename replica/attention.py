@@ -53,6 +53,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from replica.kernels import ops_for
+
 
 @dataclass(slots=True)
 class PrefillChunk:
@@ -227,6 +229,9 @@ class PagedAttention(nn.Module):
     # Keep a per-layer contiguous copy of the decode rows' keys/values across steps (see
     # `_decode_buffer`); past `decode_buffer_max_bytes` per layer, blocks are gathered every step.
     use_decode_buffer = True
+    # On CPU with the fused kernels built: decode attention reads the paged cache directly
+    # (replica/kernels/cpu_ops.cpp), no gathered copy and no decode buffer.
+    use_decode_kernel = True
     decode_buffer_max_bytes = 16 << 20
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: Optional[float] = None):
@@ -249,8 +254,12 @@ class PagedAttention(nn.Module):
         k = k.view(T, KVH, D)
         v = v.view(T, KVH, D)
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [KVH, num_blocks, block_size, D]
-        k_cache.view(KVH, -1, D).index_copy_(1, md.slot_mapping, k.transpose(0, 1))
-        v_cache.view(KVH, -1, D).index_copy_(1, md.slot_mapping, v.transpose(0, 1))
+        ops = ops_for(q)
+        if ops is not None:
+            ops.reshape_and_cache_(k, v, k_cache, v_cache, md.slot_mapping)
+        else:
+            k_cache.view(KVH, -1, D).index_copy_(1, md.slot_mapping, k.transpose(0, 1))
+            v_cache.view(KVH, -1, D).index_copy_(1, md.slot_mapping, v.transpose(0, 1))
 
         if md.num_decodes == T:
             return self._decode(q, k, v, k_cache, v_cache, md)
@@ -322,6 +331,11 @@ class PagedAttention(nn.Module):
         """q [B, H, d] (one query per request), k_new/v_new its new keys/values -> [B, H * d]."""
         B, H, D = q.shape
         KVH, G = self.num_kv_heads, self.group
+        ops = ops_for(q) if self.use_decode_kernel else None
+        if ops is not None:  # straight from the paged cache, each key/value read once per kv head
+            self._dbuf = None
+            return ops.paged_decode_attention(q, k_cache, v_cache, md.decode_block_ids.view(B, -1),
+                                              md.decode_seq_lens, self.scale)
         buf = self._decode_buffer(k_new, v_new, k_cache, v_cache, md)
         if buf is not None:
             L = buf.shape[3]

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from replica.kernels import ops_for
 from replica.parallel import TPGroup, get_tp_group
 
 
@@ -283,6 +284,9 @@ class RMSNorm(nn.Module):
         param.data.copy_(loaded_weight)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        ops = ops_for(x)
+        if ops is not None:
+            return ops.rms_norm(x, self.weight, self.eps)
         if self.fused and x.dtype != torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
@@ -292,6 +296,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         if residual is None:
             return self._norm(x)
+        ops = ops_for(x)
+        if ops is not None:
+            return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
         residual = x + residual
         return self._norm(residual), residual
 
@@ -300,6 +307,9 @@ class SiluAndMul(nn.Module):
     """[..., 2d] -> silu(x[..., :d]) * x[..., d:] (the gate/up halves of the merged projection)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = ops_for(x)
+        if ops is not None:
+            return ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

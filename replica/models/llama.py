@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from replica.attention import AttentionMetadata, PagedAttention
+from replica.kernels import ops_for
 from replica.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                             RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabParallelEmbedding)
 from replica.parallel import TPGroup, get_tp_group
@@ -54,13 +55,16 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                md: AttentionMetadata) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rope, kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         T = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 KVH) d]
         # Rotate q and k in one go: they are adjacent in the qkv output.
         qk = qkv[:, :self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = RotaryEmbedding.apply(qk, cos, sin).view(T, -1)
+        if isinstance(rope, torch.Tensor):  # positions: the fused kernel rotates qkv in place
+            ops_for(qkv).rotary_embedding_(qk, self.rotary_emb.cos_sin_cache.float(), rope)
+        else:
+            qk = RotaryEmbedding.apply(qk, *rope)
+        qk = qk.view(T, -1)
         q, k = qk.split([self.q_size, self.kv_size], dim=-1)
         v = qkv[:, self.q_size + self.kv_size:]
         return self.o_proj(self.attn(q, k, v, kv_cache, md))
@@ -89,14 +93,14 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], cos: torch.Tensor,
-                sin: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata):
+    def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], rope, kv_cache: torch.Tensor,
+                md: AttentionMetadata):
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, kv_cache, md)
+        hidden = self.self_attn(hidden, rope, kv_cache, md)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -113,10 +117,15 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 md: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)  # once per forward, shared by all layers
+        # Rope inputs shared by all layers: the positions for the fused CPU kernel (which reads the
+        # float32 cos|sin table itself), else (cos, sin) gathered once per forward.
+        if ops_for(hidden) is not None:
+            rope = positions
+        else:
+            rope = self.rotary_emb.cos_sin(positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, md)
+            hidden, residual = layer(hidden, residual, rope, kv_cache, md)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -138,21 +138,36 @@ def test_decode_batch_of_different_lengths(setup):
         torch.testing.assert_close(g[0], setup.reference(s)[-1], atol=ATOL, rtol=0)
 
 
-def test_bf16_close_to_hf_bf16(tmp_path):
-    """bf16 end to end: same argmax as HF bf16 on most positions, logits within bf16 noise."""
+@pytest.mark.parametrize("kernels_on", [True, False], ids=["cpu-kernels", "plain-torch"])
+def test_bf16_close_to_hf(tmp_path, kernels_on):
+    """bf16 end to end, with the fused CPU kernels and without: as close to HF's float32 logits as
+    HF's own bf16 run is (within 1.5x its error), and the same argmax wherever float32's top-2
+    margin is wider than that noise (a random tiny model has near-ties that any rounding flips)."""
+    import contextlib
+
     from transformers import LlamaForCausalLM as HFLlama
+
+    from replica import kernels
 
     path = make_tiny_llama(tmp_path, num_heads=4, num_kv_heads=2)
     model, cfg = load_model(resolve_model(str(path)), torch.bfloat16, "cpu")
-    hf = HFLlama.from_pretrained(path, dtype=torch.bfloat16).eval()
-    ids = _prompt(20, 7, cfg.vocab_size)
-    caches = allocate_kv_caches(cfg, 8, BLOCK, torch.bfloat16)
-    md = AttentionMetadata.build([20], [0], [list(range(1, 6))], BLOCK)
-    with torch.no_grad():
-        ours = model.compute_logits(model(torch.tensor(ids), md.positions, caches, md))
-        ref = hf(torch.tensor([ids])).logits[0].float()
-    assert (ours - ref).abs().max() < 0.1
-    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+    hf16 = HFLlama.from_pretrained(path, dtype=torch.bfloat16).eval()
+    hf32 = HFLlama.from_pretrained(path, dtype=torch.float32).eval()
+    ctx = contextlib.nullcontext() if kernels_on else kernels.disabled()
+    for seed in (7, 8, 9):
+        ids = _prompt(20, seed, cfg.vocab_size)
+        caches = allocate_kv_caches(cfg, 8, BLOCK, torch.bfloat16)
+        md = AttentionMetadata.build([20], [0], [list(range(1, 6))], BLOCK)
+        with torch.no_grad(), ctx:
+            ours = model.compute_logits(model(torch.tensor(ids), md.positions, caches, md))
+            ref16 = hf16(torch.tensor([ids])).logits[0].float()
+            ref = hf32(torch.tensor([ids])).logits[0].float()
+        noise = (ref16 - ref).abs().max()
+        assert (ours - ref).abs().max() <= 1.5 * noise + 1e-3
+        top2 = ref.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * noise
+        assert clear.sum() >= 5  # the check below is not vacuous
+        assert torch.equal(ours.argmax(-1)[clear], ref.argmax(-1)[clear])
 
 
 def test_metadata_indices():

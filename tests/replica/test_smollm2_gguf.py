@@ -67,23 +67,43 @@ def test_logits_match_transformers_gguf(ours, hf_logits):
     assert torch.equal(got.argmax(-1), hf_logits.argmax(-1))
 
 
-def test_bf16_greedy_tokens_match_fp32(source, ours):
+@pytest.mark.parametrize("kernels_on", [True, False], ids=["cpu-kernels", "plain-torch"])
+def test_bf16_tracks_fp32_greedy(source, ours, kernels_on):
+    """bf16 (with the fused CPU kernels and without), teacher-forced along fp32's greedy run
+    (prefill, then decode steps): logits within bf16 noise of fp32's, and the same greedy token
+    wherever fp32's top-2 margin is clear of that noise. (Comparing free-running greedy tokens
+    is not a fair test: on this prompt fp32's margins at steps 1-2 are 0.09 and 0.04, below
+    bf16's rounding noise, and either rounding scheme may flip them.)"""
+    import contextlib
+
+    from replica import kernels
+
     model32, cfg = ours
     model16, _ = load_model(source, torch.bfloat16, "cpu")
-    outs = []
-    for model, dtype in ((model32, torch.float32), (model16, torch.bfloat16)):
+
+    def run(model, dtype, seq=None, steps=8):
         caches = allocate_kv_caches(cfg, 8, 16, dtype)
-        seq, table = list(PROMPT), [0, 1, 2, 3]
+        table, n0 = [0, 1, 2, 3], len(PROMPT)
+        seq = list(seq or PROMPT)
         with torch.no_grad():
-            md = AttentionMetadata.build([len(seq)], [0], [table], 16)
-            h = model(torch.tensor(seq), md.positions, caches, md)
-            for _ in range(8):
-                seq.append(int(model.compute_logits(h[-1:]).argmax()))
-                md = AttentionMetadata.build([1], [len(seq) - 1], [table], 16)
-                h = model(torch.tensor(seq[-1:]), md.positions, caches, md)
-        outs.append(seq[len(PROMPT):])
-    # bf16 may drift late in a greedy run; the first tokens must agree.
-    assert outs[0][:4] == outs[1][:4]
+            md = AttentionMetadata.build([n0], [0], [table], 16)
+            logits = [model.compute_logits(model(torch.tensor(seq[:n0]), md.positions, caches, md)[-1:])]
+            for i in range(n0, n0 + steps):
+                if len(seq) <= i:
+                    seq.append(int(logits[-1].argmax()))
+                md = AttentionMetadata.build([1], [i], [table], 16, request_ids=["r"])
+                logits.append(model.compute_logits(model(torch.tensor(seq[i:i + 1]), md.positions, caches, md)))
+        return seq, torch.cat(logits)
+
+    seq32, ref = run(model32, torch.float32)
+    with contextlib.nullcontext() if kernels_on else kernels.disabled():
+        _, got = run(model16, torch.bfloat16, seq32)
+    err = (got - ref).abs()
+    assert err.mean() < 0.25 and err.max() < 2.5  # observed ~0.2 / ~1.3
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 1.0
+    assert clear.sum() >= 3
+    assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
 
 
 def test_gguf_reader_agrees_with_gguf_package(source):

@@ -1,0 +1,127 @@
+"""Fused CPU kernels (`cpu_ops.cpp`), built on first use and cached per machine.
+
+    ops = cpu_ops()          # torch.ops.fleetserve, or None when they cannot be used
+    if ops is not None and x.is_cpu: y = ops.rms_norm(x, w, eps)
+
+The source is compiled with the machine's C++ compiler (`-O3 -march=native`,
+through `torch.utils.cpp_extension`, which needs `ninja`) into
+`~/.cache/fleetserve/kernels/<hash>/`, the hash covering the source, torch's
+version and the CPU's flags, so a build is reused by every later process on
+the same machine (Ray workers included) and never by another kind of CPU.
+The first build takes ~30 s; concurrent first uses wait on one build.
+
+When no compiler is there, the build fails, or `FLEETSERVE_CPU_KERNELS=0` is
+set, `cpu_ops()` returns None (logging why, once) and the model runs its
+plain PyTorch ops instead: same results within rounding, slower. GPU tensors
+always take the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+_lock = threading.Lock()
+_state: dict[str, Any] = {"tried": False, "ops": None, "error": None}
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get("FLEETSERVE_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def build_dir() -> Path:
+    import torch
+
+    digest = hashlib.sha256()
+    digest.update(SOURCE.read_bytes())
+    digest.update(torch.__version__.encode())
+    digest.update(_cpu_flags().encode())
+    root = Path(os.environ.get("FLEETSERVE_CACHE_DIR", Path.home() / ".cache" / "fleetserve"))
+    return root / "kernels" / digest.hexdigest()[:16]
+
+
+def _build() -> Any:
+    import torch
+    from torch.utils.cpp_extension import load
+
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    name = "fleetserve_cpu_ops"
+    lib = out / f"{name}.so"
+    if not lib.exists():
+        logger.info("building fleetserve CPU kernels in %s (once per machine, ~30 s)", out)
+        load(name=name, sources=[str(SOURCE)], build_directory=str(out), is_python_module=False,
+             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+             extra_ldflags=["-fopenmp"], verbose=False)
+    else:
+        torch.ops.load_library(str(lib))
+    return torch.ops.fleetserve
+
+
+def cpu_ops() -> Optional[Any]:
+    """torch.ops.fleetserve with the kernels loaded, or None (disabled, or the build failed)."""
+    if _state["tried"]:
+        return _state["ops"]
+    with _lock:
+        if _state["tried"]:
+            return _state["ops"]
+        ops = None
+        if not enabled_by_env():
+            _state["error"] = "disabled by FLEETSERVE_CPU_KERNELS"
+        else:
+            try:
+                ops = _build()
+            except Exception as e:  # no compiler, no ninja, a build error: fall back, say why once
+                _state["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
+                logger.warning("fleetserve CPU kernels unavailable (%s); using plain PyTorch ops", _state["error"])
+        _state["ops"] = ops
+        _state["tried"] = True
+        return ops
+
+
+def unavailable_reason() -> Optional[str]:
+    cpu_ops()
+    return _state["error"]
+
+
+_SUPPORTED = ("float32", "bfloat16")
+_override: dict[str, bool] = {}
+
+
+def ops_for(t) -> Optional[Any]:
+    """The kernels when they apply to tensor `t` (CPU, float32/bfloat16), else None."""
+    if _override.get("off") or t.device.type != "cpu" or str(t.dtype).rsplit(".", 1)[-1] not in _SUPPORTED:
+        return None
+    return cpu_ops()
+
+
+class disabled:
+    """`with disabled():` runs the plain PyTorch ops in this process (tests compare both paths)."""
+
+    def __enter__(self):
+        self._prev = _override.get("off", False)
+        _override["off"] = True
+        return self
+
+    def __exit__(self, *exc):
+        _override["off"] = self._prev
+        return False

@@ -1,0 +1,610 @@
+// fleetserve CPU kernels: the small per-layer ops of a Llama-family forward, fused.
+//
+// Registered as torch ops (namespace `fleetserve`), built on first use by
+// replica/kernels/__init__.py with -O3 -march=native and cached per machine.
+// float32 and bfloat16; float accumulation everywhere; each output is rounded
+// to the tensor's dtype once. AVX-512 paths where the CPU has it, scalar
+// loops otherwise.
+//
+//   rms_norm(x, w, eps) -> y                        y = x / rms(x) * w
+//   fused_add_rms_norm(x, residual, w, eps) -> (y, s) s = x + residual (rounded); y = rms_norm(s)
+//   rotary_embedding_(qk, cos_sin_cache, positions) neox (rotate-half) rope, in place
+//   silu_and_mul(x) -> y                            y = silu(x[:, :d]) * x[:, d:]
+//   reshape_and_cache_(k, v, k_cache, v_cache, slot_mapping)
+//   paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale) -> out
+//
+// KV cache layout (replica/attention.py): [num_kv_heads, num_blocks, block_size, head_dim].
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define FS_AVX512 1
+#else
+#define FS_AVX512 0
+#endif
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+inline float to_f(float x) { return x; }
+inline float to_f(bf16 x) { return static_cast<float>(x); }
+template <typename T> inline T from_f(float x) { return static_cast<T>(x); }
+// Round a float to T and back (what storing it in a T tensor would do).
+template <typename T> inline float round_to(float x) { return to_f(from_f<T>(x)); }
+
+#if FS_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16_masked(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16_masked(const bf16* p, __mmask16 m) {
+  __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+// float -> bf16 bits, round to nearest even (as c10::BFloat16's constructor; NaN stays NaN).
+inline __m256i to_bf16_bits(__m512 v) {
+  __m512i i = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(i, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(i, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(r);
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(bf16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16_bits(v));
+}
+inline void store16_masked(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16_masked(bf16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, to_bf16_bits(v)); }
+inline void prefetch_row(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
+}
+
+// e^x, |relative error| < 2e-7 on the float range (Cody-Waite reduction, degree-7 Taylor).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-103.9720840454f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// r[j] = sum of the 16 lanes of v[j], j < 16 (a transpose-and-add tree: ~3 ops per vector).
+inline __m512 hsum16x16(const __m512* v) {
+  __m512 w[8], y[4];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+}
+
+void check_float_dtype(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+#define FS_DISPATCH(dtype, ...)                                       \
+  [&] {                                                               \
+    if ((dtype) == at::kFloat) {                                      \
+      using scalar_t = float;                                         \
+      return __VA_ARGS__();                                           \
+    }                                                                 \
+    TORCH_CHECK((dtype) == at::kBFloat16, "unsupported dtype ", dtype); \
+    using scalar_t = bf16;                                            \
+    return __VA_ARGS__();                                             \
+  }()
+
+// ------------------------------------------------------------------------------------------ RMSNorm
+
+// y = round(x * rsqrt(mean(x^2) + eps) * w), one rounding (HF rounds before the weight too; one
+// rounding is closer to the float64 result, as torch's own fused rms_norm).
+template <typename T>
+void rms_norm_row(const T* x, const T* w, T* y, int64_t n, float eps) {
+  float ss = 0.f;
+  int64_t i = 0;
+#if FS_AVX512
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    __m512 v = load16(x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  ss = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) ss += to_f(x[i]) * to_f(x[i]);
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  i = 0;
+#if FS_AVX512
+  __m512 rv = _mm512_set1_ps(r);
+  for (; i + 16 <= n; i += 16) {
+    store16(y + i, _mm512_mul_ps(_mm512_mul_ps(load16(x + i), rv), load16(w + i)));
+  }
+#endif
+  for (; i < n; ++i) y[i] = from_f<T>(to_f(x[i]) * r * to_f(w[i]));
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_cpu(x, "x");
+  check_float_dtype(x, "x");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous(), "weight: contiguous, x's dtype");
+  const int64_t n = x.size(-1);
+  TORCH_CHECK(weight.numel() == n, "weight has ", weight.numel(), " elements, x rows have ", n);
+  at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  const int64_t rows = xc.numel() / std::max<int64_t>(n, 1);
+  FS_DISPATCH(x.scalar_type(), [&] {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) rms_norm_row(xp + r * n, wp, yp + r * n, n, static_cast<float>(eps));
+    });
+  });
+  return y;
+}
+
+// (rms_norm(x + residual), x + residual): the sum rounded to the dtype (as torch's add), then
+// normalized. New tensors; the inputs are not modified.
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                      const at::Tensor& weight, double eps) {
+  check_cpu(x, "x");
+  check_float_dtype(x, "x");
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
+              "x and residual: same shape and dtype");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous(), "weight: contiguous, x's dtype");
+  const int64_t n = x.size(-1);
+  TORCH_CHECK(weight.numel() == n, "weight has ", weight.numel(), " elements, x rows have ", n);
+  at::Tensor xc = x.contiguous(), rc = residual.contiguous();
+  at::Tensor out = at::empty_like(xc), sum = at::empty_like(xc);
+  const int64_t rows = xc.numel() / std::max<int64_t>(n, 1);
+  FS_DISPATCH(x.scalar_type(), [&] {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    const scalar_t* rp = rc.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    scalar_t* sp = sum.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const scalar_t* xr = xp + r * n;
+        const scalar_t* rr = rp + r * n;
+        scalar_t* sr = sp + r * n;
+        int64_t i = 0;
+#if FS_AVX512
+        for (; i + 16 <= n; i += 16) store16(sr + i, _mm512_add_ps(load16(xr + i), load16(rr + i)));
+#endif
+        for (; i < n; ++i) sr[i] = from_f<scalar_t>(to_f(xr[i]) + to_f(rr[i]));
+        rms_norm_row(sr, wp, op + r * n, n, static_cast<float>(eps));
+      }
+    });
+  });
+  return {out, sum};
+}
+
+// ------------------------------------------------------------------------------------------ rotary
+
+// qk [T, heads, D] (rows may be strided, heads and D contiguous), cos_sin_cache [P, D] float32
+// (cos | sin halves), positions [T] int64. Rotate-half rope in place; cos/sin are rounded to the
+// tensor's dtype first (as HF casts them), the rotation is computed in float and rounded once.
+void rotary_embedding_(at::Tensor& qk, const at::Tensor& cos_sin_cache, const at::Tensor& positions) {
+  check_cpu(qk, "qk");
+  check_float_dtype(qk, "qk");
+  TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2), "qk: [T, heads, D], rows strided");
+  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.is_contiguous() &&
+                  cos_sin_cache.size(1) == qk.size(2),
+              "cos_sin_cache: contiguous float32 [max_position, head_dim]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == qk.size(0), "positions: int64 [T]");
+  const int64_t T = qk.size(0), H = qk.size(1), D = qk.size(2), half = D / 2, row = qk.stride(0);
+  const int64_t P = cos_sin_cache.size(0);
+  at::Tensor pos = positions.contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pp[t] >= 0 && pp[t] < P, "position ", pp[t], " out of range");
+  const float* cs = cos_sin_cache.data_ptr<float>();
+  FS_DISPATCH(qk.scalar_type(), [&] {
+    scalar_t* base = qk.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+      std::vector<float> c(half), s(half);
+      for (int64_t t = b; t < e; ++t) {
+        const float* cp = cs + pp[t] * D;
+        for (int64_t i = 0; i < half; ++i) {
+          c[i] = round_to<scalar_t>(cp[i]);
+          s[i] = round_to<scalar_t>(cp[half + i]);
+        }
+        for (int64_t h = 0; h < H; ++h) {
+          scalar_t* x = base + t * row + h * D;
+          int64_t i = 0;
+#if FS_AVX512
+          for (; i + 16 <= half; i += 16) {
+            __m512 x1 = load16(x + i), x2 = load16(x + half + i);
+            __m512 cv = _mm512_loadu_ps(c.data() + i), sv = _mm512_loadu_ps(s.data() + i);
+            store16(x + i, _mm512_fmsub_ps(x1, cv, _mm512_mul_ps(x2, sv)));
+            store16(x + half + i, _mm512_fmadd_ps(x2, cv, _mm512_mul_ps(x1, sv)));
+          }
+#endif
+          for (; i < half; ++i) {
+            const float x1 = to_f(x[i]), x2 = to_f(x[half + i]);
+            x[i] = from_f<scalar_t>(x1 * c[i] - x2 * s[i]);
+            x[half + i] = from_f<scalar_t>(x2 * c[i] + x1 * s[i]);
+          }
+        }
+      }
+    });
+  });
+}
+
+// ------------------------------------------------------------------------------------------ SiLU * up
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_cpu(x, "x");
+  check_float_dtype(x, "x");
+  TORCH_CHECK(x.size(-1) % 2 == 0, "last dim must be even");
+  at::Tensor xc = x.contiguous();
+  const int64_t d = xc.size(-1) / 2;
+  const int64_t rows = xc.numel() / std::max<int64_t>(2 * d, 1);
+  std::vector<int64_t> shape(xc.sizes().begin(), xc.sizes().end());
+  shape.back() = d;
+  at::Tensor y = at::empty(shape, xc.options());
+  FS_DISPATCH(x.scalar_type(), [&] {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const scalar_t* g = xp + r * 2 * d;
+        const scalar_t* u = g + d;
+        scalar_t* o = yp + r * d;
+        int64_t i = 0;
+#if FS_AVX512
+        const __m512 one = _mm512_set1_ps(1.f);
+        for (; i + 16 <= d; i += 16) {
+          __m512 gv = load16(g + i);
+          __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+          store16(o + i, _mm512_mul_ps(_mm512_mul_ps(gv, sig), load16(u + i)));
+        }
+#endif
+        for (; i < d; ++i) {
+          const float gv = to_f(g[i]);
+          o[i] = from_f<scalar_t>(gv / (1.f + std::exp(-gv)) * to_f(u[i]));
+        }
+      }
+    });
+  });
+  return y;
+}
+
+// ------------------------------------------------------------------------------------------ KV cache
+
+// k, v [T, KVH, D] (rows may be strided); caches [KVH, num_blocks, block_size, D] contiguous;
+// slot_mapping [T] int64 (block * block_size + offset; negative: skip).
+void reshape_and_cache_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                        const at::Tensor& slot_mapping) {
+  check_cpu(k, "k");
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes(), "k, v: [T, kv_heads, head_dim]");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
+              "k, v: heads and head_dim contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4, "caches: contiguous 4-d");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(), "dtype mismatch");
+  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2);
+  TORCH_CHECK(k_cache.size(0) == KVH && k_cache.size(3) == D, "cache shape does not match k");
+  const int64_t NB = k_cache.size(1), BS = k_cache.size(2);
+  at::Tensor sm = slot_mapping.contiguous();
+  TORCH_CHECK(sm.scalar_type() == at::kLong && sm.numel() == T, "slot_mapping: int64 [T]");
+  const int64_t* sp = sm.data_ptr<int64_t>();
+  const int64_t esz = k.element_size();
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] < NB * BS, "slot ", sp[t], " out of range");
+  at::parallel_for(0, T, 256, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t slot = sp[t];
+      if (slot < 0) continue;
+      for (int64_t h = 0; h < KVH; ++h) {
+        const int64_t dst = (h * NB * BS + slot) * D * esz;
+        std::memcpy(kc + dst, kp + (t * k.stride(0) + h * D) * esz, D * esz);
+        std::memcpy(vc + dst, vp + (t * v.stride(0) + h * D) * esz, D * esz);
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------------------ decode attention
+
+// One (request, kv head): the G query heads of the group read each key and value once from
+// memory (later heads of the group find them in L1/L2: one task's keys are len * D elements).
+template <typename T>
+void decode_one_scalar(const float* qf, const T* const* kp, const T* const* vp, int64_t len, int64_t D, int64_t G,
+                       float* scores, int64_t stride_row, T* out, const float* inv_sum_unused) {
+  (void)inv_sum_unused;
+  for (int64_t l = 0; l < len; ++l)
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0.f;
+      for (int64_t d = 0; d < D; ++d) s += qf[g * D + d] * to_f(kp[l][d]);
+      scores[g * stride_row + l] = s;
+    }
+}
+
+#if FS_AVX512
+template <typename T, int NV>
+void scores_avx(const float* qf, const T* const* kp, int64_t len, int64_t G, float* scores, int64_t stride_row) {
+  constexpr int64_t D = 16 * NV;
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 qv[NV];
+    for (int c = 0; c < NV; ++c) qv[c] = _mm512_loadu_ps(qf + g * D + 16 * c);
+    for (int64_t l0 = 0; l0 < len; l0 += 16) {
+      const int64_t n = std::min<int64_t>(16, len - l0);
+      __m512 part[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        __m512 a = _mm512_setzero_ps();
+        if (j < n) {
+          const T* k = kp[l0 + j];
+          if (g == 0 && l0 + j + 16 < len) prefetch_row(kp[l0 + j + 16], D * sizeof(T));
+          for (int c = 0; c < NV; ++c) a = _mm512_fmadd_ps(load16(k + 16 * c), qv[c], a);
+        }
+        part[j] = a;
+      }
+      _mm512_storeu_ps(scores + g * stride_row + l0, hsum16x16(part));
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+// bf16 keys: the raw query (bf16, as the model computed it) against raw keys with vdpbf16ps,
+// 32 products per instruction, no conversions; the scale is applied to the float scores.
+template <int NV>
+void scores_avx_bf16(const bf16* q, const bf16* const* kp, int64_t len, int64_t G, float scale, float* scores,
+                     int64_t stride_row) {
+  constexpr int64_t D = 16 * NV;
+  constexpr int NW = NV / 2;  // 32 bf16 per register
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < G; ++g) {
+    __m512bh qv[NW];
+    for (int c = 0; c < NW; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + g * D + 32 * c);
+    for (int64_t l0 = 0; l0 < len; l0 += 16) {
+      const int64_t n = std::min<int64_t>(16, len - l0);
+      __m512 part[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        __m512 a = _mm512_setzero_ps();
+        if (j < n) {
+          const bf16* k = kp[l0 + j];
+          if (g == 0 && l0 + j + 16 < len) prefetch_row(kp[l0 + j + 16], D * sizeof(bf16));
+          for (int c = 0; c < NW; ++c) a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(k + 32 * c), qv[c]);
+        }
+        part[j] = a;
+      }
+      _mm512_storeu_ps(scores + g * stride_row + l0, _mm512_mul_ps(hsum16x16(part), sv));
+    }
+  }
+}
+#endif
+
+// out[g] = sum_l p[g][l] v[l] / sum[g], the value rows converted once for GB heads at a time.
+template <typename T, int NV, int GB>
+void pv_avx_group(const T* const* vp, int64_t len, const float* scores, int64_t stride_row, const float* inv_sum,
+                  T* out) {
+  constexpr int64_t D = 16 * NV;
+  __m512 acc[GB][NV];
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t l = 0; l < len; ++l) {
+    const T* v = vp[l];
+    if (l + 8 < len) prefetch_row(vp[l + 8], D * sizeof(T));
+    __m512 vv[NV];
+    for (int c = 0; c < NV; ++c) vv[c] = load16(v + 16 * c);
+    for (int g = 0; g < GB; ++g) {
+      const __m512 pv = _mm512_set1_ps(scores[g * stride_row + l]);
+      for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_fmadd_ps(pv, vv[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GB; ++g) {
+    const __m512 s = _mm512_set1_ps(inv_sum[g]);
+    for (int c = 0; c < NV; ++c) store16(out + g * D + 16 * c, _mm512_mul_ps(acc[g][c], s));
+  }
+}
+
+template <typename T, int NV>
+void pv_avx(const T* const* vp, int64_t len, int64_t G, const float* scores, int64_t stride_row,
+            const float* inv_sum, T* out) {
+  constexpr int64_t D = 16 * NV;
+  constexpr int GMAX = NV <= 4 ? 4 : (NV <= 8 ? 2 : 1);  // accumulators stay in registers
+  int64_t g = 0;
+  for (; g + GMAX <= G; g += GMAX)
+    pv_avx_group<T, NV, GMAX>(vp, len, scores + g * stride_row, stride_row, inv_sum + g, out + g * D);
+  for (; g < G; ++g) pv_avx_group<T, NV, 1>(vp, len, scores + g * stride_row, stride_row, inv_sum + g, out + g * D);
+}
+
+#endif
+
+template <typename T>
+void decode_one(const T* q, const T* kc, const T* vc, const int64_t* blocks, int64_t len, int64_t BS, int64_t D,
+                int64_t G, float scale, T* out, std::vector<float>& scratch, std::vector<const T*>& ptrs) {
+  const int64_t stride_row = len + 16;
+  scratch.resize(static_cast<size_t>(G * stride_row + 2 * G * D + G));
+  float* scores = scratch.data();          // [G, len (+16)]
+  float* qf = scores + G * stride_row;     // [G, D] scaled queries
+  float* acc = qf + G * D;                 // [G, D]
+  float* inv_sum = acc + G * D;            // [G]
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(q[g * D + d]) * scale;
+  // Row pointers of every key and value: one walk through the block table.
+  ptrs.resize(static_cast<size_t>(2 * len));
+  const T** kp = ptrs.data();
+  const T** vp = kp + len;
+  for (int64_t l = 0, blk = 0; l < len; ++blk) {
+    const int64_t base = blocks[blk] * BS * D;
+    for (int64_t o = 0; o < BS && l < len; ++o, ++l) {
+      kp[l] = kc + base + o * D;
+      vp[l] = vc + base + o * D;
+    }
+  }
+
+  bool vec = false;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bf16>) {
+    vec = true;
+    switch (D) {
+      case 32: scores_avx_bf16<2>(q, kp, len, G, scale, scores, stride_row); break;
+      case 64: scores_avx_bf16<4>(q, kp, len, G, scale, scores, stride_row); break;
+      case 128: scores_avx_bf16<8>(q, kp, len, G, scale, scores, stride_row); break;
+      case 256: scores_avx_bf16<16>(q, kp, len, G, scale, scores, stride_row); break;
+      default: vec = false;
+    }
+  }
+#endif
+#if FS_AVX512
+  if (!vec) {
+  vec = D == 64 || D == 128 || D == 32 || D == 256;
+  switch (D) {
+    case 32: scores_avx<T, 2>(qf, kp, len, G, scores, stride_row); break;
+    case 64: scores_avx<T, 4>(qf, kp, len, G, scores, stride_row); break;
+    case 128: scores_avx<T, 8>(qf, kp, len, G, scores, stride_row); break;
+    case 256: scores_avx<T, 16>(qf, kp, len, G, scores, stride_row); break;
+    default: break;
+  }
+  }
+#endif
+  if (!vec) decode_one_scalar(qf, kp, vp, len, D, G, scores, stride_row, out, nullptr);
+
+  // softmax per query head (unnormalized here; 1/sum applied to the output)
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores + g * stride_row;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t l = 0; l < len; ++l) m = std::max(m, s[l]);
+    float sum = 0.f;
+    int64_t l = 0;
+#if FS_AVX512
+    __m512 mv = _mm512_set1_ps(m), sv = _mm512_setzero_ps();
+    for (; l + 16 <= len; l += 16) {
+      __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + l), mv));
+      _mm512_storeu_ps(s + l, e);
+      sv = _mm512_add_ps(sv, e);
+    }
+    sum = _mm512_reduce_add_ps(sv);
+#endif
+    for (; l < len; ++l) {
+      s[l] = std::exp(s[l] - m);
+      sum += s[l];
+    }
+    inv_sum[g] = 1.f / sum;
+  }
+
+#if FS_AVX512
+  switch (D) {
+    case 32: pv_avx<T, 2>(vp, len, G, scores, stride_row, inv_sum, out); return;
+    case 64: pv_avx<T, 4>(vp, len, G, scores, stride_row, inv_sum, out); return;
+    case 128: pv_avx<T, 8>(vp, len, G, scores, stride_row, inv_sum, out); return;
+    case 256: pv_avx<T, 16>(vp, len, G, scores, stride_row, inv_sum, out); return;
+    default: break;
+  }
+#endif
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t l = 0; l < len; ++l)
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = scores[g * stride_row + l];
+      for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p * to_f(vp[l][d]);
+    }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = from_f<T>(acc[g * D + d] * inv_sum[g]);
+}
+
+// q [B, H, D] (rows may be strided; heads and D contiguous), caches [KVH, NB, BS, D],
+// block_table [B, max_blocks] int64, seq_lens [B] int64 (>= 1) -> out [B, H * D].
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_table, const at::Tensor& seq_lens, double scale) {
+  check_cpu(q, "q");
+  check_float_dtype(q, "q");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [B, heads, D], rows strided");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "caches: contiguous [kv_heads, num_blocks, block_size, head_dim]");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type(), "cache dtype must match q");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KVH = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head_dim / head counts do not match the cache");
+  const int64_t G = H / KVH;
+  at::Tensor bt = block_table.contiguous();
+  at::Tensor sl = seq_lens.contiguous();
+  TORCH_CHECK(bt.scalar_type() == at::kLong && bt.dim() == 2 && bt.size(0) == B, "block_table: int64 [B, max_blocks]");
+  TORCH_CHECK(sl.scalar_type() == at::kLong && sl.numel() == B, "seq_lens: int64 [B]");
+  const int64_t MB = bt.size(1);
+  const int64_t* btp = bt.data_ptr<int64_t>();
+  const int64_t* slp = sl.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(slp[b] >= 1 && slp[b] <= MB * BS, "seq_len ", slp[b], " does not fit the block table");
+    for (int64_t j = 0; j < (slp[b] + BS - 1) / BS; ++j)
+      TORCH_CHECK(btp[b * MB + j] >= 0 && btp[b * MB + j] < NB, "block id out of range");
+  }
+  at::Tensor out = at::empty({B, H * D}, q.options());
+  FS_DISPATCH(q.scalar_type(), [&] {
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    const scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch;
+      std::vector<const scalar_t*> ptrs;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t b = task / KVH, h = task % KVH;
+        decode_one(qp + b * q.stride(0) + h * G * D, kc + h * NB * BS * D, vc + h * NB * BS * D, btp + b * MB,
+                   slp[b], BS, D, G, static_cast<float>(scale), op + b * H * D + h * G * D, scratch, ptrs);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(fleetserve, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rotary_embedding_(Tensor(a!) qk, Tensor cos_sin_cache, Tensor positions) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("reshape_and_cache_(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
+        "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fleetserve, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("rotary_embedding_", &rotary_embedding_);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("reshape_and_cache_", &reshape_and_cache_);
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}

@@ -1,0 +1,132 @@
+"""The fused CPU kernels against plain PyTorch references (float64 where rounding matters)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from replica.kernels import cpu_ops, unavailable_reason
+
+ops = cpu_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason=f"CPU kernels unavailable: {unavailable_reason()}")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def tol(dtype):
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [576, 64, 37])  # vector width multiples and a scalar tail
+def test_rms_norm_and_fused_add(dtype, n):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(33, n, generator=g).to(dtype)
+    r = torch.randn(33, n, generator=g).to(dtype)
+    w = (torch.rand(n, generator=g) + 0.5).to(dtype)
+
+    def ref(v):
+        v = v.double()
+        return (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-5)) * w.double()
+
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5).double(), ref(x), **tol(dtype))
+    x0, r0 = x.clone(), r.clone()
+    y, s = ops.fused_add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(x, x0) and torch.equal(r, r0)  # inputs untouched
+    torch.testing.assert_close(s, x + r, atol=0, rtol=0)  # the residual add rounds exactly like torch's
+    torch.testing.assert_close(y.double(), ref(x + r), **tol(dtype))
+    # one rounding, like torch's own fused rms_norm (float32: within summation-order noise)
+    exact = dict(atol=0, rtol=0) if dtype == torch.bfloat16 else tol(dtype)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (n,), w, 1e-5), **exact)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_rotary_in_place_on_a_strided_view(dtype, head_dim):
+    from replica.layers import RotaryEmbedding
+
+    rope = RotaryEmbedding(head_dim, 512, {"rope_theta": 10000.0})
+    T, H, KVH = 7, 4, 2
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(T, (H + 2 * KVH) * head_dim, generator=g).to(dtype)
+    positions = torch.tensor([0, 5, 6, 100, 101, 102, 511])
+    qk = qkv[:, :(H + KVH) * head_dim].view(T, H + KVH, head_dim)  # rows strided: v follows
+    v_before = qkv[:, (H + KVH) * head_dim:].clone()
+    cos, sin = rope.cos_sin(positions, torch.float64)
+    expected = RotaryEmbedding.apply(qk.double(), cos.double(), sin.double())
+    ops.rotary_embedding_(qk, rope.cos_sin_cache, positions)
+    torch.testing.assert_close(qk.double(), expected, **tol(dtype))
+    assert torch.equal(qkv[:, (H + KVH) * head_dim:], v_before)  # v untouched
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.rotary_embedding_(qk, rope.cos_sin_cache, torch.full((T,), 512))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [1536, 24])
+def test_silu_and_mul(dtype, d):
+    x = torch.randn(9, 2 * d, generator=torch.Generator().manual_seed(2)).mul(4).to(dtype)
+    gate, up = x.double().chunk(2, -1)
+    torch.testing.assert_close(ops.silu_and_mul(x).double(), F.silu(gate) * up, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reshape_and_cache(dtype):
+    KVH, NB, BS, D, T = 3, 10, 4, 8, 5
+    k_cache = torch.zeros(KVH, NB, BS, D, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    kv = torch.randn(T, 2 * KVH * D).to(dtype)
+    k, v = kv[:, :KVH * D].view(T, KVH, D), kv[:, KVH * D:].view(T, KVH, D)
+    slots = torch.tensor([0, 5, 39, 17, -1])
+    ops.reshape_and_cache_(k, v, k_cache, v_cache, slots)
+    for t, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        assert torch.equal(k_cache[:, s // BS, s % BS], k[t]) and torch.equal(v_cache[:, s // BS, s % BS], v[t])
+    assert int((k_cache != 0).any(-1).sum()) == 4 * KVH  # nothing else written
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.reshape_and_cache_(k, v, k_cache, v_cache, torch.tensor([0, 1, 2, 3, 40]))
+
+
+def reference_decode(q, k_cache, v_cache, tables, lens, scale):
+    KVH, _, BS, D = k_cache.shape
+    B, H, _ = q.shape
+    G = H // KVH
+    out = torch.empty(B, H, D, dtype=torch.float64)
+    for b in range(B):
+        n = lens[b]
+        blocks = torch.tensor(tables[b][: -(-n // BS)])
+        keys = k_cache[:, blocks].reshape(KVH, -1, D)[:, :n].double()
+        vals = v_cache[:, blocks].reshape(KVH, -1, D)[:, :n].double()
+        for h in range(H):
+            p = torch.softmax(keys[h // G] @ q[b, h].double() * scale, -1)
+            out[b, h] = p @ vals[h // G]
+    return out.view(B, H * D)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 32, 8), (6, 2, 24, 16)])
+def test_paged_decode_attention(dtype, heads, kv_heads, head_dim, block_size):
+    g = torch.Generator().manual_seed(3)
+    NB = 64
+    k_cache = torch.randn(kv_heads, NB, block_size, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(kv_heads, NB, block_size, head_dim, generator=g).to(dtype)
+    lens = [1, 15, 16, 17, 100, 3 * block_size + 5]
+    perm = torch.randperm(NB - 1, generator=g) + 1
+    tables, pos = [], 0
+    for n in lens:
+        nb = -(-n // block_size) + 1  # one spare block in the table: must be ignored
+        tables.append(perm[pos:pos + nb].tolist())
+        pos += nb
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    # q as a strided view, like the model passes it (rows of the qkv projection).
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    q = qkv[:, :heads * head_dim].view(len(lens), heads, head_dim)
+    scale = 1 / math.sqrt(head_dim)
+    out = ops.paged_decode_attention(q, k_cache, v_cache, table, torch.tensor(lens), scale)
+    assert out.shape == (len(lens), heads * head_dim) and out.dtype == dtype
+    torch.testing.assert_close(out.double(), reference_decode(q, k_cache, v_cache, tables, lens, scale),
+                               **tol(dtype))
+    with pytest.raises(RuntimeError, match="does not fit"):
+        ops.paged_decode_attention(q, k_cache, v_cache, table[:, :1], torch.tensor(lens), scale)
