@@ -98,6 +98,11 @@ class AttentionMetadata:
     decode_row_keys: Optional[tuple] = None
     decode_seq_lens: Optional[torch.Tensor] = None  # [B] long
     decode_max_len: int = 0
+    # For the fused CPU kernel: [R, max_blocks] long block table, and per token its row in it
+    # (None when every token is its own request's only token) and its causal length (position + 1).
+    block_table: Optional[torch.Tensor] = None
+    token_req: Optional[torch.Tensor] = None
+    token_seq_lens: Optional[torch.Tensor] = None
     _successor: dict = field(default_factory=dict)
     # (num_kv_heads, num_blocks) -> rows of the [kv_heads * num_blocks, block] cache view to gather.
     _gather_index: dict = field(default_factory=dict)
@@ -182,7 +187,9 @@ class AttentionMetadata:
         md = AttentionMetadata(
             num_tokens=num_tokens, block_size=block_size, query_lens=list(query_lens),
             context_lens=list(context_lens), slot_mapping=slots.to(device), positions=positions.to(device),
-            last_token_indices=(starts + q_lens - 1).to(device))
+            last_token_indices=(starts + q_lens - 1).to(device), block_table=table.to(device),
+            token_req=None if num_tokens == n else req_of_token.to(device),
+            token_seq_lens=(positions + 1).to(device))
         decode_rows = [i for i, q in enumerate(query_lens) if q == 1]
         if decode_rows:
             md._build_decodes(decode_rows, table, starts, seq_lens, block_size, device, request_ids)
@@ -229,9 +236,10 @@ class PagedAttention(nn.Module):
     # Keep a per-layer contiguous copy of the decode rows' keys/values across steps (see
     # `_decode_buffer`); past `decode_buffer_max_bytes` per layer, blocks are gathered every step.
     use_decode_buffer = True
-    # On CPU with the fused kernels built: decode attention reads the paged cache directly
-    # (replica/kernels/cpu_ops.cpp), no gathered copy and no decode buffer.
-    use_decode_kernel = True
+    # On CPU with the fused kernels built, all attention (prefill and decode) is one kernel call
+    # per layer reading the paged cache directly (replica/kernels/cpu_ops.cpp): no gathered copy,
+    # no decode buffer, no per-request SDPA calls.
+    use_attention_kernel = True
     decode_buffer_max_bytes = 16 << 20
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: Optional[float] = None):
@@ -257,6 +265,11 @@ class PagedAttention(nn.Module):
         ops = ops_for(q)
         if ops is not None:
             ops.reshape_and_cache_(k, v, k_cache, v_cache, md.slot_mapping)
+            if self.use_attention_kernel:
+                # Every token (prefill chunk, continuation or decode) attends to its request's
+                # first seq_len cached keys, read straight from the blocks.
+                return ops.paged_attention(q, k_cache, v_cache, md.block_table, md.token_seq_lens,
+                                           md.token_req, self.scale)
         else:
             k_cache.view(KVH, -1, D).index_copy_(1, md.slot_mapping, k.transpose(0, 1))
             v_cache.view(KVH, -1, D).index_copy_(1, md.slot_mapping, v.transpose(0, 1))
@@ -331,11 +344,6 @@ class PagedAttention(nn.Module):
         """q [B, H, d] (one query per request), k_new/v_new its new keys/values -> [B, H * d]."""
         B, H, D = q.shape
         KVH, G = self.num_kv_heads, self.group
-        ops = ops_for(q) if self.use_decode_kernel else None
-        if ops is not None:  # straight from the paged cache, each key/value read once per kv head
-            self._dbuf = None
-            return ops.paged_decode_attention(q, k_cache, v_cache, md.decode_block_ids.view(B, -1),
-                                              md.decode_seq_lens, self.scale)
         buf = self._decode_buffer(k_new, v_new, k_cache, v_cache, md)
         if buf is not None:
             L = buf.shape[3]

@@ -11,7 +11,7 @@
 //   rotary_embedding_(qk, cos_sin_cache, positions) neox (rotate-half) rope, in place
 //   silu_and_mul(x) -> y                            y = silu(x[:, :d]) * x[:, d:]
 //   reshape_and_cache_(k, v, k_cache, v_cache, slot_mapping)
-//   paged_decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale) -> out
+//   paged_attention(q, k_cache, v_cache, block_table, seq_lens, token_req, scale) -> out
 //
 // KV cache layout (replica/attention.py): [num_kv_heads, num_blocks, block_size, head_dim].
 
@@ -542,46 +542,67 @@ void decode_one(const T* q, const T* kc, const T* vc, const int64_t* blocks, int
     for (int64_t d = 0; d < D; ++d) out[g * D + d] = from_f<T>(acc[g * D + d] * inv_sum[g]);
 }
 
-// q [B, H, D] (rows may be strided; heads and D contiguous), caches [KVH, NB, BS, D],
-// block_table [B, max_blocks] int64, seq_lens [B] int64 (>= 1) -> out [B, H * D].
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_table, const at::Tensor& seq_lens, double scale) {
+// Attention of every query token over its request's cached keys/values (causal: token t sees
+// the first seq_lens[t] keys of its request), straight from the paged cache. Prefill chunks,
+// prefix-cache continuations and decodes alike: one task per (token, kv head).
+//   q [T, H, D] (rows may be strided; heads and D contiguous), caches [KVH, NB, BS, D],
+//   block_table [R, max_blocks] int64, seq_lens [T] int64 (>= 1),
+//   token_req [T] int64: the block-table row of each token (None: row t, R == T) -> out [T, H * D].
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_table, const at::Tensor& seq_lens,
+                           const c10::optional<at::Tensor>& token_req, double scale) {
   check_cpu(q, "q");
   check_float_dtype(q, "q");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [B, heads, D], rows strided");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [T, heads, D], rows strided");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
                   k_cache.sizes() == v_cache.sizes(),
               "caches: contiguous [kv_heads, num_blocks, block_size, head_dim]");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type(), "cache dtype must match q");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head_dim / head counts do not match the cache");
   const int64_t G = H / KVH;
   at::Tensor bt = block_table.contiguous();
   at::Tensor sl = seq_lens.contiguous();
-  TORCH_CHECK(bt.scalar_type() == at::kLong && bt.dim() == 2 && bt.size(0) == B, "block_table: int64 [B, max_blocks]");
-  TORCH_CHECK(sl.scalar_type() == at::kLong && sl.numel() == B, "seq_lens: int64 [B]");
-  const int64_t MB = bt.size(1);
+  TORCH_CHECK(bt.scalar_type() == at::kLong && bt.dim() == 2, "block_table: int64 [requests, max_blocks]");
+  TORCH_CHECK(sl.scalar_type() == at::kLong && sl.numel() == T, "seq_lens: int64 [T]");
+  const int64_t R = bt.size(0), MB = bt.size(1);
+  at::Tensor tr;
+  if (token_req.has_value()) {
+    tr = token_req->contiguous();
+    TORCH_CHECK(tr.scalar_type() == at::kLong && tr.numel() == T, "token_req: int64 [T]");
+  } else {
+    TORCH_CHECK(R == T, "without token_req the block table needs one row per token");
+  }
+  const int64_t* trp = tr.defined() ? tr.data_ptr<int64_t>() : nullptr;
   const int64_t* btp = bt.data_ptr<int64_t>();
   const int64_t* slp = sl.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(slp[b] >= 1 && slp[b] <= MB * BS, "seq_len ", slp[b], " does not fit the block table");
-    for (int64_t j = 0; j < (slp[b] + BS - 1) / BS; ++j)
-      TORCH_CHECK(btp[b * MB + j] >= 0 && btp[b * MB + j] < NB, "block id out of range");
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t r = trp ? trp[t] : t;
+    TORCH_CHECK(r >= 0 && r < R, "token_req ", r, " out of range");
+    TORCH_CHECK(slp[t] >= 1 && slp[t] <= MB * BS, "seq_len ", slp[t], " does not fit the block table");
   }
-  at::Tensor out = at::empty({B, H * D}, q.options());
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < MB; ++j)
+      TORCH_CHECK(btp[r * MB + j] >= 0 && btp[r * MB + j] < NB, "block id out of range");
+  at::Tensor out = at::empty({T, H * D}, q.options());
+  const int64_t N = T * KVH;
   FS_DISPATCH(q.scalar_type(), [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
     const scalar_t* kc = k_cache.data_ptr<scalar_t>();
     const scalar_t* vc = v_cache.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch;
       std::vector<const scalar_t*> ptrs;
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t b = task / KVH, h = task % KVH;
-        decode_one(qp + b * q.stride(0) + h * G * D, kc + h * NB * BS * D, vc + h * NB * BS * D, btp + b * MB,
-                   slp[b], BS, D, G, static_cast<float>(scale), op + b * H * D + h * G * D, scratch, ptrs);
+      for (int64_t i = begin; i < end; ++i) {
+        // Take tasks alternately from both ends: causal work grows along a prompt, and the
+        // threads each get a contiguous range of i.
+        const int64_t task = (i % 2 == 0) ? i / 2 : N - 1 - i / 2;
+        const int64_t t = task / KVH, h = task % KVH;
+        const int64_t r = trp ? trp[t] : t;
+        decode_one(qp + t * q.stride(0) + h * G * D, kc + h * NB * BS * D, vc + h * NB * BS * D, btp + r * MB,
+                   slp[t], BS, D, G, static_cast<float>(scale), op + t * H * D + h * G * D, scratch, ptrs);
       }
     });
   });
@@ -596,8 +617,8 @@ TORCH_LIBRARY(fleetserve, m) {
   m.def("rotary_embedding_(Tensor(a!) qk, Tensor cos_sin_cache, Tensor positions) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("reshape_and_cache_(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
-  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
-        "float scale) -> Tensor");
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
+        "Tensor? token_req, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fleetserve, CPU, m) {
@@ -606,5 +627,5 @@ TORCH_LIBRARY_IMPL(fleetserve, CPU, m) {
   m.impl("rotary_embedding_", &rotary_embedding_);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("reshape_and_cache_", &reshape_and_cache_);
-  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_attention", &paged_attention);
 }

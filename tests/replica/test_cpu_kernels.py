@@ -106,7 +106,7 @@ def reference_decode(q, k_cache, v_cache, tables, lens, scale):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 32, 8), (6, 2, 24, 16)])
-def test_paged_decode_attention(dtype, heads, kv_heads, head_dim, block_size):
+def test_paged_attention_decode_rows(dtype, heads, kv_heads, head_dim, block_size):
     g = torch.Generator().manual_seed(3)
     NB = 64
     k_cache = torch.randn(kv_heads, NB, block_size, head_dim, generator=g).to(dtype)
@@ -124,9 +124,32 @@ def test_paged_decode_attention(dtype, heads, kv_heads, head_dim, block_size):
     qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
     q = qkv[:, :heads * head_dim].view(len(lens), heads, head_dim)
     scale = 1 / math.sqrt(head_dim)
-    out = ops.paged_decode_attention(q, k_cache, v_cache, table, torch.tensor(lens), scale)
+    out = ops.paged_attention(q, k_cache, v_cache, table, torch.tensor(lens), None, scale)
     assert out.shape == (len(lens), heads * head_dim) and out.dtype == dtype
     torch.testing.assert_close(out.double(), reference_decode(q, k_cache, v_cache, tables, lens, scale),
                                **tol(dtype))
     with pytest.raises(RuntimeError, match="does not fit"):
-        ops.paged_decode_attention(q, k_cache, v_cache, table[:, :1], torch.tensor(lens), scale)
+        ops.paged_attention(q, k_cache, v_cache, table[:, :1], torch.tensor(lens), None, scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_prefill_chunks_and_decodes(dtype):
+    """Tokens of several requests in one call: a prefill from scratch, a continuation over cached
+    context and a decode; each token sees its request's keys up to its own position (causal)."""
+    KVH, H, D, BS, NB = 2, 6, 64, 16, 32
+    g = torch.Generator().manual_seed(4)
+    k_cache = torch.randn(KVH, NB, BS, D, generator=g).to(dtype)
+    v_cache = torch.randn(KVH, NB, BS, D, generator=g).to(dtype)
+    # (context, new tokens, blocks)
+    reqs = [(0, 20, [3, 7]), (30, 5, [1, 9, 4]), (40, 1, [11, 12, 13])]
+    table = torch.tensor([b + [0] * (3 - len(b)) for _, _, b in reqs])
+    token_req, seq_lens = [], []
+    for r, (ctx, n, _) in enumerate(reqs):
+        token_req += [r] * n
+        seq_lens += [ctx + i + 1 for i in range(n)]
+    T = len(token_req)
+    q = torch.randn(T, H, D, generator=g).to(dtype)
+    out = ops.paged_attention(q, k_cache, v_cache, table, torch.tensor(seq_lens), torch.tensor(token_req), 0.125)
+    per_token_tables = [reqs[r][2] for r in token_req]
+    expected = reference_decode(q, k_cache, v_cache, per_token_tables, seq_lens, 0.125)
+    torch.testing.assert_close(out.double(), expected, **tol(dtype))
