@@ -236,6 +236,19 @@ def kv_cache_bytes_per_block(hf_config: Any, block_size: int, dtype: torch.dtype
 
 def allocate_kv_caches(hf_config: Any, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device | str = "cpu", tp_size: int = 1) -> list[torch.Tensor]:
-    """One zeroed cache tensor per layer (zeros: masked-out slots must not hold NaN, since 0 * NaN = NaN)."""
+    """One zeroed cache tensor per layer (zeros: masked-out slots must not hold NaN, since 0 * NaN = NaN).
+
+    On CPU with the fused kernels, each is backed by transparent huge pages when the OS allows
+    (blocks are read scattered across the whole cache: fewer TLB misses).
+    """
+    from replica.kernels import ops_for
+
     shape = kv_cache_shape(hf_config, num_blocks, block_size, tp_size)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(hf_config.num_hidden_layers)]
+    caches = []
+    for _ in range(hf_config.num_hidden_layers):
+        cache = torch.empty(shape, dtype=dtype, device=device)
+        ops = ops_for(cache)
+        if ops is not None:
+            ops.advise_hugepages(cache)  # before the first touch (zero_ below)
+        caches.append(cache.zero_())
+    return caches

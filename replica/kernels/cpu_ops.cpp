@@ -20,8 +20,11 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <tuple>
@@ -413,6 +416,70 @@ void scores_avx_bf16(const bf16* q, const bf16* const* kp, int64_t len, int64_t 
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// bf16 values: out[g] = sum_l p[g][l] v[l] with vdpbf16ps over pairs of tokens. Rows l and l+1
+// are interleaved (unpacklo/hi_epi16: pairs (v[l][d], v[l+1][d]) for d in a lane-wise permuted
+// order, undone at the end) and the probabilities are rounded to bf16 pairs (as HF's bf16
+// attention rounds them). pp[g][i] = bf16(p[g][2i]) | bf16(p[g][2i+1]) << 16.
+template <int NV, int GB>
+void pv_avx_bf16_group(const bf16* const* vp, int64_t len, const uint32_t* pp, int64_t pp_stride,
+                       const float* inv_sum, bf16* out) {
+  constexpr int64_t D = 16 * NV;
+  constexpr int NW = NV / 2;  // registers of 32 bf16 per row
+  __m512 lo[GB][NW], hi[GB][NW];
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < NW; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
+  for (int64_t l = 0; l < len; l += 2) {
+    const bf16* a = vp[l];
+    const bf16* b = l + 1 < len ? vp[l + 1] : nullptr;
+    if (l + 8 < len) prefetch_row(vp[l + 8], D * sizeof(bf16));
+    if (l + 9 < len) prefetch_row(vp[l + 9], D * sizeof(bf16));
+    for (int c = 0; c < NW; ++c) {
+      const __m512i av = _mm512_loadu_si512(a + 32 * c);
+      const __m512i bv = b ? _mm512_loadu_si512(b + 32 * c) : _mm512_setzero_si512();
+      const __m512bh x = (__m512bh)_mm512_unpacklo_epi16(av, bv);
+      const __m512bh y = (__m512bh)_mm512_unpackhi_epi16(av, bv);
+      for (int g = 0; g < GB; ++g) {
+        const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[g * pp_stride + l / 2]));
+        lo[g][c] = _mm512_dpbf16_ps(lo[g][c], x, pv);
+        hi[g][c] = _mm512_dpbf16_ps(hi[g][c], y, pv);
+      }
+    }
+  }
+  for (int g = 0; g < GB; ++g) {
+    const __m512 s = _mm512_set1_ps(inv_sum[g]);
+    for (int c = 0; c < NW; ++c) {
+      // lo holds d = 8k..8k+3 in 128-bit lane k, hi d = 8k+4..8k+7: back to d order.
+      const __m512 t0 = _mm512_shuffle_f32x4(lo[g][c], hi[g][c], _MM_SHUFFLE(1, 0, 1, 0));
+      const __m512 t1 = _mm512_shuffle_f32x4(lo[g][c], hi[g][c], _MM_SHUFFLE(3, 2, 3, 2));
+      store16(out + g * D + 32 * c, _mm512_mul_ps(_mm512_shuffle_f32x4(t0, t0, _MM_SHUFFLE(3, 1, 2, 0)), s));
+      store16(out + g * D + 32 * c + 16, _mm512_mul_ps(_mm512_shuffle_f32x4(t1, t1, _MM_SHUFFLE(3, 1, 2, 0)), s));
+    }
+  }
+}
+
+template <int NV>
+void pv_avx_bf16(const bf16* const* vp, int64_t len, int64_t G, const float* scores, int64_t stride_row,
+                 const float* inv_sum, bf16* out, std::vector<uint32_t>& pairs) {
+  constexpr int64_t D = 16 * NV;
+  const int64_t np = (len + 1) / 2;
+  pairs.resize(static_cast<size_t>(G * np));
+  for (int64_t g = 0; g < G; ++g) {
+    const float* p = scores + g * stride_row;
+    for (int64_t i = 0; i < np; ++i) {
+      const uint32_t a = static_cast<uint16_t>(c10::BFloat16(p[2 * i]).x);
+      const uint32_t b = 2 * i + 1 < len ? static_cast<uint16_t>(c10::BFloat16(p[2 * i + 1]).x) : 0u;
+      pairs[g * np + i] = a | (b << 16);
+    }
+  }
+  constexpr int GMAX = NV <= 4 ? 3 : 1;  // 2 * GB * NV / 2 accumulators stay in registers
+  int64_t g = 0;
+  for (; g + GMAX <= G; g += GMAX)
+    pv_avx_bf16_group<NV, GMAX>(vp, len, pairs.data() + g * np, np, inv_sum + g, out + g * D);
+  for (; g < G; ++g) pv_avx_bf16_group<NV, 1>(vp, len, pairs.data() + g * np, np, inv_sum + g, out + g * D);
+}
+#endif
+
 // out[g] = sum_l p[g][l] v[l] / sum[g], the value rows converted once for GB heads at a time.
 template <typename T, int NV, int GB>
 void pv_avx_group(const T* const* vp, int64_t len, const float* scores, int64_t stride_row, const float* inv_sum,
@@ -523,6 +590,18 @@ void decode_one(const T* q, const T* kc, const T* vc, const int64_t* blocks, int
     inv_sum[g] = 1.f / sum;
   }
 
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bf16>) {
+    thread_local std::vector<uint32_t> pairs;
+    switch (D) {
+      case 32: pv_avx_bf16<2>(vp, len, G, scores, stride_row, inv_sum, out, pairs); return;
+      case 64: pv_avx_bf16<4>(vp, len, G, scores, stride_row, inv_sum, out, pairs); return;
+      case 128: pv_avx_bf16<8>(vp, len, G, scores, stride_row, inv_sum, out, pairs); return;
+      case 256: pv_avx_bf16<16>(vp, len, G, scores, stride_row, inv_sum, out, pairs); return;
+      default: break;
+    }
+  }
+#endif
 #if FS_AVX512
   switch (D) {
     case 32: pv_avx<T, 2>(vp, len, G, scores, stride_row, inv_sum, out); return;
@@ -609,6 +688,24 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   return out;
 }
 
+// Ask the kernel to back a large tensor with transparent huge pages (call before first touch).
+// The KV cache is read in scattered 2 KB blocks across hundreds of MB; with 4 KB pages nearly
+// every block is a TLB miss. Returns whether madvise accepted (False off Linux or if refused).
+bool advise_hugepages(const at::Tensor& t) {
+  check_cpu(t, "t");
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  const uintptr_t huge = 2u << 20;
+  const uintptr_t start = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t end = start + static_cast<uintptr_t>(t.numel() * t.element_size());
+  const uintptr_t a = (start + huge - 1) & ~(huge - 1), b = end & ~(huge - 1);
+  if (b <= a) return false;
+  return madvise(reinterpret_cast<void*>(a), b - a, MADV_HUGEPAGE) == 0;
+#else
+  (void)t;
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fleetserve, m) {
@@ -619,6 +716,7 @@ TORCH_LIBRARY(fleetserve, m) {
   m.def("reshape_and_cache_(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
         "Tensor? token_req, float scale) -> Tensor");
+  m.def("advise_hugepages(Tensor t) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(fleetserve, CPU, m) {
@@ -628,4 +726,5 @@ TORCH_LIBRARY_IMPL(fleetserve, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("reshape_and_cache_", &reshape_and_cache_);
   m.impl("paged_attention", &paged_attention);
+  m.impl("advise_hugepages", &advise_hugepages);
 }

@@ -153,3 +153,12 @@ def test_paged_attention_prefill_chunks_and_decodes(dtype):
     per_token_tables = [reqs[r][2] for r in token_req]
     expected = reference_decode(q, k_cache, v_cache, per_token_tables, seq_lens, 0.125)
     torch.testing.assert_close(out.double(), expected, **tol(dtype))
+
+
+def test_kv_caches_are_zeroed_with_huge_pages_advised():
+    from replica.testing import tiny_llama_config
+    from replica.weights import allocate_kv_caches
+
+    caches = allocate_kv_caches(tiny_llama_config(), 512, 16, torch.bfloat16)
+    assert all(int(c.count_nonzero()) == 0 for c in caches)
+    assert isinstance(ops.advise_hugepages(torch.empty(8 << 20, dtype=torch.uint8)), bool)
