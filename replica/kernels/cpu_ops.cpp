@@ -416,70 +416,6 @@ void scores_avx_bf16(const bf16* q, const bf16* const* kp, int64_t len, int64_t 
 }
 #endif
 
-#if defined(__AVX512BF16__)
-// bf16 values: out[g] = sum_l p[g][l] v[l] with vdpbf16ps over pairs of tokens. Rows l and l+1
-// are interleaved (unpacklo/hi_epi16: pairs (v[l][d], v[l+1][d]) for d in a lane-wise permuted
-// order, undone at the end) and the probabilities are rounded to bf16 pairs (as HF's bf16
-// attention rounds them). pp[g][i] = bf16(p[g][2i]) | bf16(p[g][2i+1]) << 16.
-template <int NV, int GB>
-void pv_avx_bf16_group(const bf16* const* vp, int64_t len, const uint32_t* pp, int64_t pp_stride,
-                       const float* inv_sum, bf16* out) {
-  constexpr int64_t D = 16 * NV;
-  constexpr int NW = NV / 2;  // registers of 32 bf16 per row
-  __m512 lo[GB][NW], hi[GB][NW];
-  for (int g = 0; g < GB; ++g)
-    for (int c = 0; c < NW; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
-  for (int64_t l = 0; l < len; l += 2) {
-    const bf16* a = vp[l];
-    const bf16* b = l + 1 < len ? vp[l + 1] : nullptr;
-    if (l + 8 < len) prefetch_row(vp[l + 8], D * sizeof(bf16));
-    if (l + 9 < len) prefetch_row(vp[l + 9], D * sizeof(bf16));
-    for (int c = 0; c < NW; ++c) {
-      const __m512i av = _mm512_loadu_si512(a + 32 * c);
-      const __m512i bv = b ? _mm512_loadu_si512(b + 32 * c) : _mm512_setzero_si512();
-      const __m512bh x = (__m512bh)_mm512_unpacklo_epi16(av, bv);
-      const __m512bh y = (__m512bh)_mm512_unpackhi_epi16(av, bv);
-      for (int g = 0; g < GB; ++g) {
-        const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[g * pp_stride + l / 2]));
-        lo[g][c] = _mm512_dpbf16_ps(lo[g][c], x, pv);
-        hi[g][c] = _mm512_dpbf16_ps(hi[g][c], y, pv);
-      }
-    }
-  }
-  for (int g = 0; g < GB; ++g) {
-    const __m512 s = _mm512_set1_ps(inv_sum[g]);
-    for (int c = 0; c < NW; ++c) {
-      // lo holds d = 8k..8k+3 in 128-bit lane k, hi d = 8k+4..8k+7: back to d order.
-      const __m512 t0 = _mm512_shuffle_f32x4(lo[g][c], hi[g][c], _MM_SHUFFLE(1, 0, 1, 0));
-      const __m512 t1 = _mm512_shuffle_f32x4(lo[g][c], hi[g][c], _MM_SHUFFLE(3, 2, 3, 2));
-      store16(out + g * D + 32 * c, _mm512_mul_ps(_mm512_shuffle_f32x4(t0, t0, _MM_SHUFFLE(3, 1, 2, 0)), s));
-      store16(out + g * D + 32 * c + 16, _mm512_mul_ps(_mm512_shuffle_f32x4(t1, t1, _MM_SHUFFLE(3, 1, 2, 0)), s));
-    }
-  }
-}
-
-template <int NV>
-void pv_avx_bf16(const bf16* const* vp, int64_t len, int64_t G, const float* scores, int64_t stride_row,
-                 const float* inv_sum, bf16* out, std::vector<uint32_t>& pairs) {
-  constexpr int64_t D = 16 * NV;
-  const int64_t np = (len + 1) / 2;
-  pairs.resize(static_cast<size_t>(G * np));
-  for (int64_t g = 0; g < G; ++g) {
-    const float* p = scores + g * stride_row;
-    for (int64_t i = 0; i < np; ++i) {
-      const uint32_t a = static_cast<uint16_t>(c10::BFloat16(p[2 * i]).x);
-      const uint32_t b = 2 * i + 1 < len ? static_cast<uint16_t>(c10::BFloat16(p[2 * i + 1]).x) : 0u;
-      pairs[g * np + i] = a | (b << 16);
-    }
-  }
-  constexpr int GMAX = NV <= 4 ? 3 : 1;  // 2 * GB * NV / 2 accumulators stay in registers
-  int64_t g = 0;
-  for (; g + GMAX <= G; g += GMAX)
-    pv_avx_bf16_group<NV, GMAX>(vp, len, pairs.data() + g * np, np, inv_sum + g, out + g * D);
-  for (; g < G; ++g) pv_avx_bf16_group<NV, 1>(vp, len, pairs.data() + g * np, np, inv_sum + g, out + g * D);
-}
-#endif
-
 // out[g] = sum_l p[g][l] v[l] / sum[g], the value rows converted once for GB heads at a time.
 template <typename T, int NV, int GB>
 void pv_avx_group(const T* const* vp, int64_t len, const float* scores, int64_t stride_row, const float* inv_sum,
@@ -590,18 +526,8 @@ void decode_one(const T* q, const T* kc, const T* vc, const int64_t* blocks, int
     inv_sum[g] = 1.f / sum;
   }
 
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, bf16>) {
-    thread_local std::vector<uint32_t> pairs;
-    switch (D) {
-      case 32: pv_avx_bf16<2>(vp, len, G, scores, stride_row, inv_sum, out, pairs); return;
-      case 64: pv_avx_bf16<4>(vp, len, G, scores, stride_row, inv_sum, out, pairs); return;
-      case 128: pv_avx_bf16<8>(vp, len, G, scores, stride_row, inv_sum, out, pairs); return;
-      case 256: pv_avx_bf16<16>(vp, len, G, scores, stride_row, inv_sum, out, pairs); return;
-      default: break;
-    }
-  }
-#endif
+  // P*V stays in float (values converted on load): vdpbf16ps over token pairs would round the
+  // probabilities to bf16 and measured no faster here (this loop is memory-bound).
 #if FS_AVX512
   switch (D) {
     case 32: pv_avx<T, 2>(vp, len, G, scores, stride_row, inv_sum, out); return;
