@@ -213,6 +213,9 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | s
         if gguf_file is not None:
             gguf_file.close()
     model.eval()
+    from replica.layers import pack_linear_weights
+
+    pack_linear_weights(model)  # CPU: oneDNN-blocked copies of the weights (see PackedWeightMixin)
     model.load_seconds = time.perf_counter() - t0
     return model, config
 

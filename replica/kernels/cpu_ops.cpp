@@ -78,6 +78,10 @@ inline void prefetch_row(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
 }
+inline void prefetch_row_l2(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T1);
+}
 
 // e^x, |relative error| < 2e-7 on the float range (Cody-Waite reduction, degree-7 Taylor).
 inline __m512 exp16(__m512 x) {
@@ -390,8 +394,8 @@ void scores_avx(const float* qf, const T* const* kp, int64_t len, int64_t G, flo
 // bf16 keys: the raw query (bf16, as the model computed it) against raw keys with vdpbf16ps,
 // 32 products per instruction, no conversions; the scale is applied to the float scores.
 template <int NV>
-void scores_avx_bf16(const bf16* q, const bf16* const* kp, int64_t len, int64_t G, float scale, float* scores,
-                     int64_t stride_row) {
+void scores_avx_bf16(const bf16* q, const bf16* const* kp, const bf16* const* vp, int64_t len, int64_t G,
+                     float scale, float* scores, int64_t stride_row) {
   constexpr int64_t D = 16 * NV;
   constexpr int NW = NV / 2;  // 32 bf16 per register
   const __m512 sv = _mm512_set1_ps(scale);
@@ -405,7 +409,10 @@ void scores_avx_bf16(const bf16* q, const bf16* const* kp, int64_t len, int64_t 
         __m512 a = _mm512_setzero_ps();
         if (j < n) {
           const bf16* k = kp[l0 + j];
-          if (g == 0 && l0 + j + 16 < len) prefetch_row(kp[l0 + j + 16], D * sizeof(bf16));
+          if (g == 0) {  // keys a block or two ahead; this token's values for the P*V pass
+            if (l0 + j + 32 < len) prefetch_row(kp[l0 + j + 32], D * sizeof(bf16));
+            prefetch_row_l2(vp[l0 + j], D * sizeof(bf16));
+          }
           for (int c = 0; c < NW; ++c) a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(k + 32 * c), qv[c]);
         }
         part[j] = a;
@@ -481,10 +488,10 @@ void decode_one(const T* q, const T* kc, const T* vc, const int64_t* blocks, int
   if constexpr (std::is_same_v<T, bf16>) {
     vec = true;
     switch (D) {
-      case 32: scores_avx_bf16<2>(q, kp, len, G, scale, scores, stride_row); break;
-      case 64: scores_avx_bf16<4>(q, kp, len, G, scale, scores, stride_row); break;
-      case 128: scores_avx_bf16<8>(q, kp, len, G, scale, scores, stride_row); break;
-      case 256: scores_avx_bf16<16>(q, kp, len, G, scale, scores, stride_row); break;
+      case 32: scores_avx_bf16<2>(q, kp, vp, len, G, scale, scores, stride_row); break;
+      case 64: scores_avx_bf16<4>(q, kp, vp, len, G, scale, scores, stride_row); break;
+      case 128: scores_avx_bf16<8>(q, kp, vp, len, G, scale, scores, stride_row); break;
+      case 256: scores_avx_bf16<16>(q, kp, vp, len, G, scale, scores, stride_row); break;
       default: vec = false;
     }
   }

@@ -118,3 +118,38 @@ def test_tp2_gloo_matches_tp1(tmp_path, num_kv_heads):
     for key in ("prefill", "decode"):
         assert got[key].shape == ref[key].shape
         torch.testing.assert_close(got[key], ref[key], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_cpu_linear_matches_f_linear_and_follows_weight_edits(dtype):
+    import torch.nn.functional as F
+
+    from replica.layers import ColumnParallelLinear, _can_pack, pack_linear_weights
+    from replica.parallel import TPGroup
+
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        layer = ColumnParallelLinear(48, 80, bias=True, tp_group=TPGroup())
+    finally:
+        torch.set_default_dtype(prev)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(80, 48, generator=g))
+        layer.bias.copy_(torch.randn(80, generator=g))
+    if not _can_pack(layer.weight):
+        pytest.skip("oneDNN packing not available for this dtype here")
+    assert pack_linear_weights(layer) == 1
+    for m in (1, 7, 64, 300):
+        x = torch.randn(m, 48, generator=g).to(dtype)
+        with torch.no_grad():
+            got, want = layer(x), F.linear(x, layer.weight, layer.bias)
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # An edited weight is used as edited (the stale packed copy is ignored).
+    with torch.no_grad():
+        layer.weight.mul_(2)
+        x = torch.randn(5, 48, generator=g).to(dtype)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-4, rtol=1e-2)
