@@ -66,14 +66,14 @@ def _build() -> Any:
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
     name = "fleetserve_cpu_ops"
-    lib = out / f"{name}.so"
-    if not lib.exists():
-        logger.info("building fleetserve CPU kernels in %s (once per machine, ~30 s)", out)
-        load(name=name, sources=[str(SOURCE)], build_directory=str(out), is_python_module=False,
-             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-             extra_ldflags=["-fopenmp"], verbose=False)
-    else:
-        torch.ops.load_library(str(lib))
+    if not (out / f"{name}.so").exists():
+        logger.info("building fleetserve CPU kernels in %s (once per machine, ~20-40 s)", out)
+    # Always through load(): it holds a lock file in the build directory, so processes starting
+    # together (Ray replicas, TP workers) wait for one build instead of loading a half-written
+    # library; when the library is up to date it only loads it.
+    load(name=name, sources=[str(SOURCE)], build_directory=str(out), is_python_module=False,
+         extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+         extra_ldflags=["-fopenmp"], verbose=False)
     return torch.ops.fleetserve
 
 
