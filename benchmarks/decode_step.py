@@ -10,7 +10,8 @@ as after a while of serving). Per case it reports the median step time and a
 breakdown by kind of op from `torch.profiler` (one profiled step, scaled to the
 median): weight matmuls (linear / addmm / mm), attention (bmm, sdpa, softmax,
 masking), KV cache (index_copy_ / index_select), LM head + sampling, and the
-rest (norms, rotary, activations, Python). Prints a table and writes
+rest (norms, rotary, activations, Python). With fleetserve's CPU kernels the
+attention and KV cache parts are their fused ops. Prints a table and writes
 `benchmarks/results/decode_step.{png,json}`.
 """
 
@@ -36,10 +37,11 @@ GROWTH = 64
 RESULTS = Path(__file__).resolve().parent / "results"
 
 CATEGORIES = {
-    "weight matmul": ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul"),
+    "weight matmul": ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "mkldnn::_linear_pointwise"),
     "attention": ("aten::bmm", "aten::scaled_dot_product_attention", "aten::_softmax", "aten::softmax",
-                  "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::baddbmm"),
-    "kv cache": ("aten::index_copy_", "aten::index_select", "aten::index_put_", "aten::gather"),
+                  "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::baddbmm", "fleetserve::paged_attention"),
+    "kv cache": ("aten::index_copy_", "aten::index_select", "aten::index_put_", "aten::gather",
+                 "fleetserve::reshape_and_cache_"),
 }
 
 
@@ -98,7 +100,8 @@ def breakdown(step) -> dict[str, float]:
                 parts[cat] += dur
                 break
     # The LM head matmul is a weight matmul too; separate it by shape: the largest single linear.
-    lm = [ev.cpu_time_total / 1e6 for ev in prof.events() if ev.cpu_parent is None and ev.name == "aten::linear"]
+    lm = [ev.cpu_time_total / 1e6 for ev in prof.events()
+          if ev.cpu_parent is None and ev.name in ("aten::linear", "mkldnn::_linear_pointwise")]
     if lm:
         head = lm[-1]
         parts["weight matmul"] -= head

@@ -39,6 +39,12 @@ padding. For request i with `context_lens[i]` tokens already cached and
   over the request's blocks read back from the cache with a causal mask
   shifted by the context length.
 
+On CPU with fleetserve's kernels built (replica/kernels), both paths above
+give way to one call per layer: `paged_attention` runs every token against its
+request's first `position + 1` cached keys straight from the blocks (AVX-512,
+float accumulation), after `reshape_and_cache_` wrote the new keys/values.
+The PyTorch paths remain for GPUs and for machines without a compiler.
+
 All index tensors are built once per step (`AttentionMetadata.build`, and the
 per-cache-shape gather index memoized on first use) and reused by every layer.
 """

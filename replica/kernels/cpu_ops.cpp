@@ -451,11 +451,20 @@ template <typename T, int NV>
 void pv_avx(const T* const* vp, int64_t len, int64_t G, const float* scores, int64_t stride_row,
             const float* inv_sum, T* out) {
   constexpr int64_t D = 16 * NV;
-  constexpr int GMAX = NV <= 4 ? 4 : (NV <= 8 ? 2 : 1);  // accumulators stay in registers
-  int64_t g = 0;
-  for (; g + GMAX <= G; g += GMAX)
-    pv_avx_group<T, NV, GMAX>(vp, len, scores + g * stride_row, stride_row, inv_sum + g, out + g * D);
-  for (; g < G; ++g) pv_avx_group<T, NV, 1>(vp, len, scores + g * stride_row, stride_row, inv_sum + g, out + g * D);
+  // Up to GMAX heads per pass over the values (GMAX * NV accumulators stay in registers), so
+  // each value row is loaded and converted once per pass, not once per head.
+  constexpr int GMAX = NV <= 4 ? 4 : (NV <= 8 ? 2 : 1);
+  for (int64_t g = 0; g < G;) {
+    const int64_t n = std::min<int64_t>(GMAX, G - g);
+    const float* sc = scores + g * stride_row;
+    switch (n) {
+      case 4: pv_avx_group<T, NV, (GMAX >= 4 ? 4 : 1)>(vp, len, sc, stride_row, inv_sum + g, out + g * D); break;
+      case 3: pv_avx_group<T, NV, (GMAX >= 3 ? 3 : 1)>(vp, len, sc, stride_row, inv_sum + g, out + g * D); break;
+      case 2: pv_avx_group<T, NV, (GMAX >= 2 ? 2 : 1)>(vp, len, sc, stride_row, inv_sum + g, out + g * D); break;
+      default: pv_avx_group<T, NV, 1>(vp, len, sc, stride_row, inv_sum + g, out + g * D); break;
+    }
+    g += n;
+  }
 }
 
 #endif

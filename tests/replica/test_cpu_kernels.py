@@ -105,7 +105,8 @@ def reference_decode(q, k_cache, v_cache, tables, lens, scale):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 32, 8), (6, 2, 24, 16)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size",
+                         [(9, 3, 64, 16), (4, 4, 32, 8), (6, 2, 24, 16), (10, 2, 64, 16), (8, 1, 128, 32)])
 def test_paged_attention_decode_rows(dtype, heads, kv_heads, head_dim, block_size):
     g = torch.Generator().manual_seed(3)
     NB = 64
