@@ -350,14 +350,12 @@ void reshape_and_cache_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_
   });
 }
 
-// ------------------------------------------------------------------------------------------ decode attention
+// ------------------------------------------------------------------------------------------ paged attention
 
-// One (request, kv head): the G query heads of the group read each key and value once from
-// memory (later heads of the group find them in L1/L2: one task's keys are len * D elements).
+// Scores for one (token, kv head): q_g . k_l for the G query heads of the group (scalar path).
 template <typename T>
-void decode_one_scalar(const float* qf, const T* const* kp, const T* const* vp, int64_t len, int64_t D, int64_t G,
-                       float* scores, int64_t stride_row, T* out, const float* inv_sum_unused) {
-  (void)inv_sum_unused;
+void scores_scalar(const float* qf, const T* const* kp, int64_t len, int64_t D, int64_t G, float* scores,
+                   int64_t stride_row) {
   for (int64_t l = 0; l < len; ++l)
     for (int64_t g = 0; g < G; ++g) {
       float s = 0.f;
@@ -469,6 +467,9 @@ void pv_avx(const T* const* vp, int64_t len, int64_t G, const float* scores, int
 
 #endif
 
+// One (token, kv head) task: scores, softmax and P*V over the first `len` cached keys. The G
+// query heads of the group share each key/value row (read from memory once; later heads find
+// it in L1/L2: one task's keys are len * D elements).
 template <typename T>
 void decode_one(const T* q, const T* kc, const T* vc, const int64_t* blocks, int64_t len, int64_t BS, int64_t D,
                 int64_t G, float scale, T* out, std::vector<float>& scratch, std::vector<const T*>& ptrs) {
@@ -517,7 +518,7 @@ void decode_one(const T* q, const T* kc, const T* vc, const int64_t* blocks, int
   }
   }
 #endif
-  if (!vec) decode_one_scalar(qf, kp, vp, len, D, G, scores, stride_row, out, nullptr);
+  if (!vec) scores_scalar(qf, kp, len, D, G, scores, stride_row);
 
   // softmax per query head (unnormalized here; 1/sum applied to the output)
   for (int64_t g = 0; g < G; ++g) {
