@@ -34,6 +34,19 @@ CONFIGS = {
 }
 
 
+@pytest.fixture(autouse=True, params=["cpu-kernels", "plain-torch"])
+def attention_path(request):
+    """Every test here runs twice: with fleetserve's fused CPU kernels (when built) and with the
+    plain PyTorch ops (what GPUs and compiler-less machines run: SDPA prefill, decode buffer)."""
+    from replica import kernels
+
+    if request.param == "cpu-kernels":
+        yield request.param
+    else:
+        with kernels.disabled():
+            yield request.param
+
+
 class Setup:
     def __init__(self, path):
         from transformers import LlamaForCausalLM as HFLlama
@@ -138,27 +151,21 @@ def test_decode_batch_of_different_lengths(setup):
         torch.testing.assert_close(g[0], setup.reference(s)[-1], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("kernels_on", [True, False], ids=["cpu-kernels", "plain-torch"])
-def test_bf16_close_to_hf(tmp_path, kernels_on):
-    """bf16 end to end, with the fused CPU kernels and without: as close to HF's float32 logits as
+def test_bf16_close_to_hf(tmp_path):
+    """bf16 end to end (both attention paths, see the fixture): as close to HF's float32 logits as
     HF's own bf16 run is (within 1.5x its error), and the same argmax wherever float32's top-2
     margin is wider than that noise (a random tiny model has near-ties that any rounding flips)."""
-    import contextlib
-
     from transformers import LlamaForCausalLM as HFLlama
-
-    from replica import kernels
 
     path = make_tiny_llama(tmp_path, num_heads=4, num_kv_heads=2)
     model, cfg = load_model(resolve_model(str(path)), torch.bfloat16, "cpu")
     hf16 = HFLlama.from_pretrained(path, dtype=torch.bfloat16).eval()
     hf32 = HFLlama.from_pretrained(path, dtype=torch.float32).eval()
-    ctx = contextlib.nullcontext() if kernels_on else kernels.disabled()
     for seed in (7, 8, 9):
         ids = _prompt(20, seed, cfg.vocab_size)
         caches = allocate_kv_caches(cfg, 8, BLOCK, torch.bfloat16)
         md = AttentionMetadata.build([20], [0], [list(range(1, 6))], BLOCK)
-        with torch.no_grad(), ctx:
+        with torch.no_grad():
             ours = model.compute_logits(model(torch.tensor(ids), md.positions, caches, md))
             ref16 = hf16(torch.tensor([ids])).logits[0].float()
             ref = hf32(torch.tensor([ids])).logits[0].float()
