@@ -25,6 +25,8 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
@@ -49,8 +51,6 @@ def _cpu_flags() -> str:
 
 
 def build_dir() -> Path:
-    import torch
-
     digest = hashlib.sha256()
     digest.update(SOURCE.read_bytes())
     digest.update(torch.__version__.encode())
@@ -60,7 +60,6 @@ def build_dir() -> Path:
 
 
 def _build() -> Any:
-    import torch
     from torch.utils.cpp_extension import load
 
     out = build_dir()
@@ -103,13 +102,13 @@ def unavailable_reason() -> Optional[str]:
     return _state["error"]
 
 
-_SUPPORTED = ("float32", "bfloat16")
+_SUPPORTED = (torch.float32, torch.bfloat16)
 _override: dict[str, bool] = {}
 
 
-def ops_for(t) -> Optional[Any]:
+def ops_for(t: torch.Tensor) -> Optional[Any]:
     """The kernels when they apply to tensor `t` (CPU, float32/bfloat16), else None."""
-    if _override.get("off") or t.device.type != "cpu" or str(t.dtype).rsplit(".", 1)[-1] not in _SUPPORTED:
+    if _override.get("off") or t.device.type != "cpu" or t.dtype not in _SUPPORTED:
         return None
     return cpu_ops()
 

@@ -365,61 +365,64 @@ void scores_scalar(const float* qf, const T* const* kp, int64_t len, int64_t D, 
 }
 
 #if FS_AVX512
+// q . k for one query head against one key row, as 16 lane partial sums.
+// Float (or float-converted) keys: the query pre-scaled, in float registers.
 template <typename T, int NV>
-void scores_avx(const float* qf, const T* const* kp, int64_t len, int64_t G, float* scores, int64_t stride_row) {
-  constexpr int64_t D = 16 * NV;
-  for (int64_t g = 0; g < G; ++g) {
-    __m512 qv[NV];
-    for (int c = 0; c < NV; ++c) qv[c] = _mm512_loadu_ps(qf + g * D + 16 * c);
-    for (int64_t l0 = 0; l0 < len; l0 += 16) {
-      const int64_t n = std::min<int64_t>(16, len - l0);
-      __m512 part[16];
-      for (int64_t j = 0; j < 16; ++j) {
-        __m512 a = _mm512_setzero_ps();
-        if (j < n) {
-          const T* k = kp[l0 + j];
-          if (g == 0 && l0 + j + 16 < len) prefetch_row(kp[l0 + j + 16], D * sizeof(T));
-          for (int c = 0; c < NV; ++c) a = _mm512_fmadd_ps(load16(k + 16 * c), qv[c], a);
-        }
-        part[j] = a;
-      }
-      _mm512_storeu_ps(scores + g * stride_row + l0, hsum16x16(part));
-    }
+struct DotFloat {
+  __m512 q[NV];
+  explicit DotFloat(const float* qg) {
+    for (int c = 0; c < NV; ++c) q[c] = _mm512_loadu_ps(qg + 16 * c);
   }
-}
+  __m512 operator()(const T* k) const {
+    __m512 a = _mm512_setzero_ps();
+    for (int c = 0; c < NV; ++c) a = _mm512_fmadd_ps(load16(k + 16 * c), q[c], a);
+    return a;
+  }
+};
 
 #if defined(__AVX512BF16__)
-// bf16 keys: the raw query (bf16, as the model computed it) against raw keys with vdpbf16ps,
-// 32 products per instruction, no conversions; the scale is applied to the float scores.
+// bf16 keys: the raw bf16 query (as the model computed it) with vdpbf16ps, 32 products per
+// instruction and no conversions; the scale is applied to the float scores.
 template <int NV>
-void scores_avx_bf16(const bf16* q, const bf16* const* kp, const bf16* const* vp, int64_t len, int64_t G,
-                     float scale, float* scores, int64_t stride_row) {
-  constexpr int64_t D = 16 * NV;
-  constexpr int NW = NV / 2;  // 32 bf16 per register
+struct DotBF16 {
+  __m512bh q[NV / 2];
+  explicit DotBF16(const bf16* qg) {
+    for (int c = 0; c < NV / 2; ++c) q[c] = (__m512bh)_mm512_loadu_si512(qg + 32 * c);
+  }
+  __m512 operator()(const bf16* k) const {
+    __m512 a = _mm512_setzero_ps();
+    for (int c = 0; c < NV / 2; ++c) a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(k + 32 * c), q[c]);
+    return a;
+  }
+};
+#endif
+
+// scores[g][l] = scale * q_g . k_l, 16 keys at a time summed by the transpose-add tree. The first
+// head's pass prefetches keys two blocks ahead and this token's values (for P*V) into L2.
+template <typename Dot, typename T, typename Q>
+void scores_avx(const Q* q, int64_t D, const T* const* kp, const T* const* vp, int64_t len, int64_t G,
+                float scale, float* scores, int64_t stride_row) {
   const __m512 sv = _mm512_set1_ps(scale);
   for (int64_t g = 0; g < G; ++g) {
-    __m512bh qv[NW];
-    for (int c = 0; c < NW; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + g * D + 32 * c);
+    const Dot dot(q + g * D);
     for (int64_t l0 = 0; l0 < len; l0 += 16) {
       const int64_t n = std::min<int64_t>(16, len - l0);
       __m512 part[16];
       for (int64_t j = 0; j < 16; ++j) {
-        __m512 a = _mm512_setzero_ps();
-        if (j < n) {
-          const bf16* k = kp[l0 + j];
-          if (g == 0) {  // keys a block or two ahead; this token's values for the P*V pass
-            if (l0 + j + 32 < len) prefetch_row(kp[l0 + j + 32], D * sizeof(bf16));
-            prefetch_row_l2(vp[l0 + j], D * sizeof(bf16));
-          }
-          for (int c = 0; c < NW; ++c) a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(k + 32 * c), qv[c]);
+        if (j >= n) {
+          part[j] = _mm512_setzero_ps();
+          continue;
         }
-        part[j] = a;
+        if (g == 0) {
+          if (l0 + j + 32 < len) prefetch_row(kp[l0 + j + 32], D * sizeof(T));
+          prefetch_row_l2(vp[l0 + j], D * sizeof(T));
+        }
+        part[j] = dot(kp[l0 + j]);
       }
       _mm512_storeu_ps(scores + g * stride_row + l0, _mm512_mul_ps(hsum16x16(part), sv));
     }
   }
 }
-#endif
 
 // out[g] = sum_l p[g][l] v[l] / sum[g], the value rows converted once for GB heads at a time.
 template <typename T, int NV, int GB>
@@ -493,31 +496,26 @@ void decode_one(const T* q, const T* kc, const T* vc, const int64_t* blocks, int
     }
   }
 
-  bool vec = false;
+  bool vec = true;
+  switch (D) {
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, bf16>) {
-    vec = true;
-    switch (D) {
-      case 32: scores_avx_bf16<2>(q, kp, vp, len, G, scale, scores, stride_row); break;
-      case 64: scores_avx_bf16<4>(q, kp, vp, len, G, scale, scores, stride_row); break;
-      case 128: scores_avx_bf16<8>(q, kp, vp, len, G, scale, scores, stride_row); break;
-      case 256: scores_avx_bf16<16>(q, kp, vp, len, G, scale, scores, stride_row); break;
-      default: vec = false;
-    }
-  }
+#define FS_SCORES(NV)                                                                                 \
+  if constexpr (std::is_same_v<T, bf16>)                                                            \
+    scores_avx<DotBF16<NV>>(q, D, kp, vp, len, G, scale, scores, stride_row);                       \
+  else                                                                                              \
+    scores_avx<DotFloat<T, NV>>(qf, D, kp, vp, len, G, 1.f, scores, stride_row);
+#elif FS_AVX512
+#define FS_SCORES(NV) scores_avx<DotFloat<T, NV>>(qf, D, kp, vp, len, G, 1.f, scores, stride_row);
 #endif
 #if FS_AVX512
-  if (!vec) {
-  vec = D == 64 || D == 128 || D == 32 || D == 256;
-  switch (D) {
-    case 32: scores_avx<T, 2>(qf, kp, len, G, scores, stride_row); break;
-    case 64: scores_avx<T, 4>(qf, kp, len, G, scores, stride_row); break;
-    case 128: scores_avx<T, 8>(qf, kp, len, G, scores, stride_row); break;
-    case 256: scores_avx<T, 16>(qf, kp, len, G, scores, stride_row); break;
-    default: break;
-  }
-  }
+    case 32: FS_SCORES(2) break;
+    case 64: FS_SCORES(4) break;
+    case 128: FS_SCORES(8) break;
+    case 256: FS_SCORES(16) break;
+#undef FS_SCORES
 #endif
+    default: vec = false;
+  }
   if (!vec) scores_scalar(qf, kp, len, D, G, scores, stride_row);
 
   // softmax per query head (unnormalized here; 1/sum applied to the output)
