@@ -6,12 +6,24 @@
 
 The gRPC servicer is registered at `serve.start`; Serve ignores later changes,
 so a process that needs different gRPC options needs a fresh Serve instance.
+
+Direct ingress (embedded Ray, the default): the ingress replica itself listens on
+the configured HTTP and gRPC ports (Ray Serve's `RAY_SERVE_ENABLE_DIRECT_INGRESS`,
+with each port range pinned to the one configured port), so a request reaches the
+ingress without passing through Serve's proxy actor. Through the proxy, every
+request costs an extra actor call plus a call back from the ingress to the proxy
+for the body: ~14 ms of TTFT on this 2-core machine (benchmarks/serving.py, issue
+5). Serve's proxy still runs (Serve starts direct-ingress servers only while
+proxies are enabled), on free loopback ports nobody is told about. A joined
+cluster (`--address`) keeps Serve's proxy on the configured ports: its controller
+and replicas were started with the cluster's environment, not ours.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 
 import ray
 from ray import serve
@@ -36,16 +48,39 @@ _NO_ACCESS_LOG = {"enable_access_log": False}
 # ~5 ms of TTFT and ~1 ms per chunk on 2 busy cores. Our user code never blocks
 # its loop (the engine steps on its own thread; the ingress's per-request work is
 # ~0.5 ms of tokenizing and validation), so it can run on Serve's loop.
+# RAY_SERVE_USE_GRPC_BY_DEFAULT: the ingress calls engine replicas over a direct
+# gRPC channel instead of Ray actor calls; the ingress->replica->ingress round trip
+# of a streaming call fell from ~9-10 ms to ~4 ms here (a no-op deployment pair,
+# alternating runs). These three are what Ray's documented "throughput optimized"
+# mode (RAY_SERVE_THROUGHPUT_OPTIMIZED=1) sets for the request path.
 # A value already in the environment wins (export ...=1 to get Serve's defaults back).
 SERVE_ENV_DEFAULTS = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
+}
+
+
+# Direct ingress (see the module docstring). One ingress replica on one pinned
+# port: nothing sits in front of it, so its ports need neither the quarantine
+# (150 s by default, for HAProxy's stale server lists) nor the 30 s drain
+# (for load balancers to deregister it) that Serve applies after a replica stops.
+DIRECT_INGRESS_ENV_DEFAULTS = {
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+    "RAY_SERVE_PORT_QUARANTINE_S": "0",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
 }
 
 
 def serve_env() -> dict[str, str]:
     """The Serve request-path settings, environment overrides applied."""
     return {k: os.environ.get(k, v) for k, v in SERVE_ENV_DEFAULTS.items()}
+
+
+def direct_ingress(config: AppConfig) -> bool:
+    """Whether the ingress replica serves the configured ports itself (embedded Ray,
+    unless `RAY_SERVE_ENABLE_DIRECT_INGRESS=0` is exported)."""
+    return not config.address and os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1") != "0"
 
 
 def connect_ray(config: AppConfig, **init_kwargs) -> None:
@@ -60,6 +95,15 @@ def connect_ray(config: AppConfig, **init_kwargs) -> None:
     if config.address:
         ray.init(address=config.address, **init_kwargs)
         return
+    if direct_ingress(config):
+        for key, value in DIRECT_INGRESS_ENV_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        # The controller hands ingress replicas ports from these ranges ([min, max)):
+        # pinned to the configured ports (one ingress replica), these are the ports
+        # users see.
+        for proto, port in (("HTTP", config.http.port), ("GRPC", config.grpc.port)):
+            os.environ[f"RAY_SERVE_DIRECT_INGRESS_MIN_{proto}_PORT"] = str(port)
+            os.environ[f"RAY_SERVE_DIRECT_INGRESS_MAX_{proto}_PORT"] = str(port + 1)
     needed = config.num_replicas * config.num_cpus_per_replica
     init_kwargs.setdefault("num_cpus", max(os.cpu_count() or 1, int(needed + 0.999)))
     init_kwargs.setdefault("include_dashboard", False)
@@ -68,10 +112,19 @@ def connect_ray(config: AppConfig, **init_kwargs) -> None:
 
 
 def start_serve(config: AppConfig) -> None:
-    grpc = gRPCOptions(port=config.grpc.port, grpc_servicer_functions=[GRPC_SERVICER]) \
+    http_port, grpc_port = config.http.port, config.grpc.port
+    if direct_ingress(config):  # the ingress replica takes the configured ports
+        http_port, grpc_port = _free_port(config.http.host), _free_port("127.0.0.1")
+    grpc = gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER]) \
         if config.grpc.enabled else None
-    serve.start(http_options=HTTPOptions(host=config.http.host, port=config.http.port),
+    serve.start(http_options=HTTPOptions(host=config.http.host, port=http_port),
                 grpc_options=grpc, logging_config=_NO_ACCESS_LOG)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def build_app(config: AppConfig):

@@ -75,3 +75,13 @@ def test_invalid_yaml_names_the_field(tmp_path):
 def test_serve_with_invalid_config_exits_2_naming_the_field(capsys):
     assert main(["serve", "--num-replicas", "0"]) == 2
     assert "num_replicas" in capsys.readouterr().err
+
+
+def test_direct_ingress_only_for_an_embedded_ray(monkeypatch):
+    from cluster.deploy import direct_ingress
+
+    monkeypatch.delenv("RAY_SERVE_ENABLE_DIRECT_INGRESS", raising=False)
+    assert direct_ingress(AppConfig())
+    assert not direct_ingress(AppConfig(address="auto"))  # a joined cluster keeps its proxy
+    monkeypatch.setenv("RAY_SERVE_ENABLE_DIRECT_INGRESS", "0")
+    assert not direct_ingress(AppConfig())

@@ -129,3 +129,19 @@ def test_seed_makes_sampling_reproducible(client, server):
     kw = dict(model=server.model, prompt="Once upon", temperature=1.0, max_tokens=8, seed=1234,
               extra_body={"ignore_eos": True})
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+
+def test_ingress_replica_serves_the_port_itself(server):
+    """Direct ingress (cluster/deploy.py): the configured HTTP and gRPC ports are
+    listened on by the ingress replica's own process, not by Serve's proxy actor,
+    so a request skips the proxy hop."""
+    import psutil
+
+    listeners = {c.laddr.port: c.pid for c in psutil.net_connections(kind="tcp")
+                 if c.status == psutil.CONN_LISTEN and c.pid}
+    for port in (server.config.http.port, server.config.grpc.port):
+        assert port in listeners, f"nothing listens on {port}"
+        name = " ".join(psutil.Process(listeners[port]).cmdline())
+        assert "ServeReplica" in name and "ingress" in name, name
+    # ... and it answers there.
+    assert httpx.get(server.base_url + "/health", headers=server.headers()).status_code == 200
