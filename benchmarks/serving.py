@@ -157,8 +157,25 @@ def summarize(label: str, rate: float, results: list[Result], elapsed: float) ->
     itl = [x for r in ok for x in r.itl]
     return {"label": label, "rate": rate, "requests": len(results), "ok": len(ok),
             "out_tok_s": sum(r.tokens for r in ok) / elapsed,
+            "ttft_mean_ms": 1000 * sum(ttft) / len(ttft) if ttft else float("nan"),
             **{f"ttft_p{q}_ms": 1000 * pct(ttft, q) for q in (50, 90, 99)},
             **{f"itl_p{q}_ms": 1000 * pct(itl, q) for q in (50, 90, 99)}}
+
+
+def median_row(runs: list[dict]) -> dict:
+    """One row per path: the median over rounds of every figure; the rounds' TTFT
+    p50s kept to show the spread."""
+    import statistics
+
+    row = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, float):
+            row[key] = statistics.median(r[key] for r in runs)
+    row["ok"] = sum(r["ok"] for r in runs)
+    row["requests"] = sum(r["requests"] for r in runs)
+    row["rounds_ttft_p50_ms"] = [round(r["ttft_p50_ms"], 1) for r in runs]
+    row["rounds_itl_p90_ms"] = [round(r["itl_p90_ms"], 2) for r in runs]
+    return row
 
 
 # -- serving -------------------------------------------------------------------
@@ -195,14 +212,28 @@ def redeploy(config) -> None:
 
 def scrape(url: str) -> dict[str, float]:
     import httpx
+
+    return metric_totals(httpx.get(url + "/metrics", timeout=60).text)
+
+
+def metric_totals(text: str) -> dict[str, float]:
+    """Counters and histogram sums/counts of a Prometheus text page, summed over labels."""
     from prometheus_client.parser import text_string_to_metric_families
 
     totals: dict[str, float] = {}
-    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=60).text):
+    for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name.endswith("_total"):
+            if s.name.endswith(("_total", "_sum", "_count")):
                 totals[s.name] = totals.get(s.name, 0.0) + s.value
     return totals
+
+
+def engine_ttft_ms(before: dict[str, float], after: dict[str, float]) -> float:
+    """Mean TTFT the engine itself measured (arrival in the engine to first token)
+    between two scrapes: what the request spent outside the router path."""
+    key = "vllm:time_to_first_token_seconds"
+    n = after.get(key + "_count", 0) - before.get(key + "_count", 0)
+    return 1000 * (after.get(key + "_sum", 0) - before.get(key + "_sum", 0)) / n if n else float("nan")
 
 
 def ray_tree_rss_mib() -> float:
@@ -228,9 +259,13 @@ async def run_http(url: str, model: str, requests: list[Request], rate: float, l
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         await send_http(client, url, model, Request("warm up", 2))
+        before = await asyncio.to_thread(scrape, url)
         results, elapsed = await open_loop(requests, rate,
                                            lambda r: send_http(client, url, model, r))
-    return summarize(label, rate, results, elapsed)
+        after = await asyncio.to_thread(scrape, url)
+    row = summarize(label, rate, results, elapsed)
+    row["engine_ttft_mean_ms"] = engine_ttft_ms(before, after)
+    return row
 
 
 def run_in_process(args, requests: list[Request], rate: float) -> dict:
@@ -245,11 +280,15 @@ def run_in_process(args, requests: list[Request], rate: float) -> dict:
     try:
         async def go():
             await send_engine(engine, Request("warm up", 2))
-            return await open_loop(requests, rate, lambda r: send_engine(engine, r))
-        results, elapsed = asyncio.run(go())
+            before = metric_totals(engine.metrics_text())
+            out = await open_loop(requests, rate, lambda r: send_engine(engine, r))
+            return out, before, metric_totals(engine.metrics_text())
+        (results, elapsed), before, after = asyncio.run(go())
     finally:
         engine.shutdown()
-    return summarize("in-process engine", rate, results, elapsed)
+    row = summarize("in-process engine", rate, results, elapsed)
+    row["engine_ttft_mean_ms"] = engine_ttft_ms(before, after)
+    return row
 
 
 # -- main ----------------------------------------------------------------------
@@ -264,6 +303,8 @@ def main() -> None:
     p.add_argument("--prompt-words", type=int, default=64)
     p.add_argument("--out-tokens", type=int, default=32)
     p.add_argument("--overhead-rate", type=float, default=2.0)
+    p.add_argument("--overhead-repeats", type=int, default=3,
+                   help="rounds of the overhead part (each on fresh prompts); medians are reported")
     p.add_argument("--prefix-rate", type=float, default=4.0)
     p.add_argument("--prefix-count", type=int, default=8)
     p.add_argument("--prefix-words", type=int, default=200)
@@ -279,9 +320,16 @@ def main() -> None:
     rows: list[dict] = []
     plain = plain_workload(args.num_requests, args.prompt_words, args.out_tokens, seed=0)
 
+    # Overhead rounds: round r uses prompts drawn with seed r on both paths, so
+    # neither path gets prefix-cache hits from an earlier round.
+    rounds = [plain_workload(args.num_requests, args.prompt_words, args.out_tokens, seed=100 + r)
+              for r in range(max(1, args.overhead_repeats))]
     if "overhead" not in args.skip:  # before Ray starts: nothing else on the cores
-        rows.append(run_in_process(args, plain, args.overhead_rate))
-        print(rows[-1], flush=True)
+        runs = []
+        for work in rounds:
+            runs.append(run_in_process(args, work, args.overhead_rate))
+            print(runs[-1], flush=True)
+        rows.append(median_row(runs))
 
     import ray
     from ray import serve
@@ -298,9 +346,12 @@ def main() -> None:
         if "overhead" not in args.skip:
             redeploy(config)
             memory["1 replica"] = ray_tree_rss_mib()
-            rows.append(asyncio.run(run_http(url, config.served_model_name, plain,
-                                             args.overhead_rate, "HTTP, 1 replica")))
-            print(rows[-1], flush=True)
+            runs = []
+            for work in rounds:
+                runs.append(asyncio.run(run_http(url, config.served_model_name, work,
+                                                 args.overhead_rate, "HTTP, 1 replica")))
+                print(runs[-1], flush=True)
+            rows.append(median_row(runs))
         if "rates" not in args.skip:
             config = app_config(args, port, 2, "power_of_two", None)
             redeploy(config)
@@ -360,10 +411,17 @@ def report(rows: list[dict], memory: dict, args) -> None:
     extra = []
     if len(overhead) == 2:
         a, b = overhead
-        extra.append(f"router overhead (HTTP 1 replica - in-process): TTFT p50 "
+        extra.append(f"router overhead (HTTP 1 replica - in-process, medians of "
+                     f"{len(a.get('rounds_ttft_p50_ms', [0]))} rounds): TTFT p50 "
                      f"{b['ttft_p50_ms'] - a['ttft_p50_ms']:+.1f} ms, ITL p50 "
                      f"{b['itl_p50_ms'] - a['itl_p50_ms']:+.2f} ms, ITL p90 "
                      f"{b['itl_p90_ms'] - a['itl_p90_ms']:+.2f} ms")
+        for r in (a, b):
+            if "rounds_ttft_p50_ms" in r:
+                extra.append(f"  {r['label']}: TTFT p50 per round {r['rounds_ttft_p50_ms']} ms, "
+                             f"ITL p90 per round {r['rounds_itl_p90_ms']} ms; mean TTFT "
+                             f"{r['ttft_mean_ms']:.1f} ms, of which in the engine "
+                             f"{r['engine_ttft_mean_ms']:.1f} ms (arrival to first token)")
     pre = {r["label"]: r for r in rows if r["label"].startswith("shared prefix")}
     if len(pre) == 2:
         a, b = pre["shared prefix, power_of_two"], pre["shared prefix, prefix_aware"]
