@@ -305,6 +305,9 @@ def main() -> None:
     p.add_argument("--overhead-rate", type=float, default=2.0)
     p.add_argument("--overhead-repeats", type=int, default=3,
                    help="rounds of the overhead part (each on fresh prompts); medians are reported")
+    p.add_argument("--overhead-warmup", type=int, default=24,
+                   help="requests of a discarded first round on each path (a fresh process pays "
+                        "one-time costs, e.g. oneDNN building kernels for each new batch shape)")
     p.add_argument("--prefix-rate", type=float, default=4.0)
     p.add_argument("--prefix-count", type=int, default=8)
     p.add_argument("--prefix-words", type=int, default=200)
@@ -324,7 +327,10 @@ def main() -> None:
     # neither path gets prefix-cache hits from an earlier round.
     rounds = [plain_workload(args.num_requests, args.prompt_words, args.out_tokens, seed=100 + r)
               for r in range(max(1, args.overhead_repeats))]
+    warmup = plain_workload(args.overhead_warmup, args.prompt_words, args.out_tokens, seed=99)
     if "overhead" not in args.skip:  # before Ray starts: nothing else on the cores
+        if warmup:
+            print("warm-up (discarded):", run_in_process(args, warmup, args.overhead_rate), flush=True)
         runs = []
         for work in rounds:
             runs.append(run_in_process(args, work, args.overhead_rate))
@@ -346,6 +352,9 @@ def main() -> None:
         if "overhead" not in args.skip:
             redeploy(config)
             memory["1 replica"] = ray_tree_rss_mib()
+            if warmup:
+                print("warm-up (discarded):", asyncio.run(run_http(
+                    url, config.served_model_name, warmup, args.overhead_rate, "warm-up")), flush=True)
             runs = []
             for work in rounds:
                 runs.append(asyncio.run(run_http(url, config.served_model_name, work,
