@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from typing import Optional
 
 import ray
 from ray import serve
@@ -77,6 +78,11 @@ def serve_env() -> dict[str, str]:
     return {k: os.environ.get(k, v) for k, v in SERVE_ENV_DEFAULTS.items()}
 
 
+# The (HTTP, gRPC) ports this process's embedded Ray was started to give the ingress
+# replica directly; None when connect_ray did not start Ray that way.
+_direct_ports: Optional[tuple[int, int]] = None
+
+
 def direct_ingress(config: AppConfig) -> bool:
     """Whether the ingress replica serves the configured ports itself (embedded Ray,
     unless `RAY_SERVE_ENABLE_DIRECT_INGRESS=0` is exported)."""
@@ -85,6 +91,7 @@ def direct_ingress(config: AppConfig) -> bool:
 
 def connect_ray(config: AppConfig, **init_kwargs) -> None:
     """Start an embedded local Ray (loopback) or join `config.address`."""
+    global _direct_ports
     if ray.is_initialized():
         return
     # Serve reads these when its modules are imported in each process: set here,
@@ -104,6 +111,7 @@ def connect_ray(config: AppConfig, **init_kwargs) -> None:
         for proto, port in (("HTTP", config.http.port), ("GRPC", config.grpc.port)):
             os.environ[f"RAY_SERVE_DIRECT_INGRESS_MIN_{proto}_PORT"] = str(port)
             os.environ[f"RAY_SERVE_DIRECT_INGRESS_MAX_{proto}_PORT"] = str(port + 1)
+        _direct_ports = (config.http.port, config.grpc.port)
     needed = config.num_replicas * config.num_cpus_per_replica
     init_kwargs.setdefault("num_cpus", max(os.cpu_count() or 1, int(needed + 0.999)))
     init_kwargs.setdefault("include_dashboard", False)
@@ -113,7 +121,9 @@ def connect_ray(config: AppConfig, **init_kwargs) -> None:
 
 def start_serve(config: AppConfig) -> None:
     http_port, grpc_port = config.http.port, config.grpc.port
-    if direct_ingress(config):  # the ingress replica takes the configured ports
+    # The ingress replica takes the configured ports, if Ray was started for that
+    # (a Ray that was already running keeps Serve's proxy on them).
+    if _direct_ports == (config.http.port, config.grpc.port):
         http_port, grpc_port = _free_port(config.http.host), _free_port("127.0.0.1")
     grpc = gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER]) \
         if config.grpc.enabled else None
