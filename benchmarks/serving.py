@@ -323,19 +323,24 @@ def main() -> None:
     rows: list[dict] = []
     plain = plain_workload(args.num_requests, args.prompt_words, args.out_tokens, seed=0)
 
-    # Overhead rounds: round r uses prompts drawn with seed r on both paths, so
-    # neither path gets prefix-cache hits from an earlier round.
+    # Overhead rounds: each round draws its prompts with its own seed, the same on
+    # both paths, so neither path gets prefix-cache hits from an earlier round.
     rounds = [plain_workload(args.num_requests, args.prompt_words, args.out_tokens, seed=100 + r)
               for r in range(max(1, args.overhead_repeats))]
     warmup = plain_workload(args.overhead_warmup, args.prompt_words, args.out_tokens, seed=99)
-    if "overhead" not in args.skip:  # before Ray starts: nothing else on the cores
+
+    def measure(run_one) -> dict:
+        """A discarded warm-up round, then every round: one row of medians."""
         if warmup:
-            print("warm-up (discarded):", run_in_process(args, warmup, args.overhead_rate), flush=True)
+            print("warm-up (discarded):", run_one(warmup), flush=True)
         runs = []
         for work in rounds:
-            runs.append(run_in_process(args, work, args.overhead_rate))
+            runs.append(run_one(work))
             print(runs[-1], flush=True)
-        rows.append(median_row(runs))
+        return median_row(runs)
+
+    if "overhead" not in args.skip:  # before Ray starts: nothing else on the cores
+        rows.append(measure(lambda work: run_in_process(args, work, args.overhead_rate)))
 
     import ray
     from ray import serve
@@ -352,15 +357,8 @@ def main() -> None:
         if "overhead" not in args.skip:
             redeploy(config)
             memory["1 replica"] = ray_tree_rss_mib()
-            if warmup:
-                print("warm-up (discarded):", asyncio.run(run_http(
-                    url, config.served_model_name, warmup, args.overhead_rate, "warm-up")), flush=True)
-            runs = []
-            for work in rounds:
-                runs.append(asyncio.run(run_http(url, config.served_model_name, work,
-                                                 args.overhead_rate, "HTTP, 1 replica")))
-                print(runs[-1], flush=True)
-            rows.append(median_row(runs))
+            rows.append(measure(lambda work: asyncio.run(run_http(
+                url, config.served_model_name, work, args.overhead_rate, "HTTP, 1 replica"))))
         if "rates" not in args.skip:
             config = app_config(args, port, 2, "power_of_two", None)
             redeploy(config)
@@ -421,16 +419,15 @@ def report(rows: list[dict], memory: dict, args) -> None:
     if len(overhead) == 2:
         a, b = overhead
         extra.append(f"router overhead (HTTP 1 replica - in-process, medians of "
-                     f"{len(a.get('rounds_ttft_p50_ms', [0]))} rounds): TTFT p50 "
+                     f"{len(a['rounds_ttft_p50_ms'])} rounds): TTFT p50 "
                      f"{b['ttft_p50_ms'] - a['ttft_p50_ms']:+.1f} ms, ITL p50 "
                      f"{b['itl_p50_ms'] - a['itl_p50_ms']:+.2f} ms, ITL p90 "
                      f"{b['itl_p90_ms'] - a['itl_p90_ms']:+.2f} ms")
         for r in (a, b):
-            if "rounds_ttft_p50_ms" in r:
-                extra.append(f"  {r['label']}: TTFT p50 per round {r['rounds_ttft_p50_ms']} ms, "
-                             f"ITL p90 per round {r['rounds_itl_p90_ms']} ms; mean TTFT "
-                             f"{r['ttft_mean_ms']:.1f} ms, of which in the engine "
-                             f"{r['engine_ttft_mean_ms']:.1f} ms (arrival to first token)")
+            extra.append(f"  {r['label']}: TTFT p50 per round {r['rounds_ttft_p50_ms']} ms, "
+                         f"ITL p90 per round {r['rounds_itl_p90_ms']} ms; mean TTFT "
+                         f"{r['ttft_mean_ms']:.1f} ms, of which in the engine "
+                         f"{r['engine_ttft_mean_ms']:.1f} ms (arrival to first token)")
     pre = {r["label"]: r for r in rows if r["label"].startswith("shared prefix")}
     if len(pre) == 2:
         a, b = pre["shared prefix, power_of_two"], pre["shared prefix, prefix_aware"]

@@ -15,8 +15,8 @@ request costs an extra actor call plus a call back from the ingress to the proxy
 for the body: ~14 ms of TTFT on this 2-core machine (benchmarks/serving.py, issue
 5). Serve's proxy still runs (Serve starts direct-ingress servers only while
 proxies are enabled), on free loopback ports nobody is told about. A joined
-cluster (`--address`) keeps Serve's proxy on the configured ports: its controller
-and replicas were started with the cluster's environment, not ours.
+cluster (`--address`), or a Ray that was already running, keeps Serve's proxy on
+the configured ports: its controller and replicas were started without our pins.
 """
 
 from __future__ import annotations
