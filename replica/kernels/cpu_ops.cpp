@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -118,12 +119,29 @@ inline __m512 hsum16x16(const __m512* v) {
 }
 #endif
 
+// Error messages are built from std::string pieces (integers through std::to_string), never with
+// an ostream: TORCH_CHECK's own formatting puts an ostringstream in this library, and on a GPU
+// machine (g++ 13.3, Ubuntu 24.04, torch 2.11+cu130) that crashed the process while formatting an
+// integer, turning a clear RuntimeError into a segfault. A single std::string goes through
+// TORCH_CHECK untouched.
+inline std::string msg_piece(const char* s) { return s; }
+inline std::string msg_piece(const std::string& s) { return s; }
+inline std::string msg_piece(at::ScalarType t) { return c10::toString(t); }
+template <typename T, typename = std::enable_if_t<std::is_integral_v<T>>>
+inline std::string msg_piece(T v) { return std::to_string(v); }
+template <typename... A> std::string msg(const A&... pieces) {
+  std::string s;
+  (s.append(msg_piece(pieces)), ...);
+  return s;
+}
+#define FS_CHECK(cond, ...) TORCH_CHECK(cond, msg(__VA_ARGS__))
+
 void check_cpu(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  FS_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
 }
 
 void check_float_dtype(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+  FS_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
               " must be float32 or bfloat16, got ", t.scalar_type());
 }
 
@@ -133,7 +151,7 @@ void check_float_dtype(const at::Tensor& t, const char* name) {
       using scalar_t = float;                                         \
       return __VA_ARGS__();                                           \
     }                                                                 \
-    TORCH_CHECK((dtype) == at::kBFloat16, "unsupported dtype ", dtype); \
+    FS_CHECK((dtype) == at::kBFloat16, "unsupported dtype ", dtype); \
     using scalar_t = bf16;                                            \
     return __VA_ARGS__();                                             \
   }()
@@ -169,9 +187,9 @@ void rms_norm_row(const T* x, const T* w, T* y, int64_t n, float eps) {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_cpu(x, "x");
   check_float_dtype(x, "x");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous(), "weight: contiguous, x's dtype");
+  FS_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous(), "weight: contiguous, x's dtype");
   const int64_t n = x.size(-1);
-  TORCH_CHECK(weight.numel() == n, "weight has ", weight.numel(), " elements, x rows have ", n);
+  FS_CHECK(weight.numel() == n, "weight has ", weight.numel(), " elements, x rows have ", n);
   at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty_like(xc);
   const int64_t rows = xc.numel() / std::max<int64_t>(n, 1);
@@ -192,11 +210,11 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const
                                                       const at::Tensor& weight, double eps) {
   check_cpu(x, "x");
   check_float_dtype(x, "x");
-  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
+  FS_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
               "x and residual: same shape and dtype");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous(), "weight: contiguous, x's dtype");
+  FS_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous(), "weight: contiguous, x's dtype");
   const int64_t n = x.size(-1);
-  TORCH_CHECK(weight.numel() == n, "weight has ", weight.numel(), " elements, x rows have ", n);
+  FS_CHECK(weight.numel() == n, "weight has ", weight.numel(), " elements, x rows have ", n);
   at::Tensor xc = x.contiguous(), rc = residual.contiguous();
   at::Tensor out = at::empty_like(xc), sum = at::empty_like(xc);
   const int64_t rows = xc.numel() / std::max<int64_t>(n, 1);
@@ -231,16 +249,16 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const
 void rotary_embedding_(at::Tensor& qk, const at::Tensor& cos_sin_cache, const at::Tensor& positions) {
   check_cpu(qk, "qk");
   check_float_dtype(qk, "qk");
-  TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2), "qk: [T, heads, D], rows strided");
-  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.is_contiguous() &&
+  FS_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2), "qk: [T, heads, D], rows strided");
+  FS_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.is_contiguous() &&
                   cos_sin_cache.size(1) == qk.size(2),
               "cos_sin_cache: contiguous float32 [max_position, head_dim]");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == qk.size(0), "positions: int64 [T]");
+  FS_CHECK(positions.scalar_type() == at::kLong && positions.numel() == qk.size(0), "positions: int64 [T]");
   const int64_t T = qk.size(0), H = qk.size(1), D = qk.size(2), half = D / 2, row = qk.stride(0);
   const int64_t P = cos_sin_cache.size(0);
   at::Tensor pos = positions.contiguous();
   const int64_t* pp = pos.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pp[t] >= 0 && pp[t] < P, "position ", pp[t], " out of range");
+  for (int64_t t = 0; t < T; ++t) FS_CHECK(pp[t] >= 0 && pp[t] < P, "position ", pp[t], " out of range");
   const float* cs = cos_sin_cache.data_ptr<float>();
   FS_DISPATCH(qk.scalar_type(), [&] {
     scalar_t* base = qk.data_ptr<scalar_t>();
@@ -279,7 +297,7 @@ void rotary_embedding_(at::Tensor& qk, const at::Tensor& cos_sin_cache, const at
 at::Tensor silu_and_mul(const at::Tensor& x) {
   check_cpu(x, "x");
   check_float_dtype(x, "x");
-  TORCH_CHECK(x.size(-1) % 2 == 0, "last dim must be even");
+  FS_CHECK(x.size(-1) % 2 == 0, "last dim must be even");
   at::Tensor xc = x.contiguous();
   const int64_t d = xc.size(-1) / 2;
   const int64_t rows = xc.numel() / std::max<int64_t>(2 * d, 1);
@@ -320,23 +338,23 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 void reshape_and_cache_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                         const at::Tensor& slot_mapping) {
   check_cpu(k, "k");
-  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes(), "k, v: [T, kv_heads, head_dim]");
-  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
+  FS_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes(), "k, v: [T, kv_heads, head_dim]");
+  FS_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
               "k, v: heads and head_dim contiguous");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4, "caches: contiguous 4-d");
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(), "dtype mismatch");
+  FS_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4, "caches: contiguous 4-d");
+  FS_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(), "dtype mismatch");
   const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2);
-  TORCH_CHECK(k_cache.size(0) == KVH && k_cache.size(3) == D, "cache shape does not match k");
+  FS_CHECK(k_cache.size(0) == KVH && k_cache.size(3) == D, "cache shape does not match k");
   const int64_t NB = k_cache.size(1), BS = k_cache.size(2);
   at::Tensor sm = slot_mapping.contiguous();
-  TORCH_CHECK(sm.scalar_type() == at::kLong && sm.numel() == T, "slot_mapping: int64 [T]");
+  FS_CHECK(sm.scalar_type() == at::kLong && sm.numel() == T, "slot_mapping: int64 [T]");
   const int64_t* sp = sm.data_ptr<int64_t>();
   const int64_t esz = k.element_size();
   const char* kp = static_cast<const char*>(k.data_ptr());
   const char* vp = static_cast<const char*>(v.data_ptr());
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] < NB * BS, "slot ", sp[t], " out of range");
+  for (int64_t t = 0; t < T; ++t) FS_CHECK(sp[t] < NB * BS, "slot ", sp[t], " out of range");
   at::parallel_for(0, T, 256, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const int64_t slot = sp[t];
@@ -573,38 +591,38 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            const c10::optional<at::Tensor>& token_req, double scale) {
   check_cpu(q, "q");
   check_float_dtype(q, "q");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [T, heads, D], rows strided");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+  FS_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [T, heads, D], rows strided");
+  FS_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
                   k_cache.sizes() == v_cache.sizes(),
               "caches: contiguous [kv_heads, num_blocks, block_size, head_dim]");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type(), "cache dtype must match q");
+  FS_CHECK(k_cache.scalar_type() == q.scalar_type(), "cache dtype must match q");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head_dim / head counts do not match the cache");
+  FS_CHECK(k_cache.size(3) == D && H % KVH == 0, "head_dim / head counts do not match the cache");
   const int64_t G = H / KVH;
   at::Tensor bt = block_table.contiguous();
   at::Tensor sl = seq_lens.contiguous();
-  TORCH_CHECK(bt.scalar_type() == at::kLong && bt.dim() == 2, "block_table: int64 [requests, max_blocks]");
-  TORCH_CHECK(sl.scalar_type() == at::kLong && sl.numel() == T, "seq_lens: int64 [T]");
+  FS_CHECK(bt.scalar_type() == at::kLong && bt.dim() == 2, "block_table: int64 [requests, max_blocks]");
+  FS_CHECK(sl.scalar_type() == at::kLong && sl.numel() == T, "seq_lens: int64 [T]");
   const int64_t R = bt.size(0), MB = bt.size(1);
   at::Tensor tr;
   if (token_req.has_value()) {
     tr = token_req->contiguous();
-    TORCH_CHECK(tr.scalar_type() == at::kLong && tr.numel() == T, "token_req: int64 [T]");
+    FS_CHECK(tr.scalar_type() == at::kLong && tr.numel() == T, "token_req: int64 [T]");
   } else {
-    TORCH_CHECK(R == T, "without token_req the block table needs one row per token");
+    FS_CHECK(R == T, "without token_req the block table needs one row per token");
   }
   const int64_t* trp = tr.defined() ? tr.data_ptr<int64_t>() : nullptr;
   const int64_t* btp = bt.data_ptr<int64_t>();
   const int64_t* slp = sl.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) {
     const int64_t r = trp ? trp[t] : t;
-    TORCH_CHECK(r >= 0 && r < R, "token_req ", r, " out of range");
-    TORCH_CHECK(slp[t] >= 1 && slp[t] <= MB * BS, "seq_len ", slp[t], " does not fit the block table");
+    FS_CHECK(r >= 0 && r < R, "token_req ", r, " out of range");
+    FS_CHECK(slp[t] >= 1 && slp[t] <= MB * BS, "seq_len ", slp[t], " does not fit the block table");
   }
   for (int64_t r = 0; r < R; ++r)
     for (int64_t j = 0; j < MB; ++j)
-      TORCH_CHECK(btp[r * MB + j] >= 0 && btp[r * MB + j] < NB, "block id out of range");
+      FS_CHECK(btp[r * MB + j] >= 0 && btp[r * MB + j] < NB, "block id out of range");
   at::Tensor out = at::empty({T, H * D}, q.options());
   const int64_t N = T * KVH;
   FS_DISPATCH(q.scalar_type(), [&] {

@@ -36,9 +36,17 @@ def test_rms_norm_and_fused_add(dtype, n):
     assert torch.equal(x, x0) and torch.equal(r, r0)  # inputs untouched
     torch.testing.assert_close(s, x + r, atol=0, rtol=0)  # the residual add rounds exactly like torch's
     torch.testing.assert_close(y.double(), ref(x + r), **tol(dtype))
-    # one rounding, like torch's own fused rms_norm (float32: within summation-order noise)
-    exact = dict(atol=0, rtol=0) if dtype == torch.bfloat16 else tol(dtype)
-    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (n,), w, 1e-5), **exact)
+    # One rounding, like torch's own fused rms_norm: bf16 results equal it except where the two
+    # float sums (different summation orders; torch's depends on the CPU) straddle a rounding
+    # boundary, which moves an element by one bf16 step. Rounding twice would move many.
+    ours, theirs = ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (n,), w, 1e-5)
+    if dtype == torch.bfloat16:
+        differ = ours != theirs
+        assert differ.float().mean() <= 0.002
+        one_step = theirs.float().abs() * 2.0 ** -7
+        assert ((ours.float() - theirs.float()).abs()[differ] <= one_step[differ]).all()
+    else:
+        torch.testing.assert_close(ours, theirs, **tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -58,7 +66,7 @@ def test_rotary_in_place_on_a_strided_view(dtype, head_dim):
     ops.rotary_embedding_(qk, rope.cos_sin_cache, positions)
     torch.testing.assert_close(qk.double(), expected, **tol(dtype))
     assert torch.equal(qkv[:, (H + KVH) * head_dim:], v_before)  # v untouched
-    with pytest.raises(RuntimeError, match="out of range"):
+    with pytest.raises(RuntimeError, match="position 512 out of range"):
         ops.rotary_embedding_(qk, rope.cos_sin_cache, torch.full((T,), 512))
 
 
