@@ -79,12 +79,13 @@ def workload(name: str, tokenizer, num_prompts: int, seed: int = 0):
 
 
 # ---- engines -----------------------------------------------------------------------------
-def run_fleetserve(model: str, dtype: str, prompts, outputs, max_num_seqs: int) -> dict:
+def run_fleetserve(model: str, dtype: str, prompts, outputs, max_num_seqs: int,
+                   device: str = "cpu") -> dict:
     from replica.llm import LLM
     from scheduler import SamplingParams
 
     llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
-              enable_prefix_caching=False, kv_cache_memory_bytes=2 << 30)
+              enable_prefix_caching=False, kv_cache_memory_bytes=2 << 30, device=device)
     warm = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)] * 4
     llm.generate(prompts[:4], warm, use_tqdm=False)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
@@ -96,12 +97,12 @@ def run_fleetserve(model: str, dtype: str, prompts, outputs, max_num_seqs: int) 
     return {"tok_s": ntok / elapsed, "ttft": ttft, "elapsed": elapsed, "tokens": ntok}
 
 
-def run_hf(hf_dir: str, dtype: str, prompts, outputs, batch_size: int) -> dict:
+def run_hf(hf_dir: str, dtype: str, prompts, outputs, batch_size: int, device: str = "cpu") -> dict:
     import torch
     from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
     torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch_dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch_dtype).eval().to(device)
     pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 2
 
     class FirstToken(LogitsProcessor):
@@ -115,8 +116,8 @@ def run_hf(hf_dir: str, dtype: str, prompts, outputs, batch_size: int) -> dict:
 
     def generate(batch_prompts, max_new):
         width = max(len(p) for p in batch_prompts)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch_prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_prompts])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch_prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_prompts], device=device)
         first = FirstToken()
         with torch.inference_mode():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
@@ -178,7 +179,8 @@ def run_vllm(python: str, hf_dir: str, dtype: str, prompts, outputs, max_num_seq
 
 
 # ---- roofline --------------------------------------------------------------------------------
-def matmul_ceiling(hidden: int, inter: int, tokens: int = 512, reps: int = 20, rounds: int = 3) -> float:
+def matmul_ceiling(hidden: int, inter: int, tokens: int = 512, reps: int = 20, rounds: int = 3,
+                   device: str = "cpu") -> float:
     """bf16 GFLOP/s of the model's own projection shapes (F.linear, weights [out, in] as the model
     holds them) at a saturating batch: the best of `rounds` medians, since it is a ceiling and a
     shared machine only ever makes a round slower."""
@@ -188,18 +190,27 @@ def matmul_ceiling(hidden: int, inter: int, tokens: int = 512, reps: int = 20, r
     shapes = [(tokens, hidden, inter), (tokens, inter, hidden), (tokens, hidden, hidden)]
     best = 0.0
     for m, k, n in shapes:
-        a = torch.randn(m, k, dtype=torch.bfloat16)
-        w = torch.randn(n, k, dtype=torch.bfloat16)
+        a = torch.randn(m, k, dtype=torch.bfloat16, device=device)
+        w = torch.randn(n, k, dtype=torch.bfloat16, device=device)
         for _ in range(3):
             F.linear(a, w)
         for _ in range(rounds):
             times = []
             for _ in range(reps):
+                _sync(device)
                 t = time.perf_counter()
                 F.linear(a, w)
+                _sync(device)
                 times.append(time.perf_counter() - t)
             best = max(best, 2 * m * k * n / statistics.median(times) / 1e9)
     return best
+
+
+def _sync(device: str) -> None:
+    if str(device).startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
 
 
 def model_flops_per_token(hf_config) -> float:
@@ -220,6 +231,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where fleetserve and HF run (vLLM CPU always runs on the CPU)")
     ap.add_argument("--vllm-python", default="/opt/vllm-venv/bin/python")
     ap.add_argument("--quick", action="store_true", help="8 prompts, short outputs: a smoke run")
     ap.add_argument("--repeats", type=int, default=1,
@@ -240,12 +253,12 @@ def main() -> None:
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
     flops_tok = model_flops_per_token(hf_config)
-    ceiling = matmul_ceiling(hf_config.hidden_size, hf_config.intermediate_size)
+    ceiling = matmul_ceiling(hf_config.hidden_size, hf_config.intermediate_size, device=args.device)
     print(f"bf16 matmul ceiling at the model's shapes: {ceiling:.0f} GFLOP/s; "
           f"model: {flops_tok / 1e9:.3f} GFLOP per token")
 
     engines = args.engines.split(",")
-    have_vllm = "vllm" in engines and Path(args.vllm_python).exists()
+    have_vllm = "vllm" in engines and Path(args.vllm_python).exists() and args.device == "cpu"
     rows = []
     for wl in args.workloads.split(","):
         n = 8 if args.quick else args.num_prompts
@@ -259,10 +272,11 @@ def main() -> None:
             for _ in range(args.repeats):
                 if "fleetserve" in engines:
                     runs.setdefault("fleetserve", []).append(
-                        run_fleetserve(args.model, dtype, prompts, outputs, max_num_seqs=max(64, n)))
+                        run_fleetserve(args.model, dtype, prompts, outputs, max_num_seqs=max(64, n),
+                                       device=args.device))
                 if "hf" in engines:
                     runs.setdefault("hf-static", []).append(
-                        run_hf(hf_dir, dtype, prompts, outputs, args.hf_batch_size))
+                        run_hf(hf_dir, dtype, prompts, outputs, args.hf_batch_size, args.device))
                 if "vllm" in engines:
                     if have_vllm:
                         try:
@@ -277,7 +291,8 @@ def main() -> None:
                 med = sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2]
                 res[engine] = dict(med, all_tok_s=[round(r["tok_s"], 1) for r in rs])
             for engine, r in res.items():
-                r.update(workload=wl, dtype=dtype, engine=engine)
+                r.update(workload=wl, dtype=dtype, engine=engine, device=args.device,
+                         model=Path(args.model).name)
                 # Output tokens only (the target's definition), and model FLOP utilization over
                 # every token the model processed (prompt + output: prefill is real work).
                 r["roofline_frac"] = r["tok_s"] * flops_tok / 1e9 / ceiling if dtype == "bfloat16" else None
@@ -328,7 +343,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_xticklabels([f"({w}) {d}" for w, d in groups])
         ax.set_ylabel(label)
         ax.legend()
-    fig.suptitle("Offline throughput, SmolLM2-135M, same machine, one run")
+    fig.suptitle(f"Offline throughput, {rows[0].get('model', 'SmolLM2-135M')} on {rows[0].get('device', 'cpu')}, same machine")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
