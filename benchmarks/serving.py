@@ -2,8 +2,10 @@
 
 Three parts, one table and one PNG (benchmarks/results/serving.{md,json,png}):
 
-1. overhead -- the same workload on one in-process AsyncEngine and on a 1-replica
-   Serve app over HTTP (TTFT and ITL percentiles): what the router path adds.
+1. overhead -- the same workload on one in-process AsyncEngine (its EngineCore on a
+   thread: the baseline; and in a child process) and on a 1-replica Serve app over
+   HTTP (TTFT and ITL percentiles), with the replica's EngineCore in its own process
+   (the default) and on a thread: what the router path adds.
 2. rates -- the 2-replica app at several request rates: throughput, TTFT and
    ITL p50/p90/p99.
 3. prefix -- a shared-prefix workload (several long system prompts, unique
@@ -268,7 +270,7 @@ async def run_http(url: str, model: str, requests: list[Request], rate: float, l
     return row
 
 
-def run_in_process(args, requests: list[Request], rate: float) -> dict:
+def run_in_process(args, requests: list[Request], rate: float, core_process: bool) -> dict:
     import torch
 
     from replica.async_engine import AsyncEngine
@@ -276,7 +278,8 @@ def run_in_process(args, requests: list[Request], rate: float) -> dict:
 
     torch.set_num_threads(1)
     engine = AsyncEngine(EngineArgs(model=args.model, max_model_len=args.max_model_len,
-                                    num_threads=1, max_num_seqs=args.max_num_seqs))
+                                    num_threads=1, max_num_seqs=args.max_num_seqs),
+                         core_process=core_process)
     try:
         async def go():
             await send_engine(engine, Request("warm up", 2))
@@ -286,9 +289,16 @@ def run_in_process(args, requests: list[Request], rate: float) -> dict:
         (results, elapsed), before, after = asyncio.run(go())
     finally:
         engine.shutdown()
-    row = summarize("in-process engine", rate, results, elapsed)
+    row = summarize(IN_PROCESS[core_process], rate, results, elapsed)
     row["engine_ttft_mean_ms"] = engine_ttft_ms(before, after)
     return row
+
+
+# The in-process baselines: the AsyncEngine in the benchmark's own process, its EngineCore
+# on a thread (the strict baseline the router overhead is measured against) or in a child
+# process (what a replica runs by default; the difference is the IPC's cost).
+IN_PROCESS = {False: "in-process engine", True: "in-process engine, core process"}
+HTTP_LABEL = {"process": "HTTP, 1 replica", "thread": "HTTP, 1 replica, core thread"}
 
 
 # -- main ----------------------------------------------------------------------
@@ -308,6 +318,10 @@ def main() -> None:
     p.add_argument("--overhead-warmup", type=int, default=24,
                    help="requests of a discarded first round on each path (a fresh process pays "
                         "one-time costs, e.g. oneDNN building kernels for each new batch shape)")
+    p.add_argument("--engine-modes", nargs="+", default=["process", "thread"],
+                   choices=["process", "thread"],
+                   help="where the replica's EngineCore runs in the overhead part: its own process "
+                        "(the default) and/or a thread of the replica (as before issue 5's last step)")
     p.add_argument("--prefix-rate", type=float, default=4.0)
     p.add_argument("--prefix-count", type=int, default=8)
     p.add_argument("--prefix-words", type=int, default=200)
@@ -340,7 +354,9 @@ def main() -> None:
         return median_row(runs)
 
     if "overhead" not in args.skip:  # before Ray starts: nothing else on the cores
-        rows.append(measure(lambda work: run_in_process(args, work, args.overhead_rate)))
+        for core_process in (False, True):
+            rows.append(measure(lambda work: run_in_process(args, work, args.overhead_rate,
+                                                            core_process)))
 
     import ray
     from ray import serve
@@ -355,10 +371,15 @@ def main() -> None:
     memory = {}
     try:
         if "overhead" not in args.skip:
-            redeploy(config)
-            memory["1 replica"] = ray_tree_rss_mib()
-            rows.append(measure(lambda work: asyncio.run(run_http(
-                url, config.served_model_name, work, args.overhead_rate, "HTTP, 1 replica"))))
+            for mode in args.engine_modes:
+                # The replicas read this when their engine starts (deploy passes FLEETSERVE_*
+                # through the runtime_env); a new value means new replica processes.
+                os.environ["FLEETSERVE_ENGINE_CORE_PROCESS"] = "1" if mode == "process" else "0"
+                redeploy(config)
+                memory[f"1 replica, core {mode}"] = ray_tree_rss_mib()
+                rows.append(measure(lambda work: asyncio.run(run_http(
+                    url, config.served_model_name, work, args.overhead_rate, HTTP_LABEL[mode]))))
+            os.environ.pop("FLEETSERVE_ENGINE_CORE_PROCESS", None)
         if "rates" not in args.skip:
             config = app_config(args, port, 2, "power_of_two", None)
             redeploy(config)
@@ -414,16 +435,20 @@ def report(rows: list[dict], memory: dict, args) -> None:
             v = r.get(c, "")
             cells.append(f"{v:.3g}" if isinstance(v, float) else str(v))
         lines.append("| " + " | ".join(cells) + " |")
-    overhead = [r for r in rows if r["label"] in ("in-process engine", "HTTP, 1 replica")]
+    by_label = {r["label"]: r for r in rows}
     extra = []
-    if len(overhead) == 2:
-        a, b = overhead
-        extra.append(f"router overhead (HTTP 1 replica - in-process, medians of "
-                     f"{len(a['rounds_ttft_p50_ms'])} rounds): TTFT p50 "
-                     f"{b['ttft_p50_ms'] - a['ttft_p50_ms']:+.1f} ms, ITL p50 "
-                     f"{b['itl_p50_ms'] - a['itl_p50_ms']:+.2f} ms, ITL p90 "
-                     f"{b['itl_p90_ms'] - a['itl_p90_ms']:+.2f} ms")
-        for r in (a, b):
+    base = by_label.get(IN_PROCESS[False])
+    for other in (IN_PROCESS[True], *HTTP_LABEL.values()):
+        b = by_label.get(other)
+        if base is None or b is None:
+            continue
+        extra.append(f"{other} - in-process engine (medians of {len(b['rounds_ttft_p50_ms'])} "
+                     f"rounds): TTFT p50 {b['ttft_p50_ms'] - base['ttft_p50_ms']:+.1f} ms, ITL p50 "
+                     f"{b['itl_p50_ms'] - base['itl_p50_ms']:+.2f} ms, ITL p90 "
+                     f"{b['itl_p90_ms'] - base['itl_p90_ms']:+.2f} ms")
+    overhead = [by_label[k] for k in (*IN_PROCESS.values(), *HTTP_LABEL.values()) if k in by_label]
+    if overhead:
+        for r in overhead:
             extra.append(f"  {r['label']}: TTFT p50 per round {r['rounds_ttft_p50_ms']} ms, "
                          f"ITL p90 per round {r['rounds_itl_p90_ms']} ms; mean TTFT "
                          f"{r['ttft_mean_ms']:.1f} ms, of which in the engine "
@@ -462,7 +487,7 @@ def plot(rows: list[dict]) -> None:
         axes[1].set_title("inter-token latency")
         axes[0].legend()
         axes[1].legend()
-    bars = [r for r in rows if r["label"] in ("in-process engine", "HTTP, 1 replica")
+    bars = [r for r in rows if r["label"] in (*IN_PROCESS.values(), *HTTP_LABEL.values())
             or r["label"].startswith("shared prefix")]
     if bars:
         names = [r["label"].replace("shared prefix, ", "prefix: ") for r in bars]

@@ -74,8 +74,12 @@ DIRECT_INGRESS_ENV_DEFAULTS = {
 
 
 def serve_env() -> dict[str, str]:
-    """The Serve request-path settings, environment overrides applied."""
-    return {k: os.environ.get(k, v) for k, v in SERVE_ENV_DEFAULTS.items()}
+    """The Serve request-path settings, environment overrides applied, plus any
+    FLEETSERVE_* setting exported here (e.g. FLEETSERVE_ENGINE_CORE_PROCESS=0), so the
+    replicas of a joined cluster see what this process sees."""
+    env = {k: os.environ.get(k, v) for k, v in SERVE_ENV_DEFAULTS.items()}
+    env.update({k: v for k, v in os.environ.items() if k.startswith("FLEETSERVE_")})
+    return env
 
 
 # The (HTTP, gRPC) ports this process's embedded Ray was started to give the ingress

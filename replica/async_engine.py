@@ -1,13 +1,16 @@
-"""AsyncEngine: the EngineCore on a background thread, with asyncio streams in front.
+"""AsyncEngine: the EngineCore stepping on its own, with asyncio streams in front.
 
-    caller (asyncio)                         engine thread
-    generate() --- ("add", ...) ---------->  drain commands
-       ^                                     core.step()  (schedule/execute/update)
-       |                                     detokenize, stop strings
-       +---- RequestOutput deltas <---------- loop.call_soon_threadsafe(queue.put)
+    caller (asyncio)                          EngineCore (child process, or a thread)
+    generate() --- add(requests) ----------->  drain commands
+       ^                                       core.step()  (schedule/execute/update)
+       |                                             |
+       +-- RequestOutput deltas <-- on_step: detokenize, stop strings, metrics
+                                    (the output thread), loop.call_soon_threadsafe
 
-The engine thread sleeps on an event when there is no work. torch releases the
-GIL inside its kernels, so the asyncio side stays responsive while a step runs.
+By default the EngineCore runs in a process of its own (`replica.core_client`:
+vLLM v1's layout), so the model's steps never wait for this process's GIL; this
+process keeps the tokenizer, the detokenizer and the streams. With TP > 1 (or
+FLEETSERVE_ENGINE_CORE_PROCESS=0) it runs on a thread of this process instead.
 A caller that stops iterating (or whose task is cancelled, e.g. an HTTP client
 that disconnected) aborts its request, and its KV blocks return to the pool.
 """
@@ -15,21 +18,21 @@ that disconnected) aborts its request, and its KV blocks return to the pool.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import threading
 import uuid
 from typing import Any, AsyncIterator, Optional
 
+from replica.core_client import ProcessCoreClient, ThreadCoreClient, use_core_process
 from replica.engine_args import EngineArgs
-from replica.engine_core import EngineCore, StepResult
+from replica.engine_core import StepResult
 from replica.executor import ExecutorError
 from replica.metrics import EngineMetrics
 from replica.model_registry import resolve_model
 from replica.outputs import RequestOutput
 from replica.processor import InputProcessor, OutputProcessor, PromptType
 from replica.tokenizer import apply_chat_template, load_tokenizer
-from scheduler import RequestStatus, SamplingParams
+from scheduler import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -43,28 +46,35 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, args: Optional[EngineArgs] = None, **kwargs: Any) -> None:
+    def __init__(self, args: Optional[EngineArgs] = None, *, core_process: Optional[bool] = None,
+                 **kwargs: Any) -> None:
         self.args = args = args or EngineArgs(**kwargs)
         source = resolve_model(args.model)
         self.tokenizer = load_tokenizer(source)
-        self.core = EngineCore(args, self.tokenizer.eos_token_id)
         self.model_name = args.served_model_name or source.name
-        self.max_model_len = self.core.max_model_len
         self.metrics = EngineMetrics(self.model_name)
-        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len,
-                                              self.core.hf_config.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
-
-        self._commands: collections.deque = collections.deque()
-        self._wake = threading.Event()
+        # The output processor is used by the callers' loop (add, abort) and by the thread
+        # that delivers the engine's steps: one lock, held for microseconds.
+        self._lock = threading.Lock()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._num_pending_adds = 0  # adds submitted but not yet drained (both threads: locked)
-        self._pending_lock = threading.Lock()
         self._dead: Optional[BaseException] = None
-        self._stopping = False
-        self._load = self.core.get_load()
-        self._thread = threading.Thread(target=self._run, name="fleetserve-engine", daemon=True)
-        self._thread.start()
+        client_cls = ProcessCoreClient if use_core_process(args, core_process) else ThreadCoreClient
+        self._client = client_cls(args, self.tokenizer.eos_token_id, self._on_step, self._on_failure)
+        self.max_model_len = self._client.max_model_len
+        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len,
+                                              self._client.vocab_size)
+        self._refresh_stats()
+
+    @property
+    def core(self):
+        """The EngineCore object, when it runs in this process (thread mode)."""
+        return getattr(self._client, "core", None)
+
+    @property
+    def core_pid(self) -> Optional[int]:
+        """The engine core's process id, when it runs in a process of its own."""
+        return getattr(self._client, "pid", None)
 
     # ---- public API ----------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
@@ -83,14 +93,19 @@ class AsyncEngine:
         text, requests = self.input_processor.process(
             prompt, sp, request_id, priority=priority, cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params)
-        if self._load["num_waiting"] + self._num_pending_adds >= self.args.max_waiting_requests:
+        load = self._client.load
+        if load["num_waiting"] + self._client.num_pending_adds >= self.args.max_waiting_requests:
             raise QueueFullError(
                 f"the waiting queue is full ({self.args.max_waiting_requests} requests); retry later")
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        with self._pending_lock:
-            self._num_pending_adds += 1
-        self._submit(("add", request_id, text, requests))
+        with self._lock:
+            self.output_processor.add(request_id, text, requests)
+        try:
+            self._client.add(requests)
+        except ExecutorError as e:
+            self._forget(request_id)
+            raise EngineDeadError(f"the engine is dead: {e}") from e
         finished = False
         try:
             while not finished:
@@ -103,82 +118,81 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._submit(("abort", request_id))
+                self._abort(request_id)
 
     async def abort(self, request_id: str) -> None:
-        self._submit(("abort", request_id))
+        self._abort(request_id)
 
     def get_load(self) -> dict:
-        return dict(self._load)
+        return dict(self._client.load)
 
     def metrics_text(self) -> str:
+        self._refresh_stats()  # a core process reports aborts and finishes between steps too
         return self.metrics.text()
 
     def check_health(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(f"the engine is dead: {self._dead}")
-        if not self._thread.is_alive():
-            raise EngineDeadError("the engine thread has stopped")
+        if not self._client.is_alive():
+            raise EngineDeadError("the engine core has stopped")
 
     def shutdown(self) -> None:
-        if self._stopping:
-            return
-        self._stopping = True
-        self._wake.set()
-        self._thread.join(timeout=30)
-        self.core.shutdown()
+        self._client.shutdown()
 
-    # ---- the engine thread ------------------------------------------------------------
-    def _submit(self, command: tuple) -> None:
-        self._commands.append(command)
-        self._wake.set()
-
-    def _run(self) -> None:
-        core = self.core
-        while not self._stopping:
-            self._drain_commands()
-            if not core.has_work():
-                self._wake.wait()
-                self._wake.clear()
-                continue
+    # ---- requests out, steps in -----------------------------------------------------------
+    def _abort(self, request_id: str) -> None:
+        with self._lock:
+            child_ids = self.output_processor.abort(request_id)
+        if child_ids and self._dead is None:
             try:
-                result = core.step()
-            except Exception as e:  # noqa: BLE001 - every in-flight request must hear of it
-                self._fail_all(e)
-                continue
-            self._handle(result)
+                self._client.abort(child_ids)
+            except ExecutorError:
+                pass  # the engine is gone, and the request with it
 
-    def _drain_commands(self) -> None:
-        while self._commands:
-            command = self._commands.popleft()
-            kind, request_id = command[0], command[1]
-            if kind == "add":
-                with self._pending_lock:
-                    self._num_pending_adds -= 1
-                _, _, text, requests = command
-                if self._dead is not None:
-                    self._deliver(request_id, EngineDeadError(f"the engine is dead: {self._dead}"))
-                    continue
-                self.output_processor.add(request_id, text, requests)
-                for r in requests:
-                    self.core.add_request(r)
-            elif kind == "abort":
-                self.core.abort_requests(self.output_processor.abort(request_id))
-        self._load = self.core.get_load()
+    def _forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        with self._lock:
+            self.output_processor.abort(request_id)
 
-    def _handle(self, result: StepResult) -> None:
+    def _on_step(self, result: StepResult) -> None:
+        """One step's outputs (on the engine thread, or the thread reading the core process)."""
         op = self.output_processor
-        if result.newly_scheduled:
-            op.mark_scheduled(result.newly_scheduled, result.timestamp)
-        outputs, stopped = op.process(result.outputs)
+        with self._lock:
+            if result.newly_scheduled:
+                op.mark_scheduled(result.newly_scheduled, result.timestamp)
+            outputs, stopped = op.process(result.outputs)
         if stopped:
-            self.core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        # Load and metrics first: a caller that sees its last output must also
-        # see its blocks back in the pool.
-        self._load = self.core.get_load()
-        self.metrics.update_scheduler_stats(self.core.scheduler.get_stats())
+            try:
+                self._client.finish(stopped)
+            except ExecutorError:
+                pass  # the failure callback tells everyone
+        # Stats before delivery: a caller that sees its last output must also see its
+        # blocks back in the pool (stop strings: in thread mode; a core process frees them
+        # a moment later, when it has the finish).
+        self._refresh_stats()
         for ro in outputs:
             self._deliver(ro.request_id, ro)
+
+    def _on_failure(self, error: BaseException, dead: bool) -> None:
+        """A step failed (the core has aborted everything in flight), or the engine died."""
+        if dead:
+            self._dead = error
+            logger.error("engine failed, failing all requests: %s", error)
+            failure: Exception = EngineDeadError(str(error))
+        else:
+            failure = RuntimeError(str(error) if str(error).startswith("engine step failed")
+                                   else f"engine step failed: {type(error).__name__}: {error}")
+        with self._lock:
+            in_flight = list(self.output_processor.parents)
+            for request_id in in_flight:
+                self.output_processor.abort(request_id)
+        for request_id in in_flight:
+            self._deliver(request_id, failure)
+        self._refresh_stats()
+
+    def _refresh_stats(self) -> None:
+        with self._lock:  # counters advance by deltas: one updater at a time
+            self.metrics.update_scheduler_stats(self._client.stats)
 
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
@@ -189,16 +203,3 @@ class AsyncEngine:
             loop.call_soon_threadsafe(queue.put_nowait, item)
         except RuntimeError:  # the caller's loop is closed: nobody is listening
             pass
-
-    def _fail_all(self, error: Exception) -> None:
-        if isinstance(error, ExecutorError):
-            self._dead = error
-            logger.error("engine failed, failing all requests: %s", error)
-            failure: Exception = EngineDeadError(str(error))
-        else:
-            logger.exception("engine step failed; failing the in-flight requests")
-            failure = RuntimeError(f"engine step failed: {type(error).__name__}: {error}")
-        for request_id in list(self.output_processor.parents):
-            self.core.abort_requests(self.output_processor.abort(request_id))
-            self._deliver(request_id, failure)
-        self._load = self.core.get_load()

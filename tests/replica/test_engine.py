@@ -143,10 +143,13 @@ def test_unknown_model_and_corrupt_weights(tmp_path, tiny_model_dir):
 # ---- AsyncEngine ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def async_engine(tiny_model_dir):
+@pytest.fixture(scope="module", params=["core-process", "core-thread"])
+def async_engine(tiny_model_dir, request):
+    """Every AsyncEngine test runs on both layouts: the EngineCore in its own process (the
+    default) and on a thread of the caller's process."""
     engine = AsyncEngine(model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=128,
-                         max_waiting_requests=64)
+                         max_waiting_requests=64, core_process=request.param == "core-process")
+    assert (engine.core_pid is not None) == (request.param == "core-process")
     yield engine
     engine.shutdown()
 

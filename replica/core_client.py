@@ -1,0 +1,299 @@
+"""Where `AsyncEngine`'s EngineCore runs: a thread of this process, or a process of its own.
+
+    ProcessCoreClient (default for TP=1)          ThreadCoreClient (TP>1, or asked for)
+    this process: tokenizer, detokenizer,         one process: the same, plus the EngineCore
+      streams, metrics; an output thread            stepping on a thread of its own
+    child process (replica.engine_proc):
+      EngineCore (scheduler + model), busy loop
+
+Why a process (vLLM v1's layout): in a Ray Serve replica the engine shares its
+process with Serve's event loop, Ray's core worker threads and the per-token
+streaming work, all contending for one GIL. Measured (issue 5): the engine's own
+TTFT was 13-25 ms inside a replica vs ~12 ms alone, torch calls waiting on the GIL
+that the replica's other threads held about a quarter of the time. In a child
+process the engine has a GIL to itself; this process only tokenizes, detokenizes
+and streams.
+
+Both clients take the same calls (`add`, `abort`, `finish`, `shutdown`) and push
+every step's result to one callback, `on_step(StepResult)`, from one thread (the
+engine thread, or the thread reading the child's pipe). `load` / `stats` are the
+engine's latest load and scheduler stats.
+
+Wire format between the processes: pickled tuples over a socketpair, framed by
+`multiprocessing.connection.Connection` (length-prefixed). Commands:
+("add", [Request]), ("abort", [ids]), ("finish", [ids]), ("shutdown",). Replies:
+("ready", info) | ("init_failed", message), then ("step", StepResult, load, stats,
+adds_seen) per step, ("state", load, stats, adds_seen) after commands that change
+state without a step, ("failed", message) for a step that raised (the child has
+aborted everything in flight), ("dead", message) for an executor that cannot go on.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Callable, Optional
+
+from replica.engine_args import EngineArgs
+from replica.engine_core import EngineCore, StepResult
+from replica.executor import ExecutorError
+from scheduler import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+StepCallback = Callable[[StepResult], None]
+# (error, dead): dead means the engine cannot serve anything any more.
+FailureCallback = Callable[[BaseException, bool], None]
+
+CORE_PROCESS_ENV = "FLEETSERVE_ENGINE_CORE_PROCESS"
+
+
+def use_core_process(args: EngineArgs, requested: Optional[bool] = None) -> bool:
+    """The EngineCore gets its own process unless asked otherwise (`requested`, or
+    FLEETSERVE_ENGINE_CORE_PROCESS=0) or TP > 1: the TP executor's Ray actors are
+    created and called from the replica's own Ray worker process."""
+    if args.tensor_parallel_size > 1:
+        return False
+    if requested is not None:
+        return requested
+    return os.environ.get(CORE_PROCESS_ENV, "1") != "0"
+
+
+class EngineCoreDied(ExecutorError):
+    """The engine core process exited (crashed, killed, or failed to start)."""
+
+
+def load_of(core: EngineCore) -> tuple[dict, object]:
+    return core.get_load(), core.scheduler.get_stats()
+
+
+class ThreadCoreClient:
+    """The EngineCore on a background thread of this process."""
+
+    def __init__(self, args: EngineArgs, eos_token_id: Optional[int], on_step: StepCallback,
+                 on_failure: FailureCallback) -> None:
+        self.core = EngineCore(args, eos_token_id)
+        self.max_model_len = self.core.max_model_len
+        self.vocab_size = self.core.hf_config.vocab_size
+        self._on_step, self._on_failure = on_step, on_failure
+        self._commands: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._adds_submitted = 0
+        self._adds_seen = 0
+        self.load, self.stats = load_of(self.core)
+        self._thread = threading.Thread(target=self._run, name="fleetserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_pending_adds(self) -> int:
+        return self._adds_submitted - self._adds_seen
+
+    def add(self, requests: list[Request]) -> None:
+        self._adds_submitted += 1
+        self._submit(("add", requests))
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._submit(("abort", request_ids))
+
+    def finish(self, request_ids: list[str]) -> None:
+        """Stop-string finishes. Called from `on_step` (the engine thread): applied at once,
+        so the load the caller reads next already has their blocks back in the pool."""
+        if threading.current_thread() is self._thread:
+            self.core.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+            self.load, self.stats = load_of(self.core)
+        else:
+            self._submit(("finish", request_ids))
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+        self.core.shutdown()
+
+    def _submit(self, command: tuple) -> None:
+        self._commands.append(command)
+        self._wake.set()
+
+    def _run(self) -> None:
+        core = self.core
+        while not self._stopping:
+            self._drain()
+            if not core.has_work():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                result = core.step()
+            except Exception as e:  # noqa: BLE001 - every in-flight request must hear of it
+                dead = isinstance(e, ExecutorError)
+                if not dead:
+                    logger.exception("engine step failed; failing the in-flight requests")
+                core.abort_requests(list(core.scheduler.requests))
+                self.load, self.stats = load_of(core)
+                self._on_failure(e, dead)
+                continue
+            self.load, self.stats = load_of(core)
+            self._on_step(result)
+
+    def _drain(self) -> None:
+        while self._commands:
+            kind, payload = self._commands.popleft()
+            if kind == "add":
+                self._adds_seen += 1
+                for r in payload:
+                    self.core.add_request(r)
+            elif kind == "abort":
+                self.core.abort_requests(payload)
+            elif kind == "finish":
+                self.core.finish_requests(payload, RequestStatus.FINISHED_STOPPED)
+        self.load, self.stats = load_of(self.core)
+
+
+class ProcessCoreClient:
+    """The EngineCore in a child process (`python -m replica.engine_proc`)."""
+
+    def __init__(self, args: EngineArgs, eos_token_id: Optional[int], on_step: StepCallback,
+                 on_failure: FailureCallback, start_timeout_s: float = 600.0) -> None:
+        self._on_step, self._on_failure = on_step, on_failure
+        self._send_lock = threading.Lock()
+        self._stopping = False
+        self._adds_submitted = 0
+        self._adds_seen = 0
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        # The child imports what this process can import (a Ray worker's sys.path may hold
+        # entries, e.g. a runtime_env working_dir, that PYTHONPATH does not).
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "replica.engine_proc", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()], env=env, close_fds=True)
+        theirs.close()
+        ours.setblocking(True)
+        self._conn = Connection(ours.detach())
+        try:
+            self._send(("init", args.model_dump(), eos_token_id))
+            reply = self._recv_startup(start_timeout_s)
+        except BaseException:
+            self._kill()
+            raise
+        if reply[0] == "init_failed":
+            self._kill()
+            raise RuntimeError(f"the engine core failed to start: {reply[1]}")
+        info = reply[1]
+        self.max_model_len = info["max_model_len"]
+        self.vocab_size = info["vocab_size"]
+        self.pid = self._proc.pid
+        self.load, self.stats = info["load"], info["stats"]
+        self._reader = threading.Thread(target=self._read, name="fleetserve-engine-output",
+                                         daemon=True)
+        self._reader.start()
+
+    @property
+    def num_pending_adds(self) -> int:
+        return self._adds_submitted - self._adds_seen
+
+    def add(self, requests: list[Request]) -> None:
+        self._adds_submitted += 1
+        self._send(("add", requests))
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._send(("abort", request_ids))
+
+    def finish(self, request_ids: list[str]) -> None:
+        self._send(("finish", request_ids))
+
+    def is_alive(self) -> bool:
+        return self._proc.poll() is None and self._reader.is_alive()
+
+    def shutdown(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        try:
+            self._send(("shutdown",))
+        except EngineCoreDied:
+            pass
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            logger.warning("engine core process %d did not stop in 30 s; killing it", self._proc.pid)
+            self._kill()
+        self._conn.close()
+        self._reader.join(timeout=5)
+
+    # -- plumbing ----------------------------------------------------------------
+
+    def _send(self, message: tuple) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            with self._send_lock:
+                self._conn.send_bytes(data)
+        except (OSError, ValueError) as e:  # the child is gone (or we closed the pipe)
+            raise EngineCoreDied(f"the engine core process is gone: {self._exit_text()}") from e
+
+    def _recv_startup(self, timeout_s: float) -> tuple:
+        deadline = time.monotonic() + timeout_s
+        while not self._conn.poll(0.5):
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"the engine core process exited while starting "
+                                   f"({self._exit_text()}); its log says why")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the engine core did not start within {timeout_s:.0f} s")
+        try:
+            return pickle.loads(self._conn.recv_bytes())
+        except EOFError as e:
+            raise RuntimeError(f"the engine core process exited while starting "
+                               f"({self._exit_text()})") from e
+
+    def _read(self) -> None:
+        conn = self._conn
+        while True:
+            try:
+                message = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                if not self._stopping:
+                    try:
+                        self._proc.wait(timeout=5)  # for its exit code in the message
+                    except subprocess.TimeoutExpired:
+                        pass
+                    error = EngineCoreDied(f"the engine core process exited ({self._exit_text()})")
+                    logger.error("%s; failing all requests", error)
+                    self._on_failure(error, True)
+                return
+            kind = message[0]
+            if kind == "step":
+                _, result, self.load, self.stats, self._adds_seen = message
+                self._on_step(result)
+            elif kind == "state":
+                _, self.load, self.stats, self._adds_seen = message
+            elif kind == "failed":
+                self._on_failure(RuntimeError(message[1]), False)
+            elif kind == "dead":
+                self._on_failure(ExecutorError(message[1]), True)
+
+    def _exit_text(self) -> str:
+        code = self._proc.poll()
+        if code is None:
+            return "still running"
+        if code < 0:
+            return f"killed by signal {-code}"
+        return f"exit code {code}"
+
+    def _kill(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(timeout=10)

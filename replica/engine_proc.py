@@ -1,0 +1,140 @@
+"""The EngineCore process: `python -m replica.engine_proc FD`, started by
+`replica.core_client.ProcessCoreClient` with one end of a socketpair as FD.
+
+The main thread runs EngineCore's busy loop (schedule -> execute -> update) and
+sends each step's result; a reader thread receives commands into a queue, so the
+loop never blocks on its pipe while there is work and the parent never blocks on
+a full pipe (both directions keep draining). The loop sleeps on an event when
+there is no work.
+
+The process lives as long as its parent wants it: a ("shutdown",) command, or
+the end of the pipe (the parent exited or was killed, whatever the reason), ends
+it. Ctrl-C in a terminal reaches every process of the group; this one ignores
+SIGINT and lets its parent decide, so in-flight requests are failed cleanly by
+the parent rather than by a KeyboardInterrupt here.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import pickle
+import signal
+import sys
+import threading
+from multiprocessing.connection import Connection
+
+logger = logging.getLogger("replica.engine_proc")
+
+
+class EngineCoreLoop:
+    def __init__(self, core, conn: Connection) -> None:
+        self.core = core
+        self.conn = conn
+        self.commands: collections.deque = collections.deque()
+        self.wake = threading.Event()
+        self.adds_seen = 0
+        self.dead = False
+        threading.Thread(target=self._read, name="fleetserve-engine-commands", daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                command = pickle.loads(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                command = ("shutdown",)  # the parent is gone
+            self.commands.append(command)
+            self.wake.set()
+            if command[0] == "shutdown":
+                return
+
+    def send(self, message: tuple) -> None:
+        self.conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def state(self) -> tuple:
+        return self.core.get_load(), self.core.scheduler.get_stats(), self.adds_seen
+
+    def run(self) -> None:
+        core = self.core
+        while True:
+            drained = self._drain()
+            if drained is None:
+                return
+            if not core.has_work():
+                if drained:
+                    self.send(("state", *self.state()))
+                self.wake.wait()
+                self.wake.clear()
+                continue
+            try:
+                result = core.step()
+            except Exception as e:  # noqa: BLE001 - the parent fails what was in flight
+                from replica.executor import ExecutorError
+
+                core.abort_requests(list(core.scheduler.requests))
+                if isinstance(e, ExecutorError):
+                    self.dead = True
+                    logger.error("engine executor failed: %s", e)
+                    self.send(("dead", str(e)))
+                else:
+                    logger.exception("engine step failed; failing the in-flight requests")
+                    self.send(("failed", f"engine step failed: {type(e).__name__}: {e}"))
+                self.send(("state", *self.state()))
+                continue
+            self.send(("step", result, *self.state()))
+
+    def _drain(self):
+        """Apply queued commands; returns how many, or None on shutdown."""
+        from scheduler import RequestStatus
+
+        n = 0
+        while self.commands:
+            kind, *rest = self.commands.popleft()
+            n += 1
+            if kind == "shutdown":
+                return None
+            if kind == "add":
+                self.adds_seen += 1
+                if not self.dead:
+                    for r in rest[0]:
+                        self.core.add_request(r)
+            elif kind == "abort":
+                self.core.abort_requests(rest[0])
+            elif kind == "finish":
+                self.core.finish_requests(rest[0], RequestStatus.FINISHED_STOPPED)
+        return n
+
+
+def main(fd: int) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=os.environ.get("FLEETSERVE_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s engine-core[%(process)d] %(name)s: %(message)s")
+    conn = Connection(fd)
+    try:
+        _, args_dict, eos_token_id = pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        return 0  # the parent went away before sending anything
+    try:
+        from replica.engine_args import EngineArgs
+        from replica.engine_core import EngineCore
+
+        core = EngineCore(EngineArgs.model_validate(args_dict), eos_token_id)
+    except Exception as e:  # noqa: BLE001 - the parent raises it with this message
+        logger.exception("engine core failed to start")
+        conn.send_bytes(pickle.dumps(("init_failed", f"{type(e).__name__}: {e}")))
+        return 1
+    conn.send_bytes(pickle.dumps(("ready", {
+        "max_model_len": core.max_model_len, "vocab_size": core.hf_config.vocab_size,
+        "load": core.get_load(), "stats": core.scheduler.get_stats()})))
+    try:
+        EngineCoreLoop(core, conn).run()
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the parent is gone: nobody to send to
+    finally:
+        core.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1])))
