@@ -14,6 +14,7 @@ import asyncio
 import collections
 import hmac
 import json
+import os
 import uuid
 from typing import AsyncIterator, Optional, Union
 
@@ -65,6 +66,13 @@ class Ingress(GrpcMethods):
     def __init__(self, engine: DeploymentHandle, served_model_name: str,
                  api_key: Optional[str] = None, max_body_bytes: int = 4 << 20,
                  model_aliases: tuple[str, ...] = ()) -> None:
+        # Serve reads RAY_SERVE_USE_GRPC_BY_DEFAULT once, when ray.serve is imported, into the
+        # default of every handle it builds. The engine handle was built in the driver, which
+        # imports ray.serve before fleetserve exports the setting, so it arrives here set for
+        # actor calls: ask for the direct gRPC channel explicitly when the setting is on here
+        # (cluster.deploy puts it in this replica's runtime_env).
+        if os.environ.get("RAY_SERVE_USE_GRPC_BY_DEFAULT") == "1":
+            engine = engine.options(_by_reference=False)
         self._engine = engine
         self._stream = engine.options(stream=True)
         self._generate = self._stream.generate  # built once: each attribute access makes a new handle
