@@ -13,7 +13,8 @@ Three parts, one table and one PNG (benchmarks/results/serving.{md,json,png}):
    hit rate (from /metrics) and TTFT. The KV cache per replica is sized to hold
    about half of the system prompts, as when many tenants share a fleet.
 
-Also the RSS of the whole Ray process tree (driver + GCS + raylet + workers).
+Also the PSS of the whole Ray process tree (GCS, raylet, Serve, replicas and their
+engine core processes; the benchmark's own process not counted).
 
     python benchmarks/serving.py                       # tiny random model (fast)
     python benchmarks/serving.py --model smollm2-135m  # the real default model
@@ -98,30 +99,54 @@ async def open_loop(requests: list[Request], rate: float, send) -> tuple[list[Re
 
 # -- clients -------------------------------------------------------------------
 
+def _observe_sse_line(res: Result, line: str, t0: float, last: float | None) -> float | None:
+    """One SSE line: a chunk with choices is one token (TTFT for the first, ITL after)."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return last
+    chunk = json.loads(line[6:])
+    if not chunk.get("choices"):
+        return last
+    now = time.perf_counter()
+    if last is None:
+        res.ttft = now - t0
+    else:
+        res.itl.append(now - last)
+    res.tokens += 1
+    return now
+
+
 async def send_http(client, url: str, model: str, req: Request) -> Result:
+    """httpx: what the openai client uses."""
     res, t0 = Result(), time.perf_counter()
     last = None
-    body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "stream": True,
-            "ignore_eos": True, "temperature": 0}
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+    async with client.stream("POST", url + "/v1/completions", json=_body(model, req)) as r:
         if r.status_code != 200:
             await r.aread()
             return res
         async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if not chunk.get("choices"):
-                continue
-            now = time.perf_counter()
-            if last is None:
-                res.ttft = now - t0
-            else:
-                res.itl.append(now - last)
-            last = now
-            res.tokens += 1
+            last = _observe_sse_line(res, line, t0, last)
     res.ok = res.tokens > 0
     return res
+
+
+async def send_aiohttp(session, url: str, model: str, req: Request) -> Result:
+    """aiohttp: what vLLM's serving benchmark uses; lighter on the client's CPU than httpx,
+    which shares these two cores with the server."""
+    res, t0 = Result(), time.perf_counter()
+    last = None
+    async with session.post(url + "/v1/completions", json=_body(model, req)) as r:
+        if r.status != 200:
+            await r.read()
+            return res
+        async for raw in r.content:  # one line at a time
+            last = _observe_sse_line(res, raw.decode().rstrip("\n"), t0, last)
+    res.ok = res.tokens > 0
+    return res
+
+
+def _body(model: str, req: Request) -> dict:
+    return {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "stream": True,
+            "ignore_eos": True, "temperature": 0}
 
 
 async def send_engine(engine, req: Request) -> Result:
@@ -240,14 +265,13 @@ def engine_ttft_ms(before: dict[str, float], after: dict[str, float]) -> float:
 
 def ray_tree_rss_mib() -> float:
     """PSS (shared pages split between sharers, so the sum is not inflated) of this
-    process and all its descendants: with an embedded Ray that is GCS, raylet,
-    Serve controller/proxy, ingress and engine replicas."""
+    process's descendants: with an embedded Ray that is GCS, raylet, Serve
+    controller/proxy, ingress and engine replicas (and their engine core processes),
+    not this benchmark's own process."""
     import psutil
 
-    me = psutil.Process()
-    procs = [me, *me.children(recursive=True)]
     total = 0
-    for p in procs:
+    for p in psutil.Process().children(recursive=True):
         try:
             total += p.memory_full_info().pss
         except psutil.Error:
@@ -256,40 +280,50 @@ def ray_tree_rss_mib() -> float:
 
 
 async def run_http(url: str, model: str, requests: list[Request], rate: float, label: str) -> dict:
-    import httpx
-
-    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        await send_http(client, url, model, Request("warm up", 2))
+    async with _client() as client:
+        send = send_aiohttp if CLIENT == "aiohttp" else send_http
+        await send(client, url, model, Request("warm up", 2))
         before = await asyncio.to_thread(scrape, url)
-        results, elapsed = await open_loop(requests, rate,
-                                           lambda r: send_http(client, url, model, r))
+        results, elapsed = await open_loop(requests, rate, lambda r: send(client, url, model, r))
         after = await asyncio.to_thread(scrape, url)
     row = summarize(label, rate, results, elapsed)
     row["engine_ttft_mean_ms"] = engine_ttft_ms(before, after)
     return row
 
 
-def run_in_process(args, requests: list[Request], rate: float, core_process: bool) -> dict:
+def _client():
+    if CLIENT == "aiohttp":
+        import aiohttp
+
+        return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
+                                     connector=aiohttp.TCPConnector(limit=1000))
+    import httpx
+
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+    return httpx.AsyncClient(timeout=600, limits=limits)
+
+
+def make_engine(args, core_process: bool):
     import torch
 
     from replica.async_engine import AsyncEngine
     from replica.engine_args import EngineArgs
 
     torch.set_num_threads(1)
-    engine = AsyncEngine(EngineArgs(model=args.model, max_model_len=args.max_model_len,
-                                    num_threads=1, max_num_seqs=args.max_num_seqs),
-                         core_process=core_process)
-    try:
-        async def go():
-            await send_engine(engine, Request("warm up", 2))
-            before = metric_totals(engine.metrics_text())
-            out = await open_loop(requests, rate, lambda r: send_engine(engine, r))
-            return out, before, metric_totals(engine.metrics_text())
-        (results, elapsed), before, after = asyncio.run(go())
-    finally:
-        engine.shutdown()
-    row = summarize(IN_PROCESS[core_process], rate, results, elapsed)
+    return AsyncEngine(EngineArgs(model=args.model, max_model_len=args.max_model_len,
+                                  num_threads=1, max_num_seqs=args.max_num_seqs),
+                       core_process=core_process)
+
+
+def run_in_process(engine, label: str, requests: list[Request], rate: float) -> dict:
+    async def go():
+        await send_engine(engine, Request("warm up", 2))
+        before = metric_totals(engine.metrics_text())
+        out = await open_loop(requests, rate, lambda r: send_engine(engine, r))
+        return out, before, metric_totals(engine.metrics_text())
+
+    (results, elapsed), before, after = asyncio.run(go())
+    row = summarize(label, rate, results, elapsed)
     row["engine_ttft_mean_ms"] = engine_ttft_ms(before, after)
     return row
 
@@ -322,6 +356,8 @@ def main() -> None:
                    choices=["process", "thread"],
                    help="where the replica's EngineCore runs in the overhead part: its own process "
                         "(the default) and/or a thread of the replica (as before issue 5's last step)")
+    p.add_argument("--client", default="aiohttp", choices=["aiohttp", "httpx"],
+                   help="HTTP client of the load generator (aiohttp, as vLLM's serving benchmark)")
     p.add_argument("--prefix-rate", type=float, default=4.0)
     p.add_argument("--prefix-count", type=int, default=8)
     p.add_argument("--prefix-words", type=int, default=200)
@@ -329,6 +365,8 @@ def main() -> None:
                    help="KV blocks per replica in the prefix part (default: about half the prefixes)")
     p.add_argument("--skip", nargs="*", default=[], choices=["overhead", "rates", "prefix"])
     args = p.parse_args()
+    global CLIENT
+    CLIENT = args.client
     if args.model is None:
         from replica.testing import make_tiny_llama
 
@@ -343,20 +381,33 @@ def main() -> None:
               for r in range(max(1, args.overhead_repeats))]
     warmup = plain_workload(args.overhead_warmup, args.prompt_words, args.out_tokens, seed=99)
 
-    def measure(run_one) -> dict:
-        """A discarded warm-up round, then every round: one row of medians."""
-        if warmup:
-            print("warm-up (discarded):", run_one(warmup), flush=True)
-        runs = []
-        for work in rounds:
-            runs.append(run_one(work))
-            print(runs[-1], flush=True)
-        return median_row(runs)
+    def interleaved(paths: dict) -> list[dict]:
+        """label -> (prepare or None, run_one). Round by round, every path in turn (a noisy
+        machine then slows all paths alike); `prepare` (a redeploy) runs before each of its
+        rounds and is followed by a discarded warm-up round (a fresh process pays one-time
+        costs, e.g. oneDNN building kernels for each new batch shape); a path without one
+        is warmed up once. One row of medians per path."""
+        runs: dict[str, list[dict]] = {label: [] for label in paths}
+        for i, work in enumerate(rounds):
+            for label, (prepare, run_one) in paths.items():
+                if prepare is not None:
+                    prepare()
+                if warmup and (prepare is not None or i == 0):
+                    print("warm-up (discarded):", run_one(warmup), flush=True)
+                runs[label].append(run_one(work))
+                print(runs[label][-1], flush=True)
+        return [median_row(r) for r in runs.values()]
 
     if "overhead" not in args.skip:  # before Ray starts: nothing else on the cores
-        for core_process in (False, True):
-            rows.append(measure(lambda work: run_in_process(args, work, args.overhead_rate,
-                                                            core_process)))
+        engines = {cp: make_engine(args, cp) for cp in IN_PROCESS}
+        try:
+            rows.extend(interleaved({
+                IN_PROCESS[cp]: (None, lambda work, cp=cp: run_in_process(
+                    engines[cp], IN_PROCESS[cp], work, args.overhead_rate))
+                for cp in IN_PROCESS}))
+        finally:
+            for engine in engines.values():
+                engine.shutdown()
 
     import ray
     from ray import serve
@@ -371,14 +422,19 @@ def main() -> None:
     memory = {}
     try:
         if "overhead" not in args.skip:
-            for mode in args.engine_modes:
+            def deploy_mode(mode: str) -> None:
                 # The replicas read this when their engine starts (deploy passes FLEETSERVE_*
                 # through the runtime_env); a new value means new replica processes.
                 os.environ["FLEETSERVE_ENGINE_CORE_PROCESS"] = "1" if mode == "process" else "0"
                 redeploy(config)
                 memory[f"1 replica, core {mode}"] = ray_tree_rss_mib()
-                rows.append(measure(lambda work: asyncio.run(run_http(
-                    url, config.served_model_name, work, args.overhead_rate, HTTP_LABEL[mode]))))
+
+            rows.extend(interleaved({
+                HTTP_LABEL[mode]: (lambda mode=mode: deploy_mode(mode),
+                                   lambda work, mode=mode: asyncio.run(run_http(
+                                       url, config.served_model_name, work, args.overhead_rate,
+                                       HTTP_LABEL[mode])))
+                for mode in args.engine_modes}))
             os.environ.pop("FLEETSERVE_ENGINE_CORE_PROCESS", None)
         if "rates" not in args.skip:
             config = app_config(args, port, 2, "power_of_two", None)
@@ -458,9 +514,10 @@ def report(rows: list[dict], memory: dict, args) -> None:
         a, b = pre["shared prefix, power_of_two"], pre["shared prefix, prefix_aware"]
         extra.append(f"prefix_aware / power_of_two TTFT p50: {b['ttft_p50_ms'] / a['ttft_p50_ms']:.2f}x; "
                      f"hit rate {b['prefix_hit_rate']:.2f} vs {a['prefix_hit_rate']:.2f}")
-    extra.append("Ray process tree PSS (MiB, driver included): " + ", ".join(f"{k} {v:.0f}" for k, v in memory.items()))
+    extra.append("Ray process tree PSS (MiB, the benchmark's own process not counted): " + ", ".join(f"{k} {v:.0f}" for k, v in memory.items()))
     text = "\n".join([f"model: {args.model}; requests per run: {args.num_requests}; "
-                      f"out tokens: {args.out_tokens}", "", *lines, "", *extra])
+                      f"out tokens: {args.out_tokens}; HTTP client: {args.client}", "", *lines, "",
+                      *extra])
     print(text)
     (RESULTS / "serving.md").write_text(text + "\n")
     (RESULTS / "serving.json").write_text(json.dumps({"rows": rows, "memory_mib": memory}, indent=1))

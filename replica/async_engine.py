@@ -5,7 +5,8 @@
        ^                                       core.step()  (schedule/execute/update)
        |                                             |
        +-- RequestOutput deltas <-- on_step: detokenize, stop strings, metrics
-                                    (the output thread), loop.call_soon_threadsafe
+                                    (a core process: read on the caller's loop;
+                                    a thread: loop.call_soon_threadsafe)
 
 By default the EngineCore runs in a process of its own (`replica.core_client`:
 vLLM v1's layout), so the model's steps never wait for this process's GIL; this
@@ -93,12 +94,15 @@ class AsyncEngine:
         text, requests = self.input_processor.process(
             prompt, sp, request_id, priority=priority, cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params)
+        self._client.poll()
         load = self._client.load
         if load["num_waiting"] + self._client.num_pending_adds >= self.args.max_waiting_requests:
             raise QueueFullError(
                 f"the waiting queue is full ({self.args.max_waiting_requests} requests); retry later")
+        loop = asyncio.get_running_loop()
+        self._client.attach(loop)  # a core process's results are read on this loop
         queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        self._streams[request_id] = (loop, queue)
         with self._lock:
             self.output_processor.add(request_id, text, requests)
         try:
@@ -124,9 +128,11 @@ class AsyncEngine:
         self._abort(request_id)
 
     def get_load(self) -> dict:
+        self._client.poll()  # what a core process has reported and no loop has read yet
         return dict(self._client.load)
 
     def metrics_text(self) -> str:
+        self._client.poll()
         self._refresh_stats()  # a core process reports aborts and finishes between steps too
         return self.metrics.text()
 
@@ -199,7 +205,17 @@ class AsyncEngine:
         if stream is None:
             return
         loop, queue = stream
+        if _running_loop() is loop:  # read on the caller's own loop: no hand-off
+            queue.put_nowait(item)
+            return
         try:
             loop.call_soon_threadsafe(queue.put_nowait, item)
         except RuntimeError:  # the caller's loop is closed: nobody is listening
             pass
+
+
+def _running_loop() -> Optional[asyncio.AbstractEventLoop]:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

@@ -15,9 +15,9 @@ process the engine has a GIL to itself; this process only tokenizes, detokenizes
 and streams.
 
 Both clients take the same calls (`add`, `abort`, `finish`, `shutdown`) and push
-every step's result to one callback, `on_step(StepResult)`, from one thread (the
-engine thread, or the thread reading the child's pipe). `load` / `stats` are the
-engine's latest load and scheduler stats.
+every step's result to one callback, `on_step(StepResult)`: from the engine thread,
+or, for a core process, from the callers' event loop, which reads the child's pipe
+(`attach`). `load` / `stats` are the engine's latest load and scheduler stats.
 
 Wire format between the processes: pickled tuples over a socketpair, framed by
 `multiprocessing.connection.Connection` (length-prefixed). Commands:
@@ -30,6 +30,7 @@ aborted everything in flight), ("dead", message) for an executor that cannot go 
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import os
@@ -116,6 +117,12 @@ class ThreadCoreClient:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    def attach(self, loop) -> None:
+        """Nothing to read: the engine thread delivers (interface of ProcessCoreClient)."""
+
+    def poll(self) -> None:
+        """Nothing to read: the engine thread delivers (interface of ProcessCoreClient)."""
+
     def shutdown(self) -> None:
         if self._stopping:
             return
@@ -164,13 +171,23 @@ class ThreadCoreClient:
 
 
 class ProcessCoreClient:
-    """The EngineCore in a child process (`python -m replica.engine_proc`)."""
+    """The EngineCore in a child process (`python -m replica.engine_proc`).
+
+    Results are read on the event loop of the callers (`attach(loop)`, done by every
+    `AsyncEngine.generate`): `loop.add_reader` on the pipe, so a step's outputs reach the
+    streams with no thread hand-off, as vLLM's AsyncLLM output handler does. Outside a
+    running loop (a script between `asyncio.run` calls, a health check), `poll()` reads
+    whatever has arrived.
+    """
 
     def __init__(self, args: EngineArgs, eos_token_id: Optional[int], on_step: StepCallback,
                  on_failure: FailureCallback, start_timeout_s: float = 600.0) -> None:
         self._on_step, self._on_failure = on_step, on_failure
         self._send_lock = threading.Lock()
+        self._recv_lock = threading.Lock()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._stopping = False
+        self._failed = False
         self._adds_submitted = 0
         self._adds_seen = 0
         ours, theirs = socket.socketpair()
@@ -198,13 +215,38 @@ class ProcessCoreClient:
         self.vocab_size = info["vocab_size"]
         self.pid = self._proc.pid
         self.load, self.stats = info["load"], info["stats"]
-        self._reader = threading.Thread(target=self._read, name="fleetserve-engine-output",
-                                         daemon=True)
-        self._reader.start()
 
     @property
     def num_pending_adds(self) -> int:
         return self._adds_submitted - self._adds_seen
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read results on `loop` (the running loop of the caller) from now on, unless another
+        loop that is still running reads them already."""
+        if self._loop is loop or self._stopping:
+            return
+        if self._loop is not None and self._loop.is_running() and not self._loop.is_closed():
+            return
+        self._loop = loop
+        loop.add_reader(self._conn.fileno(), self.poll)
+
+    def poll(self) -> None:
+        """Handle every message that has arrived, without waiting (one reader at a time)."""
+        if not self._recv_lock.acquire(blocking=False):
+            return  # another thread is reading right now
+        try:
+            while not self._failed and self._conn.poll(0):
+                try:
+                    message = pickle.loads(self._conn.recv_bytes())
+                except (EOFError, OSError):
+                    self._core_gone()
+                    return
+                self._handle(message)
+        except (OSError, ValueError):  # the pipe was closed under us (shutdown)
+            if not self._stopping:
+                self._core_gone()
+        finally:
+            self._recv_lock.release()
 
     def add(self, requests: list[Request]) -> None:
         self._adds_submitted += 1
@@ -217,7 +259,9 @@ class ProcessCoreClient:
         self._send(("finish", request_ids))
 
     def is_alive(self) -> bool:
-        return self._proc.poll() is None and self._reader.is_alive()
+        if self._loop is None or not self._loop.is_running():
+            self.poll()
+        return not self._failed and self._proc.poll() is None
 
     def shutdown(self) -> None:
         if self._stopping:
@@ -232,10 +276,51 @@ class ProcessCoreClient:
         except subprocess.TimeoutExpired:
             logger.warning("engine core process %d did not stop in 30 s; killing it", self._proc.pid)
             self._kill()
+        self._detach()
         self._conn.close()
-        self._reader.join(timeout=5)
 
     # -- plumbing ----------------------------------------------------------------
+
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "step":
+            _, result, self.load, self.stats, self._adds_seen = message
+            self._on_step(result)
+        elif kind == "state":
+            _, self.load, self.stats, self._adds_seen = message
+        elif kind == "failed":
+            self._on_failure(RuntimeError(message[1]), False)
+        elif kind == "dead":
+            self._on_failure(ExecutorError(message[1]), True)
+
+    def _core_gone(self) -> None:
+        """End of the pipe: the child exited. Fail everything (once) and stop reading."""
+        if self._failed:
+            return
+        self._failed = True
+        self._detach()
+        if self._stopping:
+            return
+        try:
+            self._proc.wait(timeout=5)  # for its exit code in the message
+        except subprocess.TimeoutExpired:
+            pass
+        error = EngineCoreDied(f"the engine core process exited ({self._exit_text()})")
+        logger.error("%s; failing all requests", error)
+        self._on_failure(error, True)
+
+    def _detach(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop or not loop.is_running():
+            loop.remove_reader(self._conn.fileno())
+        else:
+            loop.call_soon_threadsafe(loop.remove_reader, self._conn.fileno())
 
     def _send(self, message: tuple) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -258,32 +343,6 @@ class ProcessCoreClient:
         except EOFError as e:
             raise RuntimeError(f"the engine core process exited while starting "
                                f"({self._exit_text()})") from e
-
-    def _read(self) -> None:
-        conn = self._conn
-        while True:
-            try:
-                message = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError):
-                if not self._stopping:
-                    try:
-                        self._proc.wait(timeout=5)  # for its exit code in the message
-                    except subprocess.TimeoutExpired:
-                        pass
-                    error = EngineCoreDied(f"the engine core process exited ({self._exit_text()})")
-                    logger.error("%s; failing all requests", error)
-                    self._on_failure(error, True)
-                return
-            kind = message[0]
-            if kind == "step":
-                _, result, self.load, self.stats, self._adds_seen = message
-                self._on_step(result)
-            elif kind == "state":
-                _, self.load, self.stats, self._adds_seen = message
-            elif kind == "failed":
-                self._on_failure(RuntimeError(message[1]), False)
-            elif kind == "dead":
-                self._on_failure(ExecutorError(message[1]), True)
 
     def _exit_text(self) -> str:
         code = self._proc.poll()

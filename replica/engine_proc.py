@@ -1,11 +1,12 @@
 """The EngineCore process: `python -m replica.engine_proc FD`, started by
 `replica.core_client.ProcessCoreClient` with one end of a socketpair as FD.
 
-The main thread runs EngineCore's busy loop (schedule -> execute -> update) and
-sends each step's result; a reader thread receives commands into a queue, so the
-loop never blocks on its pipe while there is work and the parent never blocks on
-a full pipe (both directions keep draining). The loop sleeps on an event when
-there is no work.
+One thread: EngineCore's busy loop (schedule -> execute -> update) reads the
+commands waiting on its pipe before each step (without blocking while there is
+work), sends each step's result, and blocks on the pipe when there is no work.
+No thread hand-offs: a command or a result costs one pipe write and one wake-up.
+The parent reads results on a thread of its own, so neither side can block the
+other for longer than a step.
 
 The process lives as long as its parent wants it: a ("shutdown",) command, or
 the end of the pipe (the parent exited or was killed, whatever the reason), ends
@@ -16,13 +17,11 @@ the parent rather than by a KeyboardInterrupt here.
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import pickle
 import signal
 import sys
-import threading
 from multiprocessing.connection import Connection
 
 logger = logging.getLogger("replica.engine_proc")
@@ -32,22 +31,8 @@ class EngineCoreLoop:
     def __init__(self, core, conn: Connection) -> None:
         self.core = core
         self.conn = conn
-        self.commands: collections.deque = collections.deque()
-        self.wake = threading.Event()
         self.adds_seen = 0
         self.dead = False
-        threading.Thread(target=self._read, name="fleetserve-engine-commands", daemon=True).start()
-
-    def _read(self) -> None:
-        while True:
-            try:
-                command = pickle.loads(self.conn.recv_bytes())
-            except (EOFError, OSError):
-                command = ("shutdown",)  # the parent is gone
-            self.commands.append(command)
-            self.wake.set()
-            if command[0] == "shutdown":
-                return
 
     def send(self, message: tuple) -> None:
         self.conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
@@ -58,14 +43,13 @@ class EngineCoreLoop:
     def run(self) -> None:
         core = self.core
         while True:
-            drained = self._drain()
+            # Commands that arrived during the last step; with no work, sleep until one comes.
+            drained = self._drain(block=not core.has_work())
             if drained is None:
                 return
             if not core.has_work():
                 if drained:
                     self.send(("state", *self.state()))
-                self.wake.wait()
-                self.wake.clear()
                 continue
             try:
                 result = core.step()
@@ -84,13 +68,18 @@ class EngineCoreLoop:
                 continue
             self.send(("step", result, *self.state()))
 
-    def _drain(self):
-        """Apply queued commands; returns how many, or None on shutdown."""
+    def _drain(self, block: bool):
+        """Apply the commands waiting on the pipe (waiting for one first if `block`); returns
+        how many, or None on shutdown (asked for, or the parent is gone)."""
         from scheduler import RequestStatus
 
         n = 0
-        while self.commands:
-            kind, *rest = self.commands.popleft()
+        while block or self.conn.poll(0):
+            block = False
+            try:
+                kind, *rest = pickle.loads(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                return None  # the parent is gone
             n += 1
             if kind == "shutdown":
                 return None
