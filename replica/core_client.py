@@ -2,17 +2,19 @@
 
     ProcessCoreClient (default for TP=1)          ThreadCoreClient (TP>1, or asked for)
     this process: tokenizer, detokenizer,         one process: the same, plus the EngineCore
-      streams, metrics; an output thread            stepping on a thread of its own
+      streams, metrics; reads results on the        stepping on a thread of its own
+      callers' event loop
     child process (replica.engine_proc):
       EngineCore (scheduler + model), busy loop
 
 Why a process (vLLM v1's layout): in a Ray Serve replica the engine shares its
 process with Serve's event loop, Ray's core worker threads and the per-token
-streaming work, all contending for one GIL. Measured (issue 5): the engine's own
-TTFT was 13-25 ms inside a replica vs ~12 ms alone, torch calls waiting on the GIL
-that the replica's other threads held about a quarter of the time. In a child
-process the engine has a GIL to itself; this process only tokenizes, detokenizes
-and streams.
+streaming work, all contending for one GIL. Measured (issue 5): torch calls in the
+engine thread waited on a GIL that the replica's other threads held about a
+quarter of the time, and inter-token latency p90 over HTTP was 6.85 ms with the
+core on a thread vs 4.09 ms in its own process (benchmarks/serving.py, the two
+interleaved round by round). In a child process the engine has a GIL to itself;
+this process only tokenizes, detokenizes and streams.
 
 Both clients take the same calls (`add`, `abort`, `finish`, `shutdown`) and push
 every step's result to one callback, `on_step(StepResult)`: from the engine thread,
