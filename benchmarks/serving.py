@@ -530,7 +530,7 @@ def plot(rows: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
     rated = [r for r in rows if r["label"] == "HTTP, 2 replicas"]
     if rated:
         x = [r["rate"] for r in rated]
@@ -548,10 +548,9 @@ def plot(rows: list[dict]) -> None:
             or r["label"].startswith("shared prefix")]
     if bars:
         names = [r["label"].replace("shared prefix, ", "prefix: ") for r in bars]
-        axes[2].bar(names, [r["ttft_p50_ms"] for r in bars])
-        axes[2].set_ylabel("TTFT p50 (ms)")
+        axes[2].barh(names[::-1], [r["ttft_p50_ms"] for r in bars][::-1])
+        axes[2].set_xlabel("TTFT p50 (ms)")
         axes[2].set_title("router overhead and prefix-aware routing")
-        axes[2].tick_params(axis="x", rotation=20)
     fig.tight_layout()
     fig.savefig(RESULTS / "serving.png", dpi=110)
 

@@ -304,7 +304,7 @@ class ProcessCoreClient:
         if self._stopping:
             return
         try:
-            self._proc.wait(timeout=5)  # for its exit code in the message
+            self._proc.wait(timeout=1)  # for its exit code in the message (it is exiting)
         except subprocess.TimeoutExpired:
             pass
         error = EngineCoreDied(f"the engine core process exited ({self._exit_text()})")
