@@ -161,7 +161,8 @@ class AsyncEngine:
             self.output_processor.abort(request_id)
 
     def _on_step(self, result: StepResult) -> None:
-        """One step's outputs (on the engine thread, or the thread reading the core process)."""
+        """One step's outputs: on the engine thread, or wherever a core process's results are
+        read (the callers' event loop, or a `get_load`/`metrics_text` caller between loops)."""
         op = self.output_processor
         with self._lock:
             if result.newly_scheduled:
