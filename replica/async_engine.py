@@ -59,7 +59,7 @@ class AsyncEngine:
         # that delivers the engine's steps: one lock, held for microseconds.
         self._lock = threading.Lock()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._dead: Optional[BaseException] = None
+        self._dead: Optional[str] = None  # why the engine cannot serve any more
         client_cls = ProcessCoreClient if use_core_process(args, core_process) else ThreadCoreClient
         self._client = client_cls(args, self.tokenizer.eos_token_id, self._on_step, self._on_failure)
         self.max_model_len = self._client.max_model_len
@@ -94,7 +94,6 @@ class AsyncEngine:
         text, requests = self.input_processor.process(
             prompt, sp, request_id, priority=priority, cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params)
-        self._client.poll()
         load = self._client.load
         if load["num_waiting"] + self._client.num_pending_adds >= self.args.max_waiting_requests:
             raise QueueFullError(
@@ -180,15 +179,14 @@ class AsyncEngine:
         for ro in outputs:
             self._deliver(ro.request_id, ro)
 
-    def _on_failure(self, error: BaseException, dead: bool) -> None:
+    def _on_failure(self, message: str, dead: bool) -> None:
         """A step failed (the core has aborted everything in flight), or the engine died."""
         if dead:
-            self._dead = error
-            logger.error("engine failed, failing all requests: %s", error)
-            failure: Exception = EngineDeadError(str(error))
+            self._dead = message
+            logger.error("engine failed, failing all requests: %s", message)
+            failure: Exception = EngineDeadError(message)
         else:
-            failure = RuntimeError(str(error) if str(error).startswith("engine step failed")
-                                   else f"engine step failed: {type(error).__name__}: {error}")
+            failure = RuntimeError(f"engine step failed: {message}")
         with self._lock:
             in_flight = list(self.output_processor.parents)
             for request_id in in_flight:

@@ -26,8 +26,9 @@ Wire format between the processes: pickled tuples over a socketpair, framed by
 ("add", [Request]), ("abort", [ids]), ("finish", [ids]), ("shutdown",). Replies:
 ("ready", info) | ("init_failed", message), then ("step", StepResult, load, stats,
 adds_seen) per step, ("state", load, stats, adds_seen) after commands that change
-state without a step, ("failed", message) for a step that raised (the child has
-aborted everything in flight), ("dead", message) for an executor that cannot go on.
+state without a step, ("failed", message) for a step that raised and ("dead",
+message) for an executor that cannot go on (either way the child has aborted
+everything in flight: `fail_in_flight`).
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ from scheduler import Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 StepCallback = Callable[[StepResult], None]
-# (error, dead): dead means the engine cannot serve anything any more.
-FailureCallback = Callable[[BaseException, bool], None]
+# (message, dead): dead means the engine cannot serve anything any more.
+FailureCallback = Callable[[str, bool], None]
 
 CORE_PROCESS_ENV = "FLEETSERVE_ENGINE_CORE_PROCESS"
 
@@ -78,7 +79,55 @@ def load_of(core: EngineCore) -> tuple[dict, object]:
     return core.get_load(), core.scheduler.get_stats()
 
 
-class ThreadCoreClient:
+def apply_command(core: EngineCore, kind: str, payload) -> None:
+    """A client's command on the core (either layout): "add" a list of Requests, "abort" or
+    "finish" (a stop string matched) request ids."""
+    if kind == "add":
+        for r in payload:
+            core.add_request(r)
+    elif kind == "abort":
+        core.abort_requests(payload)
+    elif kind == "finish":
+        core.finish_requests(payload, RequestStatus.FINISHED_STOPPED)
+
+
+def fail_in_flight(core: EngineCore, error: Exception) -> tuple[str, bool]:
+    """After a step raised (call it in the `except` block): abort everything in flight, log,
+    and return (message, dead); dead when the executor cannot go on (a worker died)."""
+    core.abort_requests(list(core.scheduler.requests))
+    if isinstance(error, ExecutorError):
+        logger.error("engine executor failed: %s", error)
+        return str(error), True
+    logger.exception("engine step failed; failing the in-flight requests")
+    return f"{type(error).__name__}: {error}", False
+
+
+class _CoreClient:
+    """The commands both layouts take; `_command` carries one to the core."""
+
+    _adds_submitted = 0
+    _adds_seen = 0
+
+    @property
+    def num_pending_adds(self) -> int:
+        """Adds the core has not taken yet (they count against the waiting queue's bound)."""
+        return self._adds_submitted - self._adds_seen
+
+    def add(self, requests: list[Request]) -> None:
+        self._adds_submitted += 1
+        self._command(("add", requests))
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._command(("abort", request_ids))
+
+    def finish(self, request_ids: list[str]) -> None:
+        self._command(("finish", request_ids))
+
+    def _command(self, command: tuple) -> None:
+        raise NotImplementedError
+
+
+class ThreadCoreClient(_CoreClient):
     """The EngineCore on a background thread of this process."""
 
     def __init__(self, args: EngineArgs, eos_token_id: Optional[int], on_step: StepCallback,
@@ -90,31 +139,18 @@ class ThreadCoreClient:
         self._commands: collections.deque = collections.deque()
         self._wake = threading.Event()
         self._stopping = False
-        self._adds_submitted = 0
-        self._adds_seen = 0
         self.load, self.stats = load_of(self.core)
         self._thread = threading.Thread(target=self._run, name="fleetserve-engine", daemon=True)
         self._thread.start()
 
-    @property
-    def num_pending_adds(self) -> int:
-        return self._adds_submitted - self._adds_seen
-
-    def add(self, requests: list[Request]) -> None:
-        self._adds_submitted += 1
-        self._submit(("add", requests))
-
-    def abort(self, request_ids: list[str]) -> None:
-        self._submit(("abort", request_ids))
-
     def finish(self, request_ids: list[str]) -> None:
-        """Stop-string finishes. Called from `on_step` (the engine thread): applied at once,
-        so the load the caller reads next already has their blocks back in the pool."""
+        """Stop-string finishes come from `on_step`, on the engine thread: applied at once, so
+        the load the caller reads next already has their blocks back in the pool."""
         if threading.current_thread() is self._thread:
-            self.core.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+            apply_command(self.core, "finish", request_ids)
             self.load, self.stats = load_of(self.core)
         else:
-            self._submit(("finish", request_ids))
+            super().finish(request_ids)
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
@@ -133,14 +169,15 @@ class ThreadCoreClient:
         self._thread.join(timeout=30)
         self.core.shutdown()
 
-    def _submit(self, command: tuple) -> None:
+    def _command(self, command: tuple) -> None:
         self._commands.append(command)
         self._wake.set()
 
     def _run(self) -> None:
         core = self.core
         while not self._stopping:
-            self._drain()
+            if self._commands:
+                self._drain()
             if not core.has_work():
                 self._wake.wait()
                 self._wake.clear()
@@ -148,12 +185,9 @@ class ThreadCoreClient:
             try:
                 result = core.step()
             except Exception as e:  # noqa: BLE001 - every in-flight request must hear of it
-                dead = isinstance(e, ExecutorError)
-                if not dead:
-                    logger.exception("engine step failed; failing the in-flight requests")
-                core.abort_requests(list(core.scheduler.requests))
+                message, dead = fail_in_flight(core, e)
                 self.load, self.stats = load_of(core)
-                self._on_failure(e, dead)
+                self._on_failure(message, dead)
                 continue
             self.load, self.stats = load_of(core)
             self._on_step(result)
@@ -163,16 +197,11 @@ class ThreadCoreClient:
             kind, payload = self._commands.popleft()
             if kind == "add":
                 self._adds_seen += 1
-                for r in payload:
-                    self.core.add_request(r)
-            elif kind == "abort":
-                self.core.abort_requests(payload)
-            elif kind == "finish":
-                self.core.finish_requests(payload, RequestStatus.FINISHED_STOPPED)
+            apply_command(self.core, kind, payload)
         self.load, self.stats = load_of(self.core)
 
 
-class ProcessCoreClient:
+class ProcessCoreClient(_CoreClient):
     """The EngineCore in a child process (`python -m replica.engine_proc`).
 
     Results are read on the event loop of the callers (`attach(loop)`, done by every
@@ -190,8 +219,6 @@ class ProcessCoreClient:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._stopping = False
         self._failed = False
-        self._adds_submitted = 0
-        self._adds_seen = 0
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
         # The child imports what this process can import (a Ray worker's sys.path may hold
@@ -217,10 +244,6 @@ class ProcessCoreClient:
         self.vocab_size = info["vocab_size"]
         self.pid = self._proc.pid
         self.load, self.stats = info["load"], info["stats"]
-
-    @property
-    def num_pending_adds(self) -> int:
-        return self._adds_submitted - self._adds_seen
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Read results on `loop` (the running loop of the caller) from now on, unless another
@@ -249,16 +272,6 @@ class ProcessCoreClient:
                 self._core_gone()
         finally:
             self._recv_lock.release()
-
-    def add(self, requests: list[Request]) -> None:
-        self._adds_submitted += 1
-        self._send(("add", requests))
-
-    def abort(self, request_ids: list[str]) -> None:
-        self._send(("abort", request_ids))
-
-    def finish(self, request_ids: list[str]) -> None:
-        self._send(("finish", request_ids))
 
     def is_alive(self) -> bool:
         if self._loop is None or not self._loop.is_running():
@@ -290,10 +303,8 @@ class ProcessCoreClient:
             self._on_step(result)
         elif kind == "state":
             _, self.load, self.stats, self._adds_seen = message
-        elif kind == "failed":
-            self._on_failure(RuntimeError(message[1]), False)
-        elif kind == "dead":
-            self._on_failure(ExecutorError(message[1]), True)
+        elif kind in ("failed", "dead"):
+            self._on_failure(message[1], kind == "dead")
 
     def _core_gone(self) -> None:
         """End of the pipe: the child exited. Fail everything (once) and stop reading."""
@@ -307,9 +318,9 @@ class ProcessCoreClient:
             self._proc.wait(timeout=1)  # for its exit code in the message (it is exiting)
         except subprocess.TimeoutExpired:
             pass
-        error = EngineCoreDied(f"the engine core process exited ({self._exit_text()})")
-        logger.error("%s; failing all requests", error)
-        self._on_failure(error, True)
+        message = f"the engine core process exited ({self._exit_text()})"
+        logger.error("%s; failing all requests", message)
+        self._on_failure(message, True)
 
     def _detach(self) -> None:
         loop, self._loop = self._loop, None
@@ -323,6 +334,9 @@ class ProcessCoreClient:
             loop.remove_reader(self._conn.fileno())
         else:
             loop.call_soon_threadsafe(loop.remove_reader, self._conn.fileno())
+
+    def _command(self, command: tuple) -> None:
+        self._send(command)
 
     def _send(self, message: tuple) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)

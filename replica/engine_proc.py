@@ -24,6 +24,8 @@ import signal
 import sys
 from multiprocessing.connection import Connection
 
+from replica.core_client import apply_command, fail_in_flight
+
 logger = logging.getLogger("replica.engine_proc")
 
 
@@ -54,16 +56,9 @@ class EngineCoreLoop:
             try:
                 result = core.step()
             except Exception as e:  # noqa: BLE001 - the parent fails what was in flight
-                from replica.executor import ExecutorError
-
-                core.abort_requests(list(core.scheduler.requests))
-                if isinstance(e, ExecutorError):
-                    self.dead = True
-                    logger.error("engine executor failed: %s", e)
-                    self.send(("dead", str(e)))
-                else:
-                    logger.exception("engine step failed; failing the in-flight requests")
-                    self.send(("failed", f"engine step failed: {type(e).__name__}: {e}"))
+                message, dead = fail_in_flight(core, e)
+                self.dead |= dead
+                self.send(("dead" if dead else "failed", message))
                 self.send(("state", *self.state()))
                 continue
             self.send(("step", result, *self.state()))
@@ -71,8 +66,6 @@ class EngineCoreLoop:
     def _drain(self, block: bool):
         """Apply the commands waiting on the pipe (waiting for one first if `block`); returns
         how many, or None on shutdown (asked for, or the parent is gone)."""
-        from scheduler import RequestStatus
-
         n = 0
         while block or self.conn.poll(0):
             block = False
@@ -85,13 +78,9 @@ class EngineCoreLoop:
                 return None
             if kind == "add":
                 self.adds_seen += 1
-                if not self.dead:
-                    for r in rest[0]:
-                        self.core.add_request(r)
-            elif kind == "abort":
-                self.core.abort_requests(rest[0])
-            elif kind == "finish":
-                self.core.finish_requests(rest[0], RequestStatus.FINISHED_STOPPED)
+                if self.dead:
+                    continue  # the parent refuses new requests once it hears of it
+            apply_command(self.core, kind, rest[0])
         return n
 
 
