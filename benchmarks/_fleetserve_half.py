@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from scheduler import (CacheConfig, ModelRunnerOutput, Request, SamplingParams,
-                       SchedulerConfig, create_scheduler)
+from fleetserve.scheduler import (CacheConfig, ModelRunnerOutput, Request, SamplingParams,
+                                  SchedulerConfig, create_scheduler)
 
 
 class FleetserveAdapter:

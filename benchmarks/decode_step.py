@@ -28,9 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from replica.attention import AttentionMetadata  # noqa: E402
-from replica.model_registry import resolve_model  # noqa: E402
-from replica.weights import allocate_kv_caches, load_model  # noqa: E402
+from fleetserve.replica.layers.attention import AttentionMetadata  # noqa: E402
+from fleetserve.replica.model_loader.registry import resolve_model  # noqa: E402
+from fleetserve.replica.model_loader.weights import allocate_kv_caches, load_model  # noqa: E402
 
 # Decode cases advance one token per step (as in serving) for up to GROWTH steps, then start over.
 GROWTH = 64
@@ -126,8 +126,8 @@ def main() -> None:
     ap.add_argument("--no-fused-norm", action="store_true", help="RMSNorm through float32 copies (HF formula)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from replica.attention import PagedAttention
-    from replica.layers import RMSNorm
+    from fleetserve.replica.layers.attention import PagedAttention
+    from fleetserve.replica.layers import RMSNorm
     PagedAttention.use_decode_buffer = not args.no_decode_buffer
     RMSNorm.fused = not args.no_fused_norm
     dtype = getattr(torch, args.dtype)

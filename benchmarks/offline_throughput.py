@@ -81,8 +81,8 @@ def workload(name: str, tokenizer, num_prompts: int, seed: int = 0):
 # ---- engines -----------------------------------------------------------------------------
 def run_fleetserve(model: str, dtype: str, prompts, outputs, max_num_seqs: int,
                    device: str = "cpu") -> dict:
-    from replica.llm import LLM
-    from scheduler import SamplingParams
+    from fleetserve.replica.llm import LLM
+    from fleetserve.scheduler import SamplingParams
 
     llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
               enable_prefix_caching=False, kv_cache_memory_bytes=2 << 30, device=device)
@@ -242,11 +242,11 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from replica.model_registry import resolve_model
-    from replica.tokenizer import load_tokenizer
+    from fleetserve.replica.model_loader.registry import resolve_model
+    from fleetserve.replica.engine.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model(args.model))
-    from replica.hf_export import export_hf_folder
+    from fleetserve.replica.model_loader.hf_export import export_hf_folder
 
     hf_dir = str(export_hf_folder(args.model, Path.home() / ".cache" / "fleetserve" / "hf-export" / args.model))
     from transformers import AutoConfig

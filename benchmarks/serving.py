@@ -150,7 +150,7 @@ def _body(model: str, req: Request) -> dict:
 
 
 async def send_engine(engine, req: Request) -> Result:
-    from scheduler import SamplingParams
+    from fleetserve.scheduler import SamplingParams
 
     res, t0 = Result(), time.perf_counter()
     last = None
@@ -214,7 +214,7 @@ def free_port() -> int:
 
 
 def app_config(args, port: int, replicas: int, policy: str, blocks: int | None):
-    from cluster.config import AppConfig
+    from fleetserve.cluster.config import AppConfig
 
     engine = {"model": args.model, "max_model_len": args.max_model_len, "num_threads": 1,
               "max_num_seqs": args.max_num_seqs}
@@ -228,7 +228,7 @@ def app_config(args, port: int, replicas: int, policy: str, blocks: int | None):
 def redeploy(config) -> None:
     from ray import serve
 
-    from cluster.deploy import deploy
+    from fleetserve.cluster.deploy import deploy
 
     try:
         serve.delete(config.name)
@@ -306,8 +306,8 @@ def _client():
 def make_engine(args, core_process: bool):
     import torch
 
-    from replica.async_engine import AsyncEngine
-    from replica.engine_args import EngineArgs
+    from fleetserve.replica.engine.async_engine import AsyncEngine
+    from fleetserve.replica.engine.engine_args import EngineArgs
 
     torch.set_num_threads(1)
     return AsyncEngine(EngineArgs(model=args.model, max_model_len=args.max_model_len,
@@ -368,7 +368,7 @@ def main() -> None:
     global CLIENT
     CLIENT = args.client
     if args.model is None:
-        from replica.testing import make_tiny_llama
+        from fleetserve.replica.testing import make_tiny_llama
 
         args.model = str(make_tiny_llama(Path(tempfile.mkdtemp()) / "tiny"))
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -412,7 +412,7 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from cluster.deploy import connect_ray, start_serve
+    from fleetserve.cluster.deploy import connect_ray, start_serve
 
     port = free_port()
     config = app_config(args, port, 1, "power_of_two", None)
@@ -454,8 +454,8 @@ def main() -> None:
 
 
 def run_prefix(args, port: int, url: str) -> list[dict]:
-    from replica.model_registry import resolve_model
-    from replica.tokenizer import load_tokenizer
+    from fleetserve.replica.model_loader.registry import resolve_model
+    from fleetserve.replica.engine.tokenizer import load_tokenizer
 
     work = prefix_workload(args.num_requests, args.prefix_count, args.prefix_words, 16,
                            args.out_tokens, seed=1)

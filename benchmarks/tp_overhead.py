@@ -31,8 +31,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 def run(model_dir: str, tp: int, prompts, max_tokens: int, threads: int) -> dict:
-    from replica.llm import LLM
-    from scheduler import SamplingParams
+    from fleetserve.replica.llm import LLM
+    from fleetserve.scheduler import SamplingParams
 
     llm = LLM(model_dir, dtype="float32", tensor_parallel_size=tp, num_gpu_blocks_override=512,
               num_threads=max(1, threads // tp), enable_prefix_caching=False)
@@ -74,7 +74,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
-    from replica.testing import make_tiny_llama
+    from fleetserve.replica.testing import make_tiny_llama
 
     # 12 heads / 6 kv heads, hidden 768, intermediate 1536: all divide by 1, 2 and 3.
     model_dir = str(make_tiny_llama(Path(tempfile.mkdtemp()) / "tp-model", hidden_size=768,

@@ -18,8 +18,8 @@ from typing import Any, Callable, Optional
 
 from pydantic import ValidationError
 
-from cluster.cli_engine import add_engine_flags, engine_kwargs
-from cluster.generate import add_generate_parser
+from fleetserve.cluster.cli_engine import add_engine_flags, engine_kwargs
+from fleetserve.cluster.generate import add_generate_parser
 
 log = logging.getLogger("fleetserve")
 
@@ -46,7 +46,7 @@ def add_serve_parser(sub) -> None:
 
 def config_from_args(args: argparse.Namespace):
     """Build the AppConfig: YAML file (if any), then flags on top."""
-    from cluster.config import AppConfig
+    from fleetserve.cluster.config import AppConfig
 
     given = vars(args)
     engine = engine_kwargs(args)
@@ -79,7 +79,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     from ray import serve
 
-    from cluster.deploy import connect_ray, deploy, endpoints, start_serve
+    from fleetserve.cluster.deploy import connect_ray, deploy, endpoints, start_serve
 
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -24,7 +24,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from replica.engine_args import EngineArgs
+from fleetserve.replica.engine.engine_args import EngineArgs
 
 RoutingPolicyName = Literal["power_of_two", "least_loaded", "prefix_aware"]
 
@@ -82,7 +82,7 @@ class AppConfig(BaseModel):
     # CPUs reserved per engine replica (its torch threads); 0 lets Ray pack them.
     num_cpus_per_replica: float = Field(1.0, ge=0.0)
     # The engine class each replica builds, "module:Class" (tests may swap it).
-    engine_cls: str = "replica.async_engine:AsyncEngine"
+    engine_cls: str = "fleetserve.replica.engine.async_engine:AsyncEngine"
 
     @property
     def served_model_name(self) -> str:

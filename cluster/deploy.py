@@ -30,14 +30,14 @@ import ray
 from ray import serve
 from ray.serve.config import HTTPOptions, RequestRouterConfig, gRPCOptions
 
-from cluster.config import AppConfig
-from router.ingress import IngressDeployment
-from router.replica import EngineReplica
-from router.request_router import FleetRequestRouter
+from fleetserve.cluster.config import AppConfig
+from fleetserve.router.ingress import IngressDeployment
+from fleetserve.router.replica import EngineReplica
+from fleetserve.router.request_router import FleetRequestRouter
 
 logger = logging.getLogger(__name__)
 
-GRPC_SERVICER = "router.proto.fleetserve_pb2_grpc.add_FleetServeServicer_to_server"
+GRPC_SERVICER = "fleetserve.router.proto.fleetserve_pb2_grpc.add_FleetServeServicer_to_server"
 ENGINE_DEPLOYMENT = "engine"
 INGRESS_DEPLOYMENT = "ingress"
 _NO_ACCESS_LOG = {"enable_access_log": False}

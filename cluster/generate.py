@@ -14,7 +14,7 @@ import sys
 
 from pydantic import ValidationError
 
-from cluster.cli_engine import add_engine_flags, engine_kwargs
+from fleetserve.cluster.cli_engine import add_engine_flags, engine_kwargs
 
 
 def add_generate_parser(sub) -> None:
@@ -36,8 +36,8 @@ def add_generate_parser(sub) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from replica.model_registry import ModelNotFoundError
-    from scheduler import SamplingParams
+    from fleetserve.replica.model_loader.registry import ModelNotFoundError
+    from fleetserve.scheduler import SamplingParams
 
     try:
         sp = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -47,7 +47,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"fleetserve generate: {e}", file=sys.stderr)
         return 2
     try:
-        from replica.llm import LLM
+        from fleetserve.replica.llm import LLM
 
         llm = LLM(**engine_kwargs(args))
         if args.chat:

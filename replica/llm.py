@@ -12,14 +12,14 @@ from typing import Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
-from replica.engine_args import DEFAULT_MODEL, EngineArgs
-from replica.engine_core import EngineCore
-from replica.metrics import EngineMetrics
-from replica.model_registry import resolve_model
-from replica.outputs import CompletionOutput, RequestOutput
-from replica.processor import InputProcessor, OutputProcessor, PromptType
-from replica.tokenizer import apply_chat_template, load_tokenizer
-from scheduler import RequestStatus, SamplingParams
+from fleetserve.replica.engine.engine_args import DEFAULT_MODEL, EngineArgs
+from fleetserve.replica.engine.engine_core import EngineCore
+from fleetserve.replica.engine.metrics import EngineMetrics
+from fleetserve.replica.model_loader.registry import resolve_model
+from fleetserve.replica.engine.outputs import CompletionOutput, RequestOutput
+from fleetserve.replica.engine.processor import InputProcessor, OutputProcessor, PromptType
+from fleetserve.replica.engine.tokenizer import apply_chat_template, load_tokenizer
+from fleetserve.scheduler import RequestStatus, SamplingParams
 
 
 class LLM:

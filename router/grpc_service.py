@@ -16,9 +16,9 @@ from typing import AsyncIterator
 import grpc
 from ray.serve.grpc_util import RayServegRPCContext
 
-from router.errors import APIError, is_error
-from router.proto import fleetserve_pb2 as pb
-from scheduler import SamplingParams
+from fleetserve.router.errors import APIError, is_error
+from fleetserve.router.proto import fleetserve_pb2 as pb
+from fleetserve.scheduler import SamplingParams
 
 _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
            404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT,

@@ -26,15 +26,15 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router import openai_format as fmt
-from router.errors import (APIError, error_body, field_path, from_validation_error, is_error,
-                           to_response)
-from router.grpc_service import GrpcMethods
-from router.metrics import merge_metrics
-from router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                             TokenizeRequest, sampling_dict)
-from router.registry import get_router
-from router.request_router import TARGET_KWARG
+from fleetserve.router import openai_format as fmt
+from fleetserve.router.errors import (APIError, error_body, field_path, from_validation_error, is_error,
+                                      to_response)
+from fleetserve.router.grpc_service import GrpcMethods
+from fleetserve.router.metrics import merge_metrics
+from fleetserve.router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                        TokenizeRequest, sampling_dict)
+from fleetserve.router.registry import get_router
+from fleetserve.router.request_router import TARGET_KWARG
 
 app = FastAPI(title="fleetserve", docs_url=None, redoc_url=None)
 

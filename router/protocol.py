@@ -12,8 +12,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from router.errors import APIError
-from scheduler import SamplingParams
+from fleetserve.router.errors import APIError
+from fleetserve.scheduler import SamplingParams
 
 
 class StreamOptions(BaseModel):

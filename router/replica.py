@@ -22,10 +22,10 @@ from typing import Any, AsyncIterator, Optional
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
-from replica.async_engine import QueueFullError
-from replica.engine_args import EngineArgs
-from router.errors import error_body
-from scheduler import SamplingParams, resolve_obj_by_qualname
+from fleetserve.replica.engine.async_engine import QueueFullError
+from fleetserve.replica.engine.engine_args import EngineArgs
+from fleetserve.router.errors import error_body
+from fleetserve.scheduler import SamplingParams, resolve_obj_by_qualname
 
 logger = logging.getLogger("ray.serve")
 

@@ -24,8 +24,8 @@ from typing import Any, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from router import registry
-from router.policies import ReplicaLoad, RouteRequest, RoutingPolicy, make_policy
+from fleetserve.router import registry
+from fleetserve.router.policies import ReplicaLoad, RouteRequest, RoutingPolicy, make_policy
 
 TARGET_KWARG = "_fleetserve_target"
 

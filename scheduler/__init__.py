@@ -4,16 +4,16 @@ The public names here are the contract the replica, the KV connectors and the
 router rely on; they follow vLLM v1's names.
 """
 
-from scheduler.block_pool import BlockPool, KVCacheBlock
-from scheduler.config import CacheConfig, SchedulerConfig
-from scheduler.connector import KVConnectorScheduler
-from scheduler.kv_cache_manager import KVCacheManager, hash_token_blocks
-from scheduler.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
-                               NewRequestData, SchedulerOutput)
-from scheduler.policies import resolve_obj_by_qualname
-from scheduler.request import Request, RequestStatus
-from scheduler.sampling_params import SamplingParams
-from scheduler.scheduler import Scheduler, SchedulerStats
+from fleetserve.scheduler.block_pool import BlockPool, KVCacheBlock
+from fleetserve.scheduler.config import CacheConfig, SchedulerConfig
+from fleetserve.scheduler.connector import KVConnectorScheduler
+from fleetserve.scheduler.kv_cache_manager import KVCacheManager, hash_token_blocks
+from fleetserve.scheduler.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+                                          NewRequestData, SchedulerOutput)
+from fleetserve.scheduler.policies import resolve_obj_by_qualname
+from fleetserve.scheduler.request import Request, RequestStatus
+from fleetserve.scheduler.sampling_params import SamplingParams
+from fleetserve.scheduler.scheduler import Scheduler, SchedulerStats
 
 
 def create_scheduler(scheduler_config: SchedulerConfig, cache_config: CacheConfig,

@@ -26,7 +26,7 @@ class SchedulerConfig(BaseModel):
     capacity_policy: Literal["max_utilization", "guaranteed_no_evict"] = "max_utilization"
     # Qualified name ("package.module:Class" or "package.module.Class") of a
     # Scheduler subclass to use instead of ours, as vLLM's scheduler_cls.
-    scheduler_cls: str = "scheduler.scheduler:Scheduler"
+    scheduler_cls: str = "fleetserve.scheduler.scheduler:Scheduler"
 
     @model_validator(mode="after")
     def _check(self) -> "SchedulerConfig":

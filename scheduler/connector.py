@@ -37,8 +37,8 @@ from __future__ import annotations
 import abc
 from typing import Any, Optional
 
-from scheduler.outputs import SchedulerOutput
-from scheduler.request import Request
+from fleetserve.scheduler.outputs import SchedulerOutput
+from fleetserve.scheduler.request import Request
 
 
 class KVConnectorScheduler(abc.ABC):

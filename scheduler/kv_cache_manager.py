@@ -23,8 +23,8 @@ from __future__ import annotations
 import hashlib
 from typing import Optional
 
-from scheduler.block_pool import BlockPool, KVCacheBlock
-from scheduler.request import Request
+from fleetserve.scheduler.block_pool import BlockPool, KVCacheBlock
+from fleetserve.scheduler.request import Request
 
 NONE_HASH = 0x5EED
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from scheduler.sampling_params import SamplingParams
+from fleetserve.scheduler.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -12,8 +12,8 @@ import heapq
 from collections import deque
 from typing import Callable, Iterable, Iterator, Optional
 
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.request import Request
+from fleetserve.scheduler.kv_cache_manager import KVCacheManager
+from fleetserve.scheduler.request import Request
 
 
 # ---- waiting queues ---------------------------------------------------------

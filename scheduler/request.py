@@ -15,7 +15,7 @@ import enum
 import time
 from typing import Any, Optional
 
-from scheduler.sampling_params import SamplingParams
+from fleetserve.scheduler.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

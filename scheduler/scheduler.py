@@ -27,13 +27,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from scheduler.config import CacheConfig, SchedulerConfig
-from scheduler.connector import KVConnectorScheduler
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
-                               NewRequestData, SchedulerOutput)
-from scheduler.policies import make_capacity_policy, make_waiting_queue, pick_victim
-from scheduler.request import Request, RequestStatus
+from fleetserve.scheduler.config import CacheConfig, SchedulerConfig
+from fleetserve.scheduler.connector import KVConnectorScheduler
+from fleetserve.scheduler.kv_cache_manager import KVCacheManager
+from fleetserve.scheduler.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+                                          NewRequestData, SchedulerOutput)
+from fleetserve.scheduler.policies import make_capacity_policy, make_waiting_queue, pick_victim
+from fleetserve.scheduler.request import Request, RequestStatus
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from replica.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
+from fleetserve.replica.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
 

@@ -18,11 +18,11 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-from replica.attention import AttentionMetadata, PagedAttention
-from replica.kernels import ops_for
-from replica.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
-                            RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabParallelEmbedding)
-from replica.parallel import TPGroup, get_tp_group
+from fleetserve.replica.layers.attention import AttentionMetadata, PagedAttention
+from fleetserve.replica.kernels import ops_for
+from fleetserve.replica.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
+                                       RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabParallelEmbedding)
+from fleetserve.replica.distributed.parallel import TPGroup, get_tp_group
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 

@@ -4,10 +4,10 @@ Each is a small class behind `RoutingPolicy.rank(replicas, request) -> tiers`;
 `router.request_router.FleetRequestRouter` plugs the chosen one into Ray Serve.
 """
 
-from router.policies.base import ReplicaLoad, RouteRequest, RoutingPolicy
-from router.policies.least_loaded import LeastLoadedPolicy
-from router.policies.power_of_two import PowerOfTwoPolicy
-from router.policies.prefix_aware import PrefixAwarePolicy
+from fleetserve.router.policies.base import ReplicaLoad, RouteRequest, RoutingPolicy
+from fleetserve.router.policies.least_loaded import LeastLoadedPolicy
+from fleetserve.router.policies.power_of_two import PowerOfTwoPolicy
+from fleetserve.router.policies.prefix_aware import PrefixAwarePolicy
 
 POLICIES: dict[str, type[RoutingPolicy]] = {
     "power_of_two": PowerOfTwoPolicy,

@@ -27,8 +27,8 @@ import random
 from collections import OrderedDict
 from typing import Optional
 
-from router.policies.base import ReplicaLoad, RouteRequest, RoutingPolicy, by_load, tiers
-from scheduler import hash_token_blocks
+from fleetserve.router.policies.base import ReplicaLoad, RouteRequest, RoutingPolicy, by_load, tiers
+from fleetserve.scheduler import hash_token_blocks
 
 
 class PrefixAwarePolicy(RoutingPolicy):

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from router.proto import fleetserve_pb2 as router_dot_proto_dot_fleetserve__pb2
+from fleetserve.router.proto import fleetserve_pb2 as router_dot_proto_dot_fleetserve__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from cluster.cli import build_parser, config_from_args, main
-from cluster.config import AppConfig
+from fleetserve.cluster.cli import build_parser, config_from_args, main
+from fleetserve.cluster.config import AppConfig
 
 
 def from_cli(*argv: str) -> AppConfig:
@@ -78,7 +78,7 @@ def test_serve_with_invalid_config_exits_2_naming_the_field(capsys):
 
 
 def test_direct_ingress_only_for_an_embedded_ray(monkeypatch):
-    from cluster.deploy import direct_ingress
+    from fleetserve.cluster.deploy import direct_ingress
 
     monkeypatch.delenv("RAY_SERVE_ENABLE_DIRECT_INGRESS", raising=False)
     assert direct_ingress(AppConfig())

@@ -2,19 +2,19 @@
 
 import pytest
 
-from cluster.cli import main
+from fleetserve.cluster.cli import main
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from replica.testing import make_tiny_llama
+    from fleetserve.replica.testing import make_tiny_llama
 
     return str(make_tiny_llama(tmp_path_factory.mktemp("gen-model")))
 
 
 def test_generate_prints_the_engine_output(tiny_dir, capsys):
-    from replica.llm import LLM
-    from scheduler import SamplingParams
+    from fleetserve.replica.llm import LLM
+    from fleetserve.scheduler import SamplingParams
 
     rc = main(["generate", "The quick brown fox", "--model", tiny_dir, "--dtype", "float32",
                "--max-tokens", "6", "--ignore-eos", "--quiet", "--num-threads", "1"])

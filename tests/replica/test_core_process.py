@@ -15,8 +15,8 @@ import time
 import psutil
 import pytest
 
-from replica.async_engine import AsyncEngine, EngineDeadError
-from scheduler import SamplingParams
+from fleetserve.replica.engine.async_engine import AsyncEngine, EngineDeadError
+from fleetserve.scheduler import SamplingParams
 
 
 def _wait_gone(pid: int, timeout_s: float = 20.0) -> bool:
@@ -101,7 +101,7 @@ def test_core_process_exits_with_its_parent(tiny_model_dir, tmp_path):
     script = tmp_path / "parent.py"
     script.write_text(textwrap.dedent(f"""
         import sys, time
-        from replica.async_engine import AsyncEngine
+        from fleetserve.replica.engine.async_engine import AsyncEngine
         e = AsyncEngine(model={str(tiny_model_dir)!r}, dtype="float32", num_gpu_blocks_override=16,
                         core_process=True)
         print(e.core_pid, flush=True)

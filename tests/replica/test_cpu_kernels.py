@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from replica.kernels import cpu_ops, unavailable_reason
+from fleetserve.replica.kernels import cpu_ops, unavailable_reason
 
 ops = cpu_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason=f"CPU kernels unavailable: {unavailable_reason()}")
@@ -52,7 +52,7 @@ def test_rms_norm_and_fused_add(dtype, n):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 40])
 def test_rotary_in_place_on_a_strided_view(dtype, head_dim):
-    from replica.layers import RotaryEmbedding
+    from fleetserve.replica.layers import RotaryEmbedding
 
     rope = RotaryEmbedding(head_dim, 512, {"rope_theta": 10000.0})
     T, H, KVH = 7, 4, 2
@@ -165,8 +165,8 @@ def test_paged_attention_prefill_chunks_and_decodes(dtype):
 
 
 def test_kv_caches_are_zeroed_with_huge_pages_advised():
-    from replica.testing import tiny_llama_config
-    from replica.weights import allocate_kv_caches
+    from fleetserve.replica.testing import tiny_llama_config
+    from fleetserve.replica.model_loader.weights import allocate_kv_caches
 
     caches = allocate_kv_caches(tiny_llama_config(), 512, 16, torch.bfloat16)
     assert all(int(c.count_nonzero()) == 0 for c in caches)

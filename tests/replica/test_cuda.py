@@ -25,7 +25,7 @@ BLOCK = 4
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from replica.testing import make_tiny_llama
+    from fleetserve.replica.testing import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-cuda"), num_layers=3, hidden_size=64,
                            num_heads=4, num_kv_heads=2, seed=3)
@@ -46,9 +46,9 @@ def _prompt(n: int, seed: int, vocab: int) -> list[int]:
 def test_paged_forward_on_cuda_matches_hf(model_dir, hf_cpu):
     """fp32 on CUDA (TF32 off): prefill, a chunked continuation and decodes mixed in one
     forward, through a shuffled paged cache, equal HF's CPU float32 logits."""
-    from replica.attention import AttentionMetadata
-    from replica.model_registry import resolve_model
-    from replica.weights import allocate_kv_caches, load_model
+    from fleetserve.replica.layers.attention import AttentionMetadata
+    from fleetserve.replica.model_loader.registry import resolve_model
+    from fleetserve.replica.model_loader.weights import allocate_kv_caches, load_model
 
     torch.backends.cuda.matmul.allow_tf32 = False
     model, cfg = load_model(resolve_model(str(model_dir)), torch.float32, "cuda")
@@ -108,8 +108,8 @@ def _hf_greedy(hf, prompts, n):
 def test_llm_greedy_on_cuda_matches_hf(model_dir, hf_cpu):
     """The whole engine (scheduler, persistent batch, sampler) on CUDA in fp32, with a cache
     small enough to preempt: the same greedy tokens as HF on the CPU."""
-    from replica.llm import LLM
-    from scheduler import SamplingParams
+    from fleetserve.replica.llm import LLM
+    from fleetserve.scheduler import SamplingParams
 
     torch.backends.cuda.matmul.allow_tf32 = False
     llm = LLM(str(model_dir), device="cuda", dtype="float32", num_gpu_blocks_override=24,
@@ -127,8 +127,8 @@ def test_llm_greedy_on_cuda_matches_hf(model_dir, hf_cpu):
 def test_bf16_sampling_and_prefix_cache_on_cuda(model_dir):
     """bf16 (the CUDA default dtype): seeded sampling repeats itself, penalties, top-k/p,
     logprobs and prefix-cache hits all work with CUDA tensors."""
-    from replica.llm import LLM
-    from scheduler import SamplingParams
+    from fleetserve.replica.llm import LLM
+    from fleetserve.scheduler import SamplingParams
 
     llm = LLM(str(model_dir), device="cuda", num_gpu_blocks_override=256, block_size=BLOCK)
     assert llm.core.executor.worker.dtype == torch.bfloat16
@@ -154,8 +154,8 @@ def test_bf16_sampling_and_prefix_cache_on_cuda(model_dir):
 def test_async_engine_streams_and_aborts_on_cuda(model_dir):
     """The serving engine on CUDA: concurrent streams, and an abandoned stream's blocks
     go back to the pool."""
-    from replica.async_engine import AsyncEngine
-    from scheduler import SamplingParams
+    from fleetserve.replica.engine.async_engine import AsyncEngine
+    from fleetserve.scheduler import SamplingParams
 
     engine = AsyncEngine(model=str(model_dir), device="cuda", num_gpu_blocks_override=128,
                          block_size=BLOCK)
@@ -192,7 +192,7 @@ def test_async_engine_streams_and_aborts_on_cuda(model_dir):
 
 def test_default_kv_budget_on_cuda():
     """Without an override the KV cache takes a share of the free GPU memory, not host RAM."""
-    from replica.device import default_kv_cache_bytes
+    from fleetserve.replica.worker.device import default_kv_cache_bytes
 
     free, _ = torch.cuda.mem_get_info()
     budget = default_kv_cache_bytes(torch.device("cuda"))

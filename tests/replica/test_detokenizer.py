@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from replica.detokenizer import IncrementalDetokenizer
-from scheduler.sampling_params import SamplingParams
+from fleetserve.replica.engine.detokenizer import IncrementalDetokenizer
+from fleetserve.scheduler.sampling_params import SamplingParams
 
 TEXTS = [
     "Hello world, how are you today?",

@@ -5,10 +5,10 @@ import asyncio
 
 import pytest
 
-from replica.async_engine import AsyncEngine, QueueFullError
-from replica.llm import LLM
-from replica.model_registry import ModelNotFoundError
-from scheduler import SamplingParams
+from fleetserve.replica.engine.async_engine import AsyncEngine, QueueFullError
+from fleetserve.replica.llm import LLM
+from fleetserve.replica.model_loader.registry import ModelNotFoundError
+from fleetserve.scheduler import SamplingParams
 from tests.replica.conftest import hf_greedy
 
 PROMPTS = [

@@ -12,10 +12,10 @@ import random
 import pytest
 import torch
 
-from replica.attention import AttentionMetadata
-from replica.model_registry import resolve_model
-from replica.testing import make_tiny_llama
-from replica.weights import allocate_kv_caches, load_model
+from fleetserve.replica.layers.attention import AttentionMetadata
+from fleetserve.replica.model_loader.registry import resolve_model
+from fleetserve.replica.testing import make_tiny_llama
+from fleetserve.replica.model_loader.weights import allocate_kv_caches, load_model
 
 ATOL = 1e-4
 BLOCK = 4
@@ -38,7 +38,7 @@ CONFIGS = {
 def attention_path(request):
     """Every test here runs twice: with fleetserve's fused CPU kernels (when built) and with the
     plain PyTorch ops (what GPUs and compiler-less machines run: SDPA prefill, decode buffer)."""
-    from replica import kernels
+    from fleetserve.replica import kernels
 
     if request.param == "cpu-kernels":
         yield request.param

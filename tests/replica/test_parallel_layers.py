@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replica.layers import QKVParallelLinear, RMSNorm
-from replica.parallel import TPGroup, get_tp_group
+from fleetserve.replica.layers import QKVParallelLinear, RMSNorm
+from fleetserve.replica.distributed.parallel import TPGroup, get_tp_group
 
 
 def fake_group(rank: int, world_size: int) -> TPGroup:
@@ -37,9 +37,9 @@ def test_kv_heads_replicated_when_tp_exceeds_them():
 
 
 def test_tp_size_not_dividing_heads_fails_at_model_build(tmp_path):
-    from replica.model_registry import resolve_model
-    from replica.testing import make_tiny_llama
-    from replica.weights import load_model
+    from fleetserve.replica.model_loader.registry import resolve_model
+    from fleetserve.replica.testing import make_tiny_llama
+    from fleetserve.replica.model_loader.weights import load_model
 
     path = make_tiny_llama(tmp_path, hidden_size=48, num_heads=3, num_kv_heads=1)
     with pytest.raises(ValueError, match="not divisible by the tensor-parallel size"):
@@ -57,10 +57,10 @@ def test_rmsnorm_fused_residual():
 
 def _tp_worker(rank: int, world_size: int, init_file: str, model_dir: str, out_file: str) -> None:
     torch.set_num_threads(1)
-    from replica.attention import AttentionMetadata
-    from replica.model_registry import resolve_model
-    from replica.parallel import destroy_tp_group, init_tp_group
-    from replica.weights import allocate_kv_caches, load_model
+    from fleetserve.replica.layers.attention import AttentionMetadata
+    from fleetserve.replica.model_loader.registry import resolve_model
+    from fleetserve.replica.distributed.parallel import destroy_tp_group, init_tp_group
+    from fleetserve.replica.model_loader.weights import allocate_kv_caches, load_model
 
     tp = init_tp_group(world_size, rank, f"file://{init_file}", backend="gloo")
     try:
@@ -87,9 +87,9 @@ def _run_tp(model_dir, world_size, tmp_path):
 
     out = tmp_path / f"tp{world_size}.pt"
     if world_size == 1:
-        from replica.attention import AttentionMetadata
-        from replica.model_registry import resolve_model
-        from replica.weights import allocate_kv_caches, load_model
+        from fleetserve.replica.layers.attention import AttentionMetadata
+        from fleetserve.replica.model_loader.registry import resolve_model
+        from fleetserve.replica.model_loader.weights import allocate_kv_caches, load_model
 
         model, cfg = load_model(resolve_model(str(model_dir)), torch.float32, "cpu")
         caches = allocate_kv_caches(cfg, 16, 4, torch.float32)
@@ -109,7 +109,7 @@ def _run_tp(model_dir, world_size, tmp_path):
 @pytest.mark.parametrize("num_kv_heads", [2, 1], ids=["kv_split", "kv_replicated"])
 def test_tp2_gloo_matches_tp1(tmp_path, num_kv_heads):
     """Odd vocab (padded vocab shards), GQA split or replicated, biases: 2 ranks == 1 rank."""
-    from replica.testing import make_tiny_llama
+    from fleetserve.replica.testing import make_tiny_llama
 
     path = make_tiny_llama(tmp_path / "m", vocab_size=301, num_heads=4, num_kv_heads=num_kv_heads,
                            attention_bias=True, tie_word_embeddings=(num_kv_heads == 1))
@@ -124,8 +124,8 @@ def test_tp2_gloo_matches_tp1(tmp_path, num_kv_heads):
 def test_packed_cpu_linear_matches_f_linear_and_follows_weight_edits(dtype):
     import torch.nn.functional as F
 
-    from replica.layers import ColumnParallelLinear, _can_pack, pack_linear_weights
-    from replica.parallel import TPGroup
+    from fleetserve.replica.layers.linear import ColumnParallelLinear, _can_pack, pack_linear_weights
+    from fleetserve.replica.distributed.parallel import TPGroup
 
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

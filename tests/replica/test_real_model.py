@@ -4,7 +4,7 @@ token-identical to HF transformers `generate` with the same (dequantized) weight
 import pytest
 import torch
 
-from scheduler import SamplingParams
+from fleetserve.scheduler import SamplingParams
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
@@ -19,9 +19,9 @@ MAX_NEW = 24
 
 @pytest.fixture(scope="module")
 def reference():
-    from replica.hf_export import build_hf_model
-    from replica.model_registry import resolve_model
-    from replica.tokenizer import apply_chat_template, load_tokenizer
+    from fleetserve.replica.model_loader.hf_export import build_hf_model
+    from fleetserve.replica.model_loader.registry import resolve_model
+    from fleetserve.replica.engine.tokenizer import apply_chat_template, load_tokenizer
 
     tok = load_tokenizer(resolve_model("smollm2-135m"))
     prompts = [apply_chat_template(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
@@ -47,7 +47,7 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_greedy_identical_to_hf(reference, variant):
-    from replica.llm import LLM
+    from fleetserve.replica.llm import LLM
 
     ids, expected = reference
     kw = dict(dtype="float32", num_gpu_blocks_override=256)
@@ -68,7 +68,7 @@ def test_greedy_identical_to_hf(reference, variant):
 
 
 def test_chat_answers_in_english():
-    from replica.llm import LLM
+    from fleetserve.replica.llm import LLM
 
     llm = LLM("smollm2-135m", num_gpu_blocks_override=64)
     (out,) = llm.chat([{"role": "user", "content": "What is the capital of France?"}],

@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from replica.sampler import Sampler, SamplingBatch, compute_prompt_logprobs, make_generator
-from scheduler.sampling_params import SamplingParams
+from fleetserve.replica.layers.sampler import Sampler, SamplingBatch, compute_prompt_logprobs, make_generator
+from fleetserve.scheduler.sampling_params import SamplingParams
 
 EOS = 2
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replica.attention import AttentionMetadata
-from replica.model_registry import resolve_model
-from replica.weights import allocate_kv_caches, load_model
+from fleetserve.replica.layers.attention import AttentionMetadata
+from fleetserve.replica.model_loader.registry import resolve_model
+from fleetserve.replica.model_loader.weights import allocate_kv_caches, load_model
 
 pytestmark = pytest.mark.real_model
 
@@ -76,7 +76,7 @@ def test_bf16_tracks_fp32_greedy(source, ours, kernels_on):
     bf16's rounding noise, and either rounding scheme may flip them.)"""
     import contextlib
 
-    from replica import kernels
+    from fleetserve.replica import kernels
 
     model32, cfg = ours
     model16, _ = load_model(source, torch.bfloat16, "cpu")
@@ -110,7 +110,7 @@ def test_gguf_reader_agrees_with_gguf_package(source):
     import gguf
     import numpy as np
 
-    from replica.gguf_reader import GGUFFile
+    from fleetserve.replica.model_loader.gguf_reader import GGUFFile
 
     ours = GGUFFile(source.path)
     ref = gguf.GGUFReader(source.path)

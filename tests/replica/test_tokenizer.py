@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from replica.detokenizer import IncrementalDetokenizer
-from replica.model_registry import ModelSource
-from replica.tokenizer import apply_chat_template, load_tokenizer
-from scheduler.sampling_params import SamplingParams
+from fleetserve.replica.engine.detokenizer import IncrementalDetokenizer
+from fleetserve.replica.model_loader.registry import ModelSource
+from fleetserve.replica.engine.tokenizer import apply_chat_template, load_tokenizer
+from fleetserve.scheduler.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_no_chat_template_is_a_value_error(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def smollm_source():
-    from replica.model_registry import ModelNotFoundError, resolve_model
+    from fleetserve.replica.model_loader.registry import ModelNotFoundError, resolve_model
 
     try:
         return resolve_model("smollm2-135m")

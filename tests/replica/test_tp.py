@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from scheduler import SamplingParams
+from fleetserve.scheduler import SamplingParams
 
 ray = pytest.importorskip("ray")
 
@@ -26,7 +26,7 @@ def local_ray():
 
 
 def _run(model_dir, tp, **kw):
-    from replica.llm import LLM
+    from fleetserve.replica.llm import LLM
 
     llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64, block_size=4,
               tensor_parallel_size=tp, num_threads=1, **kw)
@@ -55,7 +55,7 @@ def test_tp2_matches_tp1(local_ray, tiny_model_dir):
 @pytest.mark.slow
 def test_tp2_with_preemption(local_ray, tiny_model_dir):
     ref = _run(tiny_model_dir, 1)
-    from replica.llm import LLM
+    from fleetserve.replica.llm import LLM
 
     llm = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=9, block_size=4,
               tensor_parallel_size=2, num_threads=1)
@@ -68,7 +68,7 @@ def test_tp2_with_preemption(local_ray, tiny_model_dir):
 
 
 def test_tp_size_not_dividing_heads_is_refused(local_ray, tiny_model_dir):
-    from replica.llm import LLM
+    from fleetserve.replica.llm import LLM
 
     with pytest.raises(Exception, match="divisible|divide"):
         LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=16, tensor_parallel_size=3,
@@ -79,7 +79,7 @@ def test_tp_size_not_dividing_heads_is_refused(local_ray, tiny_model_dir):
 def test_killed_worker_fails_requests_not_hang(local_ray, tiny_model_dir):
     import asyncio
 
-    from replica.async_engine import AsyncEngine, EngineDeadError
+    from fleetserve.replica.engine.async_engine import AsyncEngine, EngineDeadError
 
     engine = AsyncEngine(model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64,
                          tensor_parallel_size=2, num_threads=1)
@@ -108,7 +108,7 @@ def test_killed_worker_fails_requests_not_hang(local_ray, tiny_model_dir):
 @pytest.mark.real_model
 @pytest.mark.slow
 def test_smollm2_tp3_matches_tp1(local_ray):
-    from replica.llm import LLM
+    from fleetserve.replica.llm import LLM
 
     prompts = ["The capital of France is", "def fibonacci(n):"]
     sp = SamplingParams(temperature=0.0, max_tokens=12)
@@ -125,7 +125,7 @@ def test_smollm2_tp3_matches_tp1(local_ray):
 
 @pytest.mark.real_model
 def test_smollm2_tp2_refused_clearly():
-    from replica.llm import LLM
+    from fleetserve.replica.llm import LLM
 
     with pytest.raises(ValueError, match="9 attention heads.*not divisible by 2"):
         LLM("smollm2-135m", tensor_parallel_size=2)

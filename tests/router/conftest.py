@@ -26,7 +26,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from replica.testing import make_tiny_llama
+    from fleetserve.replica.testing import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
@@ -37,8 +37,8 @@ def server(tiny_model_dir):
     import ray
     from ray import serve
 
-    from cluster.config import AppConfig
-    from cluster.deploy import connect_ray, deploy, start_serve
+    from fleetserve.cluster.config import AppConfig
+    from fleetserve.cluster.deploy import connect_ray, deploy, start_serve
 
     config = AppConfig.model_validate({
         "name": APP,
@@ -75,8 +75,8 @@ class ServerInfo:
         """get_load() of every engine replica, through pinned calls (the ingress's mechanism)."""
         from ray import serve
 
-        from router.registry import get_router
-        from router.request_router import TARGET_KWARG
+        from fleetserve.router.registry import get_router
+        from fleetserve.router.request_router import TARGET_KWARG
 
         handle = serve.get_deployment_handle("engine", self.app)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.ingress import Ingress
+from fleetserve.router.ingress import Ingress
 
 
 class RecordingHandle:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.metrics import merge_metrics
+from fleetserve.router.metrics import merge_metrics
 
 
 def replica_text(running: float, tokens: float) -> str:

@@ -6,8 +6,8 @@ import collections
 
 import pytest
 
-from router.policies import (LeastLoadedPolicy, PowerOfTwoPolicy, PrefixAwarePolicy, ReplicaLoad,
-                             RouteRequest, make_policy)
+from fleetserve.router.policies import (LeastLoadedPolicy, PowerOfTwoPolicy, PrefixAwarePolicy, ReplicaLoad,
+                                        RouteRequest, make_policy)
 
 BS = 4
 
@@ -126,7 +126,7 @@ def test_prefix_aware_forgets_removed_replicas_and_bounds_its_table():
 
 def test_block_hashes_match_the_engine_cache_hashes():
     """The router must hash exactly like the KV cache manager (same function, same chain)."""
-    from scheduler import hash_token_blocks
+    from fleetserve.scheduler import hash_token_blocks
 
     p = PrefixAwarePolicy(block_size=16)
     tokens = list(range(50))

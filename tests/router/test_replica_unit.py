@@ -7,16 +7,16 @@ import time
 
 import pytest
 
-from router.replica import EngineReplica
-from router.protocol import sampling_dict
-from scheduler import SamplingParams
+from fleetserve.router.replica import EngineReplica
+from fleetserve.router.protocol import sampling_dict
+from fleetserve.scheduler import SamplingParams
 
 
 @pytest.fixture(scope="module")
 def replica(tiny_model_dir):
     r = EngineReplica({"model": str(tiny_model_dir), "max_model_len": 128, "max_num_seqs": 1,
                        "max_waiting_requests": 1, "num_threads": 1, "num_gpu_blocks_override": 32},
-                      "replica.async_engine:AsyncEngine")
+                      "fleetserve.replica.engine.async_engine:AsyncEngine")
     yield r
     r.engine.shutdown()
 
@@ -74,7 +74,7 @@ class _Out:
 
 
 def test_ready_batches_sends_at_once_and_groups_only_what_is_queued():
-    from router.replica import ready_batches
+    from fleetserve.router.replica import ready_batches
 
     closed = []
 

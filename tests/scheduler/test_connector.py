@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler import RequestStatus
+from fleetserve.scheduler import RequestStatus
 
 from tests.scheduler.utils import (ConnectorPlan, FakeModelRunner, TestConnector,
                                    assert_serves_and_no_leaks, create_requests, create_scheduler,

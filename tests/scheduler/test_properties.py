@@ -11,7 +11,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler import Request, SamplingParams
+from fleetserve.scheduler import Request, SamplingParams
 
 from tests.scheduler.utils import (EOS, VOCAB, ConnectorPlan, FakeModelRunner, TestConnector,
                                    create_scheduler, reference_tokens, step)

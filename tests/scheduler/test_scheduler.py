@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler import Request, RequestStatus, SamplingParams, Scheduler
+from fleetserve.scheduler import Request, RequestStatus, SamplingParams, Scheduler
 
 from tests.scheduler.utils import (EOS, FakeModelRunner, assert_serves_and_no_leaks,
                                    create_requests, create_scheduler, reference_tokens,
@@ -399,6 +399,6 @@ def test_non_chunked_needs_budget_for_a_whole_prompt():
 def test_unknown_config_field_rejected():
     from pydantic import ValidationError
 
-    from scheduler import SchedulerConfig
+    from fleetserve.scheduler import SchedulerConfig
     with pytest.raises(ValidationError, match="max_num_seq"):
         SchedulerConfig(max_num_seq=4)

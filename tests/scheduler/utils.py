@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from scheduler import (CacheConfig, KVConnectorScheduler, ModelRunnerOutput, Request,
-                       SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput,
-                       create_scheduler as build_scheduler)
+from fleetserve.scheduler import (CacheConfig, KVConnectorScheduler, ModelRunnerOutput, Request,
+                                  SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput,
+                                  create_scheduler as build_scheduler)
 
 EOS = 0
 VOCAB = 97
@@ -292,7 +292,7 @@ def assert_invariants(sched: Scheduler) -> None:
     everyone = running + waiting + remote
     assert len(everyone) == len(set(everyone)), "a request sits in two queues"
     assert len(running) <= sched.config.max_num_seqs
-    from scheduler import RequestStatus
+    from fleetserve.scheduler import RequestStatus
     for r in sched.running:
         assert r.status == RequestStatus.RUNNING
     for r in sched.waiting:

@@ -46,10 +46,10 @@ import time
 from multiprocessing.connection import Connection
 from typing import Callable, Optional
 
-from replica.engine_args import EngineArgs
-from replica.engine_core import EngineCore, StepResult
-from replica.executor import ExecutorError
-from scheduler import Request, RequestStatus
+from fleetserve.replica.engine.engine_args import EngineArgs
+from fleetserve.replica.engine.engine_core import EngineCore, StepResult
+from fleetserve.replica.executor import ExecutorError
+from fleetserve.scheduler import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ class ProcessCoreClient(_CoreClient):
         # entries, e.g. a runtime_env working_dir, that PYTHONPATH does not).
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "replica.engine_proc", str(theirs.fileno())],
+            [sys.executable, "-m", "fleetserve.replica.engine.core_process", str(theirs.fileno())],
             pass_fds=[theirs.fileno()], env=env, close_fds=True)
         theirs.close()
         ours.setblocking(True)

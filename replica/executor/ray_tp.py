@@ -31,9 +31,9 @@ import socket
 import time
 from typing import Optional
 
-from replica.engine_args import EngineArgs
-from replica.executor import Executor, ExecutorError
-from scheduler import ModelRunnerOutput, SchedulerOutput
+from fleetserve.replica.engine.engine_args import EngineArgs
+from fleetserve.replica.executor import Executor, ExecutorError
+from fleetserve.scheduler import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class TPWorkerActor:
 
     def init_worker(self, args: EngineArgs, eos_token_id: Optional[int], rank: int,
                     world_size: int, init_method: str) -> dict:
-        from replica.worker import Worker
+        from fleetserve.replica.worker.worker import Worker
 
         self.worker = Worker(args, eos_token_id, rank=rank, world_size=world_size,
                              init_method=init_method, threads_share=world_size)
@@ -79,7 +79,7 @@ class TPWorkerActor:
         return (out if self.worker.rank == 0 else None), time.perf_counter() - t0
 
     def shutdown(self) -> None:
-        from replica.parallel import destroy_tp_group
+        from fleetserve.replica.distributed.parallel import destroy_tp_group
 
         destroy_tp_group()
 
@@ -89,15 +89,15 @@ class TPWorkerActor:
 
 def check_tp_size(args: EngineArgs) -> None:
     """Refuse a TP size the model cannot be split by before starting any worker."""
-    from replica.model_registry import resolve_model
-    from replica.weights import gguf_config, load_hf_config
+    from fleetserve.replica.model_loader.registry import resolve_model
+    from fleetserve.replica.model_loader.weights import gguf_config, load_hf_config
 
     tp = args.tensor_parallel_size
     source = resolve_model(args.model)
     if source.kind == "hf":
         cfg = load_hf_config(source.path)
     else:
-        from replica.gguf_reader import GGUFFile
+        from fleetserve.replica.model_loader.gguf_reader import GGUFFile
 
         f = GGUFFile(source.path)
         try:
@@ -136,7 +136,7 @@ class RayTPExecutor(Executor):
             # Offline use (LLM / fleetserve generate): an embedded local Ray on loopback.
             # One logical CPU per rank even on a machine with fewer cores: the
             # ranks split the real cores between them (see Worker threads_share).
-            from replica.device import available_cores
+            from fleetserve.replica.worker.device import available_cores
 
             ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
                      log_to_driver=False, num_cpus=max(available_cores(), tp + 1),

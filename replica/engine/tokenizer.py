@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from replica.model_registry import ModelSource
+from fleetserve.replica.model_loader.registry import ModelSource
 
 logger = logging.getLogger(__name__)
 

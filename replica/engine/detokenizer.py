@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from scheduler.sampling_params import SamplingParams
+from fleetserve.scheduler.sampling_params import SamplingParams
 
 # Prompt ids kept as left context of the first window (vLLM uses 5).
 _INITIAL_CONTEXT = 5

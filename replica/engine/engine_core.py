@@ -15,9 +15,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from replica.engine_args import EngineArgs
-from replica.executor import Executor, make_executor
-from scheduler import EngineCoreOutput, Request, RequestStatus, create_scheduler
+from fleetserve.replica.engine.engine_args import EngineArgs
+from fleetserve.replica.executor import Executor, make_executor
+from fleetserve.scheduler import EngineCoreOutput, Request, RequestStatus, create_scheduler
 
 logger = logging.getLogger(__name__)
 

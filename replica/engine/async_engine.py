@@ -24,16 +24,16 @@ import threading
 import uuid
 from typing import Any, AsyncIterator, Optional
 
-from replica.core_client import ProcessCoreClient, ThreadCoreClient, use_core_process
-from replica.engine_args import EngineArgs
-from replica.engine_core import StepResult
-from replica.executor import ExecutorError
-from replica.metrics import EngineMetrics
-from replica.model_registry import resolve_model
-from replica.outputs import RequestOutput
-from replica.processor import InputProcessor, OutputProcessor, PromptType
-from replica.tokenizer import apply_chat_template, load_tokenizer
-from scheduler import SamplingParams
+from fleetserve.replica.engine.core_client import ProcessCoreClient, ThreadCoreClient, use_core_process
+from fleetserve.replica.engine.engine_args import EngineArgs
+from fleetserve.replica.engine.engine_core import StepResult
+from fleetserve.replica.executor import ExecutorError
+from fleetserve.replica.engine.metrics import EngineMetrics
+from fleetserve.replica.model_loader.registry import resolve_model
+from fleetserve.replica.engine.outputs import RequestOutput
+from fleetserve.replica.engine.processor import InputProcessor, OutputProcessor, PromptType
+from fleetserve.replica.engine.tokenizer import apply_chat_template, load_tokenizer
+from fleetserve.scheduler import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from replica.detokenizer import IncrementalDetokenizer
-from replica.metrics import EngineMetrics
-from replica.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from scheduler import EngineCoreOutput, Request, SamplingParams
+from fleetserve.replica.engine.detokenizer import IncrementalDetokenizer
+from fleetserve.replica.engine.metrics import EngineMetrics
+from fleetserve.replica.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from fleetserve.scheduler import EngineCoreOutput, Request, SamplingParams
 
 PromptType = Union[str, list[int]]
 

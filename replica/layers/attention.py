@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from replica.kernels import ops_for
+from fleetserve.replica.kernels import ops_for
 
 
 @dataclass(slots=True)

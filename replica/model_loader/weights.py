@@ -27,9 +27,9 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from replica.model_registry import ModelSource
-from replica.models import get_model_class
-from replica.parallel import TPGroup, get_tp_group
+from fleetserve.replica.model_loader.registry import ModelSource
+from fleetserve.replica.models import get_model_class
+from fleetserve.replica.distributed.parallel import TPGroup, get_tp_group
 
 # GGUF per-layer name -> HF per-layer name
 _GGUF_LAYER_NAMES = {
@@ -189,7 +189,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | s
     if source.kind == "hf":
         config = load_hf_config(source.path)
     elif source.kind == "gguf":
-        from replica.gguf_reader import GGUFFile
+        from fleetserve.replica.model_loader.gguf_reader import GGUFFile
 
         gguf_file = GGUFFile(source.path)
         config = gguf_config(gguf_file.metadata, set(gguf_file.tensors), source.path)
@@ -213,7 +213,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | s
         if gguf_file is not None:
             gguf_file.close()
     model.eval()
-    from replica.layers import pack_linear_weights
+    from fleetserve.replica.layers import pack_linear_weights
 
     pack_linear_weights(model)  # CPU: oneDNN-blocked copies of the weights (see PackedWeightMixin)
     model.load_seconds = time.perf_counter() - t0
@@ -244,7 +244,7 @@ def allocate_kv_caches(hf_config: Any, num_blocks: int, block_size: int, dtype: 
     On CPU with the fused kernels, each is backed by transparent huge pages when the OS allows
     (blocks are read scattered across the whole cache: fewer TLB misses).
     """
-    from replica.kernels import ops_for
+    from fleetserve.replica.kernels import ops_for
 
     shape = kv_cache_shape(hf_config, num_blocks, block_size, tp_size)
     caches = []

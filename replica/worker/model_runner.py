@@ -21,10 +21,10 @@ from typing import Optional
 
 import torch
 
-from replica.attention import AttentionMetadata
-from replica.sampler import Sampler, SamplingBatch, compute_prompt_logprobs, make_generator
-from replica.weights import allocate_kv_caches, kv_cache_bytes_per_block, load_model
-from scheduler import ModelRunnerOutput, SamplingParams, SchedulerOutput
+from fleetserve.replica.layers.attention import AttentionMetadata
+from fleetserve.replica.layers.sampler import Sampler, SamplingBatch, compute_prompt_logprobs, make_generator
+from fleetserve.replica.model_loader.weights import allocate_kv_caches, kv_cache_bytes_per_block, load_model
+from fleetserve.scheduler import ModelRunnerOutput, SamplingParams, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

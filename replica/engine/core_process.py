@@ -24,9 +24,9 @@ import signal
 import sys
 from multiprocessing.connection import Connection
 
-from replica.core_client import apply_command, fail_in_flight
+from fleetserve.replica.engine.core_client import apply_command, fail_in_flight
 
-logger = logging.getLogger("replica.engine_proc")
+logger = logging.getLogger("fleetserve.replica.engine.core_process")
 
 
 class EngineCoreLoop:
@@ -94,8 +94,8 @@ def main(fd: int) -> int:
     except (EOFError, OSError):
         return 0  # the parent went away before sending anything
     try:
-        from replica.engine_args import EngineArgs
-        from replica.engine_core import EngineCore
+        from fleetserve.replica.engine.engine_args import EngineArgs
+        from fleetserve.replica.engine.engine_core import EngineCore
 
         core = EngineCore(EngineArgs.model_validate(args_dict), eos_token_id)
     except Exception as e:  # noqa: BLE001 - the parent raises it with this message

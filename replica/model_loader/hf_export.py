@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from replica.model_registry import ModelSource, resolve_model
-from replica.weights import gguf_config, iter_gguf_weights, iter_safetensors_weights, load_hf_config
+from fleetserve.replica.model_loader.registry import ModelSource, resolve_model
+from fleetserve.replica.model_loader.weights import gguf_config, iter_gguf_weights, iter_safetensors_weights, load_hf_config
 
 
 def build_hf_model(source: ModelSource | str, dtype: torch.dtype = torch.float32):
@@ -24,7 +24,7 @@ def build_hf_model(source: ModelSource | str, dtype: torch.dtype = torch.float32
         source = resolve_model(source)
     if source.kind == "hf":
         return AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype).eval()
-    from replica.gguf_reader import GGUFFile
+    from fleetserve.replica.model_loader.gguf_reader import GGUFFile
 
     gguf_file = GGUFFile(source.path)
     try:
@@ -46,7 +46,7 @@ def export_hf_folder(model: str, out: Path) -> Path:
     out = Path(out)
     if (out / "config.json").exists():
         return out
-    from replica.tokenizer import load_tokenizer
+    from fleetserve.replica.engine.tokenizer import load_tokenizer
 
     source = resolve_model(model)
     hf = build_hf_model(source, torch.float32)

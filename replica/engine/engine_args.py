@@ -10,7 +10,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from scheduler import CacheConfig, SchedulerConfig
+from fleetserve.scheduler import CacheConfig, SchedulerConfig
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -32,7 +32,7 @@ class EngineArgs(BaseModel):
     enable_chunked_prefill: bool = True
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     capacity_policy: Literal["max_utilization", "guaranteed_no_evict"] = "max_utilization"
-    scheduler_cls: str = "scheduler.scheduler:Scheduler"
+    scheduler_cls: str = "fleetserve.scheduler.scheduler:Scheduler"
     block_size: int = Field(16, ge=1, le=1024)
     enable_prefix_caching: bool = True
     # KV cache size: an explicit block count wins over a memory budget (bytes).

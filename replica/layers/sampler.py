@@ -38,8 +38,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from scheduler.outputs import Logprobs
-from scheduler.sampling_params import SamplingParams
+from fleetserve.scheduler.outputs import Logprobs
+from fleetserve.scheduler.sampling_params import SamplingParams
 
 # Candidates taken first for a top-p row; most nuclei fit.
 _TOP_P_CANDIDATES = 256

@@ -12,11 +12,11 @@ from typing import Optional
 
 import torch
 
-from replica.device import default_kv_cache_bytes, select_device, select_dtype, set_num_threads
-from replica.engine_args import EngineArgs
-from replica.model_registry import resolve_model
-from replica.model_runner import ModelRunner
-from scheduler import ModelRunnerOutput, SchedulerOutput
+from fleetserve.replica.worker.device import default_kv_cache_bytes, select_device, select_dtype, set_num_threads
+from fleetserve.replica.engine.engine_args import EngineArgs
+from fleetserve.replica.model_loader.registry import resolve_model
+from fleetserve.replica.worker.model_runner import ModelRunner
+from fleetserve.scheduler import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class Worker:
             torch.cuda.set_device(self.device)
         self.dtype = select_dtype(args.dtype, self.device)
         if world_size > 1:
-            from replica.parallel import init_tp_group
+            from fleetserve.replica.distributed.parallel import init_tp_group
 
             init_tp_group(world_size, rank, init_method)
         torch.manual_seed(args.seed)

@@ -1,0 +1,59 @@
+"""fleetserve: a Ray-based LLM serving cluster.
+
+The public Python API, as vLLM's::
+
+    from fleetserve import LLM, SamplingParams, AsyncEngine, EngineArgs
+
+Names are imported on first use, so `import fleetserve.scheduler` (pure Python) still
+loads neither torch nor ray. The subpackages are the repository's top-level folders:
+`fleetserve.scheduler`, `fleetserve.replica`, `fleetserve.router`, `fleetserve.cluster`,
+`fleetserve.kv_transfer` (setup.py maps them under this one import name).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import TYPE_CHECKING, Any
+
+# A source checkout used without installing it (PYTHONPATH=<checkout>, e.g. from another
+# venv): the subpackages are this folder's siblings. Installed (wheel or editable), this
+# folder has no such siblings, or they are the same folders, and nothing changes.
+_checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.isfile(os.path.join(_checkout, "pyproject.toml")) and \
+        os.path.isfile(os.path.join(_checkout, "scheduler", "__init__.py")) and _checkout not in __path__:
+    __path__.append(_checkout)
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "LLM": "fleetserve.replica.llm",
+    "SamplingParams": "fleetserve.scheduler.sampling_params",
+    "AsyncEngine": "fleetserve.replica.engine.async_engine",
+    "EngineArgs": "fleetserve.replica.engine.engine_args",
+    "RequestOutput": "fleetserve.replica.engine.outputs",
+    "CompletionOutput": "fleetserve.replica.engine.outputs",
+}
+
+if TYPE_CHECKING:
+    from fleetserve.replica.engine.async_engine import AsyncEngine
+    from fleetserve.replica.engine.engine_args import EngineArgs
+    from fleetserve.replica.engine.outputs import CompletionOutput, RequestOutput
+    from fleetserve.replica.llm import LLM
+    from fleetserve.scheduler.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fleetserve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_LAZY))
+
+
+__all__ = ["LLM", "SamplingParams", "AsyncEngine", "EngineArgs", "RequestOutput", "CompletionOutput"]

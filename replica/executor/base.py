@@ -1,0 +1,27 @@
+"""The executor interface: run one step on the workers and return rank 0's result."""
+
+from __future__ import annotations
+
+import abc
+
+from fleetserve.scheduler import ModelRunnerOutput, SchedulerOutput
+
+
+class ExecutorError(RuntimeError):
+    """A worker died or stopped answering; in-flight requests fail with this."""
+
+
+class Executor(abc.ABC):
+    hf_config = None
+
+    @abc.abstractmethod
+    def determine_num_blocks(self) -> int: ...
+
+    @abc.abstractmethod
+    def initialize_kv_cache(self, num_blocks: int) -> None: ...
+
+    @abc.abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def shutdown(self) -> None:
+        return None

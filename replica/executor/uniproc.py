@@ -1,0 +1,26 @@
+"""The in-process executor (TP=1): the worker lives in the engine core's own process."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from fleetserve.replica.engine.engine_args import EngineArgs
+from fleetserve.replica.executor.base import Executor
+from fleetserve.scheduler import ModelRunnerOutput, SchedulerOutput
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, args: EngineArgs, eos_token_id: Optional[int]) -> None:
+        from fleetserve.replica.worker.worker import Worker
+
+        self.worker = Worker(args, eos_token_id)
+        self.hf_config = self.worker.hf_config
+
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)

@@ -1,0 +1,1 @@
+"""Where models come from (registry names, GGUF files, HF folders) and how their weights load."""

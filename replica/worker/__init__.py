@@ -1,0 +1,1 @@
+"""One rank's worker: the device, the model runner (persistent batch, paged attention, sampling)."""
