@@ -67,10 +67,17 @@ def _build() -> Any:
     name = "fleetserve_cpu_ops"
     if not (out / f"{name}.so").exists():
         logger.info("building fleetserve CPU kernels in %s (once per machine, ~20-40 s)", out)
+    # Build from a copy inside the cache folder: ninja's build file names its sources, and a
+    # checkout's own path there made every other checkout of the same source rebuild it.
+    source = out / SOURCE.name
+    if not source.exists() or source.read_bytes() != SOURCE.read_bytes():
+        tmp = out / f".{SOURCE.name}.{os.getpid()}"
+        tmp.write_bytes(SOURCE.read_bytes())
+        os.replace(tmp, source)
     # Always through load(): it holds a lock file in the build directory, so processes starting
     # together (Ray replicas, TP workers) wait for one build instead of loading a half-written
     # library; when the library is up to date it only loads it.
-    load(name=name, sources=[str(SOURCE)], build_directory=str(out), is_python_module=False,
+    load(name=name, sources=[str(source)], build_directory=str(out), is_python_module=False,
          extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
          extra_ldflags=["-fopenmp"], verbose=False)
     return torch.ops.fleetserve

@@ -171,3 +171,14 @@ def test_kv_caches_are_zeroed_with_huge_pages_advised():
     caches = allocate_kv_caches(tiny_llama_config(), 512, 16, torch.bfloat16)
     assert all(int(c.count_nonzero()) == 0 for c in caches)
     assert isinstance(ops.advise_hugepages(torch.empty(8 << 20, dtype=torch.uint8)), bool)
+
+
+def test_build_file_names_no_checkout_path():
+    """Two checkouts of one source share one build: ninja's file names the cache's copy of the
+    source, not a checkout's path (which made checkouts rebuild each other's library)."""
+    from fleetserve.replica import kernels
+
+    if kernels.cpu_ops() is None:
+        pytest.skip(f"kernels unavailable: {kernels.unavailable_reason()}")
+    ninja = (kernels.build_dir() / "build.ninja").read_text()
+    assert str(kernels.SOURCE.parent) not in ninja and str(kernels.build_dir() / "cpu_ops.cpp") in ninja
