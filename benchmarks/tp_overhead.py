@@ -73,7 +73,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
     from fleetserve.replica.testing import make_tiny_llama
 
     # 12 heads / 6 kv heads, hidden 768, intermediate 1536: all divide by 1, 2 and 3.

@@ -120,7 +120,9 @@ def connect_ray(config: AppConfig, **init_kwargs) -> None:
     init_kwargs.setdefault("num_cpus", max(os.cpu_count() or 1, int(needed + 0.999)))
     init_kwargs.setdefault("include_dashboard", False)
     init_kwargs.setdefault("_node_ip_address", "127.0.0.1")
-    ray.init(**init_kwargs)
+    # "local": always a new embedded Ray. With no address, ray.init joins the latest cluster
+    # that `ray start` left on this machine (its /tmp/ray/ray_current_cluster), or RAY_ADDRESS.
+    ray.init(address="local", **init_kwargs)
 
 
 def start_serve(config: AppConfig) -> None:

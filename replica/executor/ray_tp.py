@@ -138,7 +138,7 @@ class RayTPExecutor(Executor):
             # ranks split the real cores between them (see Worker threads_share).
             from fleetserve.replica.worker.device import available_cores
 
-            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
+            ray.init(address=os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False,
                      log_to_driver=False, num_cpus=max(available_cores(), tp + 1),
                      _node_ip_address="127.0.0.1")
         use_gpu = args.device != "cpu" and torch.cuda.is_available()

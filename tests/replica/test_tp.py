@@ -18,7 +18,7 @@ def local_ray():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
                  _node_ip_address="127.0.0.1")
     yield
     if started:
