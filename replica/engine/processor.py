@@ -21,7 +21,10 @@ from fleetserve.replica.engine.metrics import EngineMetrics
 from fleetserve.replica.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from fleetserve.scheduler import EngineCoreOutput, Request, SamplingParams
 
-PromptType = Union[str, list[int]]
+# vLLM's prompt forms: a string, token ids, {"prompt": str} (TextPrompt) or
+# {"prompt_token_ids": [...]} (TokensPrompt; a "prompt" beside it is only its text).
+PromptType = Union[str, list[int], dict[str, Any]]
+_PROMPT_KEYS = {"prompt", "prompt_token_ids"}
 
 
 class InputProcessor:
@@ -32,6 +35,8 @@ class InputProcessor:
         self.eos_token_id = tokenizer.eos_token_id
 
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, dict):
+            return self._tokenize_dict(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
@@ -39,6 +44,21 @@ class InputProcessor:
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
             raise ValueError("the prompt must be a string or a list of token ids")
         return None, list(prompt)
+
+    def _tokenize_dict(self, prompt: dict) -> tuple[Optional[str], list[int]]:
+        unknown = set(prompt) - _PROMPT_KEYS
+        if unknown:
+            raise ValueError(f"prompt dict: unsupported keys {sorted(unknown)}; "
+                             "use 'prompt' (text) or 'prompt_token_ids'")
+        if "prompt_token_ids" in prompt:
+            _, ids = self.tokenize(prompt["prompt_token_ids"])
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise ValueError("prompt dict: 'prompt' must be a string")
+            return text, ids
+        if not isinstance(prompt.get("prompt"), str):
+            raise ValueError("prompt dict: needs 'prompt' (a string) or 'prompt_token_ids'")
+        return self.tokenize(prompt["prompt"])
 
     def process(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
                 priority: int = 0, arrival_time: Optional[float] = None,
