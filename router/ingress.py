@@ -26,6 +26,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fleetserve.router import completions
 from fleetserve.router import openai_format as fmt
 from fleetserve.router.errors import (APIError, error_body, field_path, from_validation_error, is_error,
                                       to_response)
@@ -182,12 +183,27 @@ class Ingress(GrpcMethods):
     async def completions(self, request: Request):
         req = await self._parse(request, CompletionRequest)
         self.check_model(req.model)
-        token_ids = await self.tokenize_prompt(req.single_prompt(), True, "prompt")
+        prompts = completions.prompt_list(req.prompt)
+        if req.suffix is not None:
+            tok = (await self.info())["tokenizer"]
+            prompts = [completions.fim_prompt(tok, p, req.suffix) for p in prompts]
         params = req.sampling_params(default_max_tokens=16)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        body = await self.build_body(rid, token_ids, params, req.priority, req.cache_salt,
-                                     req.max_tokens, "prompt")
-        return await self._respond(body, req, chat=False, logprobs_n=req.logprobs)
+        bodies = []
+        for i, prompt in enumerate(prompts):
+            token_ids = await self.tokenize_prompt(prompt, True, "prompt")
+            bodies.append(await self.build_body(rid if len(prompts) == 1 else f"{rid}-{i}", token_ids,
+                                                params, req.priority, req.cache_salt, req.max_tokens,
+                                                "prompt"))
+        if len(bodies) == 1 and not req.echo:
+            return await self._respond(bodies[0], req, chat=False, logprobs_n=req.logprobs)
+        echo = None
+        if req.echo:
+            tok = (await self.info())["tokenizer"]
+            echo = [completions.Echo(p if isinstance(p, str) else tok.decode(b["prompt_token_ids"]),
+                                     b["prompt_token_ids"]) for p, b in zip(prompts, bodies)]
+        gen, first = await completions.MergedStream.open(self.open_stream, bodies, params.n, echo)
+        return await self._respond_with(gen, first, rid, req, chat=False, logprobs_n=req.logprobs)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
@@ -205,11 +221,15 @@ class Ingress(GrpcMethods):
 
     async def _respond(self, body: dict, req, chat: bool, logprobs_n: Optional[int]):
         gen, first = await self.open_stream(body)
+        return await self._respond_with(gen, first, body["request_id"], req, chat, logprobs_n)
+
+    async def _respond_with(self, gen, first: dict, rid: str, req, chat: bool,
+                            logprobs_n: Optional[int]):
         if is_error(first):
             return to_response(first)
         model = req.model or self.served_model_name
         if req.stream:
-            writer = fmt.ChunkWriter(body["request_id"], model, chat, logprobs_n, self.decode_one)
+            writer = fmt.ChunkWriter(rid, model, chat, logprobs_n, self.decode_one)
             return StreamingResponse(self._sse(gen, first, writer, req.include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -229,8 +249,7 @@ class Ingress(GrpcMethods):
         finally:
             gen.cancel()  # no-op when finished; aborts the request if we were cancelled
         build = fmt.chat_body if chat else fmt.completion_body
-        return JSONResponse(build(body["request_id"], model, choices, usage, logprobs_n,
-                                  self.decode_one))
+        return JSONResponse(build(rid, model, choices, usage, logprobs_n, self.decode_one))
 
     async def _sse(self, gen, first: dict, writer: fmt.ChunkWriter,
                    include_usage: bool) -> AsyncIterator[str]:

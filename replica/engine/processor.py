@@ -77,6 +77,13 @@ class InputProcessor:
         bad = next((t for t in sampling_params.stop_token_ids if t >= self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"stop_token_ids: {bad} is out of the vocabulary (size {self.vocab_size})")
+        bad = next((t for t in (sampling_params.logit_bias or {}) if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token id {bad} is out of the vocabulary (size {self.vocab_size})")
+        if sampling_params.structured_outputs is not None:
+            from fleetserve.replica.structured_output.backend import check
+
+            check(sampling_params.structured_outputs)  # a bad schema/regex/grammar: ValueError
         if sampling_params.best_of is not None and sampling_params.best_of != sampling_params.n:
             raise ValueError("best_of different from n is not supported; use n")
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -111,6 +118,7 @@ class _ParentState:
     num_children: int
     num_finished: int = 0
     prompt_logprobs: Optional[list] = None
+    prompt_logprobs_sent: bool = False
     itl: list[float] = field(default_factory=list)
     child_ids: list[str] = field(default_factory=list)
 
@@ -159,7 +167,8 @@ class OutputProcessor:
             if child is None:
                 continue
             parent = child.parent
-            if out.new_prompt_logprobs and parent.prompt_logprobs is not None:
+            # Every child of an n > 1 request computes the prompt's logprobs: keep the first's.
+            if out.new_prompt_logprobs and parent.prompt_logprobs is not None and child.index == 0:
                 parent.prompt_logprobs.extend(_to_dicts(out.new_prompt_logprobs))
             completion = self._completion(child, out, stopped)
             if completion is None:
@@ -176,6 +185,11 @@ class OutputProcessor:
             ro = RequestOutput(rid, parent.prompt, parent.prompt_token_ids, completions, finished,
                                num_cached_tokens=info.get("cached", 0), metrics=parent.metrics,
                                kv_transfer_params=info.get("kv"))
+            if parent.prompt_logprobs is not None and not parent.prompt_logprobs_sent and \
+                    len(parent.prompt_logprobs) >= len(parent.prompt_token_ids):
+                # Complete once the prompt is: streams can show them (echo) before the end.
+                ro.prompt_logprobs = parent.prompt_logprobs
+                parent.prompt_logprobs_sent = True
             if finished:
                 parent.metrics.finished_time = now
                 ro.prompt_logprobs = parent.prompt_logprobs

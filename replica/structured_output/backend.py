@@ -1,0 +1,116 @@
+"""xgrammar, the grammar engine behind structured outputs.
+
+Three verbs: `check` parses a constraint without a tokenizer (cheap: the front end
+calls it so that a bad schema, regex or grammar is a 400 before anything is queued);
+`XgrammarBackend.compile` builds the token-level automaton for one tokenizer (the
+expensive part, run on the manager's thread pool); `Matcher` follows one request's
+output tokens and fills its row of the step's token bitmask.
+
+JSON schemas are compiled with xgrammar's strict mode (as vLLM does), so an object
+has only the properties its schema names unless it says otherwise; OpenAI's
+`strict` flag is accepted and the schema is always enforced in full.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import torch
+
+from fleetserve.scheduler.structured_outputs import StructuredOutputsParams
+
+
+def _xgr():
+    import xgrammar
+
+    return xgrammar
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """An EBNF grammar matching exactly one of `choices` (JSON escapes are xgrammar's too)."""
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+def _grammar(params: StructuredOutputsParams):
+    """The xgrammar `Grammar` of a constraint (no tokenizer needed); raises on bad input."""
+    xgr = _xgr()
+    kind = params.kind
+    if kind == "json":
+        grammar = xgr.Grammar.from_json_schema(json.dumps(params.json),
+                                               any_whitespace=not params.disable_any_whitespace)
+        return _no_raw_control_chars(grammar)
+    if kind == "json_object":
+        return xgr.Grammar.builtin_json_grammar()
+    if kind == "regex":
+        return xgr.Grammar.from_regex(params.regex)
+    if kind == "choice":
+        return xgr.Grammar.from_ebnf(choice_ebnf(params.choice))
+    return xgr.Grammar.from_ebnf(params.grammar)
+
+
+# xgrammar 0.2.8 writes the characters of a length-bounded string (maxLength/minLength) as
+# `[^"\\\r\n]`, which lets raw control characters (U+0000-U+001F) into a JSON string, where
+# JSON forbids them (found by tests/replica/test_structured_outputs.py: byte 0x10 came out).
+# Its plain strings exclude them; give bounded strings the same class.
+_LOOSE_CHARS = r'[^\"\\\r\n]'
+_JSON_CHARS = r'[^\0-\x1f\"\\\r\n]'
+
+
+def _no_raw_control_chars(grammar):
+    text = str(grammar)
+    if _LOOSE_CHARS not in text:
+        return grammar
+    return _xgr().Grammar.from_ebnf(text.replace(_LOOSE_CHARS, _JSON_CHARS))
+
+
+def check(params: StructuredOutputsParams) -> None:
+    """ValueError naming the constraint when xgrammar cannot parse it."""
+    try:
+        _grammar(params)
+    except Exception as e:  # xgrammar raises RuntimeError/ValueError with its parser's message
+        message = str(e).split("] ", 1)[-1].strip() if "] " in str(e) else str(e)
+        raise ValueError(f"structured_outputs.{params.kind}: invalid {_NAMES[params.kind]}: "
+                         f"{message}") from None
+
+
+_NAMES = {"json": "JSON schema", "json_object": "JSON", "regex": "regular expression",
+          "choice": "choice list", "grammar": "grammar"}
+
+
+class XgrammarBackend:
+    """Compiles constraints for one tokenizer; thread-safe (xgrammar's compiler is)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_id: Optional[int],
+                 max_threads: int = 2) -> None:
+        xgr = _xgr()
+        stop = [eos_token_id] if eos_token_id is not None else None
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                        stop_token_ids=stop)
+        self.vocab_size = vocab_size
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads)
+
+    def compile(self, params: StructuredOutputsParams):
+        return self.compiler.compile_grammar(_grammar(params))
+
+    def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        return _xgr().allocate_token_bitmask(rows, self.vocab_size)
+
+
+class Matcher:
+    """One request's position in its grammar."""
+
+    __slots__ = ("_m",)
+
+    def __init__(self, compiled) -> None:
+        self._m = _xgr().GrammarMatcher(compiled)
+
+    def accept(self, token_id: int) -> bool:
+        return self._m.accept_token(token_id)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self._m.fill_next_token_bitmask(bitmask, row)
+
+    @property
+    def terminated(self) -> bool:
+        return self._m.is_terminated()
