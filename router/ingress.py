@@ -120,10 +120,11 @@ class Ingress(GrpcMethods):
                            400, param=param)
         return list(prompt)
 
-    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool,
+                                  tools: Optional[list[dict]] = None) -> str:
         tok = (await self.info())["tokenizer"]
         try:
-            return tok.apply_chat_template(messages, tokenize=False,
+            return tok.apply_chat_template(messages, tools=tools, tokenize=False,
                                            add_generation_prompt=add_generation_prompt)
         except Exception as e:  # jinja errors, missing template: the messages are at fault
             raise APIError(f"messages could not be rendered with the chat template: {e}", 400,
@@ -209,27 +210,34 @@ class Ingress(GrpcMethods):
     async def chat_completions(self, request: Request):
         req = await self._parse(request, ChatCompletionRequest)
         self.check_model(req.model)
+        tools = req.tool_plan()
         text = await self.apply_chat_template([m.flat() for m in req.messages],
-                                              req.add_generation_prompt)
+                                              req.add_generation_prompt,
+                                              tools.template_tools() if tools else None)
         token_ids = await self.tokenize_prompt(text, False, "messages")
         max_len = (await self.info())["max_model_len"]
         params = req.sampling_params(default_max_tokens=max(1, max_len - len(token_ids)))
+        if tools is not None and tools.mode != "auto":
+            if params.structured_outputs is not None:
+                raise APIError("a forced tool_choice cannot be combined with another structured "
+                               "output constraint", 400, param="tool_choice")
+            params = params.replace(structured_outputs=tools.structured_outputs())
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         body = await self.build_body(rid, token_ids, params, req.priority, req.cache_salt,
                                      req._max_tokens(), "messages")
-        return await self._respond(body, req, chat=True, logprobs_n=params.logprobs)
+        return await self._respond(body, req, chat=True, logprobs_n=params.logprobs, tools=tools)
 
-    async def _respond(self, body: dict, req, chat: bool, logprobs_n: Optional[int]):
+    async def _respond(self, body: dict, req, chat: bool, logprobs_n: Optional[int], tools=None):
         gen, first = await self.open_stream(body)
-        return await self._respond_with(gen, first, body["request_id"], req, chat, logprobs_n)
+        return await self._respond_with(gen, first, body["request_id"], req, chat, logprobs_n, tools)
 
     async def _respond_with(self, gen, first: dict, rid: str, req, chat: bool,
-                            logprobs_n: Optional[int]):
+                            logprobs_n: Optional[int], tools=None):
         if is_error(first):
             return to_response(first)
         model = req.model or self.served_model_name
         if req.stream:
-            writer = fmt.ChunkWriter(rid, model, chat, logprobs_n, self.decode_one)
+            writer = fmt.ChunkWriter(rid, model, chat, logprobs_n, self.decode_one, tools)
             return StreamingResponse(self._sse(gen, first, writer, req.include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -248,8 +256,9 @@ class Ingress(GrpcMethods):
                     break
         finally:
             gen.cancel()  # no-op when finished; aborts the request if we were cancelled
-        build = fmt.chat_body if chat else fmt.completion_body
-        return JSONResponse(build(rid, model, choices, usage, logprobs_n, self.decode_one))
+        if chat:
+            return JSONResponse(fmt.chat_body(rid, model, choices, usage, logprobs_n, self.decode_one, tools))
+        return JSONResponse(fmt.completion_body(rid, model, choices, usage, logprobs_n, self.decode_one))
 
     async def _sse(self, gen, first: dict, writer: fmt.ChunkWriter,
                    include_usage: bool) -> AsyncIterator[str]:

@@ -13,6 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from fleetserve.router.tool_calls import ToolDeltas, ToolPlan
+from fleetserve.router.tool_calls import finish_reason as tool_finish_reason
+
 Decode = Callable[[int], str]
 
 
@@ -121,14 +124,21 @@ def _with_echo(echo: Optional[dict], token_ids: list[int], entries: list) -> tup
 
 
 def chat_body(rid: str, model: str, choices: dict[int, Choice], usage: Usage,
-              logprobs_n: Optional[int], decode: Decode) -> dict:
+              logprobs_n: Optional[int], decode: Decode, tools: Optional[ToolPlan] = None) -> dict:
     body = _base(rid, "chat.completion", model, int(time.time()))
-    body["choices"] = [{
-        "index": c.index, "message": {"role": "assistant", "content": c.text},
-        "finish_reason": c.finish_reason,
-        "logprobs": (chat_logprobs(c.token_ids, c.logprobs, logprobs_n, decode)
-                     if logprobs_n is not None else None)}
-        for c in sorted(choices.values(), key=lambda c: c.index)]
+    body["choices"] = []
+    for c in sorted(choices.values(), key=lambda c: c.index):
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        finish = c.finish_reason
+        if tools is not None:
+            message["content"], calls = tools.parse(c.text)
+            if calls:
+                message["tool_calls"] = calls
+            finish = tool_finish_reason(finish, calls)
+        body["choices"].append({
+            "index": c.index, "message": message, "finish_reason": finish,
+            "logprobs": (chat_logprobs(c.token_ids, c.logprobs, logprobs_n, decode)
+                         if logprobs_n is not None else None)})
     body["usage"] = usage.as_dict()
     return body
 
@@ -137,7 +147,8 @@ class ChunkWriter:
     """SSE chunks for one streaming request, completions or chat."""
 
     def __init__(self, rid: str, model: str, chat: bool, logprobs_n: Optional[int],
-                 decode: Decode) -> None:
+                 decode: Decode, tools: Optional[ToolPlan] = None) -> None:
+        self.tool_deltas = ToolDeltas(tools) if tools is not None else None
         self.rid, self.model, self.chat = rid, model, chat
         self.logprobs_n, self.decode = logprobs_n, decode
         self.created = int(time.time())
@@ -178,11 +189,14 @@ class ChunkWriter:
             return {"index": idx, "text": o["text"], "logprobs": logprobs,
                     "finish_reason": o.get("finish_reason")}
         delta: dict[str, Any] = {"content": o["text"]}
+        finish = o.get("finish_reason")
+        if self.tool_deltas is not None:
+            delta, called = self.tool_deltas.delta(idx, o["text"], finish is not None)
+            finish = tool_finish_reason(finish, [True] if called else [])
         if idx not in self._started:
             self._started.add(idx)
             delta["role"] = "assistant"
-        return {"index": idx, "delta": delta, "logprobs": logprobs,
-                "finish_reason": o.get("finish_reason")}
+        return {"index": idx, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
 
 def sse(body: dict) -> str:

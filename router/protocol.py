@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from fleetserve.router.errors import APIError
 from fleetserve.router.structured import StructuredOutputFields
+from fleetserve.router.tool_calls import ToolFields
 from fleetserve.scheduler import SamplingParams
 
 
@@ -117,11 +118,15 @@ class ChatMessage(BaseModel):
                                    param="messages.content")
                 texts.append(part["text"])
             content = "".join(texts)
-        return {"role": "system" if self.role == "developer" else self.role,
-                "content": content or ""}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        for key in ("tool_calls", "tool_call_id", "name"):  # tool-call turns, for templates that use them
+            value = (self.model_extra or {}).get(key)
+            if value is not None:
+                message[key] = value
+        return message
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(_SamplingRequest, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = None
     logprobs: StrictBool = False

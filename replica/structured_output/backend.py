@@ -14,6 +14,7 @@ has only the properties its schema names unless it says otherwise; OpenAI's
 from __future__ import annotations
 
 import json
+import re
 from typing import Optional
 
 import torch
@@ -28,8 +29,26 @@ def _xgr():
 
 
 def choice_ebnf(choices: list[str]) -> str:
-    """An EBNF grammar matching exactly one of `choices` (JSON escapes are xgrammar's too)."""
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+    """An EBNF grammar matching exactly one of `choices`.
+
+    Text goes in as UTF-8, not as \\u escapes: xgrammar 0.2.8 reads hex digits after \\u
+    greedily ("\\u00e9a" became U+0E9A; found by the choice tests). A control character
+    is a literal of its own, so nothing can follow its escape."""
+    def literal(text: str) -> str:
+        parts, run = [], []
+        for ch in text:
+            if ord(ch) < 0x20 or ch == "\x7f":
+                if run:
+                    parts.append('"' + "".join(run) + '"')
+                    run = []
+                parts.append(f'"\\x{ord(ch):02x}"')
+            else:
+                run.append("\\" + ch if ch in '"\\' else ch)
+        if run:
+            parts.append('"' + "".join(run) + '"')
+        return "(" + " ".join(parts) + ")"
+
+    return "root ::= " + " | ".join(literal(c) for c in choices)
 
 
 def _grammar(params: StructuredOutputsParams):
@@ -57,11 +76,24 @@ _LOOSE_CHARS = r'[^\"\\\r\n]'
 _JSON_CHARS = r'[^\0-\x1f\"\\\r\n]'
 
 
+# A \\x, \\u or \\U escape the printer wrote (not an escaped backslash before an "x").
+_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\(?:x([0-9a-fA-F]{2})|u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8}))")
+
+
+def _unescape_non_ascii(text: str) -> str:
+    """The printer writes non-ASCII as \\xHH / \\uHHHH, and the parser reads hex digits
+    greedily ("\\xe9" + "a" comes back as U+0E9A): put those characters back as UTF-8."""
+    def sub(m: re.Match) -> str:
+        code = int(m.group(2) or m.group(3) or m.group(4), 16)
+        return m.group(0) if code < 0x80 else m.group(1) + chr(code)
+    return _ESCAPE.sub(sub, text)
+
+
 def _no_raw_control_chars(grammar):
     text = str(grammar)
     if _LOOSE_CHARS not in text:
         return grammar
-    return _xgr().Grammar.from_ebnf(text.replace(_LOOSE_CHARS, _JSON_CHARS))
+    return _xgr().Grammar.from_ebnf(_unescape_non_ascii(text.replace(_LOOSE_CHARS, _JSON_CHARS)))
 
 
 def check(params: StructuredOutputsParams) -> None:
