@@ -51,21 +51,24 @@ def choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(literal(c) for c in choices)
 
 
-def _grammar(params: StructuredOutputsParams):
-    """The xgrammar `Grammar` of a constraint (no tokenizer needed); raises on bad input."""
+def _source(params: StructuredOutputsParams):
+    """What xgrammar compiles for a constraint: EBNF text, or a Grammar from its own front end
+    (parsed now, so a bad constraint raises here). Non-ASCII text must reach the compiler as
+    EBNF text: `compile_grammar(Grammar)` in xgrammar 0.2.8 goes through the printer, whose
+    \\x escapes come back as other characters (see _unescape_non_ascii)."""
     xgr = _xgr()
     kind = params.kind
     if kind == "json":
         grammar = xgr.Grammar.from_json_schema(json.dumps(params.json),
                                                any_whitespace=not params.disable_any_whitespace)
-        return _no_raw_control_chars(grammar)
+        return _json_ebnf(grammar)
     if kind == "json_object":
         return xgr.Grammar.builtin_json_grammar()
     if kind == "regex":
-        return xgr.Grammar.from_regex(params.regex)
-    if kind == "choice":
-        return xgr.Grammar.from_ebnf(choice_ebnf(params.choice))
-    return xgr.Grammar.from_ebnf(params.grammar)
+        return _unescape_non_ascii(str(xgr.Grammar.from_regex(params.regex)))
+    text = choice_ebnf(params.choice) if kind == "choice" else params.grammar
+    xgr.Grammar.from_ebnf(text)  # raises on a bad grammar
+    return text
 
 
 # xgrammar 0.2.8 writes the characters of a length-bounded string (maxLength/minLength) as
@@ -89,17 +92,15 @@ def _unescape_non_ascii(text: str) -> str:
     return _ESCAPE.sub(sub, text)
 
 
-def _no_raw_control_chars(grammar):
-    text = str(grammar)
-    if _LOOSE_CHARS not in text:
-        return grammar
-    return _xgr().Grammar.from_ebnf(_unescape_non_ascii(text.replace(_LOOSE_CHARS, _JSON_CHARS)))
+def _json_ebnf(grammar) -> str:
+    """A JSON schema's grammar as EBNF text, with bounded strings fixed (above)."""
+    return _unescape_non_ascii(str(grammar).replace(_LOOSE_CHARS, _JSON_CHARS))
 
 
 def check(params: StructuredOutputsParams) -> None:
     """ValueError naming the constraint when xgrammar cannot parse it."""
     try:
-        _grammar(params)
+        _source(params)
     except Exception as e:  # xgrammar raises RuntimeError/ValueError with its parser's message
         message = str(e).split("] ", 1)[-1].strip() if "] " in str(e) else str(e)
         raise ValueError(f"structured_outputs.{params.kind}: invalid {_NAMES[params.kind]}: "
@@ -123,7 +124,7 @@ class XgrammarBackend:
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads)
 
     def compile(self, params: StructuredOutputsParams):
-        return self.compiler.compile_grammar(_grammar(params))
+        return self.compiler.compile_grammar(_source(params))
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         return _xgr().allocate_token_bitmask(rows, self.vocab_size)
