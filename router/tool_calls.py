@@ -69,7 +69,7 @@ class ToolFields(BaseModel):
     parallel_tool_calls: Optional[bool] = None
 
     def tool_plan(self) -> Optional["ToolPlan"]:
-        return ToolPlan.of(self.tools, self.tool_choice)
+        return ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
 
 
 def _params_schema(fn: FunctionDef) -> dict:
@@ -81,9 +81,11 @@ class ToolPlan:
     mode: str  # "auto" | "required" | "named"
     tools: list[Tool]
     named: Optional[str] = None
+    parallel: bool = True  # parallel_tool_calls: false allows one call at most
 
     @staticmethod
-    def of(tools: Optional[list[Tool]], choice: Optional[ToolChoice]) -> Optional["ToolPlan"]:
+    def of(tools: Optional[list[Tool]], choice: Optional[ToolChoice],
+           parallel: bool = True) -> Optional["ToolPlan"]:
         if not tools:
             if choice not in (None, "none"):
                 raise APIError("tool_choice needs tools", 400, param="tool_choice")
@@ -97,8 +99,8 @@ class ToolPlan:
             if choice.function.name not in names:
                 raise APIError(f"tool_choice names {choice.function.name!r}, which is not in tools",
                                400, param="tool_choice")
-            return ToolPlan("named", tools, choice.function.name)
-        return ToolPlan(choice or "auto", tools)
+            return ToolPlan("named", tools, choice.function.name, parallel)
+        return ToolPlan(choice or "auto", tools, None, parallel)
 
     def template_tools(self) -> list[dict]:
         """The tools as chat templates take them (HF's `tools=` argument)."""
@@ -114,8 +116,10 @@ class ToolPlan:
                 "name": {"type": "string", "enum": [t.function.name]},
                 "parameters": _params_schema(t.function)}, "required": ["name", "parameters"]}
                 for t in self.tools]
-            return StructuredOutputsParams(json={"type": "array", "minItems": 1,
-                                                 "items": {"anyOf": calls}})
+            array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+            if not self.parallel:
+                array["maxItems"] = 1
+            return StructuredOutputsParams(json=array)
         return None
 
     def parse(self, text: str) -> tuple[Optional[str], list[dict]]:

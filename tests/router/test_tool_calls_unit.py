@@ -24,6 +24,7 @@ def test_plan_modes_and_errors():
     jsonschema.validate(call, required)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "add", "parameters": {}}], required)
+    assert ToolPlan.of(TOOLS, "required", parallel=False).structured_outputs().json["maxItems"] == 1
     with pytest.raises(APIError):
         ToolPlan.of(TOOLS, NamedToolChoice.model_validate({"function": {"name": "sub"}}))
     with pytest.raises(APIError):
