@@ -87,6 +87,10 @@ class StructuredOutputManager:
     def has_pending(self) -> bool:
         return bool(self._pending)
 
+    def pending_ids(self) -> list[str]:
+        """Requests still waiting for their grammar (not in the scheduler yet)."""
+        return list(self._pending)
+
     def is_pending(self, request_id: str) -> bool:
         return request_id in self._pending
 
