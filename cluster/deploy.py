@@ -116,8 +116,10 @@ def connect_ray(config: AppConfig, **init_kwargs) -> None:
             os.environ[f"RAY_SERVE_DIRECT_INGRESS_MIN_{proto}_PORT"] = str(port)
             os.environ[f"RAY_SERVE_DIRECT_INGRESS_MAX_{proto}_PORT"] = str(port + 1)
         _direct_ports = (config.http.port, config.grpc.port)
-    needed = config.num_replicas * config.num_cpus_per_replica
-    init_kwargs.setdefault("num_cpus", max(os.cpu_count() or 1, int(needed + 0.999)))
+    if "num_cpus" not in init_kwargs:
+        from fleetserve.cluster.topology import embedded_num_cpus
+
+        init_kwargs["num_cpus"] = embedded_num_cpus(config)
     init_kwargs.setdefault("include_dashboard", False)
     init_kwargs.setdefault("_node_ip_address", "127.0.0.1")
     # "local": always a new embedded Ray. With no address, ray.init joins the latest cluster
@@ -173,7 +175,9 @@ def build_app(config: AppConfig):
         engine_args["num_threads"] = max(1, int(config.num_cpus_per_replica))
     return ingress.bind(replica.bind(engine_args, config.engine_cls),
                         served_model_name=config.served_model_name, api_key=config.api_key,
-                        max_body_bytes=config.http.max_body_bytes, model_aliases=aliases)
+                        max_body_bytes=config.http.max_body_bytes, model_aliases=aliases,
+                        bind_host=config.http.host,
+                        log_requests=config.enable_log_requests)
 
 
 def deploy(config: AppConfig, blocking: bool = False):
