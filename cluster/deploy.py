@@ -190,8 +190,10 @@ def endpoints(config: AppConfig) -> list[str]:
     lines = [f"HTTP (OpenAI):  http://{config.http.host}:{config.http.port}/v1  "
              f"(model {config.served_model_name!r}; /health, /metrics, /tokenize)"]
     if config.grpc.enabled:
-        # Ray Serve 2.60 binds its gRPC proxy to [::] (all interfaces), whatever --host says.
-        lines.append(f"gRPC:           127.0.0.1:{config.grpc.port}  "
-                     f"(service fleetserve.v1.FleetServe, metadata application={config.name}; "
-                     "Ray Serve listens on all interfaces for gRPC)")
+        if _direct_ports == (config.http.port, config.grpc.port):
+            where = f"{config.http.host}:{config.grpc.port}"  # the ingress binds --host (serve_patches)
+        else:  # Ray Serve 2.60's proxy binds gRPC to [::] whatever --host says
+            where = f"[::]:{config.grpc.port} (every interface: Ray Serve's proxy)"
+        lines.append(f"gRPC:           {where}  (service fleetserve.v1.FleetServe, "
+                     f"metadata application={config.name})")
     return lines

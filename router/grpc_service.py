@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
 
 import grpc
 from ray.serve.exceptions import gRPCStatusError
@@ -69,8 +69,11 @@ def quiet_client_errors() -> None:
         serve_logger.addFilter(_filter)
 
 
-def sampling_from_proto(msg: "pb.SamplingParams") -> SamplingParams:
+def sampling_from_proto(msg: "pb.SamplingParams", defaults: Optional[dict] = None) -> SamplingParams:
+    """`defaults`: the model's generation defaults, for the fields the request leaves unset."""
     fields = {name: getattr(msg, name) for name in _SAMPLING_FIELDS if msg.HasField(name)}
+    for name, value in (defaults or {}).items():
+        fields.setdefault(name, min(value, 16) if name == "max_tokens" else value)
     fields.setdefault("max_tokens", 16)
     fields.update(stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
                   ignore_eos=msg.ignore_eos)
@@ -146,7 +149,8 @@ class GrpcMethods:
                                                    "prompt_token_ids")
         else:
             raise APIError("one of prompt or prompt_token_ids is required", 400, param="prompt")
-        params = sampling_from_proto(request.sampling_params)
+        params = sampling_from_proto(request.sampling_params,
+                                     (await self.info()).get("generation_defaults"))
         explicit = (request.sampling_params.max_tokens
                     if request.sampling_params.HasField("max_tokens") else None)
         rid = request.request_id or f"grpc-{uuid.uuid4().hex}"

@@ -207,7 +207,8 @@ class Ingress(GrpcMethods):
         req = await self._parse(request, CompletionRequest)
         self.check_model(req.model)
         token_ids = await self.tokenize_prompt(req.single_prompt(), True, "prompt")
-        params = req.sampling_params(default_max_tokens=16)
+        defaults = (await self.info()).get("generation_defaults")
+        params = req.sampling_params(default_max_tokens=16, defaults=defaults)
         rid = f"cmpl-{uuid.uuid4().hex}"
         body = await self.build_body(rid, token_ids, params, req.priority, req.cache_salt,
                                      req.max_tokens, "prompt")
@@ -220,8 +221,9 @@ class Ingress(GrpcMethods):
         text = await self.apply_chat_template([m.flat() for m in req.messages],
                                               req.add_generation_prompt)
         token_ids = await self.tokenize_prompt(text, False, "messages")
-        max_len = (await self.info())["max_model_len"]
-        params = req.sampling_params(default_max_tokens=max(1, max_len - len(token_ids)))
+        info = await self.info()
+        params = req.sampling_params(default_max_tokens=max(1, info["max_model_len"] - len(token_ids)),
+                                     defaults=info.get("generation_defaults"))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         body = await self.build_body(rid, token_ids, params, req.priority, req.cache_salt,
                                      req._max_tokens(), "messages")
