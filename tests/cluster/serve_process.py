@@ -28,6 +28,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def leave_time_wait(port: int) -> None:
+    """A connection to a listener on `port` that the server side closes first: its
+    socket (127.0.0.1:port) stays in TIME-WAIT for a minute, as after a server stops."""
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", port))
+    srv.listen()
+    cli = socket.create_connection(("127.0.0.1", port))
+    conn, _ = srv.accept()
+    conn.close()
+    time.sleep(0.05)
+    cli.close()
+    srv.close()
+    time.sleep(0.05)
+
+
 def processes_with(marker: str) -> list[psutil.Process]:
     found = []
     for p in psutil.process_iter():

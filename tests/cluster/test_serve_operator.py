@@ -19,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.cluster.serve_process import ServeProcess, free_port
+from tests.cluster.serve_process import ServeProcess, free_port, leave_time_wait
 
 # vLLM v1's families that dashboards read (vllm/v1/metrics/loggers.py), with their types.
 # The parser reports a counter's family without its `_total`.
@@ -251,6 +251,16 @@ def test_metrics_have_vllm_names_types_and_labels(served):
     assert reasons.get("length", 0) >= 1 and {"stop", "abort"} <= set(reasons)
 
 
+def test_http_and_grpc_bind_only_the_host(served):
+    import psutil
+
+    server = served.ensure_running()
+    listening = {(c.laddr.ip, c.laddr.port) for c in psutil.net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port in (served.port, served.grpc_port)}
+    assert listening == {("127.0.0.1", served.port), ("127.0.0.1", served.grpc_port)}, listening
+    assert f"gRPC:           127.0.0.1:{served.grpc_port}" in server.log()
+
+
 def test_models_reports_when_the_server_started(served):
     served.ensure_running()
     data = httpx.get(served.url("/v1/models"), timeout=30).json()["data"][0]
@@ -273,6 +283,7 @@ def test_stop_is_clean_and_a_restart_on_the_same_ports_works_at_once(served):
     assert "Traceback" not in stop_log and " E " not in stop_log and "ERROR" not in stop_log, stop_log
     assert not server.leftovers()
     client.close()
+    leave_time_wait(served.port)  # for certain, whatever the timing of the stop above
     t0 = time.time()
     again = served.ensure_running()  # same ports, right away
     assert again is not server and time.time() - t0 < 300
