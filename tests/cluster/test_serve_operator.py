@@ -255,7 +255,9 @@ def test_http_and_grpc_bind_only_the_host(served):
     import psutil
 
     server = served.ensure_running()
-    listening = {(c.laddr.ip, c.laddr.port) for c in psutil.net_connections(kind="inet")
+    # gRPC listens on an IPv6 socket bound to the IPv4-mapped loopback (::ffff:127.0.0.1).
+    listening = {(c.laddr.ip.removeprefix("::ffff:"), c.laddr.port)
+                 for c in psutil.net_connections(kind="inet")
                  if c.status == psutil.CONN_LISTEN and c.laddr.port in (served.port, served.grpc_port)}
     assert listening == {("127.0.0.1", served.port), ("127.0.0.1", served.grpc_port)}, listening
     assert f"gRPC:           127.0.0.1:{served.grpc_port}" in server.log()
