@@ -56,9 +56,16 @@ class _SamplingRequest(StructuredOutputFields):
     def _logprobs(self) -> Optional[int]:
         return None
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """Validated engine sampling params; `APIError` (400, field named) otherwise."""
+    def sampling_params(self, default_max_tokens: int,
+                        defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
+        """Validated engine sampling params; `APIError` (400, field named) otherwise.
+
+        `defaults`: the model's generation defaults (`--generation-config`), used for
+        the fields this request leaves unset; `max_tokens` among them caps the default."""
+        defaults = defaults or {}
         max_tokens = self._max_tokens()
+        if max_tokens is None and defaults.get("max_tokens"):
+            default_max_tokens = min(default_max_tokens, int(defaults["max_tokens"]))
         fields: dict[str, Any] = {
             "n": self.n, "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
             "seed": self.seed, "stop": self.stop or [], "stop_token_ids": self.stop_token_ids or [],
@@ -71,6 +78,8 @@ class _SamplingRequest(StructuredOutputFields):
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
+            if value is None:
+                value = defaults.get(name)
             if value is not None:
                 fields[name] = value
         try:
@@ -94,10 +103,11 @@ class CompletionRequest(_SamplingRequest):
     def _logprobs(self) -> Optional[int]:
         return self.logprobs
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int,
+                        defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
         if self.best_of not in (None, self.n):
             raise APIError("best_of different from n is not supported; use n", 400, param="best_of")
-        params = super().sampling_params(default_max_tokens)
+        params = super().sampling_params(default_max_tokens, defaults)
         if self.echo and self.logprobs is not None:
             params = params.replace(prompt_logprobs=self.logprobs)  # echoed with the prompt
         return params
