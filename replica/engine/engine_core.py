@@ -92,6 +92,8 @@ class EngineCore:
             wait_s=0.0 if self.scheduler.has_requests() else _GRAMMAR_WAIT_S)
         for request in ready:
             self.scheduler.add_request(request)
+        if not self.scheduler.has_requests():  # only grammars compiling: no step to run
+            return StepResult(failed, [], 0, time.monotonic())
         scheduler_output = self.scheduler.schedule()
         scheduler_output.structured_output = self.structured.bitmask(
             self._sampling_req_ids(scheduler_output))
