@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 from pydantic import ValidationError
 
 from fleetserve.cluster.cli_engine import add_engine_flags, engine_kwargs
+from fleetserve.cluster.build import add_build_parser
 from fleetserve.cluster.generate import add_generate_parser
 
 log = logging.getLogger("fleetserve")
@@ -103,7 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-SUBCOMMANDS: list[Callable] = [add_serve_parser, add_generate_parser]
+SUBCOMMANDS: list[Callable] = [add_serve_parser, add_generate_parser, add_build_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

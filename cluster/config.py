@@ -24,6 +24,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from fleetserve.cluster.placement import AutoscalingOptions, PDOptions, ReplicaPlacement
 from fleetserve.replica.engine.engine_args import EngineArgs
 
 RoutingPolicyName = Literal["power_of_two", "least_loaded", "prefix_aware"]
@@ -77,12 +78,19 @@ class AppConfig(BaseModel):
     # When set, every HTTP request must carry `Authorization: Bearer <api_key>`
     # (gRPC: metadata `authorization`).
     api_key: Optional[str] = None
+    # Or: the name of an environment variable that holds the key, read where the app is
+    # built (on a cluster: a Kubernetes Secret exposed as env keeps it out of the spec).
+    api_key_env: Optional[str] = Field(None, min_length=1)
     # Ray address: None starts an embedded local Ray; "auto" (or host:port) joins.
     address: Optional[str] = None
     # CPUs reserved per engine replica (its torch threads); 0 lets Ray pack them.
     num_cpus_per_replica: float = Field(1.0, ge=0.0)
     # The engine class each replica builds, "module:Class" (tests may swap it).
     engine_cls: str = "fleetserve.replica.engine.async_engine:AsyncEngine"
+    # Cluster placement, autoscaling and P/D pools: see cluster/placement.py.
+    placement: ReplicaPlacement = ReplicaPlacement()
+    autoscaling: Optional[AutoscalingOptions] = None
+    pd: PDOptions = PDOptions()
 
     @property
     def served_model_name(self) -> str:

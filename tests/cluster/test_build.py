@@ -1,0 +1,135 @@
+"""`fleetserve build`: the app config as a Ray Serve deploy config.
+
+Offline: the written file passes Ray's own ServeDeploySchema, its `args` round-trip
+through AppConfig, and bad configs fail naming the field. Slow: the file really
+deploys through Serve's deploy-config path (the app builder runs on the cluster, as
+under `serve deploy`) on a local Ray with a tiny model, and answers the openai client.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from fleetserve.cluster.cli import main
+from fleetserve.cluster.config import AppConfig
+from fleetserve.cluster.serve_app import APP_BUILDER, AppConfigError, app_builder, validate_args
+
+APP = {
+    "name": "chat",
+    "engine": {"model": "smollm2-135m", "max_num_seqs": 8, "tensor_parallel_size": 1},
+    "num_replicas": 3, "routing_policy": "prefix_aware", "api_key": "k",
+    "http": {"host": "0.0.0.0", "port": 8100}, "grpc": {"port": 9100},
+    "placement": {"num_gpus": 1, "label_selector": {"fleetserve.io/pool": "engine"}},
+    "autoscaling": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 32},
+    "address": "auto",
+}
+
+
+def write(path, data) -> str:
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_build_writes_a_serve_deploy_config_that_round_trips(tmp_path, capsys):
+    out = tmp_path / "serve.yaml"
+    assert main(["build", write(tmp_path / "app.yaml", APP), "-o", str(out)]) == 0
+    doc = yaml.safe_load(out.read_text())
+    schema = ServeDeploySchema.model_validate(doc)
+    assert schema.http_options.host == "0.0.0.0" and schema.http_options.port == 8100
+    assert schema.grpc_options.port == 9100 and schema.grpc_options.grpc_servicer_functions
+    (app,) = schema.applications
+    assert (app.name, app.route_prefix, app.import_path) == ("chat", "/", APP_BUILDER)
+    # args are the app config minus the process-only key (which cluster to join)
+    expected = {k: v for k, v in APP.items() if k != "address"}
+    assert AppConfig.model_validate(app.args) == AppConfig.model_validate(expected)
+    assert validate_args(app.args).placement.label_selector == {"fleetserve.io/pool": "engine"}
+
+
+def test_build_grpc_disabled_and_stdout(tmp_path, capsys):
+    assert main(["build", write(tmp_path / "a.yaml", {"grpc": {"enabled": False}})]) == 0
+    doc = yaml.safe_load(capsys.readouterr().out)
+    assert "grpc_options" not in ServeDeploySchema.model_validate(doc).model_dump(exclude_unset=True)
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"engine": {"max_num_seqs": 0}}, "engine.max_num_seqs"),
+    ({"num_replicas": "two"}, "num_replicas"),
+    ({"enigne": {}}, "enigne"),
+    ({"autoscaling": {"min_replicas": 5, "max_replicas": 2}}, "autoscaling"),
+    ({"placement": {"num_gpus": -1}}, "placement.num_gpus"),
+])
+def test_build_rejects_bad_config_naming_the_field(tmp_path, capsys, bad, field):
+    out = tmp_path / "serve.yaml"
+    assert main(["build", write(tmp_path / "app.yaml", bad), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert field in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_build_rejects_unreadable_files(tmp_path, capsys):
+    assert main(["build", str(tmp_path / "missing.yaml")]) == 2
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    assert main(["build", str(tmp_path / "list.yaml")]) == 2
+    assert "mapping" in capsys.readouterr().err
+
+
+def test_app_builder_validates_strictly_before_building():
+    with pytest.raises(AppConfigError, match=r"engine\.block_size"):
+        app_builder({"engine": {"block_size": "big"}})
+    with pytest.raises(AppConfigError, match="address"):
+        app_builder({"address": "auto"})  # meaningless under serve deploy
+    with pytest.raises(ValueError, match=r"pd\.enabled"):
+        app_builder({"pd": {"enabled": True}})  # not served by this build: refused, not ignored
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_built_config_deploys_and_serves(tmp_path):
+    """What `serve deploy serve.yaml` does, minus the dashboard's REST hop: the
+    controller gets the deploy config and runs the app builder on the cluster."""
+    import openai
+    import ray
+    from ray import serve
+
+    from fleetserve.replica.testing import make_tiny_llama
+
+    model = make_tiny_llama(tmp_path / "tiny")
+    http_port, grpc_port = free_port(), free_port()
+    app = {"name": "built", "engine": {"model": str(model), "served_model_name": "tiny",
+                                       "max_model_len": 128, "num_gpu_blocks_override": 32,
+                                       "max_num_seqs": 4, "num_threads": 1},
+           "num_replicas": 1, "num_cpus_per_replica": 0, "api_key": "secret",
+           "http": {"port": http_port}, "grpc": {"port": grpc_port}}
+    out = tmp_path / "serve.yaml"
+    assert main(["build", write(tmp_path / "app.yaml", app), "-o", str(out)]) == 0
+    schema = ServeDeploySchema.model_validate(yaml.safe_load(out.read_text()))
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _node_ip_address="127.0.0.1")
+    try:
+        serve.start(http_options=schema.http_options.model_dump(exclude_unset=True),
+                    grpc_options=schema.grpc_options.model_dump(exclude_unset=True))
+        serve.context._get_global_client().deploy_apps(schema)
+        deadline = time.time() + 180
+        while (status := serve.status().applications.get("built")) is None \
+                or status.status != "RUNNING":
+            assert time.time() < deadline, f"not RUNNING in time: {status}"
+            assert status is None or status.status not in ("DEPLOY_FAILED", "UNHEALTHY"), status
+            time.sleep(1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="secret")
+        r = client.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0)
+        assert r.usage.completion_tokens == 4 and r.choices[0].text
+        with pytest.raises(openai.AuthenticationError):  # the app's own args reached it
+            openai.OpenAI(base_url=client.base_url, api_key="wrong").models.list()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
