@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 SCHEMA_PATH = Path(__file__).parent / "fleetserve" / "values.schema.json"
-# Set through `model:` (they depend on the model source), not `engine:`.
+# Set through `model:` (they depend on the model source), not `engine:`. The schema
+# lets them through so that the chart's own rule can say where they go instead.
 ENGINE_KEYS_FROM_MODEL = ("model", "served_model_name")
 
 
@@ -46,9 +47,7 @@ def engine_schema() -> dict:
 
     props = {}
     for name, spec in EngineArgs.model_json_schema()["properties"].items():
-        if name in ENGINE_KEYS_FROM_MODEL:
-            continue
-        props[name] = strip(spec)
+        props[name] = {} if name in ENGINE_KEYS_FROM_MODEL else strip(spec)
     return obj(props)
 
 
