@@ -133,3 +133,16 @@ def test_built_config_deploys_and_serves(tmp_path):
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def test_api_key_from_the_environment(monkeypatch):
+    from fleetserve.cluster.serve_app import resolve_api_key
+
+    config = validate_args({"api_key_env": "FLEETSERVE_TEST_KEY"})
+    monkeypatch.delenv("FLEETSERVE_TEST_KEY", raising=False)
+    with pytest.raises(AppConfigError, match="api_key_env.*FLEETSERVE_TEST_KEY"):
+        resolve_api_key(config)
+    monkeypatch.setenv("FLEETSERVE_TEST_KEY", "s3cret")
+    assert resolve_api_key(config) == "s3cret"
+    assert resolve_api_key(validate_args({"api_key": "inline"})) == "inline"
+    assert resolve_api_key(validate_args({})) is None
