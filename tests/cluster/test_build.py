@@ -1,15 +1,12 @@
 """`fleetserve build`: the app config as a Ray Serve deploy config.
 
-Offline: the written file passes Ray's own ServeDeploySchema, its `args` round-trip
-through AppConfig, and bad configs fail naming the field. Slow: the file really
-deploys through Serve's deploy-config path (the app builder runs on the cluster, as
-under `serve deploy`) on a local Ray with a tiny model, and answers the openai client.
+The written file passes Ray's own ServeDeploySchema, its `args` round-trip through
+AppConfig, and bad configs fail naming the field. That the file really deploys with
+`serve deploy` and serves: tests/cluster/test_ray_up_local.py (ray up runs
+`fleetserve build` + `serve deploy` on the head).
 """
 
 from __future__ import annotations
-
-import socket
-import time
 
 import pytest
 import yaml
@@ -85,54 +82,6 @@ def test_app_builder_validates_strictly_before_building():
         app_builder({"address": "auto"})  # meaningless under serve deploy
     with pytest.raises(ValueError, match=r"pd\.enabled"):
         app_builder({"pd": {"enabled": True}})  # not served by this build: refused, not ignored
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.slow
-def test_built_config_deploys_and_serves(tmp_path):
-    """What `serve deploy serve.yaml` does, minus the dashboard's REST hop: the
-    controller gets the deploy config and runs the app builder on the cluster."""
-    import openai
-    import ray
-    from ray import serve
-
-    from fleetserve.replica.testing import make_tiny_llama
-
-    model = make_tiny_llama(tmp_path / "tiny")
-    http_port, grpc_port = free_port(), free_port()
-    app = {"name": "built", "engine": {"model": str(model), "served_model_name": "tiny",
-                                       "max_model_len": 128, "num_gpu_blocks_override": 32,
-                                       "max_num_seqs": 4, "num_threads": 1},
-           "num_replicas": 1, "num_cpus_per_replica": 0, "api_key": "secret",
-           "http": {"port": http_port}, "grpc": {"port": grpc_port}}
-    out = tmp_path / "serve.yaml"
-    assert main(["build", write(tmp_path / "app.yaml", app), "-o", str(out)]) == 0
-    schema = ServeDeploySchema.model_validate(yaml.safe_load(out.read_text()))
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _node_ip_address="127.0.0.1")
-    try:
-        serve.start(http_options=schema.http_options.model_dump(exclude_unset=True),
-                    grpc_options=schema.grpc_options.model_dump(exclude_unset=True))
-        serve.context._get_global_client().deploy_apps(schema)
-        deadline = time.time() + 180
-        while (status := serve.status().applications.get("built")) is None \
-                or status.status != "RUNNING":
-            assert time.time() < deadline, f"not RUNNING in time: {status}"
-            assert status is None or status.status not in ("DEPLOY_FAILED", "UNHEALTHY"), status
-            time.sleep(1)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="secret")
-        r = client.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0)
-        assert r.usage.completion_tokens == 4 and r.choices[0].text
-        with pytest.raises(openai.AuthenticationError):  # the app's own args reached it
-            openai.OpenAI(base_url=client.base_url, api_key="wrong").models.list()
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def test_api_key_from_the_environment(monkeypatch):

@@ -190,7 +190,7 @@ def test_onprem_file_ray_up_serves_and_ray_down(tmp_path):
     app = {"name": "onprem", "engine": {"model": str(model), "served_model_name": "tiny",
                                         "max_model_len": 128, "num_gpu_blocks_override": 32,
                                         "max_num_seqs": 4, "num_threads": 1},
-           "num_replicas": 1, "num_cpus_per_replica": 1,
+           "num_replicas": 1, "num_cpus_per_replica": 1, "api_key": "onprem-key",
            "http": {"host": "127.0.0.1", "port": ports["http"]}, "grpc": {"port": ports["grpc"]}}
     app_file = base / "app.yaml"
     app_file.write_text(yaml.safe_dump(app))
@@ -202,7 +202,7 @@ def test_onprem_file_ray_up_serves_and_ray_down(tmp_path):
         up = subprocess.run([*ray_cli, "up", "-y", "--no-config-cache", str(config)], cwd=REPO,
                             env=env, stdout=log, stderr=subprocess.STDOUT, timeout=600)
         assert up.returncode == 0, (tmp_path / "ray-up.log").read_text()[-4000:]
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['http']}/v1", api_key="none",
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['http']}/v1", api_key="onprem-key",
                                max_retries=0, timeout=30)
         deadline = time.time() + 240
         while True:  # serve deploy returns at once; the app then starts
@@ -215,6 +215,8 @@ def test_onprem_file_ray_up_serves_and_ray_down(tmp_path):
         assert [m.id for m in models.data] == ["tiny"]
         r = client.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0)
         assert r.usage.completion_tokens == 4
+        with pytest.raises(openai.AuthenticationError):  # the app config's own args reached it
+            client.with_options(api_key="wrong").models.list()
         # the head ran the file's own start commands on the rsynced source
         assert (home / "fleetserve-serve.yaml").exists()
         assert (home / "fleetserve-src" / "cluster" / "serve_app.py").exists()
