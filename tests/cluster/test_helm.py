@@ -154,6 +154,16 @@ def test_gpu_values_details(helm):
     assert dashboard["uid"] == "fleetserve"
 
 
+def test_notes_tell_how_to_reach_the_endpoints(helm):
+    r = run_helm(helm, "install", "llm", str(CHART), "--dry-run=client",
+                 "-f", str(CHART / "ci" / "gpu-values.yaml"))
+    assert r.returncode == 0, r.stderr
+    notes = r.stdout[r.stdout.index("NOTES:"):]
+    assert "port-forward svc/llama-8b 8000 9000" in notes
+    assert "Authorization: Bearer" in notes and "fleetserve.v1.FleetServe/Health" in notes
+    assert "twice the GPUs" in notes
+
+
 def test_autoscaling_and_upgrade_strategy(helm):
     rs = only(render(helm, [CHART / "ci" / "autoscaling-values.yaml"]), "RayService")
     cluster = rs["spec"]["rayClusterConfig"]

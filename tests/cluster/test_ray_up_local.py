@@ -42,14 +42,20 @@ while (b := s.recv(65536)):
     sys.stdout.buffer.write(b); sys.stdout.buffer.flush()
 """
 
-# `ray stop` limited to processes of this cluster (those naming its temp dir).
+# `ray stop` limited to processes of this cluster (every process started through this
+# sshd carries FLEETSERVE_RAYUP_TEST=<its folder> in its environment, Ray's workers too).
 RAY_SHIM = """#!/bin/bash
-if [ "$1" = stop ]; then exec {python} {here}/stop_cluster.py {ray_tmp}; fi
+if [ "$1" = stop ]; then exec {python} {here}/stop_cluster.py {here}; fi
 exec {ray} "$@"
 """
 STOP = """import os, signal, sys, time, psutil
-mine = [p for p in psutil.process_iter(["cmdline"]) if p.pid != os.getpid()
-        and sys.argv[1] in " ".join(p.info["cmdline"] or [])]
+me = {os.getpid()} | {q.pid for q in psutil.Process().parents()}  # this `ray stop`'s shell
+def ours(p):  # started from this sshd's sessions: the marker is in its environment
+    try:
+        return p.pid not in me and p.environ().get("FLEETSERVE_RAYUP_TEST") == sys.argv[1]
+    except psutil.Error:
+        return False
+mine = [p for p in psutil.process_iter() if ours(p)]
 for p in mine:
     try: p.send_signal(signal.SIGTERM)
     except psutil.Error: pass
@@ -157,26 +163,43 @@ def prepare_home(base: Path, home: Path) -> None:
     (base / "proxy.py").write_text(PROXY)
     (base / "stop_cluster.py").write_text(STOP)
     pybin = Path(sys.executable).parent
-    (shim / "ray").write_text(RAY_SHIM.format(python=sys.executable, here=base,
-                                              ray_tmp=f"{base}/r", ray=pybin / "ray"))
+    cache = os.environ.get("FLEETSERVE_CACHE_DIR") or Path.home() / ".cache" / "fleetserve"
+    (shim / "ray").write_text(RAY_SHIM.format(python=sys.executable, here=base, ray=pybin / "ray"))
     (shim / "ray").chmod(0o755)
     bashrc = (f"export PATH={shim}:{pybin}:$PATH\n"
               f"export PYTHONPATH={home}/fleetserve-src\n"
-              "export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0\n")
+              "export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0\n"
+              f"export FLEETSERVE_RAYUP_TEST={base}\n"
+              # the CPU kernels this machine already compiled (not a rebuild in the temp HOME)
+              f"export FLEETSERVE_CACHE_DIR={cache}\n")
     (home / ".bashrc").write_text(bashrc)
     (home / ".bash_profile").write_text("source ~/.bashrc\n")
+
+
+def serve_logs(base: Path) -> str:
+    """The tail of the head's Serve logs: why the app is not answering."""
+    logs = sorted((base / "r").glob("session_*/logs/serve/*.log"))
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in logs[-6:]) \
+        or "no Serve logs on the head"
 
 
 def leftover(base: Path) -> list:
     import psutil
 
-    return [p for p in psutil.process_iter(["cmdline"])
-            if f"{base}/r" in " ".join(p.info["cmdline"] or [])]
+    def ours(p):
+        try:
+            return p.environ().get("FLEETSERVE_RAYUP_TEST") == str(base) \
+                or f"{base}/r" in " ".join(p.cmdline())
+        except psutil.Error:
+            return False
+
+    return [p for p in psutil.process_iter() if ours(p)]
 
 
 @pytest.mark.slow
 def test_onprem_file_ray_up_serves_and_ray_down(tmp_path):
     import openai
+    import psutil
 
     from fleetserve.replica.testing import make_tiny_llama
 
@@ -195,23 +218,32 @@ def test_onprem_file_ray_up_serves_and_ray_down(tmp_path):
     app_file = base / "app.yaml"
     app_file.write_text(yaml.safe_dump(app))
     config = cluster_file(base, home, ssh_port, app_file, ports)
+    name = yaml.safe_load(config.read_text())["cluster_name"]
     ray_cli = [sys.executable, "-m", "ray.scripts.scripts"]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     log = open(tmp_path / "ray-up.log", "w+")
+    t0 = time.monotonic()
+
+    def stage(what):  # where the time goes, in the log a failure prints
+        log.write(f"\n[test] {what} at {time.monotonic() - t0:.0f} s\n")
+        log.flush()
+
     try:
         up = subprocess.run([*ray_cli, "up", "-y", "--no-config-cache", str(config)], cwd=REPO,
                             env=env, stdout=log, stderr=subprocess.STDOUT, timeout=600)
+        stage("ray up returned")
         assert up.returncode == 0, (tmp_path / "ray-up.log").read_text()[-4000:]
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['http']}/v1", api_key="onprem-key",
                                max_retries=0, timeout=30)
-        deadline = time.time() + 240
+        deadline = time.time() + 480  # a loaded 2-core machine: minutes
         while True:  # serve deploy returns at once; the app then starts
             try:
                 models = client.models.list()
                 break
             except (openai.APIConnectionError, openai.APIStatusError):
-                assert time.time() < deadline, (tmp_path / "ray-up.log").read_text()[-3000:]
+                assert time.time() < deadline, serve_logs(base)
                 time.sleep(2)
+        stage("app answered")
         assert [m.id for m in models.data] == ["tiny"]
         r = client.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0)
         assert r.usage.completion_tokens == 4
@@ -223,11 +255,21 @@ def test_onprem_file_ray_up_serves_and_ray_down(tmp_path):
     finally:
         down = subprocess.run([*ray_cli, "down", "-y", str(config)], cwd=REPO, env=env,
                               stdout=log, stderr=subprocess.STDOUT, timeout=300)
+        stage("ray down returned")
+        print("stages:", [line for line in (tmp_path / "ray-up.log").read_text().splitlines()
+                          if line.startswith("[test]")])
         stray = leftover(base)
+        stray_cmds = []
         for p in stray:  # only this cluster's processes, by pid
-            p.kill()
+            try:
+                stray_cmds.append(" ".join(p.cmdline()[:2]))
+                p.kill()
+            except psutil.Error:
+                pass
         sshd.terminate()
         sshd.wait(timeout=10)
         shutil.rmtree(base, ignore_errors=True)
+        for suffix in ("state", "lock"):  # the local provider's record of this cluster
+            Path(f"/tmp/ray/cluster-{name}.{suffix}").unlink(missing_ok=True)
     assert down.returncode == 0, (tmp_path / "ray-up.log").read_text()[-3000:]
-    assert not stray, f"ray down left {len(stray)} processes: {[p.info['cmdline'][:2] for p in stray]}"
+    assert not stray, f"ray down left {len(stray)} processes: {stray_cmds}"
