@@ -20,8 +20,10 @@ ours are installed again after it.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
+import time
 from typing import Optional
 
 from fleetserve.cluster.config import AppConfig
@@ -29,6 +31,7 @@ from fleetserve.cluster.config import AppConfig
 log = logging.getLogger("fleetserve")
 
 _POLL_S = 0.2
+_CONNECT_STOP_WAIT_S = 10.0  # longest a stop waits for ray.init to return
 
 
 class _StartUp(threading.Thread):
@@ -63,9 +66,15 @@ def run_server(config: AppConfig) -> int:
     stop = threading.Event()
     received: list[str] = []
 
+    connecting = [True]
+
     def on_signal(signum, _frame) -> None:
         received.append(signal.Signals(signum).name)
         stop.set()
+        # In ray.init: joining (nothing of ours to clean up), or a second signal (Ray's
+        # start-up hangs): interrupt it now rather than when it returns.
+        if connecting[0] and (config.address or len(received) > 1):
+            raise KeyboardInterrupt
 
     def install() -> None:
         signal.signal(signal.SIGINT, on_signal)
@@ -73,11 +82,24 @@ def run_server(config: AppConfig) -> int:
 
     install()
     log.info("starting Ray (%s)", config.address or "embedded, local")
+    watch = _ConnectWatch(connecting)
     try:
         connect_ray(config)
-    except (ConnectionError, RuntimeError, ValueError) as e:  # e.g. no cluster at --address
-        log.error("fleetserve serve: cannot start or join Ray: %s", e)
+    except KeyboardInterrupt:
+        log.info("%s while starting Ray: stopping", received[-1] if received else "SIGINT")
+        import ray
+
+        ray.shutdown()
+        return 0
+    except Exception as e:  # noqa: BLE001 - no cluster at --address, or Ray's own start-up timed out
+        log.error("fleetserve serve: cannot start or join Ray: %s: %s", type(e).__name__, e)
+        import ray
+
+        ray.shutdown()  # whatever part of an embedded Ray did start
         return 1
+    finally:
+        connecting[0] = False
+        watch.close()
     install()
     start = _StartUp(config)
     if not stop.is_set():
@@ -98,6 +120,43 @@ def run_server(config: AppConfig) -> int:
     log.info("%s: shutting down", received[0] if received else "stop")
     _teardown(config, delete_app=True)
     return 0
+
+
+class _ConnectWatch:
+    """Ray's start-up (or its wait for a GCS at --address) blocks in C++, where no Python
+    signal handler runs until it returns (40 s and more). The C-level handler still writes
+    each signal to a wakeup fd at once: this thread reads it and, if Ray is still starting
+    `_CONNECT_STOP_WAIT_S` later, exits the process. Ray started its GCS and raylet with
+    PR_SET_PDEATHSIG, so they (and any worker under them) end with it."""
+
+    def __init__(self, connecting: list) -> None:
+        self._connecting = connecting
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._w, False)
+        self._previous = signal.set_wakeup_fd(self._w, warn_on_full_buffer=False)
+        threading.Thread(target=self._run, name="fleetserve-stop-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            os.read(self._r, 1)  # a signal, or close()'s byte: Ray has started
+        finally:
+            os.close(self._r)  # owned by this thread: never closed under a pending read
+        deadline = time.monotonic() + _CONNECT_STOP_WAIT_S
+        while self._connecting[0] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if self._connecting[0]:
+            log.warning("Ray is still starting %.0f s after the stop: exiting now",
+                        _CONNECT_STOP_WAIT_S)
+            logging.shutdown()
+            os._exit(0)
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self._previous)
+        try:
+            os.write(self._w, b"\0")
+        except OSError:
+            pass  # the pipe is full of signal bytes: the thread is awake already
+        os.close(self._w)
 
 
 def _report_failure(error: BaseException) -> None:

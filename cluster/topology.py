@@ -97,7 +97,8 @@ def check_fits(config: AppConfig) -> None:
         if need > have + 1e-9:
             raise TopologyError(
                 f"this topology needs {needs.describe(config.num_replicas)}; the Ray cluster has "
-                f"{_num(have)} {key}s available ({_num(total.get(key, 0.0))} in total). Use fewer "
+                f"{_num(have)} {key}{'s' * (have != 1)} available ({_num(total.get(key, 0.0))} in "
+                "total). Use fewer "
                 "--num-replicas, a smaller --tensor-parallel-size, a smaller "
                 "--num-cpus-per-replica, or a larger cluster.")
     tp = config.engine.tensor_parallel_size

@@ -148,7 +148,7 @@ def test_impossible_topology_is_refused_in_seconds_with_the_numbers(tiny_model, 
         assert rc == 2, out
         assert elapsed < 60, elapsed
         assert "needs 3 CPUs (1 replica x (1 CPU for the replica + 2 tensor-parallel ranks x 1 CPU))" in out, out
-        assert "the Ray cluster has 1 CPUs available (1 in total)" in out, out
+        assert "the Ray cluster has 1 CPU available (1 in total)" in out, out
         assert "Traceback" not in out and "Deploying" not in out
     finally:
         helper.stdin.close()
