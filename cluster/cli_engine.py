@@ -13,6 +13,8 @@ ENGINE_FLAGS = {
     "num_gpu_blocks_override": int, "kv_cache_memory_bytes": int, "max_waiting_requests": int,
     "long_prefill_token_threshold": int, "scheduling_policy": str, "capacity_policy": str,
     "seed": int, "num_threads": int, "device": str,
+    # JSON, as vLLM's: '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 5}'
+    "speculative_config": str,
 }
 BOOL_FLAGS = ("enable_prefix_caching", "enable_chunked_prefill")
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from fleetserve.replica.spec_decode.config import SpeculativeConfig
 from fleetserve.scheduler import CacheConfig, SchedulerConfig
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -45,6 +46,21 @@ class EngineArgs(BaseModel):
     max_waiting_requests: int = Field(1024, ge=1)
     # torch threads for this process (None: chosen from the cores available).
     num_threads: Optional[int] = Field(None, ge=1)
+    # vLLM's --speculative-config: a JSON string, a dict (YAML) or a SpeculativeConfig.
+    speculative_config: Optional[SpeculativeConfig] = None
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _parse_speculative_config(cls, value):
+        return SpeculativeConfig.parse(value)
+
+    @model_validator(mode="after")
+    def _check_speculative(self) -> "EngineArgs":
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding with a draft model runs with "
+                             "tensor_parallel_size 1 only; use the 'ngram' method with TP")
+        return self
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(
@@ -57,6 +73,10 @@ class EngineArgs(BaseModel):
             policy=self.scheduling_policy,
             capacity_policy=self.capacity_policy,
             scheduler_cls=self.scheduler_cls,
+            num_spec_tokens=self.speculative_config.num_speculative_tokens
+            if self.speculative_config else 0,
+            num_lookahead_tokens=self.speculative_config.num_lookahead_tokens
+            if self.speculative_config else 0,
         )
 
     def cache_config(self, num_blocks: int) -> CacheConfig:
