@@ -44,6 +44,9 @@ class EngineMetrics:
         self.e2e = hist("vllm:e2e_request_latency_seconds", "End-to-end request latency.")
         self.queue_time = hist("vllm:request_queue_time_seconds", "Time from arrival to first schedule.")
         self._last_queries = self._last_hits = self._last_preemptions = 0
+        # Speculative decoding (vLLM's names), created on the first stats that carry it.
+        self._spec = None
+        self._last_spec = None
 
     def request_finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
@@ -60,6 +63,34 @@ class EngineMetrics:
         self._last_queries = stats.prefix_cache_queries
         self._last_hits = stats.prefix_cache_hits
         self._last_preemptions = stats.num_preemptions
+        if getattr(stats, "spec_decoding", None) is not None:
+            self._update_spec_decoding(stats.spec_decoding)
+
+    def _update_spec_decoding(self, spec) -> None:
+        """Counters advance by the delta since the last snapshot; acceptance
+        rate = accepted / draft tokens, per position from the `position` label."""
+        if self._spec is None:
+            r, labels = self.registry, ["model_name"]
+            self._spec = {
+                "num_drafts": Counter("vllm:spec_decode_num_drafts", "Draft proposals verified.",
+                                      labels, registry=r).labels(self.model_name),
+                "num_draft_tokens": Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                                            labels, registry=r).labels(self.model_name),
+                "num_accepted_tokens": Counter("vllm:spec_decode_num_accepted_tokens",
+                                               "Draft tokens accepted.", labels,
+                                               registry=r).labels(self.model_name),
+                "per_pos": Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                   "Draft tokens accepted, by position in the draft.",
+                                   labels + ["position"], registry=r),
+            }
+            self._last_spec = type(spec)()
+        last, m = self._last_spec, self._spec
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            m[name].inc(getattr(spec, name) - getattr(last, name))
+        prev = last.num_accepted_tokens_per_pos
+        for pos, count in enumerate(spec.num_accepted_tokens_per_pos):
+            m["per_pos"].labels(self.model_name, str(pos)).inc(count - (prev[pos] if pos < len(prev) else 0))
+        self._last_spec = spec
 
     def text(self) -> str:
         return generate_latest(self.registry).decode()

@@ -3,6 +3,8 @@ the target distribution preserved under sampling, n-gram lookup, bad configs."""
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 from pydantic import ValidationError
@@ -144,6 +146,41 @@ def test_sampling_preserves_the_target_distribution(tiny_model_dir):
         table = table[:, table.sum(0) > 0]
         p = chi2_contingency(table)[1]
         assert p > 1e-3 / len(positions), (pos, p, table)
+
+
+def test_async_engine_core_process_streams_drafts_and_exports_metrics(tiny_model_dir, plain):
+    """The default serving path (engine core in its own process): several
+    tokens per step stream correctly, and the counters reach /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from fleetserve.replica.engine.async_engine import AsyncEngine
+
+    _, ids, want = plain
+    engine = AsyncEngine(model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=128,
+                         core_process=True, speculative_config=NGRAM)
+    try:
+        async def collect(prompt, rid):
+            tokens = []
+            async for out in engine.generate(prompt, GREEDY, rid):
+                tokens += out.outputs[0].token_ids
+            return tokens
+
+        async def main():
+            return await asyncio.gather(*[collect(p, f"s{i}") for i, p in enumerate(ids)])
+
+        assert asyncio.run(main()) == want
+        samples = {(s.name, s.labels.get("position")): s.value
+                   for fam in text_string_to_metric_families(engine.metrics_text())
+                   for s in fam.samples if fam.name.startswith("vllm:spec_decode")}
+        drafts = samples[("vllm:spec_decode_num_draft_tokens_total", None)]
+        accepted = samples[("vllm:spec_decode_num_accepted_tokens_total", None)]
+        assert samples[("vllm:spec_decode_num_drafts_total", None)] > 0 and 0 < accepted <= drafts
+        assert samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", "0")] > 0
+        assert sum(v for (name, pos), v in samples.items()
+                   if name == "vllm:spec_decode_num_accepted_tokens_per_pos_total") == accepted
+        assert engine.get_load()["num_free_blocks"] == engine.get_load()["num_blocks"]
+    finally:
+        engine.shutdown()
 
 
 def test_ngram_lookup():
