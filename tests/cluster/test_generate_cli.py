@@ -26,11 +26,23 @@ def test_generate_prints_the_engine_output(tiny_dir, capsys):
     assert printed == ref.outputs[0].text + "\n"
 
 
+def test_generate_with_speculative_config_prints_the_same(tiny_dir, capsys):
+    argv = ["generate", "def add(a, b):", "--model", tiny_dir, "--dtype", "float32",
+            "--max-tokens", "12", "--ignore-eos", "--quiet", "--num-threads", "1"]
+    assert main(argv) == 0
+    plain = capsys.readouterr().out
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    assert main(argv + ["--speculative-config", spec]) == 0
+    assert capsys.readouterr().out == plain
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--model", "no-such-model"], "unknown model"),
     (["--max-tokens", "0"], "max_tokens"),
     (["--temperature", "-1"], "temperature"),
     (["--max-num-seqs", "0"], "max_num_seqs"),
+    (["--speculative-config", "{bad"], "not valid JSON"),
+    (["--speculative-config", '{"method": "ngram"}'], "num_speculative_tokens"),
 ])
 def test_generate_bad_input_is_a_clear_message(tiny_dir, capsys, argv, message):
     argv = ["generate", "hi", "--quiet"] + (argv if argv[0] == "--model" else ["--model", tiny_dir] + argv)

@@ -212,3 +212,29 @@ def test_bad_speculative_configs_are_refused_clearly(tiny_model_dir, other_draft
     with pytest.raises(ValueError, match="share the tokenizer"):
         LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64,
             speculative_config={"model": str(other_vocab), "num_speculative_tokens": 2})
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_real_model_copy_prompts_greedy_identical_and_mostly_accepted():
+    """SmolLM2-135M, float32: asked to quote a passage, n-gram drafts are mostly
+    accepted, and the answer is token for token the plain engine's."""
+    from fleetserve.replica.engine.tokenizer import apply_chat_template
+
+    passage = ("The lighthouse stood at the end of a narrow spit of rock, and for ninety years its "
+               "keepers climbed the same one hundred and twelve steps every evening to light the lamp.")
+    chats = [[{"role": "user", "content": f"Repeat the following text exactly:\n\n{passage}"}],
+             [{"role": "user", "content": f"Copy this text and add a title to it:\n\n{passage}"}]]
+    sp = SamplingParams(temperature=0.0, max_tokens=40)
+    kw = dict(dtype="float32", num_gpu_blocks_override=64, max_num_batched_tokens=64)
+    plain = LLM("smollm2-135m", **kw)
+    ids = [plain.tokenizer.encode(apply_chat_template(plain.tokenizer, c), add_special_tokens=False)
+           for c in chats]
+    want = _tokens(plain, ids, sp)
+    del plain
+    llm = LLM("smollm2-135m", speculative_config={"method": "ngram", "num_speculative_tokens": 5,
+                                                  "prompt_lookup_min": 2, "prompt_lookup_max": 4}, **kw)
+    assert _tokens(llm, ids, sp) == want
+    stats = llm.core.scheduler.get_stats().spec_decoding
+    assert stats.num_accepted_tokens > 0.5 * stats.num_draft_tokens
+    _assert_idle(llm)
