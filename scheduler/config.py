@@ -32,6 +32,9 @@ class SchedulerConfig(BaseModel):
     # writes its own KV ahead of the target (0 for n-gram lookup).
     num_spec_tokens: int = Field(0, ge=0)
     num_lookahead_tokens: int = Field(0, ge=0)
+    # Each request earns its draft length from its acceptance (scheduler/spec_decode.py);
+    # False: always up to num_spec_tokens, as vLLM.
+    adaptive_draft_length: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> "SchedulerConfig":

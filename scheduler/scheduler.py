@@ -39,7 +39,8 @@ from fleetserve.scheduler.outputs import (CachedRequestData, EngineCoreOutput, M
                                           NewRequestData, SchedulerOutput)
 from fleetserve.scheduler.policies import make_capacity_policy, make_waiting_queue, pick_victim
 from fleetserve.scheduler.request import Request, RequestStatus
-from fleetserve.scheduler.spec_decode import SpecDecodingStats, cap_drafts, lookahead_slots
+from fleetserve.scheduler.spec_decode import (DraftLengthPolicy, SpecDecodingStats, cap_drafts,
+                                              lookahead_slots)
 
 
 @dataclass(slots=True)
@@ -84,6 +85,8 @@ class Scheduler:
         self._num_tokens_sent: dict[str, int] = {}
         self.num_preemptions = 0
         self.spec_stats = SpecDecodingStats(num_spec_tokens=scheduler_config.num_spec_tokens)
+        self.draft_policy = DraftLengthPolicy(scheduler_config.num_spec_tokens) \
+            if scheduler_config.adaptive_draft_length else None
 
     # ---- requests in and out ---------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -444,9 +447,12 @@ class Scheduler:
         num_accepted = num_sampled - 1
         request.num_computed_tokens -= num_drafts - num_accepted
         self.spec_stats.observe(num_drafts, num_accepted)
+        if self.draft_policy is not None:
+            self.draft_policy.observe(request.request_id, num_drafts, num_accepted)
 
     def _set_drafts(self, drafts: dict[str, list[int]]) -> None:
         cap = self.config.num_spec_tokens
+        policy = self.draft_policy
         running = RequestStatus.RUNNING
         for rid, tokens in drafts.items():
             request = self.requests.get(rid)
@@ -454,7 +460,8 @@ class Scheduler:
             # KV is complete up to it (not mid-prefill, not rolled back).
             if request is not None and request.status == running and \
                     request.num_computed_tokens == request.num_tokens - 1:
-                request.spec_token_ids = cap_drafts(request, tokens, cap)
+                limit = cap if policy is None else policy.limit(rid)
+                request.spec_token_ids = cap_drafts(request, tokens, limit)
 
     def _check_stop(self, request: Request, token: int) -> bool:
         sp = request.sampling_params
@@ -478,6 +485,8 @@ class Scheduler:
         rid = request.request_id
         self._finished_req_ids.add(rid)
         self._num_tokens_sent.pop(rid, None)
+        if self.draft_policy is not None:
+            self.draft_policy.forget(rid)
         delay, params = False, None
         if self.connector is not None:
             delay, params = self.connector.request_finished(request, self.kv.get_block_ids(rid))

@@ -15,6 +15,14 @@ vLLM v1's model, which needs no new request state beyond the drafts:
              by the k - a rejected drafts, so their KV slots are simply
              overwritten next step; each returned token passes the stop checks
              in order, and the rest are dropped at the first stop.
+
+Drafts cost compute whether or not they are accepted: at a large batch a
+rejected draft token costs about as much as a decoded one. `DraftLengthPolicy`
+lets each request earn its draft length (HF assisted generation's heuristic:
++2 after a fully accepted draft, the accepted length + 1 after a partial one),
+and a request whose drafts are rejected outright stops drafting for an
+exponentially growing number of proposals. Copying requests keep k drafts;
+requests where the proposer only guesses cost almost nothing.
 """
 
 from __future__ import annotations
@@ -55,6 +63,46 @@ def cap_drafts(request: Request, drafts: list[int], num_spec_tokens: int) -> lis
     so more than max_tokens - outputs - 1 drafts would be computed for nothing."""
     room = min(num_spec_tokens, request.max_tokens - request.num_output_tokens - 1)
     return list(drafts[:room]) if room > 0 else []
+
+
+class DraftLengthPolicy:
+    """Per request: how many drafts it may send next (see the module doc)."""
+
+    START = 2  # a fresh request proves itself first
+    MAX_WAIT = 64
+
+    __slots__ = ("k", "_limit", "_misses", "_wait")
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self._limit: dict[str, int] = {}
+        self._misses: dict[str, int] = {}  # consecutive drafts with nothing accepted
+        self._wait: dict[str, int] = {}  # proposals to skip before trying again
+
+    def limit(self, rid: str) -> int:
+        """Called once per proposal the worker makes for `rid`."""
+        wait = self._wait.get(rid, 0)
+        if wait:
+            self._wait[rid] = wait - 1
+            return 0
+        return self._limit.get(rid, min(self.k, self.START))
+
+    def observe(self, rid: str, num_drafts: int, num_accepted: int) -> None:
+        if num_accepted == num_drafts:
+            self._limit[rid] = min(self.k, num_drafts + 2)
+            self._misses.pop(rid, None)
+        elif num_accepted:
+            self._limit[rid] = num_accepted + 1
+            self._misses.pop(rid, None)
+        else:
+            misses = self._misses[rid] = self._misses.get(rid, 0) + 1
+            self._limit[rid] = 1
+            self._wait[rid] = min(self.MAX_WAIT, 2 ** misses)
+
+    def forget(self, rid: str) -> None:
+        self._limit.pop(rid, None)
+        self._misses.pop(rid, None)
+        self._wait.pop(rid, None)
 
 
 def lookahead_slots(request: Request, num_new_tokens: int, num_lookahead: int) -> int:

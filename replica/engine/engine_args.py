@@ -77,6 +77,8 @@ class EngineArgs(BaseModel):
             if self.speculative_config else 0,
             num_lookahead_tokens=self.speculative_config.num_lookahead_tokens
             if self.speculative_config else 0,
+            adaptive_draft_length=self.speculative_config.adaptive_draft_length
+            if self.speculative_config else True,
         )
 
     def cache_config(self, num_blocks: int) -> CacheConfig:

@@ -21,6 +21,9 @@ class SpeculativeConfig(BaseModel):
     model: Optional[str] = None
     prompt_lookup_min: Optional[int] = Field(None, ge=1)
     prompt_lookup_max: Optional[int] = Field(None, ge=1)
+    # fleetserve's: each request earns its draft length from its acceptance
+    # (scheduler/spec_decode.py); False drafts num_speculative_tokens always, as vLLM.
+    adaptive_draft_length: bool = True
 
     @model_validator(mode="after")
     def _resolve(self) -> "SpeculativeConfig":

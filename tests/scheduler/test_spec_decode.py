@@ -19,6 +19,7 @@ def _step(sched, sampled: dict, drafts: dict | None = None):
 
 
 def _prefilled(max_tokens=20, **kw):
+    kw.setdefault("adaptive_draft_length", False)
     sched = create_scheduler(num_spec_tokens=3, block_size=4, **kw)
     (req,) = create_requests(1, num_tokens=6, max_tokens=max_tokens)
     sched.add_request(req)
@@ -43,7 +44,7 @@ def test_drafts_are_scheduled_in_the_budget_and_rejected_ones_rolled_back():
 
 
 def test_stop_conditions_apply_to_every_accepted_token():
-    sched = create_scheduler(num_spec_tokens=3, block_size=4)
+    sched = create_scheduler(num_spec_tokens=3, block_size=4, adaptive_draft_length=False)
     req = Request("s", list(range(1, 7)), SamplingParams(max_tokens=20, stop_token_ids=[52]),
                   eos_token_id=EOS)
     sched.add_request(req)
@@ -62,7 +63,8 @@ def test_drafts_never_pass_max_tokens():
 
 
 def test_budget_cuts_drafts():
-    sched = create_scheduler(num_spec_tokens=3, block_size=4, max_num_batched_tokens=2)
+    sched = create_scheduler(num_spec_tokens=3, block_size=4, max_num_batched_tokens=2,
+                             adaptive_draft_length=False)
     (req,) = create_requests(1, num_tokens=6, max_tokens=20)
     sched.add_request(req)
     for _ in range(2):  # prefill chunks: drafts offered mid-prefill are ignored
@@ -106,3 +108,25 @@ def test_lookahead_slots_for_a_draft_model():
     # (3 without lookahead); drafts and lookahead are both uncached.
     assert len(sched.kv.get_block_ids("r0")) == 4
     assert sched.kv.num_cached_blocks["r0"] == 1
+
+
+def test_adaptive_draft_length_earns_and_backs_off():
+    sched = create_scheduler(num_spec_tokens=6, block_size=4, max_model_len=200)
+    (req,) = create_requests(1, num_tokens=6, max_tokens=100)
+    sched.add_request(req)
+    drafts = list(range(50, 56))
+    _step(sched, {"r0": [49]}, {"r0": drafts})
+    assert req.spec_token_ids == [50, 51]  # a fresh request starts with 2
+    _step(sched, {"r0": [50, 51, 9]}, {"r0": drafts})  # all accepted: 2 more
+    assert req.spec_token_ids == drafts[:4]
+    _step(sched, {"r0": drafts[:4] + [9]}, {"r0": drafts})
+    assert req.spec_token_ids == drafts  # capped at k
+    _step(sched, {"r0": [50, 9]}, {"r0": drafts})  # 1 of 6 accepted: next time 2
+    assert req.spec_token_ids == drafts[:2]
+    # Nothing accepted: one draft token next time, after skipping 2, then 4 proposals.
+    for wait in (2, 4):
+        _step(sched, {"r0": [9]}, {"r0": drafts})
+        for _ in range(wait):
+            assert req.spec_token_ids == []
+            _step(sched, {"r0": [9]}, {"r0": drafts})
+        assert req.spec_token_ids == [50]
