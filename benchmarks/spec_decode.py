@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-def build_cases(tokenizer, names: list[str], quick: bool) -> dict:
+def build_cases(tokenizer, names: list[str], quick: bool, max_new: int) -> dict:
     from _copy_prompts import copy_heavy_messages
     from offline_throughput import workload
 
@@ -42,10 +42,10 @@ def build_cases(tokenizer, names: list[str], quick: bool) -> dict:
         return [tokenizer.encode(apply_chat_template(tokenizer, m), add_special_tokens=False)
                 for m in copy_heavy_messages(n)]
 
-    max_new = 64 if quick else 256
+    max_new = 64 if quick else max_new
     cases = {}
     if "copy-b1" in names:
-        cases["copy-b1"] = dict(prompts=chats(2 if quick else 5), max_tokens=max_new, ignore_eos=False, batch=1)
+        cases["copy-b1"] = dict(prompts=chats(2 if quick else 3), max_tokens=max_new, ignore_eos=False, batch=1)
     if "copy-b16" in names:
         cases["copy-b16"] = dict(prompts=chats(16), max_tokens=max_new, ignore_eos=False, batch=16)
     if "a" in names:
@@ -77,7 +77,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=6, help="num_speculative_tokens")
     ap.add_argument("--lookup-min", type=int, default=2)
     ap.add_argument("--lookup-max", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=200, help="output cap of the copy cases")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--a-repeats", type=int, default=2, help="rounds of workload (a) (the long one)")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
 
@@ -90,7 +92,7 @@ def main() -> None:
     common = dict(dtype=args.dtype, max_num_seqs=64, enable_prefix_caching=False,
                   kv_cache_memory_bytes=1 << 30)
     engines = {"plain": LLM(args.model, **common), "ngram": LLM(args.model, speculative_config=spec, **common)}
-    cases = build_cases(engines["plain"].tokenizer, args.cases.split(","), args.quick)
+    cases = build_cases(engines["plain"].tokenizer, args.cases.split(","), args.quick, args.max_tokens)
     for llm in engines.values():  # warm-up: kernels, allocator, first-call paths
         run_case(llm, dict(prompts=next(iter(cases.values()))["prompts"][:2], max_tokens=8,
                            ignore_eos=True, batch=2))
@@ -99,7 +101,7 @@ def main() -> None:
     for name, case in cases.items():
         times = {e: [] for e in engines}
         accept = None
-        for _ in range(args.repeats):
+        for _ in range(args.a_repeats if name == "a" else args.repeats):
             outputs = {}
             for e, llm in engines.items():
                 before = llm.core.scheduler.spec_stats.snapshot()
@@ -127,7 +129,8 @@ def main() -> None:
 
     print()
     print(f"n-gram speculation (k={args.k}, lookup {args.lookup_min}-{args.lookup_max}), {args.model} "
-          f"{args.dtype}, torch threads {torch.get_num_threads()}, median of {args.repeats} interleaved rounds")
+          f"{args.dtype}, torch threads {torch.get_num_threads()}, median of {args.repeats} interleaved rounds "
+          f"({args.a_repeats} for (a))")
     print(f"{'case':<10}{'batch':>6}{'tokens':>8}{'plain tok/s':>13}{'ngram tok/s':>13}{'speedup':>9}"
           f"{'accept':>8}{'acc/draft':>10}")
     for r in rows:
