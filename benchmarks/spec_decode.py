@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-def build_cases(tokenizer, names: list[str], quick: bool, max_new: int) -> dict:
+def build_cases(tokenizer, names: list[str], quick: bool, max_new: int, a_prompts: int = 64,
+                a_tokens: int = 128) -> dict:
     from _copy_prompts import copy_heavy_messages
     from offline_throughput import workload
 
@@ -49,8 +50,8 @@ def build_cases(tokenizer, names: list[str], quick: bool, max_new: int) -> dict:
     if "copy-b16" in names:
         cases["copy-b16"] = dict(prompts=chats(16), max_tokens=max_new, ignore_eos=False, batch=16)
     if "a" in names:
-        prompts, outputs = workload("a", tokenizer, 16 if quick else 64)
-        cases["a"] = dict(prompts=prompts, max_tokens=outputs[0] // (4 if quick else 1),
+        prompts, _ = workload("a", tokenizer, 16 if quick else a_prompts)
+        cases["a"] = dict(prompts=prompts, max_tokens=32 if quick else a_tokens,
                           ignore_eos=True, batch=len(prompts))
     return cases
 
@@ -81,6 +82,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--a-repeats", type=int, default=2, help="rounds of workload (a) (the long one)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    ap.add_argument("--a-prompts", type=int, default=64, help="prompts of workload (a)")
+    ap.add_argument("--a-tokens", type=int, default=128, help="output tokens per prompt of (a)")
     args = ap.parse_args()
 
     import torch
@@ -90,9 +94,10 @@ def main() -> None:
     spec = {"method": "ngram", "num_speculative_tokens": args.k,
             "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max}
     common = dict(dtype=args.dtype, max_num_seqs=64, enable_prefix_caching=False,
-                  kv_cache_memory_bytes=1 << 30)
+                  kv_cache_memory_bytes=1 << 30, num_threads=args.threads)
     engines = {"plain": LLM(args.model, **common), "ngram": LLM(args.model, speculative_config=spec, **common)}
-    cases = build_cases(engines["plain"].tokenizer, args.cases.split(","), args.quick, args.max_tokens)
+    cases = build_cases(engines["plain"].tokenizer, args.cases.split(","), args.quick, args.max_tokens,
+                        args.a_prompts, args.a_tokens)
     for llm in engines.values():  # warm-up: kernels, allocator, first-call paths
         run_case(llm, dict(prompts=next(iter(cases.values()))["prompts"][:2], max_tokens=8,
                            ignore_eos=True, batch=2))
