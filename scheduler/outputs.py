@@ -57,6 +57,9 @@ class SchedulerOutput:
     # known tokens and are counted in num_scheduled_tokens:
     #   num_scheduled = (known tokens not yet computed) + len(drafts)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # The step's grammar bitmask for constrained requests (set by the engine core,
+    # read by the model runner's sampler; see replica/structured_output/manager.py).
+    structured_output: Any = None
 
     @property
     def is_empty(self) -> bool:

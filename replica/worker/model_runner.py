@@ -160,7 +160,8 @@ class ModelRunner:
                 hidden[torch.tensor(logits_index, dtype=torch.long, device=device)])
         if sample_rows and self.is_driver:
             tokens, entries = self._sample_and_verify(
-                logits, [states[i] for i in sample_rows], sample_drafts)
+                logits, [states[i] for i in sample_rows], sample_drafts,
+                [req_ids[i] for i in sample_rows], so.structured_output)
             for j, i in enumerate(sample_rows):
                 sampled[i] = tokens[j]
                 if entries[j] is not None:
@@ -168,15 +169,17 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(req_ids, states, query_lens, context_lens, hidden)
         drafts_out = None
         if self.proposer is not None and self.is_driver:
-            got = [i for i in sample_rows if sampled[i]]
+            # Constrained requests get no drafts: their grammar mask is for one position.
+            got = [i for i in sample_rows
+                   if sampled[i] and getattr(states[i].sampling_params, "structured_outputs", None) is None]
             drafts_out = self.proposer.propose(ProposeInput(
                 input_t, positions_t, attn_metadata, [req_ids[i] for i in got],
                 [states[i].token_ids + sampled[i] for i in got], [states[i].block_ids for i in got]))
         return ModelRunnerOutput(req_ids, sampled, logprobs or None, prompt_logprobs or None,
                                  spec_token_ids=drafts_out)
 
-    def _sample_and_verify(self, logits: torch.Tensor, rows: list[CachedRequestState],
-                           drafts: list) -> tuple[list[list[int]], list]:
+    def _sample_and_verify(self, logits: torch.Tensor, rows: list[CachedRequestState], drafts: list,
+                           row_ids: list[str], structured_output=None) -> tuple[list[list[int]], list]:
         """Sample every position of every row; keep each row's drafts while they
         equal what the target sampled, plus the target's token after them.
 
@@ -190,16 +193,20 @@ class ModelRunner:
         with probability p(x), and on rejection the token is drawn from p
         restricted to tokens != x -- the target distribution, exactly; greedy
         output is identical token for token. Returns (tokens, logprobs
-        entries or None) per row."""
-        params, prompts, outputs, generators = [], [], [], []
-        for s, d in zip(rows, drafts):
+        entries or None) per row. Constrained (grammar) requests never carry
+        drafts, so their one position takes the step's bitmask row."""
+        params, prompts, outputs, generators, mask_ids = [], [], [], [], []
+        for s, d, rid in zip(rows, drafts, row_ids):
             for j in range(len(d) + 1):
+                mask_ids.append(rid if j == 0 else "")
                 params.append(s.sampling_params)
                 prompts.append(s.prompt_token_ids)
                 outputs.append(s.output_token_ids + list(d[:j]) if j else s.output_token_ids)
                 generators.append(self._generator_at(s, len(s.output_token_ids) + j, j == 0))
         batch = SamplingBatch.build(params, prompts, outputs, generators, self.eos_token_id,
                                     self.vocab_size, self.device)
+        if structured_output is not None:
+            batch.token_bitmask = structured_output.for_rows(mask_ids, self.device)
         out = self.sampler(logits, batch)
         tokens, entries = [], []
         r = 0
