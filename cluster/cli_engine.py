@@ -24,7 +24,9 @@ from fleetserve.replica.engine.engine_args import EngineArgs
 
 # Nested application fields that keep vLLM's / the README's short spelling.
 FLAG_NAMES = {"http.host": "--host", "http.port": "--port", "grpc.port": "--grpc-port",
-              "grpc.enabled": "--grpc"}
+              "grpc.enabled": "--grpc",
+              # A nested model given whole, as vLLM's JSON flag (not walked field by field).
+              "speculative_config": "--speculative-config"}
 
 
 def _json_value(text: str) -> Any:

@@ -27,6 +27,14 @@ class SchedulerConfig(BaseModel):
     # Qualified name ("package.module:Class" or "package.module.Class") of a
     # Scheduler subclass to use instead of ours, as vLLM's scheduler_cls.
     scheduler_cls: str = "fleetserve.scheduler.scheduler:Scheduler"
+    # Speculative decoding: at most this many draft tokens per request and
+    # step (0: off), and KV slots reserved past them for a draft model that
+    # writes its own KV ahead of the target (0 for n-gram lookup).
+    num_spec_tokens: int = Field(0, ge=0)
+    num_lookahead_tokens: int = Field(0, ge=0)
+    # Each request earns its draft length from its acceptance (scheduler/spec_decode.py);
+    # False: always up to num_spec_tokens, as vLLM.
+    adaptive_draft_length: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> "SchedulerConfig":

@@ -53,6 +53,10 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
     kv_connector_metadata: Any = None
+    # req_id -> draft tokens to verify this step. They sit after the request's
+    # known tokens and are counted in num_scheduled_tokens:
+    #   num_scheduled = (known tokens not yet computed) + len(drafts)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # The step's grammar bitmask for constrained requests (set by the engine core,
     # read by the model runner's sampler; see replica/structured_output/manager.py).
     structured_output: Any = None
@@ -75,7 +79,8 @@ Logprobs = list[tuple[list[int], list[float], int]]
 class ModelRunnerOutput:
     req_ids: list[str]
     # Per request in `req_ids` order; empty for a prefill chunk that does not
-    # reach the end of the prompt.
+    # reach the end of the prompt. With draft tokens: the accepted drafts,
+    # then one token sampled by the target (the bonus or the correction).
     sampled_token_ids: list[list[int]]
     logprobs: Optional[dict[str, Logprobs]] = None
     prompt_logprobs: Optional[dict[str, Logprobs]] = None
@@ -83,6 +88,8 @@ class ModelRunnerOutput:
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
+    # Draft tokens the worker's proposer suggests for each request's next step.
+    spec_token_ids: Optional[dict[str, list[int]]] = None
 
     @staticmethod
     def empty() -> "ModelRunnerOutput":

@@ -4,9 +4,12 @@
     |--------------------------|-----------|
     |<--- num_computed_tokens --->|            (KV cache holds these)
     |<------------------ num_tokens ---------->|
+    |<------------------ num_tokens_with_spec ---------->|   (+ spec_token_ids)
 
 Each step the scheduler hands out tokens so that `num_computed_tokens`
-catches up with `num_tokens`; a decode is simply a gap of one.
+catches up with `num_tokens_with_spec`; a decode is simply a gap of one, a
+speculative decode a gap of one plus the draft tokens. Draft tokens are not
+part of `all_token_ids` (nor of its block hashes) until verified.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ class Request:
         "arrival_time", "priority", "cache_salt", "kv_transfer_params",
         "status", "num_computed_tokens", "output_token_ids", "_all_token_ids",
         "num_cached_tokens", "num_preemptions", "stop_reason", "block_hashes",
-        "max_tokens", "num_external_computed_tokens",
+        "max_tokens", "num_external_computed_tokens", "spec_token_ids",
     )
 
     def __init__(
@@ -95,6 +98,8 @@ class Request:
         self.block_hashes: list[int] = []
         # Resolved by the scheduler once max_model_len is known.
         self.max_tokens: int = self.sampling_params.max_tokens or 0
+        # Draft tokens proposed for the next step (unverified; see module doc).
+        self.spec_token_ids: list[int] = []
 
     # ---- token views -------------------------------------------------------
     @property
@@ -104,6 +109,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self._all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self._all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -20,6 +20,11 @@ and recompute after preemption.
     update_from_output(): append sampled tokens, apply stop conditions, free
     finished requests (unless the connector is still sending their KV),
     move finished remote loads back to waiting, roll back failed loads.
+
+Speculative decoding (scheduler/spec_decode.py) adds three touches: the gap
+counts the draft tokens (`num_tokens_with_spec`), the drafts scheduled this
+step travel in the SchedulerOutput, and update_from_output rolls
+`num_computed_tokens` back by the rejected drafts and stores the next drafts.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from fleetserve.scheduler.outputs import (CachedRequestData, EngineCoreOutput, M
                                           NewRequestData, SchedulerOutput)
 from fleetserve.scheduler.policies import make_capacity_policy, make_waiting_queue, pick_victim
 from fleetserve.scheduler.request import Request, RequestStatus
+from fleetserve.scheduler.spec_decode import (DraftLengthPolicy, SpecDecodingStats, cap_drafts,
+                                              lookahead_slots)
 
 
 @dataclass(slots=True)
@@ -47,6 +54,7 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    spec_decoding: Optional[SpecDecodingStats] = None
 
 
 class Scheduler:
@@ -76,6 +84,9 @@ class Scheduler:
         # Output tokens each worker-known request has not been sent yet.
         self._num_tokens_sent: dict[str, int] = {}
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodingStats(num_spec_tokens=scheduler_config.num_spec_tokens)
+        self.draft_policy = DraftLengthPolicy(scheduler_config.num_spec_tokens) \
+            if scheduler_config.adaptive_draft_length else None
 
     # ---- requests in and out ---------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -178,18 +189,20 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            n = self._num_new_tokens(request.num_tokens, request.num_computed_tokens, budget)
+            n = self._num_new_tokens(request.num_tokens_with_spec, request.num_computed_tokens,
+                                     budget)
             if n <= 0:
                 i += 1
                 continue
-            blocks = self.kv.allocate_slots(request, n)
+            slots = n + lookahead_slots(request, n, self.config.num_lookahead_tokens)
+            blocks = self.kv.allocate_slots(request, slots)
             preempted_now = False
             while blocks is None and self.capacity.can_preempt:
                 victim = pick_victim(running, self.config.policy)
                 if victim is request and self._release_waiting_holders(request):
                     # Blocks held in waiting (back from remote loads) went
                     # back to the pool instead: retry before preempting itself.
-                    blocks = self.kv.allocate_slots(request, n)
+                    blocks = self.kv.allocate_slots(request, slots)
                     continue
                 running.remove(victim)
                 # A victim scheduled earlier in this pass gives its tokens back.
@@ -200,7 +213,7 @@ class Scheduler:
                 preempted_now = True
                 if victim is request:
                     break
-                blocks = self.kv.allocate_slots(request, n)
+                blocks = self.kv.allocate_slots(request, slots)
             if request.status == RequestStatus.PREEMPTED:
                 break  # it had to preempt itself: nobody else can fit either
             if blocks is not None:
@@ -219,6 +232,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._num_tokens_sent.pop(request.request_id, None)
@@ -358,8 +372,16 @@ class Scheduler:
             cached_data.append(CachedRequestData(
                 rid, new_tokens, new_blocks.get(rid, empty), r.num_computed_tokens))
         total = 0
+        spec: dict[str, list[int]] = {}
         for rid, n in num_scheduled.items():
-            self.requests[rid].num_computed_tokens += n
+            r = self.requests[rid]
+            if r.spec_token_ids:
+                # The budget may have cut the drafts short; the rest are dropped.
+                num_spec = r.num_computed_tokens + n - r.num_tokens
+                if num_spec > 0:
+                    spec[rid] = r.spec_token_ids[:num_spec]
+                r.spec_token_ids = []
+            r.num_computed_tokens += n
             total += n
         finished, self._finished_req_ids = self._finished_req_ids, set()
         return SchedulerOutput(
@@ -369,6 +391,7 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             finished_req_ids=finished,
             preempted_req_ids={r.request_id for r in preempted},
+            scheduled_spec_decode_tokens=spec,
         )
 
     # ---- update ----------------------------------------------------------------
@@ -378,6 +401,7 @@ class Scheduler:
         if runner_output.invalid_block_ids:
             self._handle_invalid_blocks(runner_output.invalid_block_ids, scheduler_output)
         num_scheduled = scheduler_output.num_scheduled_tokens
+        spec = scheduler_output.scheduled_spec_decode_tokens
         logprobs = runner_output.logprobs
         prompt_logprobs = runner_output.prompt_logprobs
         stopped: list[Request] = []
@@ -390,6 +414,8 @@ class Scheduler:
             new_tokens: list[int] = []
             # Only a step that reached the end of the known tokens yields a token.
             if sampled and request.num_computed_tokens >= request.num_tokens:
+                if spec and rid in spec:
+                    self._roll_back_rejected(request, len(spec[rid]), len(sampled))
                 for token in sampled:
                     request.append_output_token_ids([token])
                     new_tokens.append(token)
@@ -409,8 +435,33 @@ class Scheduler:
         if stopped:
             drop = {id(r) for r in stopped}
             self.running = [r for r in self.running if id(r) not in drop]
+        if runner_output.spec_token_ids:
+            self._set_drafts(runner_output.spec_token_ids)
         self._update_from_connector(runner_output)
         return outputs
+
+    def _roll_back_rejected(self, request: Request, num_drafts: int, num_sampled: int) -> None:
+        """The worker returns the accepted drafts plus one token of its own:
+        the KV of the rejected drafts is wrong, so they count as not computed
+        (their slots are overwritten next step)."""
+        num_accepted = num_sampled - 1
+        request.num_computed_tokens -= num_drafts - num_accepted
+        self.spec_stats.observe(num_drafts, num_accepted)
+        if self.draft_policy is not None:
+            self.draft_policy.observe(request.request_id, num_drafts, num_accepted)
+
+    def _set_drafts(self, drafts: dict[str, list[int]]) -> None:
+        cap = self.config.num_spec_tokens
+        policy = self.draft_policy
+        running = RequestStatus.RUNNING
+        for rid, tokens in drafts.items():
+            request = self.requests.get(rid)
+            # Drafts follow the last known token: only for a request whose
+            # KV is complete up to it (not mid-prefill, not rolled back).
+            if request is not None and request.status == running and \
+                    request.num_computed_tokens == request.num_tokens - 1:
+                limit = cap if policy is None else policy.limit(rid)
+                request.spec_token_ids = cap_drafts(request, tokens, limit)
 
     def _check_stop(self, request: Request, token: int) -> bool:
         sp = request.sampling_params
@@ -434,6 +485,8 @@ class Scheduler:
         rid = request.request_id
         self._finished_req_ids.add(rid)
         self._num_tokens_sent.pop(rid, None)
+        if self.draft_policy is not None:
+            self.draft_policy.forget(rid)
         delay, params = False, None
         if self.connector is not None:
             delay, params = self.connector.request_finished(request, self.kv.get_block_ids(rid))
@@ -492,6 +545,7 @@ class Scheduler:
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            spec_decoding=self.spec_stats.snapshot() if self.config.num_spec_tokens else None,
         )
 
     def reset_prefix_cache(self) -> bool:

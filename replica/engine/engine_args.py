@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from fleetserve.replica.spec_decode.config import SpeculativeConfig
 from fleetserve.scheduler import CacheConfig, SchedulerConfig
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -72,6 +73,23 @@ class EngineArgs(BaseModel):
         "Bounded waiting queue per replica; a request beyond it is refused (HTTP 429)."))
     num_threads: Optional[int] = Field(None, ge=1, description=(
         "Torch threads per replica (unset: the CPUs Ray reserves for it, or the cores available)."))
+    speculative_config: Optional[SpeculativeConfig] = Field(None, description=(
+        "Speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 6, "
+        "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}, or a draft model sharing the "
+        "tokenizer: {\"model\": ..., \"num_speculative_tokens\": 4} (unset: off)."))
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _parse_speculative_config(cls, value):
+        return SpeculativeConfig.parse(value)
+
+    @model_validator(mode="after")
+    def _check_speculative(self) -> "EngineArgs":
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding with a draft model runs with "
+                             "tensor_parallel_size 1 only; use the 'ngram' method with TP")
+        return self
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(
@@ -84,6 +102,12 @@ class EngineArgs(BaseModel):
             policy=self.scheduling_policy,
             capacity_policy=self.capacity_policy,
             scheduler_cls=self.scheduler_cls,
+            num_spec_tokens=self.speculative_config.num_speculative_tokens
+            if self.speculative_config else 0,
+            num_lookahead_tokens=self.speculative_config.num_lookahead_tokens
+            if self.speculative_config else 0,
+            adaptive_draft_length=self.speculative_config.adaptive_draft_length
+            if self.speculative_config else True,
         )
 
     def cache_config(self, num_blocks: int) -> CacheConfig:

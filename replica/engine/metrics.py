@@ -125,6 +125,9 @@ class EngineMetrics:
                                  ["engine", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
                                  registry=r)
         self._last_queries = self._last_hits = self._last_preemptions = 0
+        # Speculative decoding (vLLM's names), created on the first stats that carry it.
+        self._spec = None
+        self._last_spec = None
 
     def cache_config(self, block_size: int, num_blocks: int, enable_prefix_caching: bool) -> None:
         """vllm:cache_config_info: an info gauge (always 1) whose labels carry the settings."""
@@ -187,6 +190,36 @@ class EngineMetrics:
         self._last_queries = stats.prefix_cache_queries
         self._last_hits = stats.prefix_cache_hits
         self._last_preemptions = stats.num_preemptions
+        if getattr(stats, "spec_decoding", None) is not None:
+            self._update_spec_decoding(stats.spec_decoding)
+
+    def _update_spec_decoding(self, spec) -> None:
+        """Counters advance by the delta since the last snapshot; acceptance
+        rate = accepted / draft tokens, per position from the `position` label."""
+        if self._spec is None:
+            r, labels, values = self.registry, ["model_name", "engine"], (self.model_name, ENGINE_INDEX)
+
+            def counter(name, doc, extra=()):
+                c = Counter(name, doc, labels + list(extra), registry=r)
+                return c if extra else c.labels(*values)
+
+            self._spec = {
+                "num_drafts": counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+                "num_draft_tokens": counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+                "num_accepted_tokens": counter("vllm:spec_decode_num_accepted_tokens",
+                                               "Number of accepted tokens."),
+                "per_pos": counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                   "Accepted tokens per draft position.", ["position"]),
+            }
+            self._last_spec = type(spec)()
+        last, m = self._last_spec, self._spec
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            m[name].inc(getattr(spec, name) - getattr(last, name))
+        prev = last.num_accepted_tokens_per_pos
+        for pos, count in enumerate(spec.num_accepted_tokens_per_pos):
+            m["per_pos"].labels(self.model_name, ENGINE_INDEX, str(pos)).inc(
+                count - (prev[pos] if pos < len(prev) else 0))
+        self._last_spec = spec
 
     def text(self) -> str:
         return generate_latest(self.registry).decode()

@@ -38,6 +38,14 @@
 #else
 #define FS_AVX512 0
 #endif
+// AVX2 + FMA without AVX-512 (e.g. AMD EPYC Rome/Milan): 8-lane float paths for attention, the
+// one kernel whose scalar fallback cannot be auto-vectorized (dot-product reductions and exp).
+#if !FS_AVX512 && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define FS_AVX2 1
+#else
+#define FS_AVX2 0
+#endif
 
 namespace {
 
@@ -488,6 +496,72 @@ void pv_avx(const T* const* vp, int64_t len, int64_t G, const float* scores, int
 
 #endif
 
+#if FS_AVX2
+inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
+}
+
+// e^x as exp16 (Cody-Waite reduction, degree-7 Taylor), 2^n built in the exponent bits.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365478515625f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  // n in [-126, 127] after the clamp: 2^n is a normal float.
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// scores[g][l] = qf_g . k_l (qf pre-scaled), float keys, D = 8 * NV; the query in registers.
+template <int NV>
+void scores_avx2(const float* qf, const float* const* kp, int64_t len, int64_t G, float* scores,
+                 int64_t stride_row) {
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 q[NV];
+    for (int c = 0; c < NV; ++c) q[c] = _mm256_loadu_ps(qf + g * 8 * NV + 8 * c);
+    for (int64_t l = 0; l < len; ++l) {
+      const float* k = kp[l];
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      for (int c = 0; c + 1 < NV; c += 2) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 8 * c), q[c], a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 8 * c + 8), q[c + 1], a1);
+      }
+      if (NV % 2) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 8 * (NV - 1)), q[NV - 1], a0);
+      scores[g * stride_row + l] = hsum8(_mm256_add_ps(a0, a1));
+    }
+  }
+}
+
+// out[g] = sum_l p[g][l] v[l] / sum[g], float values, the accumulator in registers.
+template <int NV>
+void pv_avx2(const float* const* vp, int64_t len, int64_t G, const float* scores, int64_t stride_row,
+             const float* inv_sum, float* out) {
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 acc[NV];
+    for (int c = 0; c < NV; ++c) acc[c] = _mm256_setzero_ps();
+    const float* p = scores + g * stride_row;
+    for (int64_t l = 0; l < len; ++l) {
+      const __m256 pv = _mm256_set1_ps(p[l]);
+      const float* v = vp[l];
+      for (int c = 0; c < NV; ++c) acc[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * c), acc[c]);
+    }
+    const __m256 s = _mm256_set1_ps(inv_sum[g]);
+    for (int c = 0; c < NV; ++c) _mm256_storeu_ps(out + g * 8 * NV + 8 * c, _mm256_mul_ps(acc[c], s));
+  }
+}
+#endif
+
 // One (token, kv head) task: scores, softmax and P*V over the first `len` cached keys. The G
 // query heads of the group share each key/value row (read from memory once; later heads find
 // it in L1/L2: one task's keys are len * D elements).
@@ -534,6 +608,17 @@ void decode_one(const T* q, const T* kc, const T* vc, const int64_t* blocks, int
 #endif
     default: vec = false;
   }
+#if FS_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    vec = true;
+    switch (D) {
+      case 32: scores_avx2<4>(qf, kp, len, G, scores, stride_row); break;
+      case 64: scores_avx2<8>(qf, kp, len, G, scores, stride_row); break;
+      case 128: scores_avx2<16>(qf, kp, len, G, scores, stride_row); break;
+      default: vec = false;
+    }
+  }
+#endif
   if (!vec) scores_scalar(qf, kp, len, D, G, scores, stride_row);
 
   // softmax per query head (unnormalized here; 1/sum applied to the output)
@@ -551,6 +636,14 @@ void decode_one(const T* q, const T* kc, const T* vc, const int64_t* blocks, int
       sv = _mm512_add_ps(sv, e);
     }
     sum = _mm512_reduce_add_ps(sv);
+#elif FS_AVX2
+    __m256 mv = _mm256_set1_ps(m), sv = _mm256_setzero_ps();
+    for (; l + 8 <= len; l += 8) {
+      __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + l), mv));
+      _mm256_storeu_ps(s + l, e);
+      sv = _mm256_add_ps(sv, e);
+    }
+    sum = hsum8(sv);
 #endif
     for (; l < len; ++l) {
       s[l] = std::exp(s[l] - m);
@@ -568,6 +661,15 @@ void decode_one(const T* q, const T* kc, const T* vc, const int64_t* blocks, int
     case 128: pv_avx<T, 8>(vp, len, G, scores, stride_row, inv_sum, out); return;
     case 256: pv_avx<T, 16>(vp, len, G, scores, stride_row, inv_sum, out); return;
     default: break;
+  }
+#elif FS_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    switch (D) {
+      case 32: pv_avx2<4>(vp, len, G, scores, stride_row, inv_sum, out); return;
+      case 64: pv_avx2<8>(vp, len, G, scores, stride_row, inv_sum, out); return;
+      case 128: pv_avx2<16>(vp, len, G, scores, stride_row, inv_sum, out); return;
+      default: break;
+    }
   }
 #endif
   std::fill(acc, acc + G * D, 0.f);

@@ -10,7 +10,10 @@ are flattened in one forward (prefill chunks and decodes mixed, no padding):
     req C (last prefill chunk):         tokens 64..70   -> sample
 
 Only the last position of a request that reaches the end of its known tokens
-is turned into logits and sampled.
+is turned into logits and sampled. With speculative decoding, a request's
+draft tokens follow its known tokens in the same forward, and every one of
+those positions is sampled (`_sample_and_verify`); a proposer then suggests
+the next drafts (replica/spec_decode/).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from fleetserve.replica.layers.attention import AttentionMetadata
 from fleetserve.replica.layers.sampler import Sampler, SamplingBatch, compute_prompt_logprobs, make_generator
 from fleetserve.replica.model_loader.weights import allocate_kv_caches, kv_cache_bytes_per_block, load_model
+from fleetserve.replica.spec_decode.proposer import ProposeInput, Proposer
 from fleetserve.scheduler import ModelRunnerOutput, SamplingParams, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -59,6 +63,8 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list = []
         self.num_blocks = 0
+        # Speculative decoding: set by the worker (None: off).
+        self.proposer: Optional[Proposer] = None
 
     @classmethod
     def load(cls, source, *, device: torch.device, dtype: torch.dtype, block_size: int,
@@ -69,11 +75,14 @@ class ModelRunner:
 
     # ---- KV cache ------------------------------------------------------------
     def bytes_per_block(self) -> int:
-        return kv_cache_bytes_per_block(self.hf_config, self.block_size, self.dtype, self.tp_size)
+        own = kv_cache_bytes_per_block(self.hf_config, self.block_size, self.dtype, self.tp_size)
+        return own + (self.proposer.bytes_per_block() if self.proposer is not None else 0)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.hf_config, num_blocks, self.block_size,
                                             self.dtype, self.device, self.tp_size)
+        if self.proposer is not None:
+            self.proposer.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
 
     # ---- persistent batch -------------------------------------------------------
@@ -106,25 +115,33 @@ class ModelRunner:
             return ModelRunnerOutput.empty()
         req_ids = list(so.num_scheduled_tokens)
         states = [self.requests[rid] for rid in req_ids]
+        spec = so.scheduled_spec_decode_tokens
 
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
         context_lens: list[int] = []
         sample_rows: list[int] = []  # index into req_ids
-        logits_index: list[int] = []  # flattened token index of each sampled row
+        sample_drafts: list = []  # draft tokens of each sampled row (most often none)
+        logits_index: list[int] = []  # flattened token index of each sampled position
         offset = 0
         for i, (rid, state) in enumerate(zip(req_ids, states)):
             n = so.num_scheduled_tokens[rid]
             start = state.num_computed_tokens
-            input_ids.extend(state.token_ids[start:start + n])
+            drafts = spec.get(rid, ()) if spec else ()
+            known = n - len(drafts)
+            input_ids.extend(state.token_ids[start:start + known])
+            if drafts:
+                input_ids.extend(drafts)
             positions.extend(range(start, start + n))
             query_lens.append(n)
             context_lens.append(start)
             offset += n
-            if start + n >= len(state.token_ids):
+            if start + known >= len(state.token_ids):
                 sample_rows.append(i)
-                logits_index.append(offset - 1)
+                sample_drafts.append(drafts)
+                # The last known token and every draft: each predicts the next token.
+                logits_index.extend(range(offset - len(drafts) - 1, offset))
             # The scheduler advanced its counter optimistically; mirror it.
             state.num_computed_tokens = start + n
 
@@ -132,10 +149,9 @@ class ModelRunner:
         attn_metadata = AttentionMetadata.build(
             query_lens, context_lens, [s.block_ids for s in states], self.block_size, device,
             request_ids=req_ids)
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device),
-            self.kv_caches, attn_metadata)
+        input_t = torch.tensor(input_ids, dtype=torch.long, device=device)
+        positions_t = torch.tensor(positions, dtype=torch.long, device=device)
+        hidden = self.model(input_t, positions_t, self.kv_caches, attn_metadata)
 
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: dict = {}
@@ -143,26 +159,79 @@ class ModelRunner:
             logits = self.model.compute_logits(
                 hidden[torch.tensor(logits_index, dtype=torch.long, device=device)])
         if sample_rows and self.is_driver:
-            rows = [states[i] for i in sample_rows]
-            for s in rows:
-                if s.generator is not None:
-                    # Reseed from (seed, output position): the draw for a given
-                    # token is the same whatever the batch or a preemption did.
-                    s.generator.manual_seed(
-                        (s.sampling_params.seed * 1_000_003 + len(s.output_token_ids)) % (1 << 63))
-            batch = SamplingBatch.build(
-                [s.sampling_params for s in rows], [s.prompt_token_ids for s in rows],
-                [s.output_token_ids for s in rows], [s.generator for s in rows],
-                self.eos_token_id, self.vocab_size, device)
-            if so.structured_output is not None:
-                batch.token_bitmask = so.structured_output.for_rows([req_ids[i] for i in sample_rows], device)
-            out = self.sampler(logits, batch)
+            tokens, entries = self._sample_and_verify(
+                logits, [states[i] for i in sample_rows], sample_drafts,
+                [req_ids[i] for i in sample_rows], so.structured_output)
             for j, i in enumerate(sample_rows):
-                sampled[i] = [out.sampled_token_ids[j]]
-                if out.logprobs[j] is not None:
-                    logprobs[req_ids[i]] = [out.logprobs[j]]
+                sampled[i] = tokens[j]
+                if entries[j] is not None:
+                    logprobs[req_ids[i]] = entries[j]
         prompt_logprobs = self._prompt_logprobs(req_ids, states, query_lens, context_lens, hidden)
-        return ModelRunnerOutput(req_ids, sampled, logprobs or None, prompt_logprobs or None)
+        drafts_out = None
+        if self.proposer is not None and self.is_driver:
+            # Constrained requests get no drafts: their grammar mask is for one position.
+            got = [i for i in sample_rows
+                   if sampled[i] and getattr(states[i].sampling_params, "structured_outputs", None) is None]
+            drafts_out = self.proposer.propose(ProposeInput(
+                input_t, positions_t, attn_metadata, [req_ids[i] for i in got],
+                [states[i].token_ids + sampled[i] for i in got], [states[i].block_ids for i in got]))
+        return ModelRunnerOutput(req_ids, sampled, logprobs or None, prompt_logprobs or None,
+                                 spec_token_ids=drafts_out)
+
+    def _sample_and_verify(self, logits: torch.Tensor, rows: list[CachedRequestState], drafts: list,
+                           row_ids: list[str], structured_output=None) -> tuple[list[list[int]], list]:
+        """Sample every position of every row; keep each row's drafts while they
+        equal what the target sampled, plus the target's token after them.
+
+        Position j of a row is sampled exactly as plain decoding would sample
+        that token: its own sampling params, the outputs so far plus drafts[:j]
+        (penalties, min_tokens), the seeded draw of that output position. If
+        drafts[:j] were accepted, they are the tokens plain decoding would have
+        produced, so position j's token has the same distribution as plain
+        decoding's. With a deterministic draft x (n-gram, greedy draft model)
+        this is rejection sampling with a point-mass proposal: x is accepted
+        with probability p(x), and on rejection the token is drawn from p
+        restricted to tokens != x -- the target distribution, exactly; greedy
+        output is identical token for token. Returns (tokens, logprobs
+        entries or None) per row. Constrained (grammar) requests never carry
+        drafts, so their one position takes the step's bitmask row."""
+        params, prompts, outputs, generators, mask_ids = [], [], [], [], []
+        for s, d, rid in zip(rows, drafts, row_ids):
+            for j in range(len(d) + 1):
+                mask_ids.append(rid if j == 0 else "")
+                params.append(s.sampling_params)
+                prompts.append(s.prompt_token_ids)
+                outputs.append(s.output_token_ids + list(d[:j]) if j else s.output_token_ids)
+                generators.append(self._generator_at(s, len(s.output_token_ids) + j, j == 0))
+        batch = SamplingBatch.build(params, prompts, outputs, generators, self.eos_token_id,
+                                    self.vocab_size, self.device)
+        if structured_output is not None:
+            batch.token_bitmask = structured_output.for_rows(mask_ids, self.device)
+        out = self.sampler(logits, batch)
+        tokens, entries = [], []
+        r = 0
+        for d in drafts:
+            row = out.sampled_token_ids[r:r + len(d) + 1]
+            num = 1
+            while num <= len(d) and row[num - 1] == d[num - 1]:
+                num += 1
+            tokens.append(row[:num])
+            lp = out.logprobs[r:r + num]
+            entries.append(None if lp[0] is None else lp)
+            r += len(d) + 1
+        return tokens, entries
+
+    def _generator_at(self, s: CachedRequestState, position: int, reuse: bool) -> Optional[torch.Generator]:
+        """The seeded request's generator for output `position`: seeded from
+        (seed, position), so a token's draw is the same whatever the batch, a
+        preemption or speculation did."""
+        if s.generator is None:
+            return None
+        seed = (s.sampling_params.seed * 1_000_003 + position) % (1 << 63)
+        if reuse:
+            s.generator.manual_seed(seed)
+            return s.generator
+        return make_generator(seed, self.device)
 
     def _prompt_logprobs(self, req_ids, states, query_lens, context_lens, hidden) -> dict:
         """Logprobs of prompt tokens 1.. for requests that asked, chunk by chunk."""

@@ -26,14 +26,33 @@ def test_generate_prints_the_engine_output(tiny_dir, capsys):
     assert printed == ref.outputs[0].text + "\n"
 
 
+def test_generate_with_speculative_config_prints_the_same(tiny_dir, capsys):
+    argv = ["generate", "def add(a, b):", "--model", tiny_dir, "--dtype", "float32",
+            "--max-tokens", "12", "--ignore-eos", "--quiet", "--num-threads", "1"]
+    assert main(argv) == 0
+    plain = capsys.readouterr().out
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    assert main(argv + ["--speculative-config", spec]) == 0
+    assert capsys.readouterr().out == plain
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--model", "no-such-model"], "unknown model"),
     (["--max-tokens", "0"], "max_tokens"),
     (["--temperature", "-1"], "temperature"),
     (["--max-num-seqs", "0"], "max_num_seqs"),
+    (["--speculative-config", '{"method": "ngram"}'], "num_speculative_tokens"),
 ])
 def test_generate_bad_input_is_a_clear_message(tiny_dir, capsys, argv, message):
     argv = ["generate", "hi", "--quiet"] + (argv if argv[0] == "--model" else ["--model", tiny_dir] + argv)
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_generate_bad_speculative_json_is_a_usage_error(tiny_dir, capsys):
+    with pytest.raises(SystemExit) as exc:  # argparse rejects it, as any malformed flag
+        main(["generate", "hi", "--quiet", "--model", tiny_dir, "--speculative-config", "{bad"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--speculative-config: not valid JSON" in err and "Traceback" not in err

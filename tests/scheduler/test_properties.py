@@ -13,14 +13,14 @@ from hypothesis import strategies as st
 
 from fleetserve.scheduler import Request, SamplingParams
 
-from tests.scheduler.utils import (EOS, VOCAB, ConnectorPlan, FakeModelRunner, TestConnector,
-                                   create_scheduler, reference_tokens, step)
+from tests.scheduler.utils import (EOS, VOCAB, ConnectorPlan, FakeModelRunner, FakeProposer,
+                                   TestConnector, create_scheduler, reference_tokens, step)
 
 PREFIXES = [[(7 * k + j) % (VOCAB - 1) + 1 for j in range(24)] for k in range(3)]
 
 
 @st.composite
-def workloads(draw, with_connector: bool):
+def workloads(draw, with_connector: bool, with_spec: bool = False):
     block_size = draw(st.sampled_from([1, 2, 4]))
     chunked = draw(st.booleans())
     max_model_len = draw(st.integers(8, 48))
@@ -37,6 +37,11 @@ def workloads(draw, with_connector: bool):
         policy=draw(st.sampled_from(["fcfs", "priority"])),
         capacity_policy=draw(st.sampled_from(["max_utilization", "guaranteed_no_evict"])),
     )
+    if with_spec:
+        config["num_spec_tokens"] = draw(st.integers(1, 5))
+        config["num_lookahead_tokens"] = draw(st.sampled_from([0, 0, config["num_spec_tokens"]]))
+        config["adaptive_draft_length"] = draw(st.booleans())
+        config["proposer_seed"] = draw(st.integers(0, 2**16))
     reqs = []
     for i in range(draw(st.integers(2, 10))):
         plen = draw(st.integers(1, 40))
@@ -73,8 +78,12 @@ def workloads(draw, with_connector: bool):
 def run_workload(config, reqs, with_connector: bool) -> None:
     plans = {r["rid"]: r["plan"] for r in reqs if r["plan"] is not None}
     connector = TestConnector(plans) if with_connector else None
+    config = dict(config)
+    proposer = None
+    if "proposer_seed" in config:
+        proposer = FakeProposer(config["num_spec_tokens"], config.pop("proposer_seed"))
     sched = create_scheduler(connector=connector, **config)
-    runner = FakeModelRunner(config["num_blocks"], config["block_size"], connector)
+    runner = FakeModelRunner(config["num_blocks"], config["block_size"], connector, proposer)
     by_id: dict[str, Request] = {}
     tokens: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
@@ -132,4 +141,18 @@ def test_random_workloads(workload):
 @SETTINGS
 @given(workloads(with_connector=True))
 def test_random_workloads_with_connector(workload):
+    run_workload(*workload, with_connector=True)
+
+
+@SETTINGS
+@given(workloads(with_connector=False, with_spec=True))
+def test_random_workloads_with_spec_decode(workload):
+    """Draft tokens (right, wrong, cut by the budget or max_model_len) change
+    nothing: same tokens, invariants after every step, no leaked blocks."""
+    run_workload(*workload, with_connector=False)
+
+
+@SETTINGS
+@given(workloads(with_connector=True, with_spec=True))
+def test_random_workloads_with_spec_decode_and_connector(workload):
     run_workload(*workload, with_connector=True)

@@ -111,11 +111,18 @@ class Load:
 
 
 class FakeModelRunner:
-    """Executes SchedulerOutputs against a simulated paged KV cache."""
+    """Executes SchedulerOutputs against a simulated paged KV cache.
+
+    With a `proposer`, it also verifies draft tokens as the real model runner
+    does (greedy: accept while the draft equals what the model samples at
+    that position, then add the model's own token) and returns the
+    proposer's drafts for the next step."""
 
     def __init__(self, num_blocks: int, block_size: int,
-                 connector: Optional["TestConnector"] = None) -> None:
+                 connector: Optional["TestConnector"] = None,
+                 proposer: Optional["FakeProposer"] = None) -> None:
         self.block_size = block_size
+        self.proposer = proposer
         self.slots: list[Optional[int]] = [None] * (num_blocks * block_size)
         self.reqs: dict[str, _WorkerReq] = {}
         self.connector = connector
@@ -170,21 +177,65 @@ class FakeModelRunner:
         req_ids, sampled = [], []
         computed_start = {c.req_id: c.num_computed_tokens for c in so.scheduled_cached_reqs}
         computed_start.update({n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs})
+        spec = so.scheduled_spec_decode_tokens
         for rid, n in so.num_scheduled_tokens.items():
             req = self.reqs[rid]
             start = computed_start[rid]
+            drafts = spec.get(rid, [])
+            tokens = req.tokens + drafts
+            assert start + n <= len(tokens), "scheduled past the known and draft tokens"
             prev = 7 if start == 0 else self.slots[self._slot(req, start - 1)]
             for pos in range(start, start + n):
-                prev = GARBAGE if prev in (None, GARBAGE) else kv_value(prev, req.tokens[pos])
+                prev = GARBAGE if prev in (None, GARBAGE) else kv_value(prev, tokens[pos])
                 self.slots[self._slot(req, pos)] = prev
             req_ids.append(rid)
             if start + n >= len(req.tokens):
-                sampled.append([GARBAGE_TOKEN if prev in (None, GARBAGE) else next_token(prev)])
+                assert start + n == len(tokens), "drafts scheduled only in part"
+                sampled.append(self._verify(req, drafts))
             else:
                 sampled.append([])
         sending = self.connector.take_finished_sending() if self.connector else set()
+        drafts_out = None
+        if self.proposer is not None:
+            drafts_out = {rid: self.proposer.propose(rid, self.reqs[rid].tokens + out)
+                          for rid, out in zip(req_ids, sampled) if out}
         return ModelRunnerOutput(req_ids, sampled, finished_sending=sending,
-                                 finished_recving=recving, invalid_block_ids=invalid)
+                                 finished_recving=recving, invalid_block_ids=invalid,
+                                 spec_token_ids=drafts_out)
+
+    def _verify(self, req: _WorkerReq, drafts: list[int]) -> list[int]:
+        """Accepted drafts + the model's token after them, from the KV just written."""
+        out = []
+        base = len(req.tokens) - 1
+        for j in range(len(drafts) + 1):
+            kv = self.slots[self._slot(req, base + j)]
+            out.append(GARBAGE_TOKEN if kv in (None, GARBAGE) else next_token(kv))
+            if j < len(drafts) and drafts[j] != out[-1]:
+                break
+        return out
+
+
+class FakeProposer:
+    """Drafts for the fake model: a random-length prefix of the true
+    continuation, then random tokens (so acceptance varies from 0 to all)."""
+
+    def __init__(self, k: int, seed: int) -> None:
+        import random
+
+        self.k = k
+        self.rng = random.Random(seed)
+
+    def propose(self, rid: str, tokens: list[int]) -> list[int]:
+        num = self.rng.randint(0, self.k)
+        num_right = self.rng.randint(0, num)
+        prev = prefix_kv(tokens)[-1]
+        out = []
+        for _ in range(num_right):
+            tok = next_token(prev)
+            out.append(tok)
+            prev = kv_value(prev, tok)
+        out += [self.rng.randint(0, VOCAB - 1) for _ in range(num - num_right)]
+        return out
 
 
 @dataclass

@@ -1,0 +1,70 @@
+"""`--speculative-config '<json>'`, with vLLM's field names and defaults.
+
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    {"model": "/path/to/draft", "num_speculative_tokens": 4}
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class SpeculativeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    method: Optional[Literal["ngram", "draft_model"]] = None
+    num_speculative_tokens: int = Field(ge=1, le=32)
+    # A draft model: a registry name, .gguf file or HF folder (same tokenizer as the target).
+    model: Optional[str] = None
+    prompt_lookup_min: Optional[int] = Field(None, ge=1)
+    prompt_lookup_max: Optional[int] = Field(None, ge=1)
+    # fleetserve's: each request earns its draft length from its acceptance
+    # (scheduler/spec_decode.py); False drafts num_speculative_tokens always, as vLLM.
+    adaptive_draft_length: bool = True
+
+    @model_validator(mode="after")
+    def _resolve(self) -> "SpeculativeConfig":
+        method = self.method
+        if method is None:
+            # vLLM infers the method: a draft model when `model` is given
+            # ("ngram" as the model name is the old spelling of n-gram).
+            if self.model in ("ngram", "[ngram]"):
+                method = "ngram"
+            elif self.model is not None:
+                method = "draft_model"
+            else:
+                raise ValueError("speculative config: give a 'method' ('ngram') or a draft 'model'")
+            object.__setattr__(self, "method", method)
+        if method == "draft_model" and not self.model:
+            raise ValueError("speculative config: method 'draft_model' needs a 'model'")
+        if method == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            # vLLM's defaults: both 5 when neither is given, else the one given.
+            lo, hi = (5, 5) if lo is None and hi is None else (lo or hi, hi or lo)
+            if lo > hi:
+                raise ValueError(f"speculative config: prompt_lookup_min ({lo}) > prompt_lookup_max ({hi})")
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+        return self
+
+    @classmethod
+    def parse(cls, value: "str | dict[str, Any] | SpeculativeConfig | None") -> Optional["SpeculativeConfig"]:
+        """From the CLI's JSON string, a dict (YAML) or an instance; None stays None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config is not valid JSON: {e}") from e
+        if not isinstance(value, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        return cls(**value)
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots past the drafts that the proposer writes into (scheduler side)."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
