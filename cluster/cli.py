@@ -32,7 +32,8 @@ def add_serve_parser(sub) -> None:
     add_engine_flags(p)
     app = p.add_argument_group("application")
     app.add_argument("--num-replicas", type=int, help="engine replicas (default 2)")
-    app.add_argument("--routing-policy", choices=["power_of_two", "least_loaded", "prefix_aware"])
+    app.add_argument("--routing-policy", choices=["power_of_two", "least_loaded", "prefix_aware",
+                                                     "prefix_aware_approx"])
     app.add_argument("--api-key", help="require 'Authorization: Bearer <key>'")
     app.add_argument("--host", help="HTTP host (default 127.0.0.1)")
     app.add_argument("--port", type=int, help="HTTP port (default 8000)")

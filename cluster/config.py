@@ -26,7 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fleetserve.replica.engine.engine_args import EngineArgs
 
-RoutingPolicyName = Literal["power_of_two", "least_loaded", "prefix_aware"]
+# prefix_aware routes on the engines' KV events (a cluster-wide index of what each
+# replica caches); prefix_aware_approx guesses from where prompts were sent.
+RoutingPolicyName = Literal["power_of_two", "least_loaded", "prefix_aware", "prefix_aware_approx"]
 
 
 class HTTPOptions(BaseModel):

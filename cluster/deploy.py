@@ -32,6 +32,7 @@ from ray.serve.config import HTTPOptions, RequestRouterConfig, gRPCOptions
 
 from fleetserve.cluster.config import AppConfig
 from fleetserve.router.ingress import IngressDeployment
+from fleetserve.router.policies import POLICIES
 from fleetserve.router.replica import EngineReplica
 from fleetserve.router.request_router import FleetRequestRouter
 
@@ -171,6 +172,8 @@ def build_app(config: AppConfig):
         # machine: replicas sharing cores with all-core OpenMP pools spin against
         # each other (5-20x slower, docs MEASURED).
         engine_args["num_threads"] = max(1, int(config.num_cpus_per_replica))
+    if POLICIES[config.routing_policy].uses_kv_events:
+        engine_args["enable_kv_cache_events"] = True  # the router's prefix index reads them
     return ingress.bind(replica.bind(engine_args, config.engine_cls),
                         served_model_name=config.served_model_name, api_key=config.api_key,
                         max_body_bytes=config.http.max_body_bytes, model_aliases=aliases)

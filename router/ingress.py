@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import hmac
 import json
+import logging
 import os
 import uuid
 from typing import AsyncIterator, Optional, Union
@@ -30,11 +32,14 @@ from fleetserve.router import openai_format as fmt
 from fleetserve.router.errors import (APIError, error_body, field_path, from_validation_error, is_error,
                                       to_response)
 from fleetserve.router.grpc_service import GrpcMethods
+from fleetserve.router.kv_subscriber import KVEventSubscriber
 from fleetserve.router.metrics import merge_metrics
 from fleetserve.router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest, sampling_dict)
 from fleetserve.router.registry import get_router
 from fleetserve.router.request_router import TARGET_KWARG
+
+logger = logging.getLogger("ray.serve")
 
 app = FastAPI(title="fleetserve", docs_url=None, redoc_url=None)
 
@@ -82,6 +87,11 @@ class Ingress(GrpcMethods):
         self._max_body_bytes = max_body_bytes
         self._info: Optional[dict] = None
         self._info_lock = asyncio.Lock()
+        self._kv_subscriber: Optional[KVEventSubscriber] = None
+        try:  # follow the engines' KV events from the start, not from the first request
+            asyncio.get_running_loop().create_task(self._warm_up(), context=contextvars.Context())
+        except RuntimeError:
+            pass  # no loop yet: the first request starts it
 
     # -- shared plumbing (HTTP and gRPC) ---------------------------------------
 
@@ -90,7 +100,23 @@ class Ingress(GrpcMethods):
             async with self._info_lock:
                 if self._info is None:
                     self._info = await self._engine.get_info.remote()
+                    self._start_kv_subscriber()
         return self._info
+
+    async def _warm_up(self) -> None:
+        try:
+            await self.info()
+        except Exception as e:  # noqa: BLE001 - replicas not up yet: the first request retries
+            logger.info("ingress warm-up: replicas not reachable yet: %r", e)
+
+    def _start_kv_subscriber(self) -> None:
+        """Feed the routing policy's KV index (precise prefix routing) with every replica's
+        KV events, when the policy has one (router.kv_subscriber)."""
+        router = get_router(self._engine.app_name, self._engine.deployment_name)
+        index = getattr(getattr(router, "policy", None), "kv_index", None)
+        if index is not None and self._kv_subscriber is None:
+            self._kv_subscriber = KVEventSubscriber(self._engine, router.replica_ids, index)
+            self._kv_subscriber.start()
 
     def decode_one(self, token_id: int) -> str:
         return self._info["tokenizer"].decode([token_id])
@@ -318,6 +344,18 @@ class Ingress(GrpcMethods):
                  "# TYPE fleetserve:router_ongoing_requests gauge"]
         for rid, n in sorted(router.ongoing().items()):
             lines.append(f'fleetserve:router_ongoing_requests{{replica="{rid}"}} {n}')
+        index = getattr(router.policy, "kv_index", None)
+        if index is not None:
+            lines += ["# HELP fleetserve:router_kv_index_blocks Block hashes the router's prefix "
+                      "index holds per replica (from the engines' KV events).",
+                      "# TYPE fleetserve:router_kv_index_blocks gauge"]
+            for rid in sorted(index.replicas()):
+                lines.append(f'fleetserve:router_kv_index_blocks{{replica="{rid}"}} '
+                             f'{len(index.hashes_of(rid))}')
+            lines += ["# HELP fleetserve:router_kv_index_resyncs Snapshots the prefix index "
+                      "loaded (first contact, restarts, sequence gaps).",
+                      "# TYPE fleetserve:router_kv_index_resyncs counter",
+                      f"fleetserve:router_kv_index_resyncs_total {index.num_resyncs}"]
         return "\n".join(lines) + "\n"
 
     # -- request parsing -------------------------------------------------------

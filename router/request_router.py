@@ -33,8 +33,8 @@ TARGET_KWARG = "_fleetserve_target"
 class FleetRequestRouter(RequestRouter):
     def initialize_state(self, policy: str = "power_of_two", **policy_kwargs: Any) -> None:
         self.policy: RoutingPolicy = make_policy(policy, **policy_kwargs)
-        # internal request id -> (replica id, prompt tokens) for requests in flight.
-        self._inflight: dict[str, tuple[str, int]] = {}
+        # internal request id -> (replica id, prompt tokens, request id) for requests in flight.
+        self._inflight: dict[str, tuple[str, int, str]] = {}
         self._ongoing: dict[str, list[int]] = {}  # replica id -> [requests, tokens]
         self._lock = threading.Lock()
         registry.register(self._deployment_id.app_name, self._deployment_id.name, self)
@@ -75,7 +75,9 @@ class FleetRequestRouter(RequestRouter):
         with self._lock:
             entry = self._inflight.pop(internal_request_id, None)
             if entry is not None:
-                self._release(*entry)
+                self._release(*entry[:2])
+        if entry is not None:
+            self.policy.on_completed(entry[2])
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -99,8 +101,9 @@ class FleetRequestRouter(RequestRouter):
         with self._lock:
             previous = self._inflight.pop(internal_id, None)
             if previous is not None:  # Serve retried routing (a full tier): undo
-                self._release(*previous)
-            self._inflight[internal_id] = (replica_id, len(request.prompt_token_ids))
+                self._release(*previous[:2])
+            self._inflight[internal_id] = (replica_id, len(request.prompt_token_ids),
+                                           request.request_id)
             counts = self._ongoing.setdefault(replica_id, [0, 0])
             counts[0] += 1
             counts[1] += len(request.prompt_token_ids)

@@ -59,7 +59,8 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.connector = connector
         self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
-                                 cache_config.enable_prefix_caching)
+                                 cache_config.enable_prefix_caching,
+                                 cache_config.enable_kv_cache_events)
         self.capacity = make_capacity_policy(scheduler_config.capacity_policy)
 
         self.requests: dict[str, Request] = {}
@@ -496,3 +497,7 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
+
+    def take_kv_events(self):
+        """KV cache events since the last call, as one `KVEventBatch` (or None)."""
+        return self.kv.take_events()

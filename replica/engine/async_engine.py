@@ -33,7 +33,7 @@ from fleetserve.replica.model_loader.registry import resolve_model
 from fleetserve.replica.engine.outputs import RequestOutput
 from fleetserve.replica.engine.processor import InputProcessor, OutputProcessor, PromptType
 from fleetserve.replica.engine.tokenizer import apply_chat_template, load_tokenizer
-from fleetserve.scheduler import SamplingParams
+from fleetserve.scheduler import KVEventLog, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,8 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._dead: Optional[str] = None  # why the engine cannot serve any more
+        # What the prefix cache gains and loses, for subscribers (the router's prefix index).
+        self.kv_events: Optional[KVEventLog] = KVEventLog() if args.enable_kv_cache_events else None
         client_cls = ProcessCoreClient if use_core_process(args, core_process) else ThreadCoreClient
         self._client = client_cls(args, self.tokenizer.eos_token_id, self._on_step, self._on_failure)
         self.max_model_len = self._client.max_model_len
@@ -162,6 +164,8 @@ class AsyncEngine:
     def _on_step(self, result: StepResult) -> None:
         """One step's outputs: on the engine thread, or wherever a core process's results are
         read (the callers' event loop, or a `get_load`/`metrics_text` caller between loops)."""
+        if result.kv_events is not None and self.kv_events is not None:
+            self.kv_events.append(result.kv_events)
         op = self.output_processor
         with self._lock:
             if result.newly_scheduled:

@@ -188,6 +188,7 @@ class ThreadCoreClient(_CoreClient):
                 message, dead = fail_in_flight(core, e)
                 self.load, self.stats = load_of(core)
                 self._on_failure(message, dead)
+                self._flush_kv_events()
                 continue
             self.load, self.stats = load_of(core)
             self._on_step(result)
@@ -199,6 +200,13 @@ class ThreadCoreClient(_CoreClient):
                 self._adds_seen += 1
             apply_command(self.core, kind, payload)
         self.load, self.stats = load_of(self.core)
+        self._flush_kv_events()
+
+    def _flush_kv_events(self) -> None:
+        """KV events that commands caused between steps reach the caller as an empty step."""
+        events = self.core.take_kv_events()
+        if events is not None:
+            self._on_step(events)
 
 
 class ProcessCoreClient(_CoreClient):

@@ -45,6 +45,9 @@ class EngineArgs(BaseModel):
     max_waiting_requests: int = Field(1024, ge=1)
     # torch threads for this process (None: chosen from the cores available).
     num_threads: Optional[int] = Field(None, ge=1)
+    # Publish KV cache events (block stored / removed) for the router's prefix index
+    # (vLLM: --kv-events-config '{"enable_kv_cache_events": true}').
+    enable_kv_cache_events: bool = False
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(
@@ -61,4 +64,5 @@ class EngineArgs(BaseModel):
 
     def cache_config(self, num_blocks: int) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, num_blocks=num_blocks,
-                           enable_prefix_caching=self.enable_prefix_caching)
+                           enable_prefix_caching=self.enable_prefix_caching,
+                           enable_kv_cache_events=self.enable_kv_cache_events)

@@ -17,7 +17,7 @@ from typing import Iterable, Optional
 
 from fleetserve.replica.engine.engine_args import EngineArgs
 from fleetserve.replica.executor import Executor, make_executor
-from fleetserve.scheduler import EngineCoreOutput, Request, RequestStatus, create_scheduler
+from fleetserve.scheduler import EngineCoreOutput, KVEventBatch, Request, RequestStatus, create_scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,8 @@ class StepResult:
     newly_scheduled: list[str] = field(default_factory=list)
     num_scheduled_tokens: int = 0
     timestamp: float = 0.0
+    # What the prefix cache gained and lost (scheduler.kv_events), when events are on.
+    kv_events: Optional[KVEventBatch] = None
 
 
 def resolve_max_model_len(args: EngineArgs, hf_config) -> int:
@@ -82,7 +84,14 @@ class EngineCore:
         # Resumed (preempted) requests are sent as new again; the output
         # processor keeps only the first schedule time of each request.
         scheduled = [n.req_id for n in scheduler_output.scheduled_new_reqs]
-        return StepResult(outputs, scheduled, scheduler_output.total_num_scheduled_tokens, now)
+        return StepResult(outputs, scheduled, scheduler_output.total_num_scheduled_tokens, now,
+                          self.scheduler.take_kv_events())
+
+    def take_kv_events(self) -> Optional[StepResult]:
+        """KV events that commands (aborts, finishes) caused between steps, as an empty step's
+        result, so they reach subscribers even when no step follows; None when there are none."""
+        batch = self.scheduler.take_kv_events()
+        return None if batch is None else StepResult([], kv_events=batch)
 
     def get_load(self) -> dict:
         s = self.scheduler
