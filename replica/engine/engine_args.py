@@ -10,6 +10,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fleetserve.kv_transfer.config import KVTransferConfig
 from fleetserve.scheduler import CacheConfig, SchedulerConfig
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -45,6 +46,8 @@ class EngineArgs(BaseModel):
     max_waiting_requests: int = Field(1024, ge=1)
     # torch threads for this process (None: chosen from the cores available).
     num_threads: Optional[int] = Field(None, ge=1)
+    # KV transfer (vLLM's --kv-transfer-config): connector, role, failure policy.
+    kv_transfer_config: Optional[KVTransferConfig] = None
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(
