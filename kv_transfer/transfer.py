@@ -214,6 +214,9 @@ class TransferScheduler(KVConnectorScheduler):
             return self.config.kv_load_failure_policy
         return "recompute"  # an opportunistic prefix-cache hit: just compute it
 
+    def shutdown(self) -> None:
+        self.transport.shutdown()
+
 
 class TransferWorker(KVConnectorWorker):
     def __init__(self, config: KVTransferConfig, ctx: ConnectorContext, transport: Transport,
