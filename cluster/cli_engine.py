@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
+
+
+def json_object(text: str) -> dict:
+    """A JSON object flag (argparse names this function in its error message)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError("expected a JSON object")
+    return value
+
 
 # CLI flag -> EngineArgs field type. Flags not given stay unset (argparse.SUPPRESS),
 # so the EngineArgs defaults (or a YAML file) apply.
@@ -13,6 +23,8 @@ ENGINE_FLAGS = {
     "num_gpu_blocks_override": int, "kv_cache_memory_bytes": int, "max_waiting_requests": int,
     "long_prefill_token_threshold": int, "scheduling_policy": str, "capacity_policy": str,
     "seed": int, "num_threads": int, "device": str,
+    # '{"kv_connector": "SharedStorageConnector", "kv_role": "kv_both", ...}' (kv_transfer.config)
+    "kv_transfer_config": json_object,
 }
 BOOL_FLAGS = ("enable_prefix_caching", "enable_chunked_prefill")
 

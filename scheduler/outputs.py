@@ -98,6 +98,8 @@ class EngineCoreOutput:
     new_prompt_logprobs: Optional[Logprobs] = None
     num_cached_tokens: int = 0
     kv_transfer_params: Optional[dict[str, Any]] = None
+    # Of num_cached_tokens, the prompt tokens whose KV a connector loaded.
+    num_remote_tokens: int = 0
 
     @property
     def finished(self) -> bool:

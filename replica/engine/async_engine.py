@@ -33,6 +33,7 @@ from fleetserve.replica.model_loader.registry import resolve_model
 from fleetserve.replica.engine.outputs import RequestOutput
 from fleetserve.replica.engine.processor import InputProcessor, OutputProcessor, PromptType
 from fleetserve.replica.engine.tokenizer import apply_chat_template, load_tokenizer
+from fleetserve.kv_transfer.params import validate_kv_transfer_params
 from fleetserve.scheduler import KVEventLog, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         sp = sampling_params or SamplingParams()
+        kv_transfer_params = self._check_kv_transfer_params(kv_transfer_params)
         text, requests = self.input_processor.process(
             prompt, sp, request_id, priority=priority, cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params)
@@ -124,6 +126,16 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self._abort(request_id)
+
+    def _check_kv_transfer_params(self, params: Optional[dict]) -> Optional[dict]:
+        """KV transfer params come only from this keyword (never from sampling params or a
+        request body); refused unless this engine has a KV connector."""
+        if params is None:
+            return None
+        if self.args.kv_transfer_config is None:
+            raise ValueError("kv_transfer_params given, but this engine has no KV connector "
+                             "(--kv-transfer-config)")
+        return validate_kv_transfer_params(params)
 
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)

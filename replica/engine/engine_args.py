@@ -10,6 +10,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fleetserve.kv_transfer.config import KVTransferConfig
 from fleetserve.scheduler import CacheConfig, SchedulerConfig
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -48,6 +49,8 @@ class EngineArgs(BaseModel):
     # Publish KV cache events (block stored / removed) for the router's prefix index
     # (vLLM: --kv-events-config '{"enable_kv_cache_events": true}').
     enable_kv_cache_events: bool = False
+    # KV transfer (vLLM's --kv-transfer-config): connector, role, failure policy.
+    kv_transfer_config: Optional[KVTransferConfig] = None
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -20,6 +21,39 @@ from fleetserve.replica.executor import Executor, make_executor
 from fleetserve.scheduler import EngineCoreOutput, KVEventBatch, Request, RequestStatus, create_scheduler
 
 logger = logging.getLogger(__name__)
+
+KV_IDLE_POLL_S = 0.002
+
+
+def name_kv_engine(args: EngineArgs) -> EngineArgs:
+    """Give the KV connector an engine id (the same one on every TP rank) when none is set."""
+    cfg = args.kv_transfer_config
+    if cfg is None or cfg.engine_id is not None:
+        return args
+    return args.model_copy(update={"kv_transfer_config": cfg.model_copy(
+        update={"engine_id": uuid.uuid4().hex})})
+
+
+def make_scheduler_connector(args: EngineArgs, hf_config):
+    if args.kv_transfer_config is None:
+        return None
+    from fleetserve.kv_transfer.base import KVConnectorRole
+    from fleetserve.kv_transfer.factory import build_context, make_connector
+    from fleetserve.replica.worker.device import select_device, select_dtype
+
+    dtype = select_dtype(args.dtype, select_device(args.device))
+    ctx = build_context(args.kv_transfer_config, kv_model_id(args), hf_config, dtype,
+                        args.block_size, args.tensor_parallel_size)
+    return make_connector(args.kv_transfer_config, KVConnectorRole.SCHEDULER, ctx)
+
+
+def kv_model_id(args: EngineArgs) -> str:
+    """The model's name in KV fingerprints: the file or folder name of its weights, so
+    one model at two paths (or under an alias) still matches (set kv_connector_extra_config.model_id to
+    tell apart two fine-tunes of one architecture under one name)."""
+    from fleetserve.replica.model_loader.registry import resolve_model
+
+    return resolve_model(args.model).path.name
 
 
 @dataclass(slots=True)
@@ -46,14 +80,16 @@ def resolve_max_model_len(args: EngineArgs, hf_config) -> int:
 class EngineCore:
     def __init__(self, args: EngineArgs, eos_token_id: Optional[int],
                  executor: Optional[Executor] = None) -> None:
-        self.args = args
+        self.args = args = name_kv_engine(args)
         self.executor = executor or make_executor(args, eos_token_id)
         self.hf_config = self.executor.hf_config
         self.max_model_len = resolve_max_model_len(args, self.hf_config)
         num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(num_blocks)
+        # The scheduler half of the KV connector (the worker half lives with the KV).
+        self.kv_connector = make_scheduler_connector(args, self.hf_config)
         self.scheduler = create_scheduler(args.scheduler_config(self.max_model_len),
-                                          args.cache_config(num_blocks))
+                                          args.cache_config(num_blocks), self.kv_connector)
         capacity = num_blocks * args.block_size
         if capacity < self.max_model_len:
             logger.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: a request "
@@ -81,6 +117,9 @@ class EngineCore:
         now = time.monotonic()
         runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.kv_connector is not None and not outputs and scheduler_output.is_empty:
+            # Only transfers are pending (loads, leases): poll them without spinning a core.
+            time.sleep(KV_IDLE_POLL_S)
         # Resumed (preempted) requests are sent as new again; the output
         # processor keeps only the first schedule time of each request.
         scheduled = [n.req_id for n in scheduler_output.scheduled_new_reqs]
@@ -109,3 +148,5 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
