@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 from pydantic import ValidationError
 
-from fleetserve.cluster.cli_engine import add_engine_flags, engine_kwargs
+from fleetserve.cluster.cli_engine import add_engine_flags, engine_kwargs, json_object
 from fleetserve.cluster.generate import add_generate_parser
 
 log = logging.getLogger("fleetserve")
@@ -42,6 +42,14 @@ def add_serve_parser(sub) -> None:
     app.add_argument("--address", help="Ray address: 'auto' or host:port joins a cluster "
                                        "(default: an embedded local Ray)")
     app.add_argument("--num-cpus-per-replica", type=float)
+    pd = p.add_argument_group("prefill/decode disaggregation (config: pd)")
+    pd.add_argument("--pd", action="store_true", help="a prefill pool and a decode pool")
+    pd.add_argument("--num-prefill-replicas", type=int, help="prefill replicas (default 1)")
+    pd.add_argument("--num-decode-replicas", type=int, help="decode replicas (default 1)")
+    pd.add_argument("--kv-connector", help="ray_object_store (default), shared_storage, or a "
+                                          "connector's registered name / 'module:Class'")
+    pd.add_argument("--kv-connector-extra-config", type=json_object,
+                    help='connector options as JSON, e.g. \'{"path": "/mnt/kv"}\'')
     p.set_defaults(func=cmd_serve)
 
 
@@ -67,9 +75,23 @@ def config_from_args(args: argparse.Namespace):
         grpc["enabled"] = False
     if grpc:
         overrides["grpc"] = grpc
+    pd = pd_overrides(given)
+    if pd:
+        overrides["pd"] = pd
     if given.get("config"):
         return AppConfig.from_yaml(given["config"], **overrides)
     return AppConfig.model_validate(overrides)
+
+
+def pd_overrides(given: dict[str, Any]) -> dict[str, Any]:
+    pd: dict[str, Any] = {"enabled": True} if given.get("pd") else {}
+    for flag, pool in (("num_prefill_replicas", "prefill"), ("num_decode_replicas", "decode")):
+        if flag in given:
+            pd[pool] = {"num_replicas": given[flag]}
+    for flag in ("kv_connector", "kv_connector_extra_config"):
+        if flag in given:
+            pd[flag] = given[flag]
+    return pd
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

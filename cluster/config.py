@@ -14,6 +14,20 @@ YAML shape (every key optional)::
     http: {host: 127.0.0.1, port: 8000}
     grpc: {port: 9000}
     api_key: null
+    pd:                                  # prefill/decode disaggregation (off by default)
+      enabled: true
+      prefill: {num_replicas: 1, engine: {max_num_batched_tokens: 4096}}
+      decode: {num_replicas: 1, engine: {tensor_parallel_size: 1, max_num_seqs: 64}}
+      kv_connector: ray_object_store      # or shared_storage, or a registered/"module:Class" name
+      kv_connector_extra_config: {}       # e.g. {path: /mnt/kv} for shared_storage
+      min_prefill_tokens: 64              # uncached prompt tokens below this: decode computes them
+
+With `pd.enabled`, `num_replicas` is unused: the app has two engine pools, each a
+Ray Serve deployment of its own (`prefill`, `decode`), each pool's `engine` a set of
+`EngineArgs` fields laid over the top-level `engine` (so the model is named once),
+and its own `num_replicas` and `num_cpus_per_replica`. The pools' KV transfer
+configs are derived from `kv_connector` (prefill: `kv_producer`, decode:
+`kv_consumer`); clients see the same HTTP and gRPC API (`router/pd.py` has the flow).
 """
 
 from __future__ import annotations
@@ -22,7 +36,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fleetserve.replica.engine.engine_args import EngineArgs
 
@@ -66,6 +80,71 @@ class RoutingOptions(BaseModel):
     stats_period_s: float = Field(1.0, gt=0.0)
 
 
+# Short connector names (the CLI's --kv-connector) -> kv_transfer's registered names.
+KV_CONNECTORS = {"ray_object_store": "RayObjectStoreConnector",
+                 "shared_storage": "SharedStorageConnector"}
+
+
+class PDPool(BaseModel):
+    """One engine pool of a P/D app: its replicas and its engine settings."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_replicas: int = Field(1, ge=1)
+    # EngineArgs fields laid over the app's `engine` for this pool (tensor_parallel_size,
+    # max_num_seqs, max_num_batched_tokens, ...). kv_transfer_config is derived: leave it out.
+    engine: dict[str, Any] = Field(default_factory=dict)
+    # CPUs reserved per replica of this pool; None: the app's num_cpus_per_replica.
+    num_cpus_per_replica: Optional[float] = Field(None, ge=0.0)
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_fields(cls, v: dict[str, Any]) -> dict[str, Any]:
+        unknown = set(v) - set(EngineArgs.model_fields)
+        if unknown:
+            raise ValueError(f"unknown engine fields {sorted(unknown)}")
+        if "kv_transfer_config" in v or "model" in v:
+            raise ValueError("set model and the connector once for the app (engine.model, "
+                             "pd.kv_connector), not per pool")
+        return v
+
+
+class PDOptions(BaseModel):
+    """Prefill/decode disaggregation: a prefill pool, a decode pool, the connector between."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = False
+    prefill: PDPool = PDPool()
+    decode: PDPool = PDPool()
+    # ray_object_store | shared_storage | a kv_transfer registered name or "module:Class".
+    kv_connector: str = "ray_object_store"
+    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)
+    # What the decode engine does when a load fails or times out: recompute the prompt
+    # itself, or fail the request so the router retries it (as a recompute) within
+    # max_attempts. Either way the client gets the right tokens.
+    kv_load_failure_policy: Literal["recompute", "fail"] = "fail"
+    kv_lease_s: float = Field(30.0, gt=0)  # the prefill engine holds exported KV this long
+    kv_load_timeout_s: float = Field(10.0, gt=0)  # decode's deadline in WAITING_FOR_REMOTE_KVS
+    # Skip the prefill pool when the decode replica would compute fewer prompt tokens than
+    # this itself (its cache covers the rest, or the prompt is short).
+    min_prefill_tokens: int = Field(64, ge=0)
+    # Tries of the prefill call (another prefill replica each time) before the decode
+    # replica computes the prompt itself; and of the decode call after a failed load.
+    max_attempts: int = Field(2, ge=1)
+    prefill_timeout_s: float = Field(60.0, gt=0)
+
+    @property
+    def connector_name(self) -> str:
+        return KV_CONNECTORS.get(self.kv_connector, self.kv_connector)
+
+    def kv_transfer_config(self, role: str) -> dict[str, Any]:
+        return {"kv_connector": self.connector_name, "kv_role": role,
+                "kv_connector_extra_config": dict(self.kv_connector_extra_config),
+                "kv_load_failure_policy": self.kv_load_failure_policy,
+                "kv_lease_s": self.kv_lease_s, "kv_load_timeout_s": self.kv_load_timeout_s}
+
+
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
@@ -85,6 +164,17 @@ class AppConfig(BaseModel):
     num_cpus_per_replica: float = Field(1.0, ge=0.0)
     # The engine class each replica builds, "module:Class" (tests may swap it).
     engine_cls: str = "fleetserve.replica.engine.async_engine:AsyncEngine"
+    # Prefill/decode disaggregation (see PDOptions and the module docstring).
+    pd: PDOptions = PDOptions()
+
+    def pool_engine(self, pool: str) -> EngineArgs:
+        """The EngineArgs of a P/D pool ("prefill" or "decode"): the app's engine, the pool's
+        fields over it, and the KV transfer config of the pool's role."""
+        pool_cfg: PDPool = getattr(self.pd, pool)
+        role = "kv_producer" if pool == "prefill" else "kv_consumer"
+        return EngineArgs.model_validate({**self.engine.model_dump(exclude_unset=True),
+                                          **pool_cfg.engine,
+                                          "kv_transfer_config": self.pd.kv_transfer_config(role)})
 
     @property
     def served_model_name(self) -> str:
@@ -95,6 +185,15 @@ class AppConfig(BaseModel):
         """Serve's per-replica cap: above the engine's own queue so the engine
         answers 429 (bounded waiting) rather than Serve queueing forever."""
         return self.engine.max_num_seqs + self.engine.max_waiting_requests + 8
+
+    @property
+    def replica_cpus(self) -> float:
+        """CPUs the engine replicas reserve in all (both pools with P/D)."""
+        if not self.pd.enabled:
+            return self.num_replicas * self.num_cpus_per_replica
+        return sum(p.num_replicas * (self.num_cpus_per_replica if p.num_cpus_per_replica is None
+                                     else p.num_cpus_per_replica)
+                   for p in (self.pd.prefill, self.pd.decode))
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> "AppConfig":

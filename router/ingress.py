@@ -33,6 +33,7 @@ from fleetserve.router.errors import (APIError, error_body, field_path, from_val
                                       to_response)
 from fleetserve.router.grpc_service import GrpcMethods
 from fleetserve.router.kv_subscriber import KVEventSubscriber
+from fleetserve.router.pd import PDRouter, PDSettings
 from fleetserve.router.metrics import merge_metrics
 from fleetserve.router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest, sampling_dict)
@@ -70,7 +71,10 @@ async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
 class Ingress(GrpcMethods):
     def __init__(self, engine: DeploymentHandle, served_model_name: str,
                  api_key: Optional[str] = None, max_body_bytes: int = 4 << 20,
-                 model_aliases: tuple[str, ...] = ()) -> None:
+                 model_aliases: tuple[str, ...] = (), prefill: Optional[DeploymentHandle] = None,
+                 pd: Optional[dict] = None) -> None:
+        """`engine` is the engine pool requests stream from; with P/D (`prefill` and `pd`
+        given: router.pd) it is the decode pool, and `prefill` the prefill pool."""
         # Serve reads RAY_SERVE_USE_GRPC_BY_DEFAULT once, when ray.serve is imported, into the
         # default of every handle it builds. The engine handle was built in the driver, which
         # imports ray.serve before fleetserve exports the setting, so it arrives here set for
@@ -78,7 +82,13 @@ class Ingress(GrpcMethods):
         # (cluster.deploy puts it in this replica's runtime_env).
         if os.environ.get("RAY_SERVE_USE_GRPC_BY_DEFAULT") == "1":
             engine = engine.options(_by_reference=False)
+            prefill = prefill.options(_by_reference=False) if prefill is not None else None
         self._engine = engine
+        self._pools = [engine] + ([prefill] if prefill is not None else [])
+        self._pd: Optional[PDRouter] = None
+        if prefill is not None and pd is not None:
+            self._pd = PDRouter(engine, prefill, PDSettings(**pd.get("settings", {})),
+                                int(pd.get("block_size", 16)))
         self._stream = engine.options(stream=True)
         self._generate = self._stream.generate  # built once: each attribute access makes a new handle
         self.served_model_name = served_model_name
@@ -87,7 +97,7 @@ class Ingress(GrpcMethods):
         self._max_body_bytes = max_body_bytes
         self._info: Optional[dict] = None
         self._info_lock = asyncio.Lock()
-        self._kv_subscriber: Optional[KVEventSubscriber] = None
+        self._kv_subscribers: dict[str, KVEventSubscriber] = {}
         try:  # follow the engines' KV events from the start, not from the first request
             asyncio.get_running_loop().create_task(self._warm_up(), context=contextvars.Context())
         except RuntimeError:
@@ -100,7 +110,9 @@ class Ingress(GrpcMethods):
             async with self._info_lock:
                 if self._info is None:
                     self._info = await self._engine.get_info.remote()
-                    self._start_kv_subscriber()
+                    for pool in self._pools[1:]:
+                        await pool.get_info.remote()  # builds this process's router for it
+                    self._start_kv_subscribers()
         return self._info
 
     async def _warm_up(self) -> None:
@@ -109,14 +121,16 @@ class Ingress(GrpcMethods):
         except Exception as e:  # noqa: BLE001 - replicas not up yet: the first request retries
             logger.info("ingress warm-up: replicas not reachable yet: %r", e)
 
-    def _start_kv_subscriber(self) -> None:
-        """Feed the routing policy's KV index (precise prefix routing) with every replica's
-        KV events, when the policy has one (router.kv_subscriber)."""
-        router = get_router(self._engine.app_name, self._engine.deployment_name)
-        index = getattr(getattr(router, "policy", None), "kv_index", None)
-        if index is not None and self._kv_subscriber is None:
-            self._kv_subscriber = KVEventSubscriber(self._engine, router.replica_ids, index)
-            self._kv_subscriber.start()
+    def _start_kv_subscribers(self) -> None:
+        """Feed each pool's routing policy's KV index (precise prefix routing) with its
+        replicas' KV events, when the policy has one (router.kv_subscriber)."""
+        for pool in self._pools:
+            router = get_router(pool.app_name, pool.deployment_name)
+            index = getattr(getattr(router, "policy", None), "kv_index", None)
+            if index is not None and pool.deployment_name not in self._kv_subscribers:
+                sub = KVEventSubscriber(pool, router.replica_ids, index)
+                self._kv_subscribers[pool.deployment_name] = sub
+                sub.start()
 
     def decode_one(self, token_id: int) -> str:
         return self._info["tokenizer"].decode([token_id])
@@ -176,6 +190,9 @@ class Ingress(GrpcMethods):
 
     async def open_stream(self, body: dict):
         """Send to a replica; return (generator, first item). The first item may be an error."""
+        if self._pd is not None:
+            await self.info()  # the pools' routers exist: the P/D flow picks from them
+            return await self._pd.open_stream(body, ReplicaStream)
         gen = ReplicaStream(self._generate.remote(body))
         try:
             first = await gen.__anext__()
@@ -194,12 +211,13 @@ class Ingress(GrpcMethods):
         concurrent calls that share one (they hang).
         """
         await self.info()  # makes sure the handle's router exists and knows the replicas
-        router = get_router(self._engine.app_name, self._engine.deployment_name)
         results = {}
-        for rid in (router.replica_ids() if router else []):
-            call = self._engine.control.remote(op, **{TARGET_KWARG: rid})
-            r = await asyncio.wait_for(call, timeout_s)
-            results[r["replica"]] = r
+        for pool in self._pools:  # the engine pool; with P/D, the prefill pool too
+            router = get_router(pool.app_name, pool.deployment_name)
+            for rid in (router.replica_ids() if router else []):
+                call = pool.control.remote(op, **{TARGET_KWARG: rid})
+                r = await asyncio.wait_for(call, timeout_s)
+                results[r["replica"]] = r
         return results
 
     # -- HTTP: generation ------------------------------------------------------
@@ -337,26 +355,30 @@ class Ingress(GrpcMethods):
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def _router_metrics(self) -> str:
-        router = get_router(self._engine.app_name, self._engine.deployment_name)
-        if router is None:
+        routers = [r for r in (get_router(p.app_name, p.deployment_name) for p in self._pools)
+                   if r is not None]
+        if not routers:
             return ""
         lines = ["# HELP fleetserve:router_ongoing_requests Requests this ingress has in flight per replica.",
                  "# TYPE fleetserve:router_ongoing_requests gauge"]
-        for rid, n in sorted(router.ongoing().items()):
-            lines.append(f'fleetserve:router_ongoing_requests{{replica="{rid}"}} {n}')
-        index = getattr(router.policy, "kv_index", None)
-        if index is not None:
+        for router in routers:
+            for rid, n in sorted(router.ongoing().items()):
+                lines.append(f'fleetserve:router_ongoing_requests{{replica="{rid}"}} {n}')
+        indexes = [i for i in (getattr(r.policy, "kv_index", None) for r in routers) if i is not None]
+        if indexes:
             lines += ["# HELP fleetserve:router_kv_index_blocks Block hashes the router's prefix "
                       "index holds per replica (from the engines' KV events).",
                       "# TYPE fleetserve:router_kv_index_blocks gauge"]
-            for rid in sorted(index.replicas()):
-                lines.append(f'fleetserve:router_kv_index_blocks{{replica="{rid}"}} '
-                             f'{len(index.hashes_of(rid))}')
+            for index in indexes:
+                for rid in sorted(index.replicas()):
+                    lines.append(f'fleetserve:router_kv_index_blocks{{replica="{rid}"}} '
+                                 f'{len(index.hashes_of(rid))}')
             lines += ["# HELP fleetserve:router_kv_index_resyncs Snapshots the prefix index "
                       "loaded (first contact, restarts, sequence gaps).",
                       "# TYPE fleetserve:router_kv_index_resyncs counter",
-                      f"fleetserve:router_kv_index_resyncs_total {index.num_resyncs}"]
-        return "\n".join(lines) + "\n"
+                      f"fleetserve:router_kv_index_resyncs_total {sum(i.num_resyncs for i in indexes)}"]
+        text = "\n".join(lines) + "\n"
+        return text + (self._pd.metrics.text() if self._pd is not None else "")
 
     # -- request parsing -------------------------------------------------------
 

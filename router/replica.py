@@ -46,7 +46,11 @@ class EngineReplica:
 
     # -- generation ------------------------------------------------------------
 
-    async def generate(self, body: dict) -> AsyncIterator[dict]:
+    async def generate(self, body: dict, _fleetserve_target: Optional[str] = None
+                       ) -> AsyncIterator[dict]:
+        """Stream one request. `body["kv_transfer_params"]` (set by the router's P/D flow,
+        never taken from a client) asks the engine to export or load the prompt's KV;
+        `_fleetserve_target` pins the call to this replica (router.request_router)."""
         try:
             params = SamplingParams(**body["sampling_params"])
         except (TypeError, ValueError) as e:
@@ -54,9 +58,11 @@ class EngineReplica:
             return
         prompt_len = len(body["prompt_token_ids"])
         first = True
+        kv_params = body.get("kv_transfer_params")
         outputs = self.engine.generate(
             body["prompt_token_ids"], params, body["request_id"],
-            priority=int(body.get("priority", 0)), cache_salt=body.get("cache_salt"))
+            priority=int(body.get("priority", 0)), cache_salt=body.get("cache_salt"),
+            **({"kv_transfer_params": kv_params} if kv_params is not None else {}))
         try:
             async with contextlib.aclosing(ready_batches(outputs)) as batches:
                 async for batch in batches:
@@ -216,6 +222,14 @@ def _encode(out: Any, replica_id: str, prompt_len: Optional[int]) -> dict:
     }
     if prompt_len is not None:
         item["prompt_tokens"] = prompt_len
+    if out.finished:
+        # P/D: what a producer exported (to hand to the consumer), and how many prompt
+        # tokens a consumer loaded instead of computing (kv_transfer's RequestOutput).
+        params = getattr(out, "kv_transfer_params", None)
+        if params is not None:
+            item["kv_transfer_params"] = params
+        if getattr(out, "num_remote_tokens", 0):
+            item["num_remote_tokens"] = out.num_remote_tokens
     return item
 
 

@@ -1,0 +1,128 @@
+"""P/D end to end with the official `openai` client: 1 prefill + 1 decode replica.
+
+Greedy output equals one colocated engine's (the offline `LLM`, the same engine code on
+one replica); the decode side computes at most the last block of each prompt (the usage
+body says so: prompt_tokens - cached_tokens, remote_tokens); streaming and not, chat
+and completions; a short prompt skips the prefill pool. Faults, each followed by "the
+app still serves and every replica has all blocks free".
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import random
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.pd.conftest import BLOCK
+
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def colocated(pd_model_dir):
+    """Greedy text of one engine doing prefill and decode itself (same detokenizer)."""
+    from fleetserve import LLM, SamplingParams
+
+    llm = LLM(str(pd_model_dir), dtype="float32", block_size=BLOCK, max_model_len=256,
+              num_gpu_blocks_override=96, num_threads=1)
+    cache: dict[tuple, str] = {}
+
+    def text(prompt_ids: list[int], n: int = MAX_TOKENS) -> str:
+        key = (tuple(prompt_ids), n)
+        if key not in cache:
+            out = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=n,
+                                                          ignore_eos=True), use_tqdm=False)
+            cache[key] = out[0].outputs[0].text
+        return cache[key]
+
+    yield text
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+
+
+def tokenize(server, **body) -> list[int]:
+    r = httpx.post(server.base_url + "/tokenize", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+def long_prompt(rng: random.Random, words: int = 40) -> str:
+    return " ".join(f"item{rng.randrange(500)}" for _ in range(words))
+
+
+def check_usage(usage, prompt_len: int) -> None:
+    details = usage.prompt_tokens_details
+    assert usage.prompt_tokens == prompt_len
+    computed = prompt_len - details.cached_tokens
+    assert computed <= BLOCK, (prompt_len, details)
+    remote = details.model_extra.get("remote_tokens") if details.model_extra else None
+    assert remote is not None and remote >= prompt_len - BLOCK - (prompt_len % BLOCK), details
+
+
+def test_completions_equal_colocated_and_decode_computes_at_most_a_block(pd_server, colocated):
+    c = client(pd_server)
+    rng = random.Random(1)
+    before = pd_server.pd_tokens()
+    for i in range(3):
+        prompt = long_prompt(rng)
+        ids = tokenize(pd_server, prompt=prompt)
+        assert len(ids) > 2 * BLOCK
+        r = c.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS,
+                                 temperature=0, extra_body={"ignore_eos": True})
+        assert r.choices[0].text == colocated(ids)
+        check_usage(r.usage, len(ids))
+    after = pd_server.pd_tokens()
+    assert after.get("loaded", 0) > before.get("loaded", 0)
+    assert pd_server.pd_paths().get("pd", 0) >= 3
+    pd_server.wait_all_free()
+
+
+def test_streaming_chat_equals_colocated(pd_server, colocated):
+    c = client(pd_server)
+    rng = random.Random(2)
+    messages = [{"role": "system", "content": long_prompt(rng, 30)},
+                {"role": "user", "content": "Say something."}]
+    ids = tokenize(pd_server, messages=messages)
+    chunks = c.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    text, usage, finish = "", None, None
+    for ch in chunks:
+        if ch.usage is not None:
+            usage = ch.usage
+        for choice in ch.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    assert finish == "length"
+    assert text == colocated(ids)
+    check_usage(usage, len(ids))
+    # Not streamed, the same conversation: the same answer.
+    r = c.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == text
+    pd_server.wait_all_free()
+
+
+def test_short_prompt_skips_the_prefill_pool(pd_server, colocated):
+    c = client(pd_server)
+    before = pd_server.pd_paths()
+    prompt = "hi there"
+    ids = tokenize(pd_server, prompt=prompt)
+    assert len(ids) < 32
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                             extra_body={"ignore_eos": True})
+    assert r.choices[0].text == colocated(ids)
+    after = pd_server.pd_paths()
+    assert after.get("decode_only", 0) == before.get("decode_only", 0) + 1
+    assert after.get("pd", 0) == before.get("pd", 0)
+    pd_server.wait_all_free()
+
