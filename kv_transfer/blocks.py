@@ -123,16 +123,28 @@ class BlockBatch:
     keys: list[str]
     data: torch.Tensor  # [n, layers, 2, heads, block_size, head_dim], CPU
     heads: tuple[int, int]
+    # crc32 per block, computed once where the blocks are gathered and carried end to
+    # end (a split or a re-export reuses them), so damage anywhere after is caught.
+    crcs: Optional[list[int]] = None
 
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
+    def checksums(self) -> list[int]:
+        if self.crcs is None:
+            raw = self.data.view(torch.uint8).reshape(len(self.keys), -1).numpy()
+            self.crcs = [zlib.crc32(row) for row in raw]
+        return self.crcs
+
+    def block(self, i: int) -> "BlockBatch":
+        return BlockBatch(self.fingerprint, [self.keys[i]], self.data[i:i + 1], self.heads,
+                          [self.checksums()[i]])
+
     def header(self) -> bytes:
-        raw = self.data.view(torch.uint8).reshape(len(self.keys), -1).numpy()
         meta = {"v": VERSION, "fingerprint": self.fingerprint, "keys": self.keys,
                 "dtype": dtype_name(self.data.dtype), "shape": list(self.data.shape),
-                "heads": list(self.heads), "crc32": [zlib.crc32(row) for row in raw]}
+                "heads": list(self.heads), "crc32": self.checksums()}
         body = json.dumps(meta, separators=(",", ":")).encode()
         return MAGIC + struct.pack("<I", len(body)) + body
 
@@ -188,7 +200,8 @@ def decode_batch(meta: dict, payload, fingerprint: str) -> BlockBatch:
         raw = torch.frombuffer(mv, dtype=torch.uint8)
     data = raw.view(dtype).reshape(shape)
     heads = tuple(meta.get("heads") or (0, shape[3]))
-    return BlockBatch(fingerprint, [str(k) for k in keys], data, (int(heads[0]), int(heads[1])))
+    return BlockBatch(fingerprint, [str(k) for k in keys], data, (int(heads[0]), int(heads[1])),
+                      [int(c) for c in crcs])
 
 
 def encode_to_bytes(batch: BlockBatch) -> bytes:

@@ -70,7 +70,7 @@ class BlockStore:
             final = self.path(key, batch.heads)
             if final.exists():
                 continue
-            one = BlockBatch(batch.fingerprint, [key], batch.data[i:i + 1], batch.heads)
+            one = batch.block(i)
             final.parent.mkdir(exist_ok=True)
             tmp = self.tmp / f"{key}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
             try:
@@ -198,7 +198,8 @@ class SharedStorageTransport(Transport):
         import torch
 
         data = blocks[0].data if len(blocks) == 1 else torch.cat([b.data for b in blocks])
-        return BlockBatch(self.ctx.fingerprint, [b.keys[0] for b in blocks], data, blocks[0].heads)
+        return BlockBatch(self.ctx.fingerprint, [b.keys[0] for b in blocks], data, blocks[0].heads,
+                          [b.crcs[0] for b in blocks])
 
 
 class SharedStorageConnector(TransferConnector):

@@ -232,6 +232,9 @@ class ProcessCoreClient(_CoreClient):
         # The child imports what this process can import (a Ray worker's sys.path may hold
         # entries, e.g. a runtime_env working_dir, that PYTHONPATH does not).
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+            # A KV connector in the child that uses Ray joins this process's cluster.
+            env.setdefault("RAY_ADDRESS", sys.modules["ray"].get_runtime_context().gcs_address)
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "fleetserve.replica.engine.core_process", str(theirs.fileno())],
             pass_fds=[theirs.fileno()], env=env, close_fds=True)

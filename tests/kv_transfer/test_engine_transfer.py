@@ -5,6 +5,7 @@ the prompt's last block."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -74,3 +75,75 @@ def test_shared_storage_is_a_prefix_cache_across_engines(tiny_model_dir, tmp_pat
         wait_all_free(b)
     finally:
         b.shutdown()
+
+
+# ---- Ray object store ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def local_ray():
+    import os
+
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 _node_ip_address="127.0.0.1")
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+def ray_cfg(role, **extra):
+    return {"kv_connector": "RayObjectStoreConnector", "kv_role": role, "kv_lease_s": 5.0,
+            "kv_load_timeout_s": 10.0, "kv_connector_extra_config": extra,
+            "kv_load_failure_policy": "fail"}
+
+
+@pytest.fixture(scope="module")
+def ray_pair(tiny_model_dir, local_ray):
+    prod = engine(tiny_model_dir, ray_cfg("kv_producer"))  # its own process, joins this Ray
+    cons = engine(tiny_model_dir, ray_cfg("kv_consumer"), core_process=False)
+    yield prod, cons
+    prod.shutdown()
+    cons.shutdown()
+
+
+def owner_stats(ray):
+    return ray.get(ray.get_actor("fleetserve-kv-owner", namespace="fleetserve").stats.remote())
+
+
+def test_ray_object_store_hand_off_matches_one_engine(ray_pair, reference, local_ray):
+    prod, cons = ray_pair
+    for prompt in prompts(3, seed=1):
+        want, _ = run(collect(reference, prompt, greedy(8)))
+        got, final, params = run(hand_off(prod, cons, prompt, 8))
+        assert got == want
+        assert params["remote_ray_owner"] == "fleetserve-kv-owner"
+        assert len(prompt) - final.num_cached_tokens <= BLOCK
+        assert final.num_remote_tokens == len(prompt) // BLOCK * BLOCK
+    wait_all_free(prod)
+    wait_all_free(cons)
+    # Every consumer confirmed: the owner holds nothing any more.
+    deadline = time.monotonic() + 10
+    while owner_stats(local_ray)["held"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert owner_stats(local_ray)["held"] == 0
+
+
+def test_ray_lease_ends_an_unclaimed_export(ray_pair, local_ray):
+    """A producer's export nobody reads is dropped when its lease (5 s) ends."""
+    prod, _ = ray_pair
+    _, pfinal = run(collect(prod, prompts(1, seed=9)[0], greedy(1),
+                            {"do_remote_decode": True, "transfer_id": "unclaimed-1"}))
+    assert pfinal.kv_transfer_params is not None
+    wait_all_free(prod)  # the KV blocks are free at once: the object holds the copy
+    deadline = time.monotonic() + 5
+    while owner_stats(local_ray)["held"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    expired = owner_stats(local_ray)["expired"]
+    assert owner_stats(local_ray)["held"] == 1
+    deadline = time.monotonic() + 15
+    while owner_stats(local_ray)["held"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stats = owner_stats(local_ray)
+    assert stats["held"] == 0 and stats["expired"] == expired + 1
