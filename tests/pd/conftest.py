@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 APP = "fleetserve-pd-test"
 BLOCK = 16
+MAX_TOKENS = 8
 
 
 def free_port() -> int:
@@ -59,6 +60,27 @@ class PDServer:
     def pd_paths(self) -> dict[str, float]:
         return {s.labels["path"]: s.value for s in self.samples("fleetserve:pd_requests")
                 if s.name.endswith("_total")}
+
+    def kill(self, pool: str) -> int:
+        """SIGKILL the (one) replica process of `pool`; returns its pid."""
+        pids = self.replica_pids(pool)
+        assert len(pids) == 1, (pool, pids)
+        os.kill(pids[0], signal.SIGKILL)
+        return pids[0]
+
+    def wait_replaced(self, pool: str, old_pid: int, timeout_s: float = 180.0) -> None:
+        deadline = time.time() + timeout_s
+        while True:
+            pids = self.replica_pids(pool)
+            if pids and old_pid not in pids:
+                try:
+                    self.wait_all_free(timeout_s=5)
+                    return
+                except AssertionError:
+                    pass
+            if time.time() > deadline:
+                raise AssertionError(f"{pool} replica not replaced: {pids}\n{self.log_tail()}")
+            time.sleep(1)
 
     def replica_pids(self, pool: str) -> list[int]:
         """Processes of this app's `pool` deployment (Ray titles them ray::ServeReplica:...)."""
@@ -138,8 +160,42 @@ def stop_server(proc) -> None:
 def pd_server(tmp_path_factory, pd_model_dir):
     tmp = tmp_path_factory.mktemp("pd-app")
     proc, server = start_server(tmp, pd_model_dir, {
-        "enabled": True, "kv_connector": "shared_storage",
-        "kv_connector_extra_config": {"path": str(tmp / "kv")},
+        "enabled": True, "kv_connector": "ray_object_store",
         "min_prefill_tokens": 32, "kv_lease_s": 5.0, "kv_load_timeout_s": 5.0})
     yield server
     stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def slow_load_server(tmp_path_factory, pd_model_dir):
+    """Every KV fetch on the decode side is held back 2 s, past its 1 s deadline: every
+    load times out (the decode engine's policy: fail, so the router recomputes)."""
+    tmp = tmp_path_factory.mktemp("pd-slow-app")
+    proc, server = start_server(tmp, pd_model_dir, {
+        "enabled": True, "kv_connector": "FaultInjectionConnector",
+        "kv_connector_extra_config": {"inner": "RayObjectStoreConnector",
+                                      "faults": {"delay_s": 2.0}},
+        "min_prefill_tokens": 32, "kv_lease_s": 5.0, "kv_load_timeout_s": 1.0})
+    yield server
+    stop_server(proc)
+
+
+@pytest.fixture(scope="session")
+def colocated(pd_model_dir):
+    """Greedy text of one engine doing prefill and decode itself (same detokenizer)."""
+    from fleetserve import LLM, SamplingParams
+
+    llm = LLM(str(pd_model_dir), dtype="float32", block_size=BLOCK, max_model_len=256,
+              num_gpu_blocks_override=96, num_threads=1)
+    cache: dict[tuple, str] = {}
+
+    def text(prompt_ids: list[int], n: int = MAX_TOKENS) -> str:
+        key = (tuple(prompt_ids), n)
+        if key not in cache:
+            out = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=n,
+                                                          ignore_eos=True), use_tqdm=False)
+            cache[key] = out[0].outputs[0].text
+        return cache[key]
+
+    yield text
+

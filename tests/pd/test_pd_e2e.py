@@ -9,39 +9,12 @@ app still serves and every replica has all blocks free".
 
 from __future__ import annotations
 
-import concurrent.futures
-import os
 import random
-import signal
-import time
 
 import httpx
 import openai
-import pytest
 
-from tests.pd.conftest import BLOCK
-
-MAX_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def colocated(pd_model_dir):
-    """Greedy text of one engine doing prefill and decode itself (same detokenizer)."""
-    from fleetserve import LLM, SamplingParams
-
-    llm = LLM(str(pd_model_dir), dtype="float32", block_size=BLOCK, max_model_len=256,
-              num_gpu_blocks_override=96, num_threads=1)
-    cache: dict[tuple, str] = {}
-
-    def text(prompt_ids: list[int], n: int = MAX_TOKENS) -> str:
-        key = (tuple(prompt_ids), n)
-        if key not in cache:
-            out = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=n,
-                                                          ignore_eos=True), use_tqdm=False)
-            cache[key] = out[0].outputs[0].text
-        return cache[key]
-
-    yield text
+from tests.pd.conftest import BLOCK, MAX_TOKENS
 
 
 def client(server) -> openai.OpenAI:
@@ -126,3 +99,50 @@ def test_short_prompt_skips_the_prefill_pool(pd_server, colocated):
     assert after.get("pd", 0) == before.get("pd", 0)
     pd_server.wait_all_free()
 
+
+
+def complete(server, prompt: str, n: int = MAX_TOKENS) -> dict:
+    r = httpx.post(server.base_url + "/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_prefill_replica_dies_decode_recomputes_then_pd_resumes(pd_server, colocated):
+    rng = random.Random(3)
+    old = pd_server.kill("prefill")
+    before = pd_server.pd_paths()
+    prompt = long_prompt(rng)
+    body = complete(pd_server, prompt)  # the prefill calls fail: decode computes the prompt
+    ids = tokenize(pd_server, prompt=prompt)
+    assert body["choices"][0]["text"] == colocated(ids)
+    paths = pd_server.pd_paths()
+    assert paths.get("prefill_failed", 0) + paths.get("pd", 0) == \
+        before.get("prefill_failed", 0) + before.get("pd", 0) + 1
+    pd_server.wait_replaced("prefill", old)
+    prompt = long_prompt(rng)
+    body = complete(pd_server, prompt)
+    assert body["choices"][0]["text"] == colocated(tokenize(pd_server, prompt=prompt))
+    assert body["usage"]["prompt_tokens_details"]["remote_tokens"] > 0  # P/D again
+    pd_server.wait_all_free()
+
+
+def test_decode_replica_restart(pd_server, colocated):
+    rng = random.Random(4)
+    old = pd_server.kill("decode")
+    # While it is down a request fails with a clear error (never a silent empty answer), or
+    # is served by the replacement.
+    r = httpx.post(pd_server.base_url + "/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": long_prompt(rng), "max_tokens": 4, "stream": True})
+    if r.status_code == 200:
+        events = [line for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        assert any('"error"' in e for e in events) or any('"text"' in e for e in events), events
+    else:
+        assert "error" in r.json(), r.text
+    pd_server.wait_replaced("decode", old)
+    prompt = long_prompt(rng)
+    body = complete(pd_server, prompt)
+    assert body["choices"][0]["text"] == colocated(tokenize(pd_server, prompt=prompt))
+    assert body["usage"]["prompt_tokens_details"]["remote_tokens"] > 0
+    pd_server.wait_all_free()
