@@ -36,8 +36,9 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from fleetserve.kv_transfer.config import KVTransferConfig
 from fleetserve.replica.engine.engine_args import EngineArgs
 
 # prefix_aware routes on the engines' KV events (a cluster-wide index of what each
@@ -145,6 +146,29 @@ class PDOptions(BaseModel):
                 "kv_lease_s": self.kv_lease_s, "kv_load_timeout_s": self.kv_load_timeout_s}
 
 
+class ClusterReuseOptions(BaseModel):
+    """Cluster-wide prefix reuse (router/prefix_reuse.py), for colocated apps: a replica
+    the router picks that lacks a long prefix another replica caches loads it from that
+    replica through `kv_connector` (every replica runs it as kv_both) instead of
+    recomputing it. Needs routing_policy prefix_aware (the KV index says who holds what)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = False
+    kv_connector: str = "ray_object_store"
+    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)
+    # Export from the holder only when the chosen replica would compute this many more tokens.
+    min_tokens: int = Field(256, ge=1)
+    kv_lease_s: float = Field(30.0, gt=0)
+    kv_load_timeout_s: float = Field(10.0, gt=0)
+
+    def kv_transfer_config(self) -> dict[str, Any]:
+        return {"kv_connector": KV_CONNECTORS.get(self.kv_connector, self.kv_connector),
+                "kv_role": "kv_both", "kv_connector_extra_config": dict(self.kv_connector_extra_config),
+                "kv_load_failure_policy": "fail", "kv_lease_s": self.kv_lease_s,
+                "kv_load_timeout_s": self.kv_load_timeout_s}
+
+
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
@@ -166,6 +190,24 @@ class AppConfig(BaseModel):
     engine_cls: str = "fleetserve.replica.engine.async_engine:AsyncEngine"
     # Prefill/decode disaggregation (see PDOptions and the module docstring).
     pd: PDOptions = PDOptions()
+    # Cluster-wide prefix reuse between colocated replicas (see ClusterReuseOptions).
+    cluster_reuse: ClusterReuseOptions = ClusterReuseOptions()
+
+    @model_validator(mode="after")
+    def _check_reuse(self) -> "AppConfig":
+        if self.cluster_reuse.enabled:
+            if self.pd.enabled:
+                raise ValueError("cluster_reuse is for colocated apps; with pd the prefill pool "
+                                 "computes what the decode replica lacks")
+            if self.routing_policy != "prefix_aware":
+                raise ValueError("cluster_reuse needs routing_policy prefix_aware (the KV index "
+                                 "says which replica holds a prefix)")
+        return self
+
+    def reuse_engine(self) -> EngineArgs:
+        """The app's engine with the kv_both connector cluster reuse needs."""
+        return self.engine.model_copy(update={"kv_transfer_config": KVTransferConfig.model_validate(
+            self.cluster_reuse.kv_transfer_config())})
 
     def pool_engine(self, pool: str) -> EngineArgs:
         """The EngineArgs of a P/D pool ("prefill" or "decode"): the app's engine, the pool's

@@ -159,8 +159,14 @@ def build_app(config: AppConfig):
     common = dict(served_model_name=config.served_model_name, api_key=config.api_key,
                   max_body_bytes=config.http.max_body_bytes, model_aliases=aliases)
     if not config.pd.enabled:
-        replicas = _engine_deployment(config, ENGINE_DEPLOYMENT, engine, config.num_replicas,
-                                      config.num_cpus_per_replica, config.routing_policy)
+        reuse = config.cluster_reuse
+        replicas = _engine_deployment(config, ENGINE_DEPLOYMENT,
+                                      config.reuse_engine() if reuse.enabled else engine,
+                                      config.num_replicas, config.num_cpus_per_replica,
+                                      config.routing_policy)
+        if reuse.enabled:
+            common["reuse"] = {"settings": {"min_tokens": reuse.min_tokens},
+                               "block_size": engine.block_size}
         return ingress.bind(replicas, **common)
     pd = config.pd
     decode = _engine_deployment(config, DECODE_DEPLOYMENT, config.pool_engine("decode"),

@@ -34,6 +34,7 @@ from fleetserve.router.errors import (APIError, error_body, field_path, from_val
 from fleetserve.router.grpc_service import GrpcMethods
 from fleetserve.router.kv_subscriber import KVEventSubscriber
 from fleetserve.router.pd import PDRouter, PDSettings
+from fleetserve.router.prefix_reuse import PrefixReuse, ReuseSettings
 from fleetserve.router.metrics import merge_metrics
 from fleetserve.router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest, sampling_dict)
@@ -72,7 +73,7 @@ class Ingress(GrpcMethods):
     def __init__(self, engine: DeploymentHandle, served_model_name: str,
                  api_key: Optional[str] = None, max_body_bytes: int = 4 << 20,
                  model_aliases: tuple[str, ...] = (), prefill: Optional[DeploymentHandle] = None,
-                 pd: Optional[dict] = None) -> None:
+                 pd: Optional[dict] = None, reuse: Optional[dict] = None) -> None:
         """`engine` is the engine pool requests stream from; with P/D (`prefill` and `pd`
         given: router.pd) it is the decode pool, and `prefill` the prefill pool."""
         # Serve reads RAY_SERVE_USE_GRPC_BY_DEFAULT once, when ray.serve is imported, into the
@@ -89,6 +90,10 @@ class Ingress(GrpcMethods):
         if prefill is not None and pd is not None:
             self._pd = PDRouter(engine, prefill, PDSettings(**pd.get("settings", {})),
                                 int(pd.get("block_size", 16)))
+        self._reuse: Optional[PrefixReuse] = None
+        if reuse is not None and self._pd is None:
+            self._reuse = PrefixReuse(engine, ReuseSettings(**reuse.get("settings", {})),
+                                      int(reuse.get("block_size", 16)))
         self._stream = engine.options(stream=True)
         self._generate = self._stream.generate  # built once: each attribute access makes a new handle
         self.served_model_name = served_model_name
@@ -193,6 +198,12 @@ class Ingress(GrpcMethods):
         if self._pd is not None:
             await self.info()  # the pools' routers exist: the P/D flow picks from them
             return await self._pd.open_stream(body, ReplicaStream)
+        if self._reuse is not None:
+            await self.info()
+            return await self._reuse.open_stream(body, ReplicaStream, self._open_plain)
+        return await self._open_plain(body)
+
+    async def _open_plain(self, body: dict):
         gen = ReplicaStream(self._generate.remote(body))
         try:
             first = await gen.__anext__()
@@ -378,7 +389,10 @@ class Ingress(GrpcMethods):
                       "# TYPE fleetserve:router_kv_index_resyncs counter",
                       f"fleetserve:router_kv_index_resyncs_total {sum(i.num_resyncs for i in indexes)}"]
         text = "\n".join(lines) + "\n"
-        return text + (self._pd.metrics.text() if self._pd is not None else "")
+        for extra in (self._pd, self._reuse):
+            if extra is not None:
+                text += extra.metrics.text()
+        return text
 
     # -- request parsing -------------------------------------------------------
 

@@ -64,15 +64,15 @@ class PDMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.prompt_tokens = decode_token_counter(
+            "fleetserve:pd_decode_prompt_tokens", "Prompt tokens on the decode side by source: "
+            "loaded (through the KV connector), cached (decode's own prefix cache), recomputed",
+            self.registry)
         self.requests = Counter(
             "fleetserve:pd_requests", "Requests by P/D path: pd (prefill, then load on decode), "
             "decode_only (decode's cache covered the prompt or it was short), prefill_failed "
             "(the decode replica recomputed after failed prefill calls)", ["path"],
             registry=self.registry)
-        self.prompt_tokens = Counter(
-            "fleetserve:pd_decode_prompt_tokens", "Prompt tokens on the decode side by source: "
-            "loaded (through the KV connector), cached (decode's own prefix cache), recomputed",
-            ["source"], registry=self.registry)
         self.retries = Counter(
             "fleetserve:pd_retries", "Calls tried again: a prefill call, or a decode call after "
             "its KV load failed", ["stage"], registry=self.registry)
@@ -86,6 +86,10 @@ class PDMetrics:
 
     def text(self) -> str:
         return generate_latest(self.registry).decode()
+
+
+def decode_token_counter(name: str, doc: str, registry: CollectorRegistry) -> Counter:
+    return Counter(name, doc, ["source"], registry=registry)
 
 
 class PDRouter:
@@ -126,7 +130,7 @@ class PDRouter:
             if t_prefill_done is not None:
                 self.metrics.handoff_seconds.observe(time.perf_counter() - t_prefill_done)
                 t_prefill_done = None
-            if params is None or not _failed_load(first) or attempt + 1 == self.settings.max_attempts:
+            if params is None or not failed_load(first) or attempt + 1 == self.settings.max_attempts:
                 break
             # The load failed and the engine's policy is "fail": nothing was streamed yet,
             # so send it again as a plain request (the decode replica computes the prompt).
@@ -158,12 +162,9 @@ class PDRouter:
     async def _prefill(self, body: dict) -> Optional[dict]:
         """Run the prompt on a prefill replica; its kv_transfer_params, or None after
         `max_attempts` failures (the decode replica then computes the prompt)."""
-        sp = dict(body["sampling_params"], max_tokens=1, min_tokens=0, n=1, best_of=None,
-                  logprobs=None, prompt_logprobs=None)
         for attempt in range(self.settings.max_attempts):
             tid = f"{body['request_id']}-{uuid.uuid4().hex[:12]}"
-            p_body = dict(body, request_id=f"{body['request_id']}-p{attempt}", sampling_params=sp,
-                          kv_transfer_params={"do_remote_decode": True, "transfer_id": tid})
+            p_body = export_body(body, f"{body['request_id']}-p{attempt}", body["prompt_token_ids"], tid)
             t0 = time.perf_counter()
             try:
                 final = await asyncio.wait_for(self._run_prefill(p_body),
@@ -185,24 +186,36 @@ class PDRouter:
         return None
 
     async def _run_prefill(self, p_body: dict) -> dict:
-        gen = self._prefill_generate.remote(p_body)
-        last: dict = {}
-        try:
-            async for item in gen:
-                for one in (item if isinstance(item, list) else [item]):
-                    last = one
-                    if is_error(one):
-                        return one
-        finally:
-            gen.cancel()
-        return last
+        return await run_to_final(self._prefill_generate.remote(p_body))
 
     @staticmethod
     def _pin(replica_id: Optional[str]) -> dict[str, Any]:
         return {TARGET_KWARG: replica_id} if replica_id is not None else {}
 
 
-def _failed_load(item: dict) -> bool:
+async def run_to_final(gen) -> dict:
+    """Drain a replica's generate stream; its final item, or its first error item."""
+    last: dict = {}
+    try:
+        async for item in gen:
+            for one in (item if isinstance(item, list) else [item]):
+                last = one
+                if is_error(one):
+                    return one
+    finally:
+        gen.cancel()
+    return last
+
+
+def export_body(body: dict, request_id: str, prompt: list[int], transfer_id: str) -> dict:
+    """`body` as a one-token request that exports its prompt's KV under `transfer_id`."""
+    sp = dict(body["sampling_params"], max_tokens=1, min_tokens=0, n=1, best_of=None,
+              logprobs=None, prompt_logprobs=None)
+    return dict(body, request_id=request_id, prompt_token_ids=prompt, sampling_params=sp,
+                kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id})
+
+
+def failed_load(item: dict) -> bool:
     """The decode engine gave up on the KV load before producing a token."""
     if is_error(item) or not item.get("finished"):
         return False
@@ -215,7 +228,7 @@ class PDStream:
     """The decode replica's stream, counting where its prompt's KV came from on the final
     item (and reporting `num_remote_tokens` there even when it is 0)."""
 
-    def __init__(self, gen, prompt_len: int, metrics: PDMetrics, loading: bool) -> None:
+    def __init__(self, gen, prompt_len: int, metrics, loading: bool) -> None:
         self._gen = gen
         self._prompt_len = prompt_len
         self._metrics = metrics

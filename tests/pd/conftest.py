@@ -93,7 +93,7 @@ class PDServer:
         return out
 
     def wait_all_free(self, timeout_s: float = 30.0) -> None:
-        """Both pools up (1 replica each), nothing running or waiting, every block free."""
+        """Both replicas up, nothing running or waiting, every block free."""
         deadline = time.time() + timeout_s
         while True:
             try:
@@ -111,7 +111,7 @@ class PDServer:
             time.sleep(0.3)
 
 
-def start_server(tmp_path, model_dir, pd: dict, name: str = APP):
+def start_server(tmp_path, model_dir, pd: dict, name: str = APP, **top):
     port, grpc_port = free_port(), free_port()
     config = {
         "name": name,
@@ -120,7 +120,7 @@ def start_server(tmp_path, model_dir, pd: dict, name: str = APP):
                    "block_size": BLOCK, "dtype": "float32"},
         "num_cpus_per_replica": 0, "routing_policy": "prefix_aware",
         "http": {"port": port}, "grpc": {"port": grpc_port},
-        "pd": pd,
+        "pd": pd, **top,
     }
     path = tmp_path / "app.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -176,6 +176,18 @@ def slow_load_server(tmp_path_factory, pd_model_dir):
         "kv_connector_extra_config": {"inner": "RayObjectStoreConnector",
                                       "faults": {"delay_s": 2.0}},
         "min_prefill_tokens": 32, "kv_lease_s": 5.0, "kv_load_timeout_s": 1.0})
+    yield server
+    stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def reuse_server(tmp_path_factory, pd_model_dir):
+    """Colocated: 2 replicas, precise prefix routing, cluster reuse over the object store;
+    a replica one request busier than the other counts as overloaded."""
+    tmp = tmp_path_factory.mktemp("reuse-app")
+    proc, server = start_server(tmp, pd_model_dir, {"enabled": False}, num_replicas=2,
+                                routing={"imbalance_threshold": 1},
+                                cluster_reuse={"enabled": True, "min_tokens": 32})
     yield server
     stop_server(proc)
 
