@@ -8,7 +8,10 @@ processes) and looks the chain up in two places:
   events: block hash -> replicas whose cache holds it *now*; and
 * the requests this router has in flight: a replica that is computing a prompt
   will hold its blocks a step later, before its events arrive, so a burst of
-  one prefix follows its first request (released when the request completes).
+  one prefix follows its first request. Released `linger_s` after the request
+  completes: by then its events have reached the index (they are published at
+  the step that schedules the prompt, and read every ~50 ms), which alone
+  decides from then on (eviction included).
 
 Then, for a new prompt:
 
@@ -29,7 +32,9 @@ LLM and SGLang's routers do).
 from __future__ import annotations
 
 import random
+import time
 from abc import abstractmethod
+from collections import deque
 from typing import Optional
 
 from fleetserve.router.kv_index import KVIndex
@@ -96,14 +101,19 @@ class PrefixAwarePolicy(PrefixAwareBase):
 
     def __init__(self, block_size: int = 16, imbalance_threshold: int = 4,
                  min_match_fraction: float = 0.5, seed: Optional[int] = None,
-                 kv_index: Optional[KVIndex] = None, **kwargs: object) -> None:
+                 kv_index: Optional[KVIndex] = None, linger_s: float = 1.0,
+                 **kwargs: object) -> None:
         super().__init__(block_size, imbalance_threshold, min_match_fraction, seed, **kwargs)
         self.kv_index = kv_index if kv_index is not None else KVIndex()
+        self.linger_s = linger_s
         # request id -> (replica, hashes); replica -> hash -> in-flight requests holding it.
         self._inflight: dict[str, tuple[str, list]] = {}
         self._inflight_hashes: dict[str, dict] = {}
+        # Completed requests whose hints still count: (expiry, replica, hashes), in order.
+        self._lingering: deque = deque()
 
     def match_lengths(self, hashes: list, replica_ids: set[str]) -> dict[str, int]:
+        self._expire()
         matched = self.kv_index.match_lengths(hashes, replica_ids)
         for rid in replica_ids:
             pending = self._inflight_hashes.get(rid)
@@ -121,7 +131,9 @@ class PrefixAwarePolicy(PrefixAwareBase):
         self.count_routed(replica_id, hashes)
         if not hashes or not request.request_id:
             return
-        self.on_completed(request.request_id)  # re-routed (a retry): the old pick is void
+        void = self._inflight.pop(request.request_id, None)  # re-routed (a retry)
+        if void is not None:
+            self._release(*void)
         self._inflight[request.request_id] = (replica_id, hashes)
         counts = self._inflight_hashes.setdefault(replica_id, {})
         for h in hashes:
@@ -129,9 +141,16 @@ class PrefixAwarePolicy(PrefixAwareBase):
 
     def on_completed(self, request_id: str) -> None:
         entry = self._inflight.pop(request_id, None)
-        if entry is None:
-            return
-        replica_id, hashes = entry
+        if entry is not None:
+            self._lingering.append((time.monotonic() + self.linger_s, *entry))
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._lingering and self._lingering[0][0] <= now:
+            _, replica_id, hashes = self._lingering.popleft()
+            self._release(replica_id, hashes)
+
+    def _release(self, replica_id: str, hashes: list) -> None:
         counts = self._inflight_hashes.get(replica_id, {})
         for h in hashes:
             left = counts.get(h, 0) - 1
@@ -146,3 +165,4 @@ class PrefixAwarePolicy(PrefixAwareBase):
             del self._inflight_hashes[rid]
         for req_id in [q for q, (r, _) in self._inflight.items() if r not in replica_ids]:
             del self._inflight[req_id]
+        self._lingering = deque(e for e in self._lingering if e[1] in replica_ids)
