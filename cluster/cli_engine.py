@@ -26,7 +26,7 @@ ENGINE_FLAGS = {
     # '{"kv_connector": "SharedStorageConnector", "kv_role": "kv_both", ...}' (kv_transfer.config)
     "kv_transfer_config": json_object,
 }
-BOOL_FLAGS = ("enable_prefix_caching", "enable_chunked_prefill")
+BOOL_FLAGS = ("enable_prefix_caching", "enable_chunked_prefill", "enable_kv_cache_events")
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
