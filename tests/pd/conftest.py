@@ -161,7 +161,9 @@ def pd_server(tmp_path_factory, pd_model_dir):
     tmp = tmp_path_factory.mktemp("pd-app")
     proc, server = start_server(tmp, pd_model_dir, {
         "enabled": True, "kv_connector": "ray_object_store",
-        "min_prefill_tokens": 32, "kv_lease_s": 5.0, "kv_load_timeout_s": 5.0})
+        # 30 s: an engine's first transfer also connects its engine-core process to Ray and
+        # starts the KV owner actor (seconds on a loaded 2-core machine).
+        "min_prefill_tokens": 32, "kv_lease_s": 5.0, "kv_load_timeout_s": 30.0})
     yield server
     stop_server(proc)
 
