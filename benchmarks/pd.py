@@ -82,8 +82,10 @@ def run_interference(args, port: int, url: str) -> list[dict]:
     for label, config in setups.items():
         sv.redeploy(config)
         before = sv.scrape(url)
+        src0 = labelled(url, "fleetserve:pd_decode_prompt_tokens", "source")
         results, elapsed = asyncio.run(_open_loop(url, config.served_model_name, work, args.rate))
         after = sv.scrape(url)
+        src1 = labelled(url, "fleetserve:pd_decode_prompt_tokens", "source")
         short = [r for r, q in zip(results, work) if q.max_tokens == 32]
         long_ = [r for r, q in zip(results, work) if q.max_tokens == 8]
         row = sv.summarize(f"interference, {label}", args.rate, short, elapsed)
@@ -91,6 +93,8 @@ def run_interference(args, port: int, url: str) -> list[dict]:
         row["long_ttft_p50_ms"] = 1000 * sv.pct([r.ttft for r in long_ if r.ok], 50)
         row["long_ok"] = sum(r.ok for r in long_)
         row.update(_handoff(before, after))
+        for src, v in src1.items():
+            row[f"decode_prompt_tokens_{src}"] = v - src0.get(src, 0)
         rows.append(row)
         print(row, flush=True)
     return rows
@@ -103,12 +107,17 @@ def _handoff(before: dict, after: dict) -> dict:
         n = after.get(key + "_count", 0) - before.get(key + "_count", 0)
         if n:
             out[name] = 1000 * (after.get(key + "_sum", 0) - before.get(key + "_sum", 0)) / n
-    for src in ("loaded", "recomputed", "cached"):
-        pass  # per-source counts are labelled; summed totals are reported below
-    key = "fleetserve:pd_decode_prompt_tokens_total"
-    if key in after:
-        out["decode_prompt_tokens"] = after[key] - before.get(key, 0)
     return out
+
+
+def labelled(url: str, family: str, label: str) -> dict[str, float]:
+    """Counter totals of one labelled family, by that label's value."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=60).text
+    return {s.labels[label]: s.value for fam in text_string_to_metric_families(text)
+            if fam.name == family for s in fam.samples if s.name.endswith("_total")}
 
 
 async def _open_loop(url: str, model: str, work, rate: float):
@@ -153,10 +162,13 @@ def run_reuse(args, port: int, url: str) -> list[dict]:
     for label, reuse in (("recomputed", None), ("loaded from peer", {"min_tokens": 256})):
         config = app(args, port, policy="prefix_aware", reuse=reuse, imbalance=1)
         sv.redeploy(config)
+        src0 = labelled(url, "fleetserve:prefix_reuse_prompt_tokens", "source")
         ttfts = asyncio.run(_reuse_rounds(url, config.served_model_name, args))
+        src1 = labelled(url, "fleetserve:prefix_reuse_prompt_tokens", "source")
         row = {"label": f"reuse 2k prefix, {label}", "rate": 0.0, "ok": len(ttfts),
-               "ttft_p50_ms": 1000 * statistics.median(ttfts),
-               "rounds_ttft_ms": [round(1000 * t, 1) for t in ttfts]}
+               "ttft_p50_ms": 1000 * statistics.median(ttfts) if ttfts else float("nan"),
+               "rounds_ttft_ms": [round(1000 * t, 1) for t in ttfts],
+               "loaded_tokens": src1.get("loaded", 0) - src0.get("loaded", 0)}
         rows.append(row)
         print(row, flush=True)
     return rows
