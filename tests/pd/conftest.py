@@ -37,8 +37,10 @@ def pd_model_dir(tmp_path_factory):
 
 
 class PDServer:
-    def __init__(self, port: int, log_path) -> None:
+    def __init__(self, port: int, log_path, grpc_port: int = 0, app: str = APP) -> None:
         self.base_url = f"http://127.0.0.1:{port}"
+        self.grpc_target = f"127.0.0.1:{grpc_port}"
+        self.app = app
         self.log_path = log_path
         self.model = "tiny"
 
@@ -130,7 +132,7 @@ def start_server(tmp_path, model_dir, pd: dict, name: str = APP, **top):
            "serve", "--config", str(path)]
     log = open(log_path, "w+")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = PDServer(port, log_path)
+    server = PDServer(port, log_path, grpc_port, name)
     deadline = time.time() + 300
     while True:
         if proc.poll() is not None:

@@ -101,6 +101,24 @@ def test_short_prompt_skips_the_prefill_pool(pd_server, colocated):
 
 
 
+def test_grpc_generate_goes_through_pd_too(pd_server, colocated):
+    import grpc
+
+    from fleetserve.router.proto import fleetserve_pb2 as pb
+    from fleetserve.router.proto import fleetserve_pb2_grpc as pb_grpc
+
+    ids = tokenize(pd_server, prompt=long_prompt(random.Random(5)))
+    before = pd_server.pd_paths().get("pd", 0)
+    req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids), sampling_params=pb.SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    with grpc.insecure_channel(pd_server.grpc_target) as channel:
+        msgs = list(pb_grpc.FleetServeStub(channel).Generate(
+            req, metadata=(("application", pd_server.app),), timeout=120))
+    assert "".join(m.text for m in msgs) == colocated(ids)
+    assert pd_server.pd_paths().get("pd", 0) == before + 1
+    pd_server.wait_all_free()
+
+
 def complete(server, prompt: str, n: int = MAX_TOKENS) -> dict:
     r = httpx.post(server.base_url + "/v1/completions", timeout=120, json={
         "model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True})
