@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 
 import httpx
 import pytest
@@ -30,25 +29,27 @@ def prompt_tokens_by_replica(server) -> dict[str, float]:
 def test_replica_without_the_prefix_loads_it_from_its_busy_peer(reuse_server, colocated):
     s = reuse_server
     rng = random.Random(20)
-    prefix = long_prompt(rng, 60)
+    prefix = long_prompt(rng, 34)  # ~160 tokens: with 85 more, within max_model_len 256
     complete(s, prefix + " warm")  # one replica now caches the prefix
+    before = reuse_counts(s)
     # Keep that replica busy: a long stream with the same prefix follows the cache there.
-    stop = threading.Event()
-    body = {"model": "tiny", "prompt": prefix + " busy", "max_tokens": 200, "ignore_eos": True,
+    stop, streaming = threading.Event(), threading.Event()
+    body = {"model": "tiny", "prompt": prefix + " busy", "max_tokens": 85, "ignore_eos": True,
             "stream": True}
 
     def hold() -> None:
         with httpx.Client(timeout=120) as http:
             with http.stream("POST", s.base_url + "/v1/completions", json=body) as r:
-                for _ in r.iter_lines():
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        streaming.set()
                     if stop.is_set():
                         return
 
     t = threading.Thread(target=hold)
     t.start()
     try:
-        time.sleep(1.0)  # the stream is running: its replica is one request ahead
-        before = reuse_counts(s)
+        assert streaming.wait(60)  # the stream is running: its replica is one request ahead
         prompt = prefix + " the question"
         r = complete(s, prompt)
         ids = tokenize(s, prompt=prompt)
