@@ -114,6 +114,16 @@ class PDServer:
 
 
 def start_server(tmp_path, model_dir, pd: dict, name: str = APP, **top):
+    """Start the app; once more if its embedded Ray timed out starting (a loaded machine)."""
+    try:
+        return _start_server(tmp_path, model_dir, pd, name, **top)
+    except AssertionError as e:
+        if "timed out during startup" not in str(e):
+            raise
+        return _start_server(tmp_path, model_dir, pd, name, **top)
+
+
+def _start_server(tmp_path, model_dir, pd: dict, name: str = APP, **top):
     port, grpc_port = free_port(), free_port()
     config = {
         "name": name,
