@@ -32,11 +32,29 @@ class KVOutputAggregator:
             invalid |= out.invalid_block_ids
         first = outputs[0]
         first.finished_sending, first.finished_recving, first.invalid_block_ids = sending, recving, invalid
+        first.kv_connector_stats = merge_stats([o.kv_connector_stats for o in outputs])
         return first
+
+
+def merge_stats(parts: list) -> dict | None:
+    """Ranks' transfer stats as one: every rank's transfers observed (bytes add up across
+    ranks), a failed or expired load counted once (the most any rank saw)."""
+    parts = [p for p in parts if p]
+    if not parts:
+        return None
+    out: dict = {}
+    for p in parts:
+        for key, value in p.items():
+            if isinstance(value, list):
+                out.setdefault(key, []).extend(value)
+            else:
+                out[key] = max(out.get(key, 0), value)
+    return out
 
 
 def kv_part(out: ModelRunnerOutput) -> ModelRunnerOutput:
     """What a non-driver rank sends back: only its connector's report."""
     return ModelRunnerOutput([], [], finished_sending=out.finished_sending,
                              finished_recving=out.finished_recving,
-                             invalid_block_ids=out.invalid_block_ids)
+                             invalid_block_ids=out.invalid_block_ids,
+                             kv_connector_stats=out.kv_connector_stats)

@@ -63,6 +63,8 @@ class StepResult:
     newly_scheduled: list[str] = field(default_factory=list)
     num_scheduled_tokens: int = 0
     timestamp: float = 0.0
+    # KV transfer: what moved this step, and blocks held for transfers (kv_transfer.metrics).
+    kv_stats: Optional[dict] = None
 
 
 def resolve_max_model_len(args: EngineArgs, hf_config) -> int:
@@ -121,7 +123,13 @@ class EngineCore:
         # Resumed (preempted) requests are sent as new again; the output
         # processor keeps only the first schedule time of each request.
         scheduled = [n.req_id for n in scheduler_output.scheduled_new_reqs]
-        return StepResult(outputs, scheduled, scheduler_output.total_num_scheduled_tokens, now)
+        kv_stats = None
+        if self.kv_connector is not None:
+            from fleetserve.kv_transfer.metrics import step_kv_stats
+
+            kv_stats = step_kv_stats(self.scheduler, self.kv_connector, runner_output)
+        return StepResult(outputs, scheduled, scheduler_output.total_num_scheduled_tokens, now,
+                          kv_stats)
 
     def get_load(self) -> dict:
         s = self.scheduler
