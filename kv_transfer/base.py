@@ -122,6 +122,10 @@ class KVConnectorWorker(abc.ABC):
     @abc.abstractmethod
     def get_block_ids_with_load_errors(self) -> set[int]: ...
 
+    def take_stats(self) -> Optional[dict]:
+        """What moved since the last call (kv_transfer.metrics), or None when nothing did."""
+        return None
+
     def shutdown(self) -> None:
         return None
 
@@ -196,9 +200,8 @@ class KVConnectorBase(KVConnectorScheduler, KVConnectorWorker):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._half.get_block_ids_with_load_errors()
 
-    def get_stats(self) -> dict:
-        get = getattr(self._half, "get_stats", None)
-        return get() if get is not None else {}
+    def take_stats(self) -> Optional[dict]:
+        return self._half.take_stats()
 
     def shutdown(self) -> None:
         self._half.shutdown()
@@ -214,8 +217,11 @@ def run_connector_step(connector: KVConnectorWorker, scheduler_output: Scheduler
         connector.wait_for_save()
         sending, recving = connector.get_finished(scheduler_output.finished_req_ids)
         invalid = connector.get_block_ids_with_load_errors()
+        stats = connector.take_stats()
     finally:
         connector.clear_connector_metadata()
+    if stats:
+        out.kv_connector_stats = stats
     if sending or recving or invalid:  # (out is a fresh object every step)
         out.finished_sending |= sending
         out.finished_recving |= recving

@@ -32,7 +32,8 @@ import time
 from typing import Any
 
 from fleetserve.kv_transfer.base import ConnectorContext, KVConnectorRole, LoadSpec, SaveSpec
-from fleetserve.kv_transfer.blocks import BlockBatch, decode_batch, parse_header
+from fleetserve.kv_transfer.blocks import (BlockBatch, decode_batch, join_shards, local_head_range,
+                                           parse_header, producer_shards, readers_of)
 from fleetserve.kv_transfer.config import KVTransferConfig
 from fleetserve.kv_transfer.transfer import TransferConnector, TransferError, Transport
 
@@ -46,6 +47,7 @@ class KVObjectOwner:
 
     def __init__(self, sweep_s: float = 0.5) -> None:
         self._held: dict[str, tuple[list, float, int]] = {}  # tid -> ([ref], expiry, nbytes)
+        self._readers: dict[str, set[int]] = {}  # tid -> consumer ranks that confirmed
         self._lock = threading.Lock()
         self.num_expired = 0
         threading.Thread(target=self._sweep_loop, args=(sweep_s,), daemon=True).start()
@@ -64,8 +66,15 @@ class KVObjectOwner:
             entry = self._held.get(transfer_id)
         return None if entry is None else entry[0]
 
-    def release(self, transfer_id: str) -> bool:
+    def release(self, transfer_id: str, reader: int = 0, num_readers: int = 1) -> bool:
+        """Reader `reader` is done; the object goes once all `num_readers` consumer ranks
+        that read it said so (with TP each consumer rank takes its own heads from it)."""
         with self._lock:
+            done = self._readers.setdefault(transfer_id, set())
+            done.add(reader)
+            if len(done) < num_readers:
+                return False
+            del self._readers[transfer_id]
             return self._held.pop(transfer_id, None) is not None
 
     def stats(self) -> dict[str, Any]:
@@ -80,6 +89,7 @@ class KVObjectOwner:
             with self._lock:
                 for tid in [t for t, e in self._held.items() if e[1] < now]:
                     del self._held[tid]
+                    self._readers.pop(tid, None)
                     self.num_expired += 1
 
 
@@ -140,12 +150,21 @@ class RayObjectStoreTransport(Transport):
             owner = ray.get_actor(owner_name, namespace=namespace)
         except ValueError as e:
             raise TransferError(f"no KV owner {owner_name!r} in namespace {namespace!r}") from e
-        oid = self._object_id(spec.transfer_id)
+        shards = [self._fetch_one(ray, owner, spec, f"{spec.transfer_id}/r{rank}")
+                  for rank, _ in self._shards(spec)]
+        return join_shards(shards)
+
+    def _shards(self, spec: LoadSpec):
+        heads = local_head_range(self.ctx.num_kv_heads, self.ctx.tp_size, self.ctx.tp_rank)
+        return producer_shards(heads, self.ctx.num_kv_heads,
+                               int(spec.source.get("remote_tp_size", self.ctx.tp_size)))
+
+    def _fetch_one(self, ray, owner, spec: LoadSpec, oid: str) -> BlockBatch:
         refs = None
         while refs is None:
             left = spec.deadline - time.time()
             if left <= 0:
-                raise TransferError(f"transfer {spec.transfer_id} not exported before the deadline")
+                raise TransferError(f"transfer {oid} not exported before the deadline")
             refs = ray.get(owner.lookup.remote(oid), timeout=left)
             if refs is None:
                 time.sleep(POLL_S)
@@ -159,7 +178,9 @@ class RayObjectStoreTransport(Transport):
         ray, _ = self._connect()
         owner = ray.get_actor(spec.source.get("remote_ray_owner", self.owner_name),
                               namespace=spec.source.get("remote_ray_namespace", self.namespace))
-        owner.release.remote(self._object_id(spec.transfer_id))
+        for rank, rng in self._shards(spec):
+            readers = readers_of(rng, self.ctx.num_kv_heads, self.ctx.tp_size)
+            owner.release.remote(f"{spec.transfer_id}/r{rank}", self.ctx.tp_rank, readers)
 
 
 class RayObjectStoreConnector(TransferConnector):

@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from fleetserve.kv_transfer.base import ConnectorContext, KVConnectorRole, LoadSpec, SaveSpec
-from fleetserve.kv_transfer.blocks import BlockBatch, KVFormatError, decode_batch, parse_header
+from fleetserve.kv_transfer.blocks import (BlockBatch, KVFormatError, decode_batch, join_shards,
+                                           parse_header, producer_shards)
 from fleetserve.kv_transfer.config import KVTransferConfig
 from fleetserve.kv_transfer.transfer import TransferConnector, TransferError, Transport
 
@@ -92,9 +93,10 @@ class BlockStore:
                 self.evict()
         return written
 
-    def get(self, key: str) -> BlockBatch | None:
-        """The block named `key`, or None if absent, corrupt, truncated or foreign."""
-        path = self.path(key)
+    def get(self, key: str, heads: tuple[int, int] | None = None) -> BlockBatch | None:
+        """The block named `key` (for `heads`, default this rank's), or None if absent,
+        corrupt, truncated or foreign."""
+        path = self.path(key, heads)
         try:
             with open(path, "rb") as f:
                 raw = np.fromfile(f, dtype=np.uint8)
@@ -182,14 +184,20 @@ class SharedStorageTransport(Transport):
         self.store.put(batch)
 
     def fetch(self, spec: LoadSpec) -> BlockBatch:
+        """This rank's heads of the blocks, from the shards the producer's TP wrote."""
+        producer_tp = int(spec.source.get("remote_tp_size", self.ctx.tp_size))
+        shards = producer_shards(self.store.heads, self.ctx.num_kv_heads, producer_tp)
+        return join_shards([self._fetch_shard(spec, rng) for _, rng in shards])
+
+    def _fetch_shard(self, spec: LoadSpec, heads: tuple[int, int]) -> BlockBatch:
         """Read the blocks in order; a hand-off's files may lag the producer's reply, so
         missing ones are awaited until the deadline (a lookup hit is read once)."""
         blocks = []
         for key in spec.keys:
-            batch = self.store.get(key)
+            batch = self.store.get(key, heads)
             while batch is None and spec.transfer_id is not None and time.time() < spec.deadline:
                 time.sleep(POLL_S)
-                batch = self.store.get(key)
+                batch = self.store.get(key, heads)
             if batch is None:
                 break
             blocks.append(batch)
@@ -198,7 +206,7 @@ class SharedStorageTransport(Transport):
         import torch
 
         data = blocks[0].data if len(blocks) == 1 else torch.cat([b.data for b in blocks])
-        return BlockBatch(self.ctx.fingerprint, [b.keys[0] for b in blocks], data, blocks[0].heads,
+        return BlockBatch(self.ctx.fingerprint, [b.keys[0] for b in blocks], data, heads,
                           [b.crcs[0] for b in blocks])
 
 

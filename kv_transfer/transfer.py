@@ -214,6 +214,11 @@ class TransferScheduler(KVConnectorScheduler):
             return self.config.kv_load_failure_policy
         return "recompute"  # an opportunistic prefix-cache hit: just compute it
 
+    def take_stats(self) -> Optional[dict]:
+        """Scheduler-side counts: loads it gave up on (no notice by deadline + grace)."""
+        n, self.num_expired_loads = self.num_expired_loads, 0
+        return {"expired_loads": n} if n else None
+
     def shutdown(self) -> None:
         self.transport.shutdown()
 
@@ -342,8 +347,10 @@ class TransferWorker(KVConnectorWorker):
         out, self._invalid = self._invalid, set()
         return out
 
-    def take_stats(self) -> dict:
+    def take_stats(self) -> Optional[dict]:
         out = self.stats
+        if not any(out.values()):
+            return None
         self.stats = {"bytes_sent": [], "seconds_sent": [], "bytes_recv": [], "seconds_recv": [],
                       "failed_loads": 0, "expired_loads": 0}
         return out

@@ -80,6 +80,8 @@ class ModelRunnerOutput:
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
+    # What the connector moved this step (kv_transfer.metrics), for the engine's metrics.
+    kv_connector_stats: Optional[dict[str, Any]] = None
 
     @staticmethod
     def empty() -> "ModelRunnerOutput":

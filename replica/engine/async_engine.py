@@ -183,6 +183,8 @@ class AsyncEngine:
             if result.newly_scheduled:
                 op.mark_scheduled(result.newly_scheduled, result.timestamp)
             outputs, stopped = op.process(result.outputs)
+            if result.kv_stats:
+                self.metrics.kv_transfer.observe_step(result.kv_stats)
         if stopped:
             try:
                 self._client.finish(stopped)

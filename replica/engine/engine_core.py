@@ -65,6 +65,8 @@ class StepResult:
     timestamp: float = 0.0
     # What the prefix cache gained and lost (scheduler.kv_events), when events are on.
     kv_events: Optional[KVEventBatch] = None
+    # KV transfer: what moved this step, and blocks held for transfers (kv_transfer.metrics).
+    kv_stats: Optional[dict] = None
 
 
 def resolve_max_model_len(args: EngineArgs, hf_config) -> int:
@@ -123,8 +125,13 @@ class EngineCore:
         # Resumed (preempted) requests are sent as new again; the output
         # processor keeps only the first schedule time of each request.
         scheduled = [n.req_id for n in scheduler_output.scheduled_new_reqs]
+        kv_stats = None
+        if self.kv_connector is not None:
+            from fleetserve.kv_transfer.metrics import step_kv_stats
+
+            kv_stats = step_kv_stats(self.scheduler, self.kv_connector, runner_output)
         return StepResult(outputs, scheduled, scheduler_output.total_num_scheduled_tokens, now,
-                          self.scheduler.take_kv_events())
+                          self.scheduler.take_kv_events(), kv_stats)
 
     def take_kv_events(self) -> Optional[StepResult]:
         """KV events that commands (aborts, finishes) caused between steps, as an empty step's

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from fleetserve.kv_transfer.metrics import KVTransferMetrics
+
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -44,6 +46,7 @@ class EngineMetrics:
         self.e2e = hist("vllm:e2e_request_latency_seconds", "End-to-end request latency.")
         self.queue_time = hist("vllm:request_queue_time_seconds", "Time from arrival to first schedule.")
         self._last_queries = self._last_hits = self._last_preemptions = 0
+        self.kv_transfer = KVTransferMetrics(r, model_name)
 
     def request_finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()

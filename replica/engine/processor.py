@@ -160,6 +160,9 @@ class OutputProcessor:
                                num_remote_tokens=info.get("remote", 0))
             if finished:
                 parent.metrics.finished_time = now
+                if self.metrics is not None:
+                    self.metrics.kv_transfer.observe_request(
+                        len(parent.prompt_token_ids), info.get("cached", 0), info.get("remote", 0))
                 ro.prompt_logprobs = parent.prompt_logprobs
                 ro.itl = parent.itl
                 self._finish_parent(parent, completions)

@@ -147,3 +147,27 @@ def test_ray_lease_ends_an_unclaimed_export(ray_pair, local_ray):
         time.sleep(0.1)
     stats = owner_stats(local_ray)
     assert stats["held"] == 0 and stats["expired"] == expired + 1
+
+
+def test_metrics_count_what_moved(storage_pair, reference):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    prod, cons = storage_pair
+    prompt = prompts(1, seed=3)[0]
+    run(hand_off(prod, cons, prompt, 3))
+    wait_all_free(prod)
+
+    def samples(eng):
+        out = {}
+        for fam in text_string_to_metric_families(eng.metrics_text()):
+            for s in fam.samples:
+                out[(s.name, s.labels.get("source", ""))] = s.value
+        return out
+
+    c, p = samples(cons), samples(prod)
+    assert c[("vllm:kv_transfer_bytes_received_count", "")] >= 1
+    assert c[("vllm:kv_transfer_bytes_received_sum", "")] > 0
+    assert c[("vllm:prompt_tokens_by_source_total", "external_kv_transfer")] >= len(prompt) // BLOCK * BLOCK
+    assert c[("vllm:prompt_tokens_by_source_total", "local_compute")] >= 1
+    assert p[("vllm:kv_transfer_bytes_sent_count", "")] >= 1
+    assert c[("vllm:kv_transfer_blocks_held", "")] == 0
