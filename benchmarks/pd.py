@@ -103,7 +103,9 @@ def run_interference(args, port: int, url: str) -> list[dict]:
 def _handoff(before: dict, after: dict) -> dict:
     out = {}
     for key, name in (("fleetserve:pd_prefill_seconds", "prefill_call_mean_ms"),
-                      ("fleetserve:pd_handoff_seconds", "handoff_mean_ms")):
+                      ("fleetserve:pd_handoff_seconds", "handoff_mean_ms"),
+                      ("vllm:kv_transfer_receive_seconds", "transfer_recv_mean_ms"),
+                      ("vllm:kv_transfer_send_seconds", "transfer_send_mean_ms")):
         n = after.get(key + "_count", 0) - before.get(key + "_count", 0)
         if n:
             out[name] = 1000 * (after.get(key + "_sum", 0) - before.get(key + "_sum", 0)) / n
@@ -199,7 +201,7 @@ async def _reuse_rounds(url: str, model: str, args) -> list[float]:
 
 COLS = ["label", "rate", "ok", "out_tok_s", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms",
         "itl_p99_ms", "long_ttft_p50_ms", "prefix_hit_rate", "prefill_call_mean_ms",
-        "handoff_mean_ms"]
+        "handoff_mean_ms", "transfer_recv_mean_ms"]
 
 
 def report(rows: list[dict], args) -> None:
