@@ -200,7 +200,7 @@ def reuse_server(tmp_path_factory, pd_model_dir):
     a replica one request busier than the other counts as overloaded."""
     tmp = tmp_path_factory.mktemp("reuse-app")
     proc, server = start_server(tmp, pd_model_dir, {"enabled": False}, num_replicas=2,
-                                routing={"imbalance_threshold": 1},
+                                routing={"imbalance_threshold": 1, "stats_period_s": 0.2},
                                 cluster_reuse={"enabled": True, "min_tokens": 32})
     yield server
     stop_server(proc)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import httpx
 import pytest
@@ -26,12 +27,24 @@ def prompt_tokens_by_replica(server) -> dict[str, float]:
             if s.name.endswith("_total")}
 
 
+def settle(server, timeout_s: float = 30.0) -> None:
+    """Until the router has nothing in flight and the engines' load reports (every 0.2 s
+    here) have caught up."""
+    deadline = time.time() + timeout_s
+    while sum(x.value for x in server.samples("fleetserve:router_ongoing_requests")) > 0:
+        assert time.time() < deadline, "requests still in flight"
+        time.sleep(0.1)
+    server.wait_all_free()
+    time.sleep(0.5)
+
+
 def test_replica_without_the_prefix_loads_it_from_its_busy_peer(reuse_server, colocated):
     s = reuse_server
     rng = random.Random(20)
     prefix = long_prompt(rng, 34)  # ~160 tokens: with 85 more, within max_model_len 256
     complete(s, prefix + " warm")  # one replica now caches the prefix
     before = reuse_counts(s)
+    settle(s)  # the holder must look idle, or the busy stream would go to its peer
     # Keep that replica busy: a long stream with the same prefix follows the cache there.
     stop, streaming = threading.Event(), threading.Event()
     body = {"model": "tiny", "prompt": prefix + " busy", "max_tokens": 85, "ignore_eos": True,
