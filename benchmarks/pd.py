@@ -126,6 +126,9 @@ async def _open_loop(url: str, model: str, work, rate: float):
     sv.CLIENT = "httpx"
     async with sv._client() as client:
         await sv.send_http(client, url, model, sv.Request("warm up", 2))
+        # A long one too: with P/D it takes the prefill pool, and each engine's first
+        # transfer also connects its engine-core process to Ray (seconds, once).
+        await sv.send_http(client, url, model, sv.Request("warm up " + sv.text_of(random.Random(0), 200), 2))
         return await sv.open_loop(work, rate, lambda r: sv.send_http(client, url, model, r))
 
 
