@@ -128,16 +128,17 @@ def complete(server, prompt: str, n: int = MAX_TOKENS) -> dict:
 
 def test_prefill_replica_dies_decode_recomputes_then_pd_resumes(pd_server, colocated):
     rng = random.Random(3)
-    old = pd_server.kill("prefill")
     before = pd_server.pd_paths()
     prompt = long_prompt(rng)
-    body = complete(pd_server, prompt)  # the prefill calls fail: decode computes the prompt
     ids = tokenize(pd_server, prompt=prompt)
+    old = pd_server.kill("prefill")
+    body = complete(pd_server, prompt)  # the prefill calls fail: decode computes the prompt
     assert body["choices"][0]["text"] == colocated(ids)
+    pd_server.wait_replaced("prefill", old)  # (/metrics answers 503 while a replica is down)
     paths = pd_server.pd_paths()
+    # It was counted on one path: prefill_failed, or pd if Serve had already replaced it.
     assert paths.get("prefill_failed", 0) + paths.get("pd", 0) == \
         before.get("prefill_failed", 0) + before.get("pd", 0) + 1
-    pd_server.wait_replaced("prefill", old)
     prompt = long_prompt(rng)
     body = complete(pd_server, prompt)
     assert body["choices"][0]["text"] == colocated(tokenize(pd_server, prompt=prompt))
