@@ -49,17 +49,19 @@ RoutingPolicyName = Literal["power_of_two", "least_loaded", "prefix_aware", "pre
 class HTTPOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    # Bodies larger than this are refused with 413 before parsing.
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    host: str = Field("127.0.0.1", description=(
+        "Address the HTTP and gRPC servers bind (0.0.0.0 or :: for every interface). "
+        "With --address (a joined cluster) Ray Serve's proxy binds gRPC on every interface."))
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port (OpenAI API, /metrics, /health).")
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description=(
+        "Largest request body; a larger one is refused with 413 before parsing."))
 
 
 class GRPCOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    enabled: bool = True
-    port: int = Field(9000, ge=0, le=65535)
+    enabled: bool = Field(True, description="Serve the gRPC API (fleetserve.v1.FleetServe).")
+    port: int = Field(9000, ge=0, le=65535, description="gRPC port.")
 
 
 class RoutingOptions(BaseModel):
@@ -67,18 +69,16 @@ class RoutingOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # prefix_aware: a replica counts as overloaded (so the prefix match is
-    # ignored) when it has this many more requests in flight than the least
-    # loaded one.
-    imbalance_threshold: int = Field(4, ge=1)
-    # prefix_aware: the match must cover at least this fraction of the prompt's
-    # full blocks to win over load (a shared chat header alone must not pin
-    # every request to one replica).
-    min_match_fraction: float = Field(0.5, gt=0.0, le=1.0)
-    # prefix_aware: most block hashes remembered by the router (LRU).
-    max_table_entries: int = Field(200_000, ge=16)
-    # How often replicas report their engine load to routers (seconds).
-    stats_period_s: float = Field(1.0, gt=0.0)
+    imbalance_threshold: int = Field(4, ge=1, description=(
+        "prefix_aware: a replica with this many more requests in flight than the least "
+        "loaded one counts as overloaded, and its prefix match is ignored."))
+    min_match_fraction: float = Field(0.5, gt=0.0, le=1.0, description=(
+        "prefix_aware: the smallest fraction of the prompt's full blocks a match must cover "
+        "to win over load (a shared chat header alone must not pin every request)."))
+    max_table_entries: int = Field(200_000, ge=16, description=(
+        "prefix_aware: most block hashes the router remembers (LRU)."))
+    stats_period_s: float = Field(1.0, gt=0.0, description=(
+        "How often replicas report their engine load to routers, in seconds."))
 
 
 # Short connector names (the CLI's --kv-connector) -> kv_transfer's registered names.
@@ -91,12 +91,13 @@ class PDPool(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    num_replicas: int = Field(1, ge=1)
-    # EngineArgs fields laid over the app's `engine` for this pool (tensor_parallel_size,
-    # max_num_seqs, max_num_batched_tokens, ...). kv_transfer_config is derived: leave it out.
-    engine: dict[str, Any] = Field(default_factory=dict)
-    # CPUs reserved per replica of this pool; None: the app's num_cpus_per_replica.
-    num_cpus_per_replica: Optional[float] = Field(None, ge=0.0)
+    num_replicas: int = Field(1, ge=1, description="Engine replicas in this pool.")
+    engine: dict[str, Any] = Field(default_factory=dict, description=(
+        "EngineArgs fields laid over the app's `engine` for this pool (tensor_parallel_size, "
+        "max_num_seqs, max_num_batched_tokens, ...); model and kv_transfer_config are set once "
+        "for the app."))
+    num_cpus_per_replica: Optional[float] = Field(None, ge=0.0, description=(
+        "CPUs reserved per replica of this pool (unset: the app's num_cpus_per_replica)."))
 
     @field_validator("engine")
     @classmethod
@@ -115,25 +116,30 @@ class PDOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    enabled: bool = False
-    prefill: PDPool = PDPool()
-    decode: PDPool = PDPool()
-    # ray_object_store | shared_storage | a kv_transfer registered name or "module:Class".
-    kv_connector: str = "ray_object_store"
-    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)
-    # What the decode engine does when a load fails or times out: recompute the prompt
-    # itself, or fail the request so the router retries it (as a recompute) within
-    # max_attempts. Either way the client gets the right tokens.
-    kv_load_failure_policy: Literal["recompute", "fail"] = "fail"
-    kv_lease_s: float = Field(30.0, gt=0)  # the prefill engine holds exported KV this long
-    kv_load_timeout_s: float = Field(10.0, gt=0)  # decode's deadline in WAITING_FOR_REMOTE_KVS
-    # Skip the prefill pool when the decode replica would compute fewer prompt tokens than
-    # this itself (its cache covers the rest, or the prompt is short).
-    min_prefill_tokens: int = Field(64, ge=0)
-    # Tries of the prefill call (another prefill replica each time) before the decode
-    # replica computes the prompt itself; and of the decode call after a failed load.
-    max_attempts: int = Field(2, ge=1)
-    prefill_timeout_s: float = Field(60.0, gt=0)
+    enabled: bool = Field(False, description=(
+        "Serve with a prefill pool and a decode pool instead of num_replicas colocated replicas."))
+    prefill: PDPool = Field(PDPool(), description="The prefill pool.")
+    decode: PDPool = Field(PDPool(), description="The decode pool.")
+    kv_connector: str = Field("ray_object_store", description=(
+        "The KV connector between the pools: ray_object_store, shared_storage, or a "
+        "kv_transfer registered name / 'module:Class'."))
+    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict, description=(
+        "The connector's options (shared_storage: {\"path\": \"/mnt/kv\"})."))
+    kv_load_failure_policy: Literal["recompute", "fail"] = Field("fail", description=(
+        "When a decode-side load fails or times out: the decode engine recomputes the prompt, "
+        "or fails the request before its first token and the router sends it again as a "
+        "recompute (within max_attempts). The client gets the right tokens either way."))
+    kv_lease_s: float = Field(30.0, gt=0, description=(
+        "How long the prefill side keeps exported KV unless the decode side confirms first."))
+    kv_load_timeout_s: float = Field(10.0, gt=0, description=(
+        "The decode side's deadline in WAITING_FOR_REMOTE_KVS, in seconds."))
+    min_prefill_tokens: int = Field(64, ge=0, description=(
+        "Skip the prefill pool when the decode replica would compute fewer prompt tokens than "
+        "this itself (its cache covers the rest, or the prompt is short)."))
+    max_attempts: int = Field(2, ge=1, description=(
+        "Tries of the prefill call before the decode replica computes the prompt itself; "
+        "and of the decode call after a failed load."))
+    prefill_timeout_s: float = Field(60.0, gt=0, description="Deadline of one prefill call.")
 
     @property
     def connector_name(self) -> str:
@@ -154,13 +160,17 @@ class ClusterReuseOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    enabled: bool = False
-    kv_connector: str = "ray_object_store"
-    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)
-    # Export from the holder only when the chosen replica would compute this many more tokens.
-    min_tokens: int = Field(256, ge=1)
-    kv_lease_s: float = Field(30.0, gt=0)
-    kv_load_timeout_s: float = Field(10.0, gt=0)
+    enabled: bool = Field(False, description=(
+        "Let a replica load a long prefix its busy peer caches instead of recomputing it."))
+    kv_connector: str = Field("ray_object_store", description=(
+        "The connector every replica runs as kv_both: ray_object_store, shared_storage, ..."))
+    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict, description=(
+        "The connector's options."))
+    min_tokens: int = Field(256, ge=1, description=(
+        "Export from the holder only when the chosen replica would compute this many more "
+        "prompt tokens itself."))
+    kv_lease_s: float = Field(30.0, gt=0, description="How long the holder keeps an export.")
+    kv_load_timeout_s: float = Field(10.0, gt=0, description="The loading side's deadline.")
 
     def kv_transfer_config(self) -> dict[str, Any]:
         return {"kv_connector": KV_CONNECTORS.get(self.kv_connector, self.kv_connector),
@@ -172,26 +182,34 @@ class ClusterReuseOptions(BaseModel):
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
-    name: str = Field("fleetserve", min_length=1)
+    name: str = Field("fleetserve", min_length=1, description=(
+        "Ray Serve application name (gRPC clients send it as metadata `application`)."))
     engine: EngineArgs = EngineArgs()
-    num_replicas: int = Field(2, ge=1)
-    routing_policy: RoutingPolicyName = "power_of_two"
+    num_replicas: int = Field(2, ge=1, description="Engine replicas behind the router.")
+    routing_policy: RoutingPolicyName = Field("power_of_two", description=(
+        "How the router picks a replica: two random ones and the less loaded "
+        "(power_of_two), the least loaded, or the one holding the prompt's prefix "
+        "(prefix_aware)."))
     routing: RoutingOptions = RoutingOptions()
     http: HTTPOptions = HTTPOptions()
     grpc: GRPCOptions = GRPCOptions()
-    # When set, every HTTP request must carry `Authorization: Bearer <api_key>`
-    # (gRPC: metadata `authorization`).
-    api_key: Optional[str] = None
-    # Ray address: None starts an embedded local Ray; "auto" (or host:port) joins.
-    address: Optional[str] = None
-    # CPUs reserved per engine replica (its torch threads); 0 lets Ray pack them.
-    num_cpus_per_replica: float = Field(1.0, ge=0.0)
-    # The engine class each replica builds, "module:Class" (tests may swap it).
-    engine_cls: str = "fleetserve.replica.engine.async_engine:AsyncEngine"
-    # Prefill/decode disaggregation (see PDOptions and the module docstring).
-    pd: PDOptions = PDOptions()
-    # Cluster-wide prefix reuse between colocated replicas (see ClusterReuseOptions).
-    cluster_reuse: ClusterReuseOptions = ClusterReuseOptions()
+    api_key: Optional[str] = Field(None, description=(
+        "Require `Authorization: Bearer <key>` on HTTP (gRPC: metadata `authorization`)."))
+    address: Optional[str] = Field(None, description=(
+        "Ray cluster to join: 'auto' or host:port (unset: start an embedded local Ray "
+        "sized for the topology)."))
+    num_cpus_per_replica: float = Field(1.0, ge=0.0, description=(
+        "CPUs Ray reserves for each engine replica (its torch threads); 0 lets Ray pack "
+        "replicas. Tensor-parallel ranks take 1 CPU each on top."))
+    enable_log_requests: bool = Field(False, description=(
+        "Log one INFO line per request at the ingress: client, method, path, status, time."))
+    engine_cls: str = Field("fleetserve.replica.engine.async_engine:AsyncEngine", description=(
+        "The engine class each replica builds, 'module:Class' (tests may swap it)."))
+    pd: PDOptions = Field(PDOptions(), description=(
+        "Prefill/decode disaggregation: a prefill pool and a decode pool of engine replicas "
+        "and the KV connector between them (router/pd.py)."))
+    cluster_reuse: ClusterReuseOptions = Field(ClusterReuseOptions(), description=(
+        "Cluster-wide prefix reuse between colocated replicas (router/prefix_reuse.py)."))
 
     @model_validator(mode="after")
     def _check_reuse(self) -> "AppConfig":

@@ -107,6 +107,7 @@ class EngineReplica:
         return {"replica": self.replica_id, "tokenizer": self.engine.tokenizer,
                 "model_name": self.engine.model_name,
                 "max_model_len": self.engine.max_model_len, "block_size": self.block_size,
+                "generation_defaults": dict(getattr(self.engine, "generation_defaults", {})),
                 "kv_events": getattr(self.engine, "kv_events", None) is not None}
 
     def record_routing_stats(self) -> dict[str, Any]:
