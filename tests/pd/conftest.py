@@ -182,14 +182,15 @@ def pd_server(tmp_path_factory, pd_model_dir):
 
 @pytest.fixture(scope="module")
 def slow_load_server(tmp_path_factory, pd_model_dir):
-    """Every KV fetch on the decode side is held back 2 s, past its 1 s deadline: every
-    load times out (the decode engine's policy: fail, so the router recomputes)."""
+    """Every KV fetch on the decode side is held back 4 s, past its 3 s deadline: every
+    load times out (the decode engine's policy: fail, so the router recomputes). The 3 s
+    in WAITING_FOR_REMOTE_KVS are long enough for a test to see them in /metrics."""
     tmp = tmp_path_factory.mktemp("pd-slow-app")
     proc, server = start_server(tmp, pd_model_dir, {
         "enabled": True, "kv_connector": "FaultInjectionConnector",
         "kv_connector_extra_config": {"inner": "RayObjectStoreConnector",
-                                      "faults": {"delay_s": 2.0}},
-        "min_prefill_tokens": 32, "kv_lease_s": 5.0, "kv_load_timeout_s": 1.0})
+                                      "faults": {"delay_s": 4.0}},
+        "min_prefill_tokens": 32, "kv_lease_s": 10.0, "kv_load_timeout_s": 3.0})
     yield server
     stop_server(proc)
 
