@@ -267,7 +267,16 @@ def main() -> None:
     port = sv.free_port()
     url = f"http://127.0.0.1:{port}"
     base = app(args, port)
-    connect_ray(base, log_to_driver=False)
+    for attempt in range(3):  # a loaded machine can miss Ray's fixed 30 s node start-up wait
+        try:
+            connect_ray(base, log_to_driver=False)
+            break
+        except Exception as e:  # noqa: BLE001 - retried, then raised
+            if "timed out during startup" not in str(e) or attempt == 2:
+                raise
+            import ray
+
+            ray.shutdown()
     start_serve(base)
     rows = []
     t0 = time.time()
