@@ -249,7 +249,7 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=60)
     p.add_argument("--rate", type=float, default=3.0)
     p.add_argument("--long-every", type=int, default=6)
-    p.add_argument("--long-words", type=int, default=1500, help="~2k tokens")
+    p.add_argument("--long-words", type=int, default=500, help="~2k tokens (4 per word here)")
     p.add_argument("--prefix-count", type=int, default=6)
     p.add_argument("--prefix-words", type=int, default=300)
     p.add_argument("--prefix-rate", type=float, default=4.0)
