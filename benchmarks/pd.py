@@ -129,7 +129,16 @@ async def _open_loop(url: str, model: str, work, rate: float):
         # A long one too: with P/D it takes the prefill pool, and each engine's first
         # transfer also connects its engine-core process to Ray (seconds, once).
         await sv.send_http(client, url, model, sv.Request("warm up " + sv.text_of(random.Random(0), 200), 2))
-        return await sv.open_loop(work, rate, lambda r: sv.send_http(client, url, model, r))
+        return await sv.open_loop(work, rate, lambda r: _send(client, url, model, r))
+
+
+async def _send(client, url: str, model: str, req) -> "sv.Result":
+    """One request; a connection error counts as a failed request, not a crashed run."""
+    try:
+        return await sv.send_http(client, url, model, req)
+    except Exception as e:  # noqa: BLE001 - counted (ok=False) and reported
+        print(f"request failed: {e!r}", file=sys.stderr)
+        return sv.Result()
 
 
 # -- part 2: shared prefixes under cache pressure -------------------------------------
