@@ -173,9 +173,9 @@ def pd_server(tmp_path_factory, pd_model_dir):
     tmp = tmp_path_factory.mktemp("pd-app")
     proc, server = start_server(tmp, pd_model_dir, {
         "enabled": True, "kv_connector": "ray_object_store",
-        # 30 s: an engine's first transfer also connects its engine-core process to Ray and
-        # starts the KV owner actor (seconds on a loaded 2-core machine).
-        "min_prefill_tokens": 32, "kv_lease_s": 5.0, "kv_load_timeout_s": 30.0})
+        # 60 s: an engine's first transfer also connects its engine-core process to Ray and
+        # starts the KV owner actor (tens of seconds on a loaded 2-core machine).
+        "min_prefill_tokens": 32, "kv_lease_s": 5.0, "kv_load_timeout_s": 60.0})
     yield server
     stop_server(proc)
 
@@ -202,7 +202,10 @@ def reuse_server(tmp_path_factory, pd_model_dir):
     tmp = tmp_path_factory.mktemp("reuse-app")
     proc, server = start_server(tmp, pd_model_dir, {"enabled": False}, num_replicas=2,
                                 routing={"imbalance_threshold": 1, "stats_period_s": 0.2},
-                                cluster_reuse={"enabled": True, "min_tokens": 32})
+                                # 60 s: the first transfer of an engine connects its core
+                                # process to Ray (tens of seconds on a loaded 2-core machine)
+                                cluster_reuse={"enabled": True, "min_tokens": 32,
+                                               "kv_load_timeout_s": 60.0})
     yield server
     stop_server(proc)
 
