@@ -175,7 +175,7 @@ def pd_server(tmp_path_factory, pd_model_dir):
         "enabled": True, "kv_connector": "ray_object_store",
         # 60 s: an engine's first transfer also connects its engine-core process to Ray and
         # starts the KV owner actor (tens of seconds on a loaded 2-core machine).
-        "min_prefill_tokens": 32, "kv_lease_s": 5.0, "kv_load_timeout_s": 60.0})
+        "min_prefill_tokens": 32, "kv_lease_s": 60.0, "kv_load_timeout_s": 60.0})
     yield server
     stop_server(proc)
 
