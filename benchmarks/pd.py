@@ -54,7 +54,7 @@ def app(args, port: int, *, policy: str = "power_of_two", blocks: int | None = N
            "routing": {"imbalance_threshold": imbalance},
            "http": {"port": port}, "grpc": {"enabled": False}, "num_cpus_per_replica": 0}
     if pd:
-        cfg["pd"] = {"enabled": True, "kv_connector": "ray_object_store",
+        cfg["pd"] = {"enabled": True, "connector": "ray_object_store",
                      "min_prefill_tokens": 64, **pd}
     if reuse:
         cfg["cluster_reuse"] = {"enabled": True, **reuse}

@@ -29,7 +29,7 @@ FLAG_NAMES = {"http.host": "--host", "http.port": "--port", "grpc.port": "--grpc
               # --kv-connector ray_object_store`
               "pd.enabled": "--pd", "pd.prefill.num_replicas": "--num-prefill-replicas",
               "pd.decode.num_replicas": "--num-decode-replicas",
-              "pd.kv_connector": "--kv-connector"}
+              "pd.connector": "--kv-connector"}
 
 
 def _json_value(text: str) -> Any:

@@ -18,7 +18,7 @@ YAML shape (every key optional)::
       enabled: true
       prefill: {num_replicas: 1, engine: {max_num_batched_tokens: 4096}}
       decode: {num_replicas: 1, engine: {tensor_parallel_size: 1, max_num_seqs: 64}}
-      kv_connector: ray_object_store      # or shared_storage, or a registered/"module:Class" name
+      connector: ray_object_store         # or shared_storage, or a registered/"module:Class" name
       kv_connector_extra_config: {}       # e.g. {path: /mnt/kv} for shared_storage
       min_prefill_tokens: 64              # uncached prompt tokens below this: decode computes them
 
@@ -26,7 +26,7 @@ With `pd.enabled`, `num_replicas` is unused: the app has two engine pools, each 
 Ray Serve deployment of its own (`prefill`, `decode`), each pool's `engine` a set of
 `EngineArgs` fields laid over the top-level `engine` (so the model is named once),
 and its own `num_replicas` and `num_cpus_per_replica`. The pools' KV transfer
-configs are derived from `kv_connector` (prefill: `kv_producer`, decode:
+configs are derived from `connector` (prefill: `kv_producer`, decode:
 `kv_consumer`); clients see the same HTTP and gRPC API (`router/pd.py` has the flow).
 """
 
@@ -36,8 +36,10 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from fleetserve.cluster.placement import (KV_CONNECTORS, AutoscalingOptions, PDOptions, PDPool,
+                                         ReplicaPlacement)
 from fleetserve.kv_transfer.config import KVTransferConfig
 from fleetserve.replica.engine.engine_args import EngineArgs
 
@@ -79,77 +81,6 @@ class RoutingOptions(BaseModel):
         "prefix_aware: most block hashes the router remembers (LRU)."))
     stats_period_s: float = Field(1.0, gt=0.0, description=(
         "How often replicas report their engine load to routers, in seconds."))
-
-
-# Short connector names (the CLI's --kv-connector) -> kv_transfer's registered names.
-KV_CONNECTORS = {"ray_object_store": "RayObjectStoreConnector",
-                 "shared_storage": "SharedStorageConnector"}
-
-
-class PDPool(BaseModel):
-    """One engine pool of a P/D app: its replicas and its engine settings."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    num_replicas: int = Field(1, ge=1, description="Engine replicas in this pool.")
-    engine: dict[str, Any] = Field(default_factory=dict, description=(
-        "EngineArgs fields laid over the app's `engine` for this pool (tensor_parallel_size, "
-        "max_num_seqs, max_num_batched_tokens, ...); model and kv_transfer_config are set once "
-        "for the app."))
-    num_cpus_per_replica: Optional[float] = Field(None, ge=0.0, description=(
-        "CPUs reserved per replica of this pool (unset: the app's num_cpus_per_replica)."))
-
-    @field_validator("engine")
-    @classmethod
-    def _engine_fields(cls, v: dict[str, Any]) -> dict[str, Any]:
-        unknown = set(v) - set(EngineArgs.model_fields)
-        if unknown:
-            raise ValueError(f"unknown engine fields {sorted(unknown)}")
-        if "kv_transfer_config" in v or "model" in v:
-            raise ValueError("set model and the connector once for the app (engine.model, "
-                             "pd.kv_connector), not per pool")
-        return v
-
-
-class PDOptions(BaseModel):
-    """Prefill/decode disaggregation: a prefill pool, a decode pool, the connector between."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    enabled: bool = Field(False, description=(
-        "Serve with a prefill pool and a decode pool instead of num_replicas colocated replicas."))
-    prefill: PDPool = Field(PDPool(), description="The prefill pool.")
-    decode: PDPool = Field(PDPool(), description="The decode pool.")
-    kv_connector: str = Field("ray_object_store", description=(
-        "The KV connector between the pools: ray_object_store, shared_storage, or a "
-        "kv_transfer registered name / 'module:Class'."))
-    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict, description=(
-        "The connector's options (shared_storage: {\"path\": \"/mnt/kv\"})."))
-    kv_load_failure_policy: Literal["recompute", "fail"] = Field("fail", description=(
-        "When a decode-side load fails or times out: the decode engine recomputes the prompt, "
-        "or fails the request before its first token and the router sends it again as a "
-        "recompute (within max_attempts). The client gets the right tokens either way."))
-    kv_lease_s: float = Field(30.0, gt=0, description=(
-        "How long the prefill side keeps exported KV unless the decode side confirms first."))
-    kv_load_timeout_s: float = Field(10.0, gt=0, description=(
-        "The decode side's deadline in WAITING_FOR_REMOTE_KVS, in seconds."))
-    min_prefill_tokens: int = Field(64, ge=0, description=(
-        "Skip the prefill pool when the decode replica would compute fewer prompt tokens than "
-        "this itself (its cache covers the rest, or the prompt is short)."))
-    max_attempts: int = Field(2, ge=1, description=(
-        "Tries of the prefill call before the decode replica computes the prompt itself; "
-        "and of the decode call after a failed load."))
-    prefill_timeout_s: float = Field(60.0, gt=0, description="Deadline of one prefill call.")
-
-    @property
-    def connector_name(self) -> str:
-        return KV_CONNECTORS.get(self.kv_connector, self.kv_connector)
-
-    def kv_transfer_config(self, role: str) -> dict[str, Any]:
-        return {"kv_connector": self.connector_name, "kv_role": role,
-                "kv_connector_extra_config": dict(self.kv_connector_extra_config),
-                "kv_load_failure_policy": self.kv_load_failure_policy,
-                "kv_lease_s": self.kv_lease_s, "kv_load_timeout_s": self.kv_load_timeout_s}
 
 
 class ClusterReuseOptions(BaseModel):
@@ -195,6 +126,9 @@ class AppConfig(BaseModel):
     grpc: GRPCOptions = GRPCOptions()
     api_key: Optional[str] = Field(None, description=(
         "Require `Authorization: Bearer <key>` on HTTP (gRPC: metadata `authorization`)."))
+    api_key_env: Optional[str] = Field(None, min_length=1, description=(
+        "Or: the name of an environment variable holding the API key, read where the app is "
+        "built (on Kubernetes a Secret exposed as env keeps the key out of the RayService)."))
     address: Optional[str] = Field(None, description=(
         "Ray cluster to join: 'auto' or host:port (unset: start an embedded local Ray "
         "sized for the topology)."))
@@ -205,6 +139,11 @@ class AppConfig(BaseModel):
         "Log one INFO line per request at the ingress: client, method, path, status, time."))
     engine_cls: str = Field("fleetserve.replica.engine.async_engine:AsyncEngine", description=(
         "The engine class each replica builds, 'module:Class' (tests may swap it)."))
+    placement: ReplicaPlacement = Field(ReplicaPlacement(), description=(
+        "Ray actor options of each engine replica: GPUs, custom resources, a node label "
+        "selector (cluster/placement.py)."))
+    autoscaling: Optional[AutoscalingOptions] = Field(None, description=(
+        "Ray Serve autoscaling of the engine replicas; replaces num_replicas when set."))
     pd: PDOptions = Field(PDOptions(), description=(
         "Prefill/decode disaggregation: a prefill pool and a decode pool of engine replicas "
         "and the KV connector between them (router/pd.py)."))

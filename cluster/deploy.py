@@ -31,6 +31,7 @@ from ray import serve
 from ray.serve.config import HTTPOptions, RequestRouterConfig, gRPCOptions
 
 from fleetserve.cluster.config import AppConfig
+from fleetserve.cluster.serve_app import GRPC_SERVICER, resolve_api_key
 from fleetserve.router.ingress import IngressDeployment
 from fleetserve.router.policies import POLICIES
 from fleetserve.router.replica import EngineReplica
@@ -38,7 +39,6 @@ from fleetserve.router.request_router import FleetRequestRouter
 
 logger = logging.getLogger(__name__)
 
-GRPC_SERVICER = "fleetserve.router.proto.fleetserve_pb2_grpc.add_FleetServeServicer_to_server"
 ENGINE_DEPLOYMENT = "engine"
 # With P/D (config.pd.enabled) the engines form two pools instead of "engine".
 PREFILL_DEPLOYMENT = "prefill"
@@ -158,7 +158,7 @@ def build_app(config: AppConfig):
         IngressDeployment, name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=100_000,
         ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": serve_env()}},
         logging_config=_NO_ACCESS_LOG)
-    common = dict(served_model_name=config.served_model_name, api_key=config.api_key,
+    common = dict(served_model_name=config.served_model_name, api_key=resolve_api_key(config),
                   max_body_bytes=config.http.max_body_bytes, model_aliases=aliases,
                   bind_host=config.http.host, log_requests=config.enable_log_requests)
     if not config.pd.enabled:
@@ -174,12 +174,12 @@ def build_app(config: AppConfig):
     pd = config.pd
     decode = _engine_deployment(config, DECODE_DEPLOYMENT, config.pool_engine("decode"),
                                 pd.decode.num_replicas, _pool_cpus(config, pd.decode),
-                                config.routing_policy)
+                                config.routing_policy, pd.decode.placement)
     # Prefill replicas are chosen by what they cache too (a shared system prompt is prefilled
     # once per prefill replica), guarded by load like any prefix routing.
     prefill = _engine_deployment(config, PREFILL_DEPLOYMENT, config.pool_engine("prefill"),
                                  pd.prefill.num_replicas, _pool_cpus(config, pd.prefill),
-                                 "prefix_aware")
+                                 "prefix_aware", pd.prefill.placement)
     settings = {"min_prefill_tokens": pd.min_prefill_tokens, "max_attempts": pd.max_attempts,
                 "prefill_timeout_s": pd.prefill_timeout_s}
     return ingress.bind(decode, prefill=prefill,
@@ -193,8 +193,9 @@ def _pool_cpus(config: AppConfig, pool) -> float:
 
 
 def _engine_deployment(config: AppConfig, name: str, engine, num_replicas: int, num_cpus: float,
-                       policy: str):
+                       policy: str, placement=None):
     """One pool of engine replicas (a Serve deployment) behind FleetRequestRouter."""
+    placement = placement or config.placement
     policy_kwargs = {"policy": policy, "block_size": engine.block_size,
                      "imbalance_threshold": config.routing.imbalance_threshold,
                      "min_match_fraction": config.routing.min_match_fraction,
@@ -202,10 +203,14 @@ def _engine_deployment(config: AppConfig, name: str, engine, num_replicas: int, 
     router_config = RequestRouterConfig(
         request_router_class=FleetRequestRouter, request_router_kwargs=policy_kwargs,
         request_routing_stats_period_s=config.routing.stats_period_s)
+    # Autoscaling applies to the colocated engine deployment; P/D pools have fixed sizes.
+    scale = ({"autoscaling_config": config.autoscaling.serve_config()}
+             if config.autoscaling and name == ENGINE_DEPLOYMENT else {"num_replicas": num_replicas})
     replica = serve.deployment(
-        EngineReplica, name=name, num_replicas=num_replicas,
+        EngineReplica, name=name, **scale,
         max_ongoing_requests=engine.max_num_seqs + engine.max_waiting_requests + 8,
-        ray_actor_options={"num_cpus": num_cpus, "runtime_env": {"env_vars": serve_env()}},
+        ray_actor_options={"num_cpus": num_cpus, "runtime_env": {"env_vars": serve_env()},
+                           **placement.actor_options()},
         request_router_config=router_config, logging_config=_NO_ACCESS_LOG,
         health_check_period_s=10, graceful_shutdown_timeout_s=5)
     engine_args = engine.model_dump()

@@ -172,7 +172,7 @@ def stop_server(proc) -> None:
 def pd_server(tmp_path_factory, pd_model_dir):
     tmp = tmp_path_factory.mktemp("pd-app")
     proc, server = start_server(tmp, pd_model_dir, {
-        "enabled": True, "kv_connector": "ray_object_store",
+        "enabled": True, "connector": "ray_object_store",
         # 60 s: an engine's first transfer also connects its engine-core process to Ray and
         # starts the KV owner actor (tens of seconds on a loaded 2-core machine).
         "min_prefill_tokens": 32, "kv_lease_s": 60.0, "kv_load_timeout_s": 60.0})
@@ -187,7 +187,7 @@ def slow_load_server(tmp_path_factory, pd_model_dir):
     in WAITING_FOR_REMOTE_KVS are long enough for a test to see them in /metrics."""
     tmp = tmp_path_factory.mktemp("pd-slow-app")
     proc, server = start_server(tmp, pd_model_dir, {
-        "enabled": True, "kv_connector": "FaultInjectionConnector",
+        "enabled": True, "connector": "FaultInjectionConnector",
         "kv_connector_extra_config": {"inner": "RayObjectStoreConnector",
                                       "faults": {"delay_s": 4.0}},
         "min_prefill_tokens": 32, "kv_lease_s": 10.0, "kv_load_timeout_s": 3.0})
