@@ -16,6 +16,7 @@ from fleetserve.scheduler.policies import resolve_obj_by_qualname
 from fleetserve.scheduler.request import Request, RequestStatus
 from fleetserve.scheduler.sampling_params import SamplingParams
 from fleetserve.scheduler.scheduler import Scheduler, SchedulerStats
+from fleetserve.scheduler.structured_outputs import StructuredOutputsParams
 
 
 def create_scheduler(scheduler_config: SchedulerConfig, cache_config: CacheConfig,
@@ -31,5 +32,6 @@ __all__ = [
     "AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "CacheConfig", "CachedRequestData", "EngineCoreOutput", "KVCacheBlock",
     "KVCacheManager", "KVCacheMirror", "KVConnectorScheduler", "KVEventBatch", "KVEventLog", "ModelRunnerOutput", "NewRequestData",
     "Request", "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig",
-    "SchedulerOutput", "SchedulerStats", "SequenceGap", "create_scheduler", "hash_token_blocks",
+    "SchedulerOutput", "SchedulerStats", "SequenceGap", "StructuredOutputsParams", "create_scheduler",
+    "hash_token_blocks",
 ]
