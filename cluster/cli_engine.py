@@ -26,7 +26,12 @@ from fleetserve.replica.engine.engine_args import EngineArgs
 FLAG_NAMES = {"http.host": "--host", "http.port": "--port", "grpc.port": "--grpc-port",
               "grpc.enabled": "--grpc",
               # A nested model given whole, as vLLM's JSON flag (not walked field by field).
-              "speculative_config": "--speculative-config"}
+              "speculative_config": "--speculative-config",
+              # P/D: `fleetserve serve --pd --num-prefill-replicas 1 --num-decode-replicas 1
+              # --kv-connector ray_object_store`
+              "pd.enabled": "--pd", "pd.prefill.num_replicas": "--num-prefill-replicas",
+              "pd.decode.num_replicas": "--num-decode-replicas",
+              "pd.connector": "--kv-connector"}
 
 
 def _json_value(text: str) -> Any:

@@ -14,6 +14,20 @@ YAML shape (every key optional)::
     http: {host: 127.0.0.1, port: 8000}
     grpc: {port: 9000}
     api_key: null
+    pd:                                  # prefill/decode disaggregation (off by default)
+      enabled: true
+      prefill: {num_replicas: 1, engine: {max_num_batched_tokens: 4096}}
+      decode: {num_replicas: 1, engine: {tensor_parallel_size: 1, max_num_seqs: 64}}
+      connector: ray_object_store         # or shared_storage, or a registered/"module:Class" name
+      kv_connector_extra_config: {}       # e.g. {path: /mnt/kv} for shared_storage
+      min_prefill_tokens: 64              # uncached prompt tokens below this: decode computes them
+
+With `pd.enabled`, `num_replicas` is unused: the app has two engine pools, each a
+Ray Serve deployment of its own (`prefill`, `decode`), each pool's `engine` a set of
+`EngineArgs` fields laid over the top-level `engine` (so the model is named once),
+and its own `num_replicas` and `num_cpus_per_replica`. The pools' KV transfer
+configs are derived from `connector` (prefill: `kv_producer`, decode:
+`kv_consumer`); clients see the same HTTP and gRPC API (`router/pd.py` has the flow).
 """
 
 from __future__ import annotations
@@ -22,12 +36,16 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fleetserve.cluster.placement import AutoscalingOptions, PDOptions, ReplicaPlacement
+from fleetserve.cluster.placement import (KV_CONNECTORS, AutoscalingOptions, PDOptions, PDPool,
+                                         ReplicaPlacement)
+from fleetserve.kv_transfer.config import KVTransferConfig
 from fleetserve.replica.engine.engine_args import EngineArgs
 
-RoutingPolicyName = Literal["power_of_two", "least_loaded", "prefix_aware"]
+# prefix_aware routes on the engines' KV events (a cluster-wide index of what each
+# replica caches); prefix_aware_approx guesses from where prompts were sent.
+RoutingPolicyName = Literal["power_of_two", "least_loaded", "prefix_aware", "prefix_aware_approx"]
 
 
 class HTTPOptions(BaseModel):
@@ -65,6 +83,33 @@ class RoutingOptions(BaseModel):
         "How often replicas report their engine load to routers, in seconds."))
 
 
+class ClusterReuseOptions(BaseModel):
+    """Cluster-wide prefix reuse (router/prefix_reuse.py), for colocated apps: a replica
+    the router picks that lacks a long prefix another replica caches loads it from that
+    replica through `kv_connector` (every replica runs it as kv_both) instead of
+    recomputing it. Needs routing_policy prefix_aware (the KV index says who holds what)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(False, description=(
+        "Let a replica load a long prefix its busy peer caches instead of recomputing it."))
+    kv_connector: str = Field("ray_object_store", description=(
+        "The connector every replica runs as kv_both: ray_object_store, shared_storage, ..."))
+    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict, description=(
+        "The connector's options."))
+    min_tokens: int = Field(256, ge=1, description=(
+        "Export from the holder only when the chosen replica would compute this many more "
+        "prompt tokens itself."))
+    kv_lease_s: float = Field(30.0, gt=0, description="How long the holder keeps an export.")
+    kv_load_timeout_s: float = Field(10.0, gt=0, description="The loading side's deadline.")
+
+    def kv_transfer_config(self) -> dict[str, Any]:
+        return {"kv_connector": KV_CONNECTORS.get(self.kv_connector, self.kv_connector),
+                "kv_role": "kv_both", "kv_connector_extra_config": dict(self.kv_connector_extra_config),
+                "kv_load_failure_policy": "fail", "kv_lease_s": self.kv_lease_s,
+                "kv_load_timeout_s": self.kv_load_timeout_s}
+
+
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
@@ -100,7 +145,35 @@ class AppConfig(BaseModel):
     autoscaling: Optional[AutoscalingOptions] = Field(None, description=(
         "Ray Serve autoscaling of the engine replicas; replaces num_replicas when set."))
     pd: PDOptions = Field(PDOptions(), description=(
-        "Prefill/decode pools (the shape only; serving it is not in this build)."))
+        "Prefill/decode disaggregation: a prefill pool and a decode pool of engine replicas "
+        "and the KV connector between them (router/pd.py)."))
+    cluster_reuse: ClusterReuseOptions = Field(ClusterReuseOptions(), description=(
+        "Cluster-wide prefix reuse between colocated replicas (router/prefix_reuse.py)."))
+
+    @model_validator(mode="after")
+    def _check_reuse(self) -> "AppConfig":
+        if self.cluster_reuse.enabled:
+            if self.pd.enabled:
+                raise ValueError("cluster_reuse is for colocated apps; with pd the prefill pool "
+                                 "computes what the decode replica lacks")
+            if self.routing_policy != "prefix_aware":
+                raise ValueError("cluster_reuse needs routing_policy prefix_aware (the KV index "
+                                 "says which replica holds a prefix)")
+        return self
+
+    def reuse_engine(self) -> EngineArgs:
+        """The app's engine with the kv_both connector cluster reuse needs."""
+        return self.engine.model_copy(update={"kv_transfer_config": KVTransferConfig.model_validate(
+            self.cluster_reuse.kv_transfer_config())})
+
+    def pool_engine(self, pool: str) -> EngineArgs:
+        """The EngineArgs of a P/D pool ("prefill" or "decode"): the app's engine, the pool's
+        fields over it, and the KV transfer config of the pool's role."""
+        pool_cfg: PDPool = getattr(self.pd, pool)
+        role = "kv_producer" if pool == "prefill" else "kv_consumer"
+        return EngineArgs.model_validate({**self.engine.model_dump(exclude_unset=True),
+                                          **pool_cfg.engine,
+                                          "kv_transfer_config": self.pd.kv_transfer_config(role)})
 
     @property
     def served_model_name(self) -> str:
@@ -111,6 +184,15 @@ class AppConfig(BaseModel):
         """Serve's per-replica cap: above the engine's own queue so the engine
         answers 429 (bounded waiting) rather than Serve queueing forever."""
         return self.engine.max_num_seqs + self.engine.max_waiting_requests + 8
+
+    @property
+    def replica_cpus(self) -> float:
+        """CPUs the engine replicas reserve in all (both pools with P/D)."""
+        if not self.pd.enabled:
+            return self.num_replicas * self.num_cpus_per_replica
+        return sum(p.num_replicas * (self.num_cpus_per_replica if p.num_cpus_per_replica is None
+                                     else p.num_cpus_per_replica)
+                   for p in (self.pd.prefill, self.pd.decode))
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> "AppConfig":

@@ -31,15 +31,18 @@ from ray import serve
 from ray.serve.config import HTTPOptions, RequestRouterConfig, gRPCOptions
 
 from fleetserve.cluster.config import AppConfig
-from fleetserve.cluster.placement import check_supported
 from fleetserve.cluster.serve_app import GRPC_SERVICER, resolve_api_key
 from fleetserve.router.ingress import IngressDeployment
+from fleetserve.router.policies import POLICIES
 from fleetserve.router.replica import EngineReplica
 from fleetserve.router.request_router import FleetRequestRouter
 
 logger = logging.getLogger(__name__)
 
 ENGINE_DEPLOYMENT = "engine"
+# With P/D (config.pd.enabled) the engines form two pools instead of "engine".
+PREFILL_DEPLOYMENT = "prefill"
+DECODE_DEPLOYMENT = "decode"
 INGRESS_DEPLOYMENT = "ingress"
 _NO_ACCESS_LOG = {"enable_access_log": False}
 
@@ -147,42 +150,78 @@ def _free_port(host: str) -> int:
 
 
 def build_app(config: AppConfig):
-    """The Serve application: one ingress in front of `num_replicas` engine replicas."""
+    """The Serve application: one ingress in front of `num_replicas` engine replicas, or,
+    with `pd.enabled`, in front of a decode pool and a prefill pool (router/pd.py)."""
     engine = config.engine
-    policy_kwargs = {"policy": config.routing_policy, "block_size": engine.block_size,
+    aliases = tuple({engine.model} - {config.served_model_name})
+    ingress = serve.deployment(
+        IngressDeployment, name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=100_000,
+        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": serve_env()}},
+        logging_config=_NO_ACCESS_LOG)
+    common = dict(served_model_name=config.served_model_name, api_key=resolve_api_key(config),
+                  max_body_bytes=config.http.max_body_bytes, model_aliases=aliases,
+                  bind_host=config.http.host, log_requests=config.enable_log_requests)
+    if not config.pd.enabled:
+        reuse = config.cluster_reuse
+        replicas = _engine_deployment(config, ENGINE_DEPLOYMENT,
+                                      config.reuse_engine() if reuse.enabled else engine,
+                                      config.num_replicas, config.num_cpus_per_replica,
+                                      config.routing_policy)
+        if reuse.enabled:
+            common["reuse"] = {"settings": {"min_tokens": reuse.min_tokens},
+                               "block_size": engine.block_size}
+        return ingress.bind(replicas, **common)
+    pd = config.pd
+    decode = _engine_deployment(config, DECODE_DEPLOYMENT, config.pool_engine("decode"),
+                                pd.decode.num_replicas, _pool_cpus(config, pd.decode),
+                                config.routing_policy, pd.decode.placement)
+    # Prefill replicas are chosen by what they cache too (a shared system prompt is prefilled
+    # once per prefill replica), guarded by load like any prefix routing.
+    prefill = _engine_deployment(config, PREFILL_DEPLOYMENT, config.pool_engine("prefill"),
+                                 pd.prefill.num_replicas, _pool_cpus(config, pd.prefill),
+                                 "prefix_aware", pd.prefill.placement)
+    settings = {"min_prefill_tokens": pd.min_prefill_tokens, "max_attempts": pd.max_attempts,
+                "prefill_timeout_s": pd.prefill_timeout_s}
+    return ingress.bind(decode, prefill=prefill,
+                        pd={"settings": settings, "block_size": config.pool_engine("decode").block_size},
+                        **common)
+
+
+def _pool_cpus(config: AppConfig, pool) -> float:
+    return config.num_cpus_per_replica if pool.num_cpus_per_replica is None \
+        else pool.num_cpus_per_replica
+
+
+def _engine_deployment(config: AppConfig, name: str, engine, num_replicas: int, num_cpus: float,
+                       policy: str, placement=None):
+    """One pool of engine replicas (a Serve deployment) behind FleetRequestRouter."""
+    placement = placement or config.placement
+    policy_kwargs = {"policy": policy, "block_size": engine.block_size,
                      "imbalance_threshold": config.routing.imbalance_threshold,
                      "min_match_fraction": config.routing.min_match_fraction,
                      "max_table_entries": config.routing.max_table_entries}
     router_config = RequestRouterConfig(
         request_router_class=FleetRequestRouter, request_router_kwargs=policy_kwargs,
         request_routing_stats_period_s=config.routing.stats_period_s)
-    check_supported(config.pd)
-    scale = ({"autoscaling_config": config.autoscaling.serve_config()} if config.autoscaling
-             else {"num_replicas": config.num_replicas})
+    # Autoscaling applies to the colocated engine deployment; P/D pools have fixed sizes.
+    scale = ({"autoscaling_config": config.autoscaling.serve_config()}
+             if config.autoscaling and name == ENGINE_DEPLOYMENT else {"num_replicas": num_replicas})
     replica = serve.deployment(
-        EngineReplica, name=ENGINE_DEPLOYMENT, **scale,
-        max_ongoing_requests=config.max_ongoing_requests,
-        ray_actor_options={"num_cpus": config.num_cpus_per_replica,
-                           "runtime_env": {"env_vars": serve_env()},
-                           **config.placement.actor_options()},
+        EngineReplica, name=name, **scale,
+        max_ongoing_requests=engine.max_num_seqs + engine.max_waiting_requests + 8,
+        ray_actor_options={"num_cpus": num_cpus, "runtime_env": {"env_vars": serve_env()},
+                           **placement.actor_options()},
         request_router_config=router_config, logging_config=_NO_ACCESS_LOG,
         health_check_period_s=10, graceful_shutdown_timeout_s=5)
-    ingress = serve.deployment(
-        IngressDeployment, name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=100_000,
-        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": serve_env()}},
-        logging_config=_NO_ACCESS_LOG)
-    aliases = tuple({engine.model} - {config.served_model_name})
     engine_args = engine.model_dump()
     if engine_args["num_threads"] is None:
         # Each replica gets the CPUs Ray reserves for it, not every core of the
         # machine: replicas sharing cores with all-core OpenMP pools spin against
         # each other (5-20x slower, docs MEASURED).
-        engine_args["num_threads"] = max(1, int(config.num_cpus_per_replica))
-    return ingress.bind(replica.bind(engine_args, config.engine_cls),
-                        served_model_name=config.served_model_name, api_key=resolve_api_key(config),
-                        max_body_bytes=config.http.max_body_bytes, model_aliases=aliases,
-                        bind_host=config.http.host,
-                        log_requests=config.enable_log_requests)
+        engine_args["num_threads"] = max(1, int(num_cpus))
+    if POLICIES[policy].uses_kv_events:
+        engine_args["enable_kv_cache_events"] = True  # the router's prefix index reads them
+    return replica.bind(engine_args, config.engine_cls)
 
 
 def deploy(config: AppConfig, blocking: bool = False):

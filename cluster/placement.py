@@ -13,17 +13,16 @@ selector is a hard constraint: a replica whose selector no node matches waits
 off the head and prefill replicas on prefill nodes (each worker group carries its
 `fleetserve.io/pool` label).
 
-`pd` is the minimal shape of prefill/decode disaggregation that the Helm chart and
-the cluster files map onto; the P/D topology itself (routing, KV transfer) is not
-in this module. The chart's mapping to these keys lives in one place:
+`pd` is prefill/decode disaggregation (served by router/pd.py): the pools' replicas,
+placement and engine settings, and the connector between them. The chart's mapping to these keys lives in one place:
 `helm/fleetserve/templates/_appconfig.tpl`.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 POOL_LABEL = "fleetserve.io/pool"
 
@@ -78,28 +77,76 @@ class AutoscalingOptions(BaseModel):
         return self.model_dump()
 
 
+# Short connector names (--kv-connector, pd.connector) -> kv_transfer's registered names.
+KV_CONNECTORS = {"ray_object_store": "RayObjectStoreConnector",
+                 "shared_storage": "SharedStorageConnector"}
+
+
 class PDPool(BaseModel):
+    """One engine pool of a P/D app: its replicas, where they run, its engine settings."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    num_replicas: int = Field(1, ge=1)
+    num_replicas: int = Field(1, ge=1, description="Engine replicas in this pool.")
     placement: ReplicaPlacement = ReplicaPlacement()
+    engine: dict[str, Any] = Field(default_factory=dict, description=(
+        "EngineArgs fields laid over the app's `engine` for this pool (tensor_parallel_size, "
+        "max_num_seqs, max_num_batched_tokens, ...); model and kv_transfer_config are set once "
+        "for the app."))
+    num_cpus_per_replica: Optional[float] = Field(None, ge=0.0, description=(
+        "CPUs reserved per replica of this pool (unset: the app's num_cpus_per_replica)."))
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_fields(cls, v: dict[str, Any]) -> dict[str, Any]:
+        from fleetserve.replica.engine.engine_args import EngineArgs
+
+        unknown = set(v) - set(EngineArgs.model_fields)
+        if unknown:
+            raise ValueError(f"unknown engine fields {sorted(unknown)}")
+        if "kv_transfer_config" in v or "model" in v:
+            raise ValueError("set model and the connector once for the app (engine.model, "
+                             "pd.connector), not per pool")
+        return v
 
 
 class PDOptions(BaseModel):
     """Prefill/decode disaggregation: prompts are prefilled on the prefill pool and
-    their KV cache handed to the decode pool through `connector`."""
+    their KV cache handed to the decode pool through `connector` (router/pd.py)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    enabled: bool = False
-    connector: str = Field("ray_object_store", min_length=1)
-    prefill: PDPool = PDPool()
-    decode: PDPool = PDPool()
+    enabled: bool = Field(False, description=(
+        "Serve with a prefill pool and a decode pool instead of num_replicas colocated replicas."))
+    connector: str = Field("ray_object_store", min_length=1, description=(
+        "The KV connector between the pools: ray_object_store, shared_storage, or a "
+        "kv_transfer registered name / 'module:Class'."))
+    prefill: PDPool = Field(PDPool(), description="The prefill pool.")
+    decode: PDPool = Field(PDPool(), description="The decode pool.")
+    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict, description=(
+        "The connector's options (shared_storage: {\"path\": \"/mnt/kv\"})."))
+    kv_load_failure_policy: Literal["recompute", "fail"] = Field("fail", description=(
+        "When a decode-side load fails or times out: the decode engine recomputes the prompt, "
+        "or fails the request before its first token and the router sends it again as a "
+        "recompute (within max_attempts). The client gets the right tokens either way."))
+    kv_lease_s: float = Field(30.0, gt=0, description=(
+        "How long the prefill side keeps exported KV unless the decode side confirms first."))
+    kv_load_timeout_s: float = Field(10.0, gt=0, description=(
+        "The decode side's deadline in WAITING_FOR_REMOTE_KVS, in seconds."))
+    min_prefill_tokens: int = Field(64, ge=0, description=(
+        "Skip the prefill pool when the decode replica would compute fewer prompt tokens than "
+        "this itself (its cache covers the rest, or the prompt is short)."))
+    max_attempts: int = Field(2, ge=1, description=(
+        "Tries of the prefill call before the decode replica computes the prompt itself; "
+        "and of the decode call after a failed load."))
+    prefill_timeout_s: float = Field(60.0, gt=0, description="Deadline of one prefill call.")
 
+    @property
+    def connector_name(self) -> str:
+        return KV_CONNECTORS.get(self.connector, self.connector)
 
-def check_supported(pd: Optional[PDOptions]) -> None:
-    """The serving side of P/D is not part of this build: refuse clearly rather than
-    serve a plain topology the user did not ask for."""
-    if pd is not None and pd.enabled:
-        raise ValueError("pd.enabled: prefill/decode disaggregation is not available in this "
-                         "build of fleetserve (set pd.enabled: false)")
+    def kv_transfer_config(self, role: str) -> dict[str, Any]:
+        return {"kv_connector": self.connector_name, "kv_role": role,
+                "kv_connector_extra_config": dict(self.kv_connector_extra_config),
+                "kv_load_failure_policy": self.kv_load_failure_policy,
+                "kv_lease_s": self.kv_lease_s, "kv_load_timeout_s": self.kv_load_timeout_s}

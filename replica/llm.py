@@ -138,6 +138,7 @@ def _accumulate(results: dict[str, RequestOutput], delta: RequestOutput) -> None
     acc.outputs.sort(key=lambda c: c.index)
     acc.finished = delta.finished
     acc.num_cached_tokens = max(acc.num_cached_tokens, delta.num_cached_tokens)
+    acc.num_remote_tokens = max(acc.num_remote_tokens, delta.num_remote_tokens)
     acc.metrics = delta.metrics
     if delta.finished:
         acc.prompt_logprobs = delta.prompt_logprobs

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import hmac
 import json
 import logging
@@ -35,6 +36,9 @@ from fleetserve.router.access_log import AccessLog
 from fleetserve.router.errors import (APIError, error_body, field_path, from_validation_error, is_error,
                                       to_response)
 from fleetserve.router.grpc_service import GrpcMethods, quiet_client_errors
+from fleetserve.router.kv_subscriber import KVEventSubscriber
+from fleetserve.router.pd import PDRouter, PDSettings
+from fleetserve.router.prefix_reuse import PrefixReuse, ReuseSettings
 from fleetserve.router.metrics import merge_metrics
 from fleetserve.router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest, sampling_dict)
@@ -80,7 +84,10 @@ class Ingress(GrpcMethods):
     def __init__(self, engine: DeploymentHandle, served_model_name: str,
                  api_key: Optional[str] = None, max_body_bytes: int = 4 << 20,
                  model_aliases: tuple[str, ...] = (), bind_host: Optional[str] = None,
-                 log_requests: bool = False) -> None:
+                 log_requests: bool = False, prefill: Optional[DeploymentHandle] = None,
+                 pd: Optional[dict] = None, reuse: Optional[dict] = None) -> None:
+        """`engine` is the engine pool requests stream from; with P/D (`prefill` and `pd`
+        given: router.pd) it is the decode pool, and `prefill` the prefill pool."""
         # Before Serve starts this replica's own HTTP/gRPC servers (after the constructor).
         serve_patches.apply(bind_host)
         quiet_client_errors()
@@ -93,7 +100,17 @@ class Ingress(GrpcMethods):
         # (cluster.deploy puts it in this replica's runtime_env).
         if os.environ.get("RAY_SERVE_USE_GRPC_BY_DEFAULT") == "1":
             engine = engine.options(_by_reference=False)
+            prefill = prefill.options(_by_reference=False) if prefill is not None else None
         self._engine = engine
+        self._pools = [engine] + ([prefill] if prefill is not None else [])
+        self._pd: Optional[PDRouter] = None
+        if prefill is not None and pd is not None:
+            self._pd = PDRouter(engine, prefill, PDSettings(**pd.get("settings", {})),
+                                int(pd.get("block_size", 16)))
+        self._reuse: Optional[PrefixReuse] = None
+        if reuse is not None and self._pd is None:
+            self._reuse = PrefixReuse(engine, ReuseSettings(**reuse.get("settings", {})),
+                                      int(reuse.get("block_size", 16)))
         self._stream = engine.options(stream=True)
         self._generate = self._stream.generate  # built once: each attribute access makes a new handle
         self.served_model_name = served_model_name
@@ -102,6 +119,11 @@ class Ingress(GrpcMethods):
         self._max_body_bytes = max_body_bytes
         self._info: Optional[dict] = None
         self._info_lock = asyncio.Lock()
+        self._kv_subscribers: dict[str, KVEventSubscriber] = {}
+        try:  # follow the engines' KV events from the start, not from the first request
+            asyncio.get_running_loop().create_task(self._warm_up(), context=contextvars.Context())
+        except RuntimeError:
+            pass  # no loop yet: the first request starts it
 
     # -- shared plumbing (HTTP and gRPC) ---------------------------------------
 
@@ -110,12 +132,33 @@ class Ingress(GrpcMethods):
             async with self._info_lock:
                 if self._info is None:
                     try:
-                        self._info = await asyncio.wait_for(self._engine.get_info.remote(),
-                                                            INFO_TIMEOUT_S)
+                        info = await asyncio.wait_for(self._engine.get_info.remote(),
+                                                      INFO_TIMEOUT_S)
+                        for pool in self._pools[1:]:  # builds this process's router for it
+                            await asyncio.wait_for(pool.get_info.remote(), INFO_TIMEOUT_S)
+                        self._info = info
                     except asyncio.TimeoutError:
                         raise APIError("the model is still loading (no engine replica has "
                                        "answered yet); retry shortly", 503) from None
+                    self._start_kv_subscribers()
         return self._info
+
+    async def _warm_up(self) -> None:
+        try:
+            await self.info()
+        except Exception as e:  # noqa: BLE001 - replicas not up yet: the first request retries
+            logger.info("ingress warm-up: replicas not reachable yet: %r", e)
+
+    def _start_kv_subscribers(self) -> None:
+        """Feed each pool's routing policy's KV index (precise prefix routing) with its
+        replicas' KV events, when the policy has one (router.kv_subscriber)."""
+        for pool in self._pools:
+            router = get_router(pool.app_name, pool.deployment_name)
+            index = getattr(getattr(router, "policy", None), "kv_index", None)
+            if index is not None and pool.deployment_name not in self._kv_subscribers:
+                sub = KVEventSubscriber(pool, router.replica_ids, index)
+                self._kv_subscribers[pool.deployment_name] = sub
+                sub.start()
 
     def decode_one(self, token_id: int) -> str:
         return self._info["tokenizer"].decode([token_id])
@@ -176,6 +219,15 @@ class Ingress(GrpcMethods):
 
     async def open_stream(self, body: dict):
         """Send to a replica; return (generator, first item). The first item may be an error."""
+        if self._pd is not None:
+            await self.info()  # the pools' routers exist: the P/D flow picks from them
+            return await self._pd.open_stream(body, ReplicaStream)
+        if self._reuse is not None:
+            await self.info()
+            return await self._reuse.open_stream(body, ReplicaStream, self._open_plain)
+        return await self._open_plain(body)
+
+    async def _open_plain(self, body: dict):
         gen = ReplicaStream(self._generate.remote(body))
         try:
             first = await gen.__anext__()
@@ -194,12 +246,13 @@ class Ingress(GrpcMethods):
         concurrent calls that share one (they hang).
         """
         await self.info()  # makes sure the handle's router exists and knows the replicas
-        router = get_router(self._engine.app_name, self._engine.deployment_name)
         results = {}
-        for rid in (router.replica_ids() if router else []):
-            call = self._engine.control.remote(op, **{TARGET_KWARG: rid})
-            r = await asyncio.wait_for(call, timeout_s)
-            results[r["replica"]] = r
+        for pool in self._pools:  # the engine pool; with P/D, the prefill pool too
+            router = get_router(pool.app_name, pool.deployment_name)
+            for rid in (router.replica_ids() if router else []):
+                call = pool.control.remote(op, **{TARGET_KWARG: rid})
+                r = await asyncio.wait_for(call, timeout_s)
+                results[r["replica"]] = r
         return results
 
     # -- HTTP: generation ------------------------------------------------------
@@ -365,14 +418,33 @@ class Ingress(GrpcMethods):
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def _router_metrics(self) -> str:
-        router = get_router(self._engine.app_name, self._engine.deployment_name)
-        if router is None:
+        routers = [r for r in (get_router(p.app_name, p.deployment_name) for p in self._pools)
+                   if r is not None]
+        if not routers:
             return ""
         lines = ["# HELP fleetserve:router_ongoing_requests Requests this ingress has in flight per replica.",
                  "# TYPE fleetserve:router_ongoing_requests gauge"]
-        for rid, n in sorted(router.ongoing().items()):
-            lines.append(f'fleetserve:router_ongoing_requests{{replica="{rid}"}} {n}')
-        return "\n".join(lines) + "\n"
+        for router in routers:
+            for rid, n in sorted(router.ongoing().items()):
+                lines.append(f'fleetserve:router_ongoing_requests{{replica="{rid}"}} {n}')
+        indexes = [i for i in (getattr(r.policy, "kv_index", None) for r in routers) if i is not None]
+        if indexes:
+            lines += ["# HELP fleetserve:router_kv_index_blocks Block hashes the router's prefix "
+                      "index holds per replica (from the engines' KV events).",
+                      "# TYPE fleetserve:router_kv_index_blocks gauge"]
+            for index in indexes:
+                for rid in sorted(index.replicas()):
+                    lines.append(f'fleetserve:router_kv_index_blocks{{replica="{rid}"}} '
+                                 f'{len(index.hashes_of(rid))}')
+            lines += ["# HELP fleetserve:router_kv_index_resyncs Snapshots the prefix index "
+                      "loaded (first contact, restarts, sequence gaps).",
+                      "# TYPE fleetserve:router_kv_index_resyncs counter",
+                      f"fleetserve:router_kv_index_resyncs_total {sum(i.num_resyncs for i in indexes)}"]
+        text = "\n".join(lines) + "\n"
+        for extra in (self._pd, self._reuse):
+            if extra is not None:
+                text += extra.metrics.text()
+        return text
 
     # -- request parsing -------------------------------------------------------
 

@@ -34,17 +34,25 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # Of cached_tokens, those whose KV a connector loaded from another engine (P/D, cluster
+    # prefix reuse); reported when the router's P/D flow or a load was involved.
+    remote_tokens: Optional[int] = None
 
     def as_dict(self) -> dict:
+        details = {"cached_tokens": self.cached_tokens}
+        if self.remote_tokens is not None:
+            details["remote_tokens"] = self.remote_tokens
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+                "prompt_tokens_details": details}
 
 
 def observe(item: dict, usage: Usage) -> None:
     """Count tokens of one replica item into `usage`."""
     usage.prompt_tokens = item.get("prompt_tokens", usage.prompt_tokens)
     usage.cached_tokens = max(usage.cached_tokens, item.get("num_cached_tokens") or 0)
+    if "num_remote_tokens" in item:
+        usage.remote_tokens = item["num_remote_tokens"]
     for out in item["outputs"]:
         usage.completion_tokens += len(out["token_ids"])
 

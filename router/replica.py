@@ -38,6 +38,7 @@ class EngineReplica:
         cls = resolve_obj_by_qualname(engine_cls)
         self.engine = cls(args)
         self.block_size = args.block_size
+        self._kv_wake = AppendWaiter()
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except RayServeException:  # outside Serve (unit tests): a random id
@@ -45,7 +46,11 @@ class EngineReplica:
 
     # -- generation ------------------------------------------------------------
 
-    async def generate(self, body: dict) -> AsyncIterator[dict]:
+    async def generate(self, body: dict, _fleetserve_target: Optional[str] = None
+                       ) -> AsyncIterator[dict]:
+        """Stream one request. `body["kv_transfer_params"]` (set by the router's P/D flow,
+        never taken from a client) asks the engine to export or load the prompt's KV;
+        `_fleetserve_target` pins the call to this replica (router.request_router)."""
         try:
             params = SamplingParams(**body["sampling_params"])
         except (TypeError, ValueError) as e:
@@ -53,10 +58,12 @@ class EngineReplica:
             return
         prompt_len = len(body["prompt_token_ids"])
         first = True
+        kv_params = body.get("kv_transfer_params")
         prompt_logprobs_sent = False
         outputs = self.engine.generate(
             body["prompt_token_ids"], params, body["request_id"],
-            priority=int(body.get("priority", 0)), cache_salt=body.get("cache_salt"))
+            priority=int(body.get("priority", 0)), cache_salt=body.get("cache_salt"),
+            **({"kv_transfer_params": kv_params} if kv_params is not None else {}))
         try:
             async with contextlib.aclosing(ready_batches(outputs)) as batches:
                 async for batch in batches:
@@ -84,12 +91,28 @@ class EngineReplica:
             return {"replica": self.replica_id, "load": self.engine.get_load()}
         raise ValueError(f"unknown control op {op!r}")
 
+    async def kv_events(self, since_seq: int = -1, instance: Optional[str] = None,
+                        wait_s: float = 1.0, _fleetserve_target: Optional[str] = None) -> dict:
+        """The engine's KV events after `since_seq` of `instance` (a long poll: waits up to
+        `wait_s` for the first new batch), or a snapshot when those batches are gone or the
+        caller followed another engine. See `scheduler.kv_events.KVEventLog.read`."""
+        log = getattr(self.engine, "kv_events", None)
+        if log is None:
+            return {"replica": self.replica_id, "disabled": True}
+        reply = log.read(since_seq, instance)
+        if not reply.get("batches") and "snapshot" not in reply and wait_s > 0:
+            await self._kv_wake.wait_for_append(log, wait_s)
+            reply = log.read(since_seq, instance)
+        reply["replica"] = self.replica_id
+        return reply
+
     def get_info(self) -> dict:
         """What the ingress needs to tokenize and validate on its own."""
         return {"replica": self.replica_id, "tokenizer": self.engine.tokenizer,
                 "model_name": self.engine.model_name,
                 "max_model_len": self.engine.max_model_len, "block_size": self.block_size,
-                "generation_defaults": dict(getattr(self.engine, "generation_defaults", {}))}
+                "generation_defaults": dict(getattr(self.engine, "generation_defaults", {})),
+                "kv_events": getattr(self.engine, "kv_events", None) is not None}
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve calls this every `request_routing_stats_period_s`; routers read it."""
@@ -108,6 +131,44 @@ class EngineReplica:
                 engine.shutdown()
             except Exception as e:  # interpreter teardown: nothing left to do but say so
                 logger.warning("engine shutdown failed: %s", e)
+
+
+class AppendWaiter:
+    """Wakes `kv_events` long polls (on the replica's loop) when the engine appends a
+    batch (on whatever thread steps it). One listener per log, registered lazily."""
+
+    def __init__(self) -> None:
+        self._waiters: set[asyncio.Future] = set()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._logs: set[int] = set()
+
+    async def wait_for_append(self, log, timeout_s: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        if id(log) not in self._logs:
+            self._logs.add(id(log))
+            log.add_listener(self._appended)
+        fut = self._loop.create_future()
+        self._waiters.add(fut)
+        try:
+            await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self._waiters.discard(fut)
+
+    def _appended(self) -> None:
+        loop = self._loop
+        if loop is None or not self._waiters:
+            return
+        try:
+            loop.call_soon_threadsafe(self._wake)
+        except RuntimeError:  # the loop is closed: nobody waits
+            pass
+
+    def _wake(self) -> None:
+        for fut in list(self._waiters):
+            if not fut.done():
+                fut.set_result(None)
 
 
 async def ready_batches(outputs: AsyncIterator[Any]) -> AsyncIterator[list[Any]]:
@@ -166,6 +227,14 @@ def _encode(out: Any, replica_id: str, prompt_len: Optional[int]) -> dict:
     }
     if prompt_len is not None:
         item["prompt_tokens"] = prompt_len
+    if out.finished:
+        # P/D: what a producer exported (to hand to the consumer), and how many prompt
+        # tokens a consumer loaded instead of computing (kv_transfer's RequestOutput).
+        params = getattr(out, "kv_transfer_params", None)
+        if params is not None:
+            item["kv_transfer_params"] = params
+        if getattr(out, "num_remote_tokens", 0):
+            item["num_remote_tokens"] = out.num_remote_tokens
     return item
 
 

@@ -33,8 +33,8 @@ TARGET_KWARG = "_fleetserve_target"
 class FleetRequestRouter(RequestRouter):
     def initialize_state(self, policy: str = "power_of_two", **policy_kwargs: Any) -> None:
         self.policy: RoutingPolicy = make_policy(policy, **policy_kwargs)
-        # internal request id -> (replica id, prompt tokens) for requests in flight.
-        self._inflight: dict[str, tuple[str, int]] = {}
+        # internal request id -> (replica id, prompt tokens, request id) for requests in flight.
+        self._inflight: dict[str, tuple[str, int, str]] = {}
         self._ongoing: dict[str, list[int]] = {}  # replica id -> [requests, tokens]
         self._lock = threading.Lock()
         registry.register(self._deployment_id.app_name, self._deployment_id.name, self)
@@ -47,6 +47,18 @@ class FleetRequestRouter(RequestRouter):
     def ongoing(self) -> dict[str, int]:
         with self._lock:
             return {rid: v[0] for rid, v in self._ongoing.items()}
+
+    def rank(self, request: RouteRequest) -> list[tuple[str, int]]:
+        """The policy's order for `request` over the current replicas, each with the leading
+        prompt blocks it caches (0 for policies that do not know): what the P/D flow asks
+        to pick the decode replica before it decides on a prefill."""
+        replicas = list(self.curr_replicas.values())
+        ranked = [t[0] for t in self.policy.rank([self._load(r) for r in replicas], request)]
+        match = getattr(self.policy, "match_lengths", None)
+        if match is None or not ranked:
+            return [(rid, 0) for rid in ranked]
+        hits = match(self.policy.block_hashes(request), set(ranked))
+        return [(rid, hits.get(rid, 0)) for rid in ranked]
 
     # -- Serve's hooks ---------------------------------------------------------
 
@@ -61,11 +73,16 @@ class FleetRequestRouter(RequestRouter):
             # own event loop (the probes that would free the tier never run).
             pending_request.routing_context.should_backoff = True
         target = pending_request.kwargs.get(TARGET_KWARG) if pending_request else None
+        request = _route_request(pending_request)
         if target is not None:
             # A pinned call to a replica that is gone goes anywhere; the caller
-            # sees which replica answered.
-            return [[by_id[target]]] if target in by_id else [list(by_id.values())]
-        request = _route_request(pending_request)
+            # sees which replica answered. A pinned generate (P/D: the router chose
+            # the decode replica itself) still counts toward that replica's load.
+            if target not in by_id:
+                return [list(by_id.values())]
+            if request is not None:
+                self._record(target, request, pending_request)
+            return [[by_id[target]]]
         ranked = self.policy.rank([self._load(r) for r in by_id.values()], request)
         if request is not None and ranked:
             self._record(ranked[0][0], request, pending_request)
@@ -75,7 +92,9 @@ class FleetRequestRouter(RequestRouter):
         with self._lock:
             entry = self._inflight.pop(internal_request_id, None)
             if entry is not None:
-                self._release(*entry)
+                self._release(*entry[:2])
+        if entry is not None:
+            self.policy.on_completed(entry[2])
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -99,8 +118,9 @@ class FleetRequestRouter(RequestRouter):
         with self._lock:
             previous = self._inflight.pop(internal_id, None)
             if previous is not None:  # Serve retried routing (a full tier): undo
-                self._release(*previous)
-            self._inflight[internal_id] = (replica_id, len(request.prompt_token_ids))
+                self._release(*previous[:2])
+            self._inflight[internal_id] = (replica_id, len(request.prompt_token_ids),
+                                           request.request_id)
             counts = self._ongoing.setdefault(replica_id, [0, 0])
             counts[0] += 1
             counts[1] += len(request.prompt_token_ids)

@@ -8,6 +8,8 @@ from fleetserve.scheduler.block_pool import BlockPool, KVCacheBlock
 from fleetserve.scheduler.config import CacheConfig, SchedulerConfig
 from fleetserve.scheduler.connector import KVConnectorScheduler
 from fleetserve.scheduler.kv_cache_manager import KVCacheManager, hash_token_blocks
+from fleetserve.scheduler.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVCacheMirror,
+                                            KVEventBatch, KVEventLog, SequenceGap)
 from fleetserve.scheduler.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                                           NewRequestData, SchedulerOutput)
 from fleetserve.scheduler.policies import resolve_obj_by_qualname
@@ -27,8 +29,9 @@ def create_scheduler(scheduler_config: SchedulerConfig, cache_config: CacheConfi
 
 
 __all__ = [
-    "BlockPool", "CacheConfig", "CachedRequestData", "EngineCoreOutput", "KVCacheBlock",
-    "KVCacheManager", "KVConnectorScheduler", "ModelRunnerOutput", "NewRequestData",
+    "AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "CacheConfig", "CachedRequestData", "EngineCoreOutput", "KVCacheBlock",
+    "KVCacheManager", "KVCacheMirror", "KVConnectorScheduler", "KVEventBatch", "KVEventLog", "ModelRunnerOutput", "NewRequestData",
     "Request", "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig",
-    "SchedulerOutput", "SchedulerStats", "StructuredOutputsParams", "create_scheduler", "hash_token_blocks",
+    "SchedulerOutput", "SchedulerStats", "SequenceGap", "StructuredOutputsParams", "create_scheduler",
+    "hash_token_blocks",
 ]

@@ -9,11 +9,17 @@ Every block is in exactly one of two states:
 
 The free queue is an intrusive doubly linked list, so removing a cache hit
 from the middle of it is O(1).
+
+Every change to the hash map (a hash registered, evicted, or all dropped) is
+reported to `events` when one is attached (`scheduler.kv_events`): that is what
+the router's cluster-wide prefix index is built from.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
+
+from fleetserve.scheduler.kv_events import KVEventRecorder
 
 
 class KVCacheBlock:
@@ -79,6 +85,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVCacheBlock] = {}
+        self.events: Optional[KVEventRecorder] = None  # set to publish KV events
 
     @property
     def num_free_blocks(self) -> int:
@@ -115,14 +122,20 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: int) -> None:
-        """Register a full block under its chained hash (first writer wins)."""
+    def cache_block(self, block: KVCacheBlock, block_hash: int, parent_hash: Optional[int] = None,
+                    token_ids: Sequence[int] = ()) -> None:
+        """Register a full block under its chained hash (first writer wins).
+
+        `parent_hash` (None for a first block) and `token_ids` only describe the
+        block to KV event subscribers."""
         if block.block_hash is not None:
             return
         if block_hash in self.cached:
             return
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if self.events is not None:
+            self.events.stored(block_hash, parent_hash, token_ids)
 
     def uncache_blocks(self, block_ids: Iterable[int]) -> None:
         """Forget the hashes of blocks whose content is known to be bad."""
@@ -133,6 +146,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
             block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:
@@ -142,4 +157,6 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True

@@ -53,3 +53,5 @@ class CacheConfig(BaseModel):
     # None until the replica sizes the cache from its memory budget.
     num_blocks: Optional[int] = Field(None, ge=1)
     enable_prefix_caching: bool = True
+    # Publish KV cache events (scheduler.kv_events) for the router's prefix index.
+    enable_kv_cache_events: bool = False

@@ -24,9 +24,16 @@ Scheduler role, in call order for one request:
    when it finishes: ``delay_free=True`` keeps its blocks until a worker reports
    the id in ``finished_sending``; the params go back to the client (P/D).
 
+5. ``update_connector_output(runner_output)`` at the start of every
+   ``update_from_output``: the connector sees what the workers reported (and
+   may add ids it gave up on: a load past its deadline whose notice never came
+   goes into ``finished_recving`` with its blocks in ``invalid_block_ids``).
+
 A failed load is reported as ``ModelRunnerOutput.invalid_block_ids``: the
 scheduler rolls the affected requests back to the first bad block and
-recomputes from there. Slower, never lost, never wrong.
+recomputes from there (``load_failure_policy(request) == "recompute"``), or
+finishes them with ``finish_reason == "error"`` (``"fail"``). Slower or
+refused, never lost, never wrong.
 
 Worker role (in ``kv_transfer/``): ``register_kv_caches``, ``start_load_kv``,
 ``wait_for_layer_load``, ``save_kv_layer``, ``wait_for_save``, ``get_finished``.
@@ -37,7 +44,7 @@ from __future__ import annotations
 import abc
 from typing import Any, Optional
 
-from fleetserve.scheduler.outputs import SchedulerOutput
+from fleetserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from fleetserve.scheduler.request import Request
 
 
@@ -59,3 +66,10 @@ class KVConnectorScheduler(abc.ABC):
     def request_finished(
             self, request: Request, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         return False, None
+
+    def update_connector_output(self, runner_output: ModelRunnerOutput) -> None:
+        return None
+
+    def load_failure_policy(self, request: Request) -> str:
+        """"recompute" (from the first bad block) or "fail" (finish with an error)."""
+        return "recompute"

@@ -24,6 +24,7 @@ import hashlib
 from typing import Optional
 
 from fleetserve.scheduler.block_pool import BlockPool, KVCacheBlock
+from fleetserve.scheduler.kv_events import KVEventBatch, KVEventRecorder
 from fleetserve.scheduler.request import Request
 
 NONE_HASH = 0x5EED
@@ -62,10 +63,13 @@ def update_block_hashes(request: Request, block_size: int) -> None:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 enable_kv_cache_events: bool = False) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
+        if enable_kv_cache_events:
+            self.pool.events = KVEventRecorder(block_size)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are registered in the cache.
         self.num_cached_blocks: dict[str, int] = {}
@@ -175,8 +179,14 @@ class KVCacheManager:
         update_block_hashes(request, self.block_size)
         blocks = self.req_to_blocks[rid]
         hashes = request.block_hashes
-        for i in range(done, num_full):
-            self.pool.cache_block(blocks[i], hashes[i])
+        if self.pool.events is None:
+            for i in range(done, num_full):
+                self.pool.cache_block(blocks[i], hashes[i])
+        else:  # subscribers also get each block's parent and tokens
+            bs, tokens = self.block_size, request.all_token_ids
+            for i in range(done, num_full):
+                self.pool.cache_block(blocks[i], hashes[i], hashes[i - 1] if i else None,
+                                      tokens[i * bs:(i + 1) * bs])
         self.num_cached_blocks[rid] = num_full
 
     def free(self, request: Request) -> None:
@@ -209,6 +219,14 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
+
+    def take_events(self) -> Optional[KVEventBatch]:
+        """The KV events since the last call, as one batch (None: none, or events are off)."""
+        return self.pool.events.take_batch() if self.pool.events is not None else None
+
+    def cached_block_hashes(self) -> set:
+        """Every hash the prefix cache holds now (what KV event subscribers rebuild)."""
+        return set(self.pool.cached)
 
     # ---- invariants (tests and debug checks) --------------------------------
     def check_invariants(self) -> None:

@@ -90,6 +90,8 @@ class ModelRunnerOutput:
     invalid_block_ids: set[int] = field(default_factory=set)
     # Draft tokens the worker's proposer suggests for each request's next step.
     spec_token_ids: Optional[dict[str, list[int]]] = None
+    # What the connector moved this step (kv_transfer.metrics), for the engine's metrics.
+    kv_connector_stats: Optional[dict[str, Any]] = None
 
     @staticmethod
     def empty() -> "ModelRunnerOutput":
@@ -108,6 +110,8 @@ class EngineCoreOutput:
     new_prompt_logprobs: Optional[Logprobs] = None
     num_cached_tokens: int = 0
     kv_transfer_params: Optional[dict[str, Any]] = None
+    # Of num_cached_tokens, the prompt tokens whose KV a connector loaded.
+    num_remote_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -31,6 +31,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()
+    # A remote KV load failed under kv_load_failure_policy "fail".
+    FINISHED_ERROR = enum.auto()
 
     @property
     def is_finished(self) -> bool:
@@ -48,6 +50,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: "abort",
     # vLLM reports a prompt that can never fit as "length" too.
     RequestStatus.FINISHED_IGNORED: "length",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 

@@ -67,7 +67,8 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.connector = connector
         self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
-                                 cache_config.enable_prefix_caching)
+                                 cache_config.enable_prefix_caching,
+                                 cache_config.enable_kv_cache_events)
         self.capacity = make_capacity_policy(scheduler_config.capacity_policy)
 
         self.requests: dict[str, Request] = {}
@@ -285,7 +286,9 @@ class Scheduler:
         self.capacity.begin_step(self._block_holders, kv)
         skipped: list[Request] = []
         holders_only = False
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        # In-flight remote loads hold a seat (and their blocks) like running requests.
+        while self.waiting and budget > 0 and \
+                len(self.running) + len(self.waiting_for_remote_kvs) < cfg.max_num_seqs:
             request = self.waiting.peek()
             fresh = request.request_id not in kv.req_to_blocks
             lookup = None if holders_only and fresh else self._lookup(request)
@@ -398,8 +401,11 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self.connector is not None:
+            self.connector.update_connector_output(runner_output)
         if runner_output.invalid_block_ids:
-            self._handle_invalid_blocks(runner_output.invalid_block_ids, scheduler_output)
+            outputs.extend(self._handle_invalid_blocks(runner_output.invalid_block_ids,
+                                                       scheduler_output))
         num_scheduled = scheduler_output.num_scheduled_tokens
         spec = scheduler_output.scheduled_spec_decode_tokens
         logprobs = runner_output.logprobs
@@ -431,7 +437,8 @@ class Scheduler:
                 reason = request.get_finished_reason()
             outputs.append(EngineCoreOutput(
                 rid, new_tokens, reason, request.stop_reason,
-                logprobs.get(rid) if logprobs else None, plp, request.num_cached_tokens, params))
+                logprobs.get(rid) if logprobs else None, plp, request.num_cached_tokens, params,
+                num_remote_tokens=request.num_external_computed_tokens))
         if stopped:
             drop = {id(r) for r in stopped}
             self.running = [r for r in self.running if id(r) not in drop]
@@ -513,10 +520,13 @@ class Scheduler:
                 self.kv.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
             self.waiting.prepend(request)
 
-    def _handle_invalid_blocks(self, invalid: set[int], scheduler_output: SchedulerOutput) -> None:
-        """Roll requests whose KV failed to load back to their first bad block."""
+    def _handle_invalid_blocks(self, invalid: set[int],
+                               scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
+        """Roll requests whose KV failed to load back to their first bad block, or fail
+        them (the connector's policy). Returns the outputs of the failed ones."""
         self.kv.uncache_blocks(invalid)
         bs = self.block_size
+        failed: list[Request] = []
         for request in list(self.running) + list(self.waiting_for_remote_kvs.values()):
             block_ids = self.kv.get_block_ids(request.request_id)
             first_bad = next((i for i, b in enumerate(block_ids) if b in invalid), None)
@@ -526,12 +536,23 @@ class Scheduler:
             if request.num_computed_tokens <= good:
                 continue
             request.num_computed_tokens = good
-            request.num_cached_tokens = min(request.num_cached_tokens, good)
+            lost = request.num_cached_tokens - min(request.num_cached_tokens, good)
+            request.num_cached_tokens -= lost
+            # External tokens follow the local hits: the cut comes off them first.
+            request.num_external_computed_tokens = max(0, request.num_external_computed_tokens - lost)
             # Blocks from the first bad one on were loaded wrong or computed
             # over wrong KV: no later request may hit them.
             self.kv.uncache_tail(request, good)
             # The step's sampled token (if any) was computed over bad KV: drop it.
             scheduler_output.num_scheduled_tokens.pop(request.request_id, None)
+            if self.connector is not None and self.connector.load_failure_policy(request) == "fail":
+                failed.append(request)
+        if not failed:
+            return []
+        self.finish_requests([r.request_id for r in failed], RequestStatus.FINISHED_ERROR)
+        return [EngineCoreOutput(r.request_id, [], r.get_finished_reason(),
+                                 num_cached_tokens=r.num_cached_tokens,
+                                 num_remote_tokens=r.num_external_computed_tokens) for r in failed]
 
     # ---- stats -------------------------------------------------------------------
     def get_stats(self) -> SchedulerStats:
@@ -550,3 +571,7 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
+
+    def take_kv_events(self):
+        """KV cache events since the last call, as one `KVEventBatch` (or None)."""
+        return self.kv.take_events()

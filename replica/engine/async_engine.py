@@ -34,7 +34,8 @@ from fleetserve.replica.model_loader.registry import resolve_model
 from fleetserve.replica.engine.outputs import RequestOutput
 from fleetserve.replica.engine.processor import InputProcessor, OutputProcessor, PromptType
 from fleetserve.replica.engine.tokenizer import apply_chat_template, load_tokenizer
-from fleetserve.scheduler import SamplingParams
+from fleetserve.kv_transfer.params import validate_kv_transfer_params
+from fleetserve.scheduler import KVEventLog, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._dead: Optional[str] = None  # why the engine cannot serve any more
+        # What the prefix cache gains and loses, for subscribers (the router's prefix index).
+        self.kv_events: Optional[KVEventLog] = KVEventLog() if args.enable_kv_cache_events else None
         client_cls = ProcessCoreClient if use_core_process(args, core_process) else ThreadCoreClient
         self._client = client_cls(args, self.tokenizer.eos_token_id, self._on_step, self._on_failure)
         self.max_model_len = self._client.max_model_len
@@ -98,6 +101,7 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
         sp = sampling_params or SamplingParams()
+        kv_transfer_params = self._check_kv_transfer_params(kv_transfer_params)
         text, requests = self.input_processor.process(
             prompt, sp, request_id, priority=priority, cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params)
@@ -129,6 +133,16 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self._abort(request_id)
+
+    def _check_kv_transfer_params(self, params: Optional[dict]) -> Optional[dict]:
+        """KV transfer params come only from this keyword (never from sampling params or a
+        request body); refused unless this engine has a KV connector."""
+        if params is None:
+            return None
+        if self.args.kv_transfer_config is None:
+            raise ValueError("kv_transfer_params given, but this engine has no KV connector "
+                             "(--kv-transfer-config)")
+        return validate_kv_transfer_params(params)
 
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)
@@ -169,6 +183,8 @@ class AsyncEngine:
     def _on_step(self, result: StepResult) -> None:
         """One step's outputs: on the engine thread, or wherever a core process's results are
         read (the callers' event loop, or a `get_load`/`metrics_text` caller between loops)."""
+        if result.kv_events is not None and self.kv_events is not None:
+            self.kv_events.append(result.kv_events)
         op = self.output_processor
         if result.num_scheduled_tokens:
             self.metrics.iteration_tokens.observe(result.num_scheduled_tokens)
@@ -176,6 +192,8 @@ class AsyncEngine:
             if result.newly_scheduled:
                 op.mark_scheduled(result.newly_scheduled, result.timestamp)
             outputs, stopped = op.process(result.outputs)
+            if result.kv_stats:
+                self.metrics.kv_transfer.observe_step(result.kv_stats)
         if stopped:
             try:
                 self._client.finish(stopped)

@@ -188,6 +188,7 @@ class ThreadCoreClient(_CoreClient):
                 message, dead = fail_in_flight(core, e)
                 self.load, self.stats = load_of(core)
                 self._on_failure(message, dead)
+                self._flush_kv_events()
                 continue
             self.load, self.stats = load_of(core)
             self._on_step(result)
@@ -199,6 +200,13 @@ class ThreadCoreClient(_CoreClient):
                 self._adds_seen += 1
             apply_command(self.core, kind, payload)
         self.load, self.stats = load_of(self.core)
+        self._flush_kv_events()
+
+    def _flush_kv_events(self) -> None:
+        """KV events that commands caused between steps reach the caller as an empty step."""
+        events = self.core.take_kv_events()
+        if events is not None:
+            self._on_step(events)
 
 
 class ProcessCoreClient(_CoreClient):
@@ -224,6 +232,9 @@ class ProcessCoreClient(_CoreClient):
         # The child imports what this process can import (a Ray worker's sys.path may hold
         # entries, e.g. a runtime_env working_dir, that PYTHONPATH does not).
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+            # A KV connector in the child that uses Ray joins this process's cluster.
+            env.setdefault("RAY_ADDRESS", sys.modules["ray"].get_runtime_context().gcs_address)
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "fleetserve.replica.engine.core_process", str(theirs.fileno())],
             pass_fds=[theirs.fileno()], env=env, close_fds=True)

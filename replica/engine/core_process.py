@@ -42,6 +42,11 @@ class EngineCoreLoop:
     def state(self) -> tuple:
         return self.core.get_load(), self.core.scheduler.get_stats(), self.adds_seen
 
+    def send_state(self) -> None:
+        """The state after commands; KV events they caused travel as an empty step."""
+        events = self.core.take_kv_events()
+        self.send(("state", *self.state()) if events is None else ("step", events, *self.state()))
+
     def run(self) -> None:
         core = self.core
         while True:
@@ -51,7 +56,7 @@ class EngineCoreLoop:
                 return
             if not core.has_work():
                 if drained:
-                    self.send(("state", *self.state()))
+                    self.send_state()
                 continue
             try:
                 result = core.step()
@@ -59,7 +64,7 @@ class EngineCoreLoop:
                 message, dead = fail_in_flight(core, e)
                 self.dead |= dead
                 self.send(("dead" if dead else "failed", message))
-                self.send(("state", *self.state()))
+                self.send_state()
                 continue
             self.send(("step", result, *self.state()))
 

@@ -11,6 +11,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from fleetserve.replica.spec_decode.config import SpeculativeConfig
+from fleetserve.kv_transfer.config import KVTransferConfig
 from fleetserve.scheduler import CacheConfig, SchedulerConfig
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -90,6 +91,12 @@ class EngineArgs(BaseModel):
             raise ValueError("speculative decoding with a draft model runs with "
                              "tensor_parallel_size 1 only; use the 'ngram' method with TP")
         return self
+    enable_kv_cache_events: bool = Field(False, description=(
+        "Publish KV cache events (block stored / removed / all cleared) for the router's "
+        "prefix index (vLLM: --kv-events-config); on by itself with --routing-policy "
+        "prefix_aware."))
+    kv_transfer_config: Optional[KVTransferConfig] = Field(None, description=(
+        "KV transfer (vLLM's --kv-transfer-config): connector, role, failure policy, as JSON."))
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(
@@ -112,4 +119,5 @@ class EngineArgs(BaseModel):
 
     def cache_config(self, num_blocks: int) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, num_blocks=num_blocks,
-                           enable_prefix_caching=self.enable_prefix_caching)
+                           enable_prefix_caching=self.enable_prefix_caching,
+                           enable_kv_cache_events=self.enable_kv_cache_events)

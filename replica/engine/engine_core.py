@@ -13,15 +13,49 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from fleetserve.replica.engine.engine_args import EngineArgs
 from fleetserve.replica.executor import Executor, make_executor
 from fleetserve.replica.structured_output.manager import StructuredOutputManager
-from fleetserve.scheduler import EngineCoreOutput, Request, RequestStatus, create_scheduler
+from fleetserve.scheduler import EngineCoreOutput, KVEventBatch, Request, RequestStatus, create_scheduler
 
 logger = logging.getLogger(__name__)
+
+KV_IDLE_POLL_S = 0.002
+
+
+def name_kv_engine(args: EngineArgs) -> EngineArgs:
+    """Give the KV connector an engine id (the same one on every TP rank) when none is set."""
+    cfg = args.kv_transfer_config
+    if cfg is None or cfg.engine_id is not None:
+        return args
+    return args.model_copy(update={"kv_transfer_config": cfg.model_copy(
+        update={"engine_id": uuid.uuid4().hex})})
+
+
+def make_scheduler_connector(args: EngineArgs, hf_config):
+    if args.kv_transfer_config is None:
+        return None
+    from fleetserve.kv_transfer.base import KVConnectorRole
+    from fleetserve.kv_transfer.factory import build_context, make_connector
+    from fleetserve.replica.worker.device import select_device, select_dtype
+
+    dtype = select_dtype(args.dtype, select_device(args.device))
+    ctx = build_context(args.kv_transfer_config, kv_model_id(args), hf_config, dtype,
+                        args.block_size, args.tensor_parallel_size)
+    return make_connector(args.kv_transfer_config, KVConnectorRole.SCHEDULER, ctx)
+
+
+def kv_model_id(args: EngineArgs) -> str:
+    """The model's name in KV fingerprints: the file or folder name of its weights, so
+    one model at two paths (or under an alias) still matches (set kv_connector_extra_config.model_id to
+    tell apart two fine-tunes of one architecture under one name)."""
+    from fleetserve.replica.model_loader.registry import resolve_model
+
+    return resolve_model(args.model).path.name
 
 
 @dataclass(slots=True)
@@ -31,6 +65,10 @@ class StepResult:
     newly_scheduled: list[str] = field(default_factory=list)
     num_scheduled_tokens: int = 0
     timestamp: float = 0.0
+    # What the prefix cache gained and lost (scheduler.kv_events), when events are on.
+    kv_events: Optional[KVEventBatch] = None
+    # KV transfer: what moved this step, and blocks held for transfers (kv_transfer.metrics).
+    kv_stats: Optional[dict] = None
 
 
 def resolve_max_model_len(args: EngineArgs, hf_config) -> int:
@@ -46,14 +84,16 @@ def resolve_max_model_len(args: EngineArgs, hf_config) -> int:
 class EngineCore:
     def __init__(self, args: EngineArgs, eos_token_id: Optional[int],
                  executor: Optional[Executor] = None) -> None:
-        self.args = args
+        self.args = args = name_kv_engine(args)
         self.executor = executor or make_executor(args, eos_token_id)
         self.hf_config = self.executor.hf_config
         self.max_model_len = resolve_max_model_len(args, self.hf_config)
         num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(num_blocks)
+        # The scheduler half of the KV connector (the worker half lives with the KV).
+        self.kv_connector = make_scheduler_connector(args, self.hf_config)
         self.scheduler = create_scheduler(args.scheduler_config(self.max_model_len),
-                                          args.cache_config(num_blocks))
+                                          args.cache_config(num_blocks), self.kv_connector)
         capacity = num_blocks * args.block_size
         if capacity < self.max_model_len:
             logger.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: a request "
@@ -102,10 +142,25 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._advance_grammars(outputs)
         outputs.extend(failed)
+        if self.kv_connector is not None and not outputs and scheduler_output.is_empty:
+            # Only transfers are pending (loads, leases): poll them without spinning a core.
+            time.sleep(KV_IDLE_POLL_S)
         # Resumed (preempted) requests are sent as new again; the output
         # processor keeps only the first schedule time of each request.
         scheduled = [n.req_id for n in scheduler_output.scheduled_new_reqs]
-        return StepResult(outputs, scheduled, scheduler_output.total_num_scheduled_tokens, now)
+        kv_stats = None
+        if self.kv_connector is not None:
+            from fleetserve.kv_transfer.metrics import step_kv_stats
+
+            kv_stats = step_kv_stats(self.scheduler, self.kv_connector, runner_output)
+        return StepResult(outputs, scheduled, scheduler_output.total_num_scheduled_tokens, now,
+                          self.scheduler.take_kv_events(), kv_stats)
+
+    def take_kv_events(self) -> Optional[StepResult]:
+        """KV events that commands (aborts, finishes) caused between steps, as an empty step's
+        result, so they reach subscribers even when no step follows; None when there are none."""
+        batch = self.scheduler.take_kv_events()
+        return None if batch is None else StepResult([], kv_events=batch)
 
     def _sampling_req_ids(self, so) -> list[str]:
         """Scheduled requests that reach the end of their tokens (and so sample) this step;
@@ -146,6 +201,8 @@ class EngineCore:
     def shutdown(self) -> None:
         self.structured.shutdown()
         self.executor.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
 
 
 # How long an idle step waits for a grammar before returning (commands are read between steps).

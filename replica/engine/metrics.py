@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from fleetserve.kv_transfer.metrics import KVTransferMetrics
+
 try:  # prometheus_client >= 0.17
     from prometheus_client import disable_created_metrics
 except ImportError:  # pragma: no cover - older prometheus_client: nothing to disable
@@ -128,6 +130,7 @@ class EngineMetrics:
         # Speculative decoding (vLLM's names), created on the first stats that carry it.
         self._spec = None
         self._last_spec = None
+        self.kv_transfer = KVTransferMetrics(r, model_name)
 
     def cache_config(self, block_size: int, num_blocks: int, enable_prefix_caching: bool) -> None:
         """vllm:cache_config_info: an info gauge (always 1) whose labels carry the settings."""

@@ -74,5 +74,7 @@ class RequestOutput:
     prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
     metrics: Optional[RequestMetrics] = None
     kv_transfer_params: Optional[dict[str, Any]] = None
+    # Of num_cached_tokens, the prompt tokens whose KV a KV connector loaded.
+    num_remote_tokens: int = 0
     # Inter-token latencies (seconds) observed for this request, on the final item.
     itl: list[float] = field(default_factory=list)

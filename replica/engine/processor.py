@@ -178,7 +178,8 @@ class OutputProcessor:
             self._observe(parent, len(out.new_token_ids), now)
             by_parent.setdefault(parent.request_id, []).append(completion)
             if out.kv_transfer_params is not None or out.num_cached_tokens:
-                extra[parent.request_id] = {"kv": out.kv_transfer_params, "cached": out.num_cached_tokens}
+                extra[parent.request_id] = {"kv": out.kv_transfer_params, "cached": out.num_cached_tokens,
+                                            "remote": out.num_remote_tokens}
         results = []
         for rid, completions in by_parent.items():
             parent = self.parents[rid]
@@ -186,7 +187,8 @@ class OutputProcessor:
             info = extra.get(rid, {})
             ro = RequestOutput(rid, parent.prompt, parent.prompt_token_ids, completions, finished,
                                num_cached_tokens=info.get("cached", 0), metrics=parent.metrics,
-                               kv_transfer_params=info.get("kv"))
+                               kv_transfer_params=info.get("kv"),
+                               num_remote_tokens=info.get("remote", 0))
             if parent.prompt_logprobs is not None and not parent.prompt_logprobs_sent and \
                     len(parent.prompt_logprobs) >= len(parent.prompt_token_ids):
                 # Complete once the prompt is: streams can show them (echo) before the end.
@@ -194,6 +196,9 @@ class OutputProcessor:
                 parent.prompt_logprobs_sent = True
             if finished:
                 parent.metrics.finished_time = now
+                if self.metrics is not None:
+                    self.metrics.kv_transfer.observe_request(
+                        len(parent.prompt_token_ids), info.get("cached", 0), info.get("remote", 0))
                 ro.prompt_logprobs = parent.prompt_logprobs
                 ro.itl = parent.itl
                 self._finish_parent(parent, completions)

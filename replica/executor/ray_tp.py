@@ -33,6 +33,7 @@ from typing import Optional
 
 from fleetserve.replica.engine.engine_args import EngineArgs
 from fleetserve.replica.executor import Executor, ExecutorError
+from fleetserve.kv_transfer.aggregate import kv_part
 from fleetserve.scheduler import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -76,11 +77,16 @@ class TPWorkerActor:
         """(rank 0's output or None, seconds this rank spent in the step)."""
         t0 = time.perf_counter()
         out = self.worker.execute_model(scheduler_output)
-        return (out if self.worker.rank == 0 else None), time.perf_counter() - t0
+        if self.worker.rank != 0:
+            # With a KV connector every rank reports its own transfers (kv_transfer.aggregate).
+            out = None if self.worker.kv_connector is None else kv_part(out)
+        return out, time.perf_counter() - t0
 
     def shutdown(self) -> None:
         from fleetserve.replica.distributed.parallel import destroy_tp_group
 
+        if self.worker is not None:
+            self.worker.shutdown()
         destroy_tp_group()
 
     def pid(self) -> int:
@@ -105,6 +111,11 @@ class RayTPExecutor(Executor):
 
         check_tp_size(args)
         self._ray = ray
+        self._kv_aggregator = None
+        if args.kv_transfer_config is not None:
+            from fleetserve.kv_transfer.aggregate import KVOutputAggregator
+
+            self._kv_aggregator = KVOutputAggregator(args.tensor_parallel_size)
         self.step_timeout_s = step_timeout_s
         # (driver wall seconds, slowest rank's seconds) per step, for benchmarks.
         self.step_timings: collections.deque = collections.deque(maxlen=10_000)
@@ -184,6 +195,8 @@ class RayTPExecutor(Executor):
         wall = time.perf_counter() - t0
         # What the fan-out (put, calls, result return) costs on top of the ranks' own work.
         self.step_timings.append((wall, max(t for _, t in results)))
+        if self._kv_aggregator is not None:
+            return self._kv_aggregator.aggregate([out for out, _ in results])
         return results[0][0]
 
     def shutdown(self) -> None:

@@ -24,3 +24,6 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

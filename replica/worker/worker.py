@@ -49,6 +49,20 @@ class Worker:
             self.runner.proposer = make_proposer(
                 args.speculative_config, device=self.device, dtype=self.dtype,
                 block_size=args.block_size, target_hf_config=self.runner.hf_config)
+        self.kv_connector = self._make_kv_connector()
+
+    def _make_kv_connector(self):
+        """The worker half of the KV connector: this rank moves its own KV heads."""
+        if self.args.kv_transfer_config is None:
+            return None
+        from fleetserve.kv_transfer.base import KVConnectorRole
+        from fleetserve.kv_transfer.factory import build_context, make_connector
+        from fleetserve.replica.engine.engine_core import kv_model_id
+
+        cfg = self.args.kv_transfer_config
+        ctx = build_context(cfg, kv_model_id(self.args), self.hf_config, self.dtype,
+                            self.args.block_size, self.world_size, self.rank)
+        return make_connector(cfg, KVConnectorRole.WORKER, ctx)
 
     @property
     def hf_config(self):
@@ -74,6 +88,8 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.runner.kv_caches)
         logger.info("rank %d: KV cache of %d blocks x %d tokens (%.1f MiB, %s) on %s, %s, "
                     "%d threads", self.rank, num_blocks, self.args.block_size,
                     num_blocks * self.runner.bytes_per_block() / 2**20,
@@ -81,4 +97,12 @@ class Worker:
                     str(self.dtype).removeprefix("torch."), self.num_threads)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(scheduler_output)
+        if self.kv_connector is None:
+            return self.runner.execute_model(scheduler_output)
+        from fleetserve.kv_transfer.base import run_connector_step
+
+        return run_connector_step(self.kv_connector, scheduler_output, self.runner.execute_model)
+
+    def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()

@@ -7,12 +7,14 @@ Each is a small class behind `RoutingPolicy.rank(replicas, request) -> tiers`;
 from fleetserve.router.policies.base import ReplicaLoad, RouteRequest, RoutingPolicy
 from fleetserve.router.policies.least_loaded import LeastLoadedPolicy
 from fleetserve.router.policies.power_of_two import PowerOfTwoPolicy
+from fleetserve.router.policies.prefix_approx import ApproxPrefixPolicy
 from fleetserve.router.policies.prefix_aware import PrefixAwarePolicy
 
 POLICIES: dict[str, type[RoutingPolicy]] = {
     "power_of_two": PowerOfTwoPolicy,
     "least_loaded": LeastLoadedPolicy,
     "prefix_aware": PrefixAwarePolicy,
+    "prefix_aware_approx": ApproxPrefixPolicy,
 }
 
 
@@ -24,5 +26,5 @@ def make_policy(name: str, **kwargs) -> RoutingPolicy:
     return cls(**kwargs)
 
 
-__all__ = ["POLICIES", "LeastLoadedPolicy", "PowerOfTwoPolicy", "PrefixAwarePolicy",
+__all__ = ["POLICIES", "ApproxPrefixPolicy", "LeastLoadedPolicy", "PowerOfTwoPolicy", "PrefixAwarePolicy",
            "ReplicaLoad", "RouteRequest", "RoutingPolicy", "make_policy"]

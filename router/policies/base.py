@@ -45,6 +45,9 @@ class RouteRequest:
 
 class RoutingPolicy(ABC):
     name: str = "base"
+    # True: the policy reads a `kv_index` that the ingress keeps fed with the engines'
+    # KV events (router.kv_subscriber), and replicas must publish them.
+    uses_kv_events: bool = False
 
     @abstractmethod
     def rank(self, replicas: list[ReplicaLoad], request: Optional[RouteRequest]) -> list[list[str]]:
@@ -52,6 +55,9 @@ class RoutingPolicy(ABC):
 
     def on_routed(self, replica_id: str, request: RouteRequest) -> None:
         """The request was sent to `replica_id` (the first tier's pick)."""
+
+    def on_completed(self, request_id: str) -> None:
+        """The request routed with `RouteRequest.request_id` finished (its stream ended)."""
 
     def on_replicas_changed(self, replica_ids: set[str]) -> None:
         """Forget state about replicas that are gone."""

@@ -1,53 +1,64 @@
-"""Prefix-aware routing on token blocks, with load as the tie-breaker and the guard.
+"""Prefix-aware routing on what the engines actually cache, with load as the guard.
 
-The router hashes the prompt's full token blocks exactly as the engine's KV
-cache does (`scheduler.hash_token_blocks`: chained, deterministic across
-processes), and keeps a local LRU table `block hash -> replicas that were
-recently sent a prompt containing it`. For a new prompt:
+The router hashes the prompt's full token blocks exactly as the engines' KV
+caches do (`scheduler.hash_token_blocks`: chained, salted, deterministic across
+processes) and looks the chain up in two places:
+
+* the cluster-wide `KVIndex` (`router/kv_index.py`), built from every engine's KV
+  events: block hash -> replicas whose cache holds it *now*; and
+* the requests this router has in flight: a replica that is computing a prompt
+  will hold its blocks a step later, before its events arrive, so a burst of
+  one prefix follows its first request. Released `linger_s` after the request
+  completes: by then its events have reached the index (they are published at
+  the step that schedules the prompt, and read every ~50 ms), which alone
+  decides from then on (eviction included).
+
+Then, for a new prompt:
 
 1. For every replica, count the leading blocks it holds (a chain: block i
-   matches only if blocks 0..i-1 matched too).
+   matches only if blocks 0..i-1 match too).
 2. The replica with the longest match wins if the match covers at least
    `min_match_fraction` of the prompt's full blocks and that replica is not
    overloaded: it must not have `imbalance_threshold` or more requests in
-   flight beyond the least loaded replica.
-3. Otherwise the least loaded replica wins (and becomes the home of this prefix).
+   flight beyond the least loaded replica (load wins over a match).
+3. Otherwise the least loaded replica wins. Other replicas follow as fallback
+   tiers, by load.
 
-The winner's blocks are recorded at routing time, so a burst of same-prefix
-requests follows the first one before any of them has finished. Other
-replicas follow as fallback tiers, by load. Everything is local to the router
-(no actor round trip per request, unlike Ray Serve LLM's prefix tree actor);
-the table only says where a prefix was *sent*, which is where its KV blocks
-most likely still are.
+`PrefixAwareBase` holds that rule; subclasses say where matches come from
+(`prefix_approx.ApproxPrefixPolicy` guesses from routing history, as Ray Serve
+LLM and SGLang's routers do).
 """
 
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
+import time
+from abc import abstractmethod
+from collections import deque
 from typing import Optional
 
+from fleetserve.router.kv_index import KVIndex
 from fleetserve.router.policies.base import ReplicaLoad, RouteRequest, RoutingPolicy, by_load, tiers
 from fleetserve.scheduler import hash_token_blocks
 
 
-class PrefixAwarePolicy(RoutingPolicy):
-    name = "prefix_aware"
-
+class PrefixAwareBase(RoutingPolicy):
     def __init__(self, block_size: int = 16, imbalance_threshold: int = 4,
-                 min_match_fraction: float = 0.5, max_table_entries: int = 200_000,
-                 seed: Optional[int] = None, **_: object) -> None:
+                 min_match_fraction: float = 0.5, seed: Optional[int] = None, **_: object) -> None:
         self.block_size = block_size
         self.imbalance_threshold = imbalance_threshold
         self.min_match_fraction = min_match_fraction
-        self.max_table_entries = max_table_entries
-        self._table: OrderedDict[int, set[str]] = OrderedDict()
         self._rng = random.Random(seed)
-        # Counters for observability (exported by the router as stats).
+        # Counters for observability.
         self.num_routed = 0
-        self.num_prefix_routed = 0
+        self.num_prefix_routed = 0  # the winner held at least one block of the prompt
 
-    # -- ranking ---------------------------------------------------------------
+    @abstractmethod
+    def match_lengths(self, hashes: list, replica_ids: set[str]) -> dict[str, int]:
+        """Leading blocks of `hashes` each replica holds (absent: none)."""
+
+    def block_hashes(self, request: RouteRequest) -> list:
+        return hash_token_blocks(request.prompt_token_ids, self.block_size, request.cache_salt)
 
     def rank(self, replicas: list[ReplicaLoad], request: Optional[RouteRequest]) -> list[list[str]]:
         shuffled = list(replicas)
@@ -55,14 +66,14 @@ class PrefixAwarePolicy(RoutingPolicy):
         ordered = by_load(shuffled)
         if request is None or not ordered:
             return tiers(ordered)
-        hashes = self.block_hashes(request)
-        preferred = self._preferred(ordered, hashes)
+        preferred = self.preferred(ordered, self.block_hashes(request))
         if preferred is not None:
             ordered.remove(preferred)
             ordered.insert(0, preferred)
         return tiers(ordered)
 
-    def _preferred(self, ordered: list[ReplicaLoad], hashes: list[int]) -> Optional[ReplicaLoad]:
+    def preferred(self, ordered: list[ReplicaLoad], hashes: list) -> Optional[ReplicaLoad]:
+        """The replica whose prefix match beats load, if any (`ordered` is by load)."""
         if not hashes:
             return None
         matched = self.match_lengths(hashes, {r.replica_id for r in ordered})
@@ -70,52 +81,88 @@ class PrefixAwarePolicy(RoutingPolicy):
             return None
         # Longest match; among equals, the least loaded (ordered is by load).
         best = max(ordered, key=lambda r: matched.get(r.replica_id, 0))
-        best_len = matched.get(best.replica_id, 0)
-        if best_len < self.min_match_fraction * len(hashes):
+        if matched.get(best.replica_id, 0) < self.min_match_fraction * len(hashes):
             return None
-        least = ordered[0]
-        if best.score[0] - least.score[0] >= self.imbalance_threshold:
+        if best.score[0] - ordered[0].score[0] >= self.imbalance_threshold:
             return None  # overloaded: load wins, the prefix gets a second home
         return best
 
-    def match_lengths(self, hashes: list[int], replica_ids: set[str]) -> dict[str, int]:
-        """Leading blocks of `hashes` each replica is recorded as holding."""
-        alive = set(replica_ids)
-        matched: dict[str, int] = {}
-        for i, h in enumerate(hashes):
-            holders = self._table.get(h)
-            if not holders:
-                break
-            alive &= holders
-            if not alive:
-                break
-            for rid in alive:
-                matched[rid] = i + 1
-        return matched
-
-    def block_hashes(self, request: RouteRequest) -> list[int]:
-        return hash_token_blocks(request.prompt_token_ids, self.block_size, request.cache_salt)
-
-    # -- state -----------------------------------------------------------------
-
-    def on_routed(self, replica_id: str, request: RouteRequest) -> None:
-        hashes = self.block_hashes(request)
+    def count_routed(self, replica_id: str, hashes: list) -> None:
         self.num_routed += 1
         if hashes and self.match_lengths(hashes[:1], {replica_id}):
             self.num_prefix_routed += 1
+
+
+class PrefixAwarePolicy(PrefixAwareBase):
+    """Precise: matches come from the engines' KV events, plus requests in flight."""
+
+    name = "prefix_aware"
+    uses_kv_events = True
+
+    def __init__(self, block_size: int = 16, imbalance_threshold: int = 4,
+                 min_match_fraction: float = 0.5, seed: Optional[int] = None,
+                 kv_index: Optional[KVIndex] = None, linger_s: float = 1.0,
+                 **kwargs: object) -> None:
+        super().__init__(block_size, imbalance_threshold, min_match_fraction, seed, **kwargs)
+        self.kv_index = kv_index if kv_index is not None else KVIndex()
+        self.linger_s = linger_s
+        # request id -> (replica, hashes); replica -> hash -> in-flight requests holding it.
+        self._inflight: dict[str, tuple[str, list]] = {}
+        self._inflight_hashes: dict[str, dict] = {}
+        # Completed requests whose hints still count: (expiry, replica, hashes), in order.
+        self._lingering: deque = deque()
+
+    def match_lengths(self, hashes: list, replica_ids: set[str]) -> dict[str, int]:
+        self._expire()
+        matched = self.kv_index.match_lengths(hashes, replica_ids)
+        for rid in replica_ids:
+            pending = self._inflight_hashes.get(rid)
+            if not pending:
+                continue
+            n = 0
+            while n < len(hashes) and hashes[n] in pending:
+                n += 1
+            if n > matched.get(rid, 0):
+                matched[rid] = n
+        return matched
+
+    def on_routed(self, replica_id: str, request: RouteRequest) -> None:
+        hashes = self.block_hashes(request)
+        self.count_routed(replica_id, hashes)
+        if not hashes or not request.request_id:
+            return
+        void = self._inflight.pop(request.request_id, None)  # re-routed (a retry)
+        if void is not None:
+            self._release(*void)
+        self._inflight[request.request_id] = (replica_id, hashes)
+        counts = self._inflight_hashes.setdefault(replica_id, {})
         for h in hashes:
-            holders = self._table.get(h)
-            if holders is None:
-                self._table[h] = {replica_id}
+            counts[h] = counts.get(h, 0) + 1
+
+    def on_completed(self, request_id: str) -> None:
+        entry = self._inflight.pop(request_id, None)
+        if entry is not None:
+            self._lingering.append((time.monotonic() + self.linger_s, *entry))
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._lingering and self._lingering[0][0] <= now:
+            _, replica_id, hashes = self._lingering.popleft()
+            self._release(replica_id, hashes)
+
+    def _release(self, replica_id: str, hashes: list) -> None:
+        counts = self._inflight_hashes.get(replica_id, {})
+        for h in hashes:
+            left = counts.get(h, 0) - 1
+            if left > 0:
+                counts[h] = left
             else:
-                holders.add(replica_id)
-                self._table.move_to_end(h)
-        while len(self._table) > self.max_table_entries:
-            self._table.popitem(last=False)
+                counts.pop(h, None)
 
     def on_replicas_changed(self, replica_ids: set[str]) -> None:
-        for h in list(self._table):
-            holders = self._table[h]
-            holders &= replica_ids
-            if not holders:
-                del self._table[h]
+        self.kv_index.retain(replica_ids)
+        for rid in [r for r in self._inflight_hashes if r not in replica_ids]:
+            del self._inflight_hashes[rid]
+        for req_id in [q for q, (r, _) in self._inflight.items() if r not in replica_ids]:
+            del self._inflight[req_id]
+        self._lingering = deque(e for e in self._lingering if e[1] in replica_ids)

@@ -80,8 +80,9 @@ def test_app_builder_validates_strictly_before_building():
         app_builder({"engine": {"block_size": "big"}})
     with pytest.raises(AppConfigError, match="address"):
         app_builder({"address": "auto"})  # meaningless under serve deploy
-    with pytest.raises(ValueError, match=r"pd\.enabled"):
-        app_builder({"pd": {"enabled": True}})  # not served by this build: refused, not ignored
+    with pytest.raises(AppConfigError, match=r"pd\.connector"):
+        app_builder({"pd": {"enabled": True, "connector": ""}})
+    assert app_builder({"pd": {"enabled": True}}) is not None  # P/D is served (router/pd.py)
 
 
 def test_api_key_from_the_environment(monkeypatch):

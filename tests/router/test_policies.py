@@ -6,10 +6,14 @@ import collections
 
 import pytest
 
-from fleetserve.router.policies import (LeastLoadedPolicy, PowerOfTwoPolicy, PrefixAwarePolicy, ReplicaLoad,
+from fleetserve.router.policies import (ApproxPrefixPolicy, LeastLoadedPolicy, PowerOfTwoPolicy,
+                                        PrefixAwarePolicy, ReplicaLoad,
                                         RouteRequest, make_policy)
 
 BS = 4
+# Both prefix policies: the precise one counts requests in flight (never completed here)
+# as holding their prompt's blocks, so routing history alone drives both.
+BOTH_PREFIX = pytest.mark.parametrize("cls", [PrefixAwarePolicy, ApproxPrefixPolicy])
 
 
 def loads(**ongoing: int) -> list[ReplicaLoad]:
@@ -34,6 +38,7 @@ def test_make_policy_names():
     assert isinstance(make_policy("power_of_two"), PowerOfTwoPolicy)
     assert isinstance(make_policy("least_loaded"), LeastLoadedPolicy)
     assert isinstance(make_policy("prefix_aware", block_size=8), PrefixAwarePolicy)
+    assert isinstance(make_policy("prefix_aware_approx", block_size=8), ApproxPrefixPolicy)
     with pytest.raises(ValueError, match="routing_policy"):
         make_policy("random")
 
@@ -58,8 +63,9 @@ def test_power_of_two_picks_less_loaded_of_two_and_spreads():
     assert "d" not in firsts
 
 
-def test_prefix_aware_sticks_to_the_replica_holding_the_prefix():
-    p = PrefixAwarePolicy(block_size=BS, imbalance_threshold=3, seed=0)
+@BOTH_PREFIX
+def test_prefix_aware_sticks_to_the_replica_holding_the_prefix(cls):
+    p = cls(block_size=BS, imbalance_threshold=3, seed=0)
     prefix = list(range(100, 132))  # 8 blocks
     first = route(p, loads(a=0, b=0), req(prefix + [1, 2, 3, 4]))
     for i in range(10):
@@ -69,8 +75,9 @@ def test_prefix_aware_sticks_to_the_replica_holding_the_prefix():
         assert route(p, reps, req(prefix + [i, i, i, i])) == first
 
 
-def test_prefix_aware_spills_when_the_holder_is_overloaded():
-    p = PrefixAwarePolicy(block_size=BS, imbalance_threshold=3, seed=0)
+@BOTH_PREFIX
+def test_prefix_aware_spills_when_the_holder_is_overloaded(cls):
+    p = cls(block_size=BS, imbalance_threshold=3, seed=0)
     prefix = list(range(100, 132))
     home = route(p, loads(a=0, b=0), req(prefix))
     other = "b" if home == "a" else "a"
@@ -81,9 +88,10 @@ def test_prefix_aware_spills_when_the_holder_is_overloaded():
     assert route(p, reps, req(prefix + [9] * 8)) == other
 
 
-def test_prefix_aware_never_collapses_on_a_short_shared_header():
+@BOTH_PREFIX
+def test_prefix_aware_never_collapses_on_a_short_shared_header(cls):
     """Prompts sharing only a small header (a chat template) balance by load."""
-    p = PrefixAwarePolicy(block_size=BS, imbalance_threshold=4, min_match_fraction=0.5, seed=0)
+    p = cls(block_size=BS, imbalance_threshold=4, min_match_fraction=0.5, seed=0)
     header = [1, 2, 3, 4]  # one block shared by everyone
     inflight = {"a": 0, "b": 0}
     for i in range(40):
@@ -93,9 +101,10 @@ def test_prefix_aware_never_collapses_on_a_short_shared_header():
     assert min(inflight.values()) >= 18, inflight
 
 
-def test_prefix_aware_closed_loop_burst_uses_both_replicas():
+@BOTH_PREFIX
+def test_prefix_aware_closed_loop_burst_uses_both_replicas(cls):
     """A burst of one prefix: the holder takes it until it is imbalance_threshold ahead."""
-    p = PrefixAwarePolicy(block_size=BS, imbalance_threshold=3, seed=0)
+    p = cls(block_size=BS, imbalance_threshold=3, seed=0)
     prefix = list(range(200, 240))
     inflight = {"a": 0, "b": 0}
     for i in range(12):
@@ -104,8 +113,9 @@ def test_prefix_aware_closed_loop_burst_uses_both_replicas():
     assert inflight["a"] > 0 and inflight["b"] > 0
 
 
-def test_prefix_aware_match_is_a_chain_and_respects_salt():
-    p = PrefixAwarePolicy(block_size=BS, seed=0)
+@BOTH_PREFIX
+def test_prefix_aware_match_is_a_chain_and_respects_salt(cls):
+    p = cls(block_size=BS, seed=0)
     p.on_routed("a", req([1, 2, 3, 4, 5, 6, 7, 8]))
     h = p.block_hashes(req([1, 2, 3, 4, 5, 6, 7, 8]))
     assert p.match_lengths(h, {"a", "b"}) == {"a": 2}
@@ -115,8 +125,8 @@ def test_prefix_aware_match_is_a_chain_and_respects_salt():
     assert p.match_lengths(p.block_hashes(salted), {"a"}) == {}
 
 
-def test_prefix_aware_forgets_removed_replicas_and_bounds_its_table():
-    p = PrefixAwarePolicy(block_size=BS, max_table_entries=16, seed=0)
+def test_prefix_aware_approx_forgets_removed_replicas_and_bounds_its_table():
+    p = ApproxPrefixPolicy(block_size=BS, max_table_entries=16, seed=0)
     for i in range(20):
         p.on_routed("a" if i % 2 else "b", req([i] * 16))
     assert len(p._table) <= 16

@@ -176,3 +176,76 @@ def test_a_request_back_from_a_load_cannot_deadlock_the_queue():
     for r in (r0, r1, r2):
         assert r.output_token_ids == reference_tokens(r, 30)
     assert_serves_and_no_leaks(sched, runner)
+
+
+def test_blocks_being_received_are_no_prefix_hit_until_promoted():
+    sched, runner, _ = setup({"r0": ConnectorPlan(num_external=8, is_async=True, load_delay=2)})
+    (r,) = create_requests(1, num_tokens=12, max_tokens=2)
+    sched.add_request(r)
+    step(sched, runner)
+    assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    (twin,) = create_requests(1, num_tokens=12, prefix="twin")
+    assert sched.kv.get_computed_blocks(twin)[1] == 0  # still being written
+    sched.add_request(twin)
+    so, _ = step(sched, runner)
+    assert so.scheduled_new_reqs[0].req_id == "twin0"
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 0  # computed itself, no hit
+    run_to_completion(sched, runner)
+    assert r.output_token_ids == reference_tokens(r, 64)
+    assert twin.output_token_ids == reference_tokens(twin, 64)
+    assert_serves_and_no_leaks(sched, runner)
+
+
+def test_in_flight_loads_hold_a_seat_of_max_num_seqs():
+    plans = {"r0": ConnectorPlan(num_external=8, is_async=True, load_delay=3)}
+    sched, runner, _ = setup(plans, max_num_seqs=1)
+    a, b = create_requests(2, num_tokens=12, max_tokens=2)
+    sched.add_request(a)
+    sched.add_request(b)
+    for _ in range(3):
+        so, _ = step(sched, runner)
+        assert so.num_scheduled_tokens == {}  # r0 loads; r1 may not take its seat
+        assert a.status == RequestStatus.WAITING_FOR_REMOTE_KVS or a.status == RequestStatus.WAITING
+    run_to_completion(sched, runner)
+    assert a.output_token_ids == reference_tokens(a, 64)
+    assert b.output_token_ids == reference_tokens(b, 64)
+    assert_serves_and_no_leaks(sched, runner)
+
+
+def test_failed_load_under_fail_policy_ends_with_an_error_and_frees_its_blocks():
+    plans = {"r0": ConnectorPlan(num_external=8, is_async=True, fail_block=1, policy="fail")}
+    sched, runner, _ = setup(plans)
+    r, other = create_requests(2, num_tokens=12, max_tokens=3)
+    sched.add_request(r)
+    sched.add_request(other)
+    _, outs = step(sched, runner)  # parks, loads (block 1 bad) within the step
+    assert outs["r0"].finish_reason == "error" and outs["r0"].new_token_ids == []
+    assert r.status == RequestStatus.FINISHED_ERROR and "r0" not in sched.requests
+    assert outs["r0"].num_remote_tokens == 4  # block 0 arrived before the bad one
+    # Its blocks, good and bad, are nobody's prefix hit.
+    (twin,) = create_requests(1, num_tokens=12, prefix="twin")
+    assert sched.kv.get_computed_blocks(twin)[1] == 0
+    run_to_completion(sched, runner)
+    assert other.output_token_ids == reference_tokens(other, 64)
+    assert_serves_and_no_leaks(sched, runner)
+
+
+def test_abort_while_loading_then_the_pool_serves_everyone():
+    """The reservation/admission case: a load holds blocks the pool needs; aborting it
+    returns them only after the worker's word, and then a request needing them runs."""
+    plans = {"r0": ConnectorPlan(num_external=20, is_async=True, load_delay=4)}
+    sched, runner, _ = setup(plans, num_blocks=8, block_size=4, max_model_len=40)
+    (r,) = create_requests(1, num_tokens=24, max_tokens=2)
+    sched.add_request(r)
+    step(sched, runner)
+    held = sched.kv.num_blocks - sched.kv.num_free_blocks
+    assert held == 5  # the 20 external tokens
+    (big,) = create_requests(1, num_tokens=24, max_tokens=4, start=1)
+    sched.add_request(big)
+    step(sched, runner)
+    assert big.status == RequestStatus.WAITING  # no room while r0 loads
+    sched.abort_requests(["r0"])
+    assert sched.kv.num_blocks - sched.kv.num_free_blocks == held  # the worker may still write
+    run_to_completion(sched, runner)
+    assert big.output_token_ids == reference_tokens(big, 40)
+    assert_serves_and_no_leaks(sched, runner)

@@ -247,6 +247,7 @@ class ConnectorPlan:
     fail_block: Optional[int] = None  # index (in the request's blocks) of the first bad block
     ask_later: int = 0  # answer None this many times first
     delay_free: int = -1  # >= 0: keep blocks this many steps after finishing
+    policy: str = "recompute"  # what a failed load does: "recompute" or "fail"
 
 
 class TestConnector(KVConnectorScheduler):
@@ -308,6 +309,10 @@ class TestConnector(KVConnectorScheduler):
             self._sending[request.request_id] = plan.delay_free
             return True, params
         return False, params
+
+    def load_failure_policy(self, request: Request) -> str:
+        plan = self.plans.get(request.request_id)
+        return plan.policy if plan is not None else "recompute"
 
     # ---- the worker half, used by FakeModelRunner ----
     def take_loads(self, meta: Any) -> list[Load]:

@@ -1,0 +1,301 @@
+"""P/D, precise prefix routing and cluster prefix reuse, over HTTP with Poisson arrivals.
+
+Three parts, one table and one PNG (benchmarks/results/pd.{md,json,png}). Every setup
+has the same two engine replicas (one torch thread each) on the same machine: 2
+colocated replicas, or 1 prefill + 1 decode replica.
+
+1. interference -- steady short requests plus periodic long (~2k-token) prompts.
+   Colocated (2 replicas, power_of_two) vs 1P+1D (ray_object_store): ITL of the
+   short requests (p50/p99), TTFT of short and long ones, throughput; plus the P/D
+   hand-off (router: prefill call, prefill-done -> decode's first item).
+2. prefix -- several long system prompts with cache pressure (each replica's KV
+   cache holds about half of them): power_of_two vs prefix_aware_approx (guesses
+   from routing history) vs prefix_aware (the engines' KV events): prefix-cache hit
+   rate and TTFT.
+3. reuse -- a 2k-token prefix that one replica caches while it is busy: TTFT of a
+   request on the other replica that loads the prefix from its peer (cluster_reuse)
+   vs recomputes it.
+
+    python benchmarks/pd.py                      # a small random model (a few minutes)
+    python benchmarks/pd.py --skip interference  # parts by name
+
+On this project's 2-core machine, "equal cores" means both setups share the same two
+cores with everything else (Ray, the ingress, the load generator): P/D cannot get
+more hardware than colocated, and neither gets a core of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import serving as sv  # noqa: E402  (the HTTP load generator and statistics)
+
+RESULTS = sv.RESULTS
+
+
+def app(args, port: int, *, policy: str = "power_of_two", blocks: int | None = None,
+        pd: dict | None = None, reuse: dict | None = None, imbalance: int = 4):
+    from fleetserve.cluster.config import AppConfig
+
+    engine = {"model": args.model, "max_model_len": args.max_model_len, "num_threads": 1,
+              "max_num_seqs": 32, "dtype": "float32", "max_num_batched_tokens": 4096}
+    if blocks:
+        engine["num_gpu_blocks_override"] = blocks
+    cfg = {"name": "bench", "engine": engine, "num_replicas": 2, "routing_policy": policy,
+           "routing": {"imbalance_threshold": imbalance},
+           "http": {"port": port}, "grpc": {"enabled": False}, "num_cpus_per_replica": 0}
+    if pd:
+        cfg["pd"] = {"enabled": True, "connector": "ray_object_store",
+                     "min_prefill_tokens": 64, **pd}
+    if reuse:
+        cfg["cluster_reuse"] = {"enabled": True, **reuse}
+    return AppConfig.model_validate(cfg)
+
+
+# -- part 1: long-prefill interference ------------------------------------------------
+
+def interference_workload(args) -> list[sv.Request]:
+    rng = random.Random(3)
+    work = []
+    for i in range(args.num_requests):
+        if i % args.long_every == args.long_every - 1:
+            work.append(sv.Request("Long document: " + sv.text_of(rng, args.long_words), 8))
+        else:
+            work.append(sv.Request(sv.text_of(rng, 30), 32))
+    return work
+
+
+def run_interference(args, port: int, url: str) -> list[dict]:
+    work = interference_workload(args)
+    setups = {"colocated 2x, power_of_two": app(args, port),
+              "1P+1D, ray_object_store": app(args, port, policy="prefix_aware", pd={})}
+    rows = []
+    for label, config in setups.items():
+        sv.redeploy(config)
+        before = sv.scrape(url)
+        src0 = labelled(url, "fleetserve:pd_decode_prompt_tokens", "source")
+        results, elapsed = asyncio.run(_open_loop(url, config.served_model_name, work, args.rate))
+        after = sv.scrape(url)
+        src1 = labelled(url, "fleetserve:pd_decode_prompt_tokens", "source")
+        short = [r for r, q in zip(results, work) if q.max_tokens == 32]
+        long_ = [r for r, q in zip(results, work) if q.max_tokens == 8]
+        row = sv.summarize(f"interference, {label}", args.rate, short, elapsed)
+        row["out_tok_s"] = sum(r.tokens for r in results if r.ok) / elapsed
+        row["long_ttft_p50_ms"] = 1000 * sv.pct([r.ttft for r in long_ if r.ok], 50)
+        row["long_ok"] = sum(r.ok for r in long_)
+        row.update(_handoff(before, after))
+        for src, v in src1.items():
+            row[f"decode_prompt_tokens_{src}"] = v - src0.get(src, 0)
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def _handoff(before: dict, after: dict) -> dict:
+    out = {}
+    for key, name in (("fleetserve:pd_prefill_seconds", "prefill_call_mean_ms"),
+                      ("fleetserve:pd_handoff_seconds", "handoff_mean_ms"),
+                      ("vllm:kv_transfer_receive_seconds", "transfer_recv_mean_ms"),
+                      ("vllm:kv_transfer_send_seconds", "transfer_send_mean_ms")):
+        n = after.get(key + "_count", 0) - before.get(key + "_count", 0)
+        if n:
+            out[name] = 1000 * (after.get(key + "_sum", 0) - before.get(key + "_sum", 0)) / n
+    return out
+
+
+def labelled(url: str, family: str, label: str) -> dict[str, float]:
+    """Counter totals of one labelled family, by that label's value."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=60).text
+    return {s.labels[label]: s.value for fam in text_string_to_metric_families(text)
+            if fam.name == family for s in fam.samples if s.name.endswith("_total")}
+
+
+async def _open_loop(url: str, model: str, work, rate: float):
+    sv.CLIENT = "httpx"
+    async with sv._client() as client:
+        await sv.send_http(client, url, model, sv.Request("warm up", 2))
+        # A long one too: with P/D it takes the prefill pool, and each engine's first
+        # transfer also connects its engine-core process to Ray (seconds, once).
+        await sv.send_http(client, url, model, sv.Request("warm up " + sv.text_of(random.Random(0), 200), 2))
+        return await sv.open_loop(work, rate, lambda r: _send(client, url, model, r))
+
+
+async def _send(client, url: str, model: str, req) -> "sv.Result":
+    """One request; a connection error counts as a failed request, not a crashed run."""
+    try:
+        return await sv.send_http(client, url, model, req)
+    except Exception as e:  # noqa: BLE001 - counted (ok=False) and reported
+        print(f"request failed: {e!r}", file=sys.stderr)
+        return sv.Result()
+
+
+# -- part 2: shared prefixes under cache pressure -------------------------------------
+
+def run_prefix(args, port: int, url: str) -> list[dict]:
+    from fleetserve.replica.engine.tokenizer import load_tokenizer
+    from fleetserve.replica.model_loader.registry import resolve_model
+
+    work = sv.prefix_workload(args.num_requests, args.prefix_count, args.prefix_words, 16, 16, seed=1)
+    tok = load_tokenizer(resolve_model(args.model))
+    n_tok = len(tok(work[0].prompt).input_ids) + 16
+    blocks = max(32, (n_tok // 16 + 1) * (args.prefix_count // 2 + 1))
+    rows = []
+    for policy in ("power_of_two", "prefix_aware_approx", "prefix_aware"):
+        config = app(args, port, policy=policy, blocks=blocks)
+        sv.redeploy(config)
+        before = sv.scrape(url)
+        results, elapsed = asyncio.run(_open_loop(url, config.served_model_name, work,
+                                                  args.prefix_rate))
+        after = sv.scrape(url)
+        q = after.get("vllm:prefix_cache_queries_total", 0) - before.get("vllm:prefix_cache_queries_total", 0)
+        h = after.get("vllm:prefix_cache_hits_total", 0) - before.get("vllm:prefix_cache_hits_total", 0)
+        row = sv.summarize(f"shared prefix, {policy}", args.prefix_rate, results, elapsed)
+        row["prefix_hit_rate"] = h / q if q else float("nan")
+        row["kv_blocks_per_replica"] = blocks
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+# -- part 3: cluster reuse -----------------------------------------------------------
+
+def run_reuse(args, port: int, url: str) -> list[dict]:
+    rows = []
+    for label, reuse in (("recomputed", None), ("loaded from peer", {"min_tokens": 256})):
+        config = app(args, port, policy="prefix_aware", reuse=reuse, imbalance=1)
+        sv.redeploy(config)
+        src0 = labelled(url, "fleetserve:prefix_reuse_prompt_tokens", "source")
+        ttfts = asyncio.run(_reuse_rounds(url, config.served_model_name, args))
+        src1 = labelled(url, "fleetserve:prefix_reuse_prompt_tokens", "source")
+        row = {"label": f"reuse 2k prefix, {label}", "rate": 0.0, "ok": len(ttfts),
+               "ttft_p50_ms": 1000 * statistics.median(ttfts) if ttfts else float("nan"),
+               "rounds_ttft_ms": [round(1000 * t, 1) for t in ttfts],
+               "loaded_tokens": src1.get("loaded", 0) - src0.get("loaded", 0)}
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+async def _reuse_rounds(url: str, model: str, args) -> list[float]:
+    """Each round: a fresh long prefix warmed on one replica, that replica kept busy by a
+    stream with the same prefix, then the measured request (it goes to the other one)."""
+    sv.CLIENT = "httpx"
+    rng = random.Random(9)
+    out = []
+    async with sv._client() as client:
+        await sv.send_http(client, url, model, sv.Request("warm up", 2))
+        for i in range(args.reuse_rounds):
+            prefix = f"Round {i}: " + sv.text_of(rng, args.long_words)
+            await sv.send_http(client, url, model, sv.Request(prefix + " warm", 1))
+            busy = asyncio.create_task(sv.send_http(client, url, model,
+                                                    sv.Request(prefix + " busy", 64)))
+            await asyncio.sleep(0.5)
+            res = await sv.send_http(client, url, model, sv.Request(prefix + " question", 4))
+            await busy
+            if res.ok:
+                out.append(res.ttft)
+    return out
+
+
+# -- report --------------------------------------------------------------------------
+
+COLS = ["label", "rate", "ok", "out_tok_s", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms",
+        "itl_p99_ms", "long_ttft_p50_ms", "prefix_hit_rate", "prefill_call_mean_ms",
+        "handoff_mean_ms", "transfer_recv_mean_ms"]
+
+
+def report(rows: list[dict], args) -> None:
+    lines = ["| " + " | ".join(COLS) + " |", "|" + "---|" * len(COLS)]
+    for r in rows:
+        cells = []
+        for c in COLS:
+            v = r.get(c, "")
+            cells.append(f"{v:.3g}" if isinstance(v, float) else str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    text = "\n".join(lines)
+    print(text)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "pd.md").write_text(text + "\n")
+    (RESULTS / "pd.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    plot(rows)
+
+
+def plot(rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    parts = [("interference", "itl_p99_ms", "short requests' ITL p99 (ms)"),
+             ("shared prefix", "ttft_p90_ms", "TTFT p90 (ms)"),
+             ("reuse", "ttft_p50_ms", "TTFT p50 (ms)")]
+    for ax, (prefix, key, title) in zip(axes, parts):
+        sel = [r for r in rows if r["label"].startswith(prefix)]
+        ax.bar([r["label"].split(", ", 1)[-1] for r in sel], [r.get(key, 0) for r in sel])
+        ax.set_title(f"{prefix}: {title}")
+        ax.tick_params(axis="x", rotation=15)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "pd.png", dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="default: a random Llama of 4 layers, hidden 256")
+    p.add_argument("--max-model-len", type=int, default=2560)
+    p.add_argument("--num-requests", type=int, default=60)
+    p.add_argument("--rate", type=float, default=3.0)
+    p.add_argument("--long-every", type=int, default=6)
+    p.add_argument("--long-words", type=int, default=500, help="~2k tokens (4 per word here)")
+    p.add_argument("--prefix-count", type=int, default=6)
+    p.add_argument("--prefix-words", type=int, default=300)
+    p.add_argument("--prefix-rate", type=float, default=4.0)
+    p.add_argument("--reuse-rounds", type=int, default=5)
+    p.add_argument("--skip", nargs="*", default=[], choices=["interference", "prefix", "reuse"])
+    args = p.parse_args()
+    if args.model is None:
+        from fleetserve.replica.testing import make_tiny_llama
+
+        args.model = str(make_tiny_llama(Path(tempfile.mkdtemp()) / "bench-llama", num_layers=4,
+                                         hidden_size=256, num_heads=8, num_kv_heads=4,
+                                         max_position_embeddings=4096))
+    from fleetserve.cluster.deploy import connect_ray, start_serve
+
+    port = sv.free_port()
+    url = f"http://127.0.0.1:{port}"
+    base = app(args, port)
+    for attempt in range(3):  # a loaded machine can miss Ray's fixed 30 s node start-up wait
+        try:
+            connect_ray(base, log_to_driver=False)
+            break
+        except Exception as e:  # noqa: BLE001 - retried, then raised
+            if "timed out during startup" not in str(e) or attempt == 2:
+                raise
+            import ray
+
+            ray.shutdown()
+    start_serve(base)
+    rows = []
+    t0 = time.time()
+    for name, fn in (("interference", run_interference), ("prefix", run_prefix),
+                     ("reuse", run_reuse)):
+        if name not in args.skip:
+            rows += fn(args, port, url)
+    print(f"total {time.time() - t0:.0f} s")
+    report(rows, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""The connector contract: one class, two roles, and the per-step messages between them.
+
+    scheduler half (EngineCore)                      worker half (where the KV lives)
+    get_num_new_matched_tokens / update_state_after_alloc
+    build_connector_meta(so) -> ConnectorMetadata ---> bind_connector_metadata(meta)
+                                                       start_load_kv()   cancels, saves, new loads
+                                                       [forward pass]
+                                                       wait_for_save()
+    update_connector_output(runner_output) <---------  get_finished(finished_ids)
+                                                       get_block_ids_with_load_errors()
+    request_finished(request, block_ids)               clear_connector_metadata()
+
+`wait_for_layer_load(layer)` / `save_kv_layer(layer, ...)` are part of the
+contract (vLLM calls them inside each attention layer) but our connectors never
+need them: every load lands in the blocks of a request parked in
+WAITING_FOR_REMOTE_KVS (not in this step's batch), and saves copy whole blocks
+of finished requests, whose blocks the scheduler holds until the copy is done.
+So the model runner carries no connector code at all (`run_connector_step`
+wraps the worker's step).
+
+Writes into the KV cache happen only on the worker's own thread, inside
+`get_finished`: a fetch runs in the background into a staging buffer, is
+verified, and only then copied into its blocks. A fetch that is cancelled or
+past its deadline is dropped, so once the worker has seen a cancel no write can
+land in those blocks any more.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from fleetserve.kv_transfer.config import KVTransferConfig
+from fleetserve.scheduler import ModelRunnerOutput, SchedulerOutput
+from fleetserve.scheduler.connector import KVConnectorScheduler
+
+
+class KVConnectorRole(enum.Enum):
+    SCHEDULER = "scheduler"
+    WORKER = "worker"
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorContext:
+    """What both halves know about the engine they serve."""
+
+    engine_id: str
+    fingerprint: str  # kv_transfer.blocks.kv_fingerprint
+    block_size: int
+    num_layers: int
+    num_kv_heads: int  # the whole model's
+    head_dim: int
+    tp_size: int = 1
+    tp_rank: int = 0
+
+
+@dataclass(slots=True)
+class LoadSpec:
+    """Fill `block_ids` with the blocks named `keys` (the consumer's own chain keys)."""
+
+    req_id: str
+    transfer_id: Optional[str]  # None: a lookup hit (shared storage), not a hand-off
+    block_ids: list[int]
+    keys: list[str]
+    deadline: float  # time.time(): ranks may live in other processes
+    source: dict[str, Any] = field(default_factory=dict)  # the producer's remote_* params
+
+
+@dataclass(slots=True)
+class SaveSpec:
+    """Copy `block_ids` (named `keys`) out of the cache and export them."""
+
+    req_id: str
+    transfer_id: Optional[str]
+    block_ids: list[int]
+    keys: list[str]
+    lease_s: float
+
+
+@dataclass(slots=True)
+class ConnectorMetadata:
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    # Requests finished while their load was in flight: drop the load, report
+    # the id in finished_sending once no write can land in its blocks.
+    cancels: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.saves or self.cancels)
+
+
+class KVConnectorWorker(abc.ABC):
+    """The worker half (vLLM v1's KVConnectorBase_V1, worker methods)."""
+
+    @abc.abstractmethod
+    def register_kv_caches(self, kv_caches: list) -> None: ...
+
+    def bind_connector_metadata(self, metadata: Optional[ConnectorMetadata]) -> None:
+        self._metadata = metadata
+
+    def clear_connector_metadata(self) -> None:
+        self._metadata = None
+
+    @abc.abstractmethod
+    def start_load_kv(self) -> None: ...
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    @abc.abstractmethod
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(ids whose sending finished, ids whose receiving finished) since the last call."""
+
+    @abc.abstractmethod
+    def get_block_ids_with_load_errors(self) -> set[int]: ...
+
+    def take_stats(self) -> Optional[dict]:
+        """What moved since the last call (kv_transfer.metrics), or None when nothing did."""
+        return None
+
+    def shutdown(self) -> None:
+        return None
+
+
+class KVConnectorBase(KVConnectorScheduler, KVConnectorWorker):
+    """One connector class, built once per role; each role's calls go to its half.
+
+    Subclasses set `scheduler_cls` and `worker_cls` (built with (config, ctx))."""
+
+    scheduler_cls: type = None  # type: ignore[assignment]
+    worker_cls: type = None  # type: ignore[assignment]
+
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, ctx: ConnectorContext) -> None:
+        self.config = config
+        self.role = role
+        self.ctx = ctx
+        self.load_failure_policy_name = config.kv_load_failure_policy
+        self._half = self.build_half(role)
+
+    def build_half(self, role: KVConnectorRole):
+        half_cls = self.scheduler_cls if role is KVConnectorRole.SCHEDULER else self.worker_cls
+        return half_cls(self.config, self.ctx)
+
+    @property
+    def half(self):
+        return self._half
+
+    # scheduler role
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return self._half.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        return self._half.update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput):
+        return self._half.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request, block_ids):
+        return self._half.request_finished(request, block_ids)
+
+    def update_connector_output(self, runner_output: ModelRunnerOutput) -> None:
+        return self._half.update_connector_output(runner_output)
+
+    def load_failure_policy(self, request) -> str:
+        return self._half.load_failure_policy(request)
+
+    # worker role
+    def register_kv_caches(self, kv_caches: list) -> None:
+        self._half.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, metadata) -> None:
+        self._half.bind_connector_metadata(metadata)
+
+    def clear_connector_metadata(self) -> None:
+        self._half.clear_connector_metadata()
+
+    def start_load_kv(self) -> None:
+        self._half.start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._half.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata) -> None:
+        self._half.save_kv_layer(layer_name, kv_layer, attn_metadata)
+
+    def wait_for_save(self) -> None:
+        self._half.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        return self._half.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._half.get_block_ids_with_load_errors()
+
+    def take_stats(self) -> Optional[dict]:
+        return self._half.take_stats()
+
+    def shutdown(self) -> None:
+        self._half.shutdown()
+
+
+def run_connector_step(connector: KVConnectorWorker, scheduler_output: SchedulerOutput,
+                       execute) -> ModelRunnerOutput:
+    """One worker step with the connector around it (also when no token is scheduled)."""
+    connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+    try:
+        connector.start_load_kv()
+        out = execute(scheduler_output)
+        connector.wait_for_save()
+        sending, recving = connector.get_finished(scheduler_output.finished_req_ids)
+        invalid = connector.get_block_ids_with_load_errors()
+        stats = connector.take_stats()
+    finally:
+        connector.clear_connector_metadata()
+    if stats:
+        out.kv_connector_stats = stats
+    if sending or recving or invalid:  # (out is a fresh object every step)
+        out.finished_sending |= sending
+        out.finished_recving |= recving
+        out.invalid_block_ids |= invalid
+    return out

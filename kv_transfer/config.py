@@ -1,0 +1,51 @@
+"""`--kv-transfer-config`: which connector, which role, what to do when a load fails.
+
+Field names are vLLM's (`KVTransferConfig`); `kv_lease_s` and `kv_load_timeout_s`
+are ours: every held block has a lease and every wait a deadline. Pure pydantic
+(no torch), so the engine arguments can validate it anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+
+
+class KVTransferConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # A registered name (kv_transfer.factory) or "package.module:Class".
+    kv_connector: str = Field(..., min_length=1)
+    kv_role: KVRole = "kv_both"
+    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)
+    # vLLM's default moved from recompute to fail: a recompute runs a prefill
+    # on a decode-tuned engine; fail lets the router retry elsewhere. Loads the
+    # connector found on its own (a shared-storage prefix hit) always recompute.
+    kv_load_failure_policy: Literal["recompute", "fail"] = "fail"
+    # A producer keeps exported KV this long unless the consumer confirms first.
+    kv_lease_s: float = Field(30.0, gt=0)
+    # A request waits at most this long in WAITING_FOR_REMOTE_KVS.
+    kv_load_timeout_s: float = Field(30.0, gt=0)
+    # Names this engine in the params it hands out; minted at start-up when unset.
+    engine_id: Optional[str] = Field(None, min_length=1, max_length=128)
+
+    @field_validator("kv_connector_extra_config")
+    @classmethod
+    def _json_only(cls, v: dict[str, Any]) -> dict[str, Any]:
+        try:
+            json.dumps(v)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"kv_connector_extra_config must be plain JSON: {e}") from e
+        return v
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")

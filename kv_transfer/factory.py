@@ -1,0 +1,47 @@
+"""Connectors by registered name or "package.module:Class" (vLLM's KVConnectorFactory)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from fleetserve.kv_transfer.base import ConnectorContext, KVConnectorBase, KVConnectorRole
+from fleetserve.kv_transfer.blocks import kv_fingerprint, kv_geometry
+from fleetserve.kv_transfer.config import KVTransferConfig
+
+REGISTRY: dict[str, str] = {
+    "SharedStorageConnector": "fleetserve.kv_transfer.shared_storage:SharedStorageConnector",
+    "RayObjectStoreConnector": "fleetserve.kv_transfer.ray_store:RayObjectStoreConnector",
+    "FaultInjectionConnector": "fleetserve.kv_transfer.faults:FaultInjectionConnector",
+}
+
+
+def resolve_connector_class(name: str) -> type:
+    qualname = REGISTRY.get(name, name)
+    module_name, sep, attr = qualname.partition(":")
+    if not sep:
+        module_name, _, attr = qualname.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"unknown KV connector {name!r}: use one of {sorted(REGISTRY)} "
+                         "or 'package.module:Class'")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"cannot load KV connector {name!r}: {e}") from e
+    if not (isinstance(cls, type) and issubclass(cls, KVConnectorBase)):
+        raise ValueError(f"KV connector {name!r} is not a KVConnectorBase subclass")
+    return cls
+
+
+def build_context(config: KVTransferConfig, model_id: str, hf_config: Any, dtype, block_size: int,
+                  tp_size: int = 1, tp_rank: int = 0) -> ConnectorContext:
+    model_id = config.kv_connector_extra_config.get("model_id") or model_id
+    layers, kv_heads, head_dim = kv_geometry(hf_config)
+    return ConnectorContext(
+        engine_id=config.engine_id or "unnamed", fingerprint=kv_fingerprint(model_id, hf_config, dtype, block_size),
+        block_size=block_size, num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
+        tp_size=tp_size, tp_rank=tp_rank)
+
+
+def make_connector(config: KVTransferConfig, role: KVConnectorRole, ctx: ConnectorContext) -> KVConnectorBase:
+    return resolve_connector_class(config.kv_connector)(config, role, ctx)

@@ -1,0 +1,81 @@
+"""KV transfer metrics, vLLM-style names, on the engine's own Prometheus registry.
+
+    vllm:kv_transfer_bytes_sent / _received            histograms, bytes per transfer
+    vllm:kv_transfer_send_seconds / _receive_seconds   histograms (gather/export; fetch to promotion)
+    vllm:kv_transfer_failed_loads / _expired_loads     counters (refused or missing; past deadline)
+    vllm:prompt_tokens_by_source{source=...}           counter: local_compute, local_cache_hit,
+                                                       external_kv_transfer
+    vllm:kv_transfer_blocks_held                       gauge: KV blocks held for transfers
+                                                       (being received, or kept for a send)
+
+The worker halves report what moved each step (`ModelRunnerOutput.kv_connector_stats`,
+merged across TP ranks); the EngineCore adds the blocks held and ships it with the
+step result to the process that owns the metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_BYTES = tuple(float(2 ** k) for k in range(12, 34, 2))  # 4 KiB .. 8 GiB
+_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+def step_kv_stats(scheduler, connector, runner_output) -> Optional[dict]:
+    """This step's transfer stats for the metrics (None when nothing to say)."""
+    stats = dict(runner_output.kv_connector_stats or {})
+    for key, value in (connector.take_stats() or {}).items():
+        stats[key] = stats.get(key, 0) + value
+    kv = scheduler.kv
+    held = sum(len(kv.get_block_ids(rid)) for rid in scheduler.sending)
+    held += sum(len(kv.get_block_ids(rid)) for rid in scheduler.waiting_for_remote_kvs)
+    stats["blocks_held"] = held
+    return stats
+
+
+class KVTransferMetrics:
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        labels = ["model_name"]
+
+        def hist(name, doc, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=registry).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(name, doc, labels, registry=registry).labels(model_name)
+
+        self.bytes_sent = hist("vllm:kv_transfer_bytes_sent", "Bytes of KV exported per transfer.", _BYTES)
+        self.bytes_recv = hist("vllm:kv_transfer_bytes_received", "Bytes of KV loaded per transfer.", _BYTES)
+        self.seconds_sent = hist("vllm:kv_transfer_send_seconds", "Seconds to export a transfer.", _SECONDS)
+        self.seconds_recv = hist("vllm:kv_transfer_receive_seconds",
+                                 "Seconds from starting a load to its blocks being usable.", _SECONDS)
+        self.failed = counter("vllm:kv_transfer_failed_loads",
+                              "KV loads refused or incomplete (missing, corrupt, stale, foreign).")
+        self.expired = counter("vllm:kv_transfer_expired_loads", "KV loads past their deadline.")
+        self.blocks_held = Gauge("vllm:kv_transfer_blocks_held",
+                                 "KV blocks held for transfers (being received or kept for a send).",
+                                 labels, registry=registry).labels(model_name)
+        self._by_source = Counter("vllm:prompt_tokens_by_source",
+                                  "Prompt tokens by where their KV came from.",
+                                  labels + ["source"], registry=registry)
+        self.model_name = model_name
+
+    def observe_step(self, stats: Optional[dict]) -> None:
+        if not stats:
+            return
+        for hist, key in ((self.bytes_sent, "bytes_sent"), (self.bytes_recv, "bytes_recv"),
+                          (self.seconds_sent, "seconds_sent"), (self.seconds_recv, "seconds_recv")):
+            for value in stats.get(key, ()):
+                hist.observe(value)
+        self.failed.inc(stats.get("failed_loads", 0))
+        self.expired.inc(stats.get("expired_loads", 0))
+        if "blocks_held" in stats:
+            self.blocks_held.set(stats["blocks_held"])
+
+    def observe_request(self, num_prompt: int, num_cached: int, num_remote: int) -> None:
+        """A finished request: where its prompt tokens' KV came from."""
+        src = self._by_source
+        src.labels(self.model_name, "external_kv_transfer").inc(num_remote)
+        src.labels(self.model_name, "local_cache_hit").inc(max(0, num_cached - num_remote))
+        src.labels(self.model_name, "local_compute").inc(max(0, num_prompt - num_cached))

@@ -1,0 +1,187 @@
+"""Ray object store connector: the producer `ray.put`s a request's blocks, the consumer gets them.
+
+    producer worker (holds the KV)          owner actor (detached, named)      consumer worker
+    gather blocks -> owner.adopt(blocks)    ray.put: an object it owns
+    params: remote_ray_owner=<name>         lookup(transfer_id) -> [ref]  <--  poll until deadline
+                                            release(transfer_id)          <--  ray.get(ref), confirm
+                                            (or the lease ends: dropped)
+
+The blocks leave from the process that holds the KV (the engine-core process for
+TP=1, each rank for TP>1), straight from the gathered CPU tensor, as the argument
+of a call to a detached, named owner actor, which puts the object it owns (Ray
+2.56 removed `ray.put(_owner=...)`, so this costs one more copy inside the store).
+The object survives the request, the producer's step loop and even the
+producer's process until the consumer confirms or the lease (`kv_lease_s`) ends. On one node the consumer reads it
+zero-copy from shared memory; across nodes Ray moves it.
+
+The object is a (header bytes, uint8 array) pair: the header is JSON (keys,
+fingerprint, per-block crc32) and is parsed and checked like every other
+connector's; Ray's own serialization stays inside the cluster.
+
+`kv_connector_extra_config`: `ray_address` (default: the Ray this process is
+connected to, else RAY_ADDRESS), `owner_name` (default "fleetserve-kv-owner"),
+`namespace` (default "fleetserve").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from fleetserve.kv_transfer.base import ConnectorContext, KVConnectorRole, LoadSpec, SaveSpec
+from fleetserve.kv_transfer.blocks import (BlockBatch, decode_batch, join_shards, local_head_range,
+                                           parse_header, producer_shards, readers_of)
+from fleetserve.kv_transfer.config import KVTransferConfig
+from fleetserve.kv_transfer.transfer import TransferConnector, TransferError, Transport
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.005
+
+
+class KVObjectOwner:
+    """Owns exported KV objects and drops each when its consumer confirms or its lease ends."""
+
+    def __init__(self, sweep_s: float = 0.5) -> None:
+        self._held: dict[str, tuple[list, float, int]] = {}  # tid -> ([ref], expiry, nbytes)
+        self._readers: dict[str, set[int]] = {}  # tid -> consumer ranks that confirmed
+        self._lock = threading.Lock()
+        self.num_expired = 0
+        threading.Thread(target=self._sweep_loop, args=(sweep_s,), daemon=True).start()
+
+    def adopt(self, transfer_id: str, header: bytes, payload, lease_s: float) -> None:
+        """Take a copy of the blocks into an object this actor owns (Ray >= 2.56 has no
+        `ray.put(_owner=...)`: only the putting process can own an object)."""
+        import ray
+
+        ref = ray.put((header, payload))
+        with self._lock:
+            self._held[transfer_id] = ([ref], time.time() + lease_s, len(payload))
+
+    def lookup(self, transfer_id: str):
+        with self._lock:
+            entry = self._held.get(transfer_id)
+        return None if entry is None else entry[0]
+
+    def release(self, transfer_id: str, reader: int = 0, num_readers: int = 1) -> bool:
+        """Reader `reader` is done; the object goes once all `num_readers` consumer ranks
+        that read it said so (with TP each consumer rank takes its own heads from it)."""
+        with self._lock:
+            done = self._readers.setdefault(transfer_id, set())
+            done.add(reader)
+            if len(done) < num_readers:
+                return False
+            del self._readers[transfer_id]
+            return self._held.pop(transfer_id, None) is not None
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"held": len(self._held), "bytes": sum(e[2] for e in self._held.values()),
+                    "expired": self.num_expired}
+
+    def _sweep_loop(self, sweep_s: float) -> None:
+        while True:
+            time.sleep(sweep_s)
+            now = time.time()
+            with self._lock:
+                for tid in [t for t, e in self._held.items() if e[1] < now]:
+                    del self._held[tid]
+                    self._readers.pop(tid, None)
+                    self.num_expired += 1
+
+
+def connect_ray(extra: dict):
+    import ray
+
+    if not ray.is_initialized():
+        address = extra.get("ray_address") or os.environ.get("RAY_ADDRESS")
+        if not address:
+            raise ValueError("RayObjectStoreConnector: this process is not connected to Ray; set "
+                             "kv_connector_extra_config.ray_address or RAY_ADDRESS")
+        ray.init(address=address, log_to_driver=False, include_dashboard=False)
+    return ray
+
+
+def get_owner(ray, name: str, namespace: str):
+    """The cluster's owner actor, created by whoever asks first (detached: it outlives us)."""
+    cls = ray.remote(KVObjectOwner)
+    return cls.options(name=name, namespace=namespace, lifetime="detached", get_if_exists=True,
+                       num_cpus=0, max_concurrency=16).remote()
+
+
+class RayObjectStoreTransport(Transport):
+    def __init__(self, config: KVTransferConfig, ctx: ConnectorContext, role: KVConnectorRole) -> None:
+        super().__init__(config, ctx, role)
+        extra = config.kv_connector_extra_config
+        self.owner_name = str(extra.get("owner_name", "fleetserve-kv-owner"))
+        self.namespace = str(extra.get("namespace", "fleetserve"))
+        self._extra = extra
+        self._ray = None
+        self._owner = None
+
+    def _connect(self):
+        if self._owner is None:
+            self._ray = connect_ray(self._extra)
+            self._owner = get_owner(self._ray, self.owner_name, self.namespace)
+        return self._ray, self._owner
+
+    def location(self, transfer_id: str) -> dict[str, Any]:
+        return {"remote_ray_owner": self.owner_name, "remote_ray_namespace": self.namespace}
+
+    def _object_id(self, transfer_id: str) -> str:
+        # One object per rank: a TP consumer finds the ranks' shards by head range.
+        return f"{transfer_id}/r{self.ctx.tp_rank}"
+
+    def export(self, spec: SaveSpec, batch: BlockBatch) -> None:
+        ray, owner = self._connect()
+        # The payload travels as the call's argument (into the store once, read there by the
+        # owner without a copy) and the owner puts the object it will own.
+        ray.get(owner.adopt.remote(self._object_id(spec.transfer_id), batch.header(),
+                                   batch.payload(), spec.lease_s), timeout=60)
+
+    def fetch(self, spec: LoadSpec) -> BlockBatch:
+        ray, _ = self._connect()
+        owner_name = spec.source.get("remote_ray_owner", self.owner_name)
+        namespace = spec.source.get("remote_ray_namespace", self.namespace)
+        try:
+            owner = ray.get_actor(owner_name, namespace=namespace)
+        except ValueError as e:
+            raise TransferError(f"no KV owner {owner_name!r} in namespace {namespace!r}") from e
+        shards = [self._fetch_one(ray, owner, spec, f"{spec.transfer_id}/r{rank}")
+                  for rank, _ in self._shards(spec)]
+        return join_shards(shards)
+
+    def _shards(self, spec: LoadSpec):
+        heads = local_head_range(self.ctx.num_kv_heads, self.ctx.tp_size, self.ctx.tp_rank)
+        return producer_shards(heads, self.ctx.num_kv_heads,
+                               int(spec.source.get("remote_tp_size", self.ctx.tp_size)))
+
+    def _fetch_one(self, ray, owner, spec: LoadSpec, oid: str) -> BlockBatch:
+        refs = None
+        while refs is None:
+            left = spec.deadline - time.time()
+            if left <= 0:
+                raise TransferError(f"transfer {oid} not exported before the deadline")
+            refs = ray.get(owner.lookup.remote(oid), timeout=left)
+            if refs is None:
+                time.sleep(POLL_S)
+        header, payload = ray.get(refs[0], timeout=max(0.001, spec.deadline - time.time()))
+        meta, off = parse_header(header)
+        if off != len(header):
+            raise TransferError("trailing bytes after the KV header")
+        return decode_batch(meta, payload, self.ctx.fingerprint)
+
+    def confirm(self, spec: LoadSpec) -> None:
+        ray, _ = self._connect()
+        owner = ray.get_actor(spec.source.get("remote_ray_owner", self.owner_name),
+                              namespace=spec.source.get("remote_ray_namespace", self.namespace))
+        for rank, rng in self._shards(spec):
+            readers = readers_of(rng, self.ctx.num_kv_heads, self.ctx.tp_size)
+            owner.release.remote(f"{spec.transfer_id}/r{rank}", self.ctx.tp_rank, readers)
+
+
+class RayObjectStoreConnector(TransferConnector):
+    transport_cls = RayObjectStoreTransport

@@ -1,0 +1,378 @@
+"""The halves every connector shares; a connector only supplies its `Transport`.
+
+Scheduler half (`TransferScheduler`): decides what a request loads (from its
+`kv_transfer_params`, or by looking its chain keys up when the transport can),
+records where (`update_state_after_alloc`), hands the worker loads, saves and
+cancels (`build_connector_meta`), keeps a finished request's blocks until the
+worker copied them out (`request_finished` -> delay_free), and gives up on a
+load whose notice never came (`update_connector_output`, deadline + grace).
+
+Worker half (`TransferWorker`): copies saved blocks out on its own thread (so the
+scheduler may free them after this step) and exports them in the background;
+fetches loads in the background into staging memory; in `get_finished`, checks
+every fetched block's chain key against the consumer's own, writes the good
+ones into the cache, and reports the rest as failed blocks. A load past its
+deadline is failed whole and its late bytes are dropped.
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures as cf
+import logging
+import math
+import time
+from typing import Any, Optional
+
+from fleetserve.kv_transfer.base import (ConnectorContext, ConnectorMetadata, KVConnectorBase,
+                                         KVConnectorRole, KVConnectorWorker, LoadSpec, SaveSpec)
+from fleetserve.kv_transfer.blocks import (BlockBatch, KVFormatError, chain_keys, gather_blocks,
+                                           local_head_range, scatter_blocks)
+from fleetserve.kv_transfer.config import KVTransferConfig
+from fleetserve.scheduler import ModelRunnerOutput, Request, RequestStatus, SchedulerOutput
+from fleetserve.scheduler.connector import KVConnectorScheduler
+
+logger = logging.getLogger(__name__)
+
+# The scheduler gives up on a load this long after its deadline if the worker
+# never reported it (a lost notice): the worker drops late bytes at the deadline.
+NOTICE_GRACE_S = 2.0
+
+
+class TransferError(RuntimeError):
+    """A fetch or export failed (missing, late, refused)."""
+
+
+class Transport(abc.ABC):
+    """How one connector moves bytes. Built once per role; fetch/export run on a pool."""
+
+    # The scheduler can find stored blocks by chain key with no params (a prefix cache).
+    supports_lookup = False
+    # The producer exports every finished request's full blocks, asked or not.
+    saves_all = False
+
+    def __init__(self, config: KVTransferConfig, ctx: ConnectorContext, role: KVConnectorRole) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.role = role
+
+    def location(self, transfer_id: str) -> dict[str, Any]:
+        """Extra `remote_*` params a consumer needs to find this producer's blocks."""
+        return {}
+
+    @abc.abstractmethod
+    def export(self, spec: SaveSpec, batch: BlockBatch) -> None: ...
+
+    @abc.abstractmethod
+    def fetch(self, spec: LoadSpec) -> BlockBatch:
+        """The blocks of `spec` (keys in order; fewer is fine), by spec.deadline or raise."""
+
+    def confirm(self, spec: LoadSpec) -> None:
+        """The consumer has what it needs: the producer may release it."""
+
+    def lookup(self, keys: list[str]) -> int:
+        """How many of `keys`, from the first, can be fetched now."""
+        return 0
+
+    def shutdown(self) -> None:
+        return None
+
+
+class TransferScheduler(KVConnectorScheduler):
+    def __init__(self, config: KVTransferConfig, ctx: ConnectorContext, transport: Transport) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.transport = transport
+        self._meta = ConnectorMetadata()
+        self._loading: dict[str, LoadSpec] = {}  # req_id -> its load, until the worker reports
+        self._saving: set[str] = set()
+        self._keys: dict[str, tuple[int, list[str]]] = {}  # req_id -> (num tokens, keys) memo
+        self.num_expired_loads = 0
+
+    # ---- helpers --------------------------------------------------------------
+    def _chain_keys(self, request: Request, num_blocks: int) -> list[str]:
+        memo = self._keys.get(request.request_id)
+        if memo is None or memo[0] != request.num_tokens or len(memo[1]) < num_blocks:
+            keys = chain_keys(self.ctx.fingerprint, request.all_token_ids, self.ctx.block_size,
+                              request.num_tokens // self.ctx.block_size, request.cache_salt)
+            memo = (request.num_tokens, keys)
+            self._keys[request.request_id] = memo
+        return memo[1][:num_blocks]
+
+    @staticmethod
+    def _params(request: Request) -> dict[str, Any]:
+        return request.kv_transfer_params or {}
+
+    # ---- the contract -----------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
+        if not self.config.is_consumer:
+            return 0, False
+        bs = self.ctx.block_size
+        params = self._params(request)
+        full = request.num_tokens // bs * bs
+        if params.get("do_remote_prefill"):
+            if params.get("remote_block_size", bs) != bs:
+                logger.warning("request %s: remote block size %s != %d; computing locally",
+                               request.request_id, params.get("remote_block_size"), bs)
+                return 0, False
+            avail = min(int(params.get("remote_num_tokens", 0)) // bs * bs, full)
+        elif self.transport.supports_lookup:
+            keys = self._chain_keys(request, full // bs)
+            first = num_computed_tokens // bs
+            avail = (first + self.transport.lookup(keys[first:])) * bs
+        else:
+            return 0, False
+        # Never the last token: it is computed here for the first logits.
+        n = min(avail, request.num_tokens - 1) - num_computed_tokens
+        return (n, True) if n > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int],
+                                 num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        bs = self.ctx.block_size
+        local = request.num_computed_tokens - num_external_tokens
+        first, last = local // bs, math.ceil((local + num_external_tokens) / bs)
+        params = self._params(request)
+        remote = bool(params.get("do_remote_prefill"))
+        spec = LoadSpec(request.request_id, params.get("transfer_id") if remote else None,
+                        list(block_ids[first:last]), self._chain_keys(request, last)[first:],
+                        time.time() + self.config.kv_load_timeout_s,
+                        {k: v for k, v in params.items() if k.startswith("remote_")})
+        self._meta.loads.append(spec)
+        self._loading[request.request_id] = spec
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Optional[ConnectorMetadata]:
+        meta, self._meta = self._meta, ConnectorMetadata()
+        return meta if meta else None
+
+    def request_finished(self, request: Request, block_ids: list[int]):
+        rid = request.request_id
+        if rid in self._loading:
+            # Finished (aborted) while receiving: the worker drops the load and
+            # says so in finished_sending; only then may the blocks be reused.
+            del self._loading[rid]
+            self._keys.pop(rid, None)
+            self._meta.cancels.append(rid)
+            return True, None
+        spec_params = self._export(request, block_ids)
+        self._keys.pop(rid, None)
+        if spec_params is None:
+            return False, None
+        self._saving.add(rid)
+        return True, spec_params or None
+
+    def _export(self, request: Request, block_ids: list[int]) -> Optional[dict]:
+        """Queue a save of the request's computed full blocks; returns the params for the
+        caller ({} for a prefix-cache save), or None when nothing is saved."""
+        params = self._params(request)
+        remote = bool(params.get("do_remote_decode"))
+        if not self.config.is_producer or not (remote or self.transport.saves_all) \
+                or request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
+            return None
+        bs = self.ctx.block_size
+        n_full = min(request.num_computed_tokens, request.num_tokens, len(block_ids) * bs) // bs
+        if remote:
+            n_full = min(n_full, request.num_prompt_tokens // bs)
+        keys = self._chain_keys(request, n_full)
+        # A prefix-cache save skips what the store already holds.
+        start = 0 if remote else self.transport.lookup(keys)
+        if n_full <= start:
+            return None
+        tid = params.get("transfer_id") if remote else None
+        self._meta.saves.append(SaveSpec(request.request_id, tid, list(block_ids[start:n_full]),
+                                         keys[start:], self.config.kv_lease_s))
+        if not remote:
+            return {}
+        return {"do_remote_prefill": True, "transfer_id": tid,
+                "remote_engine_id": self.ctx.engine_id,
+                "remote_connector": self.config.kv_connector,
+                "remote_num_tokens": n_full * bs, "remote_block_size": bs,
+                "remote_tp_size": self.ctx.tp_size, "remote_lease_s": self.config.kv_lease_s,
+                **self.transport.location(tid)}
+
+    def update_connector_output(self, runner_output: ModelRunnerOutput) -> None:
+        for rid in runner_output.finished_recving:
+            self._loading.pop(rid, None)
+        for rid in runner_output.finished_sending:
+            self._saving.discard(rid)
+        now = time.time()
+        for rid, spec in list(self._loading.items()):
+            if now > spec.deadline + NOTICE_GRACE_S:
+                # The worker failed it at the deadline but its notice never came:
+                # fail every block (the worker writes nothing after the deadline).
+                logger.warning("KV load of %s: no word from the worker %.1f s after its "
+                               "deadline; failing its blocks", rid, NOTICE_GRACE_S)
+                del self._loading[rid]
+                self._meta.cancels.append(rid)
+                self.num_expired_loads += 1
+                runner_output.finished_recving.add(rid)
+                runner_output.invalid_block_ids.update(spec.block_ids)
+
+    def load_failure_policy(self, request: Request) -> str:
+        if self._params(request).get("do_remote_prefill"):
+            return self.config.kv_load_failure_policy
+        return "recompute"  # an opportunistic prefix-cache hit: just compute it
+
+    def take_stats(self) -> Optional[dict]:
+        """Scheduler-side counts: loads it gave up on (no notice by deadline + grace)."""
+        n, self.num_expired_loads = self.num_expired_loads, 0
+        return {"expired_loads": n} if n else None
+
+    def shutdown(self) -> None:
+        self.transport.shutdown()
+
+
+class TransferWorker(KVConnectorWorker):
+    def __init__(self, config: KVTransferConfig, ctx: ConnectorContext, transport: Transport,
+                 max_workers: int = 4) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.transport = transport
+        self.heads = local_head_range(ctx.num_kv_heads, ctx.tp_size, ctx.tp_rank)
+        self.kv_caches: list = []
+        self._metadata: Optional[ConnectorMetadata] = None
+        self._pool = cf.ThreadPoolExecutor(max_workers, thread_name_prefix="kv-transfer")
+        self._loads: dict[str, tuple[LoadSpec, cf.Future, float]] = {}
+        self._exports: list[cf.Future] = []
+        self._sending_done: set[str] = set()
+        self._invalid: set[int] = set()
+        self.stats = {"bytes_sent": [], "seconds_sent": [], "bytes_recv": [], "seconds_recv": [],
+                      "failed_loads": 0, "expired_loads": 0}
+
+    def register_kv_caches(self, kv_caches: list) -> None:
+        self.kv_caches = kv_caches
+
+    def start_load_kv(self) -> None:
+        meta = self._metadata
+        if not meta:
+            return
+        for rid in meta.cancels:
+            self._loads.pop(rid, None)  # its bytes, if they still come, are dropped
+            self._sending_done.add(rid)
+        for spec in meta.saves:
+            t0 = time.perf_counter()
+            batch = BlockBatch(self.ctx.fingerprint, spec.keys,
+                               gather_blocks(self.kv_caches, spec.block_ids), self.heads)
+            # Copied out: the scheduler may reuse the blocks after this step.
+            self._sending_done.add(spec.req_id)
+            self._exports.append(self._pool.submit(self._export, spec, batch, t0))
+        for spec in meta.loads:
+            self._loads[spec.req_id] = (spec, self._pool.submit(self.transport.fetch, spec),
+                                        time.perf_counter())
+
+    def _export(self, spec: SaveSpec, batch: BlockBatch, t0: float) -> None:
+        self.transport.export(spec, batch)
+        self.stats["bytes_sent"].append(batch.nbytes)
+        self.stats["seconds_sent"].append(time.perf_counter() - t0)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        recving: set[str] = set()
+        now = time.time()
+        for rid, (spec, fut, t0) in list(self._loads.items()):
+            if fut.done():
+                del self._loads[rid]
+                recving.add(rid)
+                self._promote(spec, fut, t0)
+            elif now > spec.deadline:
+                del self._loads[rid]
+                recving.add(rid)
+                self._invalid.update(spec.block_ids)
+                self.stats["expired_loads"] += 1
+                logger.warning("KV load of %s (transfer %s) missed its deadline", rid, spec.transfer_id)
+        self._reap_exports()
+        sending, self._sending_done = self._sending_done, set()
+        return sending, recving
+
+    def _promote(self, spec: LoadSpec, fut: cf.Future, t0: float) -> None:
+        """Verify a fetched batch against the consumer's own keys; write the good prefix."""
+        try:
+            batch = fut.result()
+            good = self._check(spec, batch)
+        except (TransferError, KVFormatError, OSError, ValueError) as e:
+            logger.warning("KV load of %s (transfer %s) failed: %s", spec.req_id, spec.transfer_id, e)
+            good, batch = 0, None
+        except Exception as e:  # noqa: BLE001 - a transport bug must fail the load, not the engine
+            logger.exception("KV load of %s failed unexpectedly", spec.req_id)
+            good, batch = 0, None
+        if good:
+            h0 = self.heads[0] - batch.heads[0]
+            data = batch.data[:good, :, :, h0:h0 + self.heads[1] - self.heads[0]]
+            scatter_blocks(self.kv_caches, spec.block_ids[:good], data)
+            self.stats["bytes_recv"].append(data.numel() * data.element_size())
+            self.stats["seconds_recv"].append(time.perf_counter() - t0)
+        if good < len(spec.block_ids):
+            self._invalid.update(spec.block_ids[good:])
+            self.stats["failed_loads"] += 1
+        if batch is not None:
+            self._pool.submit(self._confirm, spec)
+
+    def _confirm(self, spec: LoadSpec) -> None:
+        try:
+            self.transport.confirm(spec)
+        except Exception:  # noqa: BLE001 - the producer's lease ends it anyway
+            logger.warning("could not confirm transfer %s to its producer", spec.transfer_id)
+
+    def _check(self, spec: LoadSpec, batch: BlockBatch) -> int:
+        """How many leading blocks of `batch` are exactly the ones `spec` asked for."""
+        if batch.fingerprint != self.ctx.fingerprint:
+            raise KVFormatError("fingerprint mismatch")
+        if not (batch.heads[0] <= self.heads[0] and self.heads[1] <= batch.heads[1]):
+            raise KVFormatError(f"blocks hold KV heads {batch.heads}, this rank needs {self.heads}")
+        want = self.kv_caches[0].shape
+        _, layers, two, _, bs, hd = batch.data.shape
+        if (layers, two, bs, hd) != (len(self.kv_caches), want[0], want[3], want[4]) \
+                or batch.data.dtype != self.kv_caches[0].dtype:
+            raise KVFormatError(f"block shape {tuple(batch.data.shape)} does not fit this cache")
+        good = 0
+        for got, expected in zip(batch.keys, spec.keys):
+            if got != expected:
+                break
+            good += 1
+        if good < min(len(batch.keys), len(spec.keys)):
+            logger.warning("KV load of %s: block %d's chain key differs from the prompt's "
+                           "(stale or foreign KV); refused from there", spec.req_id, good)
+        return good
+
+    def _reap_exports(self) -> None:
+        still = []
+        for fut in self._exports:
+            if not fut.done():
+                still.append(fut)
+            elif fut.exception() is not None:
+                logger.warning("KV export failed: %s", fut.exception())
+        self._exports = still
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._invalid = self._invalid, set()
+        return out
+
+    def take_stats(self) -> Optional[dict]:
+        out = self.stats
+        if not any(out.values()):
+            return None
+        self.stats = {"bytes_sent": [], "seconds_sent": [], "bytes_recv": [], "seconds_recv": [],
+                      "failed_loads": 0, "expired_loads": 0}
+        return out
+
+    def wait_for_exports(self, timeout: float = 30.0) -> None:
+        """Block until every queued export finished (tests, shutdown)."""
+        cf.wait(self._exports, timeout=timeout)
+        self._reap_exports()
+
+    def shutdown(self) -> None:
+        self.wait_for_exports(10.0)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.transport.shutdown()
+
+
+class TransferConnector(KVConnectorBase):
+    """A connector made of the shared halves and a `transport_cls`."""
+
+    transport_cls: type = None  # type: ignore[assignment]
+
+    def build_half(self, role: KVConnectorRole):
+        transport = self.transport_cls(self.config, self.ctx, role)
+        if role is KVConnectorRole.SCHEDULER:
+            return TransferScheduler(self.config, self.ctx, transport)
+        return TransferWorker(self.config, self.ctx, transport)

@@ -1,0 +1,256 @@
+"""Prefill/decode disaggregation through the router (the ingress calls `PDRouter.open_stream`).
+
+    ingress ──▶ 1. pick the decode replica: its router's policy over load and the
+                   prefix it caches (the KV index fed by KV events)
+                2. uncached = prompt - decode's cached prefix; below min_prefill_tokens:
+                   the decode replica computes it all itself (no prefill, no transfer)
+                3. else a prefill replica runs the prompt with max_tokens=1 and
+                   kv_transfer_params={"do_remote_decode", transfer_id (minted here)}
+                   and returns where its KV is (its final item's kv_transfer_params)
+                4. the decode replica gets the request pinned, with those params: it
+                   loads (WAITING_FOR_REMOTE_KVS), then streams the answer to the client
+
+Failures, none of which reaches the client as garbage or a 5xx when it can be recovered:
+
+* the prefill call fails (its replica died, refused, timed out): tried again up to
+  `max_attempts` (Serve sends it to a live replica), then the decode replica computes
+  the prompt itself;
+* the decode replica's load fails or times out: by the engine's
+  `kv_load_failure_policy`, it recomputes (the stream goes on), or it ends the request
+  with finish_reason "error" before any token, and the router sends the request
+  again without params (a recompute), within `max_attempts`;
+* anything else (the decode replica dies mid-stream) ends the stream with an error
+  event (router.ingress).
+
+Silent fallbacks are counted: every decode-side final item carries
+`num_remote_tokens` (prompt tokens loaded through the connector; the usage body's
+`prompt_tokens_details.remote_tokens`), and Prometheus counts prompt tokens
+loaded / found in the decode replica's own cache / recomputed, and which path
+each request took, plus the time spent in the prefill call and in the hand-off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from fleetserve.router.errors import is_error
+from fleetserve.router.policies import RouteRequest
+from fleetserve.router.registry import get_router
+from fleetserve.router.request_router import TARGET_KWARG
+
+logger = logging.getLogger("ray.serve")
+
+_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+@dataclass(frozen=True)
+class PDSettings:
+    """The router's side of `cluster.config.PDOptions`."""
+
+    min_prefill_tokens: int = 64
+    max_attempts: int = 2
+    prefill_timeout_s: float = 60.0
+
+
+class PDMetrics:
+    """Router-side P/D counters, in a registry of their own (merged into /metrics)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.prompt_tokens = decode_token_counter(
+            "fleetserve:pd_decode_prompt_tokens", "Prompt tokens on the decode side by source: "
+            "loaded (through the KV connector), cached (decode's own prefix cache), recomputed",
+            self.registry)
+        self.requests = Counter(
+            "fleetserve:pd_requests", "Requests by P/D path: pd (prefill, then load on decode), "
+            "decode_only (decode's cache covered the prompt or it was short), prefill_failed "
+            "(the decode replica recomputed after failed prefill calls)", ["path"],
+            registry=self.registry)
+        self.retries = Counter(
+            "fleetserve:pd_retries", "Calls tried again: a prefill call, or a decode call after "
+            "its KV load failed", ["stage"], registry=self.registry)
+        self.prefill_seconds = Histogram(
+            "fleetserve:pd_prefill_seconds", "Prefill call, sent to its final item received",
+            buckets=_BUCKETS, registry=self.registry)
+        self.handoff_seconds = Histogram(
+            "fleetserve:pd_handoff_seconds", "Prefill's final item received to the decode "
+            "replica's first item (KV load + one token + the router's work)",
+            buckets=_BUCKETS, registry=self.registry)
+
+    def text(self) -> str:
+        return generate_latest(self.registry).decode()
+
+
+def decode_token_counter(name: str, doc: str, registry: CollectorRegistry) -> Counter:
+    return Counter(name, doc, ["source"], registry=registry)
+
+
+class PDRouter:
+    def __init__(self, decode_handle, prefill_handle, settings: PDSettings, block_size: int) -> None:
+        self._decode = decode_handle
+        self._decode_generate = decode_handle.options(stream=True).generate
+        self._prefill_generate = prefill_handle.options(stream=True).generate
+        self.settings = settings
+        self.block_size = block_size
+        self.metrics = PDMetrics()
+
+    # -- the flow --------------------------------------------------------------
+
+    async def open_stream(self, body: dict, stream_cls):
+        """Like `Ingress.open_stream`: (stream, first item) from the decode replica."""
+        prompt = body["prompt_token_ids"]
+        decode_id, cached = self._pick_decode(body)
+        params, path = None, "decode_only"
+        t_prefill_done = None
+        sp = body["sampling_params"]
+        # n > 1 and prompt logprobs need the decode engine to run the prompt itself.
+        if len(prompt) - cached >= max(1, self.settings.min_prefill_tokens) and \
+                sp.get("n", 1) == 1 and sp.get("prompt_logprobs") is None:
+            params = await self._prefill(body)
+            path = "pd" if params is not None else "prefill_failed"
+            t_prefill_done = time.perf_counter()
+        self.metrics.requests.labels(path).inc()
+        for attempt in range(self.settings.max_attempts):
+            d_body = dict(body, request_id=body["request_id"] + (f"-d{attempt}" if attempt else ""))
+            if params is not None:
+                d_body["kv_transfer_params"] = params
+            gen = stream_cls(self._decode_generate.remote(d_body, **self._pin(decode_id)))
+            try:
+                first = await gen.__anext__()
+            except BaseException:
+                gen.cancel()
+                raise
+            if t_prefill_done is not None:
+                self.metrics.handoff_seconds.observe(time.perf_counter() - t_prefill_done)
+                t_prefill_done = None
+            if params is None or not failed_load(first) or attempt + 1 == self.settings.max_attempts:
+                break
+            # The load failed and the engine's policy is "fail": nothing was streamed yet,
+            # so send it again as a plain request (the decode replica computes the prompt).
+            logger.warning("request %s: KV load failed on decode replica %s; recomputing there",
+                           body["request_id"], decode_id)
+            gen.cancel()
+            self.metrics.retries.labels("decode").inc()
+            params = None
+        stream = PDStream(gen, len(prompt), self.metrics, loading=params is not None)
+        if is_error(first):
+            gen.cancel()
+            return stream, first
+        return stream, stream.observe(first)
+
+    def _pick_decode(self, body: dict) -> tuple[Optional[str], int]:
+        """The decode replica (policy order: load, then its cached prefix) and the prompt
+        tokens it already caches; (None, 0) before its router exists (the handle routes)."""
+        router = get_router(self._decode.app_name, self._decode.deployment_name)
+        if router is None:
+            return None, 0
+        request = RouteRequest(str(body["request_id"]), body["prompt_token_ids"], body.get("cache_salt"))
+        ranked = router.rank(request)
+        if not ranked:
+            return None, 0
+        replica_id, blocks = ranked[0]
+        # The engine never serves the last prompt token from cache (it computes logits).
+        return replica_id, min(blocks * self.block_size, len(request.prompt_token_ids) - 1)
+
+    async def _prefill(self, body: dict) -> Optional[dict]:
+        """Run the prompt on a prefill replica; its kv_transfer_params, or None after
+        `max_attempts` failures (the decode replica then computes the prompt)."""
+        for attempt in range(self.settings.max_attempts):
+            tid = f"{body['request_id']}-{uuid.uuid4().hex[:12]}"
+            p_body = export_body(body, f"{body['request_id']}-p{attempt}", body["prompt_token_ids"], tid)
+            t0 = time.perf_counter()
+            try:
+                final = await asyncio.wait_for(self._run_prefill(p_body),
+                                               self.settings.prefill_timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a dead or stuck prefill replica: try again
+                final = {"error": {"message": f"{type(e).__name__}: {e}"}}
+            self.metrics.prefill_seconds.observe(time.perf_counter() - t0)
+            params = None if is_error(final) else final.get("kv_transfer_params")
+            if params is not None:
+                return params
+            if not is_error(final):
+                return None  # nothing to hand over (no full block): decode computes it
+            logger.warning("request %s: prefill attempt %d failed: %s", body["request_id"],
+                           attempt + 1, final["error"].get("message"))
+            if attempt + 1 < self.settings.max_attempts:
+                self.metrics.retries.labels("prefill").inc()
+        return None
+
+    async def _run_prefill(self, p_body: dict) -> dict:
+        return await run_to_final(self._prefill_generate.remote(p_body))
+
+    @staticmethod
+    def _pin(replica_id: Optional[str]) -> dict[str, Any]:
+        return {TARGET_KWARG: replica_id} if replica_id is not None else {}
+
+
+async def run_to_final(gen) -> dict:
+    """Drain a replica's generate stream; its final item, or its first error item."""
+    last: dict = {}
+    try:
+        async for item in gen:
+            for one in (item if isinstance(item, list) else [item]):
+                last = one
+                if is_error(one):
+                    return one
+    finally:
+        gen.cancel()
+    return last
+
+
+def export_body(body: dict, request_id: str, prompt: list[int], transfer_id: str) -> dict:
+    """`body` as a one-token request that exports its prompt's KV under `transfer_id`."""
+    sp = dict(body["sampling_params"], max_tokens=1, min_tokens=0, n=1, best_of=None,
+              logprobs=None, prompt_logprobs=None)
+    return dict(body, request_id=request_id, prompt_token_ids=prompt, sampling_params=sp,
+                kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id})
+
+
+def failed_load(item: dict) -> bool:
+    """The decode engine gave up on the KV load before producing a token."""
+    if is_error(item) or not item.get("finished"):
+        return False
+    outs = item.get("outputs") or []
+    return any(o.get("finish_reason") == "error" for o in outs) and \
+        not any(o.get("token_ids") for o in outs)
+
+
+class PDStream:
+    """The decode replica's stream, counting where its prompt's KV came from on the final
+    item (and reporting `num_remote_tokens` there even when it is 0)."""
+
+    def __init__(self, gen, prompt_len: int, metrics, loading: bool) -> None:
+        self._gen = gen
+        self._prompt_len = prompt_len
+        self._metrics = metrics
+        self._loading = loading
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return self.observe(await self._gen.__anext__())
+
+    def observe(self, item: dict) -> dict:
+        if is_error(item) or not item.get("finished"):
+            return item
+        loaded = item.get("num_remote_tokens", 0)
+        item["num_remote_tokens"] = loaded
+        cached = item.get("num_cached_tokens") or 0
+        m = self._metrics.prompt_tokens
+        m.labels("loaded").inc(loaded)
+        m.labels("cached").inc(max(0, cached - loaded))
+        m.labels("recomputed").inc(max(0, self._prompt_len - cached))
+        return item
+
+    def cancel(self) -> None:
+        self._gen.cancel()

@@ -1,0 +1,130 @@
+"""Worker level: blocks round trip bit-identical through the cache, the wire format and
+the shared-storage folder; corrupt, truncated, stale and foreign entries are refused."""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+import torch
+
+from fleetserve.kv_transfer.blocks import (BlockBatch, KVFormatError, chain_keys, decode_from_bytes,
+                                           encode_to_bytes, gather_blocks, kv_fingerprint,
+                                           local_head_range, scatter_blocks)
+from fleetserve.kv_transfer.shared_storage import BlockStore
+
+CFG = types.SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                            num_hidden_layers=3, vocab_size=384, model_type="llama", rope_theta=1e4)
+LAYOUTS = [  # (layers, kv heads, block size, head dim)
+    (3, 2, 4, 16), (2, 1, 16, 64), (1, 3, 8, 8)]
+
+
+def random_caches(layers, heads, num_blocks, bs, hd, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn((2, heads, num_blocks, bs, hd), generator=g).to(dtype) for _ in range(layers)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_blocks_round_trip_bit_identical(dtype, layout, tmp_path):
+    layers, heads, bs, hd = layout
+    src = random_caches(layers, heads, 10, bs, hd, dtype)
+    dst = [torch.zeros_like(c) for c in src]
+    fp = kv_fingerprint("m", CFG, dtype, bs)
+    keys = chain_keys(fp, list(range(3 * bs)), bs, 3)
+    batch = BlockBatch(fp, keys, gather_blocks(src, [7, 2, 5]), (0, heads))
+    back = decode_from_bytes(encode_to_bytes(batch), fp)
+    assert back.keys == keys and back.heads == (0, heads)
+    scatter_blocks(dst, [1, 3, 4], back.data)
+    for s, d in zip(src, dst):
+        for a, b in ((7, 1), (2, 3), (5, 4)):
+            assert torch.equal(s[:, :, a].view(torch.uint8), d[:, :, b].view(torch.uint8))
+        assert not d[:, :, 0].any() and not d[:, :, 9].any()  # nothing else written
+    # The same through the folder.
+    store = BlockStore(tmp_path, fp, (0, heads))
+    store.put(batch)
+    for i, key in enumerate(keys):
+        got = store.get(key)
+        assert got is not None and got.keys == [key]
+        assert torch.equal(got.data[0].view(torch.uint8), batch.data[i].view(torch.uint8))
+
+
+def test_chain_keys_depend_on_every_earlier_token_salt_and_fingerprint():
+    fp = kv_fingerprint("m", CFG, torch.float32, 4)
+    base = chain_keys(fp, list(range(12)), 4, 3)
+    changed = chain_keys(fp, [99] + list(range(1, 12)), 4, 3)
+    assert all(a != b for a, b in zip(base, changed))  # a change in block 0 moves every key
+    assert chain_keys(fp, list(range(12)), 4, 3, cache_salt="tenant") != base
+    other = kv_fingerprint("m", CFG, torch.bfloat16, 4)
+    assert chain_keys(other, list(range(12)), 4, 3) != base
+    assert chain_keys(fp, list(range(10)), 4, 3) == base[:2]  # full blocks only
+
+
+def test_corrupt_truncated_and_foreign_payloads_are_refused():
+    fp = kv_fingerprint("m", CFG, torch.float32, 4)
+    batch = BlockBatch(fp, chain_keys(fp, list(range(8)), 4, 2),
+                       gather_blocks(random_caches(3, 2, 4, 4, 16, torch.float32), [0, 1]), (0, 2))
+    raw = bytearray(encode_to_bytes(batch))
+    flipped = bytearray(raw)
+    flipped[-5] ^= 0x40
+    with pytest.raises(KVFormatError, match="checksum"):
+        decode_from_bytes(bytes(flipped), fp)
+    with pytest.raises(KVFormatError, match="truncated"):
+        decode_from_bytes(bytes(raw[:-100]), fp)
+    with pytest.raises(KVFormatError, match="fingerprint"):
+        decode_from_bytes(bytes(raw), kv_fingerprint("other-model", CFG, torch.float32, 4))
+    with pytest.raises(KVFormatError, match="magic"):
+        decode_from_bytes(b"garbage" * 10, fp)
+
+
+def test_store_refuses_and_removes_bad_files_and_never_sees_half_writes(tmp_path):
+    fp = kv_fingerprint("m", CFG, torch.float32, 4)
+    keys = chain_keys(fp, list(range(12)), 4, 3)
+    batch = BlockBatch(fp, keys, gather_blocks(random_caches(3, 2, 4, 4, 16, torch.float32), [0, 1, 2]),
+                       (0, 2))
+    store = BlockStore(tmp_path, fp, (0, 2))
+    store.put(batch)
+    # Corrupt block 0, truncate block 1, rename block 2 under another key (stale).
+    p0, p1, p2 = (store.path(k) for k in keys)
+    data = bytearray(p0.read_bytes())
+    data[-1] ^= 1
+    p0.write_bytes(bytes(data))
+    p1.write_bytes(p1.read_bytes()[:-64])
+    stale_key = chain_keys(fp, list(range(100, 112)), 4, 3)[2]
+    os.makedirs(store.path(stale_key).parent, exist_ok=True)
+    os.replace(p2, store.path(stale_key))
+    assert store.get(keys[0]) is None and not p0.exists()
+    assert store.get(keys[1]) is None and not p1.exists()
+    assert store.get(stale_key) is None  # the file holds another key's block
+    # A writer that died mid-write leaves only a temporary file: never a hit.
+    (store.tmp / f"{keys[0]}.123.ab.tmp").write_bytes(b"FSKV" + b"\0" * 10)
+    assert store.get(keys[0]) is None
+    # Another model's folder is another folder: same keys, no hit.
+    foreign = BlockStore(tmp_path, kv_fingerprint("x", CFG, torch.float32, 4), (0, 2))
+    foreign.put(batch)  # written under the wrong fingerprint name...
+    store.put(batch)
+    assert store.get(keys[0]) is not None  # ...and refused there; ours is whole again
+
+
+def test_store_evicts_least_recently_used_under_its_cap(tmp_path):
+    fp = kv_fingerprint("m", CFG, torch.float32, 4)
+    caches = random_caches(3, 2, 8, 4, 16, torch.float32)
+    keys = chain_keys(fp, list(range(32)), 4, 8)
+    one = BlockBatch(fp, keys[:1], gather_blocks(caches, [0]), (0, 2))
+    size = len(one.header()) + one.nbytes
+    store = BlockStore(tmp_path, fp, (0, 2), max_bytes=int(size * 4.5))
+    for i in range(4):
+        store.put(BlockBatch(fp, [keys[i]], gather_blocks(caches, [i]), (0, 2)))
+        os.utime(store.path(keys[i]), (1000 + i, 1000 + i))
+    assert store.get(keys[0]) is not None  # block 0 is now the most recently used
+    store.put(BlockBatch(fp, [keys[4]], gather_blocks(caches, [4]), (0, 2)))
+    present = [store.contains(k) for k in keys[:5]]
+    assert present[0] and present[4] and not present[1], present
+    assert sum(p.stat().st_size for p in store.dir.glob("*/*.kvb")) <= store.max_bytes
+
+
+def test_head_ranges_cover_the_model_once_or_replicate():
+    assert [local_head_range(4, 2, r) for r in range(2)] == [(0, 2), (2, 4)]
+    assert [local_head_range(3, 3, r) for r in range(3)] == [(0, 1), (1, 2), (2, 3)]
+    assert [local_head_range(2, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]

@@ -1,0 +1,105 @@
+"""Configuration as vLLM spells it (CLI flag, app YAML, EngineArgs) and the engine API's
+refusals: params only when a connector is configured, well-formed, JSON only."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from pydantic import ValidationError
+
+from fleetserve.cluster.cli_engine import add_engine_flags, engine_kwargs
+from fleetserve.cluster.config import AppConfig
+from fleetserve.kv_transfer.factory import resolve_connector_class
+from fleetserve.kv_transfer.params import validate_kv_transfer_params
+from fleetserve.kv_transfer.shared_storage import SharedStorageConnector
+from fleetserve.replica.engine.engine_args import EngineArgs
+
+from tests.kv_transfer.utils import engine, greedy, run, collect
+
+
+def parse(argv):
+    p = argparse.ArgumentParser()
+    add_engine_flags(p)
+    return engine_kwargs(p.parse_args(argv))
+
+
+def test_cli_flag_and_yaml_build_the_same_config(tmp_path):
+    flag = '{"kv_connector": "SharedStorageConnector", "kv_role": "kv_consumer", ' \
+           '"kv_connector_extra_config": {"path": "/tmp/kv"}, "kv_load_failure_policy": "recompute"}'
+    args = EngineArgs(**parse(["--kv-transfer-config", flag]))
+    cfg = args.kv_transfer_config
+    assert cfg.kv_role == "kv_consumer" and cfg.is_consumer and not cfg.is_producer
+    assert cfg.kv_load_failure_policy == "recompute"
+    yaml_file = tmp_path / "app.yaml"
+    yaml_file.write_text("engine:\n  kv_transfer_config:\n    kv_connector: SharedStorageConnector\n"
+                         "    kv_role: kv_consumer\n    kv_connector_extra_config: {path: /tmp/kv}\n"
+                         "    kv_load_failure_policy: recompute\n")
+    assert AppConfig.from_yaml(yaml_file).engine.kv_transfer_config == cfg
+    # It survives the trip to the engine-core process (model_dump -> model_validate).
+    assert EngineArgs.model_validate(args.model_dump()).kv_transfer_config == cfg
+
+
+@pytest.mark.parametrize("bad,field", [
+    ({"kv_connector": "SharedStorageConnector", "kv_role": "sender"}, "kv_role"),
+    ({"kv_connector": "SharedStorageConnector", "kv_load_failure_policy": "retry"}, "kv_load_failure_policy"),
+    ({"kv_connector": "SharedStorageConnector", "kv_lease_s": 0}, "kv_lease_s"),
+    ({"kv_role": "kv_both"}, "kv_connector"),
+])
+def test_bad_config_names_the_field(bad, field):
+    with pytest.raises(ValidationError, match=field):
+        EngineArgs(kv_transfer_config=bad)
+
+
+def test_cli_flag_that_is_not_json_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit):
+        parse(["--kv-transfer-config", "{not json"])
+    assert "json_object" in capsys.readouterr().err
+
+
+def test_connectors_by_name_or_qualified_name():
+    assert resolve_connector_class("SharedStorageConnector") is SharedStorageConnector
+    assert resolve_connector_class(
+        "fleetserve.kv_transfer.shared_storage:SharedStorageConnector") is SharedStorageConnector
+    with pytest.raises(ValueError, match="unknown KV connector|cannot load"):
+        resolve_connector_class("NoSuchConnector")
+    with pytest.raises(ValueError, match="not a KVConnectorBase"):
+        resolve_connector_class("fleetserve.kv_transfer.config:KVTransferConfig")
+
+
+@pytest.mark.parametrize("params,message", [
+    ({"do_remote_decode": True}, "transfer_id"),
+    ({"do_remote_prefill": True, "transfer_id": "t"}, "remote_num_tokens"),
+    ({"do_remote_decode": True, "transfer_id": "a b"}, "transfer_id"),
+    ({"do_remote_decode": True, "do_remote_prefill": True, "transfer_id": "t"}, "exclusive"),
+    ({"transfer_id": "t", "evil": 1}, "unknown key"),
+    ({"do_remote_decode": True, "transfer_id": "t", "remote_x": {"nested": 1}}, "string, number"),
+    ("not a dict", "must be an object"),
+])
+def test_malformed_params_are_refused(params, message):
+    with pytest.raises(ValueError, match=message):
+        validate_kv_transfer_params(params)
+
+
+def test_engine_refuses_params_without_a_connector_and_serves_on(tiny_model_dir):
+    eng = engine(tiny_model_dir, core_process=False)
+    try:
+        with pytest.raises(ValueError, match="no KV connector"):
+            run(collect(eng, [5, 6, 7, 8, 9], greedy(2), {"do_remote_decode": True, "transfer_id": "t"}))
+        tokens, final = run(collect(eng, [5, 6, 7, 8, 9], greedy(2)))
+        assert len(tokens) == 2 and final.kv_transfer_params is None
+        assert eng.get_load()["num_free_blocks"] == eng.get_load()["num_blocks"]
+    finally:
+        eng.shutdown()
+
+
+def test_engine_with_a_connector_refuses_malformed_params(tiny_model_dir, tmp_path):
+    kv = {"kv_connector": "SharedStorageConnector", "kv_connector_extra_config": {"path": str(tmp_path)}}
+    eng = engine(tiny_model_dir, kv, core_process=False)
+    try:
+        with pytest.raises(ValueError, match="remote_num_tokens"):
+            run(collect(eng, [5, 6, 7, 8, 9], greedy(2), {"do_remote_prefill": True, "transfer_id": "t"}))
+        tokens, _ = run(collect(eng, [5, 6, 7, 8, 9], greedy(2)))
+        assert len(tokens) == 2
+    finally:
+        eng.shutdown()

@@ -1,0 +1,173 @@
+"""Engine level: engine A (its own process) prefills a prompt and exports its KV; engine B
+loads it and decodes. B's greedy tokens equal one plain engine's, and B computes at most
+the prompt's last block."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from tests.kv_transfer.utils import BLOCK, collect, engine, greedy, hand_off, run, wait_all_free
+
+
+def storage_cfg(path, role):
+    return {"kv_connector": "SharedStorageConnector", "kv_role": role,
+            "kv_connector_extra_config": {"path": str(path)}, "kv_load_failure_policy": "fail"}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    eng = engine(tiny_model_dir, core_process=False)
+    yield eng
+    eng.shutdown()
+
+
+def prompts(n, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 380) for _ in range(length)] for length in
+            rng.sample(range(9, 60), n)]
+
+
+@pytest.fixture(scope="module")
+def storage_pair(tiny_model_dir, tmp_path_factory):
+    """A producer in its own process and a consumer (engine-core thread) on one folder."""
+    path = tmp_path_factory.mktemp("kv-store")
+    prod = engine(tiny_model_dir, storage_cfg(path, "kv_producer"))
+    cons = engine(tiny_model_dir, storage_cfg(path, "kv_consumer"), core_process=False)
+    yield prod, cons
+    prod.shutdown()
+    cons.shutdown()
+
+
+def test_shared_storage_hand_off_matches_one_engine(storage_pair, reference):
+    prod, cons = storage_pair
+    for prompt in prompts(3) + [list(range(5, 5 + 4 * BLOCK))]:  # one prompt of whole blocks
+        want, _ = run(collect(reference, prompt, greedy(8)))
+        got, final, params = run(hand_off(prod, cons, prompt, 8))
+        assert got == want
+        full = len(prompt) // BLOCK * BLOCK
+        assert params["remote_num_tokens"] == full
+        computed = len(prompt) - final.num_cached_tokens
+        assert computed <= BLOCK, (len(prompt), final.num_cached_tokens)
+        assert final.num_remote_tokens == min(full, len(prompt) - 1)
+    wait_all_free(prod)
+    wait_all_free(cons)
+
+
+def test_shared_storage_is_a_prefix_cache_across_engines(tiny_model_dir, tmp_path, reference):
+    """kv_both without params: whatever one engine computed, another engine loads."""
+    a = engine(tiny_model_dir, storage_cfg(tmp_path, "kv_both"), core_process=False)
+    try:
+        prompt = prompts(1, seed=5)[0]
+        want, _ = run(collect(reference, prompt, greedy(6)))
+        got_a, first = run(collect(a, prompt, greedy(6)))
+        assert got_a == want and first.num_remote_tokens == 0
+        wait_all_free(a)
+    finally:
+        a.shutdown()
+    b = engine(tiny_model_dir, storage_cfg(tmp_path, "kv_both"), core_process=False)  # a restart, or another replica
+    try:
+        got_b, final = run(collect(b, prompt, greedy(6)))
+        assert got_b == want
+        assert final.num_remote_tokens >= (len(prompt) - 1) // BLOCK * BLOCK - BLOCK
+        wait_all_free(b)
+    finally:
+        b.shutdown()
+
+
+# ---- Ray object store ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def local_ray():
+    import os
+
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 _node_ip_address="127.0.0.1")
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+def ray_cfg(role, **extra):
+    return {"kv_connector": "RayObjectStoreConnector", "kv_role": role, "kv_lease_s": 5.0,
+            "kv_load_timeout_s": 10.0, "kv_connector_extra_config": extra,
+            "kv_load_failure_policy": "fail"}
+
+
+@pytest.fixture(scope="module")
+def ray_pair(tiny_model_dir, local_ray):
+    prod = engine(tiny_model_dir, ray_cfg("kv_producer"))  # its own process, joins this Ray
+    cons = engine(tiny_model_dir, ray_cfg("kv_consumer"), core_process=False)
+    yield prod, cons
+    prod.shutdown()
+    cons.shutdown()
+
+
+def owner_stats(ray):
+    return ray.get(ray.get_actor("fleetserve-kv-owner", namespace="fleetserve").stats.remote())
+
+
+def test_ray_object_store_hand_off_matches_one_engine(ray_pair, reference, local_ray):
+    prod, cons = ray_pair
+    for prompt in prompts(3, seed=1):
+        want, _ = run(collect(reference, prompt, greedy(8)))
+        got, final, params = run(hand_off(prod, cons, prompt, 8))
+        assert got == want
+        assert params["remote_ray_owner"] == "fleetserve-kv-owner"
+        assert len(prompt) - final.num_cached_tokens <= BLOCK
+        assert final.num_remote_tokens == len(prompt) // BLOCK * BLOCK
+    wait_all_free(prod)
+    wait_all_free(cons)
+    # Every consumer confirmed: the owner holds nothing any more.
+    deadline = time.monotonic() + 10
+    while owner_stats(local_ray)["held"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert owner_stats(local_ray)["held"] == 0
+
+
+def test_ray_lease_ends_an_unclaimed_export(ray_pair, local_ray):
+    """A producer's export nobody reads is dropped when its lease (5 s) ends."""
+    prod, _ = ray_pair
+    _, pfinal = run(collect(prod, prompts(1, seed=9)[0], greedy(1),
+                            {"do_remote_decode": True, "transfer_id": "unclaimed-1"}))
+    assert pfinal.kv_transfer_params is not None
+    wait_all_free(prod)  # the KV blocks are free at once: the object holds the copy
+    deadline = time.monotonic() + 5
+    while owner_stats(local_ray)["held"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    expired = owner_stats(local_ray)["expired"]
+    assert owner_stats(local_ray)["held"] == 1
+    deadline = time.monotonic() + 15
+    while owner_stats(local_ray)["held"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stats = owner_stats(local_ray)
+    assert stats["held"] == 0 and stats["expired"] == expired + 1
+
+
+def test_metrics_count_what_moved(storage_pair, reference):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    prod, cons = storage_pair
+    prompt = prompts(1, seed=3)[0]
+    run(hand_off(prod, cons, prompt, 3))
+    wait_all_free(prod)
+
+    def samples(eng):
+        out = {}
+        for fam in text_string_to_metric_families(eng.metrics_text()):
+            for s in fam.samples:
+                out[(s.name, s.labels.get("source", ""))] = s.value
+        return out
+
+    c, p = samples(cons), samples(prod)
+    assert c[("vllm:kv_transfer_bytes_received_count", "")] >= 1
+    assert c[("vllm:kv_transfer_bytes_received_sum", "")] > 0
+    assert c[("vllm:prompt_tokens_by_source_total", "external_kv_transfer")] >= len(prompt) // BLOCK * BLOCK
+    assert c[("vllm:prompt_tokens_by_source_total", "local_compute")] >= 1
+    assert p[("vllm:kv_transfer_bytes_sent_count", "")] >= 1
+    assert c[("vllm:kv_transfer_blocks_held", "")] == 0

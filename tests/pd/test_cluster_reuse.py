@@ -1,0 +1,81 @@
+"""Cluster-wide prefix reuse: the replica the router picks lacks a long prefix that its busy
+peer caches; it loads the prefix from the peer (the usage body and /metrics count loaded
+tokens) and answers with the same tokens as one engine alone."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.pd.conftest import BLOCK
+from tests.pd.test_pd_e2e import complete, long_prompt, tokenize
+
+pytestmark = pytest.mark.slow
+
+
+def reuse_counts(server) -> dict[str, float]:
+    return {s.labels["outcome"]: s.value for s in server.samples("fleetserve:prefix_reuse_requests")
+            if s.name.endswith("_total")}
+
+
+def prompt_tokens_by_replica(server) -> dict[str, float]:
+    return {s.labels["replica"]: s.value for s in server.samples("vllm:prompt_tokens")
+            if s.name.endswith("_total")}
+
+
+def settle(server, timeout_s: float = 30.0) -> None:
+    """Until the router has nothing in flight and the engines' load reports (every 0.2 s
+    here) have caught up."""
+    deadline = time.time() + timeout_s
+    while sum(x.value for x in server.samples("fleetserve:router_ongoing_requests")) > 0:
+        assert time.time() < deadline, "requests still in flight"
+        time.sleep(0.1)
+    server.wait_all_free()
+    time.sleep(0.5)
+
+
+def test_replica_without_the_prefix_loads_it_from_its_busy_peer(reuse_server, colocated):
+    s = reuse_server
+    rng = random.Random(20)
+    prefix = long_prompt(rng, 34)  # ~160 tokens: with 85 more, within max_model_len 256
+    complete(s, prefix + " warm")  # one replica now caches the prefix
+    before = reuse_counts(s)
+    settle(s)  # the holder must look idle, or the busy stream would go to its peer
+    # Keep that replica busy: a long stream with the same prefix follows the cache there.
+    stop, streaming = threading.Event(), threading.Event()
+    body = {"model": "tiny", "prompt": prefix + " busy", "max_tokens": 85, "ignore_eos": True,
+            "stream": True}
+
+    def hold() -> None:
+        with httpx.Client(timeout=120) as http:
+            with http.stream("POST", s.base_url + "/v1/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        streaming.set()
+                    if stop.is_set():
+                        return
+
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        assert streaming.wait(60)  # the stream is running: its replica is one request ahead
+        prompt = prefix + " the question"
+        r = complete(s, prompt)
+        ids = tokenize(s, prompt=prompt)
+        assert r["choices"][0]["text"] == colocated(ids)
+        details = r["usage"]["prompt_tokens_details"]
+        assert details["remote_tokens"] >= len(tokenize(s, prompt=prefix)) // BLOCK * BLOCK - BLOCK
+        assert len(ids) - details["cached_tokens"] <= 2 * BLOCK  # computed only the new tail
+        after = reuse_counts(s)
+        assert after.get("exported", 0) == before.get("exported", 0) + 1
+        loaded = {x.labels["source"]: x.value for x in s.samples("fleetserve:prefix_reuse_prompt_tokens")
+                  if x.name.endswith("_total")}
+        assert loaded["loaded"] >= details["remote_tokens"]
+    finally:
+        stop.set()
+        t.join(120)
+    s.wait_all_free()

@@ -1,0 +1,167 @@
+"""P/D end to end with the official `openai` client: 1 prefill + 1 decode replica.
+
+Greedy output equals one colocated engine's (the offline `LLM`, the same engine code on
+one replica); the decode side computes at most the last block of each prompt (the usage
+body says so: prompt_tokens - cached_tokens, remote_tokens); streaming and not, chat
+and completions; a short prompt skips the prefill pool. Faults, each followed by "the
+app still serves and every replica has all blocks free".
+"""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import openai
+
+from tests.pd.conftest import BLOCK, MAX_TOKENS
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+
+
+def tokenize(server, **body) -> list[int]:
+    r = httpx.post(server.base_url + "/tokenize", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+def long_prompt(rng: random.Random, words: int = 40) -> str:
+    return " ".join(f"item{rng.randrange(500)}" for _ in range(words))
+
+
+def check_usage(usage, prompt_len: int) -> None:
+    details = usage.prompt_tokens_details
+    assert usage.prompt_tokens == prompt_len
+    computed = prompt_len - details.cached_tokens
+    assert computed <= BLOCK, (prompt_len, details)
+    remote = details.model_extra.get("remote_tokens") if details.model_extra else None
+    assert remote is not None and remote >= prompt_len - BLOCK - (prompt_len % BLOCK), details
+
+
+def test_completions_equal_colocated_and_decode_computes_at_most_a_block(pd_server, colocated):
+    c = client(pd_server)
+    rng = random.Random(1)
+    before = pd_server.pd_tokens()
+    for i in range(3):
+        prompt = long_prompt(rng)
+        ids = tokenize(pd_server, prompt=prompt)
+        assert len(ids) > 2 * BLOCK
+        r = c.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS,
+                                 temperature=0, extra_body={"ignore_eos": True})
+        assert r.choices[0].text == colocated(ids)
+        check_usage(r.usage, len(ids))
+    after = pd_server.pd_tokens()
+    assert after.get("loaded", 0) > before.get("loaded", 0)
+    assert pd_server.pd_paths().get("pd", 0) >= 3
+    pd_server.wait_all_free()
+
+
+def test_streaming_chat_equals_colocated(pd_server, colocated):
+    c = client(pd_server)
+    rng = random.Random(2)
+    messages = [{"role": "system", "content": long_prompt(rng, 30)},
+                {"role": "user", "content": "Say something."}]
+    ids = tokenize(pd_server, messages=messages)
+    chunks = c.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    text, usage, finish = "", None, None
+    for ch in chunks:
+        if ch.usage is not None:
+            usage = ch.usage
+        for choice in ch.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    assert finish == "length"
+    assert text == colocated(ids)
+    check_usage(usage, len(ids))
+    # Not streamed, the same conversation: the same answer.
+    r = c.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == text
+    pd_server.wait_all_free()
+
+
+def test_short_prompt_skips_the_prefill_pool(pd_server, colocated):
+    c = client(pd_server)
+    before = pd_server.pd_paths()
+    prompt = "hi there"
+    ids = tokenize(pd_server, prompt=prompt)
+    assert len(ids) < 32
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                             extra_body={"ignore_eos": True})
+    assert r.choices[0].text == colocated(ids)
+    after = pd_server.pd_paths()
+    assert after.get("decode_only", 0) == before.get("decode_only", 0) + 1
+    assert after.get("pd", 0) == before.get("pd", 0)
+    pd_server.wait_all_free()
+
+
+
+def test_grpc_generate_goes_through_pd_too(pd_server, colocated):
+    import grpc
+
+    from fleetserve.router.proto import fleetserve_pb2 as pb
+    from fleetserve.router.proto import fleetserve_pb2_grpc as pb_grpc
+
+    ids = tokenize(pd_server, prompt=long_prompt(random.Random(5)))
+    before = pd_server.pd_paths().get("pd", 0)
+    req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids), sampling_params=pb.SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    with grpc.insecure_channel(pd_server.grpc_target) as channel:
+        msgs = list(pb_grpc.FleetServeStub(channel).Generate(
+            req, metadata=(("application", pd_server.app),), timeout=120))
+    assert "".join(m.text for m in msgs) == colocated(ids)
+    assert pd_server.pd_paths().get("pd", 0) == before + 1
+    pd_server.wait_all_free()
+
+
+def complete(server, prompt: str, n: int = MAX_TOKENS) -> dict:
+    r = httpx.post(server.base_url + "/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_prefill_replica_dies_decode_recomputes_then_pd_resumes(pd_server, colocated):
+    rng = random.Random(3)
+    before = pd_server.pd_paths()
+    prompt = long_prompt(rng)
+    ids = tokenize(pd_server, prompt=prompt)
+    old = pd_server.kill("prefill")
+    body = complete(pd_server, prompt)  # the prefill calls fail: decode computes the prompt
+    assert body["choices"][0]["text"] == colocated(ids)
+    pd_server.wait_replaced("prefill", old)  # (/metrics answers 503 while a replica is down)
+    paths = pd_server.pd_paths()
+    # It was counted on one path: prefill_failed, or pd if Serve had already replaced it.
+    assert paths.get("prefill_failed", 0) + paths.get("pd", 0) == \
+        before.get("prefill_failed", 0) + before.get("pd", 0) + 1
+    prompt = long_prompt(rng)
+    body = complete(pd_server, prompt)
+    assert body["choices"][0]["text"] == colocated(tokenize(pd_server, prompt=prompt))
+    assert body["usage"]["prompt_tokens_details"]["remote_tokens"] > 0  # P/D again
+    pd_server.wait_all_free()
+
+
+def test_decode_replica_restart(pd_server, colocated):
+    rng = random.Random(4)
+    old = pd_server.kill("decode")
+    # While it is down a request fails with a clear error (never a silent empty answer), or
+    # is served by the replacement.
+    r = httpx.post(pd_server.base_url + "/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": long_prompt(rng), "max_tokens": 4, "stream": True})
+    if r.status_code == 200:
+        events = [line for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        assert any('"error"' in e for e in events) or any('"text"' in e for e in events), events
+    else:
+        assert "error" in r.json(), r.text
+    pd_server.wait_replaced("decode", old)
+    prompt = long_prompt(rng)
+    body = complete(pd_server, prompt)
+    assert body["choices"][0]["text"] == colocated(tokenize(pd_server, prompt=prompt))
+    assert body["usage"]["prompt_tokens_details"]["remote_tokens"] > 0
+    pd_server.wait_all_free()

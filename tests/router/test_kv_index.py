@@ -1,0 +1,76 @@
+"""The prefix index and the precise prefix policy as plain objects (no Ray)."""
+
+from __future__ import annotations
+
+from fleetserve.router.kv_index import KVIndex
+from fleetserve.router.policies import PrefixAwarePolicy, ReplicaLoad, RouteRequest
+from fleetserve.scheduler import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch,
+                                  hash_token_blocks)
+
+BS = 4
+
+
+def stored(seq: int, hashes: list, parent=None) -> KVEventBatch:
+    return KVEventBatch(seq, 0.0, [BlockStored(list(hashes), parent, [0] * (BS * len(hashes)), BS)])
+
+
+def test_index_applies_batches_in_order_and_resyncs_on_a_gap_or_a_new_instance():
+    idx = KVIndex()
+    assert idx.cursor("a") == (None, -1)  # never read: ask for a snapshot
+    idx.update("a", {"instance": "i1", "snapshot": (2, [1, 2])})
+    assert idx.cursor("a") == ("i1", 2) and idx.hashes_of("a") == {1, 2}
+    idx.update("a", {"instance": "i1", "batches": [stored(3, [3], 2), KVEventBatch(4, 0.0, [BlockRemoved([1])])]})
+    assert idx.hashes_of("a") == {2, 3} and idx.cursor("a") == ("i1", 4)
+    idx.update("a", {"instance": "i1", "batches": [stored(6, [9])]})  # batch 5 is missing
+    assert idx.num_gaps == 1 and idx.cursor("a") == (None, -1)  # next read: a snapshot
+    idx.update("a", {"instance": "i2", "snapshot": (0, [])})  # the engine restarted: empty
+    assert idx.hashes_of("a") == set() and len(idx) == 0
+    idx.update("a", {"instance": "i1", "batches": [stored(1, [5])]})  # a stale reply: ignored
+    assert idx.hashes_of("a") == set() and idx.cursor("a") == (None, -1)
+
+
+def test_index_match_is_a_chain_over_holders_and_forgets_gone_replicas():
+    idx = KVIndex()
+    h = hash_token_blocks(list(range(16)), BS)
+    idx.update("a", {"instance": "x", "snapshot": (1, h)})
+    idx.update("b", {"instance": "y", "snapshot": (1, h[:2])})
+    assert idx.match_lengths(h, {"a", "b", "c"}) == {"a": 4, "b": 2}
+    assert idx.match_lengths(h[1:], {"a", "b"}) == {"a": 3, "b": 1}  # index only: no chain check
+    idx.update("b", {"instance": "y", "batches": [KVEventBatch(2, 0.0, [AllBlocksCleared()])]})
+    assert idx.match_lengths(h, {"a", "b"}) == {"a": 4}
+    idx.retain({"b"})
+    assert idx.match_lengths(h, {"a", "b"}) == {} and idx.replicas() == ["b"]
+
+
+def test_precise_policy_routes_on_what_engines_cache_not_on_where_prompts_went():
+    idx = KVIndex()
+    p = PrefixAwarePolicy(block_size=BS, imbalance_threshold=3, kv_index=idx, linger_s=0.0, seed=0)
+    prompt = list(range(100, 132)) + [1, 2, 3]
+    req = RouteRequest("r1", prompt)
+    idx.update("b", {"instance": "y", "snapshot": (1, p.block_hashes(req))})
+    reps = [ReplicaLoad("a", num_ongoing=0), ReplicaLoad("b", num_ongoing=2)]
+    assert p.rank(reps, req)[0] == ["b"]  # b caches it, a little busier: the prefix wins
+    reps = [ReplicaLoad("a", num_ongoing=0), ReplicaLoad("b", num_ongoing=3)]
+    assert p.rank(reps, req)[0] == ["a"]  # b is overloaded: load wins
+    # b evicted the blocks (its events say so): no match any more, whatever was routed there.
+    p.on_routed("b", RouteRequest("r0", prompt))
+    p.on_completed("r0")
+    idx.update("b", {"instance": "y", "batches": [KVEventBatch(2, 0.0, [AllBlocksCleared()])]})
+    reps = [ReplicaLoad("a", num_ongoing=1), ReplicaLoad("b", num_ongoing=0)]
+    assert p.match_lengths(p.block_hashes(req), {"a", "b"}) == {}
+    assert p.rank(reps, req)[0] == ["b"]  # least loaded
+
+
+def test_precise_policy_counts_requests_in_flight_and_lingers_after_completion():
+    p = PrefixAwarePolicy(block_size=BS, linger_s=60.0, seed=0)
+    prompt = list(range(200, 232))
+    h = p.block_hashes(RouteRequest("x", prompt))
+    p.on_routed("a", RouteRequest("r1", prompt))
+    assert p.match_lengths(h, {"a", "b"}) == {"a": len(h)}  # computing it now
+    p.on_completed("r1")
+    assert p.match_lengths(h, {"a"}) == {"a": len(h)}  # its events may not have arrived yet
+    p.linger_s = 0.0
+    p.on_routed("a", RouteRequest("r2", prompt))
+    p.on_completed("r2")
+    p._lingering = type(p._lingering)((0.0, r, hs) for _, r, hs in p._lingering)  # time passes
+    assert p.match_lengths(h, {"a"}) == {}  # from now on only the index decides
