@@ -64,6 +64,27 @@ class RoutingOptions(BaseModel):
     stats_period_s: float = Field(1.0, gt=0.0)
 
 
+class ReliabilityOptions(BaseModel):
+    """Failure handling, drain and admission (issue 15; router/README.md explains each)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # A request body that has not fully arrived after this long gets 408 (a client that
+    # announced more bytes than it sends would otherwise hold its connection forever).
+    body_timeout_s: float = Field(30.0, gt=0.0)
+    # Drain: a replica asked to stop (SIGTERM, redeploy, scale-down) refuses new requests
+    # and waits up to this long for its in-flight ones (Serve's graceful_shutdown_timeout_s;
+    # Helm's terminationGracePeriodSeconds must exceed it).
+    graceful_shutdown_timeout_s: float = Field(60.0, ge=0.0)
+    graceful_shutdown_wait_loop_s: float = Field(1.0, gt=0.0)
+    # Serve's health check of each engine replica; a failing one is replaced.
+    health_check_period_s: float = Field(5.0, gt=0.0)
+    health_check_timeout_s: float = Field(20.0, gt=0.0)
+    # An engine core that holds work but has made no step for this long, or does not
+    # answer a ping within it, is wedged: its replica reports unhealthy.
+    engine_stall_timeout_s: float = Field(30.0, gt=0.0)
+
+
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
@@ -77,6 +98,7 @@ class AppConfig(BaseModel):
     # When set, every HTTP request must carry `Authorization: Bearer <api_key>`
     # (gRPC: metadata `authorization`).
     api_key: Optional[str] = None
+    reliability: ReliabilityOptions = ReliabilityOptions()
     # Ray address: None starts an embedded local Ray; "auto" (or host:port) joins.
     address: Optional[str] = None
     # CPUs reserved per engine replica (its torch threads); 0 lets Ray pack them.

@@ -37,7 +37,8 @@ from fleetserve.router.request_router import FleetRequestRouter
 
 logger = logging.getLogger(__name__)
 
-GRPC_SERVICER = "fleetserve.router.proto.fleetserve_pb2_grpc.add_FleetServeServicer_to_server"
+# Our own registration: undecodable messages become INVALID_ARGUMENT (router.grpc_service).
+GRPC_SERVICER = "fleetserve.router.grpc_service.add_servicer"
 ENGINE_DEPLOYMENT = "engine"
 INGRESS_DEPLOYMENT = "ingress"
 _NO_ACCESS_LOG = {"enable_access_log": False}
@@ -173,7 +174,8 @@ def build_app(config: AppConfig):
         engine_args["num_threads"] = max(1, int(config.num_cpus_per_replica))
     return ingress.bind(replica.bind(engine_args, config.engine_cls),
                         served_model_name=config.served_model_name, api_key=config.api_key,
-                        max_body_bytes=config.http.max_body_bytes, model_aliases=aliases)
+                        max_body_bytes=config.http.max_body_bytes, model_aliases=aliases,
+                        reliability=config.reliability.model_dump())
 
 
 def deploy(config: AppConfig, blocking: bool = False):

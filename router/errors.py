@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error",
-          404: "invalid_request_error", 413: "invalid_request_error",
+          404: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
           429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
 

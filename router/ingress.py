@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import hmac
-import json
 import os
 import uuid
 from typing import AsyncIterator, Optional, Union
@@ -30,6 +29,7 @@ from fleetserve.router import openai_format as fmt
 from fleetserve.router.errors import (APIError, error_body, field_path, from_validation_error, is_error,
                                       to_response)
 from fleetserve.router.grpc_service import GrpcMethods
+from fleetserve.router.limits import check_prompt_chars, max_token_chars, parse_json
 from fleetserve.router.metrics import merge_metrics
 from fleetserve.router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest, sampling_dict)
@@ -65,7 +65,7 @@ async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
 class Ingress(GrpcMethods):
     def __init__(self, engine: DeploymentHandle, served_model_name: str,
                  api_key: Optional[str] = None, max_body_bytes: int = 4 << 20,
-                 model_aliases: tuple[str, ...] = ()) -> None:
+                 model_aliases: tuple[str, ...] = (), reliability: Optional[dict] = None) -> None:
         # Serve reads RAY_SERVE_USE_GRPC_BY_DEFAULT once, when ray.serve is imported, into the
         # default of every handle it builds. The engine handle was built in the driver, which
         # imports ray.serve before fleetserve exports the setting, so it arrives here set for
@@ -80,6 +80,7 @@ class Ingress(GrpcMethods):
         self._model_names = {served_model_name, *model_aliases}
         self._api_key = api_key
         self._max_body_bytes = max_body_bytes
+        self._reliability = reliability or {}
         self._info: Optional[dict] = None
         self._info_lock = asyncio.Lock()
 
@@ -89,7 +90,9 @@ class Ingress(GrpcMethods):
         if self._info is None:
             async with self._info_lock:
                 if self._info is None:
-                    self._info = await self._engine.get_info.remote()
+                    info = await self._engine.get_info.remote()
+                    info["max_token_chars"] = max_token_chars(info["tokenizer"])
+                    self._info = info
         return self._info
 
     def decode_one(self, token_id: int) -> str:
@@ -112,6 +115,7 @@ class Ingress(GrpcMethods):
         info = await self.info()
         tok = info["tokenizer"]
         if isinstance(prompt, str):
+            check_prompt_chars(prompt, info["max_model_len"], info["max_token_chars"], param)
             return tok(prompt, add_special_tokens=add_special_tokens).input_ids
         vocab = len(tok)
         if any(not 0 <= t < vocab for t in prompt):
@@ -324,11 +328,7 @@ class Ingress(GrpcMethods):
 
     async def _parse(self, request: Request, model: type[BaseModel]):
         self.check_api_key(request.headers.get("authorization"))
-        raw = await self._read_body(request)
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise APIError(f"the request body is not valid JSON: {e}", 400) from e
+        data = parse_json(await self._read_body(request))
         if not isinstance(data, dict):
             raise APIError("the request body must be a JSON object", 400)
         try:
@@ -337,6 +337,16 @@ class Ingress(GrpcMethods):
             raise from_validation_error(e) from e
 
     async def _read_body(self, request: Request) -> bytes:
+        """The body, within the size limit (413) and the time limit (408: a client that sent
+        fewer bytes than its Content-Length would otherwise hold the connection forever)."""
+        timeout_s = self._reliability.get("body_timeout_s", 30.0)
+        try:
+            return await asyncio.wait_for(self._read_body_unbounded(request), timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(f"the request body did not arrive within {timeout_s:g} s", 408,
+                           code="request_timeout") from None
+
+    async def _read_body_unbounded(self, request: Request) -> bytes:
         limit = self._max_body_bytes
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
