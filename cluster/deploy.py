@@ -160,11 +160,11 @@ def build_app(config: AppConfig):
         ray_actor_options={"num_cpus": config.num_cpus_per_replica,
                            "runtime_env": {"env_vars": serve_env()}},
         request_router_config=router_config, logging_config=_NO_ACCESS_LOG,
-        health_check_period_s=10, graceful_shutdown_timeout_s=5)
+        **_lifecycle_options(config, health=True))
     ingress = serve.deployment(
         IngressDeployment, name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=100_000,
         ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": serve_env()}},
-        logging_config=_NO_ACCESS_LOG)
+        logging_config=_NO_ACCESS_LOG, **_lifecycle_options(config, health=False))
     aliases = tuple({engine.model} - {config.served_model_name})
     engine_args = engine.model_dump()
     if engine_args["num_threads"] is None:
@@ -172,10 +172,23 @@ def build_app(config: AppConfig):
         # machine: replicas sharing cores with all-core OpenMP pools spin against
         # each other (5-20x slower, docs MEASURED).
         engine_args["num_threads"] = max(1, int(config.num_cpus_per_replica))
-    return ingress.bind(replica.bind(engine_args, config.engine_cls),
+    return ingress.bind(replica.bind(engine_args, config.engine_cls, config.reliability.model_dump()),
                         served_model_name=config.served_model_name, api_key=config.api_key,
                         max_body_bytes=config.http.max_body_bytes, model_aliases=aliases,
                         reliability=config.reliability.model_dump())
+
+
+def _lifecycle_options(config: AppConfig, health: bool) -> dict:
+    """Serve's drain and health-check settings from `config.reliability`: a replica asked to
+    stop finishes its in-flight requests for up to graceful_shutdown_timeout_s (both
+    deployments: the ingress holds the client streams, the engines produce them)."""
+    r = config.reliability
+    options = {"graceful_shutdown_timeout_s": r.graceful_shutdown_timeout_s,
+               "graceful_shutdown_wait_loop_s": r.graceful_shutdown_wait_loop_s}
+    if health:
+        options.update(health_check_period_s=r.health_check_period_s,
+                       health_check_timeout_s=r.health_check_timeout_s)
+    return options
 
 
 def deploy(config: AppConfig, blocking: bool = False):

@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError
 from ray.serve.grpc_util import RayServegRPCContext
 
 from fleetserve.router.errors import APIError, is_error
+from fleetserve.router.health import replica_health
 from fleetserve.router.limits import check_sampling
 from fleetserve.router.proto import fleetserve_pb2 as pb
 from fleetserve.scheduler import SamplingParams
@@ -133,11 +134,10 @@ class GrpcMethods:
 
     async def Health(self, request: "pb.HealthRequest",
                      grpc_context: RayServegRPCContext) -> "pb.HealthResponse":
-        try:
-            loads = await self.replica_calls("get_load", timeout_s=5.0)
-        except Exception as e:  # replicas unreachable: report, don't crash the call
-            _fail(grpc_context, 503, f"replicas unreachable: {e!r}")
-        return pb.HealthResponse(ok=True, num_replicas=len(loads))
+        report = await replica_health(self)
+        if not report["healthy"]:
+            _fail(grpc_context, 503, f"no healthy engine replica: {report['unhealthy'] or 'none'}")
+        return pb.HealthResponse(ok=True, num_replicas=len(report["healthy"]))
 
     async def ListModels(self, request: "pb.ListModelsRequest",
                          grpc_context: RayServegRPCContext) -> "pb.ListModelsResponse":

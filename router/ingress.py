@@ -29,6 +29,7 @@ from fleetserve.router import openai_format as fmt
 from fleetserve.router.errors import (APIError, error_body, field_path, from_validation_error, is_error,
                                       to_response)
 from fleetserve.router.grpc_service import GrpcMethods
+from fleetserve.router.health import replica_health
 from fleetserve.router.limits import check_prompt_chars, max_token_chars, parse_json
 from fleetserve.router.metrics import merge_metrics
 from fleetserve.router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -276,11 +277,12 @@ class Ingress(GrpcMethods):
 
     @app.get("/health")
     async def health(self):
-        try:
-            loads = await self.replica_calls("get_load", timeout_s=5.0)
-        except Exception as e:  # a replica is down or slow: unhealthy, say why
-            return to_response(error_body(f"replicas unreachable: {e!r}", 503))
-        return {"status": "ok", "num_replicas": len(loads)}
+        report = await replica_health(self)  # router/health.py: engines asked, not actors
+        if not report["healthy"]:
+            return to_response(error_body(
+                f"no healthy engine replica: {report['unhealthy'] or 'none running'}", 503))
+        return {"status": "ok" if not report["unhealthy"] else "degraded",
+                "num_replicas": len(report["healthy"]), "unhealthy": report["unhealthy"]}
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import uuid
 from typing import Any, AsyncIterator, Optional
@@ -33,10 +34,12 @@ logger = logging.getLogger("ray.serve")
 class EngineReplica:
     """Deployment class; `router.app.build_app` wraps it with `serve.deployment`."""
 
-    def __init__(self, engine_args: dict, engine_cls: str) -> None:
+    def __init__(self, engine_args: dict, engine_cls: str,
+                 reliability: Optional[dict] = None) -> None:
         args = EngineArgs.model_validate(engine_args)
         cls = resolve_obj_by_qualname(engine_cls)
         self.engine = cls(args)
+        self._stall_timeout_s = (reliability or {}).get("engine_stall_timeout_s", 30.0)
         self.block_size = args.block_size
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -78,6 +81,13 @@ class EngineReplica:
             return {"replica": self.replica_id, "text": self.engine.metrics_text()}
         if op == "get_load":
             return {"replica": self.replica_id, "load": self.engine.get_load()}
+        if op == "health":
+            try:
+                self.check_health()
+            except Exception as e:  # noqa: BLE001 - reported to /health, which says why
+                return {"replica": self.replica_id, "healthy": False, "reason": str(e)}
+            return {"replica": self.replica_id, "healthy": True, "load": self.engine.get_load(),
+                    "core_pid": getattr(self.engine, "core_pid", None)}
         raise ValueError(f"unknown control op {op!r}")
 
     def get_info(self) -> dict:
@@ -91,9 +101,14 @@ class EngineReplica:
         return self.engine.get_load()
 
     def check_health(self) -> None:
-        """Serve calls this periodically; a dead engine makes Serve replace the replica."""
+        """Serve calls this periodically; a dead or wedged engine (work held, no steps, or
+        no answer to a ping within the stall timeout) makes Serve replace the replica."""
         check = getattr(self.engine, "check_health", None)
-        if check is not None:
+        if check is None:
+            return
+        if "stall_timeout_s" in inspect.signature(check).parameters:
+            check(stall_timeout_s=self._stall_timeout_s)
+        else:
             check()
 
     def __del__(self) -> None:

@@ -131,6 +131,22 @@ class _CoreClient:
     def _command(self, command: tuple) -> None:
         raise NotImplementedError
 
+    # -- liveness: dead is not the only way to fail; a core can also stop moving --------
+    _last_progress = 0.0  # monotonic time of the core's latest step or state report
+
+    def _has_work(self) -> bool:
+        load = self.load
+        return self.num_pending_adds > 0 or load.get("num_running", 0) + load.get("num_waiting", 0) > 0
+
+    def stall_reason(self, timeout_s: float) -> Optional[str]:
+        """Why the core counts as wedged, or None: it holds work (or has adds it has not
+        taken) but made no step for `timeout_s`."""
+        idle_s = time.monotonic() - self._last_progress
+        if self._has_work() and idle_s > timeout_s:
+            return (f"the engine core holds work but has made no step for {idle_s:.0f} s "
+                    f"(limit {timeout_s:g} s)")
+        return None
+
 
 class ThreadCoreClient(_CoreClient):
     """The EngineCore on a background thread of this process."""
@@ -145,6 +161,7 @@ class ThreadCoreClient(_CoreClient):
         self._wake = threading.Event()
         self._stopping = False
         self.load, self.stats = load_of(self.core)
+        self._last_progress = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="fleetserve-engine", daemon=True)
         self._thread.start()
 
@@ -184,11 +201,13 @@ class ThreadCoreClient(_CoreClient):
             if self._commands:
                 self._drain()
             if not core.has_work():
+                self._last_progress = time.monotonic()
                 self._wake.wait()
                 self._wake.clear()
                 continue
             try:
                 result = core.step()
+                self._last_progress = time.monotonic()
             except Exception as e:  # noqa: BLE001 - every in-flight request must hear of it
                 message, dead = fail_in_flight(core, e)
                 self.load, self.stats = load_of(core)
@@ -256,6 +275,27 @@ class ProcessCoreClient(_CoreClient):
         self.vocab_size = info["vocab_size"]
         self.pid = self._proc.pid
         self.load, self.stats = info["load"], info["stats"]
+        self._last_progress = time.monotonic()
+        self._ping_seq = 0
+        self._ping_sent: Optional[float] = None  # when the unanswered ping left, if any
+
+    def stall_reason(self, timeout_s: float) -> Optional[str]:
+        """Wedged (see the base class), or silent: a ping (answered between steps, and while
+        idle) got no answer within `timeout_s`. Each call sends a ping if none is out."""
+        if self._loop is None or not self._loop.is_running():
+            self.poll()
+        reason = super().stall_reason(timeout_s)
+        now = time.monotonic()
+        if reason is None and self._ping_sent is not None and now - self._ping_sent > timeout_s:
+            reason = f"the engine core did not answer a ping within {timeout_s:g} s"
+        if self._ping_sent is None and not self._failed:
+            self._ping_seq += 1
+            self._ping_sent = now
+            try:
+                self._send(("ping", self._ping_seq))
+            except EngineCoreDied:
+                pass
+        return reason
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Read results on `loop` (the running loop of the caller) from now on, unless another
@@ -310,11 +350,15 @@ class ProcessCoreClient(_CoreClient):
 
     def _handle(self, message: tuple) -> None:
         kind = message[0]
+        if kind in ("step", "state", "pong"):
+            self._last_progress = time.monotonic()
         if kind == "step":
             _, result, self.load, self.stats, self._adds_seen = message
             self._on_step(result)
         elif kind == "state":
             _, self.load, self.stats, self._adds_seen = message
+        elif kind == "pong" and message[1] == self._ping_seq:
+            self._ping_sent = None
         elif kind in ("failed", "dead"):
             self._on_failure(message[1], kind == "dead")
 

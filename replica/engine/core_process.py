@@ -81,6 +81,9 @@ class EngineCoreLoop:
             kind, *rest = pickle.loads(frame)
             if kind == "shutdown":
                 return None
+            if kind == "ping":  # liveness: answered between steps (the parent's health check)
+                self.send(("pong", rest[0]))
+                continue
             if kind == "add":
                 self.adds_seen += 1
                 if self.dead:
