@@ -83,6 +83,9 @@ class ReliabilityOptions(BaseModel):
     # An engine core that holds work but has made no step for this long, or does not
     # answer a ping within it, is wedged: its replica reports unhealthy.
     engine_stall_timeout_s: float = Field(30.0, gt=0.0)
+    # A stream whose replica fails continues on another one (router/migration.py), at
+    # most this many times per request; 0 turns migration off.
+    max_migrations: int = Field(2, ge=0)
 
 
 class AppConfig(BaseModel):

@@ -32,6 +32,8 @@ from fleetserve.router.grpc_service import GrpcMethods
 from fleetserve.router.health import replica_health
 from fleetserve.router.limits import check_prompt_chars, max_token_chars, parse_json
 from fleetserve.router.metrics import merge_metrics
+from fleetserve.router.migration import MigratingStream
+from fleetserve.router.migration import metrics_text as migration_metrics
 from fleetserve.router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest, sampling_dict)
 from fleetserve.router.registry import get_router
@@ -155,7 +157,11 @@ class Ingress(GrpcMethods):
 
     async def open_stream(self, body: dict):
         """Send to a replica; return (generator, first item). The first item may be an error."""
-        gen = ReplicaStream(self._generate.remote(body))
+        skip = body["sampling_params"].get("skip_special_tokens", True)
+        tok = self._info["tokenizer"] if self._info else None
+        gen = MigratingStream(lambda b: ReplicaStream(self._generate.remote(b)), body,
+                              max_migrations=self._reliability.get("max_migrations", 2),
+                              decode=tok and (lambda ids: tok.decode(ids, skip_special_tokens=skip)))
         try:
             first = await gen.__anext__()
         except BaseException:
@@ -313,7 +319,7 @@ class Ingress(GrpcMethods):
         except Exception as e:  # a replica is down or slow: say so, don't 500
             return to_response(error_body(f"replicas unreachable: {e!r}", 503))
         text = merge_metrics({rid: r["text"] for rid, r in results.items()})
-        return PlainTextResponse(text + self._router_metrics(),
+        return PlainTextResponse(text + self._router_metrics() + migration_metrics(),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def _router_metrics(self) -> str:
