@@ -12,7 +12,7 @@ ENGINE_FLAGS = {
     "max_model_len": int, "tensor_parallel_size": int, "dtype": str, "block_size": int,
     "num_gpu_blocks_override": int, "kv_cache_memory_bytes": int, "max_waiting_requests": int,
     "long_prefill_token_threshold": int, "scheduling_policy": str, "capacity_policy": str,
-    "seed": int, "num_threads": int, "device": str,
+    "seed": int, "num_threads": int, "device": str, "prefix_caching_hash_algo": str,
 }
 BOOL_FLAGS = ("enable_prefix_caching", "enable_chunked_prefill")
 

@@ -45,3 +45,7 @@ class CacheConfig(BaseModel):
     # None until the replica sizes the cache from its memory budget.
     num_blocks: Optional[int] = Field(None, ge=1)
     enable_prefix_caching: bool = True
+    # Block hashes of the prefix cache: "builtin" (Python's tuple hash: fast, for trusted
+    # traffic) or "sha256" (collision-resistant, for tenants who must not share or probe
+    # each other's cached prefixes; vLLM's --prefix-caching-hash-algo).
+    prefix_caching_hash_algo: Literal["builtin", "sha256"] = "builtin"

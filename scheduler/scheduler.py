@@ -59,7 +59,8 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.connector = connector
         self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
-                                 cache_config.enable_prefix_caching)
+                                 cache_config.enable_prefix_caching,
+                                 cache_config.prefix_caching_hash_algo)
         self.capacity = make_capacity_policy(scheduler_config.capacity_policy)
 
         self.requests: dict[str, Request] = {}

@@ -43,6 +43,9 @@ class EngineArgs(BaseModel):
     placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD"] = "PACK"
     # Bounded waiting queue per replica: a request beyond it is refused (HTTP 429).
     max_waiting_requests: int = Field(1024, ge=1)
+    # Prefix-cache block hashes: "builtin" (fast; trusted traffic) or "sha256" (tenants
+    # that must not collide with or probe each other's prefixes; see README "Security").
+    prefix_caching_hash_algo: Literal["builtin", "sha256"] = "builtin"
     # torch threads for this process (None: chosen from the cores available).
     num_threads: Optional[int] = Field(None, ge=1)
 
@@ -61,4 +64,5 @@ class EngineArgs(BaseModel):
 
     def cache_config(self, num_blocks: int) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, num_blocks=num_blocks,
-                           enable_prefix_caching=self.enable_prefix_caching)
+                           enable_prefix_caching=self.enable_prefix_caching,
+                           prefix_caching_hash_algo=self.prefix_caching_hash_algo)
