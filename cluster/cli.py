@@ -33,7 +33,9 @@ def add_serve_parser(sub) -> None:
     app = p.add_argument_group("application")
     app.add_argument("--num-replicas", type=int, help="engine replicas (default 2)")
     app.add_argument("--routing-policy", choices=["power_of_two", "least_loaded", "prefix_aware"])
-    app.add_argument("--api-key", help="require 'Authorization: Bearer <key>'")
+    app.add_argument("--api-key", help="require 'Authorization: Bearer <key>' (visible in ps: "
+                     "prefer --api-key-file or $FLEETSERVE_API_KEY)")
+    app.add_argument("--api-key-file", help="a file holding the API key")
     app.add_argument("--host", help="HTTP host (default 127.0.0.1)")
     app.add_argument("--port", type=int, help="HTTP port (default 8000)")
     app.add_argument("--grpc-port", type=int, help="gRPC port (default 9000)")
@@ -52,7 +54,8 @@ def config_from_args(args: argparse.Namespace):
     engine = engine_kwargs(args)
     overrides: dict[str, Any] = {"engine": engine} if engine else {}
     for flag, field in (("num_replicas", "num_replicas"), ("routing_policy", "routing_policy"),
-                        ("api_key", "api_key"), ("address", "address"),
+                        ("api_key", "api_key"), ("api_key_file", "api_key_file"),
+                        ("address", "address"),
                         ("num_cpus_per_replica", "num_cpus_per_replica")):
         if flag in given:
             overrides[field] = given[flag]

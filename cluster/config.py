@@ -101,6 +101,11 @@ class AppConfig(BaseModel):
     # When set, every HTTP request must carry `Authorization: Bearer <api_key>`
     # (gRPC: metadata `authorization`).
     api_key: Optional[str] = None
+    # The key in a file instead (kept out of `ps`); else $FLEETSERVE_API_KEY (router/auth.py).
+    api_key_file: Optional[str] = None
+    # HTTP paths that need no key (Prometheus scrapers and probes; vLLM leaves these open
+    # too). ["/health"] protects /metrics as well.
+    api_key_open_paths: tuple[str, ...] = ("/health", "/metrics")
     reliability: ReliabilityOptions = ReliabilityOptions()
     # Ray address: None starts an embedded local Ray; "auto" (or host:port) joins.
     address: Optional[str] = None

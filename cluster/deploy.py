@@ -31,6 +31,7 @@ from ray import serve
 from ray.serve.config import HTTPOptions, RequestRouterConfig, gRPCOptions
 
 from fleetserve.cluster.config import AppConfig
+from fleetserve.router.auth import API_KEY_ENV, resolve_api_key
 from fleetserve.router.ingress import IngressDeployment
 from fleetserve.router.replica import EngineReplica
 from fleetserve.router.request_router import FleetRequestRouter
@@ -79,7 +80,8 @@ def serve_env() -> dict[str, str]:
     FLEETSERVE_* setting exported here (e.g. FLEETSERVE_ENGINE_CORE_PROCESS=0), so the
     replicas of a joined cluster see what this process sees."""
     env = {k: os.environ.get(k, v) for k, v in SERVE_ENV_DEFAULTS.items()}
-    env.update({k: v for k, v in os.environ.items() if k.startswith("FLEETSERVE_")})
+    env.update({k: v for k, v in os.environ.items()
+                if k.startswith("FLEETSERVE_") and k != API_KEY_ENV})  # secrets stay out
     return env
 
 
@@ -173,9 +175,11 @@ def build_app(config: AppConfig):
         # each other (5-20x slower, docs MEASURED).
         engine_args["num_threads"] = max(1, int(config.num_cpus_per_replica))
     return ingress.bind(replica.bind(engine_args, config.engine_cls, config.reliability.model_dump()),
-                        served_model_name=config.served_model_name, api_key=config.api_key,
+                        served_model_name=config.served_model_name,
+                        api_key=resolve_api_key(config.api_key, config.api_key_file),
                         max_body_bytes=config.http.max_body_bytes, model_aliases=aliases,
-                        reliability=config.reliability.model_dump())
+                        reliability={**config.reliability.model_dump(),
+                                     "open_paths": list(config.api_key_open_paths)})
 
 
 def _lifecycle_options(config: AppConfig, health: bool) -> dict:

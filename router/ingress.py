@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hmac
 import os
 import uuid
 from typing import AsyncIterator, Optional, Union
@@ -25,12 +24,14 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fleetserve.router import auth as _auth
 from fleetserve.router import openai_format as fmt
+from fleetserve.router.auth import ApiKeyAuth, require_api_key
 from fleetserve.router.errors import (APIError, error_body, field_path, from_validation_error, is_error,
                                       to_response)
 from fleetserve.router.grpc_service import GrpcMethods
 from fleetserve.router.health import replica_health
-from fleetserve.router.limits import check_prompt_chars, max_token_chars, parse_json
+from fleetserve.router.limits import check_internal_fields, check_prompt_chars, max_token_chars, parse_json
 from fleetserve.router.metrics import merge_metrics
 from fleetserve.router.migration import MigratingStream
 from fleetserve.router.migration import metrics_text as migration_metrics
@@ -40,6 +41,7 @@ from fleetserve.router.registry import get_router
 from fleetserve.router.request_router import TARGET_KWARG
 
 app = FastAPI(title="fleetserve", docs_url=None, redoc_url=None)
+app.middleware("http")(require_api_key)  # router/auth.py: every path but the open ones
 
 
 @app.exception_handler(APIError)
@@ -81,7 +83,8 @@ class Ingress(GrpcMethods):
         self._generate = self._stream.generate  # built once: each attribute access makes a new handle
         self.served_model_name = served_model_name
         self._model_names = {served_model_name, *model_aliases}
-        self._api_key = api_key
+        self._auth = ApiKeyAuth(api_key, tuple((reliability or {}).get("open_paths", ("/health", "/metrics"))))
+        _auth.install(self._auth)
         self._max_body_bytes = max_body_bytes
         self._reliability = reliability or {}
         self._info: Optional[dict] = None
@@ -107,11 +110,7 @@ class Ingress(GrpcMethods):
                            f"`{self.served_model_name}`", 404, param="model", code="model_not_found")
 
     def check_api_key(self, presented: Optional[str]) -> None:
-        if self._api_key is None:
-            return
-        token = (presented or "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(token.encode(), self._api_key.encode()):
-            raise APIError("Incorrect API key provided", 401, code="invalid_api_key")
+        self._auth.check(presented)
 
     async def tokenize_prompt(self, prompt: Union[str, list[int]], add_special_tokens: bool,
                               param: str) -> list[int]:
@@ -339,6 +338,7 @@ class Ingress(GrpcMethods):
         data = parse_json(await self._read_body(request))
         if not isinstance(data, dict):
             raise APIError("the request body must be a JSON object", 400)
+        check_internal_fields(data)
         try:
             return model.model_validate(data)
         except ValidationError as e:

@@ -130,6 +130,18 @@ def _safe_param(path: str) -> Optional[str]:
     return path or None
 
 
+# Fields only fleetserve itself sets (the P/D router mints kv_transfer_params; request
+# routing reads underscore keys): a client that sends one is refused, not ignored.
+INTERNAL_FIELDS = ("kv_transfer_params",)
+
+
+def check_internal_fields(data: dict) -> None:
+    for key in data:
+        if key in INTERNAL_FIELDS or (isinstance(key, str) and key.startswith("_")):
+            raise APIError(f"{key} is an internal field and cannot be set by a client", 400,
+                           param=_safe_param(key))
+
+
 def parse_json(raw: bytes) -> Any:
     """json.loads with the shape checks above; APIError(400) for anything malformed."""
     import json
