@@ -86,6 +86,12 @@ class ReliabilityOptions(BaseModel):
     # A stream whose replica fails continues on another one (router/migration.py), at
     # most this many times per request; 0 turns migration off.
     max_migrations: int = Field(2, ge=0)
+    # Overload. Requests waiting in Serve's queue for a free replica slot, per ingress,
+    # beyond which new ones get 429 (Serve's max_queued_requests; -1: unbounded).
+    max_queued_requests: int = Field(512, ge=-1)
+    # A replica refuses (429) a request when the tokens it already has queued exceed this
+    # many times its KV cache's capacity in tokens (router/admission.py).
+    max_queued_kv_ratio: float = Field(4.0, gt=0.0)
 
 
 class AppConfig(BaseModel):

@@ -189,9 +189,10 @@ def _lifecycle_options(config: AppConfig, health: bool) -> dict:
     r = config.reliability
     options = {"graceful_shutdown_timeout_s": r.graceful_shutdown_timeout_s,
                "graceful_shutdown_wait_loop_s": r.graceful_shutdown_wait_loop_s}
-    if health:
+    if health:  # the engine deployment
         options.update(health_check_period_s=r.health_check_period_s,
-                       health_check_timeout_s=r.health_check_timeout_s)
+                       health_check_timeout_s=r.health_check_timeout_s,
+                       max_queued_requests=r.max_queued_requests)
     return options
 
 

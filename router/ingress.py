@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -163,6 +164,8 @@ class Ingress(GrpcMethods):
                               decode=tok and (lambda ids: tok.decode(ids, skip_special_tokens=skip)))
         try:
             first = await gen.__anext__()
+        except BackPressureError:  # Serve's bounded queue in front of the replicas is full
+            first = error_body("the server is overloaded; retry later", 429)
         except BaseException:
             gen.cancel()
             raise

@@ -38,6 +38,8 @@ import asyncio
 import logging
 from typing import Any, Callable, Optional
 
+from ray.serve.exceptions import BackPressureError
+
 from fleetserve.router.errors import is_error
 
 logger = logging.getLogger("ray.serve")
@@ -141,6 +143,8 @@ class MigratingStream:
                 self._finished.add(out["index"])
 
     def _why_not(self, error: BaseException) -> Optional[str]:
+        if isinstance(error, BackPressureError):
+            return "the cluster is overloaded (Serve's queue is full)"
         if self.migrations >= self._max:
             return f"already migrated {self.migrations} times ({error})"
         if self._body["sampling_params"].get("n", 1) != 1:

@@ -25,6 +25,7 @@ from ray.serve.exceptions import RayServeException
 
 from fleetserve.replica.engine.async_engine import QueueFullError
 from fleetserve.replica.engine.engine_args import EngineArgs
+from fleetserve.router.admission import admission_refusal
 from fleetserve.router.errors import error_body
 from fleetserve.scheduler import SamplingParams, resolve_obj_by_qualname
 
@@ -40,6 +41,7 @@ class EngineReplica:
         cls = resolve_obj_by_qualname(engine_cls)
         self.engine = cls(args)
         self._stall_timeout_s = (reliability or {}).get("engine_stall_timeout_s", 30.0)
+        self._max_queued_kv_ratio = (reliability or {}).get("max_queued_kv_ratio", 4.0)
         self.block_size = args.block_size
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -55,6 +57,11 @@ class EngineReplica:
             yield error_body(str(e), param=_param_of(str(e)))
             return
         prompt_len = len(body["prompt_token_ids"])
+        refusal = admission_refusal(self.engine.get_load(), prompt_len, self.block_size,
+                                    self._max_queued_kv_ratio)
+        if refusal is not None:
+            yield error_body(refusal, status=429)
+            return
         first = True
         outputs = self.engine.generate(
             body["prompt_token_ids"], params, body["request_id"],
