@@ -82,13 +82,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     from ray import serve
 
-    from fleetserve.cluster.deploy import connect_ray, deploy, endpoints, start_serve
+    from fleetserve.cluster.deploy import connect_ray, delete_and_drain, deploy, endpoints, start_serve
 
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     log.info("starting Ray (%s)", config.address or "embedded, local")
     connect_ray(config)
+    # ray.init installs its own SIGTERM handler (sys.exit): put ours back, so SIGTERM drains
+    # (delete_and_drain below) like Ctrl-C instead of exiting with the streams in flight.
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         start_serve(config)
         deploy(config)
@@ -98,7 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stop.wait()
         log.info("shutting down")
     finally:
-        serve.delete(config.name)
+        delete_and_drain(config)  # in-flight requests finish (reliability.graceful_shutdown_timeout_s)
         if not config.address:
             serve.shutdown()
         import ray

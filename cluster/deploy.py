@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from typing import Optional
 
 import ray
@@ -200,6 +201,31 @@ def deploy(config: AppConfig, blocking: bool = False):
     """Deploy (or update) the application; returns the ingress handle."""
     return serve.run(build_app(config), name=config.name, route_prefix="/",
                      blocking=blocking)
+
+
+def delete_and_drain(config: AppConfig) -> None:
+    """Delete the application and wait until its replicas have drained and exited.
+
+    `serve.delete` returns once the application is gone from the controller's state, while
+    its replicas are still finishing their in-flight requests (up to
+    graceful_shutdown_timeout_s); shutting Serve or Ray down at that point cut the streams.
+    Here we also wait for the replica actors to exit, with a deadline of that timeout plus a
+    margin (after it Serve has force-killed them anyway)."""
+    serve.delete(config.name)
+    prefix = f"SERVE_REPLICA::{config.name}#"
+    deadline = time.monotonic() + config.reliability.graceful_shutdown_timeout_s + 15
+    said = 0.0
+    while time.monotonic() < deadline:
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+        left = [n for n in names if n.startswith(prefix)]
+        if not left:
+            return
+        if time.monotonic() - said > 5:
+            logger.info("waiting for %d replica(s) to finish their requests", len(left))
+            said = time.monotonic()
+        time.sleep(0.5)
+    logger.warning("replicas of %r still running after the graceful shutdown timeout",
+                   config.name)
 
 
 def endpoints(config: AppConfig) -> list[str]:
