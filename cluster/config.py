@@ -32,17 +32,19 @@ RoutingPolicyName = Literal["power_of_two", "least_loaded", "prefix_aware"]
 class HTTPOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    # Bodies larger than this are refused with 413 before parsing.
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    host: str = Field("127.0.0.1", description=(
+        "Address the HTTP and gRPC servers bind (0.0.0.0 or :: for every interface). "
+        "With --address (a joined cluster) Ray Serve's proxy binds gRPC on every interface."))
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port (OpenAI API, /metrics, /health).")
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description=(
+        "Largest request body; a larger one is refused with 413 before parsing."))
 
 
 class GRPCOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    enabled: bool = True
-    port: int = Field(9000, ge=0, le=65535)
+    enabled: bool = Field(True, description="Serve the gRPC API (fleetserve.v1.FleetServe).")
+    port: int = Field(9000, ge=0, le=65535, description="gRPC port.")
 
 
 class RoutingOptions(BaseModel):
@@ -50,18 +52,16 @@ class RoutingOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # prefix_aware: a replica counts as overloaded (so the prefix match is
-    # ignored) when it has this many more requests in flight than the least
-    # loaded one.
-    imbalance_threshold: int = Field(4, ge=1)
-    # prefix_aware: the match must cover at least this fraction of the prompt's
-    # full blocks to win over load (a shared chat header alone must not pin
-    # every request to one replica).
-    min_match_fraction: float = Field(0.5, gt=0.0, le=1.0)
-    # prefix_aware: most block hashes remembered by the router (LRU).
-    max_table_entries: int = Field(200_000, ge=16)
-    # How often replicas report their engine load to routers (seconds).
-    stats_period_s: float = Field(1.0, gt=0.0)
+    imbalance_threshold: int = Field(4, ge=1, description=(
+        "prefix_aware: a replica with this many more requests in flight than the least "
+        "loaded one counts as overloaded, and its prefix match is ignored."))
+    min_match_fraction: float = Field(0.5, gt=0.0, le=1.0, description=(
+        "prefix_aware: the smallest fraction of the prompt's full blocks a match must cover "
+        "to win over load (a shared chat header alone must not pin every request)."))
+    max_table_entries: int = Field(200_000, ge=16, description=(
+        "prefix_aware: most block hashes the router remembers (LRU)."))
+    stats_period_s: float = Field(1.0, gt=0.0, description=(
+        "How often replicas report their engine load to routers, in seconds."))
 
 
 class ReliabilityOptions(BaseModel):
@@ -69,56 +69,65 @@ class ReliabilityOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # A request body that has not fully arrived after this long gets 408 (a client that
-    # announced more bytes than it sends would otherwise hold its connection forever).
-    body_timeout_s: float = Field(30.0, gt=0.0)
-    # Drain: a replica asked to stop (SIGTERM, redeploy, scale-down) refuses new requests
-    # and waits up to this long for its in-flight ones (Serve's graceful_shutdown_timeout_s;
-    # Helm's terminationGracePeriodSeconds must exceed it).
-    graceful_shutdown_timeout_s: float = Field(60.0, ge=0.0)
-    graceful_shutdown_wait_loop_s: float = Field(1.0, gt=0.0)
-    # Serve's health check of each engine replica; a failing one is replaced.
-    health_check_period_s: float = Field(5.0, gt=0.0)
-    health_check_timeout_s: float = Field(20.0, gt=0.0)
-    # An engine core that holds work but has made no step for this long, or does not
-    # answer a ping within it, is wedged: its replica reports unhealthy.
-    engine_stall_timeout_s: float = Field(30.0, gt=0.0)
-    # A stream whose replica fails continues on another one (router/migration.py), at
-    # most this many times per request; 0 turns migration off.
-    max_migrations: int = Field(2, ge=0)
-    # Overload. Requests waiting in Serve's queue for a free replica slot, per ingress,
-    # beyond which new ones get 429 (Serve's max_queued_requests; -1: unbounded).
-    max_queued_requests: int = Field(512, ge=-1)
-    # A replica refuses (429) a request when the tokens it already has queued exceed this
-    # many times its KV cache's capacity in tokens (router/admission.py).
-    max_queued_kv_ratio: float = Field(4.0, gt=0.0)
+    body_timeout_s: float = Field(30.0, gt=0.0, description=(
+        "A request body not fully arrived after this many seconds gets 408 (a client that "
+        "announced more bytes than it sends would otherwise hold its connection)."))
+    graceful_shutdown_timeout_s: float = Field(60.0, ge=0.0, description=(
+        "Drain: a replica asked to stop (SIGTERM, redeploy, scale-down) finishes its "
+        "in-flight requests for up to this many seconds (Serve's setting, both deployments; "
+        "Kubernetes' terminationGracePeriodSeconds must exceed it)."))
+    graceful_shutdown_wait_loop_s: float = Field(1.0, gt=0.0, description=(
+        "How often a draining replica checks whether its requests are done."))
+    health_check_period_s: float = Field(5.0, gt=0.0, description=(
+        "Serve's health check of each engine replica (a failing one is replaced)."))
+    health_check_timeout_s: float = Field(20.0, gt=0.0, description=(
+        "A health check slower than this counts as failed."))
+    engine_stall_timeout_s: float = Field(30.0, gt=0.0, description=(
+        "An engine that holds work but made no step for this long, or whose core answers "
+        "no ping within it, is wedged: unhealthy."))
+    max_migrations: int = Field(2, ge=0, description=(
+        "A stream whose replica fails continues on another one at most this many times "
+        "(router/migration.py); 0 turns migration off."))
+    max_queued_requests: int = Field(512, ge=-1, description=(
+        "Requests waiting in Serve's queue for a replica slot beyond which new ones get 429 "
+        "(Serve's max_queued_requests; -1: unbounded)."))
+    max_queued_kv_ratio: float = Field(4.0, gt=0.0, description=(
+        "A replica refuses (429) a request when its queued tokens exceed this many times "
+        "its KV cache's capacity in tokens (router/admission.py)."))
 
 
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
-    name: str = Field("fleetserve", min_length=1)
+    name: str = Field("fleetserve", min_length=1, description=(
+        "Ray Serve application name (gRPC clients send it as metadata `application`)."))
     engine: EngineArgs = EngineArgs()
-    num_replicas: int = Field(2, ge=1)
-    routing_policy: RoutingPolicyName = "power_of_two"
+    num_replicas: int = Field(2, ge=1, description="Engine replicas behind the router.")
+    routing_policy: RoutingPolicyName = Field("power_of_two", description=(
+        "How the router picks a replica: two random ones and the less loaded "
+        "(power_of_two), the least loaded, or the one holding the prompt's prefix "
+        "(prefix_aware)."))
     routing: RoutingOptions = RoutingOptions()
     http: HTTPOptions = HTTPOptions()
     grpc: GRPCOptions = GRPCOptions()
-    # When set, every HTTP request must carry `Authorization: Bearer <api_key>`
-    # (gRPC: metadata `authorization`).
-    api_key: Optional[str] = None
-    # The key in a file instead (kept out of `ps`); else $FLEETSERVE_API_KEY (router/auth.py).
-    api_key_file: Optional[str] = None
-    # HTTP paths that need no key (Prometheus scrapers and probes; vLLM leaves these open
-    # too). ["/health"] protects /metrics as well.
-    api_key_open_paths: tuple[str, ...] = ("/health", "/metrics")
+    api_key: Optional[str] = Field(None, description=(
+        "Require `Authorization: Bearer <key>` on HTTP (gRPC: metadata `authorization`). "
+        "Visible in `ps`: prefer api_key_file or $FLEETSERVE_API_KEY."))
+    api_key_file: Optional[str] = Field(None, description=(
+        "A file holding the API key (used when api_key is unset; else $FLEETSERVE_API_KEY)."))
+    api_key_open_paths: tuple[str, ...] = Field(("/health", "/metrics"), description=(
+        "HTTP paths that need no API key (a JSON list); [\"/health\"] protects /metrics too."))
     reliability: ReliabilityOptions = ReliabilityOptions()
-    # Ray address: None starts an embedded local Ray; "auto" (or host:port) joins.
-    address: Optional[str] = None
-    # CPUs reserved per engine replica (its torch threads); 0 lets Ray pack them.
-    num_cpus_per_replica: float = Field(1.0, ge=0.0)
-    # The engine class each replica builds, "module:Class" (tests may swap it).
-    engine_cls: str = "fleetserve.replica.engine.async_engine:AsyncEngine"
+    address: Optional[str] = Field(None, description=(
+        "Ray cluster to join: 'auto' or host:port (unset: start an embedded local Ray "
+        "sized for the topology)."))
+    num_cpus_per_replica: float = Field(1.0, ge=0.0, description=(
+        "CPUs Ray reserves for each engine replica (its torch threads); 0 lets Ray pack "
+        "replicas. Tensor-parallel ranks take 1 CPU each on top."))
+    enable_log_requests: bool = Field(False, description=(
+        "Log one INFO line per request at the ingress: client, method, path, status, time."))
+    engine_cls: str = Field("fleetserve.replica.engine.async_engine:AsyncEngine", description=(
+        "The engine class each replica builds, 'module:Class' (tests may swap it)."))
 
     @property
     def served_model_name(self) -> str:

@@ -120,8 +120,10 @@ def connect_ray(config: AppConfig, **init_kwargs) -> None:
             os.environ[f"RAY_SERVE_DIRECT_INGRESS_MIN_{proto}_PORT"] = str(port)
             os.environ[f"RAY_SERVE_DIRECT_INGRESS_MAX_{proto}_PORT"] = str(port + 1)
         _direct_ports = (config.http.port, config.grpc.port)
-    needed = config.num_replicas * config.num_cpus_per_replica
-    init_kwargs.setdefault("num_cpus", max(os.cpu_count() or 1, int(needed + 0.999)))
+    if "num_cpus" not in init_kwargs:
+        from fleetserve.cluster.topology import embedded_num_cpus
+
+        init_kwargs["num_cpus"] = embedded_num_cpus(config)
     init_kwargs.setdefault("include_dashboard", False)
     init_kwargs.setdefault("_node_ip_address", "127.0.0.1")
     # "local": always a new embedded Ray. With no address, ray.init joins the latest cluster
@@ -179,6 +181,8 @@ def build_app(config: AppConfig):
                         served_model_name=config.served_model_name,
                         api_key=resolve_api_key(config.api_key, config.api_key_file),
                         max_body_bytes=config.http.max_body_bytes, model_aliases=aliases,
+                        bind_host=config.http.host,
+                        log_requests=config.enable_log_requests,
                         reliability={**config.reliability.model_dump(),
                                      "open_paths": list(config.api_key_open_paths)})
 
@@ -232,8 +236,10 @@ def endpoints(config: AppConfig) -> list[str]:
     lines = [f"HTTP (OpenAI):  http://{config.http.host}:{config.http.port}/v1  "
              f"(model {config.served_model_name!r}; /health, /metrics, /tokenize)"]
     if config.grpc.enabled:
-        # Ray Serve 2.60 binds its gRPC proxy to [::] (all interfaces), whatever --host says.
-        lines.append(f"gRPC:           127.0.0.1:{config.grpc.port}  "
-                     f"(service fleetserve.v1.FleetServe, metadata application={config.name}; "
-                     "Ray Serve listens on all interfaces for gRPC)")
+        if _direct_ports == (config.http.port, config.grpc.port):
+            where = f"{config.http.host}:{config.grpc.port}"  # the ingress binds --host (serve_patches)
+        else:  # Ray Serve 2.60's proxy binds gRPC to [::] whatever --host says
+            where = f"[::]:{config.grpc.port} (every interface: Ray Serve's proxy)"
+        lines.append(f"gRPC:           {where}  (service fleetserve.v1.FleetServe, "
+                     f"metadata application={config.name})")
     return lines
