@@ -45,6 +45,7 @@ from fleetserve.router.errors import is_error
 logger = logging.getLogger("ray.serve")
 
 AVOID_KEY = "_fleetserve_avoid_replicas"
+ENGINE_DEAD = "engine_dead"  # error code of a replica whose engine died (router.replica)
 SEED_STRIDE = 1_000_003  # the model runner's reseeding stride (see the module doc)
 _SEED_MOD = 1 << 63
 _SEED_STRIDE_INV = pow(SEED_STRIDE, -1, _SEED_MOD)
@@ -122,6 +123,13 @@ class MigratingStream:
                     raise
                 await self._migrate(e)
                 continue
+            if is_error(item) and item["error"].get("code") == ENGINE_DEAD:
+                # The replica answered, but its engine is dead: continue elsewhere, avoiding it.
+                if item.get("replica") and item["replica"] not in self._replicas:
+                    self._replicas.append(item["replica"])
+                if self._why_not(RuntimeError(item["error"]["message"])) is None:
+                    await self._migrate(RuntimeError(item["error"]["message"]))
+                    continue
             if not is_error(item):
                 self._observe(item)
             return item

@@ -23,10 +23,11 @@ from typing import Any, AsyncIterator, Optional
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
-from fleetserve.replica.engine.async_engine import QueueFullError
+from fleetserve.replica.engine.async_engine import EngineDeadError, QueueFullError
 from fleetserve.replica.engine.engine_args import EngineArgs
 from fleetserve.router.admission import admission_refusal
 from fleetserve.router.errors import error_body
+from fleetserve.router.migration import ENGINE_DEAD
 from fleetserve.scheduler import SamplingParams, resolve_obj_by_qualname
 
 logger = logging.getLogger("ray.serve")
@@ -79,6 +80,10 @@ class EngineReplica:
                              status=429)
         except ValueError as e:
             yield error_body(str(e), param=_param_of(str(e)), code=_code_of(str(e)))
+        except EngineDeadError as e:
+            # Named, so the ingress migrates the request and avoids this replica
+            # (router/migration.py) until Serve replaces it.
+            yield {**error_body(str(e), status=503, code=ENGINE_DEAD), "replica": self.replica_id}
 
     # -- control ---------------------------------------------------------------
 
