@@ -110,6 +110,38 @@ class ClusterReuseOptions(BaseModel):
                 "kv_load_timeout_s": self.kv_load_timeout_s}
 
 
+class ReliabilityOptions(BaseModel):
+    """Failure handling, drain and admission (issue 15; router/README.md explains each)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    body_timeout_s: float = Field(30.0, gt=0.0, description=(
+        "A request body not fully arrived after this many seconds gets 408 (a client that "
+        "announced more bytes than it sends would otherwise hold its connection)."))
+    graceful_shutdown_timeout_s: float = Field(60.0, ge=0.0, description=(
+        "Drain: a replica asked to stop (SIGTERM, redeploy, scale-down) finishes its "
+        "in-flight requests for up to this many seconds (Serve's setting, both deployments; "
+        "Kubernetes' terminationGracePeriodSeconds must exceed it)."))
+    graceful_shutdown_wait_loop_s: float = Field(1.0, gt=0.0, description=(
+        "How often a draining replica checks whether its requests are done."))
+    health_check_period_s: float = Field(5.0, gt=0.0, description=(
+        "Serve's health check of each engine replica (a failing one is replaced)."))
+    health_check_timeout_s: float = Field(20.0, gt=0.0, description=(
+        "A health check slower than this counts as failed."))
+    engine_stall_timeout_s: float = Field(30.0, gt=0.0, description=(
+        "An engine that holds work but made no step for this long, or whose core answers "
+        "no ping within it, is wedged: unhealthy."))
+    max_migrations: int = Field(2, ge=0, description=(
+        "A stream whose replica fails continues on another one at most this many times "
+        "(router/migration.py); 0 turns migration off."))
+    max_queued_requests: int = Field(512, ge=-1, description=(
+        "Requests waiting in Serve's queue for a replica slot beyond which new ones get 429 "
+        "(Serve's max_queued_requests; -1: unbounded)."))
+    max_queued_kv_ratio: float = Field(4.0, gt=0.0, description=(
+        "A replica refuses (429) a request when its queued tokens exceed this many times "
+        "its KV cache's capacity in tokens (router/admission.py)."))
+
+
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
@@ -129,6 +161,11 @@ class AppConfig(BaseModel):
     api_key_env: Optional[str] = Field(None, min_length=1, description=(
         "Or: the name of an environment variable holding the API key, read where the app is "
         "built (on Kubernetes a Secret exposed as env keeps the key out of the RayService)."))
+    api_key_file: Optional[str] = Field(None, description=(
+        "Or: a file holding the API key (else $FLEETSERVE_API_KEY); keeps it out of `ps`."))
+    api_key_open_paths: tuple[str, ...] = Field(("/health", "/metrics"), description=(
+        "HTTP paths that need no API key (a JSON list); [\"/health\"] protects /metrics too."))
+    reliability: ReliabilityOptions = ReliabilityOptions()
     address: Optional[str] = Field(None, description=(
         "Ray cluster to join: 'auto' or host:port (unset: start an embedded local Ray "
         "sized for the topology)."))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from typing import Optional
 
 import ray
@@ -32,6 +33,7 @@ from ray.serve.config import HTTPOptions, RequestRouterConfig, gRPCOptions
 
 from fleetserve.cluster.config import AppConfig
 from fleetserve.cluster.serve_app import GRPC_SERVICER, resolve_api_key
+from fleetserve.router.auth import API_KEY_ENV
 from fleetserve.router.ingress import IngressDeployment
 from fleetserve.router.policies import POLICIES
 from fleetserve.router.replica import EngineReplica
@@ -82,7 +84,8 @@ def serve_env() -> dict[str, str]:
     FLEETSERVE_* setting exported here (e.g. FLEETSERVE_ENGINE_CORE_PROCESS=0), so the
     replicas of a joined cluster see what this process sees."""
     env = {k: os.environ.get(k, v) for k, v in SERVE_ENV_DEFAULTS.items()}
-    env.update({k: v for k, v in os.environ.items() if k.startswith("FLEETSERVE_")})
+    env.update({k: v for k, v in os.environ.items()
+                if k.startswith("FLEETSERVE_") and k != API_KEY_ENV})  # secrets stay out
     return env
 
 
@@ -157,10 +160,12 @@ def build_app(config: AppConfig):
     ingress = serve.deployment(
         IngressDeployment, name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=100_000,
         ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": serve_env()}},
-        logging_config=_NO_ACCESS_LOG)
+        logging_config=_NO_ACCESS_LOG, **_lifecycle_options(config, health=False))
     common = dict(served_model_name=config.served_model_name, api_key=resolve_api_key(config),
                   max_body_bytes=config.http.max_body_bytes, model_aliases=aliases,
-                  bind_host=config.http.host, log_requests=config.enable_log_requests)
+                  bind_host=config.http.host, log_requests=config.enable_log_requests,
+                  reliability={**config.reliability.model_dump(),
+                               "open_paths": list(config.api_key_open_paths)})
     if not config.pd.enabled:
         reuse = config.cluster_reuse
         replicas = _engine_deployment(config, ENGINE_DEPLOYMENT,
@@ -212,7 +217,7 @@ def _engine_deployment(config: AppConfig, name: str, engine, num_replicas: int, 
         ray_actor_options={"num_cpus": num_cpus, "runtime_env": {"env_vars": serve_env()},
                            **placement.actor_options()},
         request_router_config=router_config, logging_config=_NO_ACCESS_LOG,
-        health_check_period_s=10, graceful_shutdown_timeout_s=5)
+        **_lifecycle_options(config, health=True))
     engine_args = engine.model_dump()
     if engine_args["num_threads"] is None:
         # Each replica gets the CPUs Ray reserves for it, not every core of the
@@ -221,13 +226,52 @@ def _engine_deployment(config: AppConfig, name: str, engine, num_replicas: int, 
         engine_args["num_threads"] = max(1, int(num_cpus))
     if POLICIES[policy].uses_kv_events:
         engine_args["enable_kv_cache_events"] = True  # the router's prefix index reads them
-    return replica.bind(engine_args, config.engine_cls)
+    return replica.bind(engine_args, config.engine_cls, config.reliability.model_dump())
+
+
+def _lifecycle_options(config: AppConfig, health: bool) -> dict:
+    """Serve's drain and health-check settings from `config.reliability`: a replica asked to
+    stop finishes its in-flight requests for up to graceful_shutdown_timeout_s (both
+    deployments: the ingress holds the client streams, the engines produce them)."""
+    r = config.reliability
+    options = {"graceful_shutdown_timeout_s": r.graceful_shutdown_timeout_s,
+               "graceful_shutdown_wait_loop_s": r.graceful_shutdown_wait_loop_s}
+    if health:  # the engine deployments
+        options.update(health_check_period_s=r.health_check_period_s,
+                       health_check_timeout_s=r.health_check_timeout_s,
+                       max_queued_requests=r.max_queued_requests)
+    return options
 
 
 def deploy(config: AppConfig, blocking: bool = False):
     """Deploy (or update) the application; returns the ingress handle."""
     return serve.run(build_app(config), name=config.name, route_prefix="/",
                      blocking=blocking)
+
+
+def delete_and_drain(config: AppConfig) -> None:
+    """Delete the application and wait until its replicas have drained and exited.
+
+    `serve.delete` returns once the application is gone from the controller's state, while
+    its replicas are still finishing their in-flight requests (up to
+    graceful_shutdown_timeout_s); shutting Serve or Ray down at that point cut the streams.
+    Here we also wait for the replica actors to exit, with a deadline of that timeout plus a
+    margin (after it Serve has force-killed them anyway)."""
+    serve.delete(config.name)
+    prefix = f"SERVE_REPLICA::{config.name}#"
+    deadline = time.monotonic() + config.reliability.graceful_shutdown_timeout_s + 15
+    said = 0.0
+    while time.monotonic() < deadline:
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+        left = [n for n in names if n.startswith(prefix)]
+        if not left:
+            return
+        if time.monotonic() - said > 5:
+            logger.info("waiting for %d replica(s) to finish their requests", len(left))
+            said = time.monotonic()
+        time.sleep(0.5)
+    logger.warning("replicas of %r still running after the graceful shutdown timeout",
+                   config.name)
 
 
 def endpoints(config: AppConfig) -> list[str]:

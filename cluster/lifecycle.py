@@ -183,9 +183,11 @@ def _teardown(config: AppConfig, delete_app: bool) -> None:
 
 
 def _delete_app(config: AppConfig) -> None:
-    from ray import serve
+    from fleetserve.cluster.deploy import delete_and_drain
 
     try:
-        serve.delete(config.name)
+        # Also waits for the replicas to finish their in-flight requests (graceful drain,
+        # reliability.graceful_shutdown_timeout_s): serve.delete alone returns before.
+        delete_and_drain(config)
     except Exception as e:  # noqa: BLE001 - Serve never started, or Ray is going away
         log.debug("serve.delete(%r): %s", config.name, e)

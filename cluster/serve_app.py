@@ -20,7 +20,8 @@ from pydantic import ValidationError
 from fleetserve.cluster.config import AppConfig
 
 APP_BUILDER = "fleetserve.cluster.serve_app:app_builder"
-GRPC_SERVICER = "fleetserve.router.proto.fleetserve_pb2_grpc.add_FleetServeServicer_to_server"
+# Our own registration: undecodable messages become INVALID_ARGUMENT (router.grpc_service).
+GRPC_SERVICER = "fleetserve.router.grpc_service.add_servicer"
 # Keys of AppConfig that only the `fleetserve serve` process uses (which Ray to join).
 PROCESS_ONLY_KEYS = ("address",)
 
@@ -55,9 +56,12 @@ def validate_args(args: Any, process_keys: bool = False) -> AppConfig:
 
 
 def resolve_api_key(config: AppConfig) -> Optional[str]:
-    """`api_key`, or the value of the environment variable `api_key_env` names."""
+    """`api_key`, or the value of the environment variable `api_key_env` names, or the
+    contents of `api_key_file`, or $FLEETSERVE_API_KEY (router/auth.py)."""
     if config.api_key is not None or config.api_key_env is None:
-        return config.api_key
+        from fleetserve.router.auth import resolve_api_key as from_file_or_env
+
+        return from_file_or_env(config.api_key, config.api_key_file)
     value = os.environ.get(config.api_key_env)
     if not value:
         raise AppConfigError(f"api_key_env: the environment variable {config.api_key_env!r} "

@@ -292,7 +292,7 @@ class TransferWorker(KVConnectorWorker):
         except (TransferError, KVFormatError, OSError, ValueError) as e:
             logger.warning("KV load of %s (transfer %s) failed: %s", spec.req_id, spec.transfer_id, e)
             good, batch = 0, None
-        except Exception as e:  # noqa: BLE001 - a transport bug must fail the load, not the engine
+        except Exception:  # noqa: BLE001 - a transport bug must fail the load, not the engine
             logger.exception("KV load of %s failed unexpectedly", spec.req_id)
             good, batch = 0, None
         if good:

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error",
-          404: "invalid_request_error", 413: "invalid_request_error",
+          404: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
           429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
 
@@ -39,8 +39,13 @@ def is_error(item: dict) -> bool:
     return "error" in item
 
 
+RETRY_AFTER_S = 1  # what 429/503 answers tell a client to wait (Retry-After)
+
+
 def to_response(body: dict) -> JSONResponse:
-    return JSONResponse({"error": body["error"]}, status_code=body.get("status", 400))
+    status = body.get("status", 400)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+    return JSONResponse({"error": body["error"]}, status_code=status, headers=headers)
 
 
 def from_validation_error(e: ValidationError) -> APIError:

@@ -15,10 +15,13 @@ import uuid
 from typing import AsyncIterator, Optional
 
 import grpc
+from google.protobuf.message import DecodeError
 from ray.serve.exceptions import gRPCStatusError
 from ray.serve.grpc_util import RayServegRPCContext
 
 from fleetserve.router.errors import APIError, is_error
+from fleetserve.router.health import replica_health
+from fleetserve.router.limits import check_sampling
 from fleetserve.router.proto import fleetserve_pb2 as pb
 from fleetserve.scheduler import SamplingParams, StructuredOutputsParams
 
@@ -28,6 +31,47 @@ _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENT
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                     "presence_penalty", "frequency_penalty", "repetition_penalty",
                     "logprobs", "n", "min_tokens")
+
+
+MAX_CLIENT_REQUEST_ID_CHARS = 256
+
+
+class UndecodableRequest:
+    """What a request that is not a valid message decodes to (garbage bytes, invalid UTF-8
+    in a string field): the method answers INVALID_ARGUMENT instead of grpc's UNKNOWN."""
+
+    def __init__(self, message_type: str, reason: str) -> None:
+        self.message_type, self.reason = message_type, reason
+
+
+def _lenient(message_cls):
+    def parse(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except (DecodeError, ValueError) as e:
+            return UndecodableRequest(message_cls.__name__, str(e) or type(e).__name__)
+    return parse
+
+
+def add_servicer(servicer, server) -> None:
+    """`fleetserve_pb2_grpc.add_FleetServeServicer_to_server`, with request parsers that turn
+    an undecodable message into `UndecodableRequest` (Serve's gRPCOptions names this)."""
+    kinds = {"Generate": (grpc.unary_stream_rpc_method_handler, pb.GenerateRequest, pb.GenerateResponse),
+             "Health": (grpc.unary_unary_rpc_method_handler, pb.HealthRequest, pb.HealthResponse),
+             "ListModels": (grpc.unary_unary_rpc_method_handler, pb.ListModelsRequest,
+                            pb.ListModelsResponse)}
+    handlers = {name: make(getattr(servicer, name), request_deserializer=_lenient(req),
+                           response_serializer=resp.SerializeToString)
+                for name, (make, req, resp) in kinds.items()}
+    generic = grpc.method_handlers_generic_handler("fleetserve.v1.FleetServe", handlers)
+    server.add_generic_rpc_handlers((generic,))
+    server.add_registered_method_handlers("fleetserve.v1.FleetServe", handlers)
+
+
+def _check_decoded(request) -> None:
+    if isinstance(request, UndecodableRequest):
+        raise APIError(f"the request is not a valid {request.message_type} message "
+                       f"({request.reason})", 400)
 
 
 logger = logging.getLogger("ray.serve")
@@ -82,9 +126,11 @@ def sampling_from_proto(msg: "pb.SamplingParams", defaults: Optional[dict] = Non
     try:
         if msg.HasField("structured_outputs"):
             fields["structured_outputs"] = _structured_from_proto(msg.structured_outputs)
-        return SamplingParams(**fields)
+        params = SamplingParams(**fields)
     except ValueError as e:
         raise APIError(f"sampling_params.{e}", 400) from e
+    check_sampling(params, prefix="sampling_params.")
+    return params
 
 
 def _structured_from_proto(msg: "pb.StructuredOutputs") -> StructuredOutputsParams:
@@ -102,12 +148,14 @@ class GrpcMethods:
                        grpc_context: RayServegRPCContext) -> AsyncIterator["pb.GenerateResponse"]:
         try:
             self._grpc_auth(grpc_context)
+            _check_decoded(request)
             body = await self._grpc_body(request)
             gen, first = await self.open_stream(body)
         except APIError as e:
             _fail(grpc_context, e.status, e.body["error"]["message"])
         if is_error(first):
             _fail(grpc_context, first["status"], first["error"]["message"])
+        client_id = request.request_id  # echoed back; never the engine's id (see _grpc_body)
         completion_tokens: dict[int, int] = {}
         prompt_tokens = len(body["prompt_token_ids"])
         try:
@@ -119,7 +167,7 @@ class GrpcMethods:
                     n = completion_tokens.get(out["index"], 0) + len(out["token_ids"])
                     completion_tokens[out["index"]] = n
                     yield pb.GenerateResponse(
-                        request_id=body["request_id"], index=out["index"], text=out["text"],
+                        request_id=client_id or body["request_id"], index=out["index"], text=out["text"],
                         token_ids=out["token_ids"], finish_reason=out["finish_reason"] or "",
                         prompt_tokens=prompt_tokens, completion_tokens=n)
                 try:
@@ -131,16 +179,16 @@ class GrpcMethods:
 
     async def Health(self, request: "pb.HealthRequest",
                      grpc_context: RayServegRPCContext) -> "pb.HealthResponse":
-        try:
-            loads = await self.replica_calls("get_load", timeout_s=5.0)
-        except Exception as e:  # replicas unreachable: report, don't crash the call
-            _fail(grpc_context, 503, f"replicas unreachable: {e!r}")
-        return pb.HealthResponse(ok=True, num_replicas=len(loads))
+        report = await replica_health(self)
+        if not report["healthy"]:
+            _fail(grpc_context, 503, f"no healthy engine replica: {report['unhealthy'] or 'none'}")
+        return pb.HealthResponse(ok=True, num_replicas=len(report["healthy"]))
 
     async def ListModels(self, request: "pb.ListModelsRequest",
                          grpc_context: RayServegRPCContext) -> "pb.ListModelsResponse":
         try:
             self._grpc_auth(grpc_context)
+            _check_decoded(request)
             info = await self.info()
         except APIError as e:
             _fail(grpc_context, e.status, e.body["error"]["message"])
@@ -165,6 +213,11 @@ class GrpcMethods:
                                      (await self.info()).get("generation_defaults"))
         explicit = (request.sampling_params.max_tokens
                     if request.sampling_params.HasField("max_tokens") else None)
-        rid = request.request_id or f"grpc-{uuid.uuid4().hex}"
+        if len(request.request_id) > MAX_CLIENT_REQUEST_ID_CHARS:
+            raise APIError(f"request_id must be at most {MAX_CLIENT_REQUEST_ID_CHARS} characters",
+                           400, param="request_id")
+        # The engine's id is always ours: a client-chosen one could collide with (and then
+        # abort, or be refused as a duplicate of) another client's request.
+        rid = f"grpc-{uuid.uuid4().hex}"
         return await self.build_body(rid, token_ids, params, request.priority, None, explicit,
                                      which)

@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextvars
-import hmac
-import json
 import logging
 import os
 import time
@@ -26,20 +24,27 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fleetserve.router import auth as _auth
 from fleetserve.router import completions
 from fleetserve.router import openai_format as fmt
 from fleetserve.router import serve_patches
 from fleetserve.router.access_log import AccessLog
+from fleetserve.router.auth import ApiKeyAuth, require_api_key
 from fleetserve.router.errors import (APIError, error_body, field_path, from_validation_error, is_error,
                                       to_response)
 from fleetserve.router.grpc_service import GrpcMethods, quiet_client_errors
 from fleetserve.router.kv_subscriber import KVEventSubscriber
 from fleetserve.router.pd import PDRouter, PDSettings
 from fleetserve.router.prefix_reuse import PrefixReuse, ReuseSettings
+from fleetserve.router.health import replica_health
+from fleetserve.router.limits import check_internal_fields, check_prompt_chars, max_token_chars, parse_json
 from fleetserve.router.metrics import merge_metrics
+from fleetserve.router.migration import MigratingStream
+from fleetserve.router.migration import metrics_text as migration_metrics
 from fleetserve.router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest, sampling_dict)
 from fleetserve.router.registry import get_router
@@ -48,7 +53,8 @@ from fleetserve.router.request_router import TARGET_KWARG
 logger = logging.getLogger("ray.serve")
 
 app = FastAPI(title="fleetserve", docs_url=None, redoc_url=None)
-app.add_middleware(AccessLog)
+app.middleware("http")(require_api_key)  # router/auth.py: every path but the open ones
+app.add_middleware(AccessLog)  # added last: outermost, so it logs the 401s too
 
 # How long a request waits for the first engine replica to answer (the model may
 # still be loading) before it gets a 503 instead of hanging.
@@ -84,7 +90,8 @@ class Ingress(GrpcMethods):
     def __init__(self, engine: DeploymentHandle, served_model_name: str,
                  api_key: Optional[str] = None, max_body_bytes: int = 4 << 20,
                  model_aliases: tuple[str, ...] = (), bind_host: Optional[str] = None,
-                 log_requests: bool = False, prefill: Optional[DeploymentHandle] = None,
+                 log_requests: bool = False, reliability: Optional[dict] = None,
+                 prefill: Optional[DeploymentHandle] = None,
                  pd: Optional[dict] = None, reuse: Optional[dict] = None) -> None:
         """`engine` is the engine pool requests stream from; with P/D (`prefill` and `pd`
         given: router.pd) it is the decode pool, and `prefill` the prefill pool."""
@@ -115,8 +122,10 @@ class Ingress(GrpcMethods):
         self._generate = self._stream.generate  # built once: each attribute access makes a new handle
         self.served_model_name = served_model_name
         self._model_names = {served_model_name, *model_aliases}
-        self._api_key = api_key
+        self._auth = ApiKeyAuth(api_key, tuple((reliability or {}).get("open_paths", ("/health", "/metrics"))))
+        _auth.install(self._auth)
         self._max_body_bytes = max_body_bytes
+        self._reliability = reliability or {}
         self._info: Optional[dict] = None
         self._info_lock = asyncio.Lock()
         self._kv_subscribers: dict[str, KVEventSubscriber] = {}
@@ -136,10 +145,11 @@ class Ingress(GrpcMethods):
                                                       INFO_TIMEOUT_S)
                         for pool in self._pools[1:]:  # builds this process's router for it
                             await asyncio.wait_for(pool.get_info.remote(), INFO_TIMEOUT_S)
-                        self._info = info
                     except asyncio.TimeoutError:
                         raise APIError("the model is still loading (no engine replica has "
                                        "answered yet); retry shortly", 503) from None
+                    info["max_token_chars"] = max_token_chars(info["tokenizer"])
+                    self._info = info
                     self._start_kv_subscribers()
         return self._info
 
@@ -169,17 +179,14 @@ class Ingress(GrpcMethods):
                            f"`{self.served_model_name}`", 404, param="model", code="model_not_found")
 
     def check_api_key(self, presented: Optional[str]) -> None:
-        if self._api_key is None:
-            return
-        token = (presented or "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(token.encode(), self._api_key.encode()):
-            raise APIError("Incorrect API key provided", 401, code="invalid_api_key")
+        self._auth.check(presented)
 
     async def tokenize_prompt(self, prompt: Union[str, list[int]], add_special_tokens: bool,
                               param: str) -> list[int]:
         info = await self.info()
         tok = info["tokenizer"]
         if isinstance(prompt, str):
+            check_prompt_chars(prompt, info["max_model_len"], info["max_token_chars"], param)
             return tok(prompt, add_special_tokens=add_special_tokens).input_ids
         vocab = len(tok)
         if any(not 0 <= t < vocab for t in prompt):
@@ -228,9 +235,15 @@ class Ingress(GrpcMethods):
         return await self._open_plain(body)
 
     async def _open_plain(self, body: dict):
-        gen = ReplicaStream(self._generate.remote(body))
+        skip = body["sampling_params"].get("skip_special_tokens", True)
+        tok = self._info["tokenizer"] if self._info else None
+        gen = MigratingStream(lambda b: ReplicaStream(self._generate.remote(b)), body,
+                              max_migrations=self._reliability.get("max_migrations", 2),
+                              decode=tok and (lambda ids: tok.decode(ids, skip_special_tokens=skip)))
         try:
             first = await gen.__anext__()
+        except BackPressureError:  # Serve's bounded queue in front of the replicas is full
+            first = error_body("the server is overloaded; retry later", 429)
         except BaseException:
             gen.cancel()
             raise
@@ -379,11 +392,12 @@ class Ingress(GrpcMethods):
 
     @app.get("/health")
     async def health(self):
-        try:
-            loads = await self.replica_calls("get_load", timeout_s=5.0)
-        except Exception as e:  # a replica is down or slow: unhealthy, say why
-            return to_response(error_body(f"replicas unreachable: {e!r}", 503))
-        return {"status": "ok", "num_replicas": len(loads)}
+        report = await replica_health(self)  # router/health.py: engines asked, not actors
+        if not report["healthy"]:
+            return to_response(error_body(
+                f"no healthy engine replica: {report['unhealthy'] or 'none running'}", 503))
+        return {"status": "ok" if not report["unhealthy"] else "degraded",
+                "num_replicas": len(report["healthy"]), "unhealthy": report["unhealthy"]}
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request):
@@ -414,7 +428,7 @@ class Ingress(GrpcMethods):
         except Exception as e:  # a replica is down or slow: say so, don't 500
             return to_response(error_body(f"replicas unreachable: {e!r}", 503))
         text = merge_metrics({rid: r["text"] for rid, r in results.items()})
-        return PlainTextResponse(text + self._router_metrics(),
+        return PlainTextResponse(text + self._router_metrics() + migration_metrics(),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def _router_metrics(self) -> str:
@@ -450,19 +464,26 @@ class Ingress(GrpcMethods):
 
     async def _parse(self, request: Request, model: type[BaseModel]):
         self.check_api_key(request.headers.get("authorization"))
-        raw = await self._read_body(request)
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise APIError(f"the request body is not valid JSON: {e}", 400) from e
+        data = parse_json(await self._read_body(request))
         if not isinstance(data, dict):
             raise APIError("the request body must be a JSON object", 400)
+        check_internal_fields(data)
         try:
             return model.model_validate(data)
         except ValidationError as e:
             raise from_validation_error(e) from e
 
     async def _read_body(self, request: Request) -> bytes:
+        """The body, within the size limit (413) and the time limit (408: a client that sent
+        fewer bytes than its Content-Length would otherwise hold the connection forever)."""
+        timeout_s = self._reliability.get("body_timeout_s", 30.0)
+        try:
+            return await asyncio.wait_for(self._read_body_unbounded(request), timeout_s)
+        except asyncio.TimeoutError:
+            raise APIError(f"the request body did not arrive within {timeout_s:g} s", 408,
+                           code="request_timeout") from None
+
+    async def _read_body_unbounded(self, request: Request) -> bytes:
         limit = self._max_body_bytes
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:

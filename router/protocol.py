@@ -13,6 +13,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from fleetserve.router.errors import APIError
+from fleetserve.router.limits import MAX_MESSAGES, check_sampling
 from fleetserve.router.structured import StructuredOutputFields
 from fleetserve.router.tool_calls import ToolFields
 from fleetserve.scheduler import SamplingParams
@@ -83,10 +84,12 @@ class _SamplingRequest(StructuredOutputFields):
             if value is not None:
                 fields[name] = value
         try:
-            return SamplingParams(**fields)
+            params = SamplingParams(**fields)
         except ValueError as e:
             word = str(e).split(" ", 1)[0].rstrip(":")
             raise APIError(str(e), 400, param=word if word in fields or word == "stop" else None)
+        check_sampling(params)
+        return params
 
     @property
     def include_usage(self) -> bool:
@@ -137,7 +140,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingRequest, ToolFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: Optional[int] = None
     logprobs: StrictBool = False
     top_logprobs: Optional[int] = None
@@ -158,7 +161,7 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: Optional[str] = None
     prompt: Optional[str] = None
-    messages: Optional[list[ChatMessage]] = None
+    messages: Optional[list[ChatMessage]] = Field(None, max_length=MAX_MESSAGES)
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import uuid
 from typing import Any, AsyncIterator, Optional
@@ -22,9 +23,11 @@ from typing import Any, AsyncIterator, Optional
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
-from fleetserve.replica.engine.async_engine import QueueFullError
+from fleetserve.replica.engine.async_engine import EngineDeadError, QueueFullError
 from fleetserve.replica.engine.engine_args import EngineArgs
+from fleetserve.router.admission import admission_refusal
 from fleetserve.router.errors import error_body
+from fleetserve.router.migration import ENGINE_DEAD
 from fleetserve.scheduler import SamplingParams, resolve_obj_by_qualname
 
 logger = logging.getLogger("ray.serve")
@@ -33,10 +36,13 @@ logger = logging.getLogger("ray.serve")
 class EngineReplica:
     """Deployment class; `router.app.build_app` wraps it with `serve.deployment`."""
 
-    def __init__(self, engine_args: dict, engine_cls: str) -> None:
+    def __init__(self, engine_args: dict, engine_cls: str,
+                 reliability: Optional[dict] = None) -> None:
         args = EngineArgs.model_validate(engine_args)
         cls = resolve_obj_by_qualname(engine_cls)
         self.engine = cls(args)
+        self._stall_timeout_s = (reliability or {}).get("engine_stall_timeout_s", 30.0)
+        self._max_queued_kv_ratio = (reliability or {}).get("max_queued_kv_ratio", 4.0)
         self.block_size = args.block_size
         self._kv_wake = AppendWaiter()
         try:
@@ -57,6 +63,11 @@ class EngineReplica:
             yield error_body(str(e), param=_param_of(str(e)))
             return
         prompt_len = len(body["prompt_token_ids"])
+        refusal = admission_refusal(self.engine.get_load(), prompt_len, self.block_size,
+                                    self._max_queued_kv_ratio)
+        if refusal is not None:
+            yield error_body(refusal, status=429)
+            return
         first = True
         kv_params = body.get("kv_transfer_params")
         prompt_logprobs_sent = False
@@ -80,6 +91,10 @@ class EngineReplica:
                              status=429)
         except ValueError as e:
             yield error_body(str(e), param=_param_of(str(e)), code=_code_of(str(e)))
+        except EngineDeadError as e:
+            # Named, so the ingress migrates the request and avoids this replica
+            # (router/migration.py) until Serve replaces it.
+            yield {**error_body(str(e), status=503, code=ENGINE_DEAD), "replica": self.replica_id}
 
     # -- control ---------------------------------------------------------------
 
@@ -89,6 +104,13 @@ class EngineReplica:
             return {"replica": self.replica_id, "text": self.engine.metrics_text()}
         if op == "get_load":
             return {"replica": self.replica_id, "load": self.engine.get_load()}
+        if op == "health":
+            try:
+                self.check_health()
+            except Exception as e:  # noqa: BLE001 - reported to /health, which says why
+                return {"replica": self.replica_id, "healthy": False, "reason": str(e)}
+            return {"replica": self.replica_id, "healthy": True, "load": self.engine.get_load(),
+                    "core_pid": getattr(self.engine, "core_pid", None)}
         raise ValueError(f"unknown control op {op!r}")
 
     async def kv_events(self, since_seq: int = -1, instance: Optional[str] = None,
@@ -119,9 +141,14 @@ class EngineReplica:
         return self.engine.get_load()
 
     def check_health(self) -> None:
-        """Serve calls this periodically; a dead engine makes Serve replace the replica."""
+        """Serve calls this periodically; a dead or wedged engine (work held, no steps, or
+        no answer to a ping within the stall timeout) makes Serve replace the replica."""
         check = getattr(self.engine, "check_health", None)
-        if check is not None:
+        if check is None:
+            return
+        if "stall_timeout_s" in inspect.signature(check).parameters:
+            check(stall_timeout_s=self._stall_timeout_s)
+        else:
             check()
 
     def __del__(self) -> None:

@@ -25,6 +25,7 @@ from typing import Any, Optional
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from fleetserve.router import registry
+from fleetserve.router.migration import AVOID_KEY
 from fleetserve.router.policies import ReplicaLoad, RouteRequest, RoutingPolicy, make_policy
 
 TARGET_KWARG = "_fleetserve_target"
@@ -84,6 +85,7 @@ class FleetRequestRouter(RequestRouter):
                 self._record(target, request, pending_request)
             return [[by_id[target]]]
         ranked = self.policy.rank([self._load(r) for r in by_id.values()], request)
+        ranked = _avoiding(ranked, pending_request)
         if request is not None and ranked:
             self._record(ranked[0][0], request, pending_request)
         return [[by_id[rid] for rid in tier] for tier in ranked]
@@ -132,6 +134,18 @@ class FleetRequestRouter(RequestRouter):
         if counts is not None:
             counts[0] = max(0, counts[0] - 1)
             counts[1] = max(0, counts[1] - num_tokens)
+
+
+def _avoiding(ranked: list[list[str]], pending: Optional[PendingRequest]) -> list[list[str]]:
+    """A migrated request's continuation skips the replicas that failed it (router.migration),
+    unless no other replica is left."""
+    body = pending.args[0] if pending is not None and pending.args else None
+    avoid = body.get(AVOID_KEY) if isinstance(body, dict) else None
+    if not avoid:
+        return ranked
+    kept = [[rid for rid in tier if rid not in avoid] for tier in ranked]
+    kept = [tier for tier in kept if tier]
+    return kept or ranked
 
 
 def _route_request(pending: Optional[PendingRequest]) -> Optional[RouteRequest]:

@@ -55,3 +55,7 @@ class CacheConfig(BaseModel):
     enable_prefix_caching: bool = True
     # Publish KV cache events (scheduler.kv_events) for the router's prefix index.
     enable_kv_cache_events: bool = False
+    # Block hashes of the prefix cache: "builtin" (Python's tuple hash: fast, for trusted
+    # traffic) or "sha256" (collision-resistant, for tenants who must not share or probe
+    # each other's cached prefixes; vLLM's --prefix-caching-hash-algo).
+    prefix_caching_hash_algo: Literal["builtin", "sha256"] = "builtin"

@@ -40,31 +40,47 @@ def hash_block_tokens(parent_hash: int, tokens: tuple[int, ...], extra: int = 0)
     return hash((parent_hash, tokens, extra))
 
 
+def _sha256_block(parent_hash: int, tokens: tuple[int, ...], extra: int) -> int:
+    """vLLM's `--prefix-caching-hash-algo sha256`: a cryptographic chain, so nobody can
+    craft a prompt whose block collides with another tenant's (the 64-bit tuple hash is
+    fast but not collision-resistant). 128 bits of the digest, as an int."""
+    data = (parent_hash.to_bytes(16, "little", signed=True) + extra.to_bytes(8, "little")
+            + b"".join(t.to_bytes(4, "little") for t in tokens))
+    return int.from_bytes(hashlib.sha256(data).digest()[:16], "little", signed=True)
+
+
+HASH_ALGOS = {"builtin": hash_block_tokens, "sha256": _sha256_block}
+
+
 def hash_token_blocks(token_ids: list[int], block_size: int,
                       cache_salt: Optional[str] = None, start: int = 0,
-                      parent: int = NONE_HASH) -> list[int]:
+                      parent: int = NONE_HASH, algo: str = "builtin") -> list[int]:
     """Chained hashes of the full blocks of `token_ids`, from block `start`."""
     salt = salt_to_int(cache_salt)
+    block_hash = HASH_ALGOS[algo]
     out = []
     for i in range(start, len(token_ids) // block_size):
         extra = salt if i == 0 else 0
-        parent = hash((parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), extra))
+        parent = block_hash(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), extra)
         out.append(parent)
     return out
 
 
-def update_block_hashes(request: Request, block_size: int) -> None:
+def update_block_hashes(request: Request, block_size: int, algo: str = "builtin") -> None:
     """Extend `request.block_hashes` to cover every full block of its tokens."""
     hashes = request.block_hashes
     if len(hashes) < request.num_tokens // block_size:
         parent = hashes[-1] if hashes else NONE_HASH
         hashes.extend(hash_token_blocks(
-            request.all_token_ids, block_size, request.cache_salt, len(hashes), parent))
+            request.all_token_ids, block_size, request.cache_salt, len(hashes), parent, algo))
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 enable_kv_cache_events: bool = False) -> None:
+                 enable_kv_cache_events: bool = False, hash_algo: str = "builtin") -> None:
+        if hash_algo not in HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {sorted(HASH_ALGOS)}")
+        self.hash_algo = hash_algo
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
@@ -98,7 +114,7 @@ class KVCacheManager:
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             # Prompt logprobs need every prompt position computed: no hits.
             return [], 0
-        update_block_hashes(request, self.block_size)
+        update_block_hashes(request, self.block_size, self.hash_algo)
         # Never hit the last token: at least one must be computed for logits.
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
@@ -176,7 +192,7 @@ class KVCacheManager:
         done = self.num_cached_blocks.get(rid, 0)
         if num_full <= done:
             return
-        update_block_hashes(request, self.block_size)
+        update_block_hashes(request, self.block_size, self.hash_algo)
         blocks = self.req_to_blocks[rid]
         hashes = request.block_hashes
         if self.pool.events is None:

@@ -68,7 +68,8 @@ class Scheduler:
         self.connector = connector
         self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
                                  cache_config.enable_prefix_caching,
-                                 cache_config.enable_kv_cache_events)
+                                 cache_config.enable_kv_cache_events,
+                                 cache_config.prefix_caching_hash_algo)
         self.capacity = make_capacity_policy(scheduler_config.capacity_policy)
 
         self.requests: dict[str, Request] = {}

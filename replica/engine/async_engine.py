@@ -156,11 +156,17 @@ class AsyncEngine:
         self._refresh_stats()  # a core process reports aborts and finishes between steps too
         return self.metrics.text()
 
-    def check_health(self) -> None:
+    def check_health(self, stall_timeout_s: Optional[float] = None) -> None:
+        """EngineDeadError when the engine is dead, or (with `stall_timeout_s`) wedged: it
+        holds work but makes no steps, or its core process answers no ping in time."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine is dead: {self._dead}")
         if not self._client.is_alive():
             raise EngineDeadError("the engine core has stopped")
+        if stall_timeout_s is not None:
+            reason = self._client.stall_reason(stall_timeout_s)
+            if reason is not None:
+                raise EngineDeadError(f"the engine is wedged: {reason}")
 
     def shutdown(self) -> None:
         self._client.shutdown()

@@ -21,8 +21,12 @@ every step's result to one callback, `on_step(StepResult)`: from the engine thre
 or, for a core process, from the callers' event loop, which reads the child's pipe
 (`attach`). `load` / `stats` are the engine's latest load and scheduler stats.
 
-Wire format between the processes: pickled tuples over a socketpair, framed by
-`multiprocessing.connection.Connection` (length-prefixed). Commands:
+Wire format between the processes: pickled tuples over a socketpair, in length-prefixed
+frames that are written whole or not at all (`replica.engine.framing`: the parent's end
+is non-blocking under uvloop, and a frame torn by EAGAIN once wedged a replica for good).
+This process writes from a thread of its own (`_writer`), so a large command never blocks
+the event loop, and a write that cannot finish by its deadline kills the child rather
+than leave it reading half a frame. Commands:
 ("add", [Request]), ("abort", [ids]), ("finish", [ids]), ("shutdown",). Replies:
 ("ready", info) | ("init_failed", message), then ("step", StepResult, load, stats,
 adds_seen) per step, ("state", load, stats, adds_seen) after commands that change
@@ -38,16 +42,17 @@ import collections
 import logging
 import os
 import pickle
+import queue
 import socket
 import subprocess
 import sys
 import threading
 import time
-from multiprocessing.connection import Connection
 from typing import Callable, Optional
 
 from fleetserve.replica.engine.engine_args import EngineArgs
 from fleetserve.replica.engine.engine_core import EngineCore, StepResult
+from fleetserve.replica.engine.framing import ChannelBroken, FrameChannel
 from fleetserve.replica.executor import ExecutorError
 from fleetserve.scheduler import Request, RequestStatus
 
@@ -126,6 +131,22 @@ class _CoreClient:
     def _command(self, command: tuple) -> None:
         raise NotImplementedError
 
+    # -- liveness: dead is not the only way to fail; a core can also stop moving --------
+    _last_progress = 0.0  # monotonic time of the core's latest step or state report
+
+    def _has_work(self) -> bool:
+        load = self.load
+        return self.num_pending_adds > 0 or load.get("num_running", 0) + load.get("num_waiting", 0) > 0
+
+    def stall_reason(self, timeout_s: float) -> Optional[str]:
+        """Why the core counts as wedged, or None: it holds work (or has adds it has not
+        taken) but made no step for `timeout_s`."""
+        idle_s = time.monotonic() - self._last_progress
+        if self._has_work() and idle_s > timeout_s:
+            return (f"the engine core holds work but has made no step for {idle_s:.0f} s "
+                    f"(limit {timeout_s:g} s)")
+        return None
+
 
 class ThreadCoreClient(_CoreClient):
     """The EngineCore on a background thread of this process."""
@@ -140,6 +161,7 @@ class ThreadCoreClient(_CoreClient):
         self._wake = threading.Event()
         self._stopping = False
         self.load, self.stats = load_of(self.core)
+        self._last_progress = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="fleetserve-engine", daemon=True)
         self._thread.start()
 
@@ -179,11 +201,13 @@ class ThreadCoreClient(_CoreClient):
             if self._commands:
                 self._drain()
             if not core.has_work():
+                self._last_progress = time.monotonic()
                 self._wake.wait()
                 self._wake.clear()
                 continue
             try:
                 result = core.step()
+                self._last_progress = time.monotonic()
             except Exception as e:  # noqa: BLE001 - every in-flight request must hear of it
                 message, dead = fail_in_flight(core, e)
                 self.load, self.stats = load_of(core)
@@ -210,20 +234,22 @@ class ThreadCoreClient(_CoreClient):
 
 
 class ProcessCoreClient(_CoreClient):
-    """The EngineCore in a child process (`python -m replica.engine_proc`).
+    """The EngineCore in a child process (`python -m fleetserve.replica.engine.core_process`).
 
     Results are read on the event loop of the callers (`attach(loop)`, done by every
     `AsyncEngine.generate`): `loop.add_reader` on the pipe, so a step's outputs reach the
     streams with no thread hand-off, as vLLM's AsyncLLM output handler does. Outside a
     running loop (a script between `asyncio.run` calls, a health check), `poll()` reads
-    whatever has arrived.
+    whatever has arrived. Commands leave through a writer thread (see the module doc).
     """
 
     def __init__(self, args: EngineArgs, eos_token_id: Optional[int], on_step: StepCallback,
-                 on_failure: FailureCallback, start_timeout_s: float = 600.0) -> None:
+                 on_failure: FailureCallback, start_timeout_s: float = 600.0,
+                 send_timeout_s: float = 30.0) -> None:
         self._on_step, self._on_failure = on_step, on_failure
-        self._send_lock = threading.Lock()
+        self._send_timeout_s = send_timeout_s
         self._recv_lock = threading.Lock()
+        self._fail_lock = threading.Lock()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._stopping = False
         self._failed = False
@@ -239,47 +265,71 @@ class ProcessCoreClient(_CoreClient):
             [sys.executable, "-m", "fleetserve.replica.engine.core_process", str(theirs.fileno())],
             pass_fds=[theirs.fileno()], env=env, close_fds=True)
         theirs.close()
-        ours.setblocking(True)
-        self._conn = Connection(ours.detach())
+        self._chan = FrameChannel(ours.detach())
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer_thread = threading.Thread(target=self._writer, name="fleetserve-core-writer",
+                                               daemon=True)
+        self._writer_thread.start()
         try:
             self._send(("init", args.model_dump(), eos_token_id))
             reply = self._recv_startup(start_timeout_s)
         except BaseException:
             self._kill()
+            self._outbox.put(None)
             raise
         if reply[0] == "init_failed":
             self._kill()
+            self._outbox.put(None)
             raise RuntimeError(f"the engine core failed to start: {reply[1]}")
         info = reply[1]
         self.max_model_len = info["max_model_len"]
         self.vocab_size = info["vocab_size"]
         self.pid = self._proc.pid
         self.load, self.stats = info["load"], info["stats"]
+        self._last_progress = time.monotonic()
+        self._ping_seq = 0
+        self._ping_sent: Optional[float] = None  # when the unanswered ping left, if any
+
+    def stall_reason(self, timeout_s: float) -> Optional[str]:
+        """Wedged (see the base class), or silent: a ping (answered between steps, and while
+        idle) got no answer within `timeout_s`. Each call sends a ping if none is out."""
+        if self._loop is None or not self._loop.is_running():
+            self.poll()
+        reason = super().stall_reason(timeout_s)
+        now = time.monotonic()
+        if reason is None and self._ping_sent is not None and now - self._ping_sent > timeout_s:
+            reason = f"the engine core did not answer a ping within {timeout_s:g} s"
+        if self._ping_sent is None and not self._failed:
+            self._ping_seq += 1
+            self._ping_sent = now
+            try:
+                self._send(("ping", self._ping_seq))
+            except EngineCoreDied:
+                pass
+        return reason
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Read results on `loop` (the running loop of the caller) from now on, unless another
         loop that is still running reads them already."""
-        if self._loop is loop or self._stopping:
+        if self._loop is loop or self._stopping or self._failed:
             return
         if self._loop is not None and self._loop.is_running() and not self._loop.is_closed():
             return
         self._loop = loop
-        loop.add_reader(self._conn.fileno(), self.poll)
+        loop.add_reader(self._chan.fileno(), self.poll)
 
     def poll(self) -> None:
         """Handle every message that has arrived, without waiting (one reader at a time)."""
-        if not self._recv_lock.acquire(blocking=False):
-            return  # another thread is reading right now
+        if self._failed or not self._recv_lock.acquire(blocking=False):
+            return  # gone, or another thread is reading right now
         try:
-            while not self._failed and self._conn.poll(0):
-                try:
-                    message = pickle.loads(self._conn.recv_bytes())
-                except (EOFError, OSError):
-                    self._core_gone()
-                    return
-                self._handle(message)
-        except (OSError, ValueError):  # the pipe was closed under us (shutdown)
-            if not self._stopping:
+            try:
+                frames = self._chan.recv_ready()
+            except EOFError:
+                frames = None
+            for frame in frames or ():
+                self._handle(pickle.loads(frame))
+            if frames is None:
                 self._core_gone()
         finally:
             self._recv_lock.release()
@@ -297,31 +347,41 @@ class ProcessCoreClient(_CoreClient):
             self._send(("shutdown",))
         except EngineCoreDied:
             pass
+        self._outbox.put(None)  # the writer sends what is queued, then stops
         try:
             self._proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             logger.warning("engine core process %d did not stop in 30 s; killing it", self._proc.pid)
             self._kill()
+        self._writer_thread.join(timeout=5)
         self._detach()
-        self._conn.close()
+        self._chan.close()
 
     # -- plumbing ----------------------------------------------------------------
 
     def _handle(self, message: tuple) -> None:
         kind = message[0]
+        if kind in ("step", "state", "pong"):
+            self._last_progress = time.monotonic()
         if kind == "step":
             _, result, self.load, self.stats, self._adds_seen = message
             self._on_step(result)
         elif kind == "state":
             _, self.load, self.stats, self._adds_seen = message
+        elif kind == "pong" and message[1] == self._ping_seq:
+            self._ping_sent = None
         elif kind in ("failed", "dead"):
             self._on_failure(message[1], kind == "dead")
 
-    def _core_gone(self) -> None:
-        """End of the pipe: the child exited. Fail everything (once) and stop reading."""
-        if self._failed:
-            return
-        self._failed = True
+    def _core_gone(self, why: Optional[str] = None) -> None:
+        """The child exited (end of the pipe) or the pipe is torn (`why`): fail everything,
+        once, and stop reading. A torn pipe cannot be resynchronised: the child is killed."""
+        with self._fail_lock:
+            if self._failed:
+                return
+            self._failed = True
+        if why is not None:
+            self._kill()
         self._detach()
         if self._stopping:
             return
@@ -330,6 +390,8 @@ class ProcessCoreClient(_CoreClient):
         except subprocess.TimeoutExpired:
             pass
         message = f"the engine core process exited ({self._exit_text()})"
+        if why is not None:
+            message = f"the pipe to the engine core broke ({why}); the core was stopped"
         logger.error("%s; failing all requests", message)
         self._on_failure(message, True)
 
@@ -341,35 +403,49 @@ class ProcessCoreClient(_CoreClient):
             running = asyncio.get_running_loop()
         except RuntimeError:
             running = None
+        fd = self._chan.fileno()
         if running is loop or not loop.is_running():
-            loop.remove_reader(self._conn.fileno())
+            loop.remove_reader(fd)
         else:
-            loop.call_soon_threadsafe(loop.remove_reader, self._conn.fileno())
+            loop.call_soon_threadsafe(loop.remove_reader, fd)
 
     def _command(self, command: tuple) -> None:
         self._send(command)
 
     def _send(self, message: tuple) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        try:
-            with self._send_lock:
-                self._conn.send_bytes(data)
-        except (OSError, ValueError) as e:  # the child is gone (or we closed the pipe)
-            raise EngineCoreDied(f"the engine core process is gone: {self._exit_text()}") from e
+        """Queue a message for the writer; EngineCoreDied when the core is known to be gone."""
+        if self._failed or self._chan.broken is not None or self._proc.poll() is not None:
+            raise EngineCoreDied(f"the engine core process is gone: {self._exit_text()}")
+        self._outbox.put(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _writer(self) -> None:
+        """Writes queued messages in order, each whole, each within the send deadline."""
+        while True:
+            data = self._outbox.get()
+            if data is None:
+                return
+            try:
+                self._chan.send(data, timeout_s=self._send_timeout_s)
+            except ChannelBroken as e:
+                if not self._stopping:
+                    self._core_gone(why=str(e))
+                return
 
     def _recv_startup(self, timeout_s: float) -> tuple:
         deadline = time.monotonic() + timeout_s
-        while not self._conn.poll(0.5):
+        while True:
+            try:
+                frame = self._chan.recv(0.5)
+            except EOFError as e:
+                raise RuntimeError(f"the engine core process exited while starting "
+                                   f"({self._exit_text()})") from e
+            if frame is not None:
+                return pickle.loads(frame)
             if self._proc.poll() is not None:
                 raise RuntimeError(f"the engine core process exited while starting "
                                    f"({self._exit_text()}); its log says why")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the engine core did not start within {timeout_s:.0f} s")
-        try:
-            return pickle.loads(self._conn.recv_bytes())
-        except EOFError as e:
-            raise RuntimeError(f"the engine core process exited while starting "
-                               f"({self._exit_text()})") from e
 
     def _exit_text(self) -> str:
         code = self._proc.poll()

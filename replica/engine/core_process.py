@@ -1,5 +1,6 @@
-"""The EngineCore process: `python -m replica.engine_proc FD`, started by
-`replica.core_client.ProcessCoreClient` with one end of a socketpair as FD.
+"""The EngineCore process: `python -m fleetserve.replica.engine.core_process FD`, started
+by `core_client.ProcessCoreClient` with one end of a socketpair as FD (whole frames both
+ways: `replica.engine.framing`).
 
 One thread: EngineCore's busy loop (schedule -> execute -> update) reads the
 commands waiting on its pipe before each step (without blocking while there is
@@ -22,22 +23,24 @@ import os
 import pickle
 import signal
 import sys
-from multiprocessing.connection import Connection
 
 from fleetserve.replica.engine.core_client import apply_command, fail_in_flight
+from fleetserve.replica.engine.framing import ChannelBroken, FrameChannel
 
 logger = logging.getLogger("fleetserve.replica.engine.core_process")
 
 
 class EngineCoreLoop:
-    def __init__(self, core, conn: Connection) -> None:
+    def __init__(self, core, chan: FrameChannel) -> None:
         self.core = core
-        self.conn = conn
+        self.chan = chan
         self.adds_seen = 0
         self.dead = False
 
     def send(self, message: tuple) -> None:
-        self.conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        # No deadline: a parent that reads slowly only slows the steps (backpressure); a
+        # parent that is gone makes the write fail at once.
+        self.chan.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
     def state(self) -> tuple:
         return self.core.get_load(), self.core.scheduler.get_stats(), self.adds_seen
@@ -70,32 +73,37 @@ class EngineCoreLoop:
 
     def _drain(self, block: bool):
         """Apply the commands waiting on the pipe (waiting for one first if `block`); returns
-        how many, or None on shutdown (asked for, or the parent is gone)."""
-        n = 0
-        while block or self.conn.poll(0):
-            block = False
-            try:
-                kind, *rest = pickle.loads(self.conn.recv_bytes())
-            except (EOFError, OSError):
-                return None  # the parent is gone
-            n += 1
+        how many, or None on shutdown (asked for, or the parent is gone). A command still
+        arriving (part of its frame) waits in the channel's buffer for the next drain."""
+        try:
+            frames = self.chan.recv_ready()
+            while block and not frames:
+                self.chan.wait_readable(None)
+                frames = self.chan.recv_ready()
+        except EOFError:
+            return None  # the parent is gone
+        for frame in frames:
+            kind, *rest = pickle.loads(frame)
             if kind == "shutdown":
                 return None
+            if kind == "ping":  # liveness: answered between steps (the parent's health check)
+                self.send(("pong", rest[0]))
+                continue
             if kind == "add":
                 self.adds_seen += 1
                 if self.dead:
                     continue  # the parent refuses new requests once it hears of it
             apply_command(self.core, kind, rest[0])
-        return n
+        return len(frames)
 
 
 def main(fd: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=os.environ.get("FLEETSERVE_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s engine-core[%(process)d] %(name)s: %(message)s")
-    conn = Connection(fd)
+    chan = FrameChannel(fd)
     try:
-        _, args_dict, eos_token_id = pickle.loads(conn.recv_bytes())
+        _, args_dict, eos_token_id = pickle.loads(chan.recv())
     except (EOFError, OSError):
         return 0  # the parent went away before sending anything
     try:
@@ -105,14 +113,14 @@ def main(fd: int) -> int:
         core = EngineCore(EngineArgs.model_validate(args_dict), eos_token_id)
     except Exception as e:  # noqa: BLE001 - the parent raises it with this message
         logger.exception("engine core failed to start")
-        conn.send_bytes(pickle.dumps(("init_failed", f"{type(e).__name__}: {e}")))
+        chan.send(pickle.dumps(("init_failed", f"{type(e).__name__}: {e}")))
         return 1
-    conn.send_bytes(pickle.dumps(("ready", {
-        "max_model_len": core.max_model_len, "vocab_size": core.hf_config.vocab_size,
-        "load": core.get_load(), "stats": core.scheduler.get_stats()})))
     try:
-        EngineCoreLoop(core, conn).run()
-    except (BrokenPipeError, ConnectionResetError):
+        chan.send(pickle.dumps(("ready", {
+            "max_model_len": core.max_model_len, "vocab_size": core.hf_config.vocab_size,
+            "load": core.get_load(), "stats": core.scheduler.get_stats()})))
+        EngineCoreLoop(core, chan).run()
+    except ChannelBroken:
         pass  # the parent is gone: nobody to send to
     finally:
         core.shutdown()

@@ -72,6 +72,9 @@ class EngineArgs(BaseModel):
         "Ray placement group strategy for the tensor-parallel ranks."))
     max_waiting_requests: int = Field(1024, ge=1, description=(
         "Bounded waiting queue per replica; a request beyond it is refused (HTTP 429)."))
+    prefix_caching_hash_algo: Literal["builtin", "sha256"] = Field("builtin", description=(
+        "Prefix-cache block hashes: builtin (fast; trusted traffic) or sha256 (tenants that "
+        "must not collide with or probe each other's prefixes; see README, Security)."))
     num_threads: Optional[int] = Field(None, ge=1, description=(
         "Torch threads per replica (unset: the CPUs Ray reserves for it, or the cores available)."))
     speculative_config: Optional[SpeculativeConfig] = Field(None, description=(
@@ -120,4 +123,5 @@ class EngineArgs(BaseModel):
     def cache_config(self, num_blocks: int) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, num_blocks=num_blocks,
                            enable_prefix_caching=self.enable_prefix_caching,
-                           enable_kv_cache_events=self.enable_kv_cache_events)
+                           enable_kv_cache_events=self.enable_kv_cache_events,
+                           prefix_caching_hash_algo=self.prefix_caching_hash_algo)

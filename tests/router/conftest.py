@@ -50,6 +50,7 @@ def server(tiny_model_dir):
         "http": {"port": free_port(), "max_body_bytes": 64 * 1024},
         "grpc": {"port": free_port()},
         "api_key": API_KEY,
+        "reliability": {"body_timeout_s": 3},
     })
     connect_ray(config, num_cpus=2, log_to_driver=False)
     start_serve(config)

@@ -1,0 +1,96 @@
+"""API keys: `Authorization: Bearer <key>` on HTTP, the same in gRPC metadata.
+
+- Only the Bearer scheme counts (`Authorization: sk-x` without it is refused, as OpenAI
+  and vLLM do); the scheme name is case-insensitive (RFC 7235).
+- Keys are compared as SHA-256 digests with `hmac.compare_digest`: constant time, and
+  the comparison does not even reveal the key's length.
+- Every HTTP path needs the key except the configured open ones (`/health` and
+  `/metrics` by default, as in vLLM; `api_key_open_paths: ["/health"]` closes /metrics).
+  That includes FastAPI's `/openapi.json` and anything else the app serves: the check is
+  a middleware in front of all routes, not a call each endpoint must remember. Serve's
+  own `/-/routes` and `/-/healthz` are answered before the app sees the request (they
+  reveal the application's name and route prefix only): keep them off the public
+  network if that matters.
+- Where the key comes from: `api_key` in the config (or `--api-key`), `api_key_file`
+  (or `--api-key-file`: a file holding the key), or the environment variable
+  `FLEETSERVE_API_KEY`: the last two keep it out of `ps` and shell history. It is
+  never logged and never put in a Ray runtime_env (cluster.deploy.serve_env skips it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from pathlib import Path
+from typing import Optional
+
+from fastapi import Request
+
+from fleetserve.router.errors import APIError, to_response
+
+API_KEY_ENV = "FLEETSERVE_API_KEY"
+
+
+def resolve_api_key(api_key: Optional[str], api_key_file: Optional[str]) -> Optional[str]:
+    """The key from the config, else the file, else the environment; None: no key."""
+    if api_key:
+        return api_key
+    if api_key_file:
+        try:
+            key = Path(api_key_file).expanduser().read_text().strip()
+        except OSError as e:
+            raise ValueError(f"api_key_file {api_key_file!r} cannot be read: {e.strerror}") from e
+        if not key:
+            raise ValueError(f"api_key_file {api_key_file!r} is empty")
+        return key
+    return os.environ.get(API_KEY_ENV) or None
+
+
+def _digest(value: str) -> bytes:
+    return hashlib.sha256(value.encode("utf-8", "surrogatepass")).digest()
+
+
+class ApiKeyAuth:
+    def __init__(self, api_key: Optional[str],
+                 open_paths: tuple[str, ...] = ("/health", "/metrics")) -> None:
+        self._digest = _digest(api_key) if api_key else None
+        self.open_paths = frozenset(open_paths)
+
+    @property
+    def enabled(self) -> bool:
+        return self._digest is not None
+
+    def check(self, authorization: Optional[str]) -> None:
+        """APIError(401) unless `authorization` is `Bearer <the key>` (or no key is set)."""
+        if self._digest is None:
+            return
+        scheme, _, token = (authorization or "").strip().partition(" ")
+        presented = _digest(token.strip())
+        # Compare even when the scheme is wrong: the time taken says nothing either way.
+        matches = hmac.compare_digest(presented, self._digest)
+        if not (matches and scheme.lower() == "bearer"):
+            raise APIError("Incorrect API key provided: send 'Authorization: Bearer <key>'", 401,
+                           code="invalid_api_key")
+
+
+# The ingress's auth. Serve builds the FastAPI app from a module-level object, so the
+# middleware below cannot reach the ingress instance; the ingress installs its settings
+# here when it starts (one ingress per replica process).
+_installed = ApiKeyAuth(None)
+
+
+def install(auth: ApiKeyAuth) -> None:
+    global _installed
+    _installed = auth
+
+
+async def require_api_key(request: Request, call_next):
+    """HTTP middleware: every path but the open ones needs the key."""
+    auth = _installed
+    if auth.enabled and request.url.path not in auth.open_paths:
+        try:
+            auth.check(request.headers.get("authorization"))
+        except APIError as e:
+            return to_response(e.body)
+    return await call_next(request)

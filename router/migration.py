@@ -1,0 +1,200 @@
+"""Request migration: a stream whose replica (or its engine core) dies goes on elsewhere.
+
+`MigratingStream` is what the ingress reads a replica's `generate` stream through (HTTP
+streaming and not, gRPC). It remembers the token ids each choice has produced so far;
+when the stream raises (the replica's actor died, its engine core was killed or failed a
+step), it sends a continuation to another replica and keeps yielding from there:
+
+    continuation prompt = original prompt ids + ids already generated
+    max_tokens          = the remaining budget;  min_tokens likewise
+    seed                = shifted so the draws continue where they stopped (below)
+    everything else     = the same sampling settings, priority and cache_salt
+
+so the client sees one stream with no token repeated and none missing. The replica
+that failed is avoided (`AVOID_KEY`, read by the request router) when another exists.
+At most `max_migrations` continuations per request (then the error reaches the client
+as before: an SSE error event, a gRPC status); what cannot be continued fails at once.
+
+What is guaranteed:
+- greedy requests: the same tokens as an uninterrupted run (up to the float rounding
+  of recomputing the continuation's prompt as a prefill rather than decodes);
+- seeded requests: the same random draws. The model runner reseeds a seeded request's
+  generator before every sampled token from `seed * SEED_STRIDE + position` (mod 2**63;
+  replica/worker/model_runner.py), so a continuation whose output restarts at position 0
+  gets the seed `seed + k * SEED_STRIDE**-1` (mod 2**63) and draws what position k drew;
+- presence and frequency penalties count only output tokens, and the tokens made before
+  the failure are prompt tokens of the continuation: with those penalties on, the
+  continuation is a valid sample but not the one the first replica would have drawn;
+- text: what the first replica's detokenizer still held back (the start of a possible
+  stop string) is sent when the stream moves (`_catch_up`); a failure inside a multi-byte
+  character loses that character's text (its tokens are not lost); a stop string that
+  straddles the failure point is not matched;
+- `n > 1` requests are not migrated (their choices share one stream): they fail as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Callable, Optional
+
+from ray.serve.exceptions import BackPressureError
+
+from fleetserve.router.errors import is_error
+
+logger = logging.getLogger("ray.serve")
+
+AVOID_KEY = "_fleetserve_avoid_replicas"
+ENGINE_DEAD = "engine_dead"  # error code of a replica whose engine died (router.replica)
+SEED_STRIDE = 1_000_003  # the model runner's reseeding stride (see the module doc)
+_SEED_MOD = 1 << 63
+_SEED_STRIDE_INV = pow(SEED_STRIDE, -1, _SEED_MOD)
+
+# This process's counts (the ingress exports them on /metrics): continuations started, and
+# failed streams that were not continued (with tokens already sent).
+COUNTS = {"migrated": 0, "not_migrated": 0}
+
+
+def metrics_text() -> str:
+    return ("# HELP fleetserve:request_migrations_total Streams continued on another replica "
+            "after theirs failed.\n# TYPE fleetserve:request_migrations_total counter\n"
+            f"fleetserve:request_migrations_total {COUNTS['migrated']}\n"
+            "# HELP fleetserve:request_migration_failures_total Failed streams that could not "
+            "be continued.\n# TYPE fleetserve:request_migration_failures_total counter\n"
+            f"fleetserve:request_migration_failures_total {COUNTS['not_migrated']}\n")
+
+
+def continued_seed(seed: int, num_generated: int) -> int:
+    """The seed whose draw at output position 0 is `seed`'s draw at `num_generated`."""
+    return (seed + num_generated * _SEED_STRIDE_INV) % _SEED_MOD
+
+
+def continuation_body(body: dict, generated: list[int], attempt: int,
+                      avoid: list[str]) -> dict:
+    """The request that continues `body` after `generated` tokens (one choice)."""
+    sp = dict(body["sampling_params"])
+    done = len(generated)
+    if sp.get("max_tokens") is not None:
+        sp["max_tokens"] = sp["max_tokens"] - done
+    sp["min_tokens"] = max(0, sp.get("min_tokens", 0) - done)
+    if sp.get("seed") is not None:
+        sp["seed"] = continued_seed(sp["seed"], done)
+    return {**body, "request_id": f"{body['request_id']}-m{attempt}",
+            "prompt_token_ids": list(body["prompt_token_ids"]) + list(generated),
+            "sampling_params": sp, AVOID_KEY: list(avoid)}
+
+
+class MigratingStream:
+    """A replica stream (ReplicaStream's interface) that survives its replica."""
+
+    def __init__(self, open_stream: Callable[[dict], Any], body: dict, max_migrations: int,
+                 decode: Optional[Callable[[list[int]], str]] = None,
+                 backoff_s: float = 0.25) -> None:
+        self._open = open_stream
+        self._decode = decode
+        self._text: dict[int, list[str]] = {}
+        self._ready: list[dict] = []  # items to hand out before reading the stream again
+        self._body = body
+        self._stream = open_stream(body)
+        self._max = max_migrations
+        self._backoff_s = backoff_s
+        self.migrations = 0
+        self._generated: dict[int, list[int]] = {}
+        self._finished: set[int] = set()
+        self._replicas: list[str] = []  # replicas that served this request, in order
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self._ready:
+            return self._ready.pop(0)
+        while True:
+            try:
+                item = await self._stream.__anext__()
+            except (StopAsyncIteration, asyncio.CancelledError):
+                raise
+            except Exception as e:  # noqa: BLE001 - the replica failed: continue elsewhere
+                reason = self._why_not(e)
+                if reason is not None:
+                    if self._generated:  # tokens were sent: say why the stream stops here
+                        COUNTS["not_migrated"] += 1
+                        logger.warning("request %s not migrated: %s", self._body["request_id"], reason)
+                    raise
+                await self._migrate(e)
+                continue
+            if is_error(item) and item["error"].get("code") == ENGINE_DEAD:
+                # The replica answered, but its engine is dead: continue elsewhere, avoiding it.
+                if item.get("replica") and item["replica"] not in self._replicas:
+                    self._replicas.append(item["replica"])
+                if self._why_not(RuntimeError(item["error"]["message"])) is None:
+                    await self._migrate(RuntimeError(item["error"]["message"]))
+                    continue
+            if not is_error(item):
+                self._observe(item)
+            return item
+
+    def cancel(self) -> None:
+        self._stream.cancel()
+
+    # -- internals ---------------------------------------------------------------
+
+    def _observe(self, item: dict) -> None:
+        if item.get("replica") and (not self._replicas or self._replicas[-1] != item["replica"]):
+            self._replicas.append(item["replica"])
+        if self.migrations:
+            item.pop("prompt_tokens", None)  # the client's prompt is the original one
+        for out in item.get("outputs", ()):
+            self._generated.setdefault(out["index"], []).extend(out["token_ids"])
+            self._text.setdefault(out["index"], []).append(out.get("text") or "")
+            if out.get("finish_reason"):
+                self._finished.add(out["index"])
+
+    def _why_not(self, error: BaseException) -> Optional[str]:
+        if isinstance(error, BackPressureError):
+            return "the cluster is overloaded (Serve's queue is full)"
+        if self.migrations >= self._max:
+            return f"already migrated {self.migrations} times ({error})"
+        if self._body["sampling_params"].get("n", 1) != 1:
+            return "requests with n > 1 are not migrated"
+        if self._body.get("kv_transfer_params"):
+            return "requests with KV transfer parameters are not migrated"
+        if 0 in self._finished:
+            return "the request had already finished"
+        return None
+
+    async def _migrate(self, error: BaseException) -> None:
+        self.migrations += 1
+        COUNTS["migrated"] += 1
+        self._stream.cancel()
+        generated = self._generated.get(0, [])
+        logger.warning("request %s: replica %s failed after %d tokens (%s: %s); continuing on "
+                       "another replica (migration %d of at most %d)", self._body["request_id"],
+                       self._replicas[-1] if self._replicas else "?", len(generated),
+                       type(error).__name__, str(error)[:200], self.migrations, self._max)
+        await asyncio.sleep(self._backoff_s * self.migrations)  # let Serve notice the failure
+        body = continuation_body(self._body, generated, self.migrations, self._replicas)
+        self._stream = self._open(body)
+        missing = self._catch_up(generated)
+        if missing:
+            self._text.setdefault(0, []).append(missing)
+            self._ready.append({"replica": "", "finished": False, "num_cached_tokens": 0,
+                                "outputs": [{"index": 0, "text": missing, "token_ids": [],
+                                             "logprobs": None, "finish_reason": None,
+                                             "stop_reason": None}]})
+
+    def _catch_up(self, generated: list[int]) -> str:
+        """Text of `generated` that the failed replica had not sent yet (held back as the
+        possible start of a stop string): decoded here as its detokenizer would (the last
+        few prompt ids as left context), minus what was sent. The continuation's replica
+        decodes only tokens after these."""
+        if self._decode is None or not generated:
+            return ""
+        context = list(self._body["prompt_token_ids"][-5:])
+        try:
+            expected = self._decode(context + generated)[len(self._decode(context)):]
+        except Exception:  # noqa: BLE001 - text is best effort; the tokens are exact
+            return ""
+        expected = expected.rstrip("\ufffd")  # an incomplete character: its bytes are gone
+        sent = "".join(self._text.get(0, ()))
+        return expected[len(sent):] if expected.startswith(sent) else ""
