@@ -120,7 +120,7 @@ def test_ray_object_store_hand_off_matches_one_engine(ray_pair, reference, local
         assert got == want
         assert params["remote_ray_owner"] == "fleetserve-kv-owner"
         assert len(prompt) - final.num_cached_tokens <= BLOCK
-        assert final.num_remote_tokens == len(prompt) // BLOCK * BLOCK
+        assert final.num_remote_tokens == min(len(prompt) // BLOCK * BLOCK, len(prompt) - 1)
     wait_all_free(prod)
     wait_all_free(cons)
     # Every consumer confirmed: the owner holds nothing any more.
@@ -171,3 +171,30 @@ def test_metrics_count_what_moved(storage_pair, reference):
     assert c[("vllm:prompt_tokens_by_source_total", "local_compute")] >= 1
     assert p[("vllm:kv_transfer_bytes_sent_count", "")] >= 1
     assert c[("vllm:kv_transfer_blocks_held", "")] == 0
+
+
+# ---- torch.distributed point to point ----------------------------------------------
+def test_p2p_hand_off_matches_one_engine(tiny_model_dir, local_ray, reference):
+    cfg = {"kv_connector": "P2PConnector", "kv_role": "kv_both", "kv_load_timeout_s": 20.0,
+           "kv_connector_extra_config": {"host": "127.0.0.1"}, "kv_load_failure_policy": "fail"}
+    prod = engine(tiny_model_dir, cfg)  # its own process
+    # No local prefix cache on the consumer: a repeated prompt must go to the producer again.
+    cons = engine(tiny_model_dir, cfg, core_process=False, enable_prefix_caching=False)
+    try:
+        for prompt in prompts(2, seed=4):
+            want, _ = run(collect(reference, prompt, greedy(6)))
+            got, final, _ = run(hand_off(prod, cons, prompt, 6))
+            assert got == want
+            assert final.num_remote_tokens == min(len(prompt) // BLOCK * BLOCK, len(prompt) - 1)
+        # A transfer the producer does not hold (taken already): a clear error, in time.
+        _, pfinal = run(collect(prod, prompts(1, seed=8)[0], greedy(1),
+                                {"do_remote_decode": True, "transfer_id": "once"}))
+        params = pfinal.kv_transfer_params
+        run(collect(cons, prompts(1, seed=8)[0], greedy(2), params))
+        tokens, again = run(collect(cons, prompts(1, seed=8)[0], greedy(2), params))
+        assert again.outputs[0].finish_reason == "error" and tokens == []
+        wait_all_free(prod)
+        wait_all_free(cons)
+    finally:
+        prod.shutdown()
+        cons.shutdown()
