@@ -173,6 +173,24 @@ def test_metrics_count_what_moved(storage_pair, reference):
     assert c[("vllm:kv_transfer_blocks_held", "")] == 0
 
 
+def test_ray_producer_killed_before_the_consumer_reads(ray_pair, reference, local_ray):
+    """The export outlives its producer: the owner actor holds it, the decode is right."""
+    import os
+    import signal
+
+    prod, cons = ray_pair
+    prompt = prompts(1, seed=11)[0]
+    want, _ = run(collect(reference, prompt, greedy(6)))
+    _, pfinal = run(collect(prod, prompt, greedy(1), {"do_remote_decode": True, "transfer_id": "killed-1"}))
+    deadline = time.monotonic() + 10
+    while owner_stats(local_ray)["held"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)  # the export lands just after the reply
+    os.kill(prod.core_pid, signal.SIGKILL)
+    tokens, final = run(collect(cons, prompt, greedy(6), pfinal.kv_transfer_params))
+    assert tokens == want and final.num_remote_tokens > 0
+    wait_all_free(cons)
+
+
 # ---- torch.distributed point to point ----------------------------------------------
 def test_p2p_hand_off_matches_one_engine(tiny_model_dir, local_ray, reference):
     cfg = {"kv_connector": "P2PConnector", "kv_role": "kv_both", "kv_load_timeout_s": 20.0,
@@ -194,6 +212,18 @@ def test_p2p_hand_off_matches_one_engine(tiny_model_dir, local_ray, reference):
         tokens, again = run(collect(cons, prompts(1, seed=8)[0], greedy(2), params))
         assert again.outputs[0].finish_reason == "error" and tokens == []
         wait_all_free(prod)
+        wait_all_free(cons)
+        # The producer dies before the consumer reads: a clear error within the deadline.
+        import os
+        import signal
+
+        _, pfinal = run(collect(prod, prompts(1, seed=12)[0], greedy(1),
+                                {"do_remote_decode": True, "transfer_id": "killed-2"}))
+        os.kill(prod.core_pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        tokens, final = run(collect(cons, prompts(1, seed=12)[0], greedy(2), pfinal.kv_transfer_params))
+        assert final.outputs[0].finish_reason == "error" and tokens == []
+        assert time.monotonic() - t0 < 20 + 5
         wait_all_free(cons)
     finally:
         prod.shutdown()
