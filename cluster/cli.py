@@ -11,96 +11,69 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 from typing import Any, Callable, Optional
 
 from pydantic import ValidationError
 
-from fleetserve.cluster.cli_engine import add_engine_flags, engine_kwargs
+from fleetserve.cluster.cli_engine import (add_engine_flags, add_schema_flags, engine_kwargs,
+                                           nested_overrides, schema_fields)
 from fleetserve.cluster.generate import add_generate_parser
 
 log = logging.getLogger("fleetserve")
 
 def add_serve_parser(sub) -> None:
+    from fleetserve.cluster.config import AppConfig
+
     p = sub.add_parser("serve", help="serve a model over OpenAI HTTP and gRPC from a Ray cluster",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="Serve a model over OpenAI HTTP and gRPC from a Ray cluster. "
+                                   "Every flag below is a field of the application config "
+                                   "(cluster/config.py); --config reads the same fields from YAML.",
                        argument_default=argparse.SUPPRESS)
     p.add_argument("model_tag", nargs="?", help="the model (same as --model)")
-    p.add_argument("--config", help="application YAML; flags given here override it")
+    p.add_argument("--config", help="application YAML (cluster/config.py's schema); flags given "
+                                    "here override it [default: unset]")
     add_engine_flags(p)
-    app = p.add_argument_group("application")
-    app.add_argument("--num-replicas", type=int, help="engine replicas (default 2)")
-    app.add_argument("--routing-policy", choices=["power_of_two", "least_loaded", "prefix_aware"])
-    app.add_argument("--api-key", help="require 'Authorization: Bearer <key>'")
-    app.add_argument("--host", help="HTTP host (default 127.0.0.1)")
-    app.add_argument("--port", type=int, help="HTTP port (default 8000)")
-    app.add_argument("--grpc-port", type=int, help="gRPC port (default 9000)")
-    app.add_argument("--no-grpc", action="store_true", help="do not start the gRPC proxy")
-    app.add_argument("--address", help="Ray address: 'auto' or host:port joins a cluster "
-                                       "(default: an embedded local Ray)")
-    app.add_argument("--num-cpus-per-replica", type=float)
+    add_schema_flags(p.add_argument_group("application"), AppConfig, skip=APP_SKIP)
     p.set_defaults(func=cmd_serve)
+
+
+# AppConfig fields that are not flags of their own: `engine` has the engine group.
+APP_SKIP = ("engine",)
 
 
 def config_from_args(args: argparse.Namespace):
     """Build the AppConfig: YAML file (if any), then flags on top."""
     from fleetserve.cluster.config import AppConfig
 
-    given = vars(args)
     engine = engine_kwargs(args)
     overrides: dict[str, Any] = {"engine": engine} if engine else {}
-    for flag, field in (("num_replicas", "num_replicas"), ("routing_policy", "routing_policy"),
-                        ("api_key", "api_key"), ("address", "address"),
-                        ("num_cpus_per_replica", "num_cpus_per_replica")):
-        if flag in given:
-            overrides[field] = given[flag]
-    http = {k: given[k] for k in ("host", "port") if k in given}
-    if http:
-        overrides["http"] = http
-    grpc: dict[str, Any] = {}
-    if "grpc_port" in given:
-        grpc["port"] = given["grpc_port"]
-    if given.get("no_grpc"):
-        grpc["enabled"] = False
-    if grpc:
-        overrides["grpc"] = grpc
-    if given.get("config"):
-        return AppConfig.from_yaml(given["config"], **overrides)
+    dests = [path for path, _, _ in schema_fields(AppConfig, skip=APP_SKIP)]
+    overrides.update(nested_overrides(args, dests))
+    config_file = vars(args).get("config")
+    if config_file:
+        return AppConfig.from_yaml(config_file, **overrides)
     return AppConfig.model_validate(overrides)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from fleetserve.replica.model_loader.registry import ModelNotFoundError
+
     try:
         config = config_from_args(args)
     except (ValidationError, ValueError, OSError) as e:
         print(f"fleetserve serve: invalid configuration:\n{e}", file=sys.stderr)
         return 2
-    from ray import serve
+    from fleetserve.cluster.topology import check_model
 
-    from fleetserve.cluster.deploy import connect_ray, deploy, endpoints, start_serve
-
-    stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    log.info("starting Ray (%s)", config.address or "embedded, local")
-    connect_ray(config)
     try:
-        start_serve(config)
-        deploy(config)
-        for line in endpoints(config):
-            log.info("%s", line)
-        log.info("ready; Ctrl-C to stop")
-        stop.wait()
-        log.info("shutting down")
-    finally:
-        serve.delete(config.name)
-        if not config.address:
-            serve.shutdown()
-        import ray
-        ray.shutdown()
-    return 0
+        check_model(config)  # metadata only: seconds, before Ray starts
+    except (ModelNotFoundError, ValueError) as e:
+        print(f"fleetserve serve: {e}", file=sys.stderr)
+        return 2
+    from fleetserve.cluster.lifecycle import run_server
+
+    return run_server(config)
 
 
 SUBCOMMANDS: list[Callable] = [add_serve_parser, add_generate_parser]

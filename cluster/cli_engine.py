@@ -1,47 +1,127 @@
-"""Engine flags shared by `fleetserve serve` and `fleetserve generate` (vLLM's spelling)."""
+"""Command-line flags generated from the config schema, so `--help` cannot drift from it.
+
+Every field of `EngineArgs` (and, for `fleetserve serve`, of `AppConfig`) becomes a
+flag spelled as vLLM spells it (`max_num_seqs` -> `--max-num-seqs`), with the field's
+`description` as its help, its default and its choices. A field added to the schema
+gets its flag and help with no change here: bools become `--x/--no-x`, Literals get
+`choices`, numbers and strings their type, anything else (dicts, lists, nested
+models) takes a JSON value. Flags not given stay unset (argparse.SUPPRESS), so the
+schema's defaults (or a YAML file) apply.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+import types
+import typing
+from typing import Any, Iterator, Literal, Union
+
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+from fleetserve.replica.engine.engine_args import EngineArgs
+
+# Nested application fields that keep vLLM's / the README's short spelling.
+FLAG_NAMES = {"http.host": "--host", "http.port": "--port", "grpc.port": "--grpc-port",
+              "grpc.enabled": "--grpc",
+              # One JSON value, as vLLM's --kv-transfer-config (not a flag per sub-field).
+              "kv_transfer_config": "--kv-transfer-config",
+              "engine.kv_transfer_config": "--kv-transfer-config"}
 
 
-def json_object(text: str) -> dict:
-    """A JSON object flag (argparse names this function in its error message)."""
-    value = json.loads(text)
-    if not isinstance(value, dict):
-        raise ValueError("expected a JSON object")
-    return value
+def _json_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from e
 
 
-# CLI flag -> EngineArgs field type. Flags not given stay unset (argparse.SUPPRESS),
-# so the EngineArgs defaults (or a YAML file) apply.
-ENGINE_FLAGS = {
-    "model": str, "served_model_name": str, "max_num_seqs": int, "max_num_batched_tokens": int,
-    "max_model_len": int, "tensor_parallel_size": int, "dtype": str, "block_size": int,
-    "num_gpu_blocks_override": int, "kv_cache_memory_bytes": int, "max_waiting_requests": int,
-    "long_prefill_token_threshold": int, "scheduling_policy": str, "capacity_policy": str,
-    "seed": int, "num_threads": int, "device": str,
-    # '{"kv_connector": "SharedStorageConnector", "kv_role": "kv_both", ...}' (kv_transfer.config)
-    "kv_transfer_config": json_object,
-}
-BOOL_FLAGS = ("enable_prefix_caching", "enable_chunked_prefill")
+def _unwrap_optional(ann: Any) -> Any:
+    if typing.get_origin(ann) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return ann
+
+
+def _is_model(ann: Any) -> bool:
+    return isinstance(ann, type) and issubclass(ann, BaseModel)
+
+
+def schema_fields(model: type[BaseModel], prefix: str = "",
+                  skip: tuple[str, ...] = ()) -> Iterator[tuple[str, FieldInfo, Any]]:
+    """(dotted path, field, unwrapped type) of every leaf field; nested models are walked."""
+    for name, field in model.model_fields.items():
+        path = prefix + name
+        if path in skip:
+            continue
+        ann = _unwrap_optional(field.annotation)
+        if _is_model(ann) and path not in FLAG_NAMES:
+            yield from schema_fields(ann, path + ".", skip)
+        else:
+            yield path, field, ann
+
+
+def _help(field: FieldInfo, path: str) -> str:
+    text = field.description or f"the {path} setting"
+    default = field.get_default(call_default_factory=True)
+    if isinstance(default, BaseModel):
+        default = default.model_dump_json()
+    shown = "unset" if default is None else default
+    return f"{text} [default: {shown}]".replace("%", "%%")
+
+
+def add_schema_flags(group, model: type[BaseModel], prefix: str = "",
+                     skip: tuple[str, ...] = ()) -> list[str]:
+    """Add one flag per leaf field of `model` to `group`; returns their dests (dotted paths)."""
+    dests = []
+    for path, field, ann in schema_fields(model, prefix, skip):
+        flag = FLAG_NAMES.get(path) or "--" + path.replace(".", "-").replace("_", "-")
+        kwargs: dict[str, Any] = {"dest": path, "default": argparse.SUPPRESS,
+                                  "help": _help(field, path)}
+        if ann is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(ann) is Literal:
+            choices = typing.get_args(ann)
+            kwargs.update(choices=choices, type=type(choices[0]))
+        elif ann in (int, float, str):
+            kwargs.update(type=ann, metavar=path.rsplit(".", 1)[-1].upper())
+        else:
+            kwargs.update(type=_json_value, metavar="JSON")
+        group.add_argument(flag, **kwargs)
+        dests.append(path)
+    return dests
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine (vLLM flag names)")
-    for name, typ in ENGINE_FLAGS.items():
-        group.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=argparse.SUPPRESS)
-    for name in BOOL_FLAGS:
-        group.add_argument("--" + name.replace("_", "-"), dest=name, default=argparse.SUPPRESS,
-                           action=argparse.BooleanOptionalAction)
+    add_schema_flags(group, EngineArgs)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The EngineArgs fields given on the command line (a positional model tag included)."""
     given = vars(args)
-    out = {k: given[k] for k in (*ENGINE_FLAGS, *BOOL_FLAGS) if k in given}
+    out = {k: given[k] for k in EngineArgs.model_fields if k in given}
     if given.get("model_tag"):
         out.setdefault("model", given["model_tag"])
     return out
+
+
+def nested_overrides(args: argparse.Namespace, dests: list[str]) -> dict[str, Any]:
+    """The given flags among `dests` as a nested dict (`http.port` -> {"http": {"port": ...}})."""
+    given = vars(args)
+    out: dict[str, Any] = {}
+    for dest in dests:
+        if dest not in given:
+            continue
+        *parents, leaf = dest.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = given[dest]
+    return out
+
+
+__all__ = ["add_engine_flags", "add_schema_flags", "engine_kwargs", "nested_overrides",
+           "schema_fields"]

@@ -32,17 +32,19 @@ RoutingPolicyName = Literal["power_of_two", "least_loaded", "prefix_aware"]
 class HTTPOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    # Bodies larger than this are refused with 413 before parsing.
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    host: str = Field("127.0.0.1", description=(
+        "Address the HTTP and gRPC servers bind (0.0.0.0 or :: for every interface). "
+        "With --address (a joined cluster) Ray Serve's proxy binds gRPC on every interface."))
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port (OpenAI API, /metrics, /health).")
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description=(
+        "Largest request body; a larger one is refused with 413 before parsing."))
 
 
 class GRPCOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    enabled: bool = True
-    port: int = Field(9000, ge=0, le=65535)
+    enabled: bool = Field(True, description="Serve the gRPC API (fleetserve.v1.FleetServe).")
+    port: int = Field(9000, ge=0, le=65535, description="gRPC port.")
 
 
 class RoutingOptions(BaseModel):
@@ -50,39 +52,44 @@ class RoutingOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # prefix_aware: a replica counts as overloaded (so the prefix match is
-    # ignored) when it has this many more requests in flight than the least
-    # loaded one.
-    imbalance_threshold: int = Field(4, ge=1)
-    # prefix_aware: the match must cover at least this fraction of the prompt's
-    # full blocks to win over load (a shared chat header alone must not pin
-    # every request to one replica).
-    min_match_fraction: float = Field(0.5, gt=0.0, le=1.0)
-    # prefix_aware: most block hashes remembered by the router (LRU).
-    max_table_entries: int = Field(200_000, ge=16)
-    # How often replicas report their engine load to routers (seconds).
-    stats_period_s: float = Field(1.0, gt=0.0)
+    imbalance_threshold: int = Field(4, ge=1, description=(
+        "prefix_aware: a replica with this many more requests in flight than the least "
+        "loaded one counts as overloaded, and its prefix match is ignored."))
+    min_match_fraction: float = Field(0.5, gt=0.0, le=1.0, description=(
+        "prefix_aware: the smallest fraction of the prompt's full blocks a match must cover "
+        "to win over load (a shared chat header alone must not pin every request)."))
+    max_table_entries: int = Field(200_000, ge=16, description=(
+        "prefix_aware: most block hashes the router remembers (LRU)."))
+    stats_period_s: float = Field(1.0, gt=0.0, description=(
+        "How often replicas report their engine load to routers, in seconds."))
 
 
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
-    name: str = Field("fleetserve", min_length=1)
+    name: str = Field("fleetserve", min_length=1, description=(
+        "Ray Serve application name (gRPC clients send it as metadata `application`)."))
     engine: EngineArgs = EngineArgs()
-    num_replicas: int = Field(2, ge=1)
-    routing_policy: RoutingPolicyName = "power_of_two"
+    num_replicas: int = Field(2, ge=1, description="Engine replicas behind the router.")
+    routing_policy: RoutingPolicyName = Field("power_of_two", description=(
+        "How the router picks a replica: two random ones and the less loaded "
+        "(power_of_two), the least loaded, or the one holding the prompt's prefix "
+        "(prefix_aware)."))
     routing: RoutingOptions = RoutingOptions()
     http: HTTPOptions = HTTPOptions()
     grpc: GRPCOptions = GRPCOptions()
-    # When set, every HTTP request must carry `Authorization: Bearer <api_key>`
-    # (gRPC: metadata `authorization`).
-    api_key: Optional[str] = None
-    # Ray address: None starts an embedded local Ray; "auto" (or host:port) joins.
-    address: Optional[str] = None
-    # CPUs reserved per engine replica (its torch threads); 0 lets Ray pack them.
-    num_cpus_per_replica: float = Field(1.0, ge=0.0)
-    # The engine class each replica builds, "module:Class" (tests may swap it).
-    engine_cls: str = "fleetserve.replica.engine.async_engine:AsyncEngine"
+    api_key: Optional[str] = Field(None, description=(
+        "Require `Authorization: Bearer <key>` on HTTP (gRPC: metadata `authorization`)."))
+    address: Optional[str] = Field(None, description=(
+        "Ray cluster to join: 'auto' or host:port (unset: start an embedded local Ray "
+        "sized for the topology)."))
+    num_cpus_per_replica: float = Field(1.0, ge=0.0, description=(
+        "CPUs Ray reserves for each engine replica (its torch threads); 0 lets Ray pack "
+        "replicas. Tensor-parallel ranks take 1 CPU each on top."))
+    enable_log_requests: bool = Field(False, description=(
+        "Log one INFO line per request at the ingress: client, method, path, status, time."))
+    engine_cls: str = Field("fleetserve.replica.engine.async_engine:AsyncEngine", description=(
+        "The engine class each replica builds, 'module:Class' (tests may swap it)."))
 
     @property
     def served_model_name(self) -> str:

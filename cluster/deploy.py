@@ -116,8 +116,10 @@ def connect_ray(config: AppConfig, **init_kwargs) -> None:
             os.environ[f"RAY_SERVE_DIRECT_INGRESS_MIN_{proto}_PORT"] = str(port)
             os.environ[f"RAY_SERVE_DIRECT_INGRESS_MAX_{proto}_PORT"] = str(port + 1)
         _direct_ports = (config.http.port, config.grpc.port)
-    needed = config.num_replicas * config.num_cpus_per_replica
-    init_kwargs.setdefault("num_cpus", max(os.cpu_count() or 1, int(needed + 0.999)))
+    if "num_cpus" not in init_kwargs:
+        from fleetserve.cluster.topology import embedded_num_cpus
+
+        init_kwargs["num_cpus"] = embedded_num_cpus(config)
     init_kwargs.setdefault("include_dashboard", False)
     init_kwargs.setdefault("_node_ip_address", "127.0.0.1")
     # "local": always a new embedded Ray. With no address, ray.init joins the latest cluster
@@ -173,7 +175,9 @@ def build_app(config: AppConfig):
         engine_args["num_threads"] = max(1, int(config.num_cpus_per_replica))
     return ingress.bind(replica.bind(engine_args, config.engine_cls),
                         served_model_name=config.served_model_name, api_key=config.api_key,
-                        max_body_bytes=config.http.max_body_bytes, model_aliases=aliases)
+                        max_body_bytes=config.http.max_body_bytes, model_aliases=aliases,
+                        bind_host=config.http.host,
+                        log_requests=config.enable_log_requests)
 
 
 def deploy(config: AppConfig, blocking: bool = False):
@@ -186,8 +190,10 @@ def endpoints(config: AppConfig) -> list[str]:
     lines = [f"HTTP (OpenAI):  http://{config.http.host}:{config.http.port}/v1  "
              f"(model {config.served_model_name!r}; /health, /metrics, /tokenize)"]
     if config.grpc.enabled:
-        # Ray Serve 2.60 binds its gRPC proxy to [::] (all interfaces), whatever --host says.
-        lines.append(f"gRPC:           127.0.0.1:{config.grpc.port}  "
-                     f"(service fleetserve.v1.FleetServe, metadata application={config.name}; "
-                     "Ray Serve listens on all interfaces for gRPC)")
+        if _direct_ports == (config.http.port, config.grpc.port):
+            where = f"{config.http.host}:{config.grpc.port}"  # the ingress binds --host (serve_patches)
+        else:  # Ray Serve 2.60's proxy binds gRPC to [::] whatever --host says
+            where = f"[::]:{config.grpc.port} (every interface: Ray Serve's proxy)"
+        lines.append(f"gRPC:           {where}  (service fleetserve.v1.FleetServe, "
+                     f"metadata application={config.name})")
     return lines

@@ -10,10 +10,12 @@ same message the HTTP API would give.
 
 from __future__ import annotations
 
+import logging
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
 
 import grpc
+from ray.serve.exceptions import gRPCStatusError
 from ray.serve.grpc_util import RayServegRPCContext
 
 from fleetserve.router.errors import APIError, is_error
@@ -28,19 +30,50 @@ _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "see
                     "logprobs", "n", "min_tokens")
 
 
+logger = logging.getLogger("ray.serve")
+
+
 class GrpcError(Exception):
     """Raised after the status is set on the context: Serve then sends that status
-    (a streaming call that yielded nothing would otherwise end with OK)."""
+    (through Serve's proxy, a streaming call that yielded nothing would otherwise end
+    with OK). It is the client's answer, not a failure of ours: `quiet_client_errors`
+    keeps Serve from logging it as one."""
 
 
 def _fail(ctx: RayServegRPCContext, status: int, message: str) -> None:
-    ctx.set_code(_STATUS.get(status, grpc.StatusCode.INTERNAL))
+    code = _STATUS.get(status, grpc.StatusCode.INTERNAL)
+    ctx.set_code(code)
     ctx.set_details(message)
+    logger.info("gRPC %s: %s", code.name, message)
     raise GrpcError(message)
 
 
-def sampling_from_proto(msg: "pb.SamplingParams") -> SamplingParams:
+class _ClientErrorFilter(logging.Filter):
+    """Drops Serve's records about a GrpcError (an ERROR line and a traceback each, two
+    per failed call); `_fail` has already logged the one INFO line it deserves."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, gRPCStatusError):
+            exc = exc.original_exception
+        return not isinstance(exc, GrpcError)
+
+
+_filter = _ClientErrorFilter()
+
+
+def quiet_client_errors() -> None:
+    """Install the filter on Serve's logger in this process (idempotent)."""
+    serve_logger = logging.getLogger("ray.serve")
+    if _filter not in serve_logger.filters:
+        serve_logger.addFilter(_filter)
+
+
+def sampling_from_proto(msg: "pb.SamplingParams", defaults: Optional[dict] = None) -> SamplingParams:
+    """`defaults`: the model's generation defaults, for the fields the request leaves unset."""
     fields = {name: getattr(msg, name) for name in _SAMPLING_FIELDS if msg.HasField(name)}
+    for name, value in (defaults or {}).items():
+        fields.setdefault(name, min(value, 16) if name == "max_tokens" else value)
     fields.setdefault("max_tokens", 16)
     fields.update(stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
                   ignore_eos=msg.ignore_eos)
@@ -96,9 +129,9 @@ class GrpcMethods:
                          grpc_context: RayServegRPCContext) -> "pb.ListModelsResponse":
         try:
             self._grpc_auth(grpc_context)
+            info = await self.info()
         except APIError as e:
             _fail(grpc_context, e.status, e.body["error"]["message"])
-        info = await self.info()
         return pb.ListModelsResponse(models=[pb.ModelInfo(
             id=self.served_model_name, max_model_len=info["max_model_len"])])
 
@@ -116,7 +149,8 @@ class GrpcMethods:
                                                    "prompt_token_ids")
         else:
             raise APIError("one of prompt or prompt_token_ids is required", 400, param="prompt")
-        params = sampling_from_proto(request.sampling_params)
+        params = sampling_from_proto(request.sampling_params,
+                                     (await self.info()).get("generation_defaults"))
         explicit = (request.sampling_params.max_tokens
                     if request.sampling_params.HasField("max_tokens") else None)
         rid = request.request_id or f"grpc-{uuid.uuid4().hex}"

@@ -14,7 +14,9 @@ import asyncio
 import collections
 import hmac
 import json
+import logging
 import os
+import time
 import uuid
 from typing import AsyncIterator, Optional, Union
 
@@ -27,16 +29,25 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fleetserve.router import openai_format as fmt
+from fleetserve.router import serve_patches
+from fleetserve.router.access_log import AccessLog
 from fleetserve.router.errors import (APIError, error_body, field_path, from_validation_error, is_error,
                                       to_response)
-from fleetserve.router.grpc_service import GrpcMethods
+from fleetserve.router.grpc_service import GrpcMethods, quiet_client_errors
 from fleetserve.router.metrics import merge_metrics
 from fleetserve.router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest, sampling_dict)
 from fleetserve.router.registry import get_router
 from fleetserve.router.request_router import TARGET_KWARG
 
+logger = logging.getLogger("ray.serve")
+
 app = FastAPI(title="fleetserve", docs_url=None, redoc_url=None)
+app.add_middleware(AccessLog)
+
+# How long a request waits for the first engine replica to answer (the model may
+# still be loading) before it gets a 503 instead of hanging.
+INFO_TIMEOUT_S = 10.0
 
 
 @app.exception_handler(APIError)
@@ -53,7 +64,9 @@ async def _validation_error(_: Request, e: RequestValidationError) -> JSONRespon
 
 @app.exception_handler(Exception)
 async def _internal_error(_: Request, e: Exception) -> JSONResponse:
-    # Not the user's fault (a replica died, an engine failed): still an OpenAI body.
+    # Not the user's fault (a replica died, an engine failed; our bug): still an OpenAI
+    # body, and the one case that logs a traceback.
+    logger.error("internal error: %s: %s", type(e).__name__, e, exc_info=e)
     return to_response(error_body(f"internal error: {type(e).__name__}: {e}", 500))
 
 
@@ -65,7 +78,13 @@ async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
 class Ingress(GrpcMethods):
     def __init__(self, engine: DeploymentHandle, served_model_name: str,
                  api_key: Optional[str] = None, max_body_bytes: int = 4 << 20,
-                 model_aliases: tuple[str, ...] = ()) -> None:
+                 model_aliases: tuple[str, ...] = (), bind_host: Optional[str] = None,
+                 log_requests: bool = False) -> None:
+        # Before Serve starts this replica's own HTTP/gRPC servers (after the constructor).
+        serve_patches.apply(bind_host)
+        quiet_client_errors()
+        AccessLog.enabled = log_requests
+        self._created = int(time.time())
         # Serve reads RAY_SERVE_USE_GRPC_BY_DEFAULT once, when ray.serve is imported, into the
         # default of every handle it builds. The engine handle was built in the driver, which
         # imports ray.serve before fleetserve exports the setting, so it arrives here set for
@@ -89,7 +108,12 @@ class Ingress(GrpcMethods):
         if self._info is None:
             async with self._info_lock:
                 if self._info is None:
-                    self._info = await self._engine.get_info.remote()
+                    try:
+                        self._info = await asyncio.wait_for(self._engine.get_info.remote(),
+                                                            INFO_TIMEOUT_S)
+                    except asyncio.TimeoutError:
+                        raise APIError("the model is still loading (no engine replica has "
+                                       "answered yet); retry shortly", 503) from None
         return self._info
 
     def decode_one(self, token_id: int) -> str:
@@ -183,7 +207,8 @@ class Ingress(GrpcMethods):
         req = await self._parse(request, CompletionRequest)
         self.check_model(req.model)
         token_ids = await self.tokenize_prompt(req.single_prompt(), True, "prompt")
-        params = req.sampling_params(default_max_tokens=16)
+        defaults = (await self.info()).get("generation_defaults")
+        params = req.sampling_params(default_max_tokens=16, defaults=defaults)
         rid = f"cmpl-{uuid.uuid4().hex}"
         body = await self.build_body(rid, token_ids, params, req.priority, req.cache_salt,
                                      req.max_tokens, "prompt")
@@ -196,8 +221,9 @@ class Ingress(GrpcMethods):
         text = await self.apply_chat_template([m.flat() for m in req.messages],
                                               req.add_generation_prompt)
         token_ids = await self.tokenize_prompt(text, False, "messages")
-        max_len = (await self.info())["max_model_len"]
-        params = req.sampling_params(default_max_tokens=max(1, max_len - len(token_ids)))
+        info = await self.info()
+        params = req.sampling_params(default_max_tokens=max(1, info["max_model_len"] - len(token_ids)),
+                                     defaults=info.get("generation_defaults"))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         body = await self.build_body(rid, token_ids, params, req.priority, req.cache_salt,
                                      req._max_tokens(), "messages")
@@ -266,7 +292,7 @@ class Ingress(GrpcMethods):
         self.check_api_key(request.headers.get("authorization"))
         info = await self.info()
         return {"object": "list", "data": [{
-            "id": self.served_model_name, "object": "model", "created": 0,
+            "id": self.served_model_name, "object": "model", "created": self._created,
             "owned_by": "fleetserve", "root": info["model_name"],
             "max_model_len": info["max_model_len"]}]}
 

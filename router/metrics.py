@@ -19,8 +19,12 @@ def merge_metrics(texts: dict[str, str], label: str = "replica") -> str:
     families: dict[str, tuple[str, str, list[str]]] = {}  # name -> (type, help, sample lines)
     for replica_id, text in sorted(texts.items()):
         for fam in text_string_to_metric_families(text):
+            if fam.name.endswith("_created"):  # prometheus_client's, which vLLM does not export
+                continue
             kind, doc, lines = families.setdefault(fam.name, (fam.type, fam.documentation, []))
             for s in fam.samples:
+                if s.name.endswith("_created"):
+                    continue
                 labels = dict(s.labels)
                 labels[label] = replica_id
                 lines.append(f"{s.name}{{{_labels(labels)}}} {_value(s.value)}")

@@ -53,9 +53,16 @@ class _SamplingRequest(BaseModel):
     def _logprobs(self) -> Optional[int]:
         return None
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """Validated engine sampling params; `APIError` (400, field named) otherwise."""
+    def sampling_params(self, default_max_tokens: int,
+                        defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
+        """Validated engine sampling params; `APIError` (400, field named) otherwise.
+
+        `defaults`: the model's generation defaults (`--generation-config`), used for
+        the fields this request leaves unset; `max_tokens` among them caps the default."""
+        defaults = defaults or {}
         max_tokens = self._max_tokens()
+        if max_tokens is None and defaults.get("max_tokens"):
+            default_max_tokens = min(default_max_tokens, int(defaults["max_tokens"]))
         fields: dict[str, Any] = {
             "n": self.n, "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
             "seed": self.seed, "stop": self.stop or [], "stop_token_ids": self.stop_token_ids or [],
@@ -66,6 +73,8 @@ class _SamplingRequest(BaseModel):
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
+            if value is None:
+                value = defaults.get(name)
             if value is not None:
                 fields[name] = value
         try:

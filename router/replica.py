@@ -84,7 +84,8 @@ class EngineReplica:
         """What the ingress needs to tokenize and validate on its own."""
         return {"replica": self.replica_id, "tokenizer": self.engine.tokenizer,
                 "model_name": self.engine.model_name,
-                "max_model_len": self.engine.max_model_len, "block_size": self.block_size}
+                "max_model_len": self.engine.max_model_len, "block_size": self.block_size,
+                "generation_defaults": dict(getattr(self.engine, "generation_defaults", {}))}
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve calls this every `request_routing_stats_period_s`; routers read it."""

@@ -29,6 +29,7 @@ from fleetserve.replica.engine.engine_args import EngineArgs
 from fleetserve.replica.engine.engine_core import StepResult
 from fleetserve.replica.executor import ExecutorError
 from fleetserve.replica.engine.metrics import EngineMetrics
+from fleetserve.replica.model_loader.model_info import generation_defaults, read_model_shape
 from fleetserve.replica.model_loader.registry import resolve_model
 from fleetserve.replica.engine.outputs import RequestOutput
 from fleetserve.replica.engine.processor import InputProcessor, OutputProcessor, PromptType
@@ -54,7 +55,11 @@ class AsyncEngine:
         source = resolve_model(args.model)
         self.tokenizer = load_tokenizer(source)
         self.model_name = args.served_model_name or source.name
-        self.metrics = EngineMetrics(self.model_name)
+        shape = read_model_shape(source)
+        self.metrics = EngineMetrics(self.model_name,
+                                     args.max_model_len or shape.max_position_embeddings)
+        # Sampling defaults the model ships (`--generation-config`); the ingress applies them.
+        self.generation_defaults = generation_defaults(source, args.generation_config)
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
         # The output processor is used by the callers' loop (add, abort) and by the thread
         # that delivers the engine's steps: one lock, held for microseconds.
@@ -67,6 +72,8 @@ class AsyncEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len,
                                               self._client.vocab_size)
         self._refresh_stats()
+        self.metrics.cache_config(args.block_size, self._client.stats.num_blocks,
+                                  args.enable_prefix_caching)
 
     @property
     def core(self):
@@ -175,6 +182,8 @@ class AsyncEngine:
         """One step's outputs: on the engine thread, or wherever a core process's results are
         read (the callers' event loop, or a `get_load`/`metrics_text` caller between loops)."""
         op = self.output_processor
+        if result.num_scheduled_tokens:
+            self.metrics.iteration_tokens.observe(result.num_scheduled_tokens)
         with self._lock:
             if result.newly_scheduled:
                 op.mark_scheduled(result.newly_scheduled, result.timestamp)

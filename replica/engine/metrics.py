@@ -1,8 +1,16 @@
-"""Per-engine Prometheus metrics with vLLM's names.
+"""Per-engine Prometheus metrics with vLLM's names, types, labels and buckets.
+
+A vLLM Grafana dashboard works unchanged: every family vLLM v1's
+`PrometheusStatLogger` exports for one engine is here under the same name and
+type, labelled `model_name` and `engine` (each replica runs one engine, index 0),
+with vLLM's buckets; the router adds a `replica` label when it merges them. The
+deprecated aliases vLLM still exports (`vllm:gpu_cache_usage_perc`,
+`vllm:gpu_prefix_cache_*`, `vllm:time_per_output_token_seconds`) are kept for
+older dashboards. No `*_created` series (prometheus_client's default, which vLLM
+does not export either).
 
 Each engine owns its own `CollectorRegistry`, so several engines in one process
-(tests, one Serve replica per engine) never collide; the router merges the
-text of every replica and adds a `replica` label.
+(tests, one Serve replica per engine) never collide.
 """
 
 from __future__ import annotations
@@ -11,54 +19,173 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from fleetserve.kv_transfer.metrics import KVTransferMetrics
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
-                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+try:  # prometheus_client >= 0.17
+    from prometheus_client import disable_created_metrics
+except ImportError:  # pragma: no cover - older prometheus_client: nothing to disable
+    disable_created_metrics = None
+
+if disable_created_metrics is not None:
+    disable_created_metrics()
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py).
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_PREFILL_TOKEN_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+FINISH_REASONS = ("stop", "length", "abort")
+ENGINE_INDEX = "0"
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return out
+            out.append(m * scale)
+        scale *= 10
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_model_len: int = 8192) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
-        labels = ["model_name"]
+        labels = ["model_name", "engine"]
         self.model_name = model_name
+        values = (model_name, ENGINE_INDEX)
+        token_buckets = build_1_2_5_buckets(max(1, max_model_len))
 
         def gauge(name, doc):
-            return Gauge(name, doc, labels, registry=r).labels(model_name)
+            return Gauge(name, doc, labels, registry=r).labels(*values)
 
         def counter(name, doc):
-            return Counter(name, doc, labels, registry=r).labels(model_name)
+            return Counter(name, doc, labels, registry=r).labels(*values)
 
-        def hist(name, doc):
-            return Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        def hist(name, doc, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(*values)
 
-        self.num_running = gauge("vllm:num_requests_running", "Requests in the running batch.")
-        self.num_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).")
+        self.num_running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.num_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.gpu_cache_usage = gauge("vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage. "
+                                     "DEPRECATED: Use vllm:kv_cache_usage_perc instead.")
         self.num_free_blocks = gauge("fleetserve:kv_cache_free_blocks", "Free KV blocks.")
-        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.preemptions = counter("vllm:num_preemptions", "Preemptions (recompute).")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
-        self._success = Counter("vllm:request_success", "Finished requests by reason.",
-                                labels + ["finished_reason"], registry=r)
-        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.")
-        self.itl = hist("vllm:inter_token_latency_seconds", "Time between output tokens.")
-        self.e2e = hist("vllm:e2e_request_latency_seconds", "End-to-end request latency.")
-        self.queue_time = hist("vllm:request_queue_time_seconds", "Time from arrival to first schedule.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits",
+                                   "Prefix cache hits, in terms of number of cached tokens.")
+        self.gpu_prefix_queries = counter("vllm:gpu_prefix_cache_queries", "Prefix cache queries in tokens. "
+                                          "DEPRECATED: Use vllm:prefix_cache_queries instead.")
+        self.gpu_prefix_hits = counter("vllm:gpu_prefix_cache_hits", "Prefix cache hits in tokens. "
+                                       "DEPRECATED: Use vllm:prefix_cache_hits instead.")
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          labels + ["finished_reason"], registry=r)
+        self._success = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}
+        self._success_family = success
+        self.request_prompt_tokens = hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                          token_buckets)
+        self.request_generation_tokens = hist("vllm:request_generation_tokens",
+                                              "Number of generation tokens processed.", token_buckets)
+        self.iteration_tokens = hist("vllm:iteration_tokens_total",
+                                     "Histogram of number of tokens per engine_step.", _ITERATION_BUCKETS)
+        self.max_num_generation_tokens = hist("vllm:request_max_num_generation_tokens",
+                                              "Histogram of maximum number of requested generation tokens.",
+                                              token_buckets)
+        self.params_n = hist("vllm:request_params_n", "Histogram of the n request parameter.",
+                             (1, 2, 5, 10, 20))
+        self.params_max_tokens = hist("vllm:request_params_max_tokens",
+                                      "Histogram of the max_tokens request parameter.", token_buckets)
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                         _TTFT_BUCKETS)
+        self.tpot = hist("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds. "
+                         "DEPRECATED: Use vllm:inter_token_latency_seconds instead.", _TPOT_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                        _TPOT_BUCKETS)
+        self.request_tpot = hist("vllm:request_time_per_output_token_seconds",
+                                 "Histogram of time_per_output_token_seconds per request.", _TPOT_BUCKETS)
+        self.prefill_token_time = hist("vllm:time_per_prefill_token_request_seconds",
+                                       "Time spent per token during prefill phase in seconds",
+                                       _PREFILL_TOKEN_BUCKETS)
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                        _REQUEST_LATENCY_BUCKETS)
+        self.queue_time = hist("vllm:request_queue_time_seconds",
+                               "Histogram of time spent in WAITING phase for request.", _REQUEST_LATENCY_BUCKETS)
+        self.inference_time = hist("vllm:request_inference_time_seconds",
+                                   "Histogram of time spent in RUNNING phase for request.", _REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = hist("vllm:request_prefill_time_seconds",
+                                 "Histogram of time spent in PREFILL phase for request.", _REQUEST_LATENCY_BUCKETS)
+        self.decode_time = hist("vllm:request_decode_time_seconds",
+                                "Histogram of time spent in DECODE phase for request.", _REQUEST_LATENCY_BUCKETS)
+        self._cache_info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                 ["engine", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
+                                 registry=r)
         self._last_queries = self._last_hits = self._last_preemptions = 0
-        self.kv_transfer = KVTransferMetrics(r, model_name)
+        self.kv_transfer = KVTransferMetrics(r, labels, values)
 
-    def request_finished(self, reason: str) -> None:
-        self._success.labels(self.model_name, reason).inc()
+    def cache_config(self, block_size: int, num_blocks: int, enable_prefix_caching: bool) -> None:
+        """vllm:cache_config_info: an info gauge (always 1) whose labels carry the settings."""
+        self._cache_info.labels(ENGINE_INDEX, str(block_size), str(num_blocks),
+                                str(enable_prefix_caching)).set(1)
+
+    def token_gap(self, seconds: float) -> None:
+        """Time between two output tokens of one request."""
+        self.itl.observe(seconds)
+        self.tpot.observe(seconds)
+
+    def request_finished(self, reason: str, metrics=None, num_prompt_tokens: int = 0,
+                         max_tokens: int = 0, n: int = 1) -> None:
+        """One finished request (`metrics`: its RequestMetrics; None for an abort before any output)."""
+        counter = self._success.get(reason)
+        if counter is None:
+            counter = self._success[reason] = self._success_family.labels(self.model_name, ENGINE_INDEX, reason)
+        counter.inc()
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.params_n.observe(n)
+        if max_tokens:
+            self.params_max_tokens.observe(max_tokens)
+            self.max_num_generation_tokens.observe(max_tokens)
+        if metrics is None:
+            return
+        self.request_generation_tokens.observe(metrics.num_generation_tokens)
+        end = metrics.finished_time or metrics.last_token_time
+        if end is not None:
+            self.e2e.observe(end - metrics.arrival_time)
+        start = metrics.first_scheduled_time
+        if start is None:
+            return
+        self.queue_time.observe(start - metrics.arrival_time)
+        if end is not None:
+            self.inference_time.observe(end - start)
+        first, last = metrics.first_token_time, metrics.last_token_time
+        if first is not None:
+            self.prefill_time.observe(first - start)
+            if num_prompt_tokens:
+                self.prefill_token_time.observe((first - start) / num_prompt_tokens)
+            if last is not None:
+                self.decode_time.observe(last - first)
+                if metrics.num_generation_tokens > 1:
+                    self.request_tpot.observe((last - first) / (metrics.num_generation_tokens - 1))
 
     def update_scheduler_stats(self, stats) -> None:
         """Mirror a `scheduler.SchedulerStats` snapshot (counters advance by the delta)."""
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting + stats.num_waiting_for_remote_kvs)
         self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.gpu_cache_usage.set(stats.kv_cache_usage)
         self.num_free_blocks.set(stats.num_free_blocks)
-        self.prefix_queries.inc(stats.prefix_cache_queries - self._last_queries)
-        self.prefix_hits.inc(stats.prefix_cache_hits - self._last_hits)
+        queries = stats.prefix_cache_queries - self._last_queries
+        hits = stats.prefix_cache_hits - self._last_hits
+        self.prefix_queries.inc(queries)
+        self.gpu_prefix_queries.inc(queries)
+        self.prefix_hits.inc(hits)
+        self.gpu_prefix_hits.inc(hits)
         self.preemptions.inc(stats.num_preemptions - self._last_preemptions)
         self._last_queries = stats.prefix_cache_queries
         self._last_hits = stats.prefix_cache_hits

@@ -93,6 +93,7 @@ class _ParentState:
     prompt_logprobs: Optional[list] = None
     itl: list[float] = field(default_factory=list)
     child_ids: list[str] = field(default_factory=list)
+    max_tokens: int = 0
 
 
 class OutputProcessor:
@@ -105,7 +106,8 @@ class OutputProcessor:
     def add(self, request_id: str, prompt: Optional[str], requests: list[Request]) -> None:
         first = requests[0]
         parent = _ParentState(request_id, prompt, first.prompt_token_ids,
-                              RequestMetrics(first.arrival_time), len(requests))
+                              RequestMetrics(first.arrival_time), len(requests),
+                              max_tokens=first.max_tokens)
         if first.sampling_params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
         self.parents[request_id] = parent
@@ -200,7 +202,7 @@ class OutputProcessor:
             elif m.last_token_time is not None:
                 parent.itl.append(now - m.last_token_time)
                 if self.metrics is not None:
-                    self.metrics.itl.observe(now - m.last_token_time)
+                    self.metrics.token_gap(now - m.last_token_time)
             m.last_token_time = now
             m.num_generation_tokens += num_new
             if self.metrics is not None:
@@ -211,12 +213,8 @@ class OutputProcessor:
         for cid in parent.child_ids:
             self.children.pop(cid, None)
         if self.metrics is not None:
-            m = parent.metrics
-            self.metrics.e2e.observe(m.finished_time - m.arrival_time)
-            if m.queue_time is not None:
-                self.metrics.queue_time.observe(m.queue_time)
             reason = completions[-1].finish_reason or "abort"
-            self.metrics.request_finished(reason)
+            self._count_finished(parent, reason)
 
     def abort(self, request_id: str) -> list[str]:
         """Forget a parent request; returns its child ids for the core to abort."""
@@ -227,8 +225,13 @@ class OutputProcessor:
         for cid in ids:
             self.children.pop(cid, None)
         if self.metrics is not None:
-            self.metrics.request_finished("abort")
+            parent.metrics.finished_time = time.monotonic()
+            self._count_finished(parent, "abort")
         return ids
+
+    def _count_finished(self, parent: _ParentState, reason: str) -> None:
+        self.metrics.request_finished(reason, parent.metrics, len(parent.prompt_token_ids),
+                                      max_tokens=parent.max_tokens, n=parent.num_children)
 
 
 def _to_dicts(entries) -> list[dict[int, float]]:

@@ -95,33 +95,10 @@ class TPWorkerActor:
 
 def check_tp_size(args: EngineArgs) -> None:
     """Refuse a TP size the model cannot be split by before starting any worker."""
+    from fleetserve.replica.model_loader import model_info
     from fleetserve.replica.model_loader.registry import resolve_model
-    from fleetserve.replica.model_loader.weights import gguf_config, load_hf_config
 
-    tp = args.tensor_parallel_size
-    source = resolve_model(args.model)
-    if source.kind == "hf":
-        cfg = load_hf_config(source.path)
-    else:
-        from fleetserve.replica.model_loader.gguf_reader import GGUFFile
-
-        f = GGUFFile(source.path)
-        try:
-            cfg = gguf_config(f.metadata, set(f.tensors), source.path)
-        finally:
-            f.close()
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    problems = []
-    if heads % tp:
-        problems.append(f"{heads} attention heads")
-    if kv_heads % tp and tp % kv_heads:
-        problems.append(f"{kv_heads} kv heads (neither divisible by it nor dividing it)")
-    if cfg.intermediate_size % tp:
-        problems.append(f"intermediate size {cfg.intermediate_size}")
-    if problems:
-        raise ValueError(f"tensor_parallel_size={tp} does not divide the model {args.model!r}: "
-                         f"{', '.join(problems)} are not divisible by {tp}")
+    model_info.check_tp_size(resolve_model(args.model), args.tensor_parallel_size)
 
 
 class RayTPExecutor(Executor):

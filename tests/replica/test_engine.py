@@ -2,6 +2,7 @@
 checked token for token against HF transformers."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -228,9 +229,14 @@ def test_async_queue_full(tiny_model_dir):
 
     async def main():
         tasks = []
+        deadline = time.monotonic() + 30
         for i in range(3):  # one runs (max_num_seqs=1), two wait: the queue is then full
             tasks.append(asyncio.create_task(_collect(engine, PROMPTS[0], long, f"q{i}")))
-            await asyncio.sleep(0.1)
+            # Each add reaches the engine before the next (adds in flight count as waiting);
+            # polled, not slept, so a fast device has no time to finish the long request.
+            while sum(engine.get_load()[k] for k in ("num_running", "num_waiting")) < i + 1:
+                assert time.monotonic() < deadline, engine.get_load()
+                await asyncio.sleep(0.005)
         with pytest.raises(QueueFullError):
             async for _ in engine.generate(PROMPTS[1], GREEDY, "overflow"):
                 pass

@@ -1,0 +1,110 @@
+"""Checks that refuse an impossible `fleetserve serve` in seconds, before anything deploys.
+
+    check_model(config)          # when the arguments are read: the model exists, TP divides it
+    needs = resource_needs(config)
+    check_fits(config)           # after connecting to Ray, before Serve starts
+
+What a topology reserves from Ray: each engine replica actor takes
+`num_cpus_per_replica` CPUs; with tensor parallelism each replica also places
+one worker actor per rank in a placement group, 1 CPU (and 1 GPU on CUDA) per
+rank. The ingress and Serve's own actors reserve nothing. A placement group that
+cannot be placed waits forever in Ray, so without this check an oversized
+topology hangs in deployment (the TP executor gives up after minutes, and Serve
+retries it) instead of failing.
+
+The embedded Ray (no `--address`) is sized from these needs (`embedded_num_cpus`):
+on a machine with fewer cores the replicas and ranks share them (slower, and
+logged). A joined cluster has what it has: the check compares the needs with the
+cluster's available resources and, for `STRICT_PACK`, with its largest node.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+from fleetserve.cluster.config import AppConfig
+
+logger = logging.getLogger(__name__)
+
+
+class TopologyError(ValueError):
+    """The requested topology cannot run here; the message says what it needs and what there is."""
+
+
+@dataclass(frozen=True)
+class ResourceNeeds:
+    cpus: float
+    gpus: float
+    per_replica: str  # how one replica adds up, for messages
+
+    def describe(self, num_replicas: int) -> str:
+        what = f"{_num(self.cpus)} CPU{'s' * (self.cpus != 1)}"
+        if self.gpus:
+            what += f" and {_num(self.gpus)} GPU{'s' * (self.gpus != 1)}"
+        return f"{what} ({num_replicas} replica{'s' * (num_replicas != 1)} x {self.per_replica})"
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def check_model(config: AppConfig) -> None:
+    """The model resolves and the TP size divides it; reads only metadata (about a second)."""
+    from fleetserve.replica.model_loader import model_info
+    from fleetserve.replica.model_loader.registry import resolve_model
+
+    source = resolve_model(config.engine.model)
+    model_info.check_tp_size(source, config.engine.tensor_parallel_size)
+    model_info.generation_defaults(source, config.engine.generation_config)
+
+
+def resource_needs(config: AppConfig) -> ResourceNeeds:
+    tp = config.engine.tensor_parallel_size
+    per_cpu, parts = config.num_cpus_per_replica, [f"{_num(config.num_cpus_per_replica)} CPU for the replica"]
+    per_gpu = 0.0
+    if tp > 1:
+        per_cpu += tp
+        parts.append(f"{tp} tensor-parallel ranks x 1 CPU")
+        if config.engine.device == "cuda":
+            per_gpu = float(tp)
+            parts[-1] += " + 1 GPU"
+    n = config.num_replicas
+    return ResourceNeeds(n * per_cpu, n * per_gpu, "(" + " + ".join(parts) + ")")
+
+
+def embedded_num_cpus(config: AppConfig) -> int:
+    """Logical CPUs for the embedded Ray: the machine's cores, or what the topology needs."""
+    cores = os.cpu_count() or 1
+    needed = math.ceil(resource_needs(config).cpus)
+    if needed > cores:
+        logger.warning("this topology needs %s; the machine has %d cores, which the replicas "
+                       "and ranks will share (slower)",
+                       resource_needs(config).describe(config.num_replicas), cores)
+    return max(cores, needed)
+
+
+def check_fits(config: AppConfig) -> None:
+    """Compare the needs with the connected cluster's resources; TopologyError if it cannot fit."""
+    import ray
+
+    needs = resource_needs(config)
+    total, available = ray.cluster_resources(), ray.available_resources()
+    for key, need in (("CPU", needs.cpus), ("GPU", needs.gpus)):
+        have = available.get(key, 0.0)
+        if need > have + 1e-9:
+            raise TopologyError(
+                f"this topology needs {needs.describe(config.num_replicas)}; the Ray cluster has "
+                f"{_num(have)} {key}s available ({_num(total.get(key, 0.0))} in total). Use fewer "
+                "--num-replicas, a smaller --tensor-parallel-size, a smaller "
+                "--num-cpus-per-replica, or a larger cluster.")
+    tp = config.engine.tensor_parallel_size
+    if tp > 1 and config.engine.placement_strategy == "STRICT_PACK":
+        largest = max((n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")),
+                      default=0.0)
+        if tp > largest:
+            raise TopologyError(
+                f"STRICT_PACK puts all {tp} tensor-parallel ranks of a replica on one node, "
+                f"but the largest node has {_num(largest)} CPUs")

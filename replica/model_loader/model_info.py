@@ -1,0 +1,129 @@
+"""What a model is, read cheaply (no weights, no torch): its shape and its generation defaults.
+
+`fleetserve serve` checks its arguments against these in about a second, before
+starting Ray: a GGUF's header (metadata only, memory-mapped) or an HF folder's
+config.json / generation_config.json.
+
+Tensor parallelism splits the attention heads, the KV heads (or replicates them
+when the size is a multiple of their count) and the MLP across ranks, so a size
+must divide all three (`allowed_tp_sizes`).
+
+Generation defaults follow `vllm serve --generation-config`: `auto` takes the
+model's own (an HF folder's generation_config.json; a GGUF's `general.sampling.*`
+keys; for a registry model without either, the settings its model card
+recommends), `vllm` takes none, and a folder names a generation_config.json. A
+request's own values always win over them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fleetserve.replica.model_loader.registry import REGISTRY_GENERATION_DEFAULTS, ModelSource
+
+# generation_config.json key -> SamplingParams field (vLLM's get_diff_sampling_param).
+_HF_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+# GGUF `general.sampling.*` (llama.cpp's recommended-sampling keys) -> SamplingParams field.
+_GGUF_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+              "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
+              "general.sampling.penalty_repeat": "repetition_penalty"}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+
+
+def read_model_shape(source: ModelSource) -> ModelShape:
+    if source.kind == "gguf":
+        meta = _gguf_metadata(source.path)
+        arch = meta.get("general.architecture")
+        heads = meta.get(f"{arch}.attention.head_count")
+        if heads is None:
+            raise ValueError(f"{source.path}: GGUF metadata lacks {arch}.attention.head_count")
+        return ModelShape(int(heads), int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+                          int(meta.get(f"{arch}.feed_forward_length", 0)),
+                          int(meta.get(f"{arch}.context_length", 2048)))
+    cfg = _read_json(source.path / "config.json")
+    cfg = cfg.get("text_config", cfg)
+    heads = int(cfg["num_attention_heads"])
+    return ModelShape(heads, int(cfg.get("num_key_value_heads") or heads),
+                      int(cfg.get("intermediate_size", 0)),
+                      int(cfg.get("max_position_embeddings", 2048)))
+
+
+def tp_problems(shape: ModelShape, tp: int) -> list[str]:
+    """What keeps `tp` ranks from splitting this model (empty: it splits)."""
+    problems = []
+    if shape.num_attention_heads % tp:
+        problems.append(f"{shape.num_attention_heads} attention heads")
+    kv = shape.num_key_value_heads
+    if kv % tp and tp % kv:
+        problems.append(f"{kv} kv heads (neither divisible by it nor dividing it)")
+    if shape.intermediate_size and shape.intermediate_size % tp:
+        problems.append(f"intermediate size {shape.intermediate_size}")
+    return problems
+
+
+def allowed_tp_sizes(shape: ModelShape) -> list[int]:
+    return [t for t in range(1, shape.num_attention_heads + 1) if not tp_problems(shape, t)]
+
+
+def check_tp_size(source: ModelSource, tp: int) -> None:
+    """ValueError naming the sizes the model allows, when `tp` does not split it."""
+    shape = read_model_shape(source)
+    problems = tp_problems(shape, tp)
+    if problems:
+        sizes = ", ".join(map(str, allowed_tp_sizes(shape)))
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the model {source.name!r}: "
+                         f"{', '.join(problems)} are not divisible by {tp}; "
+                         f"the sizes this model allows are {sizes}")
+
+
+def generation_defaults(source: ModelSource, mode: str = "auto") -> dict[str, Any]:
+    """SamplingParams defaults per `--generation-config` (`auto`, `vllm`, or a folder)."""
+    if mode == "vllm":
+        return {}
+    if mode != "auto":
+        folder = Path(mode).expanduser()
+        if not (folder / "generation_config.json").is_file():
+            raise ValueError(f"--generation-config {mode!r}: no generation_config.json there "
+                             "(give 'auto', 'vllm' or a folder holding one)")
+        return _pick(_read_json(folder / "generation_config.json"), _HF_KEYS)
+    if source.kind == "hf":
+        path = source.path / "generation_config.json"
+        found = _pick(_read_json(path), _HF_KEYS) if path.is_file() else {}
+    else:
+        found = _pick(_gguf_metadata(source.path), _GGUF_KEYS)
+    return found or dict(REGISTRY_GENERATION_DEFAULTS.get(source.name, {}))
+
+
+def _pick(data: dict, keys: dict[str, str]) -> dict[str, Any]:
+    return {field: data[key] for key, field in keys.items() if data.get(key) is not None}
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return data
+
+
+def _gguf_metadata(path: Path) -> dict:
+    from fleetserve.replica.model_loader.gguf_reader import GGUFFile
+
+    f = GGUFFile(path)
+    try:
+        return f.metadata
+    finally:
+        f.close()
