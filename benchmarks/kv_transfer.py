@@ -148,8 +148,16 @@ def main() -> int:
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             object_store_memory=3 << 30, _node_ip_address="127.0.0.1")
+    for attempt in range(3):  # a loaded machine may miss Ray's 30 s raylet start-up window
+        try:
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                     object_store_memory=3 << 30, _node_ip_address="127.0.0.1")
+            break
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception here
+            print(f"ray.init failed ({e}); retrying", file=sys.stderr)
+            ray.shutdown()
+            if attempt == 2:
+                raise
     kinds = ["SharedStorageConnector", "RayObjectStoreConnector"]
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvbench-") as tmp:
