@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 
 from pydantic import ValidationError
 
+from fleetserve.cluster.build import add_build_parser
 from fleetserve.cluster.cli_engine import (add_engine_flags, add_schema_flags, engine_kwargs,
                                            nested_overrides, schema_fields)
 from fleetserve.cluster.generate import add_generate_parser
@@ -76,7 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(config)
 
 
-SUBCOMMANDS: list[Callable] = [add_serve_parser, add_generate_parser]
+SUBCOMMANDS: list[Callable] = [add_serve_parser, add_generate_parser, add_build_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

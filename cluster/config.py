@@ -24,6 +24,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from fleetserve.cluster.placement import AutoscalingOptions, PDOptions, ReplicaPlacement
 from fleetserve.replica.engine.engine_args import EngineArgs
 
 RoutingPolicyName = Literal["power_of_two", "least_loaded", "prefix_aware"]
@@ -80,6 +81,9 @@ class AppConfig(BaseModel):
     grpc: GRPCOptions = GRPCOptions()
     api_key: Optional[str] = Field(None, description=(
         "Require `Authorization: Bearer <key>` on HTTP (gRPC: metadata `authorization`)."))
+    api_key_env: Optional[str] = Field(None, min_length=1, description=(
+        "Or: the name of an environment variable holding the API key, read where the app is "
+        "built (on Kubernetes a Secret exposed as env keeps the key out of the RayService)."))
     address: Optional[str] = Field(None, description=(
         "Ray cluster to join: 'auto' or host:port (unset: start an embedded local Ray "
         "sized for the topology)."))
@@ -90,6 +94,13 @@ class AppConfig(BaseModel):
         "Log one INFO line per request at the ingress: client, method, path, status, time."))
     engine_cls: str = Field("fleetserve.replica.engine.async_engine:AsyncEngine", description=(
         "The engine class each replica builds, 'module:Class' (tests may swap it)."))
+    placement: ReplicaPlacement = Field(ReplicaPlacement(), description=(
+        "Ray actor options of each engine replica: GPUs, custom resources, a node label "
+        "selector (cluster/placement.py)."))
+    autoscaling: Optional[AutoscalingOptions] = Field(None, description=(
+        "Ray Serve autoscaling of the engine replicas; replaces num_replicas when set."))
+    pd: PDOptions = Field(PDOptions(), description=(
+        "Prefill/decode pools (the shape only; serving it is not in this build)."))
 
     @property
     def served_model_name(self) -> str:

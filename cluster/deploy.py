@@ -31,13 +31,14 @@ from ray import serve
 from ray.serve.config import HTTPOptions, RequestRouterConfig, gRPCOptions
 
 from fleetserve.cluster.config import AppConfig
+from fleetserve.cluster.placement import check_supported
+from fleetserve.cluster.serve_app import GRPC_SERVICER, resolve_api_key
 from fleetserve.router.ingress import IngressDeployment
 from fleetserve.router.replica import EngineReplica
 from fleetserve.router.request_router import FleetRequestRouter
 
 logger = logging.getLogger(__name__)
 
-GRPC_SERVICER = "fleetserve.router.proto.fleetserve_pb2_grpc.add_FleetServeServicer_to_server"
 ENGINE_DEPLOYMENT = "engine"
 INGRESS_DEPLOYMENT = "ingress"
 _NO_ACCESS_LOG = {"enable_access_log": False}
@@ -155,11 +156,15 @@ def build_app(config: AppConfig):
     router_config = RequestRouterConfig(
         request_router_class=FleetRequestRouter, request_router_kwargs=policy_kwargs,
         request_routing_stats_period_s=config.routing.stats_period_s)
+    check_supported(config.pd)
+    scale = ({"autoscaling_config": config.autoscaling.serve_config()} if config.autoscaling
+             else {"num_replicas": config.num_replicas})
     replica = serve.deployment(
-        EngineReplica, name=ENGINE_DEPLOYMENT, num_replicas=config.num_replicas,
+        EngineReplica, name=ENGINE_DEPLOYMENT, **scale,
         max_ongoing_requests=config.max_ongoing_requests,
         ray_actor_options={"num_cpus": config.num_cpus_per_replica,
-                           "runtime_env": {"env_vars": serve_env()}},
+                           "runtime_env": {"env_vars": serve_env()},
+                           **config.placement.actor_options()},
         request_router_config=router_config, logging_config=_NO_ACCESS_LOG,
         health_check_period_s=10, graceful_shutdown_timeout_s=5)
     ingress = serve.deployment(
@@ -174,7 +179,7 @@ def build_app(config: AppConfig):
         # each other (5-20x slower, docs MEASURED).
         engine_args["num_threads"] = max(1, int(config.num_cpus_per_replica))
     return ingress.bind(replica.bind(engine_args, config.engine_cls),
-                        served_model_name=config.served_model_name, api_key=config.api_key,
+                        served_model_name=config.served_model_name, api_key=resolve_api_key(config),
                         max_body_bytes=config.http.max_body_bytes, model_aliases=aliases,
                         bind_host=config.http.host,
                         log_requests=config.enable_log_requests)
