@@ -33,6 +33,7 @@ _LAZY = {
     "EngineArgs": "fleetserve.replica.engine.engine_args",
     "RequestOutput": "fleetserve.replica.engine.outputs",
     "CompletionOutput": "fleetserve.replica.engine.outputs",
+    "StructuredOutputsParams": "fleetserve.scheduler.structured_outputs",
 }
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from fleetserve.replica.engine.outputs import CompletionOutput, RequestOutput
     from fleetserve.replica.llm import LLM
     from fleetserve.scheduler.sampling_params import SamplingParams
+    from fleetserve.scheduler.structured_outputs import StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:
@@ -56,4 +58,5 @@ def __dir__() -> list[str]:
     return sorted(list(globals()) + list(_LAZY))
 
 
-__all__ = ["LLM", "SamplingParams", "AsyncEngine", "EngineArgs", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "AsyncEngine", "EngineArgs", "RequestOutput", "CompletionOutput",
+           "StructuredOutputsParams"]

@@ -8,7 +8,7 @@ accumulate the deltas into whole outputs.
 from __future__ import annotations
 
 import uuid
-from typing import Optional, Sequence, Union
+from typing import Sequence, Union
 
 from tqdm.auto import tqdm
 
@@ -35,15 +35,12 @@ class LLM:
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        """vLLM's forms: a prompt or a list of prompts, each a string, token ids,
+        `{"prompt": str}` or `{"prompt_token_ids": [...]}`, mixed freely; one
+        `SamplingParams` for all or a list with one per prompt. Outputs come back in
+        prompt order."""
+        prompts = _prompt_list(prompts)
+        params = _params_list(sampling_params, len(prompts))
         op = OutputProcessor(self.tokenizer, self.metrics)
         # Validate everything before adding anything: a bad prompt fails the call whole.
         batch = []
@@ -79,10 +76,46 @@ class LLM:
         return [results[rid] for rid in order]
 
     def chat(self, messages: Union[list[dict], Sequence[list[dict]]],
-             sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [apply_chat_template(self.tokenizer, conv) for conv in conversations]
+             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of them, as vLLM's `LLM.chat`.
+        The rendered template is tokenized without special tokens (the template has them)."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of messages or of conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in conversations:
+            text = apply_chat_template(self.tokenizer, conv, add_generation_prompt)
+            prompts.append({"prompt": text,
+                            "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+
+def _is_single_prompt(prompts) -> bool:
+    if isinstance(prompts, (str, dict)):
+        return True
+    # A list of ints is one tokenized prompt; an empty list is an empty prompt.
+    return isinstance(prompts, (list, tuple)) and (not prompts or isinstance(prompts[0], int))
+
+
+def _prompt_list(prompts) -> list:
+    if _is_single_prompt(prompts):
+        return [prompts]
+    if not isinstance(prompts, Sequence):
+        raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
+    return list(prompts)
+
+
+def _params_list(sampling_params, num_prompts: int) -> list[SamplingParams]:
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params or SamplingParams()] * num_prompts
+    params = list(sampling_params)
+    if len(params) != num_prompts:
+        raise ValueError(f"{len(params)} sampling params for {num_prompts} prompts")
+    bad = next((p for p in params if not isinstance(p, SamplingParams)), None)
+    if bad is not None:
+        raise ValueError(f"sampling_params must be SamplingParams, got {type(bad).__name__}")
+    return params
 
 
 def _accumulate(results: dict[str, RequestOutput], delta: RequestOutput) -> None:

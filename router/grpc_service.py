@@ -20,7 +20,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 
 from fleetserve.router.errors import APIError, is_error
 from fleetserve.router.proto import fleetserve_pb2 as pb
-from fleetserve.scheduler import SamplingParams
+from fleetserve.scheduler import SamplingParams, StructuredOutputsParams
 
 _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
            404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT,
@@ -77,10 +77,22 @@ def sampling_from_proto(msg: "pb.SamplingParams", defaults: Optional[dict] = Non
     fields.setdefault("max_tokens", 16)
     fields.update(stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
                   ignore_eos=msg.ignore_eos)
+    if msg.logit_bias:
+        fields["logit_bias"] = dict(msg.logit_bias)
     try:
+        if msg.HasField("structured_outputs"):
+            fields["structured_outputs"] = _structured_from_proto(msg.structured_outputs)
         return SamplingParams(**fields)
     except ValueError as e:
         raise APIError(f"sampling_params.{e}", 400) from e
+
+
+def _structured_from_proto(msg: "pb.StructuredOutputs") -> StructuredOutputsParams:
+    kind = msg.WhichOneof("constraint")
+    if kind is None:
+        raise ValueError("structured_outputs: set one of json, json_object, regex, choice, grammar")
+    value = list(msg.choice.values) if kind == "choice" else getattr(msg, kind)
+    return StructuredOutputsParams(**{kind: value, "disable_any_whitespace": msg.disable_any_whitespace})
 
 
 class GrpcMethods:

@@ -28,6 +28,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fleetserve.router import completions
 from fleetserve.router import openai_format as fmt
 from fleetserve.router import serve_patches
 from fleetserve.router.access_log import AccessLog
@@ -143,10 +144,11 @@ class Ingress(GrpcMethods):
                            400, param=param)
         return list(prompt)
 
-    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool,
+                                  tools: Optional[list[dict]] = None) -> str:
         tok = (await self.info())["tokenizer"]
         try:
-            return tok.apply_chat_template(messages, tokenize=False,
+            return tok.apply_chat_template(messages, tools=tools, tokenize=False,
                                            add_generation_prompt=add_generation_prompt)
         except Exception as e:  # jinja errors, missing template: the messages are at fault
             raise APIError(f"messages could not be rendered with the chat template: {e}", 400,
@@ -206,36 +208,62 @@ class Ingress(GrpcMethods):
     async def completions(self, request: Request):
         req = await self._parse(request, CompletionRequest)
         self.check_model(req.model)
-        token_ids = await self.tokenize_prompt(req.single_prompt(), True, "prompt")
+        prompts = completions.prompt_list(req.prompt)
+        if req.suffix is not None:
+            tok = (await self.info())["tokenizer"]
+            prompts = [completions.fim_prompt(tok, p, req.suffix) for p in prompts]
         defaults = (await self.info()).get("generation_defaults")
         params = req.sampling_params(default_max_tokens=16, defaults=defaults)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        body = await self.build_body(rid, token_ids, params, req.priority, req.cache_salt,
-                                     req.max_tokens, "prompt")
-        return await self._respond(body, req, chat=False, logprobs_n=req.logprobs)
+        bodies = []
+        for i, prompt in enumerate(prompts):
+            token_ids = await self.tokenize_prompt(prompt, True, "prompt")
+            bodies.append(await self.build_body(rid if len(prompts) == 1 else f"{rid}-{i}", token_ids,
+                                                params, req.priority, req.cache_salt, req.max_tokens,
+                                                "prompt"))
+        if len(bodies) == 1 and not req.echo:
+            return await self._respond(bodies[0], req, chat=False, logprobs_n=req.logprobs)
+        echo = None
+        if req.echo:
+            tok = (await self.info())["tokenizer"]
+            echo = [completions.Echo(p if isinstance(p, str) else tok.decode(b["prompt_token_ids"]),
+                                     b["prompt_token_ids"]) for p, b in zip(prompts, bodies)]
+        gen, first = await completions.MergedStream.open(self.open_stream, bodies, params.n, echo)
+        return await self._respond_with(gen, first, rid, req, chat=False, logprobs_n=req.logprobs)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         req = await self._parse(request, ChatCompletionRequest)
         self.check_model(req.model)
+        tools = req.tool_plan()
         text = await self.apply_chat_template([m.flat() for m in req.messages],
-                                              req.add_generation_prompt)
+                                              req.add_generation_prompt,
+                                              tools.template_tools() if tools else None)
         token_ids = await self.tokenize_prompt(text, False, "messages")
         info = await self.info()
         params = req.sampling_params(default_max_tokens=max(1, info["max_model_len"] - len(token_ids)),
                                      defaults=info.get("generation_defaults"))
+        if tools is not None and tools.mode != "auto":
+            if params.structured_outputs is not None:
+                raise APIError("a forced tool_choice cannot be combined with another structured "
+                               "output constraint", 400, param="tool_choice")
+            params = params.replace(structured_outputs=tools.structured_outputs())
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         body = await self.build_body(rid, token_ids, params, req.priority, req.cache_salt,
                                      req._max_tokens(), "messages")
-        return await self._respond(body, req, chat=True, logprobs_n=params.logprobs)
+        return await self._respond(body, req, chat=True, logprobs_n=params.logprobs, tools=tools)
 
-    async def _respond(self, body: dict, req, chat: bool, logprobs_n: Optional[int]):
+    async def _respond(self, body: dict, req, chat: bool, logprobs_n: Optional[int], tools=None):
         gen, first = await self.open_stream(body)
+        return await self._respond_with(gen, first, body["request_id"], req, chat, logprobs_n, tools)
+
+    async def _respond_with(self, gen, first: dict, rid: str, req, chat: bool,
+                            logprobs_n: Optional[int], tools=None):
         if is_error(first):
             return to_response(first)
         model = req.model or self.served_model_name
         if req.stream:
-            writer = fmt.ChunkWriter(body["request_id"], model, chat, logprobs_n, self.decode_one)
+            writer = fmt.ChunkWriter(rid, model, chat, logprobs_n, self.decode_one, tools)
             return StreamingResponse(self._sse(gen, first, writer, req.include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -254,9 +282,9 @@ class Ingress(GrpcMethods):
                     break
         finally:
             gen.cancel()  # no-op when finished; aborts the request if we were cancelled
-        build = fmt.chat_body if chat else fmt.completion_body
-        return JSONResponse(build(body["request_id"], model, choices, usage, logprobs_n,
-                                  self.decode_one))
+        if chat:
+            return JSONResponse(fmt.chat_body(rid, model, choices, usage, logprobs_n, self.decode_one, tools))
+        return JSONResponse(fmt.completion_body(rid, model, choices, usage, logprobs_n, self.decode_one))
 
     async def _sse(self, gen, first: dict, writer: fmt.ChunkWriter,
                    include_usage: bool) -> AsyncIterator[str]:

@@ -13,6 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from fleetserve.router.tool_calls import ToolDeltas, ToolPlan
+from fleetserve.router.tool_calls import finish_reason as tool_finish_reason
+
 Decode = Callable[[int], str]
 
 
@@ -23,6 +26,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: Optional[str] = None
+    echo: Optional[dict] = None  # {"token_ids", "logprobs"} of the echoed prompt (completions)
 
 
 @dataclass
@@ -54,6 +58,8 @@ def accumulate(choices: dict[int, Choice], item: dict) -> None:
             c.logprobs.extend(out["logprobs"])
         if out.get("finish_reason"):
             c.finish_reason = out["finish_reason"]
+        if out.get("echo"):
+            c.echo = out["echo"]
 
 
 # -- logprobs ------------------------------------------------------------------
@@ -69,8 +75,12 @@ def completion_logprobs(token_ids: list[int], entries: list[dict], n: int, decod
     for tid, entry in zip(token_ids, entries):
         text = decode(tid)
         tokens.append(text)
-        token_lps.append(float(entry.get(tid, entry.get(str(tid), float("-inf")))))
-        tops.append({decode(t): lp for t, lp in _top(entry, n)} if n else None)
+        if entry is None:  # the first token of an echoed prompt: nothing predicts it
+            token_lps.append(None)
+            tops.append(None)
+        else:
+            token_lps.append(float(entry.get(tid, entry.get(str(tid), float("-inf")))))
+            tops.append({decode(t): lp for t, lp in _top(entry, n)} if n else None)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
@@ -100,22 +110,35 @@ def completion_body(rid: str, model: str, choices: dict[int, Choice], usage: Usa
     body = _base(rid, "text_completion", model, int(time.time()))
     body["choices"] = [{
         "index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-        "logprobs": (completion_logprobs(c.token_ids, c.logprobs, logprobs_n, decode)
+        "logprobs": (completion_logprobs(*_with_echo(c.echo, c.token_ids, c.logprobs), logprobs_n, decode)
                      if logprobs_n is not None else None)}
         for c in sorted(choices.values(), key=lambda c: c.index)]
     body["usage"] = usage.as_dict()
     return body
 
 
+def _with_echo(echo: Optional[dict], token_ids: list[int], entries: list) -> tuple[list[int], list]:
+    if not echo:
+        return token_ids, entries
+    return echo["token_ids"] + list(token_ids), list(echo["logprobs"]) + list(entries)
+
+
 def chat_body(rid: str, model: str, choices: dict[int, Choice], usage: Usage,
-              logprobs_n: Optional[int], decode: Decode) -> dict:
+              logprobs_n: Optional[int], decode: Decode, tools: Optional[ToolPlan] = None) -> dict:
     body = _base(rid, "chat.completion", model, int(time.time()))
-    body["choices"] = [{
-        "index": c.index, "message": {"role": "assistant", "content": c.text},
-        "finish_reason": c.finish_reason,
-        "logprobs": (chat_logprobs(c.token_ids, c.logprobs, logprobs_n, decode)
-                     if logprobs_n is not None else None)}
-        for c in sorted(choices.values(), key=lambda c: c.index)]
+    body["choices"] = []
+    for c in sorted(choices.values(), key=lambda c: c.index):
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        finish = c.finish_reason
+        if tools is not None:
+            message["content"], calls = tools.parse(c.text)
+            if calls:
+                message["tool_calls"] = calls
+            finish = tool_finish_reason(finish, calls)
+        body["choices"].append({
+            "index": c.index, "message": message, "finish_reason": finish,
+            "logprobs": (chat_logprobs(c.token_ids, c.logprobs, logprobs_n, decode)
+                         if logprobs_n is not None else None)})
     body["usage"] = usage.as_dict()
     return body
 
@@ -124,7 +147,8 @@ class ChunkWriter:
     """SSE chunks for one streaming request, completions or chat."""
 
     def __init__(self, rid: str, model: str, chat: bool, logprobs_n: Optional[int],
-                 decode: Decode) -> None:
+                 decode: Decode, tools: Optional[ToolPlan] = None) -> None:
+        self.tool_deltas = ToolDeltas(tools) if tools is not None else None
         self.rid, self.model, self.chat = rid, model, chat
         self.logprobs_n, self.decode = logprobs_n, decode
         self.created = int(time.time())
@@ -153,23 +177,26 @@ class ChunkWriter:
     def _choice(self, o: dict) -> dict:
         idx = o["index"]
         logprobs = None
-        if self.logprobs_n is not None and o.get("logprobs"):
+        if self.logprobs_n is not None and (o.get("logprobs") or o.get("echo")):
             if self.chat:
                 logprobs = chat_logprobs(o["token_ids"], o["logprobs"], self.logprobs_n, self.decode)
             else:
                 off = self._offsets.get(idx, 0)
-                logprobs = completion_logprobs(o["token_ids"], o["logprobs"], self.logprobs_n,
-                                               self.decode, off)
+                logprobs = completion_logprobs(*_with_echo(o.get("echo"), o["token_ids"], o["logprobs"] or []),
+                                               self.logprobs_n, self.decode, off)
         self._offsets[idx] = self._offsets.get(idx, 0) + len(o["text"])
         if not self.chat:
             return {"index": idx, "text": o["text"], "logprobs": logprobs,
                     "finish_reason": o.get("finish_reason")}
         delta: dict[str, Any] = {"content": o["text"]}
+        finish = o.get("finish_reason")
+        if self.tool_deltas is not None:
+            delta, called = self.tool_deltas.delta(idx, o["text"], finish is not None)
+            finish = tool_finish_reason(finish, [True] if called else [])
         if idx not in self._started:
             self._started.add(idx)
             delta["role"] = "assistant"
-        return {"index": idx, "delta": delta, "logprobs": logprobs,
-                "finish_reason": o.get("finish_reason")}
+        return {"index": idx, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
 
 def sse(body: dict) -> str:

@@ -13,6 +13,8 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from fleetserve.router.errors import APIError
+from fleetserve.router.structured import StructuredOutputFields
+from fleetserve.router.tool_calls import ToolFields
 from fleetserve.scheduler import SamplingParams
 
 
@@ -21,7 +23,7 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(StructuredOutputFields):
     model_config = ConfigDict(extra="ignore")
 
     model: Optional[str] = None
@@ -46,6 +48,7 @@ class _SamplingRequest(BaseModel):
     cache_salt: Optional[str] = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    logit_bias: Optional[dict[str, float]] = None
 
     def _max_tokens(self) -> Optional[int]:
         return self.max_tokens
@@ -69,6 +72,8 @@ class _SamplingRequest(BaseModel):
             "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
             "logprobs": self._logprobs(), "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "logit_bias": self.logit_bias,
+            "structured_outputs": self.structured_outputs_params(),
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
@@ -80,7 +85,7 @@ class _SamplingRequest(BaseModel):
         try:
             return SamplingParams(**fields)
         except ValueError as e:
-            word = str(e).split(" ", 1)[0]
+            word = str(e).split(" ", 1)[0].rstrip(":")
             raise APIError(str(e), 400, param=word if word in fields or word == "stop" else None)
 
     @property
@@ -98,20 +103,14 @@ class CompletionRequest(_SamplingRequest):
     def _logprobs(self) -> Optional[int]:
         return self.logprobs
 
-    def single_prompt(self) -> Union[str, list[int]]:
-        for name, unsupported in (("echo", self.echo), ("suffix", self.suffix is not None),
-                                  ("best_of", self.best_of not in (None, self.n))):
-            if unsupported:
-                raise APIError(f"{name} is not supported by this server", 400, param=name)
-        p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise APIError("batched prompts (a list of several prompts) are not supported; "
-                               "send one request per prompt", 400, param="prompt")
-            p = p[0]
-        if isinstance(p, list) and not p or p == "":
-            raise APIError("prompt must not be empty", 400, param="prompt")
-        return p
+    def sampling_params(self, default_max_tokens: int,
+                        defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
+        if self.best_of not in (None, self.n):
+            raise APIError("best_of different from n is not supported; use n", 400, param="best_of")
+        params = super().sampling_params(default_max_tokens, defaults)
+        if self.echo and self.logprobs is not None:
+            params = params.replace(prompt_logprobs=self.logprobs)  # echoed with the prompt
+        return params
 
 
 class ChatMessage(BaseModel):
@@ -129,11 +128,15 @@ class ChatMessage(BaseModel):
                                    param="messages.content")
                 texts.append(part["text"])
             content = "".join(texts)
-        return {"role": "system" if self.role == "developer" else self.role,
-                "content": content or ""}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        for key in ("tool_calls", "tool_call_id", "name"):  # tool-call turns, for templates that use them
+            value = (self.model_extra or {}).get(key)
+            if value is not None:
+                message[key] = value
+        return message
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(_SamplingRequest, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = None
     logprobs: StrictBool = False

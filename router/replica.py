@@ -53,6 +53,7 @@ class EngineReplica:
             return
         prompt_len = len(body["prompt_token_ids"])
         first = True
+        prompt_logprobs_sent = False
         outputs = self.engine.generate(
             body["prompt_token_ids"], params, body["request_id"],
             priority=int(body.get("priority", 0)), cache_salt=body.get("cache_salt"))
@@ -63,6 +64,9 @@ class EngineReplica:
                     for out in batch:
                         items.append(_encode(out, self.replica_id, prompt_len if first else None))
                         first = False
+                        if out.prompt_logprobs is not None and not prompt_logprobs_sent:
+                            items[-1]["prompt_logprobs"] = out.prompt_logprobs  # once (echo)
+                            prompt_logprobs_sent = True
                     yield items[0] if len(items) == 1 else items
         except QueueFullError as e:
             yield error_body(str(e) or "the replica's waiting queue is full; retry later",
@@ -167,8 +171,8 @@ def _encode(out: Any, replica_id: str, prompt_len: Optional[int]) -> dict:
 
 def _param_of(message: str) -> Optional[str]:
     """SamplingParams and the engine start their messages with the field name."""
-    word = message.split(" ", 1)[0]
-    return word if word.isidentifier() and word.islower() else None
+    word = message.split(" ", 1)[0].rstrip(":")  # "logit_bias: ...", "structured_outputs.json: ..."
+    return word if word.replace(".", "_").isidentifier() and word.islower() else None
 
 
 def _code_of(message: str) -> Optional[str]:

@@ -14,6 +14,7 @@ from fleetserve.scheduler.policies import resolve_obj_by_qualname
 from fleetserve.scheduler.request import Request, RequestStatus
 from fleetserve.scheduler.sampling_params import SamplingParams
 from fleetserve.scheduler.scheduler import Scheduler, SchedulerStats
+from fleetserve.scheduler.structured_outputs import StructuredOutputsParams
 
 
 def create_scheduler(scheduler_config: SchedulerConfig, cache_config: CacheConfig,
@@ -29,5 +30,5 @@ __all__ = [
     "BlockPool", "CacheConfig", "CachedRequestData", "EngineCoreOutput", "KVCacheBlock",
     "KVCacheManager", "KVConnectorScheduler", "ModelRunnerOutput", "NewRequestData",
     "Request", "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig",
-    "SchedulerOutput", "SchedulerStats", "create_scheduler", "hash_token_blocks",
+    "SchedulerOutput", "SchedulerStats", "StructuredOutputsParams", "create_scheduler", "hash_token_blocks",
 ]

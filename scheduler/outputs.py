@@ -53,6 +53,9 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
     kv_connector_metadata: Any = None
+    # The step's grammar bitmask for constrained requests (set by the engine core,
+    # read by the model runner's sampler; see replica/structured_output/manager.py).
+    structured_output: Any = None
 
     @property
     def is_empty(self) -> bool:

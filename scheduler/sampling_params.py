@@ -12,6 +12,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
+from fleetserve.scheduler.structured_outputs import StructuredOutputsParams
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -35,6 +37,10 @@ class SamplingParams:
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
+    # OpenAI's logit_bias: token id -> value added to its logit before sampling.
+    logit_bias: Optional[dict[int, float]] = None
+    # Constrained decoding (vLLM's `structured_outputs`); the engine core compiles it.
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,6 +49,10 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:
@@ -88,3 +98,22 @@ class SamplingParams:
 
     def replace(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
+
+
+def _logit_bias(bias) -> dict[int, float]:
+    """OpenAI sends token ids as JSON object keys (strings); values lie in [-100, 100]."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+            value = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {key!r}: {value!r}") from None
+        if token < 0:
+            raise ValueError(f"logit_bias: token id {token} is negative")
+        if not -100.0 <= value <= 100.0:
+            raise ValueError(f"logit_bias: the bias of token {token} must be in [-100, 100], got {value}")
+        out[token] = value
+    return out

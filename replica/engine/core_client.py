@@ -94,7 +94,7 @@ def apply_command(core: EngineCore, kind: str, payload) -> None:
 def fail_in_flight(core: EngineCore, error: Exception) -> tuple[str, bool]:
     """After a step raised (call it in the `except` block): abort everything in flight, log,
     and return (message, dead); dead when the executor cannot go on (a worker died)."""
-    core.abort_requests(list(core.scheduler.requests))
+    core.abort_requests(list(core.scheduler.requests) + core.structured.pending_ids())
     if isinstance(error, ExecutorError):
         logger.error("engine executor failed: %s", error)
         return str(error), True

@@ -10,6 +10,7 @@ directly, and `AsyncEngine` drives it from one background thread.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -18,6 +19,7 @@ from typing import Iterable, Optional
 
 from fleetserve.replica.engine.engine_args import EngineArgs
 from fleetserve.replica.executor import Executor, make_executor
+from fleetserve.replica.structured_output.manager import StructuredOutputManager
 from fleetserve.scheduler import EngineCoreOutput, Request, RequestStatus, create_scheduler
 
 logger = logging.getLogger(__name__)
@@ -97,26 +99,47 @@ class EngineCore:
                            capacity, self.max_model_len)
         logger.info("EngineCore ready: %d KV blocks of %d tokens, max_model_len %d",
                     num_blocks, args.block_size, self.max_model_len)
+        self.structured = StructuredOutputManager(
+            functools.partial(_grammar_backend, args.model, self.hf_config.vocab_size, eos_token_id))
 
     # ---- requests -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+        if request.sampling_params.structured_outputs is not None:
+            self.structured.submit(request)  # the scheduler sees it once its grammar is ready
+        else:
+            self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
-        return self.scheduler.abort_requests(request_ids)
+        request_ids = list(request_ids)
+        pending = [rid for rid in request_ids if self.structured.is_pending(rid)]
+        self.structured.remove(request_ids)
+        return pending + self.scheduler.abort_requests(request_ids)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[str]:
+        request_ids = list(request_ids)
+        self.structured.remove(request_ids)
         return self.scheduler.finish_requests(request_ids, status)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_requests()
+        return self.scheduler.has_requests() or self.structured.has_pending()
 
     # ---- the step ----------------------------------------------------------------
     def step(self) -> StepResult:
+        # With nothing else to run, wait a little for a grammar rather than spin.
+        ready, failed = self.structured.take_ready(
+            wait_s=0.0 if self.scheduler.has_requests() else _GRAMMAR_WAIT_S)
+        for request in ready:
+            self.scheduler.add_request(request)
+        if not self.scheduler.has_requests():  # only grammars compiling: no step to run
+            return StepResult(failed, [], 0, time.monotonic())
         scheduler_output = self.scheduler.schedule()
+        scheduler_output.structured_output = self.structured.bitmask(
+            self._sampling_req_ids(scheduler_output))
         now = time.monotonic()
         runner_output = self.executor.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._advance_grammars(outputs)
+        outputs.extend(failed)
         if self.kv_connector is not None and not outputs and scheduler_output.is_empty:
             # Only transfers are pending (loads, leases): poll them without spinning a core.
             time.sleep(KV_IDLE_POLL_S)
@@ -131,6 +154,28 @@ class EngineCore:
         return StepResult(outputs, scheduled, scheduler_output.total_num_scheduled_tokens, now,
                           kv_stats)
 
+    def _sampling_req_ids(self, so) -> list[str]:
+        """Scheduled requests that reach the end of their tokens (and so sample) this step;
+        the scheduler already advanced their counters."""
+        if not self.structured.has_matchers():
+            return []
+        reqs = self.scheduler.requests
+        return [rid for rid in so.num_scheduled_tokens
+                if reqs[rid].num_computed_tokens >= reqs[rid].num_tokens]
+
+    def _advance_grammars(self, outputs) -> None:
+        """Feed sampled tokens to the matchers; a grammar that terminated without the
+        request stopping (no EOS to sample: ignore_eos, or min_tokens) ends it as "stop"."""
+        if not self.structured.has_matchers():
+            return
+        done = set(self.structured.accept(outputs))
+        if done:
+            self.scheduler.finish_requests(done, RequestStatus.FINISHED_STOPPED)
+            for out in outputs:
+                if out.request_id in done:
+                    out.finish_reason = "stop"
+        self.structured.remove([o.request_id for o in outputs if o.finished])
+
     def get_load(self) -> dict:
         s = self.scheduler
         queued = sum(r.num_tokens - r.num_computed_tokens for r in s.running)
@@ -138,7 +183,7 @@ class EngineCore:
         stats = s.get_stats()
         return {
             "num_running": stats.num_running,
-            "num_waiting": stats.num_waiting + stats.num_waiting_for_remote_kvs,
+            "num_waiting": stats.num_waiting + stats.num_waiting_for_remote_kvs + self.structured.num_pending,
             "num_queued_tokens": queued,
             "kv_cache_usage": stats.kv_cache_usage,
             "num_free_blocks": stats.num_free_blocks,
@@ -146,6 +191,20 @@ class EngineCore:
         }
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
+
+
+# How long an idle step waits for a grammar before returning (commands are read between steps).
+_GRAMMAR_WAIT_S = 0.005
+
+
+def _grammar_backend(model: str, vocab_size: int, eos_token_id: Optional[int]):
+    """The xgrammar backend for this model's tokenizer (built on first use, on a pool thread)."""
+    from fleetserve.replica.engine.tokenizer import load_tokenizer
+    from fleetserve.replica.model_loader.registry import resolve_model
+    from fleetserve.replica.structured_output.backend import XgrammarBackend
+
+    return XgrammarBackend(load_tokenizer(resolve_model(model)), vocab_size, eos_token_id)

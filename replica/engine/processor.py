@@ -21,7 +21,10 @@ from fleetserve.replica.engine.metrics import EngineMetrics
 from fleetserve.replica.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from fleetserve.scheduler import EngineCoreOutput, Request, SamplingParams
 
-PromptType = Union[str, list[int]]
+# vLLM's prompt forms: a string, token ids, {"prompt": str} (TextPrompt) or
+# {"prompt_token_ids": [...]} (TokensPrompt; a "prompt" beside it is only its text).
+PromptType = Union[str, list[int], dict[str, Any]]
+_PROMPT_KEYS = {"prompt", "prompt_token_ids"}
 
 
 class InputProcessor:
@@ -32,6 +35,8 @@ class InputProcessor:
         self.eos_token_id = tokenizer.eos_token_id
 
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, dict):
+            return self._tokenize_dict(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
@@ -39,6 +44,21 @@ class InputProcessor:
         if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
             raise ValueError("the prompt must be a string or a list of token ids")
         return None, list(prompt)
+
+    def _tokenize_dict(self, prompt: dict) -> tuple[Optional[str], list[int]]:
+        unknown = set(prompt) - _PROMPT_KEYS
+        if unknown:
+            raise ValueError(f"prompt dict: unsupported keys {sorted(unknown)}; "
+                             "use 'prompt' (text) or 'prompt_token_ids'")
+        if "prompt_token_ids" in prompt:
+            _, ids = self.tokenize(prompt["prompt_token_ids"])
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise ValueError("prompt dict: 'prompt' must be a string")
+            return text, ids
+        if not isinstance(prompt.get("prompt"), str):
+            raise ValueError("prompt dict: needs 'prompt' (a string) or 'prompt_token_ids'")
+        return self.tokenize(prompt["prompt"])
 
     def process(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
                 priority: int = 0, arrival_time: Optional[float] = None,
@@ -57,6 +77,13 @@ class InputProcessor:
         bad = next((t for t in sampling_params.stop_token_ids if t >= self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"stop_token_ids: {bad} is out of the vocabulary (size {self.vocab_size})")
+        bad = next((t for t in (sampling_params.logit_bias or {}) if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token id {bad} is out of the vocabulary (size {self.vocab_size})")
+        if sampling_params.structured_outputs is not None:
+            from fleetserve.replica.structured_output.backend import check
+
+            check(sampling_params.structured_outputs)  # a bad schema/regex/grammar: ValueError
         if sampling_params.best_of is not None and sampling_params.best_of != sampling_params.n:
             raise ValueError("best_of different from n is not supported; use n")
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -91,6 +118,7 @@ class _ParentState:
     num_children: int
     num_finished: int = 0
     prompt_logprobs: Optional[list] = None
+    prompt_logprobs_sent: bool = False
     itl: list[float] = field(default_factory=list)
     child_ids: list[str] = field(default_factory=list)
     max_tokens: int = 0
@@ -141,7 +169,8 @@ class OutputProcessor:
             if child is None:
                 continue
             parent = child.parent
-            if out.new_prompt_logprobs and parent.prompt_logprobs is not None:
+            # Every child of an n > 1 request computes the prompt's logprobs: keep the first's.
+            if out.new_prompt_logprobs and parent.prompt_logprobs is not None and child.index == 0:
                 parent.prompt_logprobs.extend(_to_dicts(out.new_prompt_logprobs))
             completion = self._completion(child, out, stopped)
             if completion is None:
@@ -160,6 +189,11 @@ class OutputProcessor:
                                num_cached_tokens=info.get("cached", 0), metrics=parent.metrics,
                                kv_transfer_params=info.get("kv"),
                                num_remote_tokens=info.get("remote", 0))
+            if parent.prompt_logprobs is not None and not parent.prompt_logprobs_sent and \
+                    len(parent.prompt_logprobs) >= len(parent.prompt_token_ids):
+                # Complete once the prompt is: streams can show them (echo) before the end.
+                ro.prompt_logprobs = parent.prompt_logprobs
+                parent.prompt_logprobs_sent = True
             if finished:
                 parent.metrics.finished_time = now
                 if self.metrics is not None:

@@ -106,6 +106,11 @@ class SamplingBatch:
     min_tokens_mask: Optional[tuple[torch.Tensor, torch.Tensor]]  # (rows, token ids) to set to -inf
     logprobs_rows: Optional[torch.Tensor]  # [L] rows that asked for logprobs
     logprobs_k: list[int]  # [L] top-k asked by each of those rows
+    # (rows, token ids, values) added to the logits: OpenAI's logit_bias.
+    logit_bias: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+    # (rows, packed bitmask [C, ceil(V/32)] int32) of grammar-constrained rows: a token
+    # whose bit is 0 is not allowed. Set by the model runner from the step's grammar output.
+    token_bitmask: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
@@ -125,7 +130,8 @@ class SamplingBatch:
             penalties=_build_penalties(params, prompt_token_ids, output_token_ids, device),
             min_tokens_mask=_build_min_tokens(params, output_token_ids, eos_token_id, vocab_size, device),
             logprobs_rows=_long(lp_rows, device) if lp_rows else None,
-            logprobs_k=[params[i].logprobs for i in lp_rows])
+            logprobs_k=[params[i].logprobs for i in lp_rows],
+            logit_bias=_build_logit_bias(params, vocab_size, device))
 
 
 def _build_random(params, rows, generators, vocab_size, n, device) -> _RandomRows:
@@ -176,6 +182,19 @@ def _build_penalties(params, prompt_token_ids, output_token_ids, device) -> Opti
     return pen
 
 
+def _build_logit_bias(params, vocab_size, device):
+    rows: list[int] = []
+    tokens: list[int] = []
+    values: list[float] = []
+    for i, p in enumerate(params):
+        for token, value in (p.logit_bias or {}).items():
+            if token < vocab_size:
+                rows.append(i)
+                tokens.append(token)
+                values.append(value)
+    return (_long(rows, device), _long(tokens, device), _float(values, device)) if rows else None
+
+
 def _build_min_tokens(params, output_token_ids, eos_token_id, vocab_size, device):
     rows: list[int] = []
     tokens: list[int] = []
@@ -214,6 +233,11 @@ class Sampler:
         if batch.logprobs_rows is not None:
             asked = logits if len(batch.logprobs_k) == batch.num_rows else logits.index_select(0, batch.logprobs_rows)
             raw_logprobs = asked.log_softmax(-1)
+        if batch.logit_bias is not None:
+            rows, tokens, values = batch.logit_bias
+            logits.index_put_((rows, tokens), values, accumulate=True)
+        if batch.token_bitmask is not None:
+            apply_token_bitmask(logits, *batch.token_bitmask)
         if batch.min_tokens_mask is not None:
             logits.index_put_(batch.min_tokens_mask, torch.tensor(float("-inf"), device=logits.device))
         if batch.penalties is not None:
@@ -234,6 +258,20 @@ class Sampler:
                                   _gather_logprobs(raw_logprobs, chosen, batch.logprobs_k)):
                 logprobs[row] = entry
         return SamplerOutput(sampled_list, logprobs)
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """-inf where a constrained row's packed bitmask has a 0 bit (xgrammar's layout: token t
+    is bit t % 32 of word t // 32), in place; other rows are untouched. xgrammar's own kernel
+    (CPU, CUDA): ~10x faster here than unpacking the bits with torch ops."""
+    import xgrammar
+
+    full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32, device=logits.device)
+    full.index_copy_(0, rows.to(logits.device), bitmask.to(logits.device))
+    target = logits if logits.is_contiguous() else logits.contiguous()  # a padded LM head's view
+    xgrammar.apply_token_bitmask_inplace(target, full, vocab_size=logits.shape[1], indices=rows.tolist())
+    if target is not logits:
+        logits.copy_(target)
 
 
 def _apply_penalties(logits: torch.Tensor, pen: _Penalties) -> None:

@@ -154,6 +154,8 @@ class ModelRunner:
                 [s.sampling_params for s in rows], [s.prompt_token_ids for s in rows],
                 [s.output_token_ids for s in rows], [s.generator for s in rows],
                 self.eos_token_id, self.vocab_size, device)
+            if so.structured_output is not None:
+                batch.token_bitmask = so.structured_output.for_rows([req_ids[i] for i in sample_rows], device)
             out = self.sampler(logits, batch)
             for j, i in enumerate(sample_rows):
                 sampled[i] = [out.sampled_token_ids[j]]

@@ -24,31 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1drouter/proto/fleetserve.proto\x12\rfleetserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x96\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\t\x88\x01\x01\x12\x0e\n\x01n\x18\x0e \x01(\x05H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0f \x01(\x05H\x0b\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x04\n\x02_nB\r\n\x0b_min_tokens\"\xce\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x33\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x17.fleetserve.v1.TokenIdsH\x00\x12\x36\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1d.fleetserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x42\x07\n\x05input\"\x9f\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\"\x0f\n\rHealthRequest\"2\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x14\n\x0cnum_replicas\x18\x02 \x01(\r\"\x13\n\x11ListModelsRequest\".\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.fleetserve.v1.ModelInfo2\xf5\x01\n\nFleetServe\x12M\n\x08Generate\x12\x1e.fleetserve.v1.GenerateRequest\x1a\x1f.fleetserve.v1.GenerateResponse0\x01\x12\x45\n\x06Health\x12\x1c.fleetserve.v1.HealthRequest\x1a\x1d.fleetserve.v1.HealthResponse\x12Q\n\nListModels\x12 .fleetserve.v1.ListModelsRequest\x1a!.fleetserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1drouter/proto/fleetserve.proto\x12\rfleetserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc8\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\t\x88\x01\x01\x12\x0e\n\x01n\x18\x0e \x01(\x05H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0f \x01(\x05H\x0b\x88\x01\x01\x12@\n\nlogit_bias\x18\x10 \x03(\x0b\x32,.fleetserve.v1.SamplingParams.LogitBiasEntry\x12<\n\x12structured_outputs\x18\x11 \x01(\x0b\x32 .fleetserve.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x04\n\x02_nB\r\n\x0b_min_tokens\"\xb6\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.fleetserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x42\x0c\n\nconstraint\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"\xce\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x33\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x17.fleetserve.v1.TokenIdsH\x00\x12\x36\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1d.fleetserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x42\x07\n\x05input\"\x9f\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\"\x0f\n\rHealthRequest\"2\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x14\n\x0cnum_replicas\x18\x02 \x01(\r\"\x13\n\x11ListModelsRequest\".\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.fleetserve.v1.ModelInfo2\xf5\x01\n\nFleetServe\x12M\n\x08Generate\x12\x1e.fleetserve.v1.GenerateRequest\x1a\x1f.fleetserve.v1.GenerateResponse0\x01\x12\x45\n\x06Health\x12\x1c.fleetserve.v1.HealthRequest\x1a\x1d.fleetserve.v1.HealthResponse\x12Q\n\nListModels\x12 .fleetserve.v1.ListModelsRequest\x1a!.fleetserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fleetserve.router.proto.fleetserve_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'router.proto.fleetserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_TOKENIDS']._serialized_start=48
   _globals['_TOKENIDS']._serialized_end=71
   _globals['_SAMPLINGPARAMS']._serialized_start=74
-  _globals['_SAMPLINGPARAMS']._serialized_end=608
-  _globals['_GENERATEREQUEST']._serialized_start=611
-  _globals['_GENERATEREQUEST']._serialized_end=817
-  _globals['_GENERATERESPONSE']._serialized_start=820
-  _globals['_GENERATERESPONSE']._serialized_end=979
-  _globals['_HEALTHREQUEST']._serialized_start=981
-  _globals['_HEALTHREQUEST']._serialized_end=996
-  _globals['_HEALTHRESPONSE']._serialized_start=998
-  _globals['_HEALTHRESPONSE']._serialized_end=1048
-  _globals['_LISTMODELSREQUEST']._serialized_start=1050
-  _globals['_LISTMODELSREQUEST']._serialized_end=1069
-  _globals['_MODELINFO']._serialized_start=1071
-  _globals['_MODELINFO']._serialized_end=1117
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1119
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1181
-  _globals['_FLEETSERVE']._serialized_start=1184
-  _globals['_FLEETSERVE']._serialized_end=1429
+  _globals['_SAMPLINGPARAMS']._serialized_end=786
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=568
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=616
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=789
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=971
+  _globals['_CHOICES']._serialized_start=973
+  _globals['_CHOICES']._serialized_end=998
+  _globals['_GENERATEREQUEST']._serialized_start=1001
+  _globals['_GENERATEREQUEST']._serialized_end=1207
+  _globals['_GENERATERESPONSE']._serialized_start=1210
+  _globals['_GENERATERESPONSE']._serialized_end=1369
+  _globals['_HEALTHREQUEST']._serialized_start=1371
+  _globals['_HEALTHREQUEST']._serialized_end=1386
+  _globals['_HEALTHRESPONSE']._serialized_start=1388
+  _globals['_HEALTHRESPONSE']._serialized_end=1438
+  _globals['_LISTMODELSREQUEST']._serialized_start=1440
+  _globals['_LISTMODELSREQUEST']._serialized_end=1459
+  _globals['_MODELINFO']._serialized_start=1461
+  _globals['_MODELINFO']._serialized_end=1507
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1509
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1571
+  _globals['_FLEETSERVE']._serialized_start=1574
+  _globals['_FLEETSERVE']._serialized_end=1819
 # @@protoc_insertion_point(module_scope)

@@ -78,3 +78,21 @@ def test_cancelled_call_frees_blocks(stub, server):
     next(call)
     call.cancel()
     server.wait_idle()
+
+
+def test_generate_structured_outputs_and_logit_bias(stub, server):
+    """The constraint fields of SamplingParams: the output is one of the choices / matches."""
+    import re
+
+    choice = pb.StructuredOutputs(choice=pb.Choices(values=["north", "south"]))
+    msgs = list(stub.Generate(pb.GenerateRequest(prompt="Go", sampling_params=pb.SamplingParams(
+        max_tokens=10, structured_outputs=choice)), metadata=meta(server), timeout=60))
+    assert "".join(m.text for m in msgs) in ("north", "south") and msgs[-1].finish_reason == "stop"
+    regex = pb.StructuredOutputs(regex="[0-9]{4}")
+    text = "".join(m.text for m in stub.Generate(pb.GenerateRequest(prompt="Year", sampling_params=pb.SamplingParams(
+        max_tokens=10, seed=2, structured_outputs=regex)), metadata=meta(server), timeout=60))
+    assert re.fullmatch("[0-9]{4}", text)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(pb.GenerateRequest(prompt="x", sampling_params=pb.SamplingParams(
+            structured_outputs=pb.StructuredOutputs(regex="a(b"))), metadata=meta(server), timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "regular expression" in e.value.details()

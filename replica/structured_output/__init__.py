@@ -1,0 +1,1 @@
+"""Structured outputs: grammar-constrained decoding with xgrammar (see manager.py)."""

@@ -1,0 +1,77 @@
+"""vLLM's Python forms of `LLM.generate` and `LLM.chat`, each against the plain call."""
+
+import pytest
+
+from fleetserve.replica.llm import LLM
+from fleetserve.scheduler import SamplingParams
+
+PROMPTS = ["The quick brown fox", "Hello, world!", "def add(a, b):"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=128)
+
+
+@pytest.fixture(scope="module")
+def plain(llm):
+    """token ids of each prompt, and its greedy output, one plain call per prompt."""
+    return {p: (llm.tokenizer.encode(p), llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
+            for p in PROMPTS}
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_every_prompt_form_matches_the_plain_call(llm, plain):
+    p = PROMPTS[0]
+    ids, expected = plain[p]
+    for form in (p, [p], ids, [ids], {"prompt": p}, {"prompt_token_ids": ids},
+                 [{"prompt_token_ids": ids, "prompt": p}]):
+        outs = llm.generate(form, GREEDY, use_tqdm=False)
+        assert tokens(outs) == [expected], form
+    # The text of a token prompt is what the dict says (or None).
+    assert llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0].prompt is None
+    assert llm.generate({"prompt": p}, GREEDY, use_tqdm=False)[0].prompt == p
+
+
+def test_mixed_list_keeps_order(llm, plain):
+    a, b, c = PROMPTS
+    mixed = [a, {"prompt_token_ids": plain[b][0]}, plain[c][0], {"prompt": a}]
+    outs = llm.generate(mixed, GREEDY, use_tqdm=True)
+    assert tokens(outs) == [plain[a][1], plain[b][1], plain[c][1], plain[a][1]]
+    assert [o.prompt_token_ids for o in outs] == [plain[a][0], plain[b][0], plain[c][0], plain[a][0]]
+
+
+def test_per_prompt_sampling_params(llm, plain):
+    a, b = PROMPTS[:2]
+    short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    outs = llm.generate([a, b], [GREEDY, short], use_tqdm=False)
+    assert tokens(outs) == [plain[a][1], plain[b][1][:2]]
+    with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
+        llm.generate(PROMPTS, [GREEDY, short], use_tqdm=False)
+
+
+def test_bad_prompt_forms_are_value_errors(llm):
+    for bad, match in (({"text": "x"}, "unsupported keys"), ({"prompt": 3}, "needs 'prompt'"),
+                       ({"prompt_token_ids": ["a"]}, "list of token ids"), ([], "empty")):
+        with pytest.raises(ValueError, match=match):
+            llm.generate(bad, GREEDY, use_tqdm=False)
+    # Nothing was left behind: the engine still serves and holds no blocks.
+    assert llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
+    kv = llm.core.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_chat_one_and_many_conversations(llm):
+    conv_a = [{"role": "user", "content": "What is the capital of France?"}]
+    conv_b = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    (one,) = llm.chat(conv_a, GREEDY, use_tqdm=False)
+    both = llm.chat([conv_a, conv_b], [GREEDY, GREEDY], use_tqdm=False)
+    assert tokens(both)[0] == one.outputs[0].token_ids
+    text_b = llm.tokenizer.apply_chat_template(conv_b, tokenize=False, add_generation_prompt=True)
+    ids_b = llm.tokenizer.encode(text_b, add_special_tokens=False)
+    assert both[1].prompt_token_ids == ids_b and both[1].prompt == text_b
+    assert tokens(both)[1] == tokens(llm.generate([ids_b], GREEDY, use_tqdm=False))[0]
