@@ -109,7 +109,10 @@ def ray_pair(tiny_model_dir, local_ray):
 
 
 def owner_stats(ray):
-    return ray.get(ray.get_actor("fleetserve-kv-owner", namespace="fleetserve").stats.remote())
+    from fleetserve.kv_transfer.ray_store import get_owner
+
+    # get-or-create: a test run alone may ask before the first export made the owner.
+    return ray.get(get_owner(ray, "fleetserve-kv-owner", "fleetserve").stats.remote())
 
 
 def test_ray_object_store_hand_off_matches_one_engine(ray_pair, reference, local_ray):
