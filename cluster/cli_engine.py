@@ -31,7 +31,10 @@ FLAG_NAMES = {"http.host": "--host", "http.port": "--port", "grpc.port": "--grpc
               # --kv-connector ray_object_store`
               "pd.enabled": "--pd", "pd.prefill.num_replicas": "--num-prefill-replicas",
               "pd.decode.num_replicas": "--num-decode-replicas",
-              "pd.connector": "--kv-connector"}
+              "pd.connector": "--kv-connector",
+              # One JSON value, as vLLM's --kv-transfer-config (not a flag per sub-field).
+              "kv_transfer_config": "--kv-transfer-config",
+              "engine.kv_transfer_config": "--kv-transfer-config"}
 
 
 def _json_value(text: str) -> Any:

@@ -17,7 +17,9 @@ One connector class, built once per role (``KVConnectorRole``):
 
 Connectors, by registered name or ``"module:Class"`` (``kv_transfer.factory``):
 ``SharedStorageConnector`` (a folder: a persistent prefix cache shared by
-replicas and restarts), ``RayObjectStoreConnector`` (Ray's object store).
+replicas and restarts), ``RayObjectStoreConnector`` (Ray's object store),
+``P2PConnector`` (torch.distributed gloo pulls from the producer rank), and
+``FaultInjectionConnector`` (wraps one of them and breaks it on purpose).
 
 Configuration, as vLLM: ``--kv-transfer-config '{"kv_connector":
 "SharedStorageConnector", "kv_role": "kv_both", "kv_connector_extra_config":

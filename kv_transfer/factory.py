@@ -12,6 +12,7 @@ from fleetserve.kv_transfer.config import KVTransferConfig
 REGISTRY: dict[str, str] = {
     "SharedStorageConnector": "fleetserve.kv_transfer.shared_storage:SharedStorageConnector",
     "RayObjectStoreConnector": "fleetserve.kv_transfer.ray_store:RayObjectStoreConnector",
+    "P2PConnector": "fleetserve.kv_transfer.p2p:P2PConnector",
     "FaultInjectionConnector": "fleetserve.kv_transfer.faults:FaultInjectionConnector",
 }
 

@@ -36,14 +36,15 @@ def step_kv_stats(scheduler, connector, runner_output) -> Optional[dict]:
 
 
 class KVTransferMetrics:
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
-        labels = ["model_name"]
+    def __init__(self, registry: CollectorRegistry, labels: list[str], values: tuple) -> None:
+        """`labels`/`values`: the engine's own label names and values (model_name, engine)."""
+        self._values = tuple(values)
 
         def hist(name, doc, buckets):
-            return Histogram(name, doc, labels, buckets=buckets, registry=registry).labels(model_name)
+            return Histogram(name, doc, labels, buckets=buckets, registry=registry).labels(*values)
 
         def counter(name, doc):
-            return Counter(name, doc, labels, registry=registry).labels(model_name)
+            return Counter(name, doc, labels, registry=registry).labels(*values)
 
         self.bytes_sent = hist("vllm:kv_transfer_bytes_sent", "Bytes of KV exported per transfer.", _BYTES)
         self.bytes_recv = hist("vllm:kv_transfer_bytes_received", "Bytes of KV loaded per transfer.", _BYTES)
@@ -55,11 +56,10 @@ class KVTransferMetrics:
         self.expired = counter("vllm:kv_transfer_expired_loads", "KV loads past their deadline.")
         self.blocks_held = Gauge("vllm:kv_transfer_blocks_held",
                                  "KV blocks held for transfers (being received or kept for a send).",
-                                 labels, registry=registry).labels(model_name)
+                                 labels, registry=registry).labels(*values)
         self._by_source = Counter("vllm:prompt_tokens_by_source",
                                   "Prompt tokens by where their KV came from.",
-                                  labels + ["source"], registry=registry)
-        self.model_name = model_name
+                                  list(labels) + ["source"], registry=registry)
 
     def observe_step(self, stats: Optional[dict]) -> None:
         if not stats:
@@ -75,7 +75,7 @@ class KVTransferMetrics:
 
     def observe_request(self, num_prompt: int, num_cached: int, num_remote: int) -> None:
         """A finished request: where its prompt tokens' KV came from."""
-        src = self._by_source
-        src.labels(self.model_name, "external_kv_transfer").inc(num_remote)
-        src.labels(self.model_name, "local_cache_hit").inc(max(0, num_cached - num_remote))
-        src.labels(self.model_name, "local_compute").inc(max(0, num_prompt - num_cached))
+        src, v = self._by_source, self._values
+        src.labels(*v, "external_kv_transfer").inc(num_remote)
+        src.labels(*v, "local_cache_hit").inc(max(0, num_cached - num_remote))
+        src.labels(*v, "local_compute").inc(max(0, num_prompt - num_cached))

@@ -48,6 +48,7 @@ class KVObjectOwner:
     def __init__(self, sweep_s: float = 0.5) -> None:
         self._held: dict[str, tuple[list, float, int]] = {}  # tid -> ([ref], expiry, nbytes)
         self._readers: dict[str, set[int]] = {}  # tid -> consumer ranks that confirmed
+        self._names: dict[str, str] = {}
         self._lock = threading.Lock()
         self.num_expired = 0
         threading.Thread(target=self._sweep_loop, args=(sweep_s,), daemon=True).start()
@@ -76,6 +77,15 @@ class KVObjectOwner:
                 return False
             del self._readers[transfer_id]
             return self._held.pop(transfer_id, None) is not None
+
+    # A directory too: where each engine rank's point-to-point server listens (kv_transfer.p2p).
+    def register(self, name: str, value: str) -> None:
+        with self._lock:
+            self._names[name] = value
+
+    def resolve(self, name: str):
+        with self._lock:
+            return self._names.get(name)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

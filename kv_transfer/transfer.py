@@ -86,6 +86,9 @@ class TransferScheduler(KVConnectorScheduler):
         self._meta = ConnectorMetadata()
         self._loading: dict[str, LoadSpec] = {}  # req_id -> its load, until the worker reports
         self._saving: set[str] = set()
+        # Loads that finished: a hand-off is read once (a preempted request recomputes;
+        # the producer may have released its copy on our confirmation).
+        self._loaded: set[str] = set()
         self._keys: dict[str, tuple[int, list[str]]] = {}  # req_id -> (num tokens, keys) memo
         self.num_expired_loads = 0
 
@@ -105,7 +108,7 @@ class TransferScheduler(KVConnectorScheduler):
 
     # ---- the contract -----------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
-        if not self.config.is_consumer:
+        if not self.config.is_consumer or request.request_id in self._loaded:
             return 0, False
         bs = self.ctx.block_size
         params = self._params(request)
@@ -148,6 +151,7 @@ class TransferScheduler(KVConnectorScheduler):
 
     def request_finished(self, request: Request, block_ids: list[int]):
         rid = request.request_id
+        self._loaded.discard(rid)
         if rid in self._loading:
             # Finished (aborted) while receiving: the worker drops the load and
             # says so in finished_sending; only then may the blocks be reused.
@@ -193,7 +197,8 @@ class TransferScheduler(KVConnectorScheduler):
 
     def update_connector_output(self, runner_output: ModelRunnerOutput) -> None:
         for rid in runner_output.finished_recving:
-            self._loading.pop(rid, None)
+            if self._loading.pop(rid, None) is not None:
+                self._loaded.add(rid)
         for rid in runner_output.finished_sending:
             self._saving.discard(rid)
         now = time.time()
@@ -204,6 +209,7 @@ class TransferScheduler(KVConnectorScheduler):
                 logger.warning("KV load of %s: no word from the worker %.1f s after its "
                                "deadline; failing its blocks", rid, NOTICE_GRACE_S)
                 del self._loading[rid]
+                self._loaded.add(rid)
                 self._meta.cancels.append(rid)
                 self.num_expired_loads += 1
                 runner_output.finished_recving.add(rid)

@@ -81,6 +81,15 @@ class EngineArgs(BaseModel):
         "Speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 6, "
         "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}, or a draft model sharing the "
         "tokenizer: {\"model\": ..., \"num_speculative_tokens\": 4} (unset: off)."))
+    enable_kv_cache_events: bool = Field(False, description=(
+        "Publish KV cache events (block stored / removed / all cleared) for the router's "
+        "prefix index (vLLM: --kv-events-config); on by itself with --routing-policy "
+        "prefix_aware."))
+    kv_transfer_config: Optional[KVTransferConfig] = Field(None, description=(
+        "KV transfer (vLLM's --kv-transfer-config), a JSON object: kv_connector "
+        "(SharedStorageConnector, RayObjectStoreConnector, P2PConnector or 'module:Class'), "
+        "kv_role (kv_producer|kv_consumer|kv_both), kv_connector_extra_config, "
+        "kv_load_failure_policy (recompute|fail), kv_lease_s, kv_load_timeout_s."))
 
     @field_validator("speculative_config", mode="before")
     @classmethod
@@ -94,12 +103,6 @@ class EngineArgs(BaseModel):
             raise ValueError("speculative decoding with a draft model runs with "
                              "tensor_parallel_size 1 only; use the 'ngram' method with TP")
         return self
-    enable_kv_cache_events: bool = Field(False, description=(
-        "Publish KV cache events (block stored / removed / all cleared) for the router's "
-        "prefix index (vLLM: --kv-events-config); on by itself with --routing-policy "
-        "prefix_aware."))
-    kv_transfer_config: Optional[KVTransferConfig] = Field(None, description=(
-        "KV transfer (vLLM's --kv-transfer-config): connector, role, failure policy, as JSON."))
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(

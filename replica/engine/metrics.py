@@ -130,7 +130,7 @@ class EngineMetrics:
         # Speculative decoding (vLLM's names), created on the first stats that carry it.
         self._spec = None
         self._last_spec = None
-        self.kv_transfer = KVTransferMetrics(r, model_name)
+        self.kv_transfer = KVTransferMetrics(r, labels, values)
 
     def cache_config(self, block_size: int, num_blocks: int, enable_prefix_caching: bool) -> None:
         """vllm:cache_config_info: an info gauge (always 1) whose labels carry the settings."""

@@ -54,7 +54,7 @@ def test_bad_config_names_the_field(bad, field):
 def test_cli_flag_that_is_not_json_is_a_clear_error(capsys):
     with pytest.raises(SystemExit):
         parse(["--kv-transfer-config", "{not json"])
-    assert "json_object" in capsys.readouterr().err
+    assert "not valid JSON" in capsys.readouterr().err
 
 
 def test_connectors_by_name_or_qualified_name():

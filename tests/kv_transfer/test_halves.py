@@ -98,6 +98,8 @@ def test_the_same_load_in_time_is_written_and_counted():
             break
         time.sleep(0.005)
     assert req.status == RequestStatus.WAITING and req.num_external_computed_tokens == 16
+    # A hand-off is read once: after a preemption the request recomputes.
+    assert sched.connector.get_num_new_matched_tokens(req, 0) == (0, False)
     blocks = sched.kv.get_block_ids("r0")[:4]
     for c in caches:
         assert c[:, :, blocks].eq(1).all() and c.sum() == c[:, :, blocks].sum()

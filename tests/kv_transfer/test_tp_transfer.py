@@ -12,6 +12,7 @@ import pytest
 from tests.kv_transfer.utils import BLOCK, collect, engine, greedy, hand_off, run, wait_all_free
 
 ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow  # three engines, four Ray worker actors
 
 
 @pytest.fixture(scope="module")
