@@ -148,7 +148,8 @@ class Ingress(GrpcMethods):
                     except asyncio.TimeoutError:
                         raise APIError("the model is still loading (no engine replica has "
                                        "answered yet); retry shortly", 503) from None
-                    info["max_token_chars"] = max_token_chars(info["tokenizer"])
+                    if info.get("tokenizer") is not None:  # every real engine has one
+                        info["max_token_chars"] = max_token_chars(info["tokenizer"])
                     self._info = info
                     self._start_kv_subscribers()
         return self._info
@@ -186,7 +187,8 @@ class Ingress(GrpcMethods):
         info = await self.info()
         tok = info["tokenizer"]
         if isinstance(prompt, str):
-            check_prompt_chars(prompt, info["max_model_len"], info["max_token_chars"], param)
+            if "max_token_chars" in info:
+                check_prompt_chars(prompt, info["max_model_len"], info["max_token_chars"], param)
             return tok(prompt, add_special_tokens=add_special_tokens).input_ids
         vocab = len(tok)
         if any(not 0 <= t < vocab for t in prompt):

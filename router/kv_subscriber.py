@@ -55,7 +55,8 @@ class KVEventSubscriber:
         tasks = [t for t in [self._supervisor, *self._followers.values()] if t is not None]
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:  # a follower inside a Serve call may take a while to see its cancel: bounded
+            await asyncio.wait(tasks, timeout=5.0)
         self._supervisor, self._followers = None, {}
 
     async def _supervise(self) -> None:
