@@ -4,3 +4,13 @@ authentication (which writes a token file under $HOME) is off for them."""
 import os
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import pytest  # noqa: E402
+
+# A tiny random Llama, shared by every folder's tests (replica, kv_transfer, ...).
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    from fleetserve.replica.testing import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), num_layers=2, hidden_size=64,
+                           num_heads=4, num_kv_heads=2)
