@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from fleetserve.replica.engine.engine_args import DEFAULT_MODEL, EngineArgs
 from fleetserve.replica.engine.engine_core import EngineCore
 from fleetserve.replica.engine.metrics import EngineMetrics
+from fleetserve.replica.model_loader.model_info import generation_defaults
 from fleetserve.replica.model_loader.registry import resolve_model
 from fleetserve.replica.engine.outputs import CompletionOutput, RequestOutput
 from fleetserve.replica.engine.processor import InputProcessor, OutputProcessor, PromptType
@@ -31,6 +32,14 @@ class LLM:
         self.metrics = EngineMetrics(self.args.served_model_name or source.name)
         self.input_processor = InputProcessor(self.tokenizer, self.core.max_model_len,
                                               self.core.hf_config.vocab_size)
+        # --generation-config, as the server applies it: the model's own sampling defaults.
+        self.generation_defaults = generation_defaults(source, self.args.generation_config)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the model's generation defaults (`generation_config`, default 'auto'),
+        or plain `SamplingParams()` when it has none or `generation_config='vllm'`; what
+        `generate` and `chat` use when no sampling params are given."""
+        return SamplingParams(**self.generation_defaults)
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
@@ -40,6 +49,8 @@ class LLM:
         `SamplingParams` for all or a list with one per prompt. Outputs come back in
         prompt order."""
         prompts = _prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _params_list(sampling_params, len(prompts))
         op = OutputProcessor(self.tokenizer, self.metrics)
         # Validate everything before adding anything: a bad prompt fails the call whole.
@@ -107,8 +118,8 @@ def _prompt_list(prompts) -> list:
 
 
 def _params_list(sampling_params, num_prompts: int) -> list[SamplingParams]:
-    if sampling_params is None or isinstance(sampling_params, SamplingParams):
-        return [sampling_params or SamplingParams()] * num_prompts
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
     params = list(sampling_params)
     if len(params) != num_prompts:
         raise ValueError(f"{len(params)} sampling params for {num_prompts} prompts")

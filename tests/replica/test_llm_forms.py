@@ -75,3 +75,25 @@ def test_chat_one_and_many_conversations(llm):
     ids_b = llm.tokenizer.encode(text_b, add_special_tokens=False)
     assert both[1].prompt_token_ids == ids_b and both[1].prompt == text_b
     assert tokens(both)[1] == tokens(llm.generate([ids_b], GREEDY, use_tqdm=False))[0]
+
+
+def test_generation_config_gives_the_default_sampling_params(tiny_model_dir, tmp_path):
+    """No sampling params: the model's generation_config.json decides (vLLM's
+    `get_default_sampling_params`); `generation_config="vllm"` ignores it."""
+    import json
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    cfg = json.loads((folder / "generation_config.json").read_text())
+    cfg.update(temperature=0.0, max_new_tokens=5)
+    (folder / "generation_config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(folder), dtype="float32", num_gpu_blocks_override=64)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.max_tokens) == (0.0, 5)
+    out = llm.generate(PROMPTS[0], use_tqdm=False)[0].outputs[0]
+    explicit = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=5),
+                            use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == explicit.token_ids and len(out.token_ids) <= 5
+    plain = LLM(str(folder), dtype="float32", num_gpu_blocks_override=64, generation_config="vllm")
+    assert plain.get_default_sampling_params() == SamplingParams()
