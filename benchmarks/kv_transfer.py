@@ -8,8 +8,14 @@ fetches, checks every block (chain key, checksum) and writes them into its own
 paged cache. Against, in the same run and on the same bytes:
 
 * its raw transport: one file write + read (shared storage), one `ray.put` +
-  `ray.get` (Ray object store);
+  `ray.get` (Ray object store), one gloo send + recv between two ranks (P2P; the
+  connector's two ranks live in this one process too, on the server's thread);
 * a plain memcpy (`torch` copy of the same bytes).
+
+A connector's hand-off also copies the blocks out of one paged cache and into
+another (two copies the raw transports do not make) and checks every block's
+digest on both sides, so its ceiling against a one-copy raw transport is well
+under 1: the table shows the ratio, and the JSON the export and load times.
 
 Then load vs recompute for a 2k-token prompt: the real model's prefill time on this
 CPU (an engine, `max_tokens=1`) against the consumer-side load time (fetch, verify,
@@ -50,18 +56,20 @@ def make_pair(kind: str, num_blocks: int, tmp: str):
     from fleetserve.kv_transfer.config import KVTransferConfig
     from fleetserve.kv_transfer.factory import build_context, resolve_connector_class
 
-    extra = {"path": tmp, "max_bytes": 64 << 30} if kind == "SharedStorageConnector" else {}
-    cfg = KVTransferConfig(kv_connector=kind, kv_connector_extra_config=extra, kv_load_timeout_s=600)
-    ctx = build_context(cfg, "smollm2-135m", CFG, torch.float32, BS)
+    extra = ({"path": tmp, "max_bytes": 64 << 30} if kind == "SharedStorageConnector"
+             else {"host": "127.0.0.1"} if kind == "P2PConnector" else {})
     cls = resolve_connector_class(kind)
     halves = []
-    for seed in (0, 1):
+    for seed, role in ((0, "kv_producer"), (1, "kv_consumer")):
+        cfg = KVTransferConfig(kv_connector=kind, kv_role=role, kv_connector_extra_config=extra,
+                               kv_load_timeout_s=600, engine_id=f"bench-{role}")
+        ctx = build_context(cfg, "smollm2-135m", CFG, torch.float32, BS)
         w = cls(cfg, KVConnectorRole.WORKER, ctx)
         g = torch.Generator().manual_seed(seed)
         w.register_kv_caches([torch.randn((2, HEADS, num_blocks, BS, HEAD_DIM), generator=g)
                               for _ in range(LAYERS)])
         halves.append(w)
-    return ctx, halves[0], halves[1]
+    return halves[0].ctx, halves[0], halves[1]
 
 
 def hand_off(ctx, prod, cons, num_tokens: int, tid: str) -> tuple[float, float]:
@@ -78,7 +86,8 @@ def hand_off(ctx, prod, cons, num_tokens: int, tid: str) -> tuple[float, float]:
     prod.start_load_kv()
     prod.half.wait_for_exports(600)
     t1 = time.perf_counter()
-    spec = LoadSpec("r", tid, blocks, keys, time.time() + 600, {"remote_tp_size": 1})
+    spec = LoadSpec("r", tid, blocks, keys, time.time() + 600,
+                    {"remote_tp_size": 1, "remote_engine_id": ctx.engine_id})
     cons.bind_connector_metadata(ConnectorMetadata(loads=[spec]))
     cons.start_load_kv()
     while "r" not in cons.get_finished(set())[1]:
@@ -99,6 +108,34 @@ def raw_file(buf: np.ndarray, tmp: str) -> float:
     assert back.nbytes == buf.nbytes
     os.unlink(path)
     return dt
+
+
+def raw_gloo(buf: torch.Tensor, out: torch.Tensor) -> float:
+    """One send + recv of `buf` between two gloo ranks (threads of this process), group
+    already formed, receive buffer already touched."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    # One store client per rank, as between two processes (one shared client deadlocks).
+    stores = [master, dist.TCPStore("127.0.0.1", master.port, is_master=False)]
+    groups = [None, None]
+
+    def make(rank):
+        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("raw", stores[rank]), rank, 2,
+                                             datetime.timedelta(seconds=60))
+
+    ts = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    t0 = time.perf_counter()
+    sender = threading.Thread(target=lambda: groups[0].send([buf], 1, 0).wait())
+    sender.start()
+    groups[1].recv([out], 0, 0).wait()
+    sender.join()
+    return time.perf_counter() - t0
 
 
 def raw_ray(buf: np.ndarray) -> float:
@@ -150,15 +187,20 @@ def main() -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     for attempt in range(3):  # a loaded machine may miss Ray's 30 s raylet start-up window
         try:
+            # Shared memory touched up front (RAY_preallocate_plasma_memory=1 for `ray start`):
+            # else every put into store memory not yet (or no longer) mapped pays its page
+            # faults, 40 ms of a 94 MB put on this VM, against 8 ms once the pages are warm.
             ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                     object_store_memory=3 << 30, _node_ip_address="127.0.0.1")
+                     object_store_memory=3 << 30, _node_ip_address="127.0.0.1",
+                     _system_config={"preallocate_plasma_memory": True})
             break
         except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception here
             print(f"ray.init failed ({e}); retrying", file=sys.stderr)
             ray.shutdown()
             if attempt == 2:
                 raise
-    kinds = ["SharedStorageConnector", "RayObjectStoreConnector"]
+    kinds = ["SharedStorageConnector", "RayObjectStoreConnector", "P2PConnector"]
+    shorts = ("storage", "ray", "p2p")
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvbench-") as tmp:
         pairs = {k: make_pair(k, max(sizes) // BS, os.path.join(tmp, k)) for k in kinds}
@@ -169,12 +211,14 @@ def main() -> int:
             nbytes = n * LAYERS * 2 * HEADS * HEAD_DIM * 4
             data = torch.randn(nbytes // 4)
             buf = data.view(torch.uint8).numpy()
-            t = {k: [] for k in ("memcpy", "raw_file", "raw_ray", *[f"{k}_{p}" for k in kinds
-                                                                   for p in ("export", "load")])}
+            t = {k: [] for k in ("memcpy", "raw_file", "raw_ray", "raw_gloo",
+                                 *[f"{k}_{p}" for k in kinds for p in ("export", "load")])}
+            recv = torch.zeros_like(data.view(torch.uint8))
             for r in range(repeats):  # interleaved: every path once per round
                 t["memcpy"].append(memcpy(data))
                 t["raw_file"].append(raw_file(buf, tmp))
                 t["raw_ray"].append(raw_ray(buf))
+                t["raw_gloo"].append(raw_gloo(data.view(torch.uint8), recv))
                 for k in kinds:
                     ctx, prod, cons = pairs[k]
                     e, l = hand_off(ctx, prod, cons, n, f"bench-{n}-{r}-{k[:4]}")
@@ -183,14 +227,17 @@ def main() -> int:
             med = {k: statistics.median(v) for k, v in t.items()}
             gbs = lambda s: nbytes / s / 1e9  # noqa: E731
             row = {"tokens": n, "bytes": nbytes, "memcpy_gbs": gbs(med["memcpy"]),
-                   "file_raw_gbs": gbs(med["raw_file"]), "ray_raw_gbs": gbs(med["raw_ray"])}
-            for k, short in zip(kinds, ("storage", "ray")):
+                   "file_raw_gbs": gbs(med["raw_file"]), "ray_raw_gbs": gbs(med["raw_ray"]),
+                   "gloo_raw_gbs": gbs(med["raw_gloo"])}
+            for k, short in zip(kinds, shorts):
                 total = med[f"{k}_export"] + med[f"{k}_load"]
                 row[f"{short}_gbs"] = gbs(total)
+                row[f"{short}_export_s"] = med[f"{k}_export"]
                 row[f"{short}_load_s"] = med[f"{k}_load"]
             row["storage_vs_raw"] = row["storage_gbs"] / row["file_raw_gbs"]
             row["ray_vs_raw"] = row["ray_gbs"] / row["ray_raw_gbs"]
             row["ray_vs_memcpy"] = row["ray_gbs"] / row["memcpy_gbs"]
+            row["p2p_vs_raw"] = row["p2p_gbs"] / row["gloo_raw_gbs"]
             rows.append(row)
             print(json.dumps(row), flush=True)
         for _, prod, cons in pairs.values():
@@ -203,19 +250,34 @@ def main() -> int:
     return 0
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return "unknown CPU"
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "CPU")
+    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{name}, {os.cpu_count()} cores, {isa}"
+
+
 def report(rows, recompute, two_k) -> None:
+    print(f"CPU: {cpu_name()}")
     print("\nGB/s end to end (producer cache -> consumer cache), medians; raw = the transport alone")
-    print(f"{'tokens':>7} {'MiB':>7} {'memcpy':>7} {'file':>7} {'storage':>8} {'st/raw':>7} "
-          f"{'ray raw':>8} {'ray':>7} {'ray/raw':>8} {'ray/mcpy':>9}")
+    print(f"{'tokens':>7} {'MiB':>6} {'memcpy':>7} {'file':>6} {'storage':>8} {'st/raw':>7} "
+          f"{'ray raw':>8} {'ray':>6} {'ray/raw':>8} {'ray/mcpy':>9} {'gloo':>6} {'p2p':>6} {'p2p/raw':>8}")
     for r in rows:
-        print(f"{r['tokens']:>7} {r['bytes'] / 2**20:>7.0f} {r['memcpy_gbs']:>7.2f} "
-              f"{r['file_raw_gbs']:>7.2f} {r['storage_gbs']:>8.2f} {r['storage_vs_raw']:>7.2f} "
-              f"{r['ray_raw_gbs']:>8.2f} {r['ray_gbs']:>7.2f} {r['ray_vs_raw']:>8.2f} "
-              f"{r['ray_vs_memcpy']:>9.2f}")
+        print(f"{r['tokens']:>7} {r['bytes'] / 2**20:>6.0f} {r['memcpy_gbs']:>7.2f} "
+              f"{r['file_raw_gbs']:>6.2f} {r['storage_gbs']:>8.2f} {r['storage_vs_raw']:>7.2f} "
+              f"{r['ray_raw_gbs']:>8.2f} {r['ray_gbs']:>6.2f} {r['ray_vs_raw']:>8.2f} "
+              f"{r['ray_vs_memcpy']:>9.2f} {r['gloo_raw_gbs']:>6.2f} {r['p2p_gbs']:>6.2f} "
+              f"{r['p2p_vs_raw']:>8.2f}")
     print(f"\nload vs recompute, 2048 tokens: prefill {recompute * 1e3:.0f} ms; "
           f"storage load {two_k['storage_load_s'] * 1e3:.1f} ms "
           f"({recompute / two_k['storage_load_s']:.0f}x); ray load {two_k['ray_load_s'] * 1e3:.1f} ms "
-          f"({recompute / two_k['ray_load_s']:.0f}x)")
+          f"({recompute / two_k['ray_load_s']:.0f}x); p2p load {two_k['p2p_load_s'] * 1e3:.1f} ms "
+          f"({recompute / two_k['p2p_load_s']:.0f}x)")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "kv_transfer.json").write_text(json.dumps(
         {"rows": rows, "recompute_2k_s": recompute}, indent=1))
@@ -228,15 +290,16 @@ def report(rows, recompute, two_k) -> None:
     x = [r["tokens"] for r in rows]
     for key, label in (("memcpy_gbs", "memcpy"), ("file_raw_gbs", "file write+read (raw)"),
                        ("storage_gbs", "shared storage connector"), ("ray_raw_gbs", "ray put+get (raw)"),
-                       ("ray_gbs", "Ray object store connector")):
+                       ("ray_gbs", "Ray object store connector"), ("gloo_raw_gbs", "gloo send+recv (raw)"),
+                       ("p2p_gbs", "P2P connector (gloo)")):
         a.plot(x, [r[key] for r in rows], marker="o", label=label)
     a.set_xscale("log", base=2)
     a.set_xlabel("prompt tokens (SmolLM2 KV, fp32)")
     a.set_ylabel("GB/s")
-    a.set_title("KV hand-off throughput")
+    a.set_title(f"KV hand-off throughput ({cpu_name()})", fontsize=9)
     a.legend(fontsize=8)
-    names = ["recompute\n(prefill)", "storage\nload", "ray\nload"]
-    vals = [recompute, two_k["storage_load_s"], two_k["ray_load_s"]]
+    names = ["recompute\n(prefill)", "storage\nload", "ray\nload", "p2p\nload"]
+    vals = [recompute, two_k["storage_load_s"], two_k["ray_load_s"], two_k["p2p_load_s"]]
     b.barh(names, [v * 1e3 for v in vals])
     b.set_xscale("log")
     b.set_xlabel("ms to make a 2048-token prompt's KV ready")

@@ -10,13 +10,19 @@
                                                        get_block_ids_with_load_errors()
     request_finished(request, block_ids)               clear_connector_metadata()
 
-`wait_for_layer_load(layer)` / `save_kv_layer(layer, ...)` are part of the
-contract (vLLM calls them inside each attention layer) but our connectors never
-need them: every load lands in the blocks of a request parked in
-WAITING_FOR_REMOTE_KVS (not in this step's batch), and saves copy whole blocks
-of finished requests, whose blocks the scheduler holds until the copy is done.
-So the model runner carries no connector code at all (`run_connector_step`
-wraps the worker's step).
+Layer-wise hooks, as vLLM v1: when a connector asks for them
+(`uses_layer_hooks`), the model calls `wait_for_layer_load(i)` before decoder
+layer i reads its KV and `save_kv_layer(i, kv_cache, attn_metadata)` right
+after that layer wrote it, and `run_connector_step` calls `wait_for_save()` when
+the forward ends (so no block is reused mid-save). Without a connector, or with
+one that does not ask, the model runs its plain loop: no per-layer call at all.
+Our transfer connectors use `save_kv_layer` for a hand-off's layer-wise save
+(`kv_connector_extra_config.layerwise_save`): a P/D producer's blocks are copied
+out layer by layer during the very forward that computes the end of the prompt
+(on a GPU, each copy overlaps the next layers' compute), exported when the
+forward ends, and freed at once (no `delay_free`). `wait_for_layer_load` has
+nothing to wait for in them: every load lands in the blocks of a request parked
+in WAITING_FOR_REMOTE_KVS, never in the running batch.
 
 Writes into the KV cache happen only on the worker's own thread, inside
 `get_finished`: a fetch runs in the background into a staging buffer, is
@@ -77,6 +83,8 @@ class SaveSpec:
     block_ids: list[int]
     keys: list[str]
     lease_s: float
+    # Copied out layer by layer during this step's forward (save_kv_layer), not after it.
+    layerwise: bool = False
 
 
 @dataclass(slots=True)
@@ -94,6 +102,9 @@ class ConnectorMetadata:
 class KVConnectorWorker(abc.ABC):
     """The worker half (vLLM v1's KVConnectorBase_V1, worker methods)."""
 
+    # Whether the model must call wait_for_layer_load / save_kv_layer around each layer.
+    uses_layer_hooks: bool = False
+
     @abc.abstractmethod
     def register_kv_caches(self, kv_caches: list) -> None: ...
 
@@ -106,10 +117,12 @@ class KVConnectorWorker(abc.ABC):
     @abc.abstractmethod
     def start_load_kv(self) -> None: ...
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
+    def wait_for_layer_load(self, layer: int) -> None:
+        """Block until layer `layer`'s KV for this step's batch is in the cache."""
         return None
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any) -> None:
+    def save_kv_layer(self, layer: int, kv_layer: Any, attn_metadata: Any) -> None:
+        """Layer `layer` just wrote this step's KV into `kv_layer`."""
         return None
 
     def wait_for_save(self) -> None:
@@ -185,11 +198,15 @@ class KVConnectorBase(KVConnectorScheduler, KVConnectorWorker):
     def start_load_kv(self) -> None:
         self._half.start_load_kv()
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        self._half.wait_for_layer_load(layer_name)
+    @property
+    def uses_layer_hooks(self) -> bool:
+        return bool(getattr(self._half, "uses_layer_hooks", False))
 
-    def save_kv_layer(self, layer_name, kv_layer, attn_metadata) -> None:
-        self._half.save_kv_layer(layer_name, kv_layer, attn_metadata)
+    def wait_for_layer_load(self, layer: int) -> None:
+        self._half.wait_for_layer_load(layer)
+
+    def save_kv_layer(self, layer: int, kv_layer, attn_metadata) -> None:
+        self._half.save_kv_layer(layer, kv_layer, attn_metadata)
 
     def wait_for_save(self) -> None:
         self._half.wait_for_save()

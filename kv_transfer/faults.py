@@ -44,6 +44,7 @@ class FaultyTransport(Transport):
         self.faults = faults
         self.supports_lookup = inner.supports_lookup
         self.saves_all = inner.saves_all
+        self.keeps_batch = inner.keeps_batch
         self._rng = random.Random(seed)
 
     def fires(self, name: str) -> bool:
@@ -53,15 +54,24 @@ class FaultyTransport(Transport):
     def location(self, transfer_id):
         return self.inner.location(transfer_id)
 
+    def payload_device(self, cache_device):
+        return self.inner.payload_device(cache_device)
+
+    def register_kv_caches(self, kv_caches, staging):
+        super().register_kv_caches(kv_caches, staging)
+        self.inner.register_kv_caches(kv_caches, staging)
+
     def export(self, spec: SaveSpec, batch: BlockBatch) -> None:
-        crcs = batch.checksums()  # taken where the blocks were gathered: damage comes after
+        sums = batch.checksums()  # taken where the blocks were gathered: damage comes after
         if self.fires("corrupt"):
             data = batch.data.clone()
             data.view(torch.uint8).view(-1)[:: max(1, data.numel() // 7)] ^= 0x55
-            batch = BlockBatch(batch.fingerprint, batch.keys, data, batch.heads, crcs)
+            batch.release()
+            batch = BlockBatch(batch.fingerprint, batch.keys, data, batch.heads, sums, batch.digest)
         elif self.fires("stale"):
+            release, batch.on_release = batch.on_release, None  # the new batch owns the buffer
             batch = BlockBatch(batch.fingerprint, [k[::-1] for k in batch.keys], batch.data,
-                               batch.heads, crcs)
+                               batch.heads, sums, batch.digest, release)
         self.inner.export(spec, batch)
         if self.fires("duplicate"):
             self.inner.export(spec, batch)

@@ -1,26 +1,34 @@
 """Ray object store connector: the producer `ray.put`s a request's blocks, the consumer gets them.
 
-    producer worker (holds the KV)          owner actor (detached, named)      consumer worker
-    gather blocks -> owner.adopt(blocks)    ray.put: an object it owns
-    params: remote_ray_owner=<name>         lookup(transfer_id) -> [ref]  <--  poll until deadline
-                                            release(transfer_id)          <--  ray.get(ref), confirm
-                                            (or the lease ends: dropped)
+    producer worker (holds the KV)              owner actor (detached, named)   consumer worker
+    gather blocks -> ray.put -> owner.hold([ref])  holds the ref under a lease
+    params: remote_ray_owner=<name>             lookup(transfer_id) -> [ref] <-- poll until deadline
+                                                release(transfer_id)         <-- ray.get(ref), confirm
+                                                (or the lease ends: dropped)
 
 The blocks leave from the process that holds the KV (the engine-core process for
-TP=1, each rank for TP>1), straight from the gathered CPU tensor, as the argument
-of a call to a detached, named owner actor, which puts the object it owns (Ray
-2.56 removed `ray.put(_owner=...)`, so this costs one more copy inside the store).
-The object survives the request, the producer's step loop and even the
-producer's process until the consumer confirms or the lease (`kv_lease_s`) ends. On one node the consumer reads it
-zero-copy from shared memory; across nodes Ray moves it.
+TP=1, each rank for TP>1): gathered into one host buffer and put once (Ray copies it
+into shared memory, numpy's bytes out of band: no serialization of the payload).
+The detached owner actor *borrows* the object (Ray's reference counting keeps it
+alive while the actor holds the ref) until the consumer confirms or the lease
+(`kv_lease_s`) ends. On one node the consumer reads it zero-copy from shared memory
+and copies it straight into its blocks; across nodes Ray moves it.
+
+Ray 2.56 removed `ray.put(_owner=...)`, so the object's owner is the producer process:
+if that process dies before the consumer reads, the object is lost and the load fails
+(by policy: recompute, or a clear error). `durable_owner: true` instead makes the
+actor put its own copy (one more copy of every byte, ~2x the export time here), so an
+export outlives its producer.
 
 The object is a (header bytes, uint8 array) pair: the header is JSON (keys,
-fingerprint, per-block crc32) and is parsed and checked like every other
-connector's; Ray's own serialization stays inside the cluster.
+fingerprint, per-block digests) and is parsed and checked like every other
+connector's; Ray's own serialization stays inside the cluster. The worker connects
+to Ray and finds the owner actor when its cache is registered (engine start), not on
+a request's first transfer.
 
 `kv_connector_extra_config`: `ray_address` (default: the Ray this process is
 connected to, else RAY_ADDRESS), `owner_name` (default "fleetserve-kv-owner"),
-`namespace` (default "fleetserve").
+`namespace` (default "fleetserve"), `durable_owner` (default false).
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Optional
 
 from fleetserve.kv_transfer.base import ConnectorContext, KVConnectorRole, LoadSpec, SaveSpec
 from fleetserve.kv_transfer.blocks import (BlockBatch, decode_batch, join_shards, local_head_range,
@@ -53,14 +61,19 @@ class KVObjectOwner:
         self.num_expired = 0
         threading.Thread(target=self._sweep_loop, args=(sweep_s,), daemon=True).start()
 
+    def hold(self, transfer_id: str, refs: list, nbytes: int, lease_s: float) -> None:
+        """Borrow the producer's object (passed inside a list, so it stays a ref) until the
+        consumer confirms or the lease ends."""
+        with self._lock:
+            self._held[transfer_id] = (refs, time.time() + lease_s, nbytes)
+
     def adopt(self, transfer_id: str, header: bytes, payload, lease_s: float) -> None:
-        """Take a copy of the blocks into an object this actor owns (Ray >= 2.56 has no
-        `ray.put(_owner=...)`: only the putting process can own an object)."""
+        """Take a copy of the blocks into an object this actor owns, so the export outlives
+        its producer (Ray >= 2.56 has no `ray.put(_owner=...)`: only the putting process
+        can own an object)."""
         import ray
 
-        ref = ray.put((header, payload))
-        with self._lock:
-            self._held[transfer_id] = ([ref], time.time() + lease_s, len(payload))
+        self.hold(transfer_id, [ray.put((header, payload))], len(payload), lease_s)
 
     def lookup(self, transfer_id: str):
         with self._lock:
@@ -128,15 +141,35 @@ class RayObjectStoreTransport(Transport):
         extra = config.kv_connector_extra_config
         self.owner_name = str(extra.get("owner_name", "fleetserve-kv-owner"))
         self.namespace = str(extra.get("namespace", "fleetserve"))
+        self.durable = bool(extra.get("durable_owner", False))
         self._extra = extra
         self._ray = None
-        self._owner = None
+        self._owners: dict[tuple[str, str], Any] = {}  # (name, namespace) -> actor handle
+
+    def register_kv_caches(self, kv_caches: list, staging) -> None:
+        super().register_kv_caches(kv_caches, staging)
+        self._connect()  # at engine start: a request's first transfer must not pay for it
 
     def _connect(self):
-        if self._owner is None:
-            self._ray = connect_ray(self._extra)
-            self._owner = get_owner(self._ray, self.owner_name, self.namespace)
-        return self._ray, self._owner
+        if self._ray is None:
+            ray = connect_ray(self._extra)
+            self._owners[(self.owner_name, self.namespace)] = get_owner(ray, self.owner_name, self.namespace)
+            self._ray = ray
+        return self._ray
+
+    def _owner(self, spec: Optional[LoadSpec] = None):
+        """The owner actor a consumer's params name (ours by default), looked up once."""
+        ray = self._connect()
+        key = (str(spec.source.get("remote_ray_owner", self.owner_name)) if spec else self.owner_name,
+               str(spec.source.get("remote_ray_namespace", self.namespace)) if spec else self.namespace)
+        owner = self._owners.get(key)
+        if owner is None:
+            try:
+                owner = ray.get_actor(key[0], namespace=key[1])
+            except ValueError as e:
+                raise TransferError(f"no KV owner {key[0]!r} in namespace {key[1]!r}") from e
+            self._owners[key] = owner
+        return ray, owner
 
     def location(self, transfer_id: str) -> dict[str, Any]:
         return {"remote_ray_owner": self.owner_name, "remote_ray_namespace": self.namespace}
@@ -146,20 +179,17 @@ class RayObjectStoreTransport(Transport):
         return f"{transfer_id}/r{self.ctx.tp_rank}"
 
     def export(self, spec: SaveSpec, batch: BlockBatch) -> None:
-        ray, owner = self._connect()
-        # The payload travels as the call's argument (into the store once, read there by the
-        # owner without a copy) and the owner puts the object it will own.
-        ray.get(owner.adopt.remote(self._object_id(spec.transfer_id), batch.header(),
-                                   batch.payload(), spec.lease_s), timeout=60)
+        ray, owner = self._owner()
+        oid = self._object_id(spec.transfer_id)
+        if self.durable:  # the actor puts (and owns) its own copy
+            call = owner.adopt.remote(oid, batch.header(), batch.payload(), spec.lease_s)
+        else:  # put once from here; the actor borrows it (Ray counts its reference)
+            ref = ray.put((batch.header(), batch.payload()))
+            call = owner.hold.remote(oid, [ref], batch.nbytes, spec.lease_s)
+        ray.get(call, timeout=60)
 
     def fetch(self, spec: LoadSpec) -> BlockBatch:
-        ray, _ = self._connect()
-        owner_name = spec.source.get("remote_ray_owner", self.owner_name)
-        namespace = spec.source.get("remote_ray_namespace", self.namespace)
-        try:
-            owner = ray.get_actor(owner_name, namespace=namespace)
-        except ValueError as e:
-            raise TransferError(f"no KV owner {owner_name!r} in namespace {namespace!r}") from e
+        ray, owner = self._owner(spec)
         shards = [self._fetch_one(ray, owner, spec, f"{spec.transfer_id}/r{rank}")
                   for rank, _ in self._shards(spec)]
         return join_shards(shards)
@@ -178,16 +208,19 @@ class RayObjectStoreTransport(Transport):
             refs = ray.get(owner.lookup.remote(oid), timeout=left)
             if refs is None:
                 time.sleep(POLL_S)
-        header, payload = ray.get(refs[0], timeout=max(0.001, spec.deadline - time.time()))
+        try:
+            header, payload = ray.get(refs[0], timeout=max(0.001, spec.deadline - time.time()))
+        except ray.exceptions.RayError as e:  # e.g. the producer (the object's owner) died
+            raise TransferError(f"transfer {oid} is gone: {type(e).__name__}") from e
         meta, off = parse_header(header)
         if off != len(header):
             raise TransferError("trailing bytes after the KV header")
+        # A zero-copy view of the shared-memory object: checked, then copied straight into
+        # the consumer's blocks.
         return decode_batch(meta, payload, self.ctx.fingerprint)
 
     def confirm(self, spec: LoadSpec) -> None:
-        ray, _ = self._connect()
-        owner = ray.get_actor(spec.source.get("remote_ray_owner", self.owner_name),
-                              namespace=spec.source.get("remote_ray_namespace", self.namespace))
+        _, owner = self._owner(spec)
         for rank, rng in self._shards(spec):
             readers = readers_of(rng, self.ctx.num_kv_heads, self.ctx.tp_size)
             owner.release.remote(f"{spec.transfer_id}/r{rank}", self.ctx.tp_rank, readers)

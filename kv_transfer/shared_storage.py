@@ -10,7 +10,7 @@ a persistent prefix cache. Unlike vLLM's reference connector:
 
 * writes are atomic: a temporary file in the same folder, then `os.replace`;
   a reader sees a whole file or none;
-* every file carries its key, fingerprint and a crc32 of its bytes; a corrupt,
+* every file carries its key, fingerprint and a digest of its bytes; a corrupt,
   truncated or foreign file is never a hit (it is deleted when found);
 * a size cap (`max_bytes`) evicts least recently used files (reads refresh a
   file's mtime); several processes may read, write and evict one folder at once
@@ -29,11 +29,14 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
+import struct
+from typing import Optional
+
+import torch
 
 from fleetserve.kv_transfer.base import ConnectorContext, KVConnectorRole, LoadSpec, SaveSpec
-from fleetserve.kv_transfer.blocks import (BlockBatch, KVFormatError, decode_batch, join_shards,
-                                           parse_header, producer_shards)
+from fleetserve.kv_transfer.blocks import (MAGIC, BlockBatch, KVFormatError, batch_from_tensor,
+                                           check_header, join_shards, parse_header, producer_shards)
 from fleetserve.kv_transfer.config import KVTransferConfig
 from fleetserve.kv_transfer.transfer import TransferConnector, TransferError, Transport
 
@@ -93,20 +96,17 @@ class BlockStore:
                 self.evict()
         return written
 
-    def get(self, key: str, heads: tuple[int, int] | None = None) -> BlockBatch | None:
+    def get(self, key: str, heads: tuple[int, int] | None = None,
+            out: Optional[torch.Tensor] = None) -> BlockBatch | None:
         """The block named `key` (for `heads`, default this rank's), or None if absent,
-        corrupt, truncated or foreign."""
+        corrupt, truncated or foreign. Its bytes are read straight into `out` (one block's
+        tensor, e.g. a slice of a staging buffer) when given, else into a new buffer."""
         path = self.path(key, heads)
         try:
             with open(path, "rb") as f:
-                raw = np.fromfile(f, dtype=np.uint8)
+                batch = self._read(f, key, out)
         except FileNotFoundError:
             return None
-        try:
-            meta, off = parse_header(raw)
-            batch = decode_batch(meta, raw[off:], self.fingerprint)
-            if batch.keys != [key]:
-                raise KVFormatError(f"file holds block {batch.keys}, not {key}")
         except KVFormatError as e:
             logger.warning("refusing KV file %s: %s; removing it", path, e)
             path.unlink(missing_ok=True)
@@ -115,6 +115,26 @@ class BlockStore:
             os.utime(path)  # recently used: last to be evicted
         except FileNotFoundError:
             pass
+        return batch
+
+    def _read(self, f, key: str, out: Optional[torch.Tensor]) -> BlockBatch:
+        head = f.read(8)
+        if len(head) < 8 or head[:4] != MAGIC:
+            raise KVFormatError("not a fleetserve KV payload (bad magic)")
+        meta, _ = parse_header(head + f.read(struct.unpack("<I", head[4:8])[0]))
+        _, shape, nbytes = check_header(meta, self.fingerprint)
+        if out is None:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+        elif list(out.shape) == shape and out.is_contiguous():
+            buf = out.view(torch.uint8).view(-1)
+        else:  # the fingerprint fixes the geometry: a file of another shape is damaged
+            raise KVFormatError(f"block of shape {shape}, expected {list(out.shape)}")
+        got = f.readinto(memoryview(buf.numpy()))
+        if got != nbytes or f.read(1):
+            raise KVFormatError(f"payload has {got}+ bytes, header says {nbytes} (truncated?)")
+        batch = batch_from_tensor(meta, buf, self.fingerprint)
+        if batch.keys != [key]:
+            raise KVFormatError(f"file holds block {batch.keys}, not {key}")
         return batch
 
     def _scan(self) -> tuple[list[tuple[float, int, Path]], int]:
@@ -190,24 +210,25 @@ class SharedStorageTransport(Transport):
         return join_shards([self._fetch_shard(spec, rng) for _, rng in shards])
 
     def _fetch_shard(self, spec: LoadSpec, heads: tuple[int, int]) -> BlockBatch:
-        """Read the blocks in order; a hand-off's files may lag the producer's reply, so
-        missing ones are awaited until the deadline (a lookup hit is read once)."""
-        blocks = []
-        for key in spec.keys:
-            batch = self.store.get(key, heads)
+        """Read the blocks in order, each file straight into its slot of one staging buffer;
+        a hand-off's files may lag the producer's reply, so missing ones are awaited until
+        the deadline (a lookup hit is read once)."""
+        data, release = self.staging.take(self.block_shape(len(spec.keys), heads), self.kv_caches[0].dtype)
+        digests: list[int] = []
+        for i, key in enumerate(spec.keys):
+            batch = self.store.get(key, heads, data[i:i + 1])
             while batch is None and spec.transfer_id is not None and time.time() < spec.deadline:
                 time.sleep(POLL_S)
-                batch = self.store.get(key, heads)
+                batch = self.store.get(key, heads, data[i:i + 1])
             if batch is None:
                 break
-            blocks.append(batch)
-        if not blocks:
+            digests.append(batch.digests[0])
+        if not digests:
+            release()
             raise TransferError(f"no stored block for {spec.keys[0]}")
-        import torch
-
-        data = blocks[0].data if len(blocks) == 1 else torch.cat([b.data for b in blocks])
-        return BlockBatch(self.ctx.fingerprint, [b.keys[0] for b in blocks], data, heads,
-                          [b.crcs[0] for b in blocks])
+        n = len(digests)
+        return BlockBatch(self.ctx.fingerprint, list(spec.keys[:n]), data[:n], heads, digests,
+                          on_release=release)
 
 
 class SharedStorageConnector(TransferConnector):

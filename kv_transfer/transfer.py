@@ -24,10 +24,13 @@ import math
 import time
 from typing import Any, Optional
 
+import torch
+
 from fleetserve.kv_transfer.base import (ConnectorContext, ConnectorMetadata, KVConnectorBase,
                                          KVConnectorRole, KVConnectorWorker, LoadSpec, SaveSpec)
-from fleetserve.kv_transfer.blocks import (BlockBatch, KVFormatError, chain_keys, gather_blocks,
-                                           local_head_range, scatter_blocks)
+from fleetserve.kv_transfer.blocks import (BlockBatch, KVFormatError, StagingPool, block_index,
+                                           chain_keys, gather_layer, local_head_range,
+                                           scatter_blocks)
 from fleetserve.kv_transfer.config import KVTransferConfig
 from fleetserve.scheduler import ModelRunnerOutput, Request, RequestStatus, SchedulerOutput
 from fleetserve.scheduler.connector import KVConnectorScheduler
@@ -50,15 +53,34 @@ class Transport(abc.ABC):
     supports_lookup = False
     # The producer exports every finished request's full blocks, asked or not.
     saves_all = False
+    # export() keeps the batch after it returns and releases it itself (BlockBatch.release).
+    keeps_batch = False
 
     def __init__(self, config: KVTransferConfig, ctx: ConnectorContext, role: KVConnectorRole) -> None:
         self.config = config
         self.ctx = ctx
         self.role = role
+        self.kv_caches: list = []
+        self.staging: Optional[StagingPool] = None
 
     def location(self, transfer_id: str) -> dict[str, Any]:
         """Extra `remote_*` params a consumer needs to find this producer's blocks."""
         return {}
+
+    def payload_device(self, cache_device) -> Any:
+        """Where exported blocks are gathered: the host, unless the transport sends
+        straight from the cache's device (NCCL)."""
+        return "cpu"
+
+    def register_kv_caches(self, kv_caches: list, staging: StagingPool) -> None:
+        """The worker's caches are known: fetches may stage into `staging` from now on."""
+        self.kv_caches = kv_caches
+        self.staging = staging
+
+    def block_shape(self, num_blocks: int, heads: tuple[int, int]) -> tuple[int, ...]:
+        """[n, layers, 2, heads, block_size, head_dim] of `num_blocks` blocks of `heads`."""
+        return (num_blocks, self.ctx.num_layers, 2, heads[1] - heads[0], self.ctx.block_size,
+                self.ctx.head_dim)
 
     @abc.abstractmethod
     def export(self, spec: SaveSpec, batch: BlockBatch) -> None: ...
@@ -91,6 +113,12 @@ class TransferScheduler(KVConnectorScheduler):
         self._loaded: set[str] = set()
         self._keys: dict[str, tuple[int, list[str]]] = {}  # req_id -> (num tokens, keys) memo
         self.num_expired_loads = 0
+        # Layer-wise saves (kv_connector_extra_config.layerwise_save): a hand-off is copied
+        # out during the forward that computes the end of its prompt (save_kv_layer).
+        self.layerwise = config.is_producer and bool(
+            config.kv_connector_extra_config.get("layerwise_save", False))
+        self._track: dict[str, tuple[Request, list[int]]] = {}  # req_id -> (request, block ids)
+        self._layer_saved: dict[str, dict] = {}  # req_id -> the params it finishes with
 
     # ---- helpers --------------------------------------------------------------
     def _chain_keys(self, request: Request, num_blocks: int) -> list[str]:
@@ -108,6 +136,9 @@ class TransferScheduler(KVConnectorScheduler):
 
     # ---- the contract -----------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
+        if self.layerwise and self._params(request).get("do_remote_decode") \
+                and request.request_id not in self._layer_saved:
+            self._track.setdefault(request.request_id, (request, []))
         if not self.config.is_consumer or request.request_id in self._loaded:
             return 0, False
         bs = self.ctx.block_size
@@ -146,12 +177,50 @@ class TransferScheduler(KVConnectorScheduler):
         self._loading[request.request_id] = spec
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Optional[ConnectorMetadata]:
+        if self._track:
+            self._plan_layerwise_saves(scheduler_output)
         meta, self._meta = self._meta, ConnectorMetadata()
         return meta if meta else None
+
+    def _plan_layerwise_saves(self, so: SchedulerOutput) -> None:
+        """Follow tracked hand-offs' block tables (as vLLM does: full lists for new requests,
+        deltas for cached ones); the step that computes the end of a prompt saves its blocks
+        layer by layer during that step's forward."""
+        for new in so.scheduled_new_reqs:
+            if new.req_id in self._track:
+                self._track[new.req_id][1][:] = new.block_ids
+        for cached in so.scheduled_cached_reqs:
+            if cached.req_id in self._track and cached.new_block_ids:
+                self._track[cached.req_id][1].extend(cached.new_block_ids)
+        bs = self.ctx.block_size
+        for rid, n in so.num_scheduled_tokens.items():
+            entry = self._track.get(rid)
+            if entry is None:
+                continue
+            request, block_ids = entry
+            end = request.num_computed_tokens  # already advanced by this step's tokens
+            if not end - n < request.num_prompt_tokens <= end:
+                continue
+            del self._track[rid]
+            n_full = min(request.num_prompt_tokens // bs, len(block_ids))
+            if n_full == 0:
+                continue  # nothing to hand over: request_finished says so
+            tid = self._params(request).get("transfer_id")
+            self._meta.saves.append(SaveSpec(rid, tid, block_ids[:n_full], self._chain_keys(request, n_full),
+                                             self.config.kv_lease_s, layerwise=True))
+            self._layer_saved[rid] = self._handoff_params(tid, n_full)
 
     def request_finished(self, request: Request, block_ids: list[int]):
         rid = request.request_id
         self._loaded.discard(rid)
+        self._track.pop(rid, None)
+        saved = self._layer_saved.pop(rid, None)
+        if saved is not None:
+            # Copied out during its last prefill step: the blocks are free to go now. (An
+            # aborted one's export is never named to anyone; its lease ends it.)
+            self._keys.pop(rid, None)
+            failed = request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
+            return False, None if failed else saved
         if rid in self._loading:
             # Finished (aborted) while receiving: the worker drops the load and
             # says so in finished_sending; only then may the blocks be reused.
@@ -186,8 +255,11 @@ class TransferScheduler(KVConnectorScheduler):
         tid = params.get("transfer_id") if remote else None
         self._meta.saves.append(SaveSpec(request.request_id, tid, list(block_ids[start:n_full]),
                                          keys[start:], self.config.kv_lease_s))
-        if not remote:
-            return {}
+        return self._handoff_params(tid, n_full) if remote else {}
+
+    def _handoff_params(self, tid: str, n_full: int) -> dict:
+        """What the consumer needs to find the producer's `n_full` exported blocks."""
+        bs = self.ctx.block_size
         return {"do_remote_prefill": True, "transfer_id": tid,
                 "remote_engine_id": self.ctx.engine_id,
                 "remote_connector": self.config.kv_connector,
@@ -237,10 +309,16 @@ class TransferWorker(KVConnectorWorker):
         self.transport = transport
         self.heads = local_head_range(ctx.num_kv_heads, ctx.tp_size, ctx.tp_rank)
         self.kv_caches: list = []
+        self.uses_layer_hooks = config.is_producer and bool(
+            config.kv_connector_extra_config.get("layerwise_save", False))
+        self.staging = StagingPool(int(config.kv_connector_extra_config.get("staging_max_bytes", 1 << 30)))
+        self._payload_device = torch.device("cpu")
         self._metadata: Optional[ConnectorMetadata] = None
         self._pool = cf.ThreadPoolExecutor(max_workers, thread_name_prefix="kv-transfer")
         self._loads: dict[str, tuple[LoadSpec, cf.Future, float]] = {}
         self._exports: list[cf.Future] = []
+        # Layer-wise saves of this step: (spec, batch being filled, block index, layers done, t0).
+        self._layer_saves: list[tuple[SaveSpec, BlockBatch, torch.Tensor, set[int], float]] = []
         self._sending_done: set[str] = set()
         self._invalid: set[int] = set()
         self.stats = {"bytes_sent": [], "seconds_sent": [], "bytes_recv": [], "seconds_recv": [],
@@ -248,6 +326,28 @@ class TransferWorker(KVConnectorWorker):
 
     def register_kv_caches(self, kv_caches: list) -> None:
         self.kv_caches = kv_caches
+        device = kv_caches[0].device
+        self.staging.pin_memory = device.type == "cuda"
+        self._payload_device = torch.device(self.transport.payload_device(device))
+        self.transport.register_kv_caches(kv_caches, self.staging)
+
+    def _empty_batch(self, spec: SaveSpec) -> BlockBatch:
+        """Room for `spec`'s blocks: a pooled host buffer, or device memory when the transport
+        sends from the device (checked there with wsum64 digests)."""
+        first = self.kv_caches[0]
+        shape = (len(spec.block_ids), len(self.kv_caches), first.shape[0], first.shape[1],
+                 first.shape[3], first.shape[4])
+        if self._payload_device.type == "cpu":
+            data, release = self.staging.take(shape, first.dtype)
+            return BlockBatch(self.ctx.fingerprint, spec.keys, data, self.heads, on_release=release)
+        data = torch.empty(shape, dtype=first.dtype, device=self._payload_device)
+        return BlockBatch(self.ctx.fingerprint, spec.keys, data, self.heads, digest="wsum64")
+
+    def _copied(self) -> None:
+        """Host copies from a GPU cache were queued without waiting: wait for them now."""
+        first = self.kv_caches[0]
+        if first.is_cuda and self._payload_device.type == "cpu":
+            torch.cuda.current_stream(first.device).synchronize()
 
     def start_load_kv(self) -> None:
         meta = self._metadata
@@ -258,8 +358,14 @@ class TransferWorker(KVConnectorWorker):
             self._sending_done.add(rid)
         for spec in meta.saves:
             t0 = time.perf_counter()
-            batch = BlockBatch(self.ctx.fingerprint, spec.keys,
-                               gather_blocks(self.kv_caches, spec.block_ids), self.heads)
+            batch = self._empty_batch(spec)
+            idx = block_index(spec.block_ids, self.kv_caches[0].device)
+            if spec.layerwise:  # filled by save_kv_layer as this step's forward goes
+                self._layer_saves.append((spec, batch, idx, set(), t0))
+                continue
+            for layer, kv in enumerate(self.kv_caches):
+                gather_layer(kv, idx, batch.data, layer)
+            self._copied()
             # Copied out: the scheduler may reuse the blocks after this step.
             self._sending_done.add(spec.req_id)
             self._exports.append(self._pool.submit(self._export, spec, batch, t0))
@@ -267,9 +373,33 @@ class TransferWorker(KVConnectorWorker):
             self._loads[spec.req_id] = (spec, self._pool.submit(self.transport.fetch, spec),
                                         time.perf_counter())
 
+    def save_kv_layer(self, layer: int, kv_layer, attn_metadata) -> None:
+        for _, batch, idx, done, _ in self._layer_saves:
+            gather_layer(kv_layer, idx, batch.data, layer)
+            done.add(layer)
+
+    def wait_for_save(self) -> None:
+        """The forward is over: complete this step's layer-wise saves and export them (a layer
+        the model did not report, e.g. a step without a forward, is copied now)."""
+        if not self._layer_saves:
+            return
+        saves, self._layer_saves = self._layer_saves, []
+        for spec, batch, idx, done, t0 in saves:
+            for layer, kv in enumerate(self.kv_caches):
+                if layer not in done:
+                    gather_layer(kv, idx, batch.data, layer)
+        self._copied()
+        for spec, batch, _, _, t0 in saves:
+            self._exports.append(self._pool.submit(self._export, spec, batch, t0))
+
     def _export(self, spec: SaveSpec, batch: BlockBatch, t0: float) -> None:
-        self.transport.export(spec, batch)
-        self.stats["bytes_sent"].append(batch.nbytes)
+        nbytes = batch.nbytes
+        try:
+            self.transport.export(spec, batch)
+        finally:
+            if not self.transport.keeps_batch:
+                batch.release()
+        self.stats["bytes_sent"].append(nbytes)
         self.stats["seconds_sent"].append(time.perf_counter() - t0)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
@@ -292,15 +422,16 @@ class TransferWorker(KVConnectorWorker):
 
     def _promote(self, spec: LoadSpec, fut: cf.Future, t0: float) -> None:
         """Verify a fetched batch against the consumer's own keys; write the good prefix."""
+        batch = None
         try:
             batch = fut.result()
             good = self._check(spec, batch)
         except (TransferError, KVFormatError, OSError, ValueError) as e:
             logger.warning("KV load of %s (transfer %s) failed: %s", spec.req_id, spec.transfer_id, e)
-            good, batch = 0, None
+            good = 0
         except Exception:  # noqa: BLE001 - a transport bug must fail the load, not the engine
             logger.exception("KV load of %s failed unexpectedly", spec.req_id)
-            good, batch = 0, None
+            good = 0
         if good:
             h0 = self.heads[0] - batch.heads[0]
             data = batch.data[:good, :, :, h0:h0 + self.heads[1] - self.heads[0]]
@@ -311,6 +442,7 @@ class TransferWorker(KVConnectorWorker):
             self._invalid.update(spec.block_ids[good:])
             self.stats["failed_loads"] += 1
         if batch is not None:
+            batch.release()  # its bytes are in the cache (or refused)
             self._pool.submit(self._confirm, spec)
 
     def _confirm(self, spec: LoadSpec) -> None:

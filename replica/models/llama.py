@@ -115,7 +115,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                md: AttentionMetadata) -> torch.Tensor:
+                md: AttentionMetadata, kv_hooks=None) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         # Rope inputs shared by all layers: the positions for the fused CPU kernel (which reads the
         # float32 cos|sin table itself), else (cos, sin) gathered once per forward.
@@ -124,8 +124,14 @@ class LlamaModel(nn.Module):
         else:
             rope = self.rotary_emb.cos_sin(positions, hidden.dtype)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, rope, kv_cache, md)
+        if kv_hooks is None:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden, residual = layer(hidden, residual, rope, kv_cache, md)
+        else:  # a KV connector moves KV layer by layer (kv_transfer.base: layer-wise hooks)
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+                kv_hooks.wait_for_layer_load(i)
+                hidden, residual = layer(hidden, residual, rope, kv_cache, md)
+                kv_hooks.save_kv_layer(i, kv_cache, md)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -162,9 +168,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model.rotary_emb.max_position
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """input_ids [T], positions [T] -> final hidden states [T, hidden]."""
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+                attn_metadata: AttentionMetadata, kv_hooks=None) -> torch.Tensor:
+        """input_ids [T], positions [T] -> final hidden states [T, hidden]. `kv_hooks`: a KV
+        connector worker whose wait_for_layer_load / save_kv_layer run around each layer."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata, kv_hooks)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] (the rows to sample from) -> logits [S, vocab], float32, full vocab on every rank."""

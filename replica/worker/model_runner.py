@@ -65,6 +65,9 @@ class ModelRunner:
         self.num_blocks = 0
         # Speculative decoding: set by the worker (None: off).
         self.proposer: Optional[Proposer] = None
+        # A KV connector that moves KV layer by layer (its hooks run around each layer of the
+        # forward); set by the worker only for a connector that asks (None: no per-layer call).
+        self.kv_hooks = None
 
     @classmethod
     def load(cls, source, *, device: torch.device, dtype: torch.dtype, block_size: int,
@@ -151,7 +154,7 @@ class ModelRunner:
             request_ids=req_ids)
         input_t = torch.tensor(input_ids, dtype=torch.long, device=device)
         positions_t = torch.tensor(positions, dtype=torch.long, device=device)
-        hidden = self.model(input_t, positions_t, self.kv_caches, attn_metadata)
+        hidden = self.model(input_t, positions_t, self.kv_caches, attn_metadata, self.kv_hooks)
 
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: dict = {}

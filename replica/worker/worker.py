@@ -90,6 +90,8 @@ class Worker:
         self.runner.initialize_kv_cache(num_blocks)
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.runner.kv_caches)
+            if self.kv_connector.uses_layer_hooks:
+                self.runner.kv_hooks = self.kv_connector
         logger.info("rank %d: KV cache of %d blocks x %d tokens (%.1f MiB, %s) on %s, %s, "
                     "%d threads", self.rank, num_blocks, self.args.block_size,
                     num_blocks * self.runner.bytes_per_block() / 2**20,

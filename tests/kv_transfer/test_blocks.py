@@ -9,9 +9,10 @@ import types
 import pytest
 import torch
 
-from fleetserve.kv_transfer.blocks import (BlockBatch, KVFormatError, chain_keys, decode_from_bytes,
-                                           encode_to_bytes, gather_blocks, kv_fingerprint,
-                                           local_head_range, scatter_blocks)
+from fleetserve.kv_transfer.blocks import (BlockBatch, KVFormatError, StagingPool, batch_from_tensor,
+                                           chain_keys, decode_from_bytes, encode_to_bytes,
+                                           gather_blocks, kv_fingerprint, local_head_range,
+                                           parse_header, scatter_blocks)
 from fleetserve.kv_transfer.shared_storage import BlockStore
 
 CFG = types.SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
@@ -68,7 +69,7 @@ def test_corrupt_truncated_and_foreign_payloads_are_refused():
     raw = bytearray(encode_to_bytes(batch))
     flipped = bytearray(raw)
     flipped[-5] ^= 0x40
-    with pytest.raises(KVFormatError, match="checksum"):
+    with pytest.raises(KVFormatError, match="block 1 fails its xxh3_64 digest"):
         decode_from_bytes(bytes(flipped), fp)
     with pytest.raises(KVFormatError, match="truncated"):
         decode_from_bytes(bytes(raw[:-100]), fp)
@@ -128,3 +129,64 @@ def test_head_ranges_cover_the_model_once_or_replicate():
     assert [local_head_range(4, 2, r) for r in range(2)] == [(0, 2), (2, 4)]
     assert [local_head_range(3, 3, r) for r in range(3)] == [(0, 1), (1, 2), (2, 3)]
     assert [local_head_range(2, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+
+
+def test_device_digest_path_refuses_a_changed_or_moved_word():
+    """wsum64 is what the NCCL path checks on the GPU; the same code runs on CPU tensors here."""
+    fp = kv_fingerprint("m", CFG, torch.float32, 4)
+    data = gather_blocks(random_caches(3, 2, 4, 4, 16, torch.float32), [0, 1, 2])
+    batch = BlockBatch(fp, chain_keys(fp, list(range(12)), 4, 3), data, (0, 2), digest="wsum64")
+    meta, _ = parse_header(batch.header())
+    assert meta["digest"] == "wsum64"
+    raw = data.clone().view(torch.uint8).view(-1)
+    assert batch_from_tensor(meta, raw.clone(), fp).keys == batch.keys
+    flipped = raw.clone()
+    flipped[-3] ^= 0x01
+    with pytest.raises(KVFormatError, match="block 2 fails its wsum64 digest"):
+        batch_from_tensor(meta, flipped, fp)
+    words = raw.clone().view(torch.int32)
+    words[[5, 6]] = words[[6, 5]]  # two words swapped inside block 0
+    if not torch.equal(words[5], words[6]):
+        with pytest.raises(KVFormatError, match="block 0 fails"):
+            batch_from_tensor(meta, words.view(torch.uint8), fp)
+
+
+def test_gather_and_scatter_take_head_slices_and_given_buffers():
+    """A TP consumer writes only its heads of a wider batch; gather fills a caller's buffer."""
+    src = random_caches(2, 4, 6, 4, 8, torch.float32)
+    out = torch.full((2, 2, 2, 4, 4, 8), float("nan"))
+    assert gather_blocks(src, [5, 1], out) is out
+    dst = random_caches(2, 2, 6, 4, 8, torch.float32, seed=1)
+    before = [d.clone() for d in dst]
+    scatter_blocks(dst, [0, 3], out[:, :, :, 2:4])  # heads 2..3 of the batch
+    for s_, d, b in zip(src, dst, before):
+        assert torch.equal(d[:, :, 0], s_[:, 2:4, 5]) and torch.equal(d[:, :, 3], s_[:, 2:4, 1])
+        assert torch.equal(d[:, :, [1, 2, 4, 5]], b[:, :, [1, 2, 4, 5]])
+
+
+def test_staging_pool_reuses_buffers_and_keeps_under_its_cap():
+    pool = StagingPool(max_bytes=1000)
+    a, give_a = pool.take((10, 10), torch.float32)  # 400 bytes
+    ptr = a.data_ptr()
+    give_a()
+    give_a()  # twice is once
+    b, give_b = pool.take((5, 10), torch.float32)  # fits the cached buffer: reused
+    assert b.data_ptr() == ptr and pool.cached_bytes == 0
+    c, give_c = pool.take((300,), torch.float32)  # 1200 bytes: over the cap
+    give_b()
+    give_c()
+    assert pool.cached_bytes == 400  # the big one was dropped, not kept
+
+
+def test_store_reads_blocks_straight_into_a_given_buffer(tmp_path):
+    fp = kv_fingerprint("m", CFG, torch.bfloat16, 4)
+    keys = chain_keys(fp, list(range(8)), 4, 2)
+    batch = BlockBatch(fp, keys, gather_blocks(random_caches(3, 2, 4, 4, 16, torch.bfloat16), [3, 0]), (0, 2))
+    store = BlockStore(tmp_path, fp, (0, 2))
+    store.put(batch)
+    out = torch.zeros_like(batch.data)
+    got = store.get(keys[1], out=out[1:2])
+    assert got.data.data_ptr() == out[1].data_ptr()
+    assert torch.equal(out[1].view(torch.uint8), batch.data[1].view(torch.uint8)) and not out[0].any()
+    # A buffer of another shape: the file cannot be what the fingerprint says; refused.
+    assert store.get(keys[0], out=torch.zeros(1, 3, 2, 2, 4, 8, dtype=torch.bfloat16)) is None

@@ -176,22 +176,37 @@ def test_metrics_count_what_moved(storage_pair, reference):
     assert c[("vllm:kv_transfer_blocks_held", "")] == 0
 
 
-def test_ray_producer_killed_before_the_consumer_reads(ray_pair, reference, local_ray):
-    """The export outlives its producer: the owner actor holds it, the decode is right."""
+def test_ray_producer_killed_before_the_consumer_reads(ray_pair, reference, local_ray, tiny_model_dir):
+    """The producer's process owns its exports: killed before the consumer reads, the load
+    ends in the right tokens (Ray may still have the object on this node) or a clear error
+    (policy "fail"), in time, with every block free. A `durable_owner` producer's export
+    is the owner actor's own copy: it outlives the producer and the decode is right."""
     import os
     import signal
 
     prod, cons = ray_pair
-    prompt = prompts(1, seed=11)[0]
-    want, _ = run(collect(reference, prompt, greedy(6)))
-    _, pfinal = run(collect(prod, prompt, greedy(1), {"do_remote_decode": True, "transfer_id": "killed-1"}))
-    deadline = time.monotonic() + 10
-    while owner_stats(local_ray)["held"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)  # the export lands just after the reply
-    os.kill(prod.core_pid, signal.SIGKILL)
-    tokens, final = run(collect(cons, prompt, greedy(6), pfinal.kv_transfer_params))
-    assert tokens == want and final.num_remote_tokens > 0
-    wait_all_free(cons)
+    durable = engine(tiny_model_dir, ray_cfg("kv_producer", durable_owner=True))  # its own process
+    try:  # (two prompts: the consumer's prefix cache must not already hold the second)
+        for producer, tid, prompt in zip((prod, durable), ("killed-1", "killed-durable-1"),
+                                         prompts(2, seed=11)):
+            want, _ = run(collect(reference, prompt, greedy(6)))
+            held = owner_stats(local_ray)["held"]
+            _, pfinal = run(collect(producer, prompt, greedy(1),
+                                    {"do_remote_decode": True, "transfer_id": tid}))
+            deadline = time.monotonic() + 10
+            while owner_stats(local_ray)["held"] == held and time.monotonic() < deadline:
+                time.sleep(0.02)  # the export lands just after the reply
+            os.kill(producer.core_pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            tokens, final = run(collect(cons, prompt, greedy(6), pfinal.kv_transfer_params))
+            if producer is durable:
+                assert tokens == want and final.num_remote_tokens > 0
+            else:  # Ray may still serve the object from this node's store for a while
+                assert tokens == want or (final.outputs[0].finish_reason == "error" and tokens == [])
+                assert time.monotonic() - t0 < 10 + 5  # kv_load_timeout_s + slack
+            wait_all_free(cons)
+    finally:
+        durable.shutdown()
 
 
 # ---- torch.distributed point to point ----------------------------------------------
@@ -227,6 +242,45 @@ def test_p2p_hand_off_matches_one_engine(tiny_model_dir, local_ray, reference):
         tokens, final = run(collect(cons, prompts(1, seed=12)[0], greedy(2), pfinal.kv_transfer_params))
         assert final.outputs[0].finish_reason == "error" and tokens == []
         assert time.monotonic() - t0 < 20 + 5
+        wait_all_free(cons)
+    finally:
+        prod.shutdown()
+        cons.shutdown()
+
+
+# ---- layer-wise hooks ------------------------------------------------------------------
+def test_layerwise_save_copies_each_layer_during_the_prefill_forward(tiny_model_dir, tmp_path, reference):
+    """`layerwise_save`: the model calls save_kv_layer after every layer of the forward that
+    computes the end of a hand-off's prompt; the export leaves when that forward ends and the
+    producer frees its blocks at once. The consumer's tokens equal one engine's."""
+    cfg = storage_cfg(tmp_path, "kv_producer")
+    cfg["kv_connector_extra_config"]["layerwise_save"] = True
+    prod = engine(tiny_model_dir, cfg, core_process=False)
+    cons = engine(tiny_model_dir, storage_cfg(tmp_path, "kv_consumer"), core_process=False)
+    try:
+        worker = prod.core.executor.worker
+        assert worker.runner.kv_hooks is worker.kv_connector  # hooked in: the connector asked
+        assert cons.core.executor.worker.runner.kv_hooks is None  # no per-layer calls
+        half = worker.kv_connector.half
+        seen: list[tuple[int, str]] = []
+        real = half.save_kv_layer
+
+        def spy(layer, kv_layer, md):
+            seen.extend((layer, spec.req_id) for spec, *_ in half._layer_saves)
+            real(layer, kv_layer, md)
+
+        half.save_kv_layer = spy
+        num_layers = len(worker.runner.kv_caches)
+        for prompt in prompts(2, seed=6):
+            seen.clear()
+            want, _ = run(collect(reference, prompt, greedy(6)))
+            got, final, params = run(hand_off(prod, cons, prompt, 6))
+            assert got == want
+            assert len(prompt) - final.num_cached_tokens <= BLOCK
+            assert final.num_remote_tokens == min(len(prompt) // BLOCK * BLOCK, len(prompt) - 1)
+            assert [layer for layer, _ in seen] == list(range(num_layers))  # one save per layer
+            assert not half._layer_saves  # wait_for_save closed them at the forward's end
+            wait_all_free(prod, 2.0)  # no delay_free: nothing waits for a copy-out step
         wait_all_free(cons)
     finally:
         prod.shutdown()
