@@ -26,7 +26,7 @@ def test_fleetserve_serve_chat_returns_english(tmp_path):
     pytest.importorskip("gguf")
     port, grpc_port = free_port(), free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    cmd = [sys.executable, "-c", "from cluster.cli import main; raise SystemExit(main())", "serve",
+    cmd = [sys.executable, "-c", "from fleetserve.cluster.cli import main; raise SystemExit(main())", "serve",
            "--port", str(port), "--grpc-port", str(grpc_port), "--num-replicas", "1",
            "--max-model-len", "1024", "--num-threads", "1"]
     log = open(tmp_path / "serve.log", "w+")
@@ -44,7 +44,13 @@ def test_fleetserve_serve_chat_returns_english(tmp_path):
             time.sleep(2)
         else:
             pytest.fail("server did not come up:\n" + (tmp_path / "serve.log").read_text()[-3000:])
-        assert f"http://127.0.0.1:{port}/v1" in (tmp_path / "serve.log").read_text()
+        # /health can turn green a moment before Serve's deploy call returns and the CLI
+        # prints where to reach it: wait for the line (bounded), don't race it.
+        url = f"http://127.0.0.1:{port}/v1"
+        printed = time.time() + 30
+        while url not in (tmp_path / "serve.log").read_text() and time.time() < printed:
+            time.sleep(0.2)
+        assert url in (tmp_path / "serve.log").read_text(), (tmp_path / "serve.log").read_text()[-3000:]
         import openai
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
