@@ -12,12 +12,13 @@ to the unconstrained round of the same repeat.
 
     python benchmarks/structured_outputs.py                    # 3 rounds
     python benchmarks/structured_outputs.py --repeats 5 --dtype float32
-Prints a table and writes benchmarks/results/structured_outputs.png.
+Prints a table and writes benchmarks/results/structured_outputs_<dtype>.png and .json.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -102,16 +103,33 @@ def main() -> None:
         tok_s = [r["tok_s"] for r in rounds[f]]
         ratios = [t / b for t, b in zip(tok_s, base)]
         rows.append({"fraction": f, "tok_s": statistics.median(tok_s), "ratio": statistics.median(ratios),
-                     "min": min(tok_s), "max": max(tok_s)})
+                     "min": min(tok_s), "max": max(tok_s), "ratios": ratios})
     print(f"\nworkload (a): {args.num_prompts} prompts ~120 in -> 128 out, greedy, dtype {args.dtype}, "
           f"{args.threads} threads, {args.device}; median of {args.repeats} interleaved rounds")
-    print(f"{'constrained':>12}{'out tok/s':>11}{'vs 0%':>8}{'min':>9}{'max':>9}")
+    print(f"{'constrained':>12}{'out tok/s':>11}{'vs 0%':>8}{'min':>9}{'max':>9}   ratios per repeat")
     for r in rows:
-        print(f"{r['fraction']:>12.0%}{r['tok_s']:>11.1f}{r['ratio']:>8.3f}{r['min']:>9.1f}{r['max']:>9.1f}")
-    plot(rows, RESULTS / "structured_outputs.png")
+        print(f"{r['fraction']:>12.0%}{r['tok_s']:>11.1f}{r['ratio']:>8.3f}{r['min']:>9.1f}{r['max']:>9.1f}   "
+              + " ".join(f"{x:.3f}" for x in r["ratios"]))
+    name = f"structured_outputs_{args.dtype}"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps({
+        "cpu": cpu_name(), "dtype": args.dtype, "threads": args.threads, "repeats": args.repeats,
+        "num_prompts": args.num_prompts, "rows": rows,
+        "rounds": {str(f): rounds[f] for f in fractions}}, indent=1))
+    plot(rows, RESULTS / f"{name}.png", args.dtype)
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def plot(rows: list[dict], path: Path, dtype: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -126,7 +144,7 @@ def plot(rows: list[dict], path: Path) -> None:
                     ha="center", va="bottom", fontsize=8)
     ax.set_xlabel("requests constrained to a JSON schema")
     ax.set_ylabel("output tokens/s")
-    ax.set_title("Structured outputs: throughput cost (workload a)")
+    ax.set_title(f"Structured outputs: throughput cost (workload a, {dtype})")
     ax.margins(y=0.2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
