@@ -57,13 +57,55 @@ def params_for(outputs: list[int], fraction: float):
             for i, m in enumerate(outputs)]
 
 
-def run_once(llm, prompts, outputs, fraction: float) -> dict:
+def run_once(llm, prompts, outputs, fraction: float, timers: "Timers | None" = None) -> dict:
     params = params_for(outputs, fraction)
+    if timers is not None:
+        timers.reset()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     ntok = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"tok_s": ntok / elapsed, "tokens": ntok, "elapsed": elapsed}
+    result = {"tok_s": ntok / elapsed, "tokens": ntok, "elapsed": elapsed}
+    if timers is not None:
+        result["ms_per_step"] = timers.per_step()
+    return result
+
+
+class Timers:
+    """--breakdown: wall time of the grammar work on the step's critical path, per step
+    (engine core: bitmask fill, matcher accepts; model runner: bitmask rows, masking)."""
+
+    def __init__(self) -> None:
+        from fleetserve.replica.engine.engine_core import EngineCore
+        from fleetserve.replica.layers import sampler
+        from fleetserve.replica.structured_output.manager import GrammarBitmask, StructuredOutputManager
+
+        self.total: dict[str, float] = {}
+        for owner, name, label in ((EngineCore, "step", "step"),
+                                   (StructuredOutputManager, "bitmask", "fill"),
+                                   (StructuredOutputManager, "accept", "accept"),
+                                   (GrammarBitmask, "for_rows", "rows"),
+                                   (sampler, "apply_token_bitmask", "apply")):
+            setattr(owner, name, self._wrap(getattr(owner, name), label))
+        self.reset()
+
+    def _wrap(self, fn, label):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.total[label] += time.perf_counter() - t0
+                if label == "step":
+                    self.steps += 1
+        return timed
+
+    def reset(self) -> None:
+        self.total = dict.fromkeys(("step", "fill", "accept", "rows", "apply"), 0.0)
+        self.steps = 0
+
+    def per_step(self) -> dict:
+        return {k: 1000 * v / max(self.steps, 1) for k, v in self.total.items()}
 
 
 def main() -> None:
@@ -75,6 +117,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time the grammar work per step (fill, accept, bitmask rows, masking)")
     args = ap.parse_args()
 
     import torch
@@ -86,6 +130,7 @@ def main() -> None:
               enable_prefix_caching=False, kv_cache_memory_bytes=2 << 30, device=args.device,
               num_threads=args.threads)
     prompts, outputs = workload("a", llm.tokenizer, args.num_prompts)
+    timers = Timers() if args.breakdown else None
     fractions = [float(f) for f in args.fractions.split(",")]
     # Warm-up: kernels, and the schema's compilation (then cached, as in serving).
     t0 = time.perf_counter()
@@ -94,7 +139,7 @@ def main() -> None:
     rounds: dict[float, list[dict]] = {f: [] for f in fractions}
     for rep in range(args.repeats):
         for f in (fractions if rep % 2 == 0 else fractions[::-1]):  # interleaved, both orders
-            r = run_once(llm, prompts, outputs, f)
+            r = run_once(llm, prompts, outputs, f, timers)
             rounds[f].append(r)
             print(f"round {rep}: {f:>4.0%} constrained  {r['tok_s']:7.1f} tok/s  ({r['tokens']} tokens)")
     base = [r["tok_s"] for r in rounds[fractions[0]]]
@@ -110,7 +155,14 @@ def main() -> None:
     for r in rows:
         print(f"{r['fraction']:>12.0%}{r['tok_s']:>11.1f}{r['ratio']:>8.3f}{r['min']:>9.1f}{r['max']:>9.1f}   "
               + " ".join(f"{x:.3f}" for x in r["ratios"]))
-    name = f"structured_outputs_{args.dtype}"
+    if timers is not None:
+        print("\ngrammar work per step, ms (median over rounds): step = the whole engine step")
+        print(f"{'constrained':>12}" + "".join(f"{k:>9}" for k in ("step", "fill", "accept", "rows", "apply")))
+        for f in fractions:
+            med = {k: statistics.median(r["ms_per_step"][k] for r in rounds[f])
+                   for k in ("step", "fill", "accept", "rows", "apply")}
+            print(f"{f:>12.0%}" + "".join(f"{v:>9.3f}" for v in med.values()))
+    name = f"structured_outputs_{args.dtype}" + ("_breakdown" if timers is not None else "")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps({
         "cpu": cpu_name(), "dtype": args.dtype, "threads": args.threads, "repeats": args.repeats,
