@@ -257,3 +257,13 @@ def test_chat_cancelled_call_frees_blocks(stub, server):
     next(call)
     call.cancel()
     server.wait_idle()
+
+
+def test_chat_unknown_model_and_bad_key(stub, server):
+    with pytest.raises(grpc.RpcError) as e:
+        _chat(stub, server, model="nope")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Chat(pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="hi")]),
+                       metadata=meta(server, key="wrong"), timeout=30))
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
