@@ -1,28 +1,34 @@
 """The `fleetserve.v1.FleetServe` gRPC service, as methods of the ingress deployment.
 
 Ray Serve's gRPC proxy calls deployment methods named exactly like the RPCs
-(`Generate` is server-streaming, so it is an async generator of messages). It
-shares the HTTP path's validation, tokenization and routing (the ingress
-methods it calls are in router/ingress.py); errors map to gRPC status codes
+(`Generate` and `Chat` are server-streaming, so they are async generators of
+messages). It shares the HTTP path's validation, tokenization and routing (the
+ingress methods it calls are in router/ingress.py; `Chat` is validated by the
+chat endpoint's own request model and shares its chat template, tool plan,
+structured outputs and streaming deltas); errors map to gRPC status codes
 (INVALID_ARGUMENT, NOT_FOUND, UNAUTHENTICATED, RESOURCE_EXHAUSTED) with the
 same message the HTTP API would give.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from typing import AsyncIterator, Optional
 
 import grpc
 from google.protobuf.message import DecodeError
+from pydantic import ValidationError
 from ray.serve.exceptions import gRPCStatusError
 from ray.serve.grpc_util import RayServegRPCContext
 
-from fleetserve.router.errors import APIError, is_error
+from fleetserve.router import openai_format as fmt
+from fleetserve.router.errors import APIError, from_validation_error, is_error
 from fleetserve.router.health import replica_health
 from fleetserve.router.limits import check_sampling
 from fleetserve.router.proto import fleetserve_pb2 as pb
+from fleetserve.router.protocol import ChatCompletionRequest
 from fleetserve.scheduler import SamplingParams, StructuredOutputsParams
 
 _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
@@ -57,6 +63,7 @@ def add_servicer(servicer, server) -> None:
     """`fleetserve_pb2_grpc.add_FleetServeServicer_to_server`, with request parsers that turn
     an undecodable message into `UndecodableRequest` (Serve's gRPCOptions names this)."""
     kinds = {"Generate": (grpc.unary_stream_rpc_method_handler, pb.GenerateRequest, pb.GenerateResponse),
+             "Chat": (grpc.unary_stream_rpc_method_handler, pb.ChatRequest, pb.ChatResponse),
              "Health": (grpc.unary_unary_rpc_method_handler, pb.HealthRequest, pb.HealthResponse),
              "ListModels": (grpc.unary_unary_rpc_method_handler, pb.ListModelsRequest,
                             pb.ListModelsResponse)}
@@ -141,6 +148,101 @@ def _structured_from_proto(msg: "pb.StructuredOutputs") -> StructuredOutputsPara
     return StructuredOutputsParams(**{kind: value, "disable_any_whitespace": msg.disable_any_whitespace})
 
 
+def _json_text(text: str, param: str):
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise APIError(f"{param} is nested too deeply", 400, param=param) from None
+    except ValueError as e:
+        raise APIError(f"{param} is not valid JSON: {e}", 400, param=param) from None
+
+
+def _tool_call_dict(call: "pb.ToolCall") -> dict:
+    return {"id": call.id, "type": call.type or "function",
+            "function": {"name": call.function.name, "arguments": call.function.arguments}}
+
+
+def chat_request_from_proto(msg: "pb.ChatRequest") -> ChatCompletionRequest:
+    """The `/v1/chat/completions` request a ChatRequest stands for, validated by the same
+    model (so the HTTP path's checks, defaults, tool plans and constraints apply as they are);
+    APIError (400) naming the field otherwise."""
+    data: dict = {"model": msg.model or None, "priority": msg.priority, "messages": []}
+    for m in msg.messages:
+        turn: dict = {"role": m.role, "content": m.content if m.HasField("content") else None}
+        if m.tool_calls:
+            turn["tool_calls"] = [_tool_call_dict(c) for c in m.tool_calls]
+        if m.tool_call_id:
+            turn["tool_call_id"] = m.tool_call_id
+        if m.name:
+            turn["name"] = m.name
+        data["messages"].append(turn)
+    sp = msg.sampling_params
+    if sp.HasField("logprobs"):
+        raise APIError("sampling_params.logprobs: Chat does not return logprobs", 400,
+                       param="sampling_params.logprobs")
+    data.update({name: getattr(sp, name) for name in _SAMPLING_FIELDS if sp.HasField(name)})
+    data.update(stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos)
+    if sp.logit_bias:
+        data["logit_bias"] = {str(k): v for k, v in sp.logit_bias.items()}
+    if sp.HasField("structured_outputs"):
+        so = sp.structured_outputs
+        kind = so.WhichOneof("constraint")
+        if kind is None:
+            raise APIError("sampling_params.structured_outputs: set one of json, json_object, regex, "
+                           "choice, grammar", 400, param="sampling_params.structured_outputs")
+        data["structured_outputs"] = {kind: list(so.choice.values) if kind == "choice" else getattr(so, kind),
+                                      "disable_any_whitespace": so.disable_any_whitespace}
+    if msg.tools:
+        data["tools"] = []
+        for i, tool in enumerate(msg.tools):
+            fn = tool.function
+            function: dict = {"name": fn.name}
+            if fn.description:
+                function["description"] = fn.description
+            if fn.parameters:
+                function["parameters"] = _json_text(fn.parameters, f"tools.{i}.function.parameters")
+            if fn.HasField("strict"):
+                function["strict"] = fn.strict
+            data["tools"].append({"type": "function", "function": function})
+    if msg.HasField("tool_choice"):
+        kind = msg.tool_choice.WhichOneof("choice")
+        if kind == "mode":
+            data["tool_choice"] = msg.tool_choice.mode
+        elif kind == "function_name":
+            data["tool_choice"] = {"type": "function", "function": {"name": msg.tool_choice.function_name}}
+    if msg.HasField("parallel_tool_calls"):
+        data["parallel_tool_calls"] = msg.parallel_tool_calls
+    if msg.HasField("response_format"):
+        rf = msg.response_format
+        data["response_format"] = {"type": rf.type}
+        if rf.type == "json_schema":
+            schema = {"name": rf.name or None}
+            if rf.schema:
+                schema["schema"] = _json_text(rf.schema, "response_format.schema")
+            if rf.HasField("strict"):
+                schema["strict"] = rf.strict
+            data["response_format"]["json_schema"] = schema
+    if msg.HasField("add_generation_prompt"):
+        data["add_generation_prompt"] = msg.add_generation_prompt
+    try:
+        return ChatCompletionRequest.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from e
+
+
+def _chat_response(choice: dict, rid: str, prompt_tokens: int, completion_tokens: int,
+                   token_ids: list[int]) -> "pb.ChatResponse":
+    delta = choice["delta"]
+    calls = [pb.ToolCall(index=c["index"], id=c.get("id", ""), type=c.get("type", ""),
+                         function=pb.FunctionCall(name=c.get("function", {}).get("name", ""),
+                                                  arguments=c.get("function", {}).get("arguments", "")))
+             for c in delta.get("tool_calls", ())]
+    return pb.ChatResponse(request_id=rid, index=choice["index"], role=delta.get("role", ""),
+                           content=delta.get("content") or "", tool_calls=calls,
+                           finish_reason=choice["finish_reason"] or "", token_ids=token_ids,
+                           prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+
+
 class GrpcMethods:
     """Mixed into the ingress class (which provides check_model, tokenize_prompt, ...)."""
 
@@ -170,6 +272,47 @@ class GrpcMethods:
                         request_id=client_id or body["request_id"], index=out["index"], text=out["text"],
                         token_ids=out["token_ids"], finish_reason=out["finish_reason"] or "",
                         prompt_tokens=prompt_tokens, completion_tokens=n)
+                try:
+                    item = await gen.__anext__()
+                except StopAsyncIteration:
+                    break
+        finally:
+            gen.cancel()  # a cancelled call aborts the request in the engine
+
+    async def Chat(self, request: "pb.ChatRequest",
+                   grpc_context: RayServegRPCContext) -> AsyncIterator["pb.ChatResponse"]:
+        """`/v1/chat/completions`, streamed as its SSE chunks are (the same ChunkWriter turns
+        engine deltas into content and tool-call deltas), one message per chunk."""
+        rid = f"grpc-chat-{uuid.uuid4().hex}"
+        try:
+            self._grpc_auth(grpc_context)
+            _check_decoded(request)
+            if len(request.request_id) > MAX_CLIENT_REQUEST_ID_CHARS:
+                raise APIError(f"request_id must be at most {MAX_CLIENT_REQUEST_ID_CHARS} characters",
+                               400, param="request_id")
+            req = chat_request_from_proto(request)
+            body, _, tools = await self.chat_body(req, rid)
+            gen, first = await self.open_stream(body)
+        except APIError as e:
+            _fail(grpc_context, e.status, e.body["error"]["message"])
+        if is_error(first):
+            _fail(grpc_context, first["status"], first["error"]["message"])
+        writer = fmt.ChunkWriter(rid, req.model or self.served_model_name, True, None,
+                                 self.decode_one, tools)
+        client_id = request.request_id or rid
+        prompt_tokens = len(body["prompt_token_ids"])
+        completion_tokens: dict[int, int] = {}
+        try:
+            item = first
+            while True:
+                if is_error(item):
+                    _fail(grpc_context, item["status"], item["error"]["message"])
+                token_ids = {o["index"]: o["token_ids"] for o in item["outputs"]}
+                for choice in writer.choices(item):
+                    idx = choice["index"]
+                    completion_tokens[idx] = completion_tokens.get(idx, 0) + len(token_ids[idx])
+                    yield _chat_response(choice, client_id, prompt_tokens, completion_tokens[idx],
+                                         token_ids[idx])
                 try:
                     item = await gen.__anext__()
                 except StopAsyncIteration:

@@ -302,6 +302,13 @@ class Ingress(GrpcMethods):
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         req = await self._parse(request, ChatCompletionRequest)
+        body, params, tools = await self.chat_body(req, f"chatcmpl-{uuid.uuid4().hex}")
+        return await self._respond(body, req, chat=True, logprobs_n=params.logprobs, tools=tools)
+
+    async def chat_body(self, req: ChatCompletionRequest, rid: str):
+        """(engine body, sampling params, tool plan or None) of a chat request: the chat
+        template with the tools, the sampling params with the model's defaults, a forced
+        tool call's grammar. `/v1/chat/completions` and gRPC's Chat share it."""
         self.check_model(req.model)
         tools = req.tool_plan()
         text = await self.apply_chat_template([m.flat() for m in req.messages],
@@ -316,10 +323,9 @@ class Ingress(GrpcMethods):
                 raise APIError("a forced tool_choice cannot be combined with another structured "
                                "output constraint", 400, param="tool_choice")
             params = params.replace(structured_outputs=tools.structured_outputs())
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
         body = await self.build_body(rid, token_ids, params, req.priority, req.cache_salt,
                                      req._max_tokens(), "messages")
-        return await self._respond(body, req, chat=True, logprobs_n=params.logprobs, tools=tools)
+        return body, params, tools
 
     async def _respond(self, body: dict, req, chat: bool, logprobs_n: Optional[int], tools=None):
         gen, first = await self.open_stream(body)

@@ -165,12 +165,13 @@ class ChunkWriter:
         self._offsets: dict[int, int] = {}
 
     def chunks(self, item: dict) -> list[str]:
-        out = []
-        for o in item["outputs"]:
-            if not o["text"] and not o["token_ids"] and not o.get("finish_reason"):
-                continue
-            out.append(sse(self._chunk([self._choice(o)])))
-        return out
+        return [sse(self._chunk([choice])) for choice in self.choices(item)]
+
+    def choices(self, item: dict) -> list[dict]:
+        """The chunk choices (`{"index", "delta" or "text", "logprobs", "finish_reason"}`) of
+        one replica item, one per output that says anything (gRPC's Chat sends these too)."""
+        return [self._choice(o) for o in item["outputs"]
+                if o["text"] or o["token_ids"] or o.get("finish_reason")]
 
     def usage_chunk(self, usage: Usage) -> str:
         body = self._chunk([])

@@ -39,6 +39,11 @@ class FleetServeStub:
                 request_serializer=router_dot_proto_dot_fleetserve__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=router_dot_proto_dot_fleetserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Chat = channel.unary_stream(
+                '/fleetserve.v1.FleetServe/Chat',
+                request_serializer=router_dot_proto_dot_fleetserve__pb2.ChatRequest.SerializeToString,
+                response_deserializer=router_dot_proto_dot_fleetserve__pb2.ChatResponse.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/fleetserve.v1.FleetServe/Health',
                 request_serializer=router_dot_proto_dot_fleetserve__pb2.HealthRequest.SerializeToString,
@@ -57,6 +62,16 @@ class FleetServeServicer:
     def Generate(self, request, context):
         """Streams the completion as it is generated: one message per new text delta
         per choice index; the last message of each choice has finish_reason set.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Chat(self, request, context):
+        """A chat completion, streamed as Generate is: the messages rendered with the model's chat
+        template, tools and tool_choice as OpenAI's (a named or required call is constrained by
+        the tools' JSON schemas), response_format or sampling_params.structured_outputs.
+        One message per delta per choice index; the last one of each choice has finish_reason.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -81,6 +96,11 @@ def add_FleetServeServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=router_dot_proto_dot_fleetserve__pb2.GenerateRequest.FromString,
                     response_serializer=router_dot_proto_dot_fleetserve__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Chat': grpc.unary_stream_rpc_method_handler(
+                    servicer.Chat,
+                    request_deserializer=router_dot_proto_dot_fleetserve__pb2.ChatRequest.FromString,
+                    response_serializer=router_dot_proto_dot_fleetserve__pb2.ChatResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -120,6 +140,33 @@ class FleetServe:
             '/fleetserve.v1.FleetServe/Generate',
             router_dot_proto_dot_fleetserve__pb2.GenerateRequest.SerializeToString,
             router_dot_proto_dot_fleetserve__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Chat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/fleetserve.v1.FleetServe/Chat',
+            router_dot_proto_dot_fleetserve__pb2.ChatRequest.SerializeToString,
+            router_dot_proto_dot_fleetserve__pb2.ChatResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -114,6 +114,53 @@ def test_grpc_fuzz_never_internal(server):
     _serves(server)
 
 
+_json_text = st.one_of(_text, _hostile.map(lambda v: json.dumps(v, allow_nan=True)))
+
+
+@st.composite
+def _chat_requests(draw):
+    sampling = {k: ([_utf8(s) for s in v] if k == "stop" else v) for k, v in draw(_sampling).items()}
+    if sampling.get("max_tokens", 0) > 4 or "max_tokens" not in sampling:
+        sampling["max_tokens"] = 4  # this is about validation
+    messages = [pb.ChatMessage(role=_utf8(draw(st.sampled_from(["user", "assistant", "tool", "robot", ""]))),
+                               content=_utf8(draw(_text)))
+                for _ in range(draw(st.integers(0, 2)))]
+    tools = [pb.Tool(function=pb.FunctionDefinition(name=_utf8(draw(_text)),
+                                                    parameters=_utf8(draw(_json_text))))
+             for _ in range(draw(st.integers(0, 2)))]
+    req = pb.ChatRequest(messages=messages, tools=tools, sampling_params=pb.SamplingParams(**sampling))
+    choice = draw(st.one_of(st.none(), st.sampled_from(["none", "auto", "required", "x"]).map(
+        lambda m: pb.ToolChoice(mode=m)), _text.map(lambda n: pb.ToolChoice(function_name=_utf8(n)))))
+    if choice is not None:
+        req.tool_choice.CopyFrom(choice)
+    if draw(st.booleans()):
+        req.response_format.CopyFrom(pb.ResponseFormat(
+            type=draw(st.sampled_from(["text", "json_object", "json_schema", "xml"])),
+            schema=_utf8(draw(_json_text))))
+    return req
+
+
+def test_grpc_chat_fuzz_never_internal(server):
+    meta = (("application", server.app), ("authorization", f"Bearer {server.api_key}"))
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        stub = pb_grpc.FleetServeStub(channel)
+        raw = channel.unary_stream("/fleetserve.v1.FleetServe/Chat",
+                                   request_serializer=lambda b: b, response_deserializer=lambda b: b)
+
+        @FUZZ
+        @given(_chat_requests(), st.binary(max_size=64))
+        def check(req, garbage):
+            for call in (lambda: list(stub.Chat(req, metadata=meta, timeout=60)),
+                         lambda: list(raw(garbage, metadata=meta, timeout=60))):
+                try:
+                    call()
+                except grpc.RpcError as e:
+                    assert e.code() not in _BAD_CODES, (req, e.code(), e.details())
+
+        check()
+    _serves(server)
+
+
 def _serves(server):
     r = httpx.post(server.base_url + "/v1/completions", headers=server.headers(), timeout=60,
                    json={"prompt": "still serving?", "max_tokens": 3, "ignore_eos": True})
