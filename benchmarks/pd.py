@@ -6,12 +6,13 @@ colocated replicas, or 1 prefill + 1 decode replica.
 
 1. interference -- steady short requests plus periodic long (~2k-token) prompts.
    Colocated (2 replicas, power_of_two) vs 1P+1D (ray_object_store): ITL of the
-   short requests (p50/p99), TTFT of short and long ones, throughput; plus the P/D
+   short requests (p50/p99/p99.9), TTFT of short and long ones, throughput; plus the P/D
    hand-off (router: prefill call, prefill-done -> decode's first item).
-2. prefix -- several long system prompts with cache pressure (each replica's KV
-   cache holds about half of them): power_of_two vs prefix_aware_approx (guesses
-   from routing history) vs prefix_aware (the engines' KV events): prefix-cache hit
-   rate and TTFT.
+2. prefix -- two workloads with cache pressure (each replica's KV cache holds about
+   half of the working set): several long system prompts, and multi-turn
+   conversations: power_of_two vs prefix_aware_approx (guesses from routing history)
+   vs prefix_aware (the engines' KV events): prefix-cache hit rate, share of requests
+   routed to a prefix holder, TTFT.
 3. reuse -- a 2k-token prefix that one replica caches while it is busy: TTFT of a
    request on the other replica that loads the prefix from its peer (cluster_reuse)
    vs recomputes it.
@@ -244,7 +245,7 @@ async def _reuse_rounds(url: str, model: str, args) -> list[float]:
 # -- report --------------------------------------------------------------------------
 
 COLS = ["label", "rate", "ok", "out_tok_s", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms",
-        "itl_p99_ms", "itl_p999_ms", "long_ttft_p50_ms", "prefix_hit_rate", "prefill_call_mean_ms",
+        "itl_p99_ms", "itl_p999_ms", "long_ttft_p50_ms", "prefix_hit_rate", "routed_to_holder", "prefill_call_mean_ms",
         "handoff_mean_ms", "transfer_recv_mean_ms"]
 
 
@@ -270,14 +271,16 @@ def plot(rows: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     parts = [("interference", "itl_p99_ms", "short requests' ITL p99 (ms)"),
-             ("shared prefix", "ttft_p90_ms", "TTFT p90 (ms)"),
+             ("shared prefix (system prompts)", "ttft_p90_ms", "TTFT p90 (ms)"),
+             ("shared prefix (multi-turn)", "ttft_p90_ms", "TTFT p90 (ms)"),
              ("reuse", "ttft_p50_ms", "TTFT p50 (ms)")]
-    for ax, (prefix, key, title) in zip(axes, parts):
+    parts = [p for p in parts if any(r["label"].startswith(p[0]) for r in rows)]
+    fig, axes = plt.subplots(1, len(parts), figsize=(5 * len(parts), 4), squeeze=False)
+    for ax, (prefix, key, title) in zip(axes[0], parts):
         sel = [r for r in rows if r["label"].startswith(prefix)]
         ax.bar([r["label"].split(", ", 1)[-1] for r in sel], [r.get(key, 0) for r in sel])
-        ax.set_title(f"{prefix}: {title}")
+        ax.set_title(f"{prefix}: {title}", fontsize=9)
         ax.tick_params(axis="x", rotation=15)
     fig.tight_layout()
     fig.savefig(RESULTS / "pd.png", dpi=110)
