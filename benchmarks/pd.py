@@ -6,12 +6,13 @@ colocated replicas, or 1 prefill + 1 decode replica.
 
 1. interference -- steady short requests plus periodic long (~2k-token) prompts.
    Colocated (2 replicas, power_of_two) vs 1P+1D (ray_object_store): ITL of the
-   short requests (p50/p99), TTFT of short and long ones, throughput; plus the P/D
+   short requests (p50/p99/p99.9), TTFT of short and long ones, throughput; plus the P/D
    hand-off (router: prefill call, prefill-done -> decode's first item).
-2. prefix -- several long system prompts with cache pressure (each replica's KV
-   cache holds about half of them): power_of_two vs prefix_aware_approx (guesses
-   from routing history) vs prefix_aware (the engines' KV events): prefix-cache hit
-   rate and TTFT.
+2. prefix -- two workloads with cache pressure (each replica's KV cache holds about
+   half of the working set): several long system prompts, and multi-turn
+   conversations: power_of_two vs prefix_aware_approx (guesses from routing history)
+   vs prefix_aware (the engines' KV events): prefix-cache hit rate, share of requests
+   routed to a prefix holder, TTFT.
 3. reuse -- a 2k-token prefix that one replica caches while it is busy: TTFT of a
    request on the other replica that loads the prefix from its peer (cluster_reuse)
    vs recomputes it.
@@ -47,16 +48,19 @@ def app(args, port: int, *, policy: str = "power_of_two", blocks: int | None = N
     from fleetserve.cluster.config import AppConfig
 
     engine = {"model": args.model, "max_model_len": args.max_model_len, "num_threads": 1,
-              "max_num_seqs": 32, "dtype": "float32", "max_num_batched_tokens": 4096}
+              "max_num_seqs": 32, "dtype": "float32",
+              # Chunked prefill, as colocated vLLM runs: a long prompt is computed in chunks
+              # of this many tokens between decode steps (the same in every pool).
+              "max_num_batched_tokens": args.max_batched_tokens}
     if blocks:
         engine["num_gpu_blocks_override"] = blocks
     cfg = {"name": "bench", "engine": engine, "num_replicas": 2, "routing_policy": policy,
            "routing": {"imbalance_threshold": imbalance},
            "http": {"port": port}, "grpc": {"enabled": False}, "num_cpus_per_replica": 0}
-    if pd:
+    if pd is not None:  # {} is P/D with the defaults
         cfg["pd"] = {"enabled": True, "connector": "ray_object_store",
-                     "min_prefill_tokens": 64, **pd}
-    if reuse:
+                     "min_prefill_tokens": args.min_prefill_tokens, **pd}
+    if reuse is not None:
         cfg["cluster_reuse"] = {"enabled": True, **reuse}
     return AppConfig.model_validate(cfg)
 
@@ -70,7 +74,7 @@ def interference_workload(args) -> list[sv.Request]:
         if i % args.long_every == args.long_every - 1:
             work.append(sv.Request("Long document: " + sv.text_of(rng, args.long_words), 8))
         else:
-            work.append(sv.Request(sv.text_of(rng, 30), 32))
+            work.append(sv.Request(sv.text_of(rng, 30), args.short_tokens))
     return work
 
 
@@ -86,12 +90,13 @@ def run_interference(args, port: int, url: str) -> list[dict]:
         results, elapsed = asyncio.run(_open_loop(url, config.served_model_name, work, args.rate))
         after = sv.scrape(url)
         src1 = labelled(url, "fleetserve:pd_decode_prompt_tokens", "source")
-        short = [r for r, q in zip(results, work) if q.max_tokens == 32]
+        short = [r for r, q in zip(results, work) if q.max_tokens == args.short_tokens]
         long_ = [r for r, q in zip(results, work) if q.max_tokens == 8]
         row = sv.summarize(f"interference, {label}", args.rate, short, elapsed)
         row["out_tok_s"] = sum(r.tokens for r in results if r.ok) / elapsed
         row["long_ttft_p50_ms"] = 1000 * sv.pct([r.ttft for r in long_ if r.ok], 50)
         row["long_ok"] = sum(r.ok for r in long_)
+        row["itl_p999_ms"] = 1000 * sv.pct([x for r in short if r.ok for x in r.itl], 99.9)
         row.update(_handoff(before, after))
         for src, v in src1.items():
             row[f"decode_prompt_tokens_{src}"] = v - src0.get(src, 0)
@@ -143,29 +148,57 @@ async def _send(client, url: str, model: str, req) -> "sv.Result":
 
 # -- part 2: shared prefixes under cache pressure -------------------------------------
 
+def multi_turn_workload(n_convs: int, turns: int, words: int, out_tokens: int,
+                        seed: int) -> list[sv.Request]:
+    """Conversations whose every turn resends the whole history plus a new question, sent
+    turn by turn across conversations (round robin), so a conversation's next turn comes
+    after its previous one (at the rates used here) and its prefix keeps growing."""
+    rng = random.Random(seed)
+    convs = [f"Conversation {c}: " + sv.text_of(rng, words) for c in range(n_convs)]
+    work = []
+    for _ in range(turns):
+        for c in range(n_convs):
+            convs[c] += f"\nUser: {sv.text_of(rng, words // 2)}"
+            work.append(sv.Request(convs[c] + "\nAssistant:", out_tokens))
+            convs[c] += f"\nAssistant: {sv.text_of(rng, words // 2)}"
+    return work
+
+
 def run_prefix(args, port: int, url: str) -> list[dict]:
     from fleetserve.replica.engine.tokenizer import load_tokenizer
     from fleetserve.replica.model_loader.registry import resolve_model
 
-    work = sv.prefix_workload(args.num_requests, args.prefix_count, args.prefix_words, 16, 16, seed=1)
     tok = load_tokenizer(resolve_model(args.model))
-    n_tok = len(tok(work[0].prompt).input_ids) + 16
-    blocks = max(32, (n_tok // 16 + 1) * (args.prefix_count // 2 + 1))
+    system = sv.prefix_workload(args.num_requests, args.prefix_count, args.prefix_words, 16, 16, seed=1)
+    multi = multi_turn_workload(args.convs, args.turns, args.turn_words, 16, seed=2)
+    # Cache pressure: each replica's KV cache holds about half of the working set (the
+    # system prompts; the conversations' longest histories).
+    sys_blocks = (len(tok(system[0].prompt).input_ids) + 16) // 16 + 1
+    last_turns = multi[-args.convs:]
+    conv_blocks = sum(len(tok(r.prompt).input_ids) + 16 for r in last_turns) // 16 + args.convs
+    workloads = {"system prompts": (system, max(32, sys_blocks * (args.prefix_count // 2 + 1)),
+                                    args.prefix_rate),
+                 "multi-turn": (multi, max(32, conv_blocks // 2), args.turn_rate)}
     rows = []
-    for policy in ("power_of_two", "prefix_aware_approx", "prefix_aware"):
-        config = app(args, port, policy=policy, blocks=blocks)
-        sv.redeploy(config)
-        before = sv.scrape(url)
-        results, elapsed = asyncio.run(_open_loop(url, config.served_model_name, work,
-                                                  args.prefix_rate))
-        after = sv.scrape(url)
-        q = after.get("vllm:prefix_cache_queries_total", 0) - before.get("vllm:prefix_cache_queries_total", 0)
-        h = after.get("vllm:prefix_cache_hits_total", 0) - before.get("vllm:prefix_cache_hits_total", 0)
-        row = sv.summarize(f"shared prefix, {policy}", args.prefix_rate, results, elapsed)
-        row["prefix_hit_rate"] = h / q if q else float("nan")
-        row["kv_blocks_per_replica"] = blocks
-        rows.append(row)
-        print(row, flush=True)
+    for wname, (work, blocks, rate) in workloads.items():
+        for policy in ("power_of_two", "prefix_aware_approx", "prefix_aware"):
+            config = app(args, port, policy=policy, blocks=blocks)
+            sv.redeploy(config)
+            before = sv.scrape(url)
+            routed0 = labelled(url, "fleetserve:router_prefix_routed_requests", "prefix_match")
+            results, elapsed = asyncio.run(_open_loop(url, config.served_model_name, work, rate))
+            after = sv.scrape(url)
+            routed1 = labelled(url, "fleetserve:router_prefix_routed_requests", "prefix_match")
+            q = after.get("vllm:prefix_cache_queries_total", 0) - before.get("vllm:prefix_cache_queries_total", 0)
+            h = after.get("vllm:prefix_cache_hits_total", 0) - before.get("vllm:prefix_cache_hits_total", 0)
+            row = sv.summarize(f"shared prefix ({wname}), {policy}", rate, results, elapsed)
+            row["prefix_hit_rate"] = h / q if q else float("nan")
+            n_routed = sum(routed1.values()) - sum(routed0.values())
+            if n_routed:
+                row["routed_to_holder"] = (routed1.get("true", 0) - routed0.get("true", 0)) / n_routed
+            row["kv_blocks_per_replica"] = blocks
+            rows.append(row)
+            print(row, flush=True)
     return rows
 
 
@@ -212,7 +245,7 @@ async def _reuse_rounds(url: str, model: str, args) -> list[float]:
 # -- report --------------------------------------------------------------------------
 
 COLS = ["label", "rate", "ok", "out_tok_s", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms",
-        "itl_p99_ms", "long_ttft_p50_ms", "prefix_hit_rate", "prefill_call_mean_ms",
+        "itl_p99_ms", "itl_p999_ms", "long_ttft_p50_ms", "prefix_hit_rate", "routed_to_holder", "prefill_call_mean_ms",
         "handoff_mean_ms", "transfer_recv_mean_ms"]
 
 
@@ -238,14 +271,16 @@ def plot(rows: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     parts = [("interference", "itl_p99_ms", "short requests' ITL p99 (ms)"),
-             ("shared prefix", "ttft_p90_ms", "TTFT p90 (ms)"),
+             ("shared prefix (system prompts)", "ttft_p90_ms", "TTFT p90 (ms)"),
+             ("shared prefix (multi-turn)", "ttft_p90_ms", "TTFT p90 (ms)"),
              ("reuse", "ttft_p50_ms", "TTFT p50 (ms)")]
-    for ax, (prefix, key, title) in zip(axes, parts):
+    parts = [p for p in parts if any(r["label"].startswith(p[0]) for r in rows)]
+    fig, axes = plt.subplots(1, len(parts), figsize=(5 * len(parts), 4), squeeze=False)
+    for ax, (prefix, key, title) in zip(axes[0], parts):
         sel = [r for r in rows if r["label"].startswith(prefix)]
         ax.bar([r["label"].split(", ", 1)[-1] for r in sel], [r.get(key, 0) for r in sel])
-        ax.set_title(f"{prefix}: {title}")
+        ax.set_title(f"{prefix}: {title}", fontsize=9)
         ax.tick_params(axis="x", rotation=15)
     fig.tight_layout()
     fig.savefig(RESULTS / "pd.png", dpi=110)
@@ -255,13 +290,22 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="default: a random Llama of 4 layers, hidden 256")
     p.add_argument("--max-model-len", type=int, default=2560)
-    p.add_argument("--num-requests", type=int, default=60)
-    p.add_argument("--rate", type=float, default=3.0)
+    p.add_argument("--num-requests", type=int, default=90)
+    p.add_argument("--rate", type=float, default=5.0)
     p.add_argument("--long-every", type=int, default=6)
+    p.add_argument("--min-prefill-tokens", type=int, default=256,
+                   help="P/D: prompts with fewer uncached tokens skip the prefill pool")
+    p.add_argument("--short-tokens", type=int, default=96, help="output tokens of a short request")
+    p.add_argument("--max-batched-tokens", type=int, default=512,
+                   help="engines' max_num_batched_tokens (the prefill chunk)")
     p.add_argument("--long-words", type=int, default=500, help="~2k tokens (4 per word here)")
     p.add_argument("--prefix-count", type=int, default=6)
     p.add_argument("--prefix-words", type=int, default=300)
     p.add_argument("--prefix-rate", type=float, default=4.0)
+    p.add_argument("--convs", type=int, default=8, help="multi-turn: conversations")
+    p.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    p.add_argument("--turn-words", type=int, default=60, help="multi-turn: words per turn")
+    p.add_argument("--turn-rate", type=float, default=3.0)
     p.add_argument("--reuse-rounds", type=int, default=5)
     p.add_argument("--skip", nargs="*", default=[], choices=["interference", "prefix", "reuse"])
     args = p.parse_args()

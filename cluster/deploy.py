@@ -173,8 +173,7 @@ def build_app(config: AppConfig):
                                       config.num_replicas, config.num_cpus_per_replica,
                                       config.routing_policy)
         if reuse.enabled:
-            common["reuse"] = {"settings": {"min_tokens": reuse.min_tokens},
-                               "block_size": engine.block_size}
+            common["reuse"] = {"settings": {"min_tokens": reuse.min_tokens}}
         return ingress.bind(replicas, **common)
     pd = config.pd
     decode = _engine_deployment(config, DECODE_DEPLOYMENT, config.pool_engine("decode"),
@@ -188,7 +187,7 @@ def build_app(config: AppConfig):
     settings = {"min_prefill_tokens": pd.min_prefill_tokens, "max_attempts": pd.max_attempts,
                 "prefill_timeout_s": pd.prefill_timeout_s}
     return ingress.bind(decode, prefill=prefill,
-                        pd={"settings": settings, "block_size": config.pool_engine("decode").block_size},
+                        pd={"settings": settings},
                         **common)
 
 
@@ -201,7 +200,9 @@ def _engine_deployment(config: AppConfig, name: str, engine, num_replicas: int, 
                        policy: str, placement=None):
     """One pool of engine replicas (a Serve deployment) behind FleetRequestRouter."""
     placement = placement or config.placement
-    policy_kwargs = {"policy": policy, "block_size": engine.block_size,
+    # Prefix policies hash prompts with the engines' block size and hash function, which
+    # the ingress takes from the engines' info (Ingress._set_pool_hashing).
+    policy_kwargs = {"policy": policy,
                      "imbalance_threshold": config.routing.imbalance_threshold,
                      "min_match_fraction": config.routing.min_match_fraction,
                      "max_table_entries": config.routing.max_table_entries}

@@ -112,12 +112,10 @@ class Ingress(GrpcMethods):
         self._pools = [engine] + ([prefill] if prefill is not None else [])
         self._pd: Optional[PDRouter] = None
         if prefill is not None and pd is not None:
-            self._pd = PDRouter(engine, prefill, PDSettings(**pd.get("settings", {})),
-                                int(pd.get("block_size", 16)))
+            self._pd = PDRouter(engine, prefill, PDSettings(**pd.get("settings", {})))
         self._reuse: Optional[PrefixReuse] = None
         if reuse is not None and self._pd is None:
-            self._reuse = PrefixReuse(engine, ReuseSettings(**reuse.get("settings", {})),
-                                      int(reuse.get("block_size", 16)))
+            self._reuse = PrefixReuse(engine, ReuseSettings(**reuse.get("settings", {})))
         self._stream = engine.options(stream=True)
         self._generate = self._stream.generate  # built once: each attribute access makes a new handle
         self.served_model_name = served_model_name
@@ -141,13 +139,17 @@ class Ingress(GrpcMethods):
             async with self._info_lock:
                 if self._info is None:
                     try:
-                        info = await asyncio.wait_for(self._engine.get_info.remote(),
-                                                      INFO_TIMEOUT_S)
-                        for pool in self._pools[1:]:  # builds this process's router for it
-                            await asyncio.wait_for(pool.get_info.remote(), INFO_TIMEOUT_S)
+                        infos = [await asyncio.wait_for(pool.get_info.remote(), INFO_TIMEOUT_S)
+                                 for pool in self._pools]  # each builds this process's router
                     except asyncio.TimeoutError:
                         raise APIError("the model is still loading (no engine replica has "
                                        "answered yet); retry shortly", 503) from None
+                    for pool, pool_info in zip(self._pools, infos):
+                        self._set_pool_hashing(pool, pool_info)
+                    info = infos[0]
+                    for part in (self._pd, self._reuse):  # the decode (or only) pool's blocks
+                        if part is not None and "block_size" in info:
+                            part.block_size = int(info["block_size"])
                     if info.get("tokenizer") is not None:  # every real engine has one
                         info["max_token_chars"] = max_token_chars(info["tokenizer"])
                     self._info = info
@@ -159,6 +161,15 @@ class Ingress(GrpcMethods):
             await self.info()
         except Exception as e:  # noqa: BLE001 - replicas not up yet: the first request retries
             logger.info("ingress warm-up: replicas not reachable yet: %r", e)
+
+    def _set_pool_hashing(self, pool, pool_info: dict) -> None:
+        """Prefix routing hashes prompts as the pool's engines hash their KV blocks (block
+        size and `prefix_caching_hash_algo` from their info, not from a second setting):
+        any other hash never matches what their KV events report."""
+        router = get_router(pool.app_name, pool.deployment_name)
+        policy = getattr(router, "policy", None)
+        if policy is not None and "block_size" in pool_info:
+            policy.set_hashing(pool_info["block_size"], pool_info.get("hash_algo", "builtin"))
 
     def _start_kv_subscribers(self) -> None:
         """Feed each pool's routing policy's KV index (precise prefix routing) with its
@@ -462,6 +473,18 @@ class Ingress(GrpcMethods):
                       "loaded (first contact, restarts, sequence gaps).",
                       "# TYPE fleetserve:router_kv_index_resyncs counter",
                       f"fleetserve:router_kv_index_resyncs_total {sum(i.num_resyncs for i in indexes)}"]
+        counted = [(r, r.policy) for r in routers if hasattr(r.policy, "num_prefix_routed")]
+        if counted:
+            lines += ["# HELP fleetserve:router_prefix_routed_requests_total Requests a prefix policy routed, "
+                      "by whether the replica it chose caches (or is computing) the prompt's first "
+                      "block (prefix_match) or not.",
+                      "# TYPE fleetserve:router_prefix_routed_requests_total counter"]
+            for router, policy in counted:
+                dep = router._deployment_id.name
+                for match, n in (("true", policy.num_prefix_routed),
+                                 ("false", policy.num_routed - policy.num_prefix_routed)):
+                    lines.append(f'fleetserve:router_prefix_routed_requests_total{{deployment="{dep}",'
+                                 f'prefix_match="{match}"}} {n}')
         text = "\n".join(lines) + "\n"
         for extra in (self._pd, self._reuse):
             if extra is not None:

@@ -93,7 +93,9 @@ def decode_token_counter(name: str, doc: str, registry: CollectorRegistry) -> Co
 
 
 class PDRouter:
-    def __init__(self, decode_handle, prefill_handle, settings: PDSettings, block_size: int) -> None:
+    def __init__(self, decode_handle, prefill_handle, settings: PDSettings,
+                 block_size: int = 16) -> None:
+        # block_size: the decode engines' (the ingress sets it from their info).
         self._decode = decode_handle
         self._decode_generate = decode_handle.options(stream=True).generate
         self._prefill_generate = prefill_handle.options(stream=True).generate

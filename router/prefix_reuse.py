@@ -69,7 +69,8 @@ class ReuseMetrics:
 
 
 class PrefixReuse:
-    def __init__(self, engine_handle, settings: ReuseSettings, block_size: int) -> None:
+    def __init__(self, engine_handle, settings: ReuseSettings, block_size: int = 16) -> None:
+        # block_size: the engines' (the ingress sets it from their info).
         self._engine = engine_handle
         self._generate = engine_handle.options(stream=True).generate
         self.settings = settings

@@ -44,6 +44,7 @@ class EngineReplica:
         self._stall_timeout_s = (reliability or {}).get("engine_stall_timeout_s", 30.0)
         self._max_queued_kv_ratio = (reliability or {}).get("max_queued_kv_ratio", 4.0)
         self.block_size = args.block_size
+        self.hash_algo = args.prefix_caching_hash_algo
         self._kv_wake = AppendWaiter()
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -133,6 +134,7 @@ class EngineReplica:
         return {"replica": self.replica_id, "tokenizer": self.engine.tokenizer,
                 "model_name": self.engine.model_name,
                 "max_model_len": self.engine.max_model_len, "block_size": self.block_size,
+                "hash_algo": self.hash_algo,
                 "generation_defaults": dict(getattr(self.engine, "generation_defaults", {})),
                 "kv_events": getattr(self.engine, "kv_events", None) is not None}
 

@@ -53,6 +53,10 @@ class RoutingPolicy(ABC):
     def rank(self, replicas: list[ReplicaLoad], request: Optional[RouteRequest]) -> list[list[str]]:
         """Ranked tiers of replica ids for `request` (non-empty when `replicas` is)."""
 
+    def set_hashing(self, block_size: int, hash_algo: str = "builtin") -> None:
+        """The engines' KV block size and prefix-caching hash function, from their info
+        (the ingress calls this once it has it); only prefix policies hash prompts."""
+
     def on_routed(self, replica_id: str, request: RouteRequest) -> None:
         """The request was sent to `replica_id` (the first tier's pick)."""
 

@@ -40,12 +40,14 @@ from typing import Optional
 from fleetserve.router.kv_index import KVIndex
 from fleetserve.router.policies.base import ReplicaLoad, RouteRequest, RoutingPolicy, by_load, tiers
 from fleetserve.scheduler import hash_token_blocks
+from fleetserve.scheduler.kv_cache_manager import HASH_ALGOS
 
 
 class PrefixAwareBase(RoutingPolicy):
     def __init__(self, block_size: int = 16, imbalance_threshold: int = 4,
                  min_match_fraction: float = 0.5, seed: Optional[int] = None, **_: object) -> None:
         self.block_size = block_size
+        self.hash_algo = "builtin"
         self.imbalance_threshold = imbalance_threshold
         self.min_match_fraction = min_match_fraction
         self._rng = random.Random(seed)
@@ -57,8 +59,16 @@ class PrefixAwareBase(RoutingPolicy):
     def match_lengths(self, hashes: list, replica_ids: set[str]) -> dict[str, int]:
         """Leading blocks of `hashes` each replica holds (absent: none)."""
 
+    def set_hashing(self, block_size: int, hash_algo: str = "builtin") -> None:
+        """Hash as the engines do (`EngineReplica.get_info`): a prompt hashed with another
+        block size or function never matches what their KV events report."""
+        if hash_algo not in HASH_ALGOS:
+            raise ValueError(f"unknown prefix_caching_hash_algo {hash_algo!r}")
+        self.block_size, self.hash_algo = int(block_size), hash_algo
+
     def block_hashes(self, request: RouteRequest) -> list:
-        return hash_token_blocks(request.prompt_token_ids, self.block_size, request.cache_salt)
+        return hash_token_blocks(request.prompt_token_ids, self.block_size, request.cache_salt,
+                                 algo=self.hash_algo)
 
     def rank(self, replicas: list[ReplicaLoad], request: Optional[RouteRequest]) -> list[list[str]]:
         shuffled = list(replicas)

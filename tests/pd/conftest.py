@@ -129,7 +129,7 @@ def _start_server(tmp_path, model_dir, pd: dict, name: str = APP, **top):
         "name": name,
         "engine": {"model": str(model_dir), "served_model_name": "tiny", "max_model_len": 256,
                    "num_gpu_blocks_override": 96, "max_num_seqs": 8, "num_threads": 1,
-                   "block_size": BLOCK, "dtype": "float32"},
+                   "block_size": BLOCK, "dtype": "float32", **top.pop("engine", {})},
         "num_cpus_per_replica": 0, "routing_policy": "prefix_aware",
         "http": {"port": port}, "grpc": {"port": grpc_port},
         "pd": pd, **top,

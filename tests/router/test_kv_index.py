@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from fleetserve.router.kv_index import KVIndex
 from fleetserve.router.policies import PrefixAwarePolicy, ReplicaLoad, RouteRequest
 from fleetserve.scheduler import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch,
@@ -74,3 +76,23 @@ def test_precise_policy_counts_requests_in_flight_and_lingers_after_completion()
     p.on_completed("r2")
     p._lingering = type(p._lingering)((0.0, r, hs) for _, r, hs in p._lingering)  # time passes
     assert p.match_lengths(h, {"a"}) == {}  # from now on only the index decides
+
+
+def test_precise_policy_hashes_as_the_engines_do_sha256_and_their_block_size():
+    """Engines started with `prefix_caching_hash_algo: sha256` publish sha256 block hashes:
+    a policy told so (the ingress passes the engines' info) matches them; one hashing with
+    the default function never would."""
+    prompt = list(range(300, 340)) + [7]
+    engine_hashes = hash_token_blocks(prompt, 8, algo="sha256")  # what the engine caches
+    idx = KVIndex()
+    idx.update("b", {"instance": "y", "snapshot": (1, engine_hashes)})
+    p = PrefixAwarePolicy(kv_index=idx, linger_s=0.0, seed=0)  # the defaults: 16, builtin
+    req = RouteRequest("r1", prompt)
+    reps = [ReplicaLoad("a", num_ongoing=0), ReplicaLoad("b", num_ongoing=1)]
+    assert p.match_lengths(p.block_hashes(req), {"a", "b"}) == {}
+    p.set_hashing(8, "sha256")
+    assert p.block_hashes(req) == engine_hashes
+    assert p.match_lengths(p.block_hashes(req), {"a", "b"}) == {"b": 5}
+    assert p.rank(reps, req)[0] == ["b"]
+    with pytest.raises(ValueError, match="md5"):
+        p.set_hashing(8, "md5")
