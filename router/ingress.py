@@ -469,9 +469,9 @@ class Ingress(GrpcMethods):
                 for rid in sorted(index.replicas()):
                     lines.append(f'fleetserve:router_kv_index_blocks{{replica="{rid}"}} '
                                  f'{len(index.hashes_of(rid))}')
-            lines += ["# HELP fleetserve:router_kv_index_resyncs Snapshots the prefix index "
+            lines += ["# HELP fleetserve:router_kv_index_resyncs_total Snapshots the prefix index "
                       "loaded (first contact, restarts, sequence gaps).",
-                      "# TYPE fleetserve:router_kv_index_resyncs counter",
+                      "# TYPE fleetserve:router_kv_index_resyncs_total counter",
                       f"fleetserve:router_kv_index_resyncs_total {sum(i.num_resyncs for i in indexes)}"]
         counted = [(r, r.policy) for r in routers if hasattr(r.policy, "num_prefix_routed")]
         if counted:

@@ -105,6 +105,12 @@ def test_index_equals_engine_caches_after_evictions_and_a_restart(server):
         truth = check_equal()
         assert all(truth.values())
         assert index.num_resyncs == 2  # one snapshot per replica; the rest were replayed batches
+        # The ingress's own index counts its snapshots too (declared as `..._total`, or
+        # Prometheus parsers drop the sample).
+        text = httpx.get(server.base_url + "/metrics", timeout=30).text
+        resyncs = [s.value for fam in text_string_to_metric_families(text)
+                   if fam.name == "fleetserve:router_kv_index_resyncs" for s in fam.samples]
+        assert resyncs and resyncs[0] >= 2, resyncs
 
         # Restart one replica: Serve replaces it under a new id, with an empty cache.
         victim = sorted(truth)[0]
