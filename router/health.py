@@ -1,11 +1,20 @@
-"""What /health (HTTP) and Health (gRPC) report: every engine replica asked, one by one.
+"""What /health (HTTP) and Health (gRPC) report: every engine replica asked, all at once,
+outside Serve's request path.
 
-A replica counts as healthy only when its engine says so (`EngineReplica.control("health")`:
-the engine core process is alive, not wedged, and answered its ping), not merely because
-its actor answers: a replica whose engine core was SIGKILLed, or is stuck, used to keep
-/health green. The answer is 200 while at least one replica is healthy (the service
-serves; `unhealthy` lists the others and why) and 503 when none is. Serve replaces the
-unhealthy replicas on its own (their `check_health` fails too).
+A replica counts as healthy only when its engine says so (`EngineReplica.check_health`: the
+engine core process is alive, not wedged, and answered its ping), not merely because its
+actor answers: a replica whose engine core was SIGKILLed, or is stuck, used to keep /health
+green. The answer is 200 while at least one replica is healthy (the service serves;
+`unhealthy` lists the others and why) and 503 when none is. Serve replaces the unhealthy
+replicas on its own (its periodic `check_health` fails too).
+
+How the replicas are asked: through each replica actor's `check_health` method, the very
+control-plane call Serve's controller makes, not through the deployment handle. A handle call
+is a request like any other: it waits in Serve's queue while the replica is at
+`max_ongoing_requests`, so under overload /health took as long as a generation request
+(p99 29 s in a soak). The actor method runs on the replica's event loop alongside the
+requests, never behind them, and the replicas are asked concurrently (no Serve router, so no
+shared internal request id to confuse it).
 """
 
 from __future__ import annotations
@@ -13,27 +22,41 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from ray.exceptions import RayTaskError
+
 from fleetserve.router.registry import get_router
-from fleetserve.router.request_router import TARGET_KWARG
+
+# A replica that does not answer its health check within this is reported unhealthy
+# ("unreachable"); a healthy replica answers in milliseconds even under overload.
+REPLICA_TIMEOUT_S = 5.0
 
 
-async def replica_health(ingress: Any, timeout_s: float = 5.0) -> dict:
+async def replica_health(ingress: Any, timeout_s: float = REPLICA_TIMEOUT_S) -> dict:
     """{"healthy": [replica ids], "unhealthy": {replica id: reason}}."""
-    await ingress.info()  # the handle's router exists and knows the replicas
     router = get_router(ingress._engine.app_name, ingress._engine.deployment_name)
+    if router is None:  # the handle's router is built by its first call
+        await ingress.info()
+        router = get_router(ingress._engine.app_name, ingress._engine.deployment_name)
+    actors = router.replica_actors() if router else {}
+    results = await asyncio.gather(*(_ask(actor, timeout_s) for actor in actors.values()))
     healthy: list[str] = []
     unhealthy: dict[str, str] = {}
-    # One call at a time: see Ingress.replica_calls (concurrent pinned calls sharing one
-    # internal request id confuse Serve's router).
-    for rid in (router.replica_ids() if router else []):
-        try:
-            r = await asyncio.wait_for(
-                ingress._engine.control.remote("health", **{TARGET_KWARG: rid}), timeout_s)
-        except Exception as e:  # noqa: BLE001 - an unreachable replica is an unhealthy one
-            unhealthy[rid] = f"unreachable: {type(e).__name__}: {e}"[:500]
-            continue
-        if r.get("healthy"):
-            healthy.append(r["replica"])
+    for rid, reason in zip(actors, results):
+        if reason is None:
+            healthy.append(rid)
         else:
-            unhealthy[r["replica"]] = str(r.get("reason"))[:500]
+            unhealthy[rid] = reason[:500]
     return {"healthy": healthy, "unhealthy": unhealthy}
+
+
+async def _ask(actor: Any, timeout_s: float):
+    """None when the replica's health check passes, else why not."""
+    try:
+        await asyncio.wait_for(actor.check_health.remote(), timeout_s)
+    except asyncio.TimeoutError:
+        return f"unreachable: no answer to the health check within {timeout_s:g} s"
+    except RayTaskError as e:  # the check ran and failed: the engine's own reason
+        return str(e.cause)
+    except Exception as e:  # noqa: BLE001 - the actor is gone or unreachable
+        return f"unreachable: {type(e).__name__}: {e}"
+    return None

@@ -45,6 +45,11 @@ class FleetRequestRouter(RequestRouter):
     def replica_ids(self) -> list[str]:
         return [rid.unique_id for rid in list(self.curr_replicas)]
 
+    def replica_actors(self) -> dict[str, Any]:
+        """Replica id -> the replica's Ray actor handle: for control-plane calls that must not
+        queue behind requests (router.health), as Serve's own health checks do."""
+        return {rid.unique_id: r._actor_handle for rid, r in list(self.curr_replicas.items())}
+
     def ongoing(self) -> dict[str, int]:
         with self._lock:
             return {rid: v[0] for rid, v in self._ongoing.items()}
