@@ -8,8 +8,10 @@ not, some clients that disconnect at a random point):
             requests arrives;
   after   - nothing wrong again.
 Reports requests completed / refused (429/503) / failed (anything else: must be 0),
-client aborts, leaked KV blocks once idle, the replicas' RSS growth, and p50/p99 TTFT and
-ITL per phase. Table on stdout, PNG under benchmarks/results/.
+client aborts, leaked KV blocks once idle, the serving processes' RSS (ingress, engine
+replicas, engine cores) at each phase's end, and p50/p99 TTFT, ITL and /health latency
+(polled every 0.5 s throughout) per phase. Table on stdout; PNG and JSON under
+benchmarks/results/ (soak-<model>.png/.json).
 
     flock -x /tmp/fleetserve-heavy.lock python benchmarks/soak.py --phase-s 60
     python benchmarks/soak.py --model smollm2-135m --phase-s 120   # the real model
@@ -139,20 +141,39 @@ async def worker(client, stats, phase_of, stop_at, seed):
         await one_request(client, stats, phase_of, rng)
 
 
-def replica_rss(pids) -> float:
-    total = 0
-    for pid in pids:
+def server_processes() -> dict[int, tuple[str, float]]:
+    """pid -> (what, RSS MiB) of the serving processes this run started: the ingress, the
+    engine replicas and their engine cores (Ray's own daemons left out)."""
+    out = {}
+    for p in psutil.Process().children(recursive=True):
         try:
-            total += psutil.Process(pid).memory_info().rss
+            cmd = " ".join(p.cmdline())
+            if "core_process" in cmd:
+                what = "engine cores"
+            elif "ServeReplica:" in cmd:
+                what = "ingress" if ":ingress" in cmd else "engine replicas"
+            else:
+                continue
+            out[p.pid] = (what, p.memory_info().rss / 2**20)
         except psutil.NoSuchProcess:
-            pass
-    return total / 2**20
+            continue
+    return out
 
 
-def engine_pids() -> list[int]:
-    me = psutil.Process()
-    return [p.pid for p in me.children(recursive=True)
-            if "core_process" in " ".join(p.cmdline()) or "ServeReplica" in p.name()]
+async def poll_health(base: str, phase_of, samples: list, stop: asyncio.Event) -> None:
+    """GET /health every 0.5 s on a connection of its own: (phase, seconds, status)."""
+    async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+        while not stop.is_set():
+            phase, s = phase_of(), time.monotonic()
+            try:
+                status = (await client.get("/health")).status_code
+            except httpx.HTTPError:
+                status = 0
+            samples.append((phase, time.monotonic() - s, status))
+            try:
+                await asyncio.wait_for(stop.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
 
 
 async def run(args) -> dict:
@@ -160,31 +181,34 @@ async def run(args) -> dict:
     base = f"http://127.0.0.1:{config.http.port}"
     stats = Stats()
     phases = ("before", "during", "after")
+    memory = {"start": server_processes()}
     t0 = time.monotonic()
 
     def phase_of():
         return phases[min(2, int((time.monotonic() - t0) // args.phase_s))]
 
-    rss_before = replica_rss(engine_pids())
+    health: list = []
+    stop_health = asyncio.Event()
+    prober = asyncio.ensure_future(poll_health(base, phase_of, health, stop_health))
     limits = httpx.Limits(max_connections=args.concurrency + args.burst + 10)
     async with httpx.AsyncClient(base_url=base, timeout=120, limits=limits) as client:
         stop_at = t0 + 3 * args.phase_s
         tasks = [asyncio.ensure_future(worker(client, stats, phase_of, stop_at, i))
                  for i in range(args.concurrency)]
         await asyncio.sleep(args.phase_s)
-        health = await control_all(config.name, "health")
-        victim = sorted(h["core_pid"] for h in health.values() if h.get("core_pid"))[0]
+        memory["before"] = server_processes()
+        replicas = await control_all(config.name, "health")
+        victim = sorted(h["core_pid"] for h in replicas.values() if h.get("core_pid"))[0]
         os.kill(victim, signal.SIGKILL)
         rng = random.Random(99)
         burst = [asyncio.ensure_future(one_request(client, stats, phase_of, rng))
                  for _ in range(args.burst)]
-        health_latency = []
-        while time.monotonic() < t0 + 2 * args.phase_s:
-            s = time.monotonic()
-            await client.get("/health")
-            health_latency.append(time.monotonic() - s)
-            await asyncio.sleep(1)
+        await asyncio.sleep(max(0.0, t0 + 2 * args.phase_s - time.monotonic()))
+        memory["during"] = server_processes()
         await asyncio.gather(*burst, *tasks)
+        memory["after"] = server_processes()
+    stop_health.set()
+    await prober
     leaked = None
     for _ in range(60):  # idle: every block back in every replica's pool
         loads = await control_all(config.name, "get_load")
@@ -193,9 +217,26 @@ async def run(args) -> dict:
         if leaked == 0:
             break
         await asyncio.sleep(1)
-    rss_after = replica_rss(engine_pids())
-    return {"stats": stats, "leaked_blocks": leaked, "rss_before_mib": rss_before,
-            "rss_after_mib": rss_after, "health_p99_s": _pct(health_latency, 99)}
+    memory["idle"] = server_processes()
+    return {"stats": stats, "leaked_blocks": leaked, "memory": memory, "health": health,
+            "victim": victim}
+
+
+def memory_table(memory: dict) -> list[dict]:
+    """Per kind of process: total RSS at each snapshot, and the growth of the processes that
+    lived through the whole run (the replaced replica and core excluded)."""
+    rows = []
+    survivors = set(memory["start"]) & set(memory["idle"])
+    for what in ("ingress", "engine replicas", "engine cores"):
+        row = {"what": what}
+        for snap, procs in memory.items():
+            row[snap] = sum(rss for w, rss in procs.values() if w == what)
+            row[snap + "_n"] = sum(1 for w, _ in procs.values() if w == what)
+        pids = [pid for pid in survivors if memory["start"][pid][0] == what]
+        row["survivor_growth"] = sum(memory["idle"][p][1] - memory["start"][p][1] for p in pids)
+        row["survivors"] = len(pids)
+        rows.append(row)
+    return rows
 
 
 def _pct(values, q):
@@ -205,18 +246,39 @@ def _pct(values, q):
     return values[min(len(values) - 1, int(q / 100 * len(values)))]
 
 
-def report(result: dict, out_png: Path) -> None:
+def report(result: dict, out_png: Path, title: str) -> dict:
     stats = result["stats"]
+    summary = {"phases": {}, "leaked_blocks": result["leaked_blocks"]}
     print(f"{'phase':8} {'completed':>9} {'refused':>8} {'failed':>7} {'aborted':>8} "
-          f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}")
+          f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
+          f"{'health p50':>10} {'p99':>7} {'max':>7}")
     for phase in ("before", "during", "after"):
         c = stats.counts[phase]
-        print(f"{phase:8} {c['completed']:9d} {c['refused']:8d} {c['failed']:7d} {c['aborted']:8d} "
-              f"{_pct(stats.ttft[phase], 50) * 1e3:8.0f}ms {_pct(stats.ttft[phase], 99) * 1e3:8.0f}ms "
-              f"{_pct(stats.itl[phase], 50) * 1e3:7.1f}ms {_pct(stats.itl[phase], 99) * 1e3:7.1f}ms")
-    print(f"leaked KV blocks once idle: {result['leaked_blocks']}; replica RSS "
-          f"{result['rss_before_mib']:.0f} -> {result['rss_after_mib']:.0f} MiB; "
-          f"/health p99 during the faults {result['health_p99_s'] * 1e3:.0f} ms")
+        h = [s for p, s, _ in result["health"] if p == phase]
+        row = {k: c[k] for k in ("completed", "refused", "failed", "aborted")}
+        row.update(ttft_p50_ms=_pct(stats.ttft[phase], 50) * 1e3,
+                   ttft_p99_ms=_pct(stats.ttft[phase], 99) * 1e3,
+                   itl_p50_ms=_pct(stats.itl[phase], 50) * 1e3,
+                   itl_p99_ms=_pct(stats.itl[phase], 99) * 1e3,
+                   health_p50_ms=_pct(h, 50) * 1e3, health_p99_ms=_pct(h, 99) * 1e3,
+                   health_max_ms=max(h, default=float("nan")) * 1e3,
+                   health_non_200=sum(1 for p, _, st in result["health"] if p == phase and st != 200))
+        summary["phases"][phase] = row
+        print(f"{phase:8} {row['completed']:9d} {row['refused']:8d} {row['failed']:7d} "
+              f"{row['aborted']:8d} {row['ttft_p50_ms']:8.0f}ms {row['ttft_p99_ms']:8.0f}ms "
+              f"{row['itl_p50_ms']:7.1f}ms {row['itl_p99_ms']:7.1f}ms "
+              f"{row['health_p50_ms']:8.0f}ms {row['health_p99_ms']:5.0f}ms {row['health_max_ms']:5.0f}ms")
+    non_200 = {p: r["health_non_200"] for p, r in summary["phases"].items()}
+    print(f"leaked KV blocks once idle: {result['leaked_blocks']}; /health answers other than "
+          f"200 per phase: {non_200} (503 only if no engine were healthy)")
+    mem = memory_table(result["memory"])
+    summary["memory_mib"] = mem
+    print(f"{'RSS MiB':16} {'start':>7} {'before':>7} {'during':>7} {'after':>7} {'idle':>7} "
+          f"{'growth of survivors':>20}")
+    for row in mem:
+        print(f"{row['what']:16} " + " ".join(f"{row[k]:7.0f}" for k in
+                                              ("start", "before", "during", "after", "idle"))
+              + f" {row['survivor_growth']:+12.0f} ({row['survivors']} processes)")
     for f in stats.failures[:10]:
         print("failure:", f)
     import matplotlib
@@ -224,17 +286,34 @@ def report(result: dict, out_png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     phases = ("before", "during", "after")
     for ax, series, name in ((axes[0], stats.ttft, "TTFT"), (axes[1], stats.itl, "ITL")):
         for q, style in ((50, "o-"), (99, "s--")):
             ax.plot(phases, [_pct(series[p], q) * 1e3 for p in phases], style, label=f"p{q}")
         ax.set_title(f"{name} (ms)")
+        ax.set_yscale("log")
         ax.legend()
-    fig.suptitle("soak: replica engine killed + overload burst in 'during'")
+    for q, style in ((50, "o-"), (99, "s--")):
+        axes[2].plot(phases, [_pct([s for p, s, _ in result["health"] if p == ph], q) * 1e3
+                              for ph in phases], style, label=f"p{q}")
+    axes[2].set_title("/health (ms)")
+    axes[2].legend()
+    fig.suptitle(f"soak ({title}): an engine core SIGKILLed + an overload burst in 'during'")
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=100, bbox_inches="tight")
     print(f"plot: {out_png}")
+    return summary
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    except OSError:
+        pass
+    return "unknown"
 
 
 def main() -> int:
@@ -245,12 +324,18 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--burst", type=int, default=150)
     args = p.parse_args()
-    if args.model is None:
+    tiny = args.model is None
+    if tiny:
         from fleetserve.replica.testing import make_tiny_llama
 
         args.model = str(make_tiny_llama(Path(tempfile.mkdtemp()) / "tiny"))
+    name = "tiny" if tiny else Path(args.model).name
     result = asyncio.run(run(args))
-    report(result, Path(__file__).parent / "results" / "soak.png")
+    results = Path(__file__).parent / "results"
+    summary = report(result, results / f"soak-{name}.png", name)
+    summary.update(model=name, args=vars(args), cpu=_cpu_name(),
+                   failures=result["stats"].failures[:50])
+    (results / f"soak-{name}.json").write_text(json.dumps(summary, indent=1))
     import ray
     from ray import serve
 

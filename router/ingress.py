@@ -45,6 +45,7 @@ from fleetserve.router.limits import check_internal_fields, check_prompt_chars, 
 from fleetserve.router.metrics import merge_metrics
 from fleetserve.router.migration import MigratingStream
 from fleetserve.router.migration import metrics_text as migration_metrics
+from fleetserve.router.openapi import add_request_bodies
 from fleetserve.router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest, sampling_dict)
 from fleetserve.router.registry import get_router
@@ -554,4 +555,8 @@ class ReplicaStream:
         self._gen.cancel()
 
 
+# /openapi.json describes the bodies the routes parse themselves (router/openapi.py).
+add_request_bodies(app, {"/v1/completions": CompletionRequest,
+                         "/v1/chat/completions": ChatCompletionRequest,
+                         "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
 IngressDeployment = serve.ingress(app)(Ingress)
