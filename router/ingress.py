@@ -48,7 +48,7 @@ from fleetserve.router.migration import metrics_text as migration_metrics
 from fleetserve.router.openapi import add_request_bodies
 from fleetserve.router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest, sampling_dict)
-from fleetserve.router.registry import get_router
+from fleetserve.router.registry import get_router, release_request
 from fleetserve.router.request_router import TARGET_KWARG
 
 logger = logging.getLogger("ray.serve")
@@ -545,7 +545,11 @@ class ReplicaStream:
     async def __anext__(self):
         if self._ready:
             return self._ready.popleft()
-        item = await self._gen.__anext__()
+        try:
+            item = await self._gen.__anext__()
+        except BaseException:  # the end, an error, or our caller cancelled: stop counting it
+            self._release()
+            raise
         if isinstance(item, list):
             self._ready.extend(item[1:])
             return item[0]
@@ -553,6 +557,12 @@ class ReplicaStream:
 
     def cancel(self) -> None:
         self._gen.cancel()
+        self._release()
+
+    def _release(self) -> None:
+        meta = getattr(self._gen, "_request_metadata", None)
+        if meta is not None:
+            release_request(meta.internal_request_id)
 
 
 # /openapi.json describes the bodies the routes parse themselves (router/openapi.py).

@@ -96,6 +96,11 @@ class FleetRequestRouter(RequestRouter):
         return [[by_id[rid] for rid in tier] for tier in ranked]
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self.release_request(internal_request_id)
+
+    def release_request(self, internal_request_id: str) -> None:
+        """Stop counting a request: Serve's completion callback, or the ingress when its call
+        ended (registry.release_request), whichever comes first; the second finds nothing."""
         with self._lock:
             entry = self._inflight.pop(internal_request_id, None)
             if entry is not None:
@@ -126,8 +131,8 @@ class FleetRequestRouter(RequestRouter):
             previous = self._inflight.pop(internal_id, None)
             if previous is not None:  # Serve retried routing (a full tier): undo
                 self._release(*previous[:2])
-            self._inflight[internal_id] = (replica_id, len(request.prompt_token_ids),
-                                           request.request_id)
+            entry = (replica_id, len(request.prompt_token_ids), request.request_id)
+            self._inflight[internal_id] = entry
             counts = self._ongoing.setdefault(replica_id, [0, 0])
             counts[0] += 1
             counts[1] += len(request.prompt_token_ids)

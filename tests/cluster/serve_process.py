@@ -84,12 +84,15 @@ class ServeProcess:
         while time.time() < deadline:
             assert self.proc.poll() is None, f"exited ({self.proc.returncode}):\n{self.log()[-4000:]}"
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    return
+                healthy = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
             except httpx.HTTPError:
-                pass
+                healthy = False
+            # /health turns green a moment before Serve's deploy call returns and the CLI
+            # prints the endpoints and "ready": wait for that too, so tests can read the log.
+            if healthy and "ready; Ctrl-C to stop" in self.log():
+                return
             time.sleep(0.5)
-        raise AssertionError(f"not healthy within {timeout_s} s:\n{self.log()[-4000:]}")
+        raise AssertionError(f"not healthy and ready within {timeout_s} s:\n{self.log()[-4000:]}")
 
     def stop(self, sig: int = signal.SIGINT, timeout_s: float = 90) -> int:
         """Send `sig` (Ctrl-C by default) and wait for the exit; kill everything on timeout."""

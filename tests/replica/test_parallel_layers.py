@@ -78,6 +78,9 @@ def _tp_worker(rank: int, world_size: int, init_file: str, model_dir: str, out_f
             decode = model.compute_logits(model(ids[10:], md.positions, caches, md))
         if tp.rank == 0:
             torch.save({"prefill": prefill, "decode": decode}, out_file)
+        # Both ranks done before either tears gloo down: a rank that destroyed its group while
+        # the other still had a gloo connection open died of std::terminate (SIGABRT), rarely.
+        torch.distributed.barrier()
     finally:
         destroy_tp_group()
 
