@@ -45,6 +45,9 @@ from fleetserve.router.errors import is_error
 logger = logging.getLogger("ray.serve")
 
 AVOID_KEY = "_fleetserve_avoid_replicas"
+# Set on a continuation: the replica admits it past its queue bounds (the cluster accepted
+# the request already; a 429 now would fail a stream the client is reading).
+MIGRATED_KEY = "_fleetserve_migrated"
 ENGINE_DEAD = "engine_dead"  # error code of a replica whose engine died (router.replica)
 SEED_STRIDE = 1_000_003  # the model runner's reseeding stride (see the module doc)
 _SEED_MOD = 1 << 63
@@ -81,7 +84,7 @@ def continuation_body(body: dict, generated: list[int], attempt: int,
         sp["seed"] = continued_seed(sp["seed"], done)
     return {**body, "request_id": f"{body['request_id']}-m{attempt}",
             "prompt_token_ids": list(body["prompt_token_ids"]) + list(generated),
-            "sampling_params": sp, AVOID_KEY: list(avoid)}
+            "sampling_params": sp, AVOID_KEY: list(avoid), MIGRATED_KEY: attempt}
 
 
 class MigratingStream:

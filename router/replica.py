@@ -27,7 +27,7 @@ from fleetserve.replica.engine.async_engine import EngineDeadError, QueueFullErr
 from fleetserve.replica.engine.engine_args import EngineArgs
 from fleetserve.router.admission import admission_refusal
 from fleetserve.router.errors import error_body
-from fleetserve.router.migration import ENGINE_DEAD
+from fleetserve.router.migration import ENGINE_DEAD, MIGRATED_KEY
 from fleetserve.scheduler import SamplingParams, resolve_obj_by_qualname
 
 logger = logging.getLogger("ray.serve")
@@ -64,8 +64,10 @@ class EngineReplica:
             yield error_body(str(e), param=_param_of(str(e)))
             return
         prompt_len = len(body["prompt_token_ids"])
-        refusal = admission_refusal(self.engine.get_load(), prompt_len, self.block_size,
-                                    self._max_queued_kv_ratio)
+        # A migrated request's continuation was admitted once already: never refuse it.
+        admitted = bool(body.get(MIGRATED_KEY))
+        refusal = None if admitted else admission_refusal(
+            self.engine.get_load(), prompt_len, self.block_size, self._max_queued_kv_ratio)
         if refusal is not None:
             yield error_body(refusal, status=429)
             return
@@ -75,6 +77,7 @@ class EngineReplica:
         outputs = self.engine.generate(
             body["prompt_token_ids"], params, body["request_id"],
             priority=int(body.get("priority", 0)), cache_salt=body.get("cache_salt"),
+            **({"admitted": True} if admitted else {}),
             **({"kv_transfer_params": kv_params} if kv_params is not None else {}))
         try:
             async with contextlib.aclosing(ready_batches(outputs)) as batches:

@@ -94,7 +94,11 @@ class AsyncEngine:
     async def generate(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None,
                        request_id: Optional[str] = None, *, priority: int = 0,
                        kv_transfer_params: Optional[dict] = None,
-                       cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: Optional[str] = None,
+                       admitted: bool = False) -> AsyncIterator[RequestOutput]:
+        """Stream `prompt`'s outputs. `admitted=True` skips the waiting-queue bound: for work
+        the cluster accepted already (a migrated request's continuation), which refusing
+        would turn into a failed stream rather than back-pressure on a new request."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine is dead: {self._dead}")
         request_id = request_id or uuid.uuid4().hex
@@ -106,7 +110,8 @@ class AsyncEngine:
             prompt, sp, request_id, priority=priority, cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params)
         load = self._client.load
-        if load["num_waiting"] + self._client.num_pending_adds >= self.args.max_waiting_requests:
+        if (not admitted
+                and load["num_waiting"] + self._client.num_pending_adds >= self.args.max_waiting_requests):
             raise QueueFullError(
                 f"the waiting queue is full ({self.args.max_waiting_requests} requests); retry later")
         loop = asyncio.get_running_loop()

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from fleetserve.router.migration import MIGRATED_KEY
 from fleetserve.router.replica import EngineReplica
 from fleetserve.router.protocol import sampling_dict
 from fleetserve.scheduler import SamplingParams
@@ -42,10 +43,18 @@ def test_queue_full_is_a_429_item_and_nothing_leaks(replica):
             await asyncio.sleep(0.01)
         refused = await first_item(replica.generate(body("c", [5, 6, 9], max_tokens=4)))
         assert refused["status"] == 429 and refused["error"]["message"]
+        # A migrated request's continuation was admitted once: it queues past the bound.
+        migrated = replica.generate({**body("c-m1", [5, 6, 9, 11], max_tokens=4, ignore_eos=True),
+                                     MIGRATED_KEY: 1})
+        migrated_first = asyncio.ensure_future(first_item(migrated))
         await running.aclose()  # the caller goes away: aborted
         assert "outputs" in await waiter
         async for _ in waiting:
             pass
+        assert "outputs" in await migrated_first
+        tokens = 0
+        async for item in migrated:
+            tokens += sum(len(o["token_ids"]) for o in item["outputs"])
 
     asyncio.run(go())
     deadline = time.time() + 10
