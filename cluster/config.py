@@ -169,9 +169,11 @@ class AppConfig(BaseModel):
     address: Optional[str] = Field(None, description=(
         "Ray cluster to join: 'auto' or host:port (unset: start an embedded local Ray "
         "sized for the topology)."))
-    num_cpus_per_replica: float = Field(1.0, ge=0.0, description=(
+    num_cpus_per_replica: Optional[float] = Field(None, ge=0.0, description=(
         "CPUs Ray reserves for each engine replica (its torch threads); 0 lets Ray pack "
-        "replicas. Tensor-parallel ranks take 1 CPU each on top."))
+        "replicas (1 thread each). Tensor-parallel ranks take 1 CPU each on top. Unset: "
+        "`fleetserve serve` with its embedded local Ray splits this machine's cores between "
+        "the engine replicas (one replica uses them all, as `vllm serve` does); 1 otherwise."))
     enable_log_requests: bool = Field(False, description=(
         "Log one INFO line per request at the ingress: client, method, path, status, time."))
     engine_cls: str = Field("fleetserve.replica.engine.async_engine:AsyncEngine", description=(
@@ -223,11 +225,24 @@ class AppConfig(BaseModel):
         return self.engine.max_num_seqs + self.engine.max_waiting_requests + 8
 
     @property
+    def cpus_per_replica(self) -> float:
+        """`num_cpus_per_replica`, 1 when unset (`topology.split_cores` sets it for an
+        embedded Ray)."""
+        return 1.0 if self.num_cpus_per_replica is None else self.num_cpus_per_replica
+
+    @property
+    def max_engine_replicas(self) -> int:
+        """Engine replicas at most: both pools with P/D, the autoscaling ceiling."""
+        if self.pd.enabled:
+            return self.pd.prefill.num_replicas + self.pd.decode.num_replicas
+        return self.autoscaling.max_replicas if self.autoscaling else self.num_replicas
+
+    @property
     def replica_cpus(self) -> float:
         """CPUs the engine replicas reserve in all (both pools with P/D)."""
         if not self.pd.enabled:
-            return self.num_replicas * self.num_cpus_per_replica
-        return sum(p.num_replicas * (self.num_cpus_per_replica if p.num_cpus_per_replica is None
+            return self.num_replicas * self.cpus_per_replica
+        return sum(p.num_replicas * (self.cpus_per_replica if p.num_cpus_per_replica is None
                                      else p.num_cpus_per_replica)
                    for p in (self.pd.prefill, self.pd.decode))
 

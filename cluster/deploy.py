@@ -170,7 +170,7 @@ def build_app(config: AppConfig):
         reuse = config.cluster_reuse
         replicas = _engine_deployment(config, ENGINE_DEPLOYMENT,
                                       config.reuse_engine() if reuse.enabled else engine,
-                                      config.num_replicas, config.num_cpus_per_replica,
+                                      config.num_replicas, config.cpus_per_replica,
                                       config.routing_policy)
         if reuse.enabled:
             common["reuse"] = {"settings": {"min_tokens": reuse.min_tokens}}
@@ -192,7 +192,7 @@ def build_app(config: AppConfig):
 
 
 def _pool_cpus(config: AppConfig, pool) -> float:
-    return config.num_cpus_per_replica if pool.num_cpus_per_replica is None \
+    return config.cpus_per_replica if pool.num_cpus_per_replica is None \
         else pool.num_cpus_per_replica
 
 

@@ -62,7 +62,9 @@ class _StartUp(threading.Thread):
 def run_server(config: AppConfig) -> int:
     """Start, serve until SIGINT/SIGTERM, stop. Returns the process exit code."""
     from fleetserve.cluster.deploy import connect_ray
+    from fleetserve.cluster.topology import split_cores
 
+    config = split_cores(config)  # an embedded Ray's replicas share this machine's cores
     stop = threading.Event()
     received: list[str] = []
 
@@ -81,7 +83,9 @@ def run_server(config: AppConfig) -> int:
         signal.signal(signal.SIGTERM, on_signal)
 
     install()
-    log.info("starting Ray (%s)", config.address or "embedded, local")
+    log.info("starting Ray (%s)", config.address or (
+        f"embedded, local; {config.max_engine_replicas} engine replica(s) x "
+        f"{config.cpus_per_replica:g} CPU"))
     watch = _ConnectWatch(connecting)
     try:
         connect_ray(config)

@@ -63,7 +63,7 @@ def check_model(config: AppConfig) -> None:
 
 def resource_needs(config: AppConfig) -> ResourceNeeds:
     tp = config.engine.tensor_parallel_size
-    per_cpu, parts = config.num_cpus_per_replica, [f"{_num(config.num_cpus_per_replica)} CPU for the replica"]
+    per_cpu, parts = config.cpus_per_replica, [f"{_num(config.cpus_per_replica)} CPU for the replica"]
     per_gpu = 0.0
     if tp > 1:
         per_cpu += tp
@@ -73,6 +73,26 @@ def resource_needs(config: AppConfig) -> ResourceNeeds:
             parts[-1] += " + 1 GPU"
     n = config.num_replicas
     return ResourceNeeds(n * per_cpu, n * per_gpu, "(" + " + ".join(parts) + ")")
+
+
+def split_cores(config: AppConfig) -> AppConfig:
+    """`config` with an unset `num_cpus_per_replica` made this machine's share per engine
+    replica, for an embedded Ray (no address): the engine replicas split the cores, so one
+    replica gets every core (its torch threads), as `vllm serve` uses the machine. With
+    tensor parallelism the ranks take the cores, and on a GPU the replica needs few: 1."""
+    if config.num_cpus_per_replica is not None or config.address:
+        return config
+    if config.engine.tensor_parallel_size > 1 or config.engine.device == "cuda":
+        return config.model_copy(update={"num_cpus_per_replica": 1.0})
+    share = max(1, _cores() // max(1, config.max_engine_replicas))
+    return config.model_copy(update={"num_cpus_per_replica": float(share)})
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 def embedded_num_cpus(config: AppConfig) -> int:
