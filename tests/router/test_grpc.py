@@ -155,19 +155,25 @@ def test_chat_named_tool_call_validates(stub, server):
     import httpx
     import jsonschema
 
+    body = {"messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+            "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                                        "parameters": WEATHER_PARAMS}},
+                      {"type": "function", "function": {"name": "get_time", "parameters": TIME_PARAMS}}],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "max_tokens": 60, "temperature": 1.0, "seed": 11}
+    # Both calls below must compute the prompt alike: with its blocks cached (prefix routing
+    # sends both to the replica that holds them). A full prefill's float rounding differs from
+    # a cached prefix's (other matmul shapes), enough to flip a temperature-1 draw.
+    httpx.post(server.base_url + "/v1/chat/completions", headers=server.headers(), timeout=60,
+               json={**body, "max_tokens": 1}).raise_for_status()
     msgs = _chat(stub, server, tools=_tools(), tool_choice=pb.ToolChoice(function_name="get_weather"),
                  sampling_params=pb.SamplingParams(max_tokens=60, temperature=1.0, seed=11))
     assert msgs[-1].finish_reason == "tool_calls" and not "".join(m.content for m in msgs)
     ((call_id, name, arguments),) = _calls(msgs)
     assert call_id.startswith("call_") and name == "get_weather"
     jsonschema.validate(json.loads(arguments), WEATHER_PARAMS)
-    http = httpx.post(server.base_url + "/v1/chat/completions", headers=server.headers(), timeout=60, json={
-        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
-        "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                                    "parameters": WEATHER_PARAMS}},
-                  {"type": "function", "function": {"name": "get_time", "parameters": TIME_PARAMS}}],
-        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-        "max_tokens": 60, "temperature": 1.0, "seed": 11}).json()
+    http = httpx.post(server.base_url + "/v1/chat/completions", headers=server.headers(), timeout=60,
+                      json=body).json()
     assert http["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == arguments
 
 
