@@ -32,11 +32,23 @@ REPLICA_TIMEOUT_S = 5.0
 
 
 async def replica_health(ingress: Any, timeout_s: float = REPLICA_TIMEOUT_S) -> dict:
-    """{"healthy": [replica ids], "unhealthy": {replica id: reason}}."""
-    router = get_router(ingress._engine.app_name, ingress._engine.deployment_name)
-    if router is None:  # the handle's router is built by its first call
+    """{"healthy": [replica ids], "unhealthy": {replica id: reason}} of the engine pool (the
+    decode pool with P/D: what answers requests), plus with P/D "prefill": the same for the
+    prefill pool. A dead prefill pool degrades the service (the decode replicas recompute
+    prompts) but does not stop it, so only the engine pool decides healthy or not."""
+    pools = list(getattr(ingress, "_pools", None) or [ingress._engine])
+    routers = [get_router(p.app_name, p.deployment_name) for p in pools]
+    if any(r is None for r in routers):  # a handle's router is built by its first call
         await ingress.info()
-        router = get_router(ingress._engine.app_name, ingress._engine.deployment_name)
+        routers = [get_router(p.app_name, p.deployment_name) for p in pools]
+    reports = await asyncio.gather(*(_pool_health(r, timeout_s) for r in routers))
+    report = reports[0]
+    if len(reports) > 1:
+        report["prefill"] = reports[1]
+    return report
+
+
+async def _pool_health(router: Any, timeout_s: float) -> dict:
     actors = router.replica_actors() if router else {}
     results = await asyncio.gather(*(_ask(actor, timeout_s) for actor in actors.values()))
     healthy: list[str] = []

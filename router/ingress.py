@@ -416,8 +416,15 @@ class Ingress(GrpcMethods):
         if not report["healthy"]:
             return to_response(error_body(
                 f"no healthy engine replica: {report['unhealthy'] or 'none running'}", 503))
-        return {"status": "ok" if not report["unhealthy"] else "degraded",
+        body = {"status": "ok" if not report["unhealthy"] else "degraded",
                 "num_replicas": len(report["healthy"]), "unhealthy": report["unhealthy"]}
+        prefill = report.get("prefill")
+        if prefill is not None:  # P/D: the decode pool above, the prefill pool here
+            body["prefill"] = {"num_replicas": len(prefill["healthy"]),
+                               "unhealthy": prefill["unhealthy"]}
+            if prefill["unhealthy"] or not prefill["healthy"]:
+                body["status"] = "degraded"  # prompts are recomputed on the decode side
+        return body
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request):

@@ -41,6 +41,9 @@ def check_usage(usage, prompt_len: int) -> None:
 
 
 def test_completions_equal_colocated_and_decode_computes_at_most_a_block(pd_server, colocated):
+    health = httpx.get(pd_server.base_url + "/health", timeout=10).json()
+    assert health["status"] == "ok" and health["num_replicas"] == 1  # the decode pool
+    assert health["prefill"] == {"num_replicas": 1, "unhealthy": {}}
     c = client(pd_server)
     rng = random.Random(1)
     before = pd_server.pd_tokens()
