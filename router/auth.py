@@ -25,8 +25,6 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from fastapi import Request
-
 from fleetserve.router.errors import APIError, to_response
 
 API_KEY_ENV = "FLEETSERVE_API_KEY"
@@ -85,12 +83,30 @@ def install(auth: ApiKeyAuth) -> None:
     _installed = auth
 
 
-async def require_api_key(request: Request, call_next):
-    """HTTP middleware: every path but the open ones needs the key."""
-    auth = _installed
-    if auth.enabled and request.url.path not in auth.open_paths:
-        try:
-            auth.check(request.headers.get("authorization"))
-        except APIError as e:
-            return to_response(e.body)
-    return await call_next(request)
+class RequireApiKey:
+    """ASGI middleware: every path but the open ones needs the key.
+
+    Pure ASGI on purpose: a function middleware (`@app.middleware("http")`) is Starlette's
+    BaseHTTPMiddleware, which relays every chunk of a streaming response through an extra
+    task and memory stream, paid on each token of each SSE stream whether or not a key is
+    set. Here a request with the key (or with no key configured) goes straight to the app."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        auth = _installed
+        if scope["type"] == "http" and auth.enabled and scope["path"] not in auth.open_paths:
+            try:
+                auth.check(_header(scope, b"authorization"))
+            except APIError as e:
+                await to_response(e.body)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _header(scope, name: bytes) -> Optional[str]:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None

@@ -33,7 +33,7 @@ from fleetserve.router import completions
 from fleetserve.router import openai_format as fmt
 from fleetserve.router import serve_patches
 from fleetserve.router.access_log import AccessLog
-from fleetserve.router.auth import ApiKeyAuth, require_api_key
+from fleetserve.router.auth import ApiKeyAuth, RequireApiKey
 from fleetserve.router.errors import (APIError, error_body, field_path, from_validation_error, is_error,
                                       to_response)
 from fleetserve.router.grpc_service import GrpcMethods, quiet_client_errors
@@ -54,7 +54,7 @@ from fleetserve.router.request_router import TARGET_KWARG
 logger = logging.getLogger("ray.serve")
 
 app = FastAPI(title="fleetserve", docs_url=None, redoc_url=None)
-app.middleware("http")(require_api_key)  # router/auth.py: every path but the open ones
+app.add_middleware(RequireApiKey)  # router/auth.py: every path but the open ones
 app.add_middleware(AccessLog)  # added last: outermost, so it logs the 401s too
 
 # How long a request waits for the first engine replica to answer (the model may
