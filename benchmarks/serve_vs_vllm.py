@@ -30,32 +30,21 @@ import math
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(Path(__file__).parent))
 
-from serving import WORDS, pct  # noqa: E402  (benchmarks/ is not a package)
+from serving import WORDS, Result, arrivals, free_port, pct  # noqa: E402  (benchmarks/ is not a package)
 
 DEFAULT_VLLM_PYTHON = "/opt/vllm-venv/bin/python"
 
 
 # -- workload -------------------------------------------------------------------
-
-@dataclass
-class Result:
-    ok: bool = False
-    tokens: int = 0
-    ttft: float = float("nan")
-    itl: list[float] = field(default_factory=list)
-    error: str = ""
-
 
 def prompts(n: int, words: int, seed: int) -> list[str]:
     rng = random.Random(seed)
@@ -64,13 +53,7 @@ def prompts(n: int, words: int, seed: int) -> list[str]:
 
 
 def arrival_times(n: int, rate: float, seed: int) -> list[float]:
-    if math.isinf(rate):
-        return [0.0] * n
-    rng, t, out = random.Random(seed), 0.0, []
-    for _ in range(n):
-        t += rng.expovariate(rate)
-        out.append(t)
-    return out
+    return [0.0] * n if math.isinf(rate) else arrivals(n, rate, seed)
 
 
 async def send(session, url: str, model: str, prompt: str, max_tokens: int) -> Result:
@@ -93,12 +76,7 @@ async def send(session, url: str, model: str, prompt: str, max_tokens: int) -> R
                 if chunk.get("usage"):
                     res.tokens = chunk["usage"].get("completion_tokens", 0)
                 if any(c.get("text") for c in chunk.get("choices") or ()):
-                    now = time.perf_counter()
-                    if last is None:
-                        res.ttft = now - t0
-                    else:
-                        res.itl.append(now - last)
-                    last = now
+                    last = res.mark(t0, last)
     except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
         res.error = f"{type(e).__name__}: {e}"
         return res
@@ -134,12 +112,6 @@ async def run_rate(url: str, model: str, rate: float, n: int, words: int, max_to
 
 
 # -- servers --------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class Server:
     """A server process in its own process group, its output in a log file."""

@@ -60,6 +60,16 @@ class Result:
     itl: list[float] = field(default_factory=list)
     tokens: int = 0
     ok: bool = False
+    error: str = ""
+
+    def mark(self, t0: float, last: float | None) -> float:
+        """A chunk with output arrived now: TTFT for the first (from `t0`), ITL after."""
+        now = time.perf_counter()
+        if last is None:
+            self.ttft = now - t0
+        else:
+            self.itl.append(now - last)
+        return now
 
 
 def plain_workload(n: int, prompt_words: int, out_tokens: int, seed: int) -> list[Request]:
@@ -106,13 +116,8 @@ def _observe_sse_line(res: Result, line: str, t0: float, last: float | None) -> 
     chunk = json.loads(line[6:])
     if not chunk.get("choices"):
         return last
-    now = time.perf_counter()
-    if last is None:
-        res.ttft = now - t0
-    else:
-        res.itl.append(now - last)
     res.tokens += 1
-    return now
+    return res.mark(t0, last)
 
 
 async def send_http(client, url: str, model: str, req: Request) -> Result:
@@ -158,12 +163,7 @@ async def send_engine(engine, req: Request) -> Result:
     async for out in engine.generate(req.prompt, params, f"bench-{id(req)}-{t0}"):
         if not out.outputs[0].token_ids:
             continue
-        now = time.perf_counter()
-        if last is None:
-            res.ttft = now - t0
-        else:
-            res.itl.append(now - last)
-        last = now
+        last = res.mark(t0, last)
         res.tokens += len(out.outputs[0].token_ids)
     res.ok = True
     return res
