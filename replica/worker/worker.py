@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from fleetserve.replica.worker.device import default_kv_cache_bytes, select_device, select_dtype, set_num_threads
+from fleetserve.replica.worker.heap import HeapTrimmer
 from fleetserve.replica.engine.engine_args import EngineArgs
 from fleetserve.replica.model_loader.registry import resolve_model
 from fleetserve.replica.worker.model_runner import ModelRunner
@@ -29,6 +30,7 @@ class Worker:
         self.rank = rank
         self.world_size = world_size
         self.num_threads = set_num_threads(args.num_threads, threads_share)
+        self.heap = HeapTrimmer()
         self.device = select_device(args.device)
         if self.device.type == "cuda" and world_size > 1:
             self.device = torch.device("cuda", rank % torch.cuda.device_count())
@@ -100,10 +102,13 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.kv_connector is None:
-            return self.runner.execute_model(scheduler_output)
-        from fleetserve.kv_transfer.base import run_connector_step
+            out = self.runner.execute_model(scheduler_output)
+        else:
+            from fleetserve.kv_transfer.base import run_connector_step
 
-        return run_connector_step(self.kv_connector, scheduler_output, self.runner.execute_model)
+            out = run_connector_step(self.kv_connector, scheduler_output, self.runner.execute_model)
+        self.heap.maybe_trim()  # free heap pages that steps of other sizes left behind
+        return out
 
     def shutdown(self) -> None:
         if self.kv_connector is not None:
