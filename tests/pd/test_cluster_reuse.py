@@ -43,9 +43,32 @@ def test_replica_without_the_prefix_loads_it_from_its_busy_peer(reuse_server, co
     rng = random.Random(20)
     prefix = long_prompt(rng, 34)  # ~160 tokens: with 85 more, within max_model_len 256
     complete(s, prefix + " warm")  # one replica now caches the prefix
-    before = reuse_counts(s)
-    settle(s)  # the holder must look idle, or the busy stream would go to its peer
-    # Keep that replica busy: a long stream with the same prefix follows the cache there.
+    prompt = prefix + " the question"
+    ids = tokenize(s, prompt=prompt)
+    # The holder is busy only while its stream runs (~85 tiny-model steps): on a loaded
+    # machine that stream can end before the question is routed, which then goes to the
+    # (now idle) holder. Such a try still has to answer right; then try again.
+    for _ in range(3):
+        before = reuse_counts(s)
+        settle(s)  # the holder must look idle, or the busy stream would go to its peer
+        details = _question_while_holder_streams(s, prefix, prompt, ids, colocated)
+        if "remote_tokens" in details:
+            break
+    else:
+        pytest.fail("the question never went to the replica lacking the prefix in 3 tries")
+    assert details["remote_tokens"] >= len(tokenize(s, prompt=prefix)) // BLOCK * BLOCK - BLOCK
+    assert len(ids) - details["cached_tokens"] <= 2 * BLOCK  # computed only the new tail
+    after = reuse_counts(s)
+    assert after.get("exported", 0) == before.get("exported", 0) + 1
+    loaded = {x.labels["source"]: x.value for x in s.samples("fleetserve:prefix_reuse_prompt_tokens")
+              if x.name.endswith("_total")}
+    assert loaded["loaded"] >= details["remote_tokens"]
+    s.wait_all_free()
+
+
+def _question_while_holder_streams(s, prefix: str, prompt: str, ids: list[int], colocated) -> dict:
+    """Keep the prefix's holder busy with a long stream (it follows the cache there), ask
+    `prompt` meanwhile; the question's usage details (its answer checked)."""
     stop, streaming = threading.Event(), threading.Event()
     body = {"model": "tiny", "prompt": prefix + " busy", "max_tokens": 85, "ignore_eos": True,
             "stream": True}
@@ -63,19 +86,9 @@ def test_replica_without_the_prefix_loads_it_from_its_busy_peer(reuse_server, co
     t.start()
     try:
         assert streaming.wait(60)  # the stream is running: its replica is one request ahead
-        prompt = prefix + " the question"
         r = complete(s, prompt)
-        ids = tokenize(s, prompt=prompt)
         assert r["choices"][0]["text"] == colocated(ids)
-        details = r["usage"]["prompt_tokens_details"]
-        assert details["remote_tokens"] >= len(tokenize(s, prompt=prefix)) // BLOCK * BLOCK - BLOCK
-        assert len(ids) - details["cached_tokens"] <= 2 * BLOCK  # computed only the new tail
-        after = reuse_counts(s)
-        assert after.get("exported", 0) == before.get("exported", 0) + 1
-        loaded = {x.labels["source"]: x.value for x in s.samples("fleetserve:prefix_reuse_prompt_tokens")
-                  if x.name.endswith("_total")}
-        assert loaded["loaded"] >= details["remote_tokens"]
+        return r["usage"]["prompt_tokens_details"]
     finally:
         stop.set()
         t.join(120)
-    s.wait_all_free()
