@@ -44,6 +44,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(Path(__file__).parent))
+
+from serving import cpu_name  # noqa: E402  (benchmarks/ is not a package)
+
 LAYERS, HEADS, HEAD_DIM, BS = 30, 3, 64, 16
 CFG = type("Cfg", (), dict(num_attention_heads=9, num_key_value_heads=HEADS, hidden_size=576,
                            num_hidden_layers=LAYERS, vocab_size=49152, model_type="llama",
@@ -248,18 +252,6 @@ def main() -> int:
     two_k = next(r for r in rows if r["tokens"] == 2048)
     report(rows, recompute, two_k)
     return 0
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-    except OSError:
-        return "unknown CPU"
-    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "CPU")
-    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
-    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    return f"{name}, {os.cpu_count()} cores, {isa}"
 
 
 def report(rows, recompute, two_k) -> None:

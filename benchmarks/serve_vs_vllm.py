@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(Path(__file__).parent))
 
-from serving import WORDS, Result, arrivals, free_port, pct  # noqa: E402  (benchmarks/ is not a package)
+from serving import WORDS, Result, arrivals, cpu_name, free_port, pct  # noqa: E402  (benchmarks/ is not a package)
 
 DEFAULT_VLLM_PYTHON = "/opt/vllm-venv/bin/python"
 
@@ -237,20 +237,6 @@ def report(rows: list[dict], args, cpu: str) -> None:
     fig.tight_layout()
     fig.savefig(stem.with_suffix(".png"), dpi=110)
     print(f"plot: {stem.with_suffix('.png')}")
-
-
-def cpu_name() -> str:
-    name, flags = "cpu", ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and name == "cpu":
-                name = line.split(":", 1)[1].strip()
-            if line.startswith("flags") and not flags:
-                flags = line
-    except OSError:
-        pass
-    isa = "AVX-512+bf16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2"
-    return f"{name}, {os.cpu_count()} cores, {isa}"
 
 
 def main() -> None:

@@ -207,6 +207,21 @@ def median_row(runs: list[dict]) -> dict:
 
 # -- serving -------------------------------------------------------------------
 
+def cpu_name() -> str:
+    """Which CPU a figure came from: '<model name>, <n> cores, <AVX2|AVX-512|AVX-512+bf16>'."""
+    name, flags = "cpu", ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and name == "cpu":
+                name = line.split(":", 1)[1].strip()
+            if line.startswith("flags") and not flags:
+                flags = line
+    except OSError:
+        pass
+    isa = "AVX-512+bf16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2"
+    return f"{name}, {os.cpu_count()} cores, {isa}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

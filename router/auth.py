@@ -25,6 +25,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from starlette.datastructures import Headers
+
 from fleetserve.router.errors import APIError, to_response
 
 API_KEY_ENV = "FLEETSERVE_API_KEY"
@@ -98,15 +100,9 @@ class RequireApiKey:
         auth = _installed
         if scope["type"] == "http" and auth.enabled and scope["path"] not in auth.open_paths:
             try:
-                auth.check(_header(scope, b"authorization"))
+                auth.check(Headers(scope=scope).get("authorization"))
             except APIError as e:
                 await to_response(e.body)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
-
-def _header(scope, name: bytes) -> Optional[str]:
-    for key, value in scope.get("headers", ()):
-        if key.lower() == name:
-            return value.decode("latin-1")
-    return None
