@@ -3,8 +3,11 @@
 // Registered as torch ops (namespace `fleetserve`), built on first use by
 // replica/kernels/__init__.py with -O3 -march=native and cached per machine.
 // float32 and bfloat16; float accumulation everywhere; each output is rounded
-// to the tensor's dtype once. AVX-512 paths where the CPU has it, scalar
-// loops otherwise.
+// to the tensor's dtype once. AVX-512 paths where the CPU has it (with BF16 dot
+// products where it has those), AVX2+FMA float paths for attention without it,
+// scalar loops otherwise. `isa()` names the paths a build compiled in;
+// FLEETSERVE_CPU_MARCH builds for another -march (the tests build every
+// fallback the host can run: tests/replica/test_cpu_kernel_isas.py).
 //
 //   rms_norm(x, w, eps) -> y                        y = x / rms(x) * w
 //   fused_add_rms_norm(x, residual, w, eps) -> (y, s) s = x + residual (rounded); y = rms_norm(s)
@@ -12,6 +15,7 @@
 //   silu_and_mul(x) -> y                            y = silu(x[:, :d]) * x[:, d:]
 //   reshape_and_cache_(k, v, k_cache, v_cache, slot_mapping)
 //   paged_attention(q, k_cache, v_cache, block_table, seq_lens, token_req, scale) -> out
+//   isa() -> "avx512_bf16" | "avx512" | "avx2" | "scalar"
 //
 // KV cache layout (replica/attention.py): [num_kv_heads, num_blocks, block_size, head_dim].
 
@@ -767,9 +771,23 @@ bool advise_hugepages(const at::Tensor& t) {
 #endif
 }
 
+// Which of this file's vector paths the build compiled in (the -march it was built with decides).
+std::string isa() {
+#if defined(__AVX512BF16__)
+  return "avx512_bf16";
+#elif FS_AVX512
+  return "avx512";
+#elif FS_AVX2
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fleetserve, m) {
+  m.def("isa() -> str", &isa);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary_embedding_(Tensor(a!) qk, Tensor cos_sin_cache, Tensor positions) -> ()");

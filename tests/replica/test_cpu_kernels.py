@@ -1,6 +1,8 @@
 """The fused CPU kernels against plain PyTorch references (float64 where rounding matters)."""
 
 import math
+import os
+import platform
 
 import pytest
 import torch
@@ -182,3 +184,22 @@ def test_build_file_names_no_checkout_path():
         pytest.skip(f"kernels unavailable: {kernels.unavailable_reason()}")
     ninja = (kernels.build_dir() / "build.ninja").read_text()
     assert str(kernels.SOURCE.parent) not in ninja and str(kernels.build_dir() / "cpu_ops.cpp") in ninja
+
+
+def test_isa_names_the_paths_built():
+    """The native build has the best paths this CPU has; a FLEETSERVE_CPU_MARCH build (from
+    test_cpu_kernel_isas.py) has the ones that -march implies."""
+    from fleetserve.replica import kernels
+
+    expected = os.environ.get("FLEETSERVE_EXPECT_CPU_ISA")
+    if expected is None:
+        if kernels.march() != "native":
+            pytest.skip(f"built for -march={kernels.march()}")
+        flags = set(kernels._cpu_flags().split())
+        if "avx512f" not in flags:
+            expected = "avx2" if {"avx2", "fma"} <= flags else "scalar"
+        else:
+            expected = "avx512_bf16" if "avx512_bf16" in flags else "avx512"
+        if platform.machine().lower() not in ("x86_64", "amd64"):
+            expected = "scalar"
+    assert ops.isa() == expected == kernels.isa()

@@ -1,0 +1,65 @@
+"""Every vector path of the CPU kernels, on whatever machine runs the suite.
+
+`-march=native` compiles only the best path the host has, so an AVX-512 machine never
+compiles the AVX2+FMA or scalar code that AVX2-only CPUs (or others) run. Here each path
+the host can execute is built for its own `-march` (FLEETSERVE_CPU_MARCH, a cache folder of
+its own, ~15 s per build) and the kernel and model tests run against it in a subprocess
+(one `torch.ops.fleetserve` library per process). The native build is what every other
+test uses.
+"""
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fleetserve.replica import kernels
+
+ROOT = Path(__file__).resolve().parents[2]
+# -march -> the paths that build must report (cpu_ops.cpp's isa()).
+VARIANTS = [("x86-64-v3", "avx2"), ("skylake-avx512", "avx512"), ("x86-64-v2", "scalar")]
+
+
+@pytest.mark.parametrize("march,expected", VARIANTS)
+def test_each_fallback_path_the_host_can_run(march, expected):
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip(f"x86-64 -march values; this machine is {platform.machine()}")
+    if kernels.cpu_ops() is None:
+        pytest.skip(f"CPU kernels unavailable: {kernels.unavailable_reason()}")
+    if kernels.isa() == expected:
+        pytest.skip(f"the native build is the {expected} path (tests/replica/test_cpu_kernels.py runs it)")
+    missing = kernels.missing_cpu_features(march)
+    if missing:
+        pytest.skip(f"-march={march} needs {', '.join(missing)}, which this CPU lacks")
+    env = {**os.environ, "FLEETSERVE_CPU_MARCH": march, "FLEETSERVE_EXPECT_CPU_ISA": expected}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+         "tests/replica/test_cpu_kernels.py", "tests/replica/test_model_vs_hf.py"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    tail = (done.stdout[-3000:] + done.stderr[-2000:]).strip()
+    assert done.returncode == 0, f"-march={march}:\n{tail}"
+    # Nothing skipped: a build that failed would skip every kernel test and still exit 0.
+    assert " passed" in tail and "skipped" not in tail, f"-march={march}:\n{tail}"
+
+
+def test_a_march_the_cpu_cannot_run_is_refused(monkeypatch):
+    """Code built for missing features would die with SIGILL: the build is refused instead and
+    the model runs its PyTorch ops (kernels unavailable, the reason logged)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip(f"x86-64 -march values; this machine is {platform.machine()}")
+    flags = set(kernels._cpu_flags().split())
+    if "amx_tile" in flags and "avx512_fp16" in flags:
+        pytest.skip("this CPU runs everything -march=sapphirerapids uses")
+    assert kernels.missing_cpu_features("sapphirerapids")
+    monkeypatch.setenv("FLEETSERVE_CPU_MARCH", "sapphirerapids")
+    with pytest.raises(RuntimeError, match="lacks"):
+        kernels._build()
+    monkeypatch.setenv("FLEETSERVE_CPU_MARCH", "no-such-cpu")
+    with pytest.raises(RuntimeError, match="no-such-cpu"):
+        kernels.missing_cpu_features(kernels.march())
+    monkeypatch.setenv("FLEETSERVE_CPU_MARCH", "x86-64; rm -rf /")
+    with pytest.raises(ValueError, match="not a -march value"):
+        kernels.march()
