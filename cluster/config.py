@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from fleetserve.cluster.placement import (KV_CONNECTORS, AutoscalingOptions, PDOptions, PDPool,
-                                         ReplicaPlacement)
+from fleetserve.cluster.placement import (AutoscalingOptions, PDOptions, PDPool,
+                                         ReplicaPlacement, checked_connector)
 from fleetserve.kv_transfer.config import KVTransferConfig
 from fleetserve.replica.engine.engine_args import EngineArgs
 
@@ -94,7 +94,8 @@ class ClusterReuseOptions(BaseModel):
     enabled: bool = Field(False, description=(
         "Let a replica load a long prefix its busy peer caches instead of recomputing it."))
     kv_connector: str = Field("ray_object_store", description=(
-        "The connector every replica runs as kv_both: ray_object_store, shared_storage, ..."))
+        "The connector every replica runs as kv_both: ray_object_store, shared_storage, p2p, "
+        "or a kv_transfer registered name / 'module:Class'."))
     kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict, description=(
         "The connector's options."))
     min_tokens: int = Field(256, ge=1, description=(
@@ -103,8 +104,14 @@ class ClusterReuseOptions(BaseModel):
     kv_lease_s: float = Field(30.0, gt=0, description="How long the holder keeps an export.")
     kv_load_timeout_s: float = Field(10.0, gt=0, description="The loading side's deadline.")
 
+    @field_validator("kv_connector")
+    @classmethod
+    def _known_connector(cls, v: str) -> str:
+        checked_connector(v)
+        return v
+
     def kv_transfer_config(self) -> dict[str, Any]:
-        return {"kv_connector": KV_CONNECTORS.get(self.kv_connector, self.kv_connector),
+        return {"kv_connector": checked_connector(self.kv_connector),
                 "kv_role": "kv_both", "kv_connector_extra_config": dict(self.kv_connector_extra_config),
                 "kv_load_failure_policy": "fail", "kv_lease_s": self.kv_lease_s,
                 "kv_load_timeout_s": self.kv_load_timeout_s}

@@ -77,9 +77,13 @@ class AutoscalingOptions(BaseModel):
         return self.model_dump()
 
 
-# Short connector names (--kv-connector, pd.connector) -> kv_transfer's registered names.
-KV_CONNECTORS = {"ray_object_store": "RayObjectStoreConnector",
-                 "shared_storage": "SharedStorageConnector"}
+def checked_connector(name: str) -> str:
+    """A connector name (short: ray_object_store, shared_storage, p2p; registered; or
+    "module:Class") checked now, so a typo stops `fleetserve serve` before Ray starts instead
+    of failing every engine replica at start-up."""
+    from fleetserve.kv_transfer.registry import check_connector_name
+
+    return check_connector_name(name)
 
 
 class PDPool(BaseModel):
@@ -119,7 +123,7 @@ class PDOptions(BaseModel):
     enabled: bool = Field(False, description=(
         "Serve with a prefill pool and a decode pool instead of num_replicas colocated replicas."))
     connector: str = Field("ray_object_store", min_length=1, description=(
-        "The KV connector between the pools: ray_object_store, shared_storage, or a "
+        "The KV connector between the pools: ray_object_store, shared_storage, p2p, or a "
         "kv_transfer registered name / 'module:Class'."))
     prefill: PDPool = Field(PDPool(), description="The prefill pool.")
     decode: PDPool = Field(PDPool(), description="The decode pool.")
@@ -141,9 +145,15 @@ class PDOptions(BaseModel):
         "and of the decode call after a failed load."))
     prefill_timeout_s: float = Field(60.0, gt=0, description="Deadline of one prefill call.")
 
+    @field_validator("connector")
+    @classmethod
+    def _known_connector(cls, v: str) -> str:
+        checked_connector(v)
+        return v
+
     @property
     def connector_name(self) -> str:
-        return KV_CONNECTORS.get(self.connector, self.connector)
+        return checked_connector(self.connector)
 
     def kv_transfer_config(self, role: str) -> dict[str, Any]:
         return {"kv_connector": self.connector_name, "kv_role": role,

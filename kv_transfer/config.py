@@ -18,7 +18,7 @@ KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 class KVTransferConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # A registered name (kv_transfer.factory) or "package.module:Class".
+    # A registered or short name (kv_transfer.registry) or "package.module:Class".
     kv_connector: str = Field(..., min_length=1)
     kv_role: KVRole = "kv_both"
     kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)
@@ -32,6 +32,16 @@ class KVTransferConfig(BaseModel):
     kv_load_timeout_s: float = Field(30.0, gt=0)
     # Names this engine in the params it hands out; minted at start-up when unset.
     engine_id: Optional[str] = Field(None, min_length=1, max_length=128)
+
+    @field_validator("kv_connector")
+    @classmethod
+    def _known_connector(cls, v: str) -> str:
+        # Checked where the config is parsed (a CLI flag, the app YAML), not first in every
+        # engine replica at start-up. Short names (p2p, ray_object_store, ...) are kept as given.
+        from fleetserve.kv_transfer.registry import check_connector_name
+
+        check_connector_name(v)
+        return v
 
     @field_validator("kv_connector_extra_config")
     @classmethod

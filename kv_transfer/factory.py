@@ -8,23 +8,20 @@ from typing import Any
 from fleetserve.kv_transfer.base import ConnectorContext, KVConnectorBase, KVConnectorRole
 from fleetserve.kv_transfer.blocks import kv_fingerprint, kv_geometry
 from fleetserve.kv_transfer.config import KVTransferConfig
+from fleetserve.kv_transfer.registry import ALIASES, REGISTRY, canonical_connector_name
 
-REGISTRY: dict[str, str] = {
-    "SharedStorageConnector": "fleetserve.kv_transfer.shared_storage:SharedStorageConnector",
-    "RayObjectStoreConnector": "fleetserve.kv_transfer.ray_store:RayObjectStoreConnector",
-    "P2PConnector": "fleetserve.kv_transfer.p2p:P2PConnector",
-    "FaultInjectionConnector": "fleetserve.kv_transfer.faults:FaultInjectionConnector",
-}
+__all__ = ["REGISTRY", "ALIASES", "resolve_connector_class", "build_context", "make_connector"]
 
 
 def resolve_connector_class(name: str) -> type:
+    name = canonical_connector_name(name)
     qualname = REGISTRY.get(name, name)
     module_name, sep, attr = qualname.partition(":")
     if not sep:
         module_name, _, attr = qualname.rpartition(".")
     if not module_name or not attr:
-        raise ValueError(f"unknown KV connector {name!r}: use one of {sorted(REGISTRY)} "
-                         "or 'package.module:Class'")
+        raise ValueError(f"unknown KV connector {name!r}: use one of {sorted(ALIASES)}, "
+                         f"{sorted(REGISTRY)} or 'package.module:Class'")
     try:
         cls = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:

@@ -67,6 +67,39 @@ def test_connectors_by_name_or_qualified_name():
         resolve_connector_class("fleetserve.kv_transfer.config:KVTransferConfig")
 
 
+def test_short_names_resolve_and_unknown_names_fail_where_the_config_is_parsed():
+    from fleetserve.kv_transfer.p2p import P2PConnector
+    from fleetserve.kv_transfer.ray_store import RayObjectStoreConnector
+
+    assert resolve_connector_class("p2p") is P2PConnector
+    assert resolve_connector_class("ray_object_store") is RayObjectStoreConnector
+    assert resolve_connector_class("shared_storage") is SharedStorageConnector
+    assert EngineArgs(kv_transfer_config={"kv_connector": "p2p"}).kv_transfer_config.kv_connector == "p2p"
+    # A typo is refused by the config itself (CLI flag, YAML), not first by every engine
+    # replica at start-up, and the message names the choices.
+    with pytest.raises(ValidationError, match="unknown KV connector 'p2pp'.*'p2p'"):
+        EngineArgs(kv_transfer_config={"kv_connector": "p2pp"})
+    with pytest.raises(ValidationError, match="cannot load KV connector"):
+        EngineArgs(kv_transfer_config={"kv_connector": "no_such_module:Connector"})
+    for bad in ({"pd": {"enabled": True, "connector": "p2pp"}},
+                {"cluster_reuse": {"enabled": True, "kv_connector": "p2pp"}}):
+        with pytest.raises(ValidationError, match="unknown KV connector"):
+            AppConfig.model_validate(bad)
+    pd = AppConfig.model_validate({"pd": {"enabled": True, "connector": "p2p"}}).pd
+    assert pd.kv_transfer_config("kv_consumer")["kv_connector"] == "P2PConnector"
+
+
+def test_checking_a_connector_name_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; from fleetserve.cluster.config import AppConfig; "
+            "AppConfig.model_validate({'pd': {'enabled': True, 'connector': 'p2p'}}); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
+
+
 @pytest.mark.parametrize("params,message", [
     ({"do_remote_decode": True}, "transfer_id"),
     ({"do_remote_prefill": True, "transfer_id": "t"}, "remote_num_tokens"),
