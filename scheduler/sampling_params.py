@@ -9,6 +9,7 @@ OpenAI-style requests map onto it one to one.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -59,6 +60,17 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            # NaN passes every range check below (each comparison is False): a NaN temperature
+            # sampled garbage from `LLM`/`fleetserve generate` (HTTP and gRPC refused it first).
+            try:
+                finite = math.isfinite(value)
+            except TypeError:
+                finite = False
+            if not finite:
+                raise bad(name, "must be a finite number")
         if self.n < 1:
             raise bad("n", "must be at least 1")
         if self.best_of is not None and self.best_of < self.n:

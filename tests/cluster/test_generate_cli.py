@@ -40,6 +40,8 @@ def test_generate_with_speculative_config_prints_the_same(tiny_dir, capsys):
     (["--model", "no-such-model"], "unknown model"),
     (["--max-tokens", "0"], "max_tokens"),
     (["--temperature", "-1"], "temperature"),
+    (["--temperature", "nan"], "temperature must be a finite number"),
+    (["--temperature", "inf"], "temperature must be a finite number"),
     (["--max-num-seqs", "0"], "max_num_seqs"),
     (["--speculative-config", '{"method": "ngram"}'], "num_speculative_tokens"),
 ])

@@ -352,6 +352,16 @@ def test_max_tokens_below_one_is_rejected():
             SamplingParams(max_tokens=bad)
 
 
+@pytest.mark.parametrize("name", ["temperature", "top_p", "min_p", "presence_penalty",
+                                  "frequency_penalty", "repetition_penalty"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), "0.5", None])
+def test_float_params_must_be_finite_numbers(name, value):
+    """NaN passes every range check (comparisons with NaN are False): a NaN temperature sampled
+    garbage through LLM / `fleetserve generate` until this check."""
+    with pytest.raises(ValueError, match=f"{name} must be a finite number"):
+        SamplingParams(**{name: value})
+
+
 def test_duplicate_ids_and_unknown_aborts_are_harmless():
     sched = create_scheduler()
     (r,) = create_requests(1)
