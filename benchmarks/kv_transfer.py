@@ -61,7 +61,7 @@ def make_pair(kind: str, num_blocks: int, tmp: str):
     from fleetserve.kv_transfer.factory import build_context, resolve_connector_class
 
     extra = ({"path": tmp, "max_bytes": 64 << 30} if kind == "SharedStorageConnector"
-             else {"host": "127.0.0.1"} if kind == "P2PConnector" else {})
+             else {"host": "127.0.0.1"} if kind.endswith("P2PConnector") else {})
     cls = resolve_connector_class(kind)
     halves = []
     for seed, role in ((0, "kv_producer"), (1, "kv_consumer")):

@@ -1,12 +1,12 @@
 """torch.distributed point-to-point connector: the consumer pulls blocks from the producer
-rank that holds them, over a two-rank group formed for the pull.
+rank that holds them, over a two-rank group (gloo: kept between pulls; NCCL: per pull).
 
     producer rank                                  consumer rank
     export: keep the gathered blocks (outbox,      fetch: find the producer rank's server in
       under a lease); a server (a TCPStore on        the Ray directory (owner actor: name
       a free port, registered in the Ray             "p2p/<engine_id>/r<rank>" -> host:port)
       directory) starts with the engine          pid = store.add("pull_ids", 1);
-    server thread, for each pull id in order:      store.set("pull/<pid>", {oid, backend})
+    server thread, for each pull id in order:      store.set("pull/<pid>", {oid, backend, group})
       store.set("hdr/<pid>", backend + header)     check the header (fingerprint, shape,
       wait for "go/<pid>" (the consumer's          digests' count) -> store.set("go/<pid>")
         verdict on the header)                     recv the payload into a staging buffer (gloo)
@@ -23,24 +23,35 @@ consumer stages its blocks through the host first). The NCCL path cannot run on 
 machines this project is developed on (no GPU; and two ranks of one NCCL group need
 two GPUs): it is written, not yet run; the gloo path is tested.
 
-Groups are formed per pull and dropped after it (a few ms over TCP), so nothing
-stale survives a peer's restart: a restarted producer registers a new address
-under a new engine id, and a pull from a dead one fails at once (a failed load,
-handled by policy). Header and verdict travel through the store, so a consumer
-that refuses a header (another model, a malformed shape) never joins the group
-and the producer's server moves on at once.
+Gloo groups are kept between pulls: forming one costs ~30 ms over loopback TCP (more
+than moving a 512-token prompt's KV), so each consumer rank keeps one group per
+producer server (keyed by its address, LRU of `p2p_max_groups`, default 16, on both
+sides) and names it in every pull; each payload travels with the pull's id as its tag.
+A pull naming a group the producer no longer has is answered "regroup" and the
+consumer forms a new one in the same pull. Any error on a kept group drops it on
+the consumer (the next pull forms a fresh one), and nothing stale survives a peer's
+restart: a restarted producer registers a new address under a new engine id, and a
+pull from a dead one fails within CONNECT_TIMEOUT_S (a failed load, handled by
+policy). A receive that fails on a kept group (its deadline passed) keeps its
+staging buffer out of the pool: gloo cannot cancel a posted receive. NCCL groups
+are formed per pull and dropped after it. Header and verdict travel through the
+store, so a consumer that refuses a header (another model, a malformed shape) never
+joins a group op and the producer's server moves on at once.
 
 `kv_connector_extra_config`: `host` (the address peers reach this rank at;
-default Ray's node IP, else 127.0.0.1), plus the Ray options of ray_store.
+default Ray's node IP, else 127.0.0.1), `p2p_max_groups` (kept gloo groups per
+side, default 16), plus the Ray options of ray_store.
 """
 
 from __future__ import annotations
 
+import collections
 import datetime
 import json
 import logging
 import threading
 import time
+import uuid
 from typing import Any
 
 import torch
@@ -56,6 +67,9 @@ from fleetserve.kv_transfer.transfer import TransferConnector, TransferError, Tr
 logger = logging.getLogger(__name__)
 POLL_S = 0.005  # the server looks for a new pull this often
 STORE_TIMEOUT_S = 30.0
+CONNECT_TIMEOUT_S = 3.0  # a live producer's store accepts at once; a dead one's port refuses
+QUARANTINE = 4  # failed receives whose group and buffer are kept (see _pull)
+REGROUP = b"!regroup"  # the producer's answer to a pull naming a group it does not have
 
 
 def nccl_usable(device: torch.device) -> bool:
@@ -64,11 +78,54 @@ def nccl_usable(device: torch.device) -> bool:
     return device.type == "cuda" and dist.is_available() and dist.is_nccl_available()
 
 
-def _group(store, pid: int, rank: int, timeout_s: float, backend: str):
-    """The two-rank group of pull `pid` (rank 0: the producer)."""
+def _tag(pid: int) -> int:
+    return pid % (1 << 30)
+
+
+class _Groups:
+    """Kept gloo groups, least recently used first out (each holds a TCP connection and
+    gloo's threads)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = max(1, cap)
+        self._groups: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str):
+        with self._lock:
+            group = self._groups.get(key)
+            if group is not None:
+                self._groups.move_to_end(key)
+            return group
+
+    def put(self, key: str, group) -> None:
+        with self._lock:
+            self._groups[key] = group
+            self._groups.move_to_end(key)
+            while len(self._groups) > self.cap:
+                self._groups.popitem(last=False)
+
+    def drop(self, key: str, group=None) -> None:
+        with self._lock:
+            if group is None or self._groups.get(key) is group:
+                self._groups.pop(key, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._groups)
+
+    def clear(self) -> list:
+        with self._lock:
+            groups = list(self._groups.values())
+            self._groups.clear()
+        return groups
+
+
+def _group(store, name, rank: int, timeout_s: float, backend: str):
+    """The two-rank group `name` (a pull id, or a kept group's id; rank 0: the producer)."""
     import torch.distributed as dist
 
-    prefixed = dist.PrefixStore(f"pg/{pid}", store)
+    prefixed = dist.PrefixStore(f"pg/{name}", store)
     timeout = datetime.timedelta(seconds=max(0.5, timeout_s))
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
@@ -92,6 +149,11 @@ class P2PTransport(Transport):
         self._owner = None
         self._device = torch.device("cpu")
         self._stop = threading.Event()
+        max_groups = int(extra.get("p2p_max_groups", 16))
+        self._served_groups = _Groups(max_groups)  # producer: group id -> group
+        self._pull_groups = _Groups(max_groups)  # consumer: producer address -> (group id, group)
+        self._quarantine: collections.deque = collections.deque(maxlen=QUARANTINE)
+        self._addresses: dict[str, str] = {}  # consumer: "p2p/<engine>/r<rank>" -> host:port
 
     def register_kv_caches(self, kv_caches: list, staging) -> None:
         super().register_kv_caches(kv_caches, staging)
@@ -142,6 +204,13 @@ class P2PTransport(Transport):
                 logger.warning("KV pull %d failed: %s", served, e)
 
     def _send(self, pid: int, pull: dict) -> None:
+        gid = pull.get("group")  # a kept gloo group the consumer names (None: one for this pull)
+        gid = str(gid) if gid is not None else None
+        with self._lock:
+            held = str(pull.get("oid")) in self._outbox
+        if held and gid is not None and not pull.get("new") and self._served_groups.get(gid) is None:
+            self._store.set(f"hdr/{pid}", REGROUP)  # evicted here: the consumer forms it again
+            return
         with self._lock:
             entry = self._outbox.pop(str(pull.get("oid")), None)  # handed over: the consumer has it
         if entry is None:
@@ -155,8 +224,19 @@ class P2PTransport(Transport):
             self._store.set(f"hdr/{pid}", backend.encode() + b"\n" + batch.header())
             if self._store.get(f"go/{pid}") != b"1":
                 return  # the consumer refused the header: it never joins the group
-            pg = _group(self._store, pid, 0, STORE_TIMEOUT_S, backend)
-            pg.send([batch.data.reshape(-1).view(torch.uint8)], 1, 0).wait()
+            payload = [batch.data.reshape(-1).view(torch.uint8)]
+            if backend != "gloo" or gid is None:
+                _group(self._store, pid, 0, STORE_TIMEOUT_S, backend).send(payload, 1, 0).wait()
+                return
+            pg = self._served_groups.get(gid)
+            if pull.get("new") or pg is None:
+                pg = _group(self._store, f"g/{gid}", 0, STORE_TIMEOUT_S, "gloo")
+                self._served_groups.put(gid, pg)
+            try:
+                pg.send(payload, 1, _tag(pid)).wait()
+            except BaseException:
+                self._served_groups.drop(gid, pg)  # the consumer went away or timed out
+                raise
         finally:
             entry[0].release()
 
@@ -190,20 +270,43 @@ class P2PTransport(Transport):
     def _pull(self, spec: LoadSpec, rank: int, heads: tuple[int, int]) -> BlockBatch:
         import torch.distributed as dist
 
-        ray, owner = self._directory()
         engine = spec.source.get("remote_engine_id")
-        addr = ray.get(owner.resolve.remote(self._name(str(engine), rank)),
-                       timeout=max(0.1, spec.deadline - time.time()))
-        if not addr:  # producers register at start-up: an unknown engine is gone or foreign
-            raise TransferError(f"no point-to-point server registered for engine {engine} rank {rank}")
+        name = self._name(str(engine), rank)
+        # Engine ids are minted per engine start, so an address, once found, stays right
+        # for that id (a restarted producer registers under a new one).
+        addr = self._addresses.get(name)
+        if addr is None:
+            ray, owner = self._directory()
+            addr = ray.get(owner.resolve.remote(name), timeout=max(0.1, spec.deadline - time.time()))
+            if not addr:  # producers register at start-up: an unknown engine is gone or foreign
+                raise TransferError(f"no point-to-point server registered for engine {engine} rank {rank}")
+            if len(self._addresses) >= 1024:
+                self._addresses.clear()
+            self._addresses[name] = addr
         host, port = addr.rsplit(":", 1)
         left = spec.deadline - time.time()
+        # A dead producer's port refuses connections, which TCPStore retries until its timeout:
+        # connect within CONNECT_TIMEOUT_S (not the whole deadline), then wait up to the deadline.
         store = dist.TCPStore(host, int(port), is_master=False,
-                              timeout=datetime.timedelta(seconds=max(0.5, left)))
-        pid = store.add("pull_ids", 1)
+                              timeout=datetime.timedelta(seconds=max(0.5, min(left, CONNECT_TIMEOUT_S))))
+        store.set_timeout(datetime.timedelta(seconds=max(0.5, spec.deadline - time.time())))
         backend = "nccl" if nccl_usable(self._device) else "gloo"
-        store.set(f"pull/{pid}", json.dumps({"oid": f"{spec.transfer_id}/r{rank}", "backend": backend}))
-        reply = store.get(f"hdr/{pid}")  # waits for the server (the store's timeout: the deadline)
+        kept = self._pull_groups.get(addr) if backend == "gloo" else None
+        for _ in range(2):  # a second round only after a "regroup" answer
+            if backend == "gloo":
+                gid, pg = kept if kept is not None else (uuid.uuid4().hex, None)
+            else:
+                gid, pg = None, None
+            pid = store.add("pull_ids", 1)
+            store.set(f"pull/{pid}", json.dumps({"oid": f"{spec.transfer_id}/r{rank}", "backend": backend,
+                                                 "group": gid, "new": pg is None}))
+            reply = store.get(f"hdr/{pid}")  # waits for the server (the store's timeout: the deadline)
+            if reply != REGROUP:
+                break
+            self._pull_groups.drop(addr)
+            kept = None
+        else:
+            raise TransferError(f"producer {addr} asked for a new group twice")
         if not reply:
             raise TransferError(f"producer has no transfer {spec.transfer_id} (expired or taken)")
         backend, _, header = reply.partition(b"\n")
@@ -225,16 +328,47 @@ class P2PTransport(Transport):
             buf, release = self.staging.take((nbytes,), torch.uint8)
         store.set(f"go/{pid}", b"1")
         try:
-            pg = _group(store, pid, 1, spec.deadline - time.time(), backend.decode())
-            pg.recv([buf], 0, 0).wait()
+            if gid is None:  # NCCL: a group for this pull only
+                pg = _group(store, pid, 1, spec.deadline - time.time(), backend.decode())
+                pg.recv([buf], 0, 0).wait()
+                del pg
+            else:
+                if pg is None:
+                    # The group's own store client: it outlives this pull's.
+                    group_store = dist.TCPStore(host, int(port), is_master=False,
+                                                timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+                    pg = _group(group_store, f"g/{gid}", 1, STORE_TIMEOUT_S, "gloo")
+                    self._pull_groups.put(addr, (gid, pg))
+                work = pg.recv([buf], 0, _tag(pid))
+                try:
+                    work.wait(datetime.timedelta(seconds=max(0.001, spec.deadline - time.time())))
+                except BaseException:
+                    self._drop_pull_group(addr, gid)
+                    # Gloo cannot cancel a posted receive: the producer's bytes may still land in
+                    # `buf`. It never goes back to the pool; the group, the receive and the
+                    # buffer are kept until QUARANTINE later failures have pushed them out.
+                    self._quarantine.append((pg, work, buf))
+                    release = None
+                    raise
             return batch_from_tensor(meta, buf, self.ctx.fingerprint, release)
         except BaseException:
             if release is not None:
                 release()
             raise
 
+    def _drop_pull_group(self, addr: str, gid: str) -> None:
+        kept = self._pull_groups.get(addr)
+        if kept is not None and kept[0] == gid:
+            self._pull_groups.drop(addr)
+
+    def kept_groups(self) -> tuple[int, int]:
+        """(groups kept as producer, as consumer)."""
+        return len(self._served_groups), len(self._pull_groups)
+
     def shutdown(self) -> None:
         self._stop.set()
+        self._served_groups.clear()
+        self._pull_groups.clear()
 
 
 class P2PConnector(TransferConnector):

@@ -1,0 +1,166 @@
+"""The P2P connector keeps one gloo group per producer between pulls (forming one costs
+~30 ms, more than moving a short prompt's KV). Both real worker halves, a real local Ray
+for the directory, gloo between two threads of this process: the blocks arrive intact,
+groups are formed once, an evicted or broken group is formed again, concurrent pulls share
+one, and a failed pull leaves the connector serving."""
+
+from __future__ import annotations
+
+import time
+import types
+
+import pytest
+import torch
+
+from fleetserve.kv_transfer import p2p
+from fleetserve.kv_transfer.base import ConnectorMetadata, KVConnectorRole, LoadSpec, SaveSpec
+from fleetserve.kv_transfer.blocks import chain_keys
+from fleetserve.kv_transfer.config import KVTransferConfig
+from fleetserve.kv_transfer.factory import build_context
+
+BS, LAYERS, HEADS, HD, NUM_BLOCKS = 4, 2, 2, 8, 64
+CFG = types.SimpleNamespace(num_attention_heads=4, num_key_value_heads=HEADS, hidden_size=32,
+                            num_hidden_layers=LAYERS, vocab_size=97, model_type="llama", head_dim=HD)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import os
+
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 _node_ip_address="127.0.0.1")
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture
+def pair(local_ray, monkeypatch):
+    """(producer, consumer, formations): worker halves with their own caches; `formations`
+    counts gloo groups formed (both sides)."""
+    formations = []
+    real = p2p._group
+
+    def counting(store, name, rank, timeout_s, backend):
+        formations.append((str(name), rank))
+        return real(store, name, rank, timeout_s, backend)
+
+    monkeypatch.setattr(p2p, "_group", counting)
+    halves = []
+    for seed, role in ((0, "kv_producer"), (1, "kv_consumer")):
+        cfg = KVTransferConfig(kv_connector="p2p", kv_role=role, kv_load_timeout_s=20,
+                               kv_connector_extra_config={"host": "127.0.0.1"},
+                               engine_id=f"groups-{role}-{time.monotonic_ns()}")
+        w = p2p.P2PConnector(cfg, KVConnectorRole.WORKER,
+                             build_context(cfg, "m", CFG, torch.float32, BS))
+        g = torch.Generator().manual_seed(seed)
+        w.register_kv_caches([torch.randn((2, HEADS, NUM_BLOCKS, BS, HD), generator=g)
+                              for _ in range(LAYERS)])
+        halves.append(w)
+    yield halves[0], halves[1], formations
+    for w in halves:
+        w.shutdown()
+
+
+def hand_off(prod, cons, tids: list[str], blocks_each: int = 3, timeout_s: float = 20.0) -> set[int]:
+    """Export `tids` from the producer's blocks, load them all in one consumer step into the
+    same block ids; returns the consumer's failed block ids."""
+    specs = []
+    for i, tid in enumerate(tids):
+        blocks = list(range(i * blocks_each, (i + 1) * blocks_each))
+        tokens = [(hash(tid) + j) % 90 + 1 for j in range(blocks_each * BS)]
+        keys = chain_keys(prod.ctx.fingerprint, tokens, BS, blocks_each)
+        specs.append((f"r{i}", tid, blocks, keys))
+    prod.bind_connector_metadata(ConnectorMetadata(saves=[SaveSpec(r, t, b, k, 60) for r, t, b, k in specs]))
+    prod.start_load_kv()
+    prod.half.wait_for_exports(30)
+    prod.clear_connector_metadata()
+    deadline = time.time() + timeout_s
+    cons.bind_connector_metadata(ConnectorMetadata(loads=[
+        LoadSpec(r, t, b, k, deadline, {"remote_tp_size": 1, "remote_engine_id": prod.ctx.engine_id})
+        for r, t, b, k in specs]))
+    cons.start_load_kv()
+    cons.clear_connector_metadata()
+    done: set[str] = set()
+    while done != {r for r, *_ in specs}:
+        assert time.time() < deadline + 5, f"loads still running: {done}"
+        done |= cons.get_finished(set())[1]
+        time.sleep(0.002)
+    prod.get_finished(set())
+    return set(cons.get_block_ids_with_load_errors())
+
+
+def same_blocks(prod, cons, blocks: list[int]) -> bool:
+    return all(torch.equal(p[:, :, blocks], c[:, :, blocks])
+               for p, c in zip(prod.half.kv_caches, cons.half.kv_caches))
+
+
+def test_one_group_carries_every_pull_and_the_blocks_arrive_intact(pair):
+    prod, cons, formations = pair
+    for n in range(4):
+        assert hand_off(prod, cons, [f"seq-{n}"]) == set()
+        assert same_blocks(prod, cons, [0, 1, 2])
+        for c in cons.half.kv_caches:  # scribble over them: the next pull must write them again
+            c[:, :, :3] = -1.0
+    assert len(formations) == 2  # one group, formed once on each side
+    assert prod.half.transport.kept_groups() == (1, 0) and cons.half.transport.kept_groups() == (0, 1)
+
+
+def test_concurrent_pulls_share_the_group(pair):
+    prod, cons, formations = pair
+    assert hand_off(prod, cons, ["warm"]) == set()
+    assert hand_off(prod, cons, [f"c-{i}" for i in range(4)]) == set()  # one step, 4 loads
+    assert same_blocks(prod, cons, list(range(12)))
+    assert len(formations) == 2
+
+
+def test_a_group_the_producer_dropped_is_formed_again(pair):
+    prod, cons, formations = pair
+    assert hand_off(prod, cons, ["before"]) == set()
+    gid = cons.half.transport._pull_groups.get(next(iter(cons.half.transport._pull_groups._groups)))[0]
+    prod.half.transport._served_groups.clear()  # as its LRU would, with more consumers than the cap
+    assert hand_off(prod, cons, ["after"]) == set()  # answered "regroup", formed in the same pull
+    assert same_blocks(prod, cons, [0, 1, 2])
+    assert len(formations) == 4
+    assert cons.half.transport._pull_groups.get(next(iter(cons.half.transport._pull_groups._groups)))[0] != gid
+
+
+class SlowSends:
+    """The producer's kept group, its sends `delay_s` late (a stalled link)."""
+
+    def __init__(self, pg, delay_s: float) -> None:
+        self.pg, self.delay_s = pg, delay_s
+
+    def send(self, tensors, dst, tag):
+        time.sleep(self.delay_s)
+        return self.pg.send(tensors, dst, tag)
+
+
+def test_a_receive_past_its_deadline_fails_one_load_then_a_new_group_serves(pair):
+    """A kept group's receive times out: that load fails with its blocks reported, the group
+    is not kept, the buffer the late bytes land in is never reused (quarantined), and the next
+    pull forms a fresh group and gets intact blocks."""
+    prod, cons, formations = pair
+    assert hand_off(prod, cons, ["ok"]) == set()
+    served = prod.half.transport._served_groups
+    (gid, pg), = served._groups.items()
+    served.put(gid, SlowSends(pg, 2.0))
+    failed = hand_off(prod, cons, ["stalled"], timeout_s=0.7)
+    assert failed == {0, 1, 2}
+    t0 = time.monotonic()  # the load is failed at its deadline; the receive gives up just after
+    while cons.half.transport.kept_groups() != (0, 0) and time.monotonic() - t0 < 5:
+        time.sleep(0.01)
+    assert cons.half.transport.kept_groups() == (0, 0)
+    (_, _, late_buf), = cons.half.transport._quarantine
+    time.sleep(2.0)  # the stalled send completes into the quarantined buffer
+    for c in cons.half.kv_caches:
+        c[:, :, :3] = -1.0
+    assert hand_off(prod, cons, ["again"]) == set()
+    assert same_blocks(prod, cons, [0, 1, 2])
+    assert cons.half.transport.kept_groups() == (0, 1) and len(formations) == 4
+    assert all(late_buf.data_ptr() != b.data_ptr() for b in cons.half.staging._free)
+    assert prod.half.transport.held() == 0  # nothing left in the producer's outbox
