@@ -72,6 +72,9 @@ class LoadSpec:
     keys: list[str]
     deadline: float  # time.time(): ranks may live in other processes
     source: dict[str, Any] = field(default_factory=dict)  # the producer's remote_* params
+    # The prompt's block index of keys[0]: the blocks before it are cached here already. A
+    # hand-off's batch holds the prompt from block 0, so its blocks are taken from here on.
+    first_block: int = 0
 
 
 @dataclass(slots=True)

@@ -70,6 +70,8 @@ STORE_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 3.0  # a live producer's store accepts at once; a dead one's port refuses
 QUARANTINE = 4  # failed receives whose group and buffer are kept (see _pull)
 REGROUP = b"!regroup"  # the producer's answer to a pull naming a group it does not have
+NOT_YET = b"!notyet"  # ... to a pull of a transfer it has not exported yet (ask again)
+GONE_MEMORY = 4096  # transfers taken or expired that the producer remembers as such
 
 
 def nccl_usable(device: torch.device) -> bool:
@@ -154,6 +156,7 @@ class P2PTransport(Transport):
         self._pull_groups = _Groups(max_groups)  # consumer: producer address -> (group id, group)
         self._quarantine: collections.deque = collections.deque(maxlen=QUARANTINE)
         self._addresses: dict[str, str] = {}  # consumer: "p2p/<engine>/r<rank>" -> host:port
+        self._gone: collections.OrderedDict[str, None] = collections.OrderedDict()  # producer
 
     def register_kv_caches(self, kv_caches: list, staging) -> None:
         super().register_kv_caches(kv_caches, staging)
@@ -211,10 +214,16 @@ class P2PTransport(Transport):
         if held and gid is not None and not pull.get("new") and self._served_groups.get(gid) is None:
             self._store.set(f"hdr/{pid}", REGROUP)  # evicted here: the consumer forms it again
             return
+        oid = str(pull.get("oid"))
         with self._lock:
-            entry = self._outbox.pop(str(pull.get("oid")), None)  # handed over: the consumer has it
+            entry = self._outbox.pop(oid, None)  # handed over: the consumer has it
+            if entry is not None:
+                self._forget(oid)
+            known_gone = oid in self._gone
         if entry is None:
-            self._store.set(f"hdr/{pid}", b"")
+            # Taken or expired: a clear "no". Otherwise the export is still being gathered
+            # (the producer's reply can overtake it): the consumer asks again.
+            self._store.set(f"hdr/{pid}", b"" if known_gone else NOT_YET)
             return
         batch = entry[0]
         try:
@@ -245,8 +254,16 @@ class P2PTransport(Transport):
         with self._lock:
             gone = [o for o, e in self._outbox.items() if e[1] < now]
             expired = [self._outbox.pop(o)[0] for o in gone]  # the lease ended unclaimed
+            for oid in gone:
+                self._forget(oid)
         for batch in expired:
             batch.release()
+
+    def _forget(self, oid: str) -> None:
+        """Remember `oid` as taken or expired (under self._lock)."""
+        self._gone[oid] = None
+        while len(self._gone) > GONE_MEMORY:
+            self._gone.popitem(last=False)
 
     def export(self, spec: SaveSpec, batch: BlockBatch) -> None:
         batch.checksums()  # here, on the export thread, not in the server's send
@@ -292,7 +309,8 @@ class P2PTransport(Transport):
         store.set_timeout(datetime.timedelta(seconds=max(0.5, spec.deadline - time.time())))
         backend = "nccl" if nccl_usable(self._device) else "gloo"
         kept = self._pull_groups.get(addr) if backend == "gloo" else None
-        for _ in range(2):  # a second round only after a "regroup" answer
+        regroups = 0
+        while True:
             if backend == "gloo":
                 gid, pg = kept if kept is not None else (uuid.uuid4().hex, None)
             else:
@@ -301,12 +319,18 @@ class P2PTransport(Transport):
             store.set(f"pull/{pid}", json.dumps({"oid": f"{spec.transfer_id}/r{rank}", "backend": backend,
                                                  "group": gid, "new": pg is None}))
             reply = store.get(f"hdr/{pid}")  # waits for the server (the store's timeout: the deadline)
-            if reply != REGROUP:
+            if reply == REGROUP:
+                self._pull_groups.drop(addr)
+                kept = None
+                regroups += 1
+                if regroups > 1:
+                    raise TransferError(f"producer {addr} asked for a new group twice")
+            elif reply == NOT_YET:
+                if time.time() + POLL_S >= spec.deadline:
+                    raise TransferError(f"transfer {spec.transfer_id} not exported before the deadline")
+                time.sleep(POLL_S)
+            else:
                 break
-            self._pull_groups.drop(addr)
-            kept = None
-        else:
-            raise TransferError(f"producer {addr} asked for a new group twice")
         if not reply:
             raise TransferError(f"producer has no transfer {spec.transfer_id} (expired or taken)")
         backend, _, header = reply.partition(b"\n")
@@ -315,7 +339,8 @@ class P2PTransport(Transport):
             if off != len(header):
                 raise KVFormatError("trailing bytes after the KV header")
             _, shape, nbytes = check_header(meta, self.ctx.fingerprint)
-            if tuple(shape[1:]) != self.block_shape(shape[0], heads)[1:] or shape[0] > len(spec.keys):
+            if tuple(shape[1:]) != self.block_shape(shape[0], heads)[1:] \
+                    or shape[0] > spec.first_block + len(spec.keys):
                 raise KVFormatError(f"blocks of shape {shape} do not fit this request's {len(spec.keys)} "
                                     f"blocks of heads {heads}")
         except KVFormatError:

@@ -172,7 +172,7 @@ class TransferScheduler(KVConnectorScheduler):
         spec = LoadSpec(request.request_id, params.get("transfer_id") if remote else None,
                         list(block_ids[first:last]), self._chain_keys(request, last)[first:],
                         time.time() + self.config.kv_load_timeout_s,
-                        {k: v for k, v in params.items() if k.startswith("remote_")})
+                        {k: v for k, v in params.items() if k.startswith("remote_")}, first)
         self._meta.loads.append(spec)
         self._loading[request.request_id] = spec
 
@@ -423,9 +423,10 @@ class TransferWorker(KVConnectorWorker):
     def _promote(self, spec: LoadSpec, fut: cf.Future, t0: float) -> None:
         """Verify a fetched batch against the consumer's own keys; write the good prefix."""
         batch = None
+        offset = 0
         try:
             batch = fut.result()
-            good = self._check(spec, batch)
+            offset, good = self._check(spec, batch)
         except (TransferError, KVFormatError, OSError, ValueError) as e:
             logger.warning("KV load of %s (transfer %s) failed: %s", spec.req_id, spec.transfer_id, e)
             good = 0
@@ -434,7 +435,7 @@ class TransferWorker(KVConnectorWorker):
             good = 0
         if good:
             h0 = self.heads[0] - batch.heads[0]
-            data = batch.data[:good, :, :, h0:h0 + self.heads[1] - self.heads[0]]
+            data = batch.data[offset:offset + good, :, :, h0:h0 + self.heads[1] - self.heads[0]]
             scatter_blocks(self.kv_caches, spec.block_ids[:good], data)
             self.stats["bytes_recv"].append(data.numel() * data.element_size())
             self.stats["seconds_recv"].append(time.perf_counter() - t0)
@@ -451,8 +452,10 @@ class TransferWorker(KVConnectorWorker):
         except Exception:  # noqa: BLE001 - the producer's lease ends it anyway
             logger.warning("could not confirm transfer %s to its producer", spec.transfer_id)
 
-    def _check(self, spec: LoadSpec, batch: BlockBatch) -> int:
-        """How many leading blocks of `batch` are exactly the ones `spec` asked for."""
+    def _check(self, spec: LoadSpec, batch: BlockBatch) -> tuple[int, int]:
+        """(offset, n): blocks offset..offset+n-1 of `batch` are exactly the first n that `spec`
+        asked for. A hand-off's batch holds the prompt from block 0 and the spec may start
+        later (this engine caches a prefix of the prompt): then offset is spec.first_block."""
         if batch.fingerprint != self.ctx.fingerprint:
             raise KVFormatError("fingerprint mismatch")
         if not (batch.heads[0] <= self.heads[0] and self.heads[1] <= batch.heads[1]):
@@ -462,15 +465,19 @@ class TransferWorker(KVConnectorWorker):
         if (layers, two, bs, hd) != (len(self.kv_caches), want[0], want[3], want[4]) \
                 or batch.data.dtype != self.kv_caches[0].dtype:
             raise KVFormatError(f"block shape {tuple(batch.data.shape)} does not fit this cache")
+        offset = 0
+        if spec.keys and spec.first_block and len(batch.keys) > spec.first_block \
+                and batch.keys[spec.first_block] == spec.keys[0]:
+            offset = spec.first_block  # chain keys: a match there vouches for every block before
         good = 0
-        for got, expected in zip(batch.keys, spec.keys):
+        for got, expected in zip(batch.keys[offset:], spec.keys):
             if got != expected:
                 break
             good += 1
-        if good < min(len(batch.keys), len(spec.keys)):
+        if good < min(len(batch.keys) - offset, len(spec.keys)):
             logger.warning("KV load of %s: block %d's chain key differs from the prompt's "
-                           "(stale or foreign KV); refused from there", spec.req_id, good)
-        return good
+                           "(stale or foreign KV); refused from there", spec.req_id, offset + good)
+        return offset, good
 
     def _reap_exports(self) -> None:
         still = []

@@ -227,8 +227,10 @@ def test_p2p_hand_off_matches_one_engine(tiny_model_dir, local_ray, reference):
                                 {"do_remote_decode": True, "transfer_id": "once"}))
         params = pfinal.kv_transfer_params
         run(collect(cons, prompts(1, seed=8)[0], greedy(2), params))
+        t0 = time.monotonic()
         tokens, again = run(collect(cons, prompts(1, seed=8)[0], greedy(2), params))
         assert again.outputs[0].finish_reason == "error" and tokens == []
+        assert time.monotonic() - t0 < 5  # the producer says "taken" at once (not the deadline)
         wait_all_free(prod)
         wait_all_free(cons)
         # The producer dies before the consumer reads: a clear error within the deadline.
@@ -283,6 +285,43 @@ def test_layerwise_save_copies_each_layer_during_the_prefill_forward(tiny_model_
             assert [layer for layer, _ in seen] == list(range(num_layers))  # one save per layer
             assert not half._layer_saves  # wait_for_save closed them at the forward's end
             wait_all_free(prod, 2.0)  # no delay_free: nothing waits for a copy-out step
+        wait_all_free(cons)
+    finally:
+        prod.shutdown()
+        cons.shutdown()
+
+
+# ---- a hand-off to a consumer that caches a prefix of the prompt ------------------------
+@pytest.mark.parametrize("kind", ["storage", "ray", "p2p"])
+def test_hand_off_to_a_consumer_caching_a_prefix_loads_only_the_rest(kind, tiny_model_dir, local_ray,
+                                                                     tmp_path, reference):
+    """The consumer already caches the prompt's first blocks (an earlier turn of the chat): it
+    asks for the rest only, and the producer's batch (the whole prompt, from block 0) is read
+    from that block on. It used to fail every such load (the batch's first key was compared
+    with the first key asked for) and recompute: P/D decode replicas with warm caches."""
+    if kind == "storage":
+        prod_cfg, cons_cfg = storage_cfg(tmp_path, "kv_producer"), storage_cfg(tmp_path, "kv_consumer")
+    elif kind == "ray":
+        prod_cfg, cons_cfg = ray_cfg("kv_producer"), ray_cfg("kv_consumer")
+    else:
+        prod_cfg = cons_cfg = {"kv_connector": "p2p", "kv_role": "kv_both", "kv_load_timeout_s": 20.0,
+                               "kv_connector_extra_config": {"host": "127.0.0.1"},
+                               "kv_load_failure_policy": "fail"}
+    prod = engine(tiny_model_dir, prod_cfg, core_process=False)
+    cons = engine(tiny_model_dir, cons_cfg, core_process=False)
+    try:
+        rng = random.Random(21)
+        turn1 = [rng.randrange(3, 380) for _ in range(5 * BLOCK + 2)]
+        turn2 = turn1 + [rng.randrange(3, 380) for _ in range(4 * BLOCK + 1)]
+        run(collect(cons, turn1, greedy(1)))  # computed here: its 5 full blocks are cached
+        want, _ = run(collect(reference, turn2, greedy(6)))
+        got, final, params = run(hand_off(prod, cons, turn2, 6))
+        assert got == want
+        cached_here = 5 * BLOCK
+        full = len(turn2) // BLOCK * BLOCK
+        assert final.num_remote_tokens == full - cached_here  # loaded, not recomputed
+        assert final.num_cached_tokens == full
+        wait_all_free(prod)
         wait_all_free(cons)
     finally:
         prod.shutdown()

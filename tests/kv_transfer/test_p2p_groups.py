@@ -164,3 +164,46 @@ def test_a_receive_past_its_deadline_fails_one_load_then_a_new_group_serves(pair
     assert cons.half.transport.kept_groups() == (0, 1) and len(formations) == 4
     assert all(late_buf.data_ptr() != b.data_ptr() for b in cons.half.staging._free)
     assert prod.half.transport.held() == 0  # nothing left in the producer's outbox
+
+
+def test_a_pull_that_overtakes_its_export_waits_for_it(pair):
+    """The consumer can ask before the producer's export has landed in its outbox (the
+    producer's reply overtakes its own export thread): the producer answers "not yet" and the
+    consumer asks again until it is there, within the load's deadline. A transfer already
+    taken is a clear "no" at once."""
+    import threading
+
+    prod, cons, _ = pair
+    keys = chain_keys(prod.ctx.fingerprint, list(range(1, 1 + 3 * BS)), BS, 3)
+    deadline = time.time() + 20
+    cons.bind_connector_metadata(ConnectorMetadata(loads=[LoadSpec(
+        "r0", "late", [0, 1, 2], keys, deadline,
+        {"remote_tp_size": 1, "remote_engine_id": prod.ctx.engine_id})]))
+    cons.start_load_kv()
+    cons.clear_connector_metadata()
+
+    def export_later():
+        time.sleep(0.5)
+        prod.bind_connector_metadata(ConnectorMetadata(saves=[SaveSpec("r0", "late", [0, 1, 2], keys, 60)]))
+        prod.start_load_kv()
+        prod.clear_connector_metadata()
+
+    threading.Thread(target=export_later).start()
+    t0 = time.monotonic()
+    while "r0" not in cons.get_finished(set())[1]:
+        assert time.time() < deadline, "the load never finished"
+        time.sleep(0.005)
+    assert time.monotonic() - t0 >= 0.4
+    assert not cons.get_block_ids_with_load_errors()
+    assert same_blocks(prod, cons, [0, 1, 2])
+    # Asked again, the same transfer is gone: the load fails at once, not at its deadline.
+    t0 = time.monotonic()
+    cons.bind_connector_metadata(ConnectorMetadata(loads=[LoadSpec(
+        "r1", "late", [3, 4, 5], keys, time.time() + 20,
+        {"remote_tp_size": 1, "remote_engine_id": prod.ctx.engine_id})]))
+    cons.start_load_kv()
+    cons.clear_connector_metadata()
+    while "r1" not in cons.get_finished(set())[1]:
+        time.sleep(0.005)
+    assert time.monotonic() - t0 < 3
+    assert cons.get_block_ids_with_load_errors() == {3, 4, 5}
