@@ -148,7 +148,10 @@ def _start_server(tmp_path, model_dir, pd: dict, name: str = APP, **top):
         if proc.poll() is not None:
             raise AssertionError("server exited:\n" + server.log_tail())
         try:
-            if httpx.get(server.base_url + "/health", timeout=5).status_code == 200:
+            r = httpx.get(server.base_url + "/health", timeout=5)
+            # 200 with "degraded" while the prefill pool is still loading (the decode pool
+            # alone decides 200): every replica of both pools must be up before tests start.
+            if r.status_code == 200 and r.json().get("status") == "ok":
                 break
         except httpx.HTTPError:
             pass
