@@ -5,7 +5,7 @@ has the same two engine replicas (one torch thread each) on the same machine: 2
 colocated replicas, or 1 prefill + 1 decode replica.
 
 1. interference -- steady short requests plus periodic long (~2k-token) prompts.
-   Colocated (2 replicas, power_of_two) vs 1P+1D (ray_object_store): ITL of the
+   Colocated (2 replicas, power_of_two) vs 1P+1D (`--connector`, default ray_object_store): ITL of the
    short requests (p50/p99/p99.9), TTFT of short and long ones, throughput; plus the P/D
    hand-off (router: prefill call, prefill-done -> decode's first item).
 2. prefix -- two workloads with cache pressure (each replica's KV cache holds about
@@ -58,8 +58,10 @@ def app(args, port: int, *, policy: str = "power_of_two", blocks: int | None = N
            "routing": {"imbalance_threshold": imbalance},
            "http": {"port": port}, "grpc": {"enabled": False}, "num_cpus_per_replica": 0}
     if pd is not None:  # {} is P/D with the defaults
-        cfg["pd"] = {"enabled": True, "connector": "ray_object_store",
+        cfg["pd"] = {"enabled": True, "connector": args.connector,
                      "min_prefill_tokens": args.min_prefill_tokens, **pd}
+        if args.connector == "p2p":  # its servers listen on loopback here, not the node's IP
+            cfg["pd"].setdefault("kv_connector_extra_config", {"host": "127.0.0.1"})
     if reuse is not None:
         cfg["cluster_reuse"] = {"enabled": True, **reuse}
     return AppConfig.model_validate(cfg)
@@ -81,7 +83,7 @@ def interference_workload(args) -> list[sv.Request]:
 def run_interference(args, port: int, url: str) -> list[dict]:
     work = interference_workload(args)
     setups = {"colocated 2x, power_of_two": app(args, port),
-              "1P+1D, ray_object_store": app(args, port, policy="prefix_aware", pd={})}
+              f"1P+1D, {args.connector}": app(args, port, policy="prefix_aware", pd={})}
     rows = []
     for label, config in setups.items():
         sv.redeploy(config)
@@ -308,6 +310,8 @@ def main() -> None:
     p.add_argument("--turn-rate", type=float, default=3.0)
     p.add_argument("--reuse-rounds", type=int, default=5)
     p.add_argument("--skip", nargs="*", default=[], choices=["interference", "prefix", "reuse"])
+    p.add_argument("--connector", default="ray_object_store", choices=["ray_object_store", "p2p"],
+                   help="interference: the P/D setup's KV connector")
     args = p.parse_args()
     if args.model is None:
         from fleetserve.replica.testing import make_tiny_llama
