@@ -116,11 +116,9 @@ class _Groups:
         with self._lock:
             return len(self._groups)
 
-    def clear(self) -> list:
+    def clear(self) -> None:
         with self._lock:
-            groups = list(self._groups.values())
             self._groups.clear()
-        return groups
 
 
 def _group(store, name, rank: int, timeout_s: float, backend: str):

@@ -78,21 +78,6 @@ def test_shared_storage_is_a_prefix_cache_across_engines(tiny_model_dir, tmp_pat
 
 
 # ---- Ray object store ---------------------------------------------------------------
-@pytest.fixture(scope="module")
-def local_ray():
-    import os
-
-    ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 _node_ip_address="127.0.0.1")
-    yield ray
-    if started:
-        ray.shutdown()
-
-
 def ray_cfg(role, **extra):
     return {"kv_connector": "RayObjectStoreConnector", "kv_role": role, "kv_lease_s": 5.0,
             "kv_load_timeout_s": 10.0, "kv_connector_extra_config": extra,

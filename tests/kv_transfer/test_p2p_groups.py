@@ -23,21 +23,6 @@ CFG = types.SimpleNamespace(num_attention_heads=4, num_key_value_heads=HEADS, hi
                             num_hidden_layers=LAYERS, vocab_size=97, model_type="llama", head_dim=HD)
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    import os
-
-    ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 _node_ip_address="127.0.0.1")
-    yield ray
-    if started:
-        ray.shutdown()
-
-
 @pytest.fixture
 def pair(local_ray, monkeypatch):
     """(producer, consumer, formations): worker halves with their own caches; `formations`
