@@ -39,8 +39,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from fleetserve.cluster.placement import (AutoscalingOptions, PDOptions, PDPool,
-                                         ReplicaPlacement, checked_connector)
+                                         ReplicaPlacement)
 from fleetserve.kv_transfer.config import KVTransferConfig
+from fleetserve.kv_transfer.registry import check_connector_name
 from fleetserve.replica.engine.engine_args import EngineArgs
 
 # prefix_aware routes on the engines' KV events (a cluster-wide index of what each
@@ -107,11 +108,11 @@ class ClusterReuseOptions(BaseModel):
     @field_validator("kv_connector")
     @classmethod
     def _known_connector(cls, v: str) -> str:
-        checked_connector(v)
+        check_connector_name(v)
         return v
 
     def kv_transfer_config(self) -> dict[str, Any]:
-        return {"kv_connector": checked_connector(self.kv_connector),
+        return {"kv_connector": check_connector_name(self.kv_connector),
                 "kv_role": "kv_both", "kv_connector_extra_config": dict(self.kv_connector_extra_config),
                 "kv_load_failure_policy": "fail", "kv_lease_s": self.kv_lease_s,
                 "kv_load_timeout_s": self.kv_load_timeout_s}

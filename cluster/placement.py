@@ -24,6 +24,8 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from fleetserve.kv_transfer.registry import check_connector_name
+
 POOL_LABEL = "fleetserve.io/pool"
 
 
@@ -75,15 +77,6 @@ class AutoscalingOptions(BaseModel):
 
     def serve_config(self) -> dict:
         return self.model_dump()
-
-
-def checked_connector(name: str) -> str:
-    """A connector name (short: ray_object_store, shared_storage, p2p; registered; or
-    "module:Class") checked now, so a typo stops `fleetserve serve` before Ray starts instead
-    of failing every engine replica at start-up."""
-    from fleetserve.kv_transfer.registry import check_connector_name
-
-    return check_connector_name(name)
 
 
 class PDPool(BaseModel):
@@ -148,12 +141,12 @@ class PDOptions(BaseModel):
     @field_validator("connector")
     @classmethod
     def _known_connector(cls, v: str) -> str:
-        checked_connector(v)
+        check_connector_name(v)
         return v
 
     @property
     def connector_name(self) -> str:
-        return checked_connector(self.connector)
+        return check_connector_name(self.connector)
 
     def kv_transfer_config(self, role: str) -> dict[str, Any]:
         return {"kv_connector": self.connector_name, "kv_role": role,
