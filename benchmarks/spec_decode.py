@@ -85,6 +85,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     ap.add_argument("--a-prompts", type=int, default=64, help="prompts of workload (a)")
     ap.add_argument("--a-tokens", type=int, default=128, help="output tokens per prompt of (a)")
+    ap.add_argument("--free-draft-tokens", type=int, default=None,
+                    help="speculative config's free_draft_tokens (default: the device's; 0: off)")
     args = ap.parse_args()
 
     import torch
@@ -92,7 +94,8 @@ def main() -> None:
     from fleetserve.replica.llm import LLM
 
     spec = {"method": "ngram", "num_speculative_tokens": args.k,
-            "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max}
+            "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max,
+            "free_draft_tokens": args.free_draft_tokens}
     common = dict(dtype=args.dtype, max_num_seqs=64, enable_prefix_caching=False,
                   kv_cache_memory_bytes=1 << 30, num_threads=args.threads)
     engines = {"plain": LLM(args.model, **common), "ngram": LLM(args.model, speculative_config=spec, **common)}

@@ -35,6 +35,11 @@ class SchedulerConfig(BaseModel):
     # Each request earns its draft length from its acceptance (scheduler/spec_decode.py);
     # False: always up to num_spec_tokens, as vLLM.
     adaptive_draft_length: bool = True
+    # With adaptive draft lengths: when the next step (one token per running request
+    # plus the earned drafts) stays under this many tokens, the room left is handed out
+    # as extra drafts, up to num_spec_tokens each (a step that small costs about what a
+    # one-token step costs). 0: off.
+    free_draft_tokens: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> "SchedulerConfig":

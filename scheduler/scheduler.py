@@ -462,14 +462,39 @@ class Scheduler:
         cap = self.config.num_spec_tokens
         policy = self.draft_policy
         running = RequestStatus.RUNNING
+        # (request, every draft worth verifying, how many of them it sends)
+        chosen: list[tuple[Request, list[int], int]] = []
         for rid, tokens in drafts.items():
             request = self.requests.get(rid)
             # Drafts follow the last known token: only for a request whose
             # KV is complete up to it (not mid-prefill, not rolled back).
             if request is not None and request.status == running and \
                     request.num_computed_tokens == request.num_tokens - 1:
-                limit = cap if policy is None else policy.limit(rid)
-                request.spec_token_ids = cap_drafts(request, tokens, limit)
+                pool = cap_drafts(request, tokens, cap)
+                n = len(pool) if policy is None else min(len(pool), policy.limit(rid))
+                chosen.append((request, pool, n))
+        if policy is not None and self.config.free_draft_tokens:
+            self._top_up_free_drafts(chosen)
+        for request, pool, n in chosen:
+            request.spec_token_ids = pool[:n]
+
+    def _top_up_free_drafts(self, chosen: list[tuple[Request, list[int], int]]) -> None:
+        """A step of at most free_draft_tokens tokens costs about a one-token
+        step: fill the room the earned drafts leave with more of the offered
+        drafts, in order, up to num_spec_tokens each. Nothing while a prefill
+        may join the next step."""
+        if self.waiting:
+            return
+        room = self.config.free_draft_tokens - sum(n for _, _, n in chosen)
+        for r in self.running:
+            room -= max(1, r.num_tokens - r.num_computed_tokens)
+        for i, (request, pool, n) in enumerate(chosen):
+            if room <= 0:
+                return
+            extra = min(room, len(pool) - n)
+            if extra > 0:
+                chosen[i] = (request, pool, n + extra)
+                room -= extra
 
     def _check_stop(self, request: Request, token: int) -> bool:
         sp = request.sampling_params

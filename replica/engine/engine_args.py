@@ -121,6 +121,8 @@ class EngineArgs(BaseModel):
             if self.speculative_config else 0,
             adaptive_draft_length=self.speculative_config.adaptive_draft_length
             if self.speculative_config else True,
+            free_draft_tokens=self.speculative_config.resolve_free_draft_tokens(self.device)
+            if self.speculative_config else 0,
         )
 
     def cache_config(self, num_blocks: int) -> CacheConfig:

@@ -24,6 +24,12 @@ class SpeculativeConfig(BaseModel):
     # fleetserve's: each request earns its draft length from its acceptance
     # (scheduler/spec_decode.py); False drafts num_speculative_tokens always, as vLLM.
     adaptive_draft_length: bool = True
+    # fleetserve's: a step of up to this many tokens costs about what a one-token step
+    # costs (the forward is bound by reading the weights, not by arithmetic), so drafts
+    # that fit in it are nearly free and go out at full length even where a request has
+    # not earned it (a lone request, the tail of a batch). None: the device's default
+    # (`default_free_draft_tokens`); 0: off.
+    free_draft_tokens: Optional[int] = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _resolve(self) -> "SpeculativeConfig":
@@ -64,7 +70,27 @@ class SpeculativeConfig(BaseModel):
             raise ValueError("--speculative-config must be a JSON object")
         return cls(**value)
 
+    def resolve_free_draft_tokens(self, device: str) -> int:
+        if self.free_draft_tokens is not None:
+            return self.free_draft_tokens
+        return default_free_draft_tokens(device)
+
     @property
     def num_lookahead_tokens(self) -> int:
         """KV slots past the drafts that the proposer writes into (scheduler side)."""
         return self.num_speculative_tokens if self.method == "draft_model" else 0
+
+
+# Measured with benchmarks/decode_step.py (SmolLM2-135M, AMD EPYC, 2 cores): a step of
+# 8 sequences costs 1.21x a one-token step in bfloat16 and 1.14x in float32, 16 cost
+# 1.56x / 1.54x. On a GPU a small model's step is launch- and bandwidth-bound far longer;
+# 64 there is a conservative guess, not a measurement (no GPU has run it).
+FREE_DRAFT_TOKENS = {"cpu": 8, "cuda": 64}
+
+
+def default_free_draft_tokens(device: str) -> int:
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return FREE_DRAFT_TOKENS.get(device, 0)

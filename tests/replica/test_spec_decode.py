@@ -58,6 +58,9 @@ VARIANTS = {
     # 18 blocks x 4 tokens: the requests preempt each other while they speculate.
     "ngram_preemption": dict(num_gpu_blocks_override=18, block_size=4),
     "ngram_small_budget": dict(max_num_batched_tokens=6, long_prefill_token_threshold=5),
+    # Earned draft lengths only, and every step's drafts topped up to k.
+    "ngram_no_free_drafts": dict(spec_extra={"free_draft_tokens": 0}),
+    "ngram_all_free_drafts": dict(spec_extra={"free_draft_tokens": 64}),
     "draft_self": dict(spec="self"),
     "draft_other": dict(spec="other", num_gpu_blocks_override=24, block_size=4),
 }
@@ -71,6 +74,7 @@ def test_greedy_output_identical_to_plain_decoding(tiny_model_dir, other_draft_d
     which = kwargs.pop("spec", None)
     draft = {"self": tiny_model_dir, "other": other_draft_dir}.get(which)
     spec = NGRAM if draft is None else {"model": str(draft), "num_speculative_tokens": 3}
+    spec = {**spec, **kwargs.pop("spec_extra", {})}
     llm = LLM(str(tiny_model_dir), speculative_config=spec, **kwargs)
     for _ in range(2 if variant == "ngram" else 1):  # a second pass hits the prefix cache
         assert _tokens(llm, ids, GREEDY) == want
@@ -192,6 +196,19 @@ def test_ngram_lookup():
     # Equal lengths: the latest occurrence; a match near the end proposes fewer tokens.
     assert p.propose_one(np.array([7, 8, 1, 7, 8, 2, 7, 8])) == [2, 7, 8]
     assert NgramProposer(4, 3, 3).propose_one(np.array([1, 2, 1, 2])) == []  # shorter than min
+
+
+def test_free_draft_tokens_default_per_device_and_explicit():
+    def resolved(device="cpu", **extra):
+        args = EngineArgs(device=device, speculative_config={**NGRAM, **extra})
+        return args.scheduler_config(256).free_draft_tokens
+
+    assert resolved() == 8
+    assert resolved("cuda") == 64
+    assert resolved(free_draft_tokens=0) == 0 and resolved("cuda", free_draft_tokens=3) == 3
+    assert EngineArgs(device="cpu").scheduler_config(256).free_draft_tokens == 0  # no speculation
+    with pytest.raises(ValidationError, match="free_draft_tokens"):
+        EngineArgs(speculative_config={**NGRAM, "free_draft_tokens": -1})
 
 
 def test_bad_speculative_configs_are_refused_clearly(tiny_model_dir, other_draft_dir, tmp_path):

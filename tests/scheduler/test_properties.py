@@ -41,6 +41,7 @@ def workloads(draw, with_connector: bool, with_spec: bool = False):
         config["num_spec_tokens"] = draw(st.integers(1, 5))
         config["num_lookahead_tokens"] = draw(st.sampled_from([0, 0, config["num_spec_tokens"]]))
         config["adaptive_draft_length"] = draw(st.booleans())
+        config["free_draft_tokens"] = draw(st.sampled_from([0, 8, 64]))
         config["proposer_seed"] = draw(st.integers(0, 2**16))
     reqs = []
     for i in range(draw(st.integers(2, 10))):

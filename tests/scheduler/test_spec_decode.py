@@ -130,3 +130,52 @@ def test_adaptive_draft_length_earns_and_backs_off():
             assert req.spec_token_ids == []
             _step(sched, {"r0": [9]}, {"r0": drafts})
         assert req.spec_token_ids == [50]
+
+
+def test_free_drafts_fill_a_small_step_up_to_k():
+    """A lone request sends all k drafts while the step stays under
+    free_draft_tokens, though it has earned only 2 (or, after a miss, none)."""
+    sched = create_scheduler(num_spec_tokens=6, block_size=4, max_model_len=200, free_draft_tokens=8)
+    (req,) = create_requests(1, num_tokens=6, max_tokens=100)
+    sched.add_request(req)
+    drafts = list(range(50, 56))
+    _step(sched, {"r0": [49]}, {"r0": drafts})
+    assert req.spec_token_ids == drafts  # 1 + 6 tokens <= 8
+    so, _ = _step(sched, {"r0": [9]}, {"r0": drafts})  # nothing accepted: earned wait...
+    assert so.scheduled_spec_decode_tokens == {"r0": drafts}
+    assert req.spec_token_ids == drafts  # ...but the step is still free
+    # The stats count every draft sent: 6 sent, none accepted.
+    assert sched.spec_stats.num_draft_tokens == 6 and sched.spec_stats.num_accepted_tokens == 0
+
+
+def test_free_drafts_share_the_room_and_stop_for_a_big_step():
+    sched = create_scheduler(num_spec_tokens=6, block_size=4, max_model_len=200, free_draft_tokens=8)
+    reqs = create_requests(2, num_tokens=6, max_tokens=100)
+    for r in reqs:
+        sched.add_request(r)
+    drafts = list(range(50, 56))
+    _step(sched, {"r0": [49], "r1": [49]}, {"r0": drafts, "r1": drafts})
+    # Room 8 - 2 running tokens - 2 x 2 earned = 2 extra, to the first in order.
+    assert reqs[0].spec_token_ids == drafts[:4]
+    assert reqs[1].spec_token_ids == drafts[:2]
+    # A waiting request's prefill will join the next step: earned drafts only.
+    (late,) = create_requests(1, num_tokens=6, max_tokens=100, start=2)
+    sched.add_request(late)
+    so = sched.schedule()
+    assert so.scheduled_spec_decode_tokens == {"r0": drafts[:4], "r1": drafts[:2]}
+    ids = list(so.num_scheduled_tokens)
+    sampled = {"r0": drafts[:4] + [9], "r1": drafts[:2] + [9], "r2": [49]}
+    sched.update_from_output(so, ModelRunnerOutput(ids, [sampled[i] for i in ids],
+                                                   spec_token_ids={"r0": drafts, "r1": drafts}))
+    assert_invariants(sched)
+    # Three decoding now (3 tokens) plus earned drafts 6 + 4 (+ 2 for r2's first):
+    # over 8, no top-up; every request keeps what it earned.
+    assert reqs[0].spec_token_ids == drafts[:6] and reqs[1].spec_token_ids == drafts[:4]
+
+
+def test_free_drafts_off_keeps_earned_lengths():
+    sched = create_scheduler(num_spec_tokens=6, block_size=4, max_model_len=200, free_draft_tokens=0)
+    (req,) = create_requests(1, num_tokens=6, max_tokens=100)
+    sched.add_request(req)
+    _step(sched, {"r0": [49]}, {"r0": list(range(50, 56))})
+    assert req.spec_token_ids == [50, 51]
