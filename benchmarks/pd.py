@@ -55,7 +55,7 @@ def app(args, port: int, *, policy: str = "power_of_two", blocks: int | None = N
     if blocks:
         engine["num_gpu_blocks_override"] = blocks
     cfg = {"name": "bench", "engine": engine, "num_replicas": 2, "routing_policy": policy,
-           "routing": {"imbalance_threshold": imbalance},
+           "routing": {"imbalance_threshold": imbalance, "min_match_fraction": args.min_match_fraction},
            "http": {"port": port}, "grpc": {"enabled": False}, "num_cpus_per_replica": 0}
     if pd is not None:  # {} is P/D with the defaults
         cfg["pd"] = {"enabled": True, "connector": args.connector,
@@ -181,24 +181,41 @@ def run_prefix(args, port: int, url: str) -> list[dict]:
     workloads = {"system prompts": (system, max(32, sys_blocks * (args.prefix_count // 2 + 1)),
                                     args.prefix_rate),
                  "multi-turn": (multi, max(32, conv_blocks // 2), args.turn_rate)}
+    workloads = {k: v for k, v in workloads.items() if k.split()[0] in args.prefix_workloads.split(",")}
     rows = []
+    policies = ("power_of_two", "prefix_aware_approx", "prefix_aware")
     for wname, (work, blocks, rate) in workloads.items():
-        for policy in ("power_of_two", "prefix_aware_approx", "prefix_aware"):
-            config = app(args, port, policy=policy, blocks=blocks)
-            sv.redeploy(config)
-            before = sv.scrape(url)
-            routed0 = labelled(url, "fleetserve:router_prefix_routed_requests", "prefix_match")
-            results, elapsed = asyncio.run(_open_loop(url, config.served_model_name, work, rate))
-            after = sv.scrape(url)
-            routed1 = labelled(url, "fleetserve:router_prefix_routed_requests", "prefix_match")
-            q = after.get("vllm:prefix_cache_queries_total", 0) - before.get("vllm:prefix_cache_queries_total", 0)
-            h = after.get("vllm:prefix_cache_hits_total", 0) - before.get("vllm:prefix_cache_hits_total", 0)
-            row = sv.summarize(f"shared prefix ({wname}), {policy}", rate, results, elapsed)
-            row["prefix_hit_rate"] = h / q if q else float("nan")
-            n_routed = sum(routed1.values()) - sum(routed0.values())
-            if n_routed:
-                row["routed_to_holder"] = (routed1.get("true", 0) - routed0.get("true", 0)) / n_routed
+        # Rounds interleave the policies; a row pools every round's requests (one round of
+        # the multi-turn workload is only 32 requests, too few for a stable p90).
+        acc = {p: {"results": [], "elapsed": 0.0, "h": 0.0, "q": 0.0, "holder": 0.0, "routed": 0.0,
+                   "p90s": []} for p in policies}
+        for _ in range(args.prefix_rounds):
+            for policy in policies:
+                config = app(args, port, policy=policy, blocks=blocks)
+                sv.redeploy(config)
+                before = sv.scrape(url)
+                routed0 = labelled(url, "fleetserve:router_prefix_routed_requests", "prefix_match")
+                results, elapsed = asyncio.run(_open_loop(url, config.served_model_name, work, rate))
+                after = sv.scrape(url)
+                routed1 = labelled(url, "fleetserve:router_prefix_routed_requests", "prefix_match")
+                a = acc[policy]
+                a["results"] += results
+                a["elapsed"] += elapsed
+                a["q"] += after.get("vllm:prefix_cache_queries_total", 0) - before.get("vllm:prefix_cache_queries_total", 0)
+                a["h"] += after.get("vllm:prefix_cache_hits_total", 0) - before.get("vllm:prefix_cache_hits_total", 0)
+                a["routed"] += sum(routed1.values()) - sum(routed0.values())
+                a["holder"] += routed1.get("true", 0) - routed0.get("true", 0)
+                a["p90s"].append(round(sv.summarize("", rate, results, elapsed)["ttft_p90_ms"], 1))
+                print(f"{wname}, {policy}: round TTFT p90 {a['p90s'][-1]} ms", flush=True)
+        for policy in policies:
+            a = acc[policy]
+            row = sv.summarize(f"shared prefix ({wname}), {policy}", rate, a["results"], a["elapsed"])
+            row["prefix_hit_rate"] = a["h"] / a["q"] if a["q"] else float("nan")
+            if a["routed"]:
+                row["routed_to_holder"] = a["holder"] / a["routed"]
             row["kv_blocks_per_replica"] = blocks
+            row["rounds"] = args.prefix_rounds
+            row["rounds_ttft_p90_ms"] = a["p90s"]
             rows.append(row)
             print(row, flush=True)
     return rows
@@ -308,6 +325,12 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
     p.add_argument("--turn-words", type=int, default=60, help="multi-turn: words per turn")
     p.add_argument("--turn-rate", type=float, default=3.0)
+    p.add_argument("--prefix-workloads", default="system,multi-turn",
+                   help="shared-prefix part: which workloads (system, multi-turn)")
+    p.add_argument("--prefix-rounds", type=int, default=3,
+                   help="shared-prefix part: interleaved rounds per policy (rows pool their requests)")
+    p.add_argument("--min-match-fraction", type=float, default=0.5,
+                   help="routing.min_match_fraction of the prefix-aware policies")
     p.add_argument("--reuse-rounds", type=int, default=5)
     p.add_argument("--skip", nargs="*", default=[], choices=["interference", "prefix", "reuse"])
     p.add_argument("--connector", default="ray_object_store", choices=["ray_object_store", "p2p"],

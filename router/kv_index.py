@@ -111,6 +111,12 @@ class KVIndex:
             view = self._views.get(replica_id)
             return set(view.mirror.hashes) if view is not None else set()
 
+    def num_blocks(self, replica_id: str) -> int:
+        """How many blocks the replica's cache holds (0 before its first read)."""
+        with self._lock:
+            view = self._views.get(replica_id)
+            return len(view.mirror.hashes) if view is not None else 0
+
     def replicas(self) -> list[str]:
         with self._lock:
             return list(self._views)

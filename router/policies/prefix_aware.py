@@ -22,7 +22,12 @@ Then, for a new prompt:
    overloaded: it must not have `imbalance_threshold` or more requests in
    flight beyond the least loaded replica (load wins over a match).
 3. Otherwise the least loaded replica wins. Other replicas follow as fallback
-   tiers, by load.
+   tiers, by load. Among replicas equally loaded (requests and queued prompt
+   tokens), the precise policy takes the one whose cache holds the fewest blocks
+   (SGLang's rule for a miss): new prefixes then split the cluster's cache evenly
+   instead of by coin flip. At low load every replica ties at zero, and coin
+   flips put 6 or more of 8 new conversations on one of two replicas 29% of the
+   time; that replica's cache overflows and its conversations' next turns miss.
 
 `PrefixAwareBase` holds that rule; subclasses say where matches come from
 (`prefix_approx.ApproxPrefixPolicy` guesses from routing history, as Ray Serve
@@ -80,7 +85,13 @@ class PrefixAwareBase(RoutingPolicy):
         if preferred is not None:
             ordered.remove(preferred)
             ordered.insert(0, preferred)
+        else:
+            ordered = self.spread(ordered)
         return tiers(ordered)
+
+    def spread(self, ordered: list[ReplicaLoad]) -> list[ReplicaLoad]:
+        """Where a prompt goes that no replica's match wins (`ordered` is by load)."""
+        return ordered
 
     def preferred(self, ordered: list[ReplicaLoad], hashes: list) -> Optional[ReplicaLoad]:
         """The replica whose prefix match beats load, if any (`ordered` is by load)."""
@@ -135,6 +146,19 @@ class PrefixAwarePolicy(PrefixAwareBase):
             if n > matched.get(rid, 0):
                 matched[rid] = n
         return matched
+
+    def spread(self, ordered: list[ReplicaLoad]) -> list[ReplicaLoad]:
+        """Among the least loaded, the replica caching the fewest blocks first (blocks
+        its in-flight prompts will add count too: their events have not arrived yet)."""
+        head = ordered[0].score[:2]
+        n = 1
+        while n < len(ordered) and ordered[n].score[:2] == head:
+            n += 1
+        if n == 1:
+            return ordered
+        held = {r.replica_id: self.kv_index.num_blocks(r.replica_id)
+                + len(self._inflight_hashes.get(r.replica_id, ())) for r in ordered[:n]}
+        return sorted(ordered[:n], key=lambda r: held[r.replica_id]) + ordered[n:]
 
     def on_routed(self, replica_id: str, request: RouteRequest) -> None:
         hashes = self.block_hashes(request)

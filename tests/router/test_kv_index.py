@@ -96,3 +96,31 @@ def test_precise_policy_hashes_as_the_engines_do_sha256_and_their_block_size():
     assert p.rank(reps, req)[0] == ["b"]
     with pytest.raises(ValueError, match="md5"):
         p.set_hashing(8, "md5")
+
+
+def test_precise_policy_sends_a_miss_to_the_replica_caching_least_among_the_least_loaded():
+    """New conversations at low load (every replica idle) split the cluster's cache evenly:
+    each goes where fewer blocks are cached, not by coin flip; load still comes first."""
+    idx = KVIndex()
+    p = PrefixAwarePolicy(block_size=BS, kv_index=idx, linger_s=0.0, seed=0)
+    seqs = {"a": 0, "b": 0}
+    held = {"a": [], "b": []}
+    for c in range(8):
+        prompt = [1000 * (c + 1) + j for j in range(12)]  # 3 blocks of its own
+        req = RouteRequest(f"c{c}", prompt)
+        (chosen,), *_ = p.rank([ReplicaLoad("a"), ReplicaLoad("b")], req)
+        p.on_routed(chosen, req)
+        p.on_completed(req.request_id)
+        # The engine caches the prompt; its events arrive.
+        seqs[chosen] += 1
+        held[chosen] += p.block_hashes(req)
+        idx.update(chosen, {"instance": chosen, "snapshot": (seqs[chosen], list(held[chosen]))})
+    assert idx.num_blocks("a") == idx.num_blocks("b") == 12
+    # Equal loads but b caches more: a. A busier a: b, whatever it caches.
+    idx.update("b", {"instance": "b", "snapshot": (99, held["b"] + [7, 8, 9])})
+    miss = RouteRequest("m", [5] * 12)
+    assert p.rank([ReplicaLoad("b"), ReplicaLoad("a")], miss)[0] == ["a"]
+    assert p.rank([ReplicaLoad("b"), ReplicaLoad("a", num_ongoing=1)], miss)[0] == ["b"]
+    # In-flight prompts count before their events arrive.
+    p.on_routed("a", RouteRequest("f", [6] * 40))
+    assert p.rank([ReplicaLoad("b"), ReplicaLoad("a")], miss)[0] == ["b"]
