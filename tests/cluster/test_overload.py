@@ -137,6 +137,7 @@ async def _burst(server, reference: dict, grpc_reference: dict) -> dict:
     return {"http_refused": sum(r["status"] == 429 for r in http),
             "http_ok": sum(r["status"] == 200 for r in http),
             "grpc_refused": sum(r["code"] == grpc.StatusCode.RESOURCE_EXHAUSTED for r in grpc_results),
+            "grpc_ok": sum(r["code"] == grpc.StatusCode.OK for r in grpc_results),
             "health_max_s": max(s for _, s in health)}
 
 
@@ -180,7 +181,9 @@ def test_ten_times_overload_is_refused_cleanly_and_admitted_requests_complete(se
     print(f"bursts: {first} {second}; RSS idle {rss_idle:.0f} MiB, after the first burst "
           f"{rss_first:.0f}, after the second {rss_second:.0f}")
     for burst in (first, second):
-        assert burst["http_refused"] > 0 and burst["http_ok"] > 0, burst  # both happened
+        # Both happened. Which protocol wins the 8 slots is a race: on a busy machine the
+        # 16 gRPC calls (one channel) once took all 8 before the 64 HTTP connections opened.
+        assert burst["http_refused"] > 0 and burst["http_ok"] + burst["grpc_ok"] > 0, burst
         assert burst["health_max_s"] < HEALTH_BOUND_S, burst
     # Bounded queues: the second burst does not add what the first one did.
     assert rss_second - rss_first < 200, (rss_idle, rss_first, rss_second)
