@@ -205,7 +205,7 @@ def run_prefix(args, port: int, url: str) -> list[dict]:
                 a["h"] += after.get("vllm:prefix_cache_hits_total", 0) - before.get("vllm:prefix_cache_hits_total", 0)
                 a["routed"] += sum(routed1.values()) - sum(routed0.values())
                 a["holder"] += routed1.get("true", 0) - routed0.get("true", 0)
-                a["p90s"].append(round(sv.summarize("", rate, results, elapsed)["ttft_p90_ms"], 1))
+                a["p90s"].append(round(1000 * sv.pct([r.ttft for r in results if r.ok], 90), 1))
                 print(f"{wname}, {policy}: round TTFT p90 {a['p90s'][-1]} ms", flush=True)
         for policy in policies:
             a = acc[policy]

@@ -207,12 +207,12 @@ class P2PTransport(Transport):
     def _send(self, pid: int, pull: dict) -> None:
         gid = pull.get("group")  # a kept gloo group the consumer names (None: one for this pull)
         gid = str(gid) if gid is not None else None
+        oid = str(pull.get("oid"))
         with self._lock:
-            held = str(pull.get("oid")) in self._outbox
+            held = oid in self._outbox
         if held and gid is not None and not pull.get("new") and self._served_groups.get(gid) is None:
             self._store.set(f"hdr/{pid}", REGROUP)  # evicted here: the consumer forms it again
             return
-        oid = str(pull.get("oid"))
         with self._lock:
             entry = self._outbox.pop(oid, None)  # handed over: the consumer has it
             if entry is not None:

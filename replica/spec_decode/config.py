@@ -90,7 +90,7 @@ FREE_DRAFT_TOKENS = {"cpu": 8, "cuda": 64}
 
 def default_free_draft_tokens(device: str) -> int:
     if device == "auto":
-        import torch
+        from fleetserve.replica.worker.device import select_device
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = select_device("auto").type
     return FREE_DRAFT_TOKENS.get(device, 0)
