@@ -8,16 +8,23 @@ and decode steps at batch 16 and 64 with 200 tokens of context each. The KV
 blocks of the requests are scattered through the cache (a shuffled free list,
 as after a while of serving). Per case it reports the median step time and a
 breakdown by kind of op from `torch.profiler` (one profiled step, scaled to the
-median): weight matmuls (linear / addmm / mm), attention (bmm, sdpa, softmax,
-masking), KV cache (index_copy_ / index_select), LM head + sampling, and the
+median): weight matmuls (linear / addmm / mm, fleetserve's small-M `linear_bf16` / `linear_f32`),
+attention (bmm, sdpa, softmax, masking), KV cache (index_copy_ / index_select), LM head + sampling, and the
 rest (norms, rotary, activations, Python). With fleetserve's CPU kernels the
 attention and KV cache parts are their fused ops. Prints a table and writes
 `benchmarks/results/decode_step.{png,json}`.
+
+`--compare-small-m` adds a row per case with bfloat16 linears through oneDNN
+instead of fleetserve's small-M kernel (replica/layers/linear.py; set aside
+while that row runs), the two timed in alternation, rep by rep:
+
+    python benchmarks/decode_step.py --cases decode-1,decode-16,decode-64 --compare-small-m
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -28,7 +35,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fleetserve.replica.kernels import isa as kernels_isa  # noqa: E402
 from fleetserve.replica.layers.attention import AttentionMetadata  # noqa: E402
+from fleetserve.replica.layers.linear import small_m_rows  # noqa: E402
 from fleetserve.replica.model_loader.registry import resolve_model  # noqa: E402
 from fleetserve.replica.model_loader.weights import allocate_kv_caches, load_model  # noqa: E402
 
@@ -37,7 +46,8 @@ GROWTH = 64
 RESULTS = Path(__file__).resolve().parent / "results"
 
 CATEGORIES = {
-    "weight matmul": ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "mkldnn::_linear_pointwise"),
+    "weight matmul": ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "mkldnn::_linear_pointwise",
+                      "fleetserve::linear_bf16", "fleetserve::linear_f32"),
     "attention": ("aten::bmm", "aten::scaled_dot_product_attention", "aten::_softmax", "aten::softmax",
                   "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::baddbmm", "fleetserve::paged_attention"),
     "kv cache": ("aten::index_copy_", "aten::index_select", "aten::index_put_", "aten::gather",
@@ -101,7 +111,7 @@ def breakdown(step) -> dict[str, float]:
                 break
     # The LM head matmul is a weight matmul too; separate it by shape: the largest single linear.
     lm = [ev.cpu_time_total / 1e6 for ev in prof.events()
-          if ev.cpu_parent is None and ev.name in ("aten::linear", "mkldnn::_linear_pointwise")]
+          if ev.cpu_parent is None and ev.name in CATEGORIES["weight matmul"]]
     if lm:
         head = lm[-1]
         parts["weight matmul"] -= head
@@ -110,6 +120,24 @@ def breakdown(step) -> dict[str, float]:
     parts["lm head + sample"] += sum(argmax)
     parts["other"] = max(0.0, total - sum(parts.values()))
     return {k: v / total for k, v in parts.items()}
+
+
+@contextlib.contextmanager
+def small_m_kernel(model, on: bool):
+    """Inside: the model's linears without fleetserve's small-M kernel when `on` is False
+    (their packed copies for it set aside, so every linear goes to oneDNN)."""
+    from fleetserve.replica.layers.linear import PackedWeightMixin
+
+    layers = [m for m in model.modules() if isinstance(m, PackedWeightMixin)]
+    kept = [m._small_m for m in layers]
+    if not on:
+        for m in layers:
+            m._small_m = None
+    try:
+        yield
+    finally:
+        for m, k in zip(layers, kept):
+            m._small_m = k
 
 
 def main() -> None:
@@ -124,6 +152,8 @@ def main() -> None:
     ap.add_argument("--no-decode-buffer", action="store_true",
                     help="gather the decode rows' KV blocks in every layer (the pre-buffer path)")
     ap.add_argument("--no-fused-norm", action="store_true", help="RMSNorm through float32 copies (HF formula)")
+    ap.add_argument("--compare-small-m", action="store_true",
+                    help="also time every case with bf16 linears through oneDNN (small-M kernel off)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from fleetserve.replica.layers.attention import PagedAttention
@@ -151,19 +181,26 @@ def main() -> None:
             case = build_case("decode", n, args.context, block_size, num_blocks, gen)
             tokens, sampled = n, n
         step = make_step(model, kv_caches, case, block_size)
-        step()
-        step()
-        times = []
+        variants = [("", True)] + ([(" oneDNN", False)] if args.compare_small_m else [])
+        times: dict[str, list] = {label: [] for label, _ in variants}
+        for label, on in variants:
+            with small_m_kernel(model, on):
+                step()
+                step()
         for _ in range(args.reps):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-        med = statistics.median(times)
-        parts = breakdown(step)
+            for label, on in variants:
+                with small_m_kernel(model, on):
+                    t0 = time.perf_counter()
+                    step()
+                    times[label].append(time.perf_counter() - t0)
         flops = 2 * (tokens * L * per_layer + sampled * cfg.vocab_size * h)
-        rows.append({"case": name, "ms": med * 1e3, "min_ms": min(times) * 1e3,
-                     "gflops_weights": flops / med / 1e9,
-                     "parts_ms": {k: v * med * 1e3 for k, v in parts.items()}})
+        for label, on in variants:
+            med = statistics.median(times[label])
+            with small_m_kernel(model, on):
+                parts = breakdown(step)
+            rows.append({"case": name + label, "ms": med * 1e3, "min_ms": min(times[label]) * 1e3,
+                         "gflops_weights": flops / med / 1e9,
+                         "parts_ms": {k: v * med * 1e3 for k, v in parts.items()}})
     cats = list(rows[0]["parts_ms"])
     print(f"model {args.model} {args.dtype}, {args.threads} threads, context {args.context}, "
           f"median of {args.reps}")
@@ -173,6 +210,7 @@ def main() -> None:
               + "".join(f"{r['parts_ms'][c]:>18.1f}" for c in cats))
     RESULTS.mkdir(parents=True, exist_ok=True)
     meta = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "context": args.context,
+            "cpu_kernels_isa": kernels_isa(), "small_m_rows": small_m_rows(dtype),
             "decode_buffer": not args.no_decode_buffer, "fused_norm": not args.no_fused_norm,
             "reps": args.reps, "rows": rows}
     (RESULTS / f"{args.out}.json").write_text(json.dumps(meta, indent=2))

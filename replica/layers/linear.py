@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fleetserve.replica.distributed.parallel import TPGroup, get_tp_group
+from fleetserve.replica.kernels import isa as kernels_isa, ops_for
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -69,8 +70,41 @@ def _can_pack(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.float32
 
 
+def _env_on(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+# Where fleetserve's small-M linear beats oneDNN here (benchmarks/decode_step.py --compare-small-m
+# and the kernel's own sweep): bfloat16 up to 128 rows (at 256 oneDNN is faster); float32 with
+# AVX-512 up to 128, with AVX2 only up to ~16 (at 64 rows it was 5% slower).
+_DEFAULT_ROWS = {("bfloat16", "avx512_bf16"): 128, ("float32", "avx512_bf16"): 128, ("float32", "avx512"): 128,
+                 ("float32", "avx2"): 16}
+
+
+def small_m_rows(dtype: torch.dtype = torch.bfloat16) -> int:
+    """Up to how many rows a linear of `dtype` takes fleetserve's small-M kernel on this CPU's
+    build (0: never). FLEETSERVE_SMALL_M_ROWS sets it for every dtype."""
+    value = os.environ.get("FLEETSERVE_SMALL_M_ROWS", "").strip()
+    if value:
+        try:
+            return max(0, int(value))
+        except ValueError:
+            raise ValueError("FLEETSERVE_SMALL_M_ROWS must be a whole number of rows") from None
+    return _DEFAULT_ROWS.get((str(dtype).removeprefix("torch."), kernels_isa() or ""), 0)
+
+
+def _can_pack_small_m(weight: torch.Tensor) -> bool:
+    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32) or weight.dim() != 2:
+        return False
+    if not _env_on("FLEETSERVE_SMALL_M_LINEAR") or ops_for(weight) is None:
+        return False
+    if (str(weight.dtype).removeprefix("torch."), kernels_isa() or "") not in _DEFAULT_ROWS:
+        return False  # that build has no such path (linear_bf16 needs AVX-512 BF16; no scalar path)
+    return small_m_rows(weight.dtype) > 0
+
+
 class PackedWeightMixin:
-    """CPU linears through oneDNN with the weight reordered once into its blocked layout.
+    """CPU linears with the weight packed once, for oneDNN and for fleetserve's small-M kernel.
 
     `F.linear` on CPU hands oneDNN a plain [out, in] weight, which it repacks on
     every call: at decode batch sizes (M = 1..64) that repacking is a large part of
@@ -80,21 +114,44 @@ class PackedWeightMixin:
     parameter; it is used only while the parameter is unchanged (same storage and
     version counter), so a reloaded or edited weight falls back to `F.linear`.
     The packed copy costs the weight's size again in memory.
+
+    With fleetserve's CPU kernels the weight is also packed for their small-M
+    linear (`linear_bf16` with AVX-512 BF16, `linear_f32` with AVX-512 or AVX2),
+    which takes batches of up to `small_m_rows(dtype)` rows (read when the weight
+    is packed): oneDNN streams the weights of a decode step at about half the
+    memory bandwidth, that kernel at nearly all of it (SmolLM2 bf16, AMD EPYC:
+    a batch-1 step 19.3 -> 13.5 ms, batch 64 78.7 -> 71.1 ms). Each row's result is
+    the same whatever else is in the batch. One more copy of the weights;
+    FLEETSERVE_SMALL_M_LINEAR=0 goes without it (and without the kernel).
     """
 
     _packed: Optional[tuple] = None
+    _small_m: Optional[tuple] = None
 
     def pack_weight(self) -> bool:
         w = self.weight
-        self._packed = None
+        self._packed = self._small_m = None
+        if _can_pack_small_m(w):
+            ops = ops_for(w)
+            pack, run = ((ops.pack_linear_bf16, ops.linear_bf16) if w.dtype == torch.bfloat16
+                         else (ops.pack_linear_f32, lambda x, p, b, n, float_out: ops.linear_f32(x, p, b, n)))
+            self._small_m = (pack(w.detach()), w._version, w.data_ptr(), w.shape[0], run, small_m_rows(w.dtype))
         if not _can_pack(w):
-            return False
+            return self._small_m is not None
         packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)  # layout tuned for M ~ 64
         self._packed = (packed, w._version, w.data_ptr())
         return True
 
-    def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        packed, w = self._packed, self.weight
+    def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor], float_out: bool = False) -> torch.Tensor:
+        """x W^T + b; `float_out`: float32 results where the small-M kernel runs (unrounded
+        accumulators; the other paths return the weight's dtype)."""
+        w = self.weight
+        small = self._small_m
+        if (small is not None and x.dim() == 2 and x.shape[0] <= small[5] and x.dtype == w.dtype
+                and small[1] == w._version and small[2] == w.data_ptr()
+                and ops_for(x) is not None):  # None on a GPU tensor or inside kernels.disabled()
+            return small[4](x, small[0], bias, small[3], float_out)
+        packed = self._packed
         if packed is not None and x.device.type == "cpu" and packed[1] == w._version and packed[2] == w.data_ptr():
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed[0], bias, "none", [], "")
         return F.linear(x, w, bias)
@@ -166,7 +223,11 @@ class ParallelLMHead(PackedWeightMixin, VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self._linear(hidden, self.bias)  # [S, vocab / tp]
+        # [S, vocab / tp]. float32 where the small-M kernel runs (every decode batch of up to
+        # 128 rows): bf16 logits are ~0.1 apart at magnitudes of 16-32, so two candidates
+        # often round to a tie that argmax then breaks by token id (SmolLM2 bf16 answered
+        # "What is the capital of France?" with "L'Étoile, ..." from such a tie).
+        logits = self._linear(hidden, self.bias, float_out=True)
         if self.tp.world_size > 1:
             logits = self.tp.all_gather(logits, dim=-1)
         return logits[..., :self.num_embeddings] if logits.shape[-1] != self.num_embeddings else logits

@@ -203,3 +203,95 @@ def test_isa_names_the_paths_built():
         if platform.machine().lower() not in ("x86_64", "amd64"):
             expected = "scalar"
     assert ops.isa() == expected == kernels.isa()
+
+
+def _bf16_linear_case(n, k, m, gen, bias=True):
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    return w, b, x
+
+
+def test_small_m_linear_bf16_matches_float64_and_is_batch_invariant():
+    """x W^T + b at decode batch sizes: every output within one bf16 step of the float64
+    result (float accumulation, one rounding), any N (tiles of 32 plus a tail), odd K, more
+    rows than one pass holds, strided rows; and a row's result does not depend on its batch."""
+    g = torch.Generator().manual_seed(0)
+    if ops.isa() != "avx512_bf16":  # the fallback builds refuse it clearly; the layers never call it
+        w, b, x = _bf16_linear_case(40, 16, 2, g)
+        with pytest.raises(RuntimeError, match="AVX-512 BF16"):
+            ops.linear_bf16(x, ops.pack_linear_bf16(w), b, 40)
+        from fleetserve.replica.layers.linear import _can_pack_small_m
+        assert not _can_pack_small_m(w)
+        return
+    for n, k in [(96, 64), (80, 48), (37, 33), (5, 2), (960, 576)]:
+        for bias in (True, False):
+            w, b, x = _bf16_linear_case(n, k, 21, g, bias)
+            packed = ops.pack_linear_bf16(w)
+            got = ops.linear_bf16(x, packed, b, n)
+            assert got.dtype == torch.bfloat16 and got.shape == (21, n)
+            ref = x.double() @ w.double().t() + (b.double() if bias else 0)
+            step = ref.abs() * 2.0 ** -8 + 1e-3  # half a bf16 step, plus float accumulation
+            assert ((got.double() - ref).abs() <= 2 * step).all(), (n, k, bias)
+            for m in (1, 3, 8, 9, 21):  # rows alone, in chunks, and past one 8-row pass
+                assert torch.equal(ops.linear_bf16(x[:m], packed, b, n), got[:m])
+            assert torch.equal(ops.linear_bf16(x[20:21], packed, b, n)[0], got[20])
+            wide = torch.randn(21, k + 7, generator=g).to(torch.bfloat16)
+            wide[:, :k] = x
+            assert torch.equal(ops.linear_bf16(wide[:, :k], packed, b, n), got)  # strided rows
+            # float_out: the same accumulators unrounded (logits), which round to `got`.
+            full = ops.linear_bf16(x, packed, b, n, True)
+            assert full.dtype == torch.float32 and torch.equal(full.to(torch.bfloat16), got)
+            torch.testing.assert_close(full.double(), ref, atol=1e-3, rtol=1e-5)
+    assert ops.linear_bf16(x[:0], packed, None, n).shape == (0, n)
+
+
+def test_small_m_linear_bf16_refuses_what_does_not_fit():
+    g = torch.Generator().manual_seed(1)
+    w, b, x = _bf16_linear_case(40, 16, 2, g)
+    packed = ops.pack_linear_bf16(w)  # packing is plain tensor code, in every build
+    assert packed.shape == (2, 8, 32, 2)
+    if ops.isa() != "avx512_bf16":  # (a fallback build from test_cpu_kernel_isas.py)
+        with pytest.raises(RuntimeError, match="AVX-512 BF16"):
+            ops.linear_bf16(x, packed, b, 40)
+        return
+    with pytest.raises(RuntimeError, match="features"):
+        ops.linear_bf16(torch.randn(2, 18).to(torch.bfloat16), packed, b, 40)
+    with pytest.raises(RuntimeError, match="does not match"):
+        ops.linear_bf16(x, packed, b, 70)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.linear_bf16(x.float(), packed, b, 40)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.linear_bf16(x, packed, b[:3], 40)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.pack_linear_bf16(w.float())
+
+
+def test_small_m_linear_f32_matches_float64_and_is_batch_invariant():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(37, 33, generator=g)
+    packed = ops.pack_linear_f32(w)
+    if ops.isa() == "scalar":  # no vector path: it refuses; the layers never pack it
+        with pytest.raises(RuntimeError, match="AVX2"):
+            ops.linear_f32(torch.randn(2, 33), packed, None, 37)
+        from fleetserve.replica.layers.linear import _can_pack_small_m
+        assert not _can_pack_small_m(w)
+        return
+    for n, k in [(96, 64), (80, 48), (37, 33), (5, 2), (960, 576)]:
+        for bias in (True, False):
+            w = torch.randn(n, k, generator=g)
+            b = torch.randn(n, generator=g) if bias else None
+            x = torch.randn(21, k, generator=g)
+            packed = ops.pack_linear_f32(w)
+            got = ops.linear_f32(x, packed, b, n)
+            ref = x.double() @ w.double().t() + (b.double() if bias else 0)
+            torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-5)
+            for m in (1, 3, 4, 5, 8, 9, 21):
+                assert torch.equal(ops.linear_f32(x[:m], packed, b, n), got[:m])
+            wide = torch.randn(21, k + 7, generator=g)
+            wide[:, :k] = x
+            assert torch.equal(ops.linear_f32(wide[:, :k], packed, b, n), got)
+    with pytest.raises(RuntimeError, match="does not match"):
+        ops.linear_f32(x, packed, b, 3)
+    with pytest.raises(RuntimeError, match="features"):
+        ops.linear_f32(torch.randn(2, k + 1), packed, b, n)

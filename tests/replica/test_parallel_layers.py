@@ -124,12 +124,16 @@ def test_tp2_gloo_matches_tp1(tmp_path, num_kv_heads):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_packed_cpu_linear_matches_f_linear_and_follows_weight_edits(dtype):
+@pytest.mark.parametrize("small_m", [True, False])
+def test_packed_cpu_linear_matches_f_linear_and_follows_weight_edits(dtype, small_m, monkeypatch):
     import torch.nn.functional as F
 
-    from fleetserve.replica.layers.linear import ColumnParallelLinear, _can_pack, pack_linear_weights
+    from fleetserve.replica.layers.linear import (ColumnParallelLinear, _can_pack, _can_pack_small_m,
+                                                  pack_linear_weights, small_m_rows)
     from fleetserve.replica.distributed.parallel import TPGroup
 
+    if not small_m:
+        monkeypatch.setenv("FLEETSERVE_SMALL_M_LINEAR", "0")
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -140,18 +144,30 @@ def test_packed_cpu_linear_matches_f_linear_and_follows_weight_edits(dtype):
     with torch.no_grad():
         layer.weight.copy_(torch.randn(80, 48, generator=g))
         layer.bias.copy_(torch.randn(80, generator=g))
-    if not _can_pack(layer.weight):
+    kernel = _can_pack_small_m(layer.weight)
+    if small_m and not kernel:
+        pytest.skip(f"no small-M {dtype} kernel in this CPU's build (bfloat16: AVX-512 BF16; float32: AVX2)")
+    if not kernel and not _can_pack(layer.weight):
         pytest.skip("oneDNN packing not available for this dtype here")
     assert pack_linear_weights(layer) == 1
-    for m in (1, 7, 64, 300):
+    assert (layer._small_m is not None) == kernel
+    rows = small_m_rows(dtype) if kernel else 0
+    op = "fleetserve::linear_bf16" if dtype == torch.bfloat16 else "fleetserve::linear_f32"
+    for m in (1, 7, 64, 300):  # 300 rows: past the small-M kernel's (at most 128 here), oneDNN
         x = torch.randn(m, 48, generator=g).to(dtype)
-        with torch.no_grad():
-            got, want = layer(x), F.linear(x, layer.weight, layer.bias)
-        if dtype == torch.bfloat16:
-            assert torch.equal(got, want)
+        with torch.no_grad(), torch.profiler.profile() as prof:
+            got = layer(x)
+        want = F.linear(x, layer.weight, layer.bias)
+        ran = {e.name for e in prof.events()}
+        assert (op in ran) == (m <= rows), ran
+        if dtype == torch.bfloat16 and m > rows:
+            assert torch.equal(got, want)  # oneDNN packed: bit-identical to F.linear
+        elif dtype == torch.bfloat16:  # another summation order: within one bf16 step
+            ref = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+            assert ((got.double() - ref).abs() <= ref.abs() * 2.0 ** -7 + 1e-3).all()
         else:
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    # An edited weight is used as edited (the stale packed copy is ignored).
+    # An edited weight is used as edited (the stale packed copies are ignored).
     with torch.no_grad():
         layer.weight.mul_(2)
         x = torch.randn(5, 48, generator=g).to(dtype)
