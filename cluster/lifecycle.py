@@ -194,4 +194,7 @@ def _delete_app(config: AppConfig) -> None:
         # reliability.graceful_shutdown_timeout_s): serve.delete alone returns before.
         delete_and_drain(config)
     except Exception as e:  # noqa: BLE001 - Serve never started, or Ray is going away
-        log.debug("serve.delete(%r): %s", config.name, e)
+        # Said out loud: Ray shuts down next, so streams still running are cut (a drain that
+        # failed here is the one way a SIGTERM can end them early).
+        log.warning("could not delete %r and wait for its replicas to drain (%s: %s); stopping Ray",
+                    config.name, type(e).__name__, e)
