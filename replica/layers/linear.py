@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +103,17 @@ def _can_pack_small_m(weight: torch.Tensor) -> bool:
     return small_m_rows(weight.dtype) > 0
 
 
+class _SmallM(NamedTuple):
+    """A weight packed for the small-M kernel, valid while the parameter is unchanged."""
+
+    packed: torch.Tensor
+    version: int
+    data_ptr: int
+    out_features: int
+    run: Callable  # (x, packed, bias, n, float_out) -> y
+    max_rows: int
+
+
 class PackedWeightMixin:
     """CPU linears with the weight packed once, for oneDNN and for fleetserve's small-M kernel.
 
@@ -119,23 +130,26 @@ class PackedWeightMixin:
     linear (`linear_bf16` with AVX-512 BF16, `linear_f32` with AVX-512 or AVX2),
     which takes batches of up to `small_m_rows(dtype)` rows (read when the weight
     is packed): oneDNN streams the weights of a decode step at about half the
-    memory bandwidth, that kernel at nearly all of it (SmolLM2 bf16, AMD EPYC:
-    a batch-1 step 19.3 -> 13.5 ms, batch 64 78.7 -> 71.1 ms). Each row's result is
+    memory bandwidth, that kernel at nearly all of it (README, CPU kernels: SmolLM2
+    bf16 decode steps 1.53x faster at batch 1, 1.10x at 64). Each row's result is
     the same whatever else is in the batch. One more copy of the weights;
     FLEETSERVE_SMALL_M_LINEAR=0 goes without it (and without the kernel).
     """
 
     _packed: Optional[tuple] = None
-    _small_m: Optional[tuple] = None
+    _small_m: Optional[_SmallM] = None
 
     def pack_weight(self) -> bool:
         w = self.weight
         self._packed = self._small_m = None
         if _can_pack_small_m(w):
             ops = ops_for(w)
-            pack, run = ((ops.pack_linear_bf16, ops.linear_bf16) if w.dtype == torch.bfloat16
-                         else (ops.pack_linear_f32, lambda x, p, b, n, float_out: ops.linear_f32(x, p, b, n)))
-            self._small_m = (pack(w.detach()), w._version, w.data_ptr(), w.shape[0], run, small_m_rows(w.dtype))
+            if w.dtype == torch.bfloat16:
+                pack, run = ops.pack_linear_bf16, ops.linear_bf16
+            else:  # float32 results already
+                pack, run = ops.pack_linear_f32, lambda x, p, b, n, float_out: ops.linear_f32(x, p, b, n)
+            self._small_m = _SmallM(pack(w.detach()), w._version, w.data_ptr(), w.shape[0], run,
+                                    small_m_rows(w.dtype))
         if not _can_pack(w):
             return self._small_m is not None
         packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)  # layout tuned for M ~ 64
@@ -147,10 +161,10 @@ class PackedWeightMixin:
         accumulators; the other paths return the weight's dtype)."""
         w = self.weight
         small = self._small_m
-        if (small is not None and x.dim() == 2 and x.shape[0] <= small[5] and x.dtype == w.dtype
-                and small[1] == w._version and small[2] == w.data_ptr()
+        if (small is not None and x.dim() == 2 and x.shape[0] <= small.max_rows and x.dtype == w.dtype
+                and small.version == w._version and small.data_ptr == w.data_ptr()
                 and ops_for(x) is not None):  # None on a GPU tensor or inside kernels.disabled()
-            return small[4](x, small[0], bias, small[3], float_out)
+            return small.run(x, small.packed, bias, small.out_features, float_out)
         packed = self._packed
         if packed is not None and x.device.type == "cpu" and packed[1] == w._version and packed[2] == w.data_ptr():
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed[0], bias, "none", [], "")

@@ -287,3 +287,30 @@ def test_prompt_logprobs_and_logprobs_match_hf(tiny_model_dir, reference):
         assert set(top) <= set(entry)
     # Prefix caching is bypassed for prompt logprobs, and nothing leaks.
     assert_no_leak(llm.core)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_request_computes_the_same_numbers_alone_and_in_a_batch(tiny_model_dir, dtype):
+    """With the small-M linears every op of a small step treats each row on its own (linears,
+    attention per token, norms, sampling), so a request's greedy tokens and logprobs are
+    bit-identical whether it runs alone or beside others. (oneDNN's linears also kept this
+    at these tiny shapes when tried; the kernels guarantee it up to their row limit.)"""
+    from fleetserve.replica.layers.linear import _SmallM, small_m_rows
+    from fleetserve.replica import kernels
+
+    torch_dtype = getattr(__import__("torch"), dtype)
+    rows = small_m_rows(torch_dtype) if kernels.cpu_ops() is not None else 0
+    prompts = ["The quick brown", "def add(", "Hello"]
+    llm = LLM(str(tiny_model_dir), dtype=dtype, num_gpu_blocks_override=128)
+    layers = [m for m in llm.core.executor.worker.runner.model.modules() if getattr(m, "_small_m", None)]
+    if not layers:
+        pytest.skip(f"no small-M {dtype} kernel here (CPU kernels: {kernels.isa() or kernels.unavailable_reason()})")
+    assert all(isinstance(m._small_m, _SmallM) for m in layers)
+    lens = [len(llm.tokenizer.encode(p)) for p in prompts]
+    assert sum(lens) <= rows, (lens, rows)  # the batched prefill stays on the kernel too
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts]
+    together = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    for a, b in zip(alone, together):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs  # exact floats, not approximately
