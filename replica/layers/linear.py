@@ -75,10 +75,11 @@ def _env_on(name: str) -> bool:
 
 
 # Where fleetserve's small-M linear beats oneDNN here (benchmarks/decode_step.py --compare-small-m
-# and the kernel's own sweep): bfloat16 up to 128 rows (at 256 oneDNN is faster); float32 with
-# AVX-512 up to 128, with AVX2 only up to ~16 (at 64 rows it was 5% slower).
+# and the kernel's own sweep): bfloat16 up to 128 rows (at 256 oneDNN is faster), float32 the
+# same. The AVX2 build was measured against oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2, as on
+# an AVX2-only CPU): faster up to 192 rows, even at 256.
 _DEFAULT_ROWS = {("bfloat16", "avx512_bf16"): 128, ("float32", "avx512_bf16"): 128, ("float32", "avx512"): 128,
-                 ("float32", "avx2"): 16}
+                 ("float32", "avx2"): 128}
 
 
 def small_m_rows(dtype: torch.dtype = torch.bfloat16) -> int:
