@@ -38,6 +38,7 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -757,7 +758,43 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   return out;
 }
 
-// ------------------------------------------------------------------------------------------ small-M bf16 linear
+// ------------------------------------------------------------------------------------------ small-M linears
+
+// Shared by linear_bf16 and linear_f32: `f(std::integral_constant<int, mc>)` for a run-time row
+// count 1 <= mc <= MCMAX, so each pass over a tile runs with its accumulators in registers.
+template <int MCMAX, typename F>
+inline void with_rows(int64_t mc, F&& f) {
+  if constexpr (MCMAX > 1) {
+    if (mc < MCMAX) return with_rows<MCMAX - 1>(mc, std::forward<F>(f));
+  }
+  f(std::integral_constant<int, MCMAX>{});
+}
+
+// Tiles of TW outputs (tile_elems weight elements each) split across threads; within a tile the
+// rows of x go in passes of up to MCMAX: tile(mc, weight tile, x rows, bias or null, out, ncols).
+template <int MCMAX, typename X, typename W, typename O, typename Tile>
+void small_m_linear(int64_t T, int64_t M, int64_t n, int64_t TW, int64_t tile_elems, const X* xp, int64_t ldx,
+                    const W* wp, const float* bp, O* op, Tile&& tile) {
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const W* wt = wp + t * tile_elems;
+      const int64_t col = t * TW, ncols = std::min<int64_t>(TW, n - col);
+      const float* b = bp ? bp + col : nullptr;
+      for (int64_t m0 = 0; m0 < M; m0 += MCMAX)
+        with_rows<MCMAX>(std::min<int64_t>(MCMAX, M - m0),
+                         [&](auto mc) { tile(mc, wt, xp + m0 * ldx, b, op + m0 * n + col, ncols); });
+    }
+  });
+}
+
+// The bias as float32 [n] (undefined when there is none).
+inline at::Tensor float_bias(const c10::optional<at::Tensor>& bias, int64_t n) {
+  if (!bias.has_value() || !bias->defined()) return at::Tensor();
+  FS_CHECK(bias->numel() == n, "bias: [n]");
+  return bias->to(at::kFloat).contiguous();
+}
+
+// small-M bf16 linear
 
 // y = x W^T (+ b) for bfloat16 at decode batch sizes (M up to ~128 rows), where oneDNN streams
 // the weights at about half the memory bandwidth (measured here at M = 1-4: 18-21 GB/s against
@@ -838,37 +875,16 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10:
 #if defined(__AVX512BF16__)
   at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
   if (K % 2 == 1) xc = at::constant_pad_nd(xc, {0, 1});  // pairs: the pad column meets zero weights
-  at::Tensor bf;
-  if (bias.has_value() && bias->defined()) {
-    FS_CHECK(bias->numel() == n, "bias: [n]");
-    bf = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bf = float_bias(bias, n);
   const bf16* xp = xc.data_ptr<bf16>();
   const int64_t ldx = xc.stride(0);
   const bf16* wp = packed.data_ptr<bf16>();
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   auto run = [&](auto* op) {
-    at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const bf16* wt = wp + t * KP2 * 2 * LIN_TW;
-        const int64_t col = t * LIN_TW, ncols = std::min<int64_t>(LIN_TW, n - col);
-        const float* b = bp ? bp + col : nullptr;
-        for (int64_t m0 = 0; m0 < M; m0 += LIN_MC) {
-          const bf16* xm = xp + m0 * ldx;
-          auto* o = op + m0 * n + col;
-          switch (std::min<int64_t>(LIN_MC, M - m0)) {
-            case 1: linear_tile<1>(wt, xm, ldx, KP2, b, o, n, ncols); break;
-            case 2: linear_tile<2>(wt, xm, ldx, KP2, b, o, n, ncols); break;
-            case 3: linear_tile<3>(wt, xm, ldx, KP2, b, o, n, ncols); break;
-            case 4: linear_tile<4>(wt, xm, ldx, KP2, b, o, n, ncols); break;
-            case 5: linear_tile<5>(wt, xm, ldx, KP2, b, o, n, ncols); break;
-            case 6: linear_tile<6>(wt, xm, ldx, KP2, b, o, n, ncols); break;
-            case 7: linear_tile<7>(wt, xm, ldx, KP2, b, o, n, ncols); break;
-            default: linear_tile<8>(wt, xm, ldx, KP2, b, o, n, ncols); break;
-          }
-        }
-      }
-    });
+    small_m_linear<LIN_MC>(T, M, n, LIN_TW, KP2 * 2 * LIN_TW, xp, ldx, wp, bp, op,
+                           [&](auto mc, const bf16* wt, const bf16* xm, const float* b, auto* o, int64_t ncols) {
+                             linear_tile<decltype(mc)::value>(wt, xm, ldx, KP2, b, o, n, ncols);
+                           });
   };
   if (float_out)
     run(out.data_ptr<float>());
@@ -968,37 +984,15 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, const c10::
   if (M == 0) return out;
 #if FS_AVX512 || FS_AVX2
   at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
-  at::Tensor bf;
-  if (bias.has_value() && bias->defined()) {
-    FS_CHECK(bias->numel() == n, "bias: [n]");
-    bf = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bf = float_bias(bias, n);
   const float* xp = xc.data_ptr<float>();
   const int64_t ldx = xc.stride(0);
   const float* wp = packed.data_ptr<float>();
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* wt = wp + t * K * LINF_TW;
-      const int64_t col = t * LINF_TW, ncols = std::min<int64_t>(LINF_TW, n - col);
-      const float* b = bp ? bp + col : nullptr;
-      for (int64_t m0 = 0; m0 < M; m0 += LINF_MC) {
-        const float* xm = xp + m0 * ldx;
-        float* o = op + m0 * n + col;
-        switch (std::min<int64_t>(LINF_MC, M - m0)) {
-          case 1: linear_tile_f32<1>(wt, xm, ldx, K, b, o, n, ncols); break;
-          case 2: linear_tile_f32<(LINF_MC >= 2 ? 2 : 1)>(wt, xm, ldx, K, b, o, n, ncols); break;
-          case 3: linear_tile_f32<(LINF_MC >= 3 ? 3 : 1)>(wt, xm, ldx, K, b, o, n, ncols); break;
-          case 4: linear_tile_f32<(LINF_MC >= 4 ? 4 : 1)>(wt, xm, ldx, K, b, o, n, ncols); break;
-          case 5: linear_tile_f32<(LINF_MC >= 5 ? 5 : 1)>(wt, xm, ldx, K, b, o, n, ncols); break;
-          case 6: linear_tile_f32<(LINF_MC >= 6 ? 6 : 1)>(wt, xm, ldx, K, b, o, n, ncols); break;
-          case 7: linear_tile_f32<(LINF_MC >= 7 ? 7 : 1)>(wt, xm, ldx, K, b, o, n, ncols); break;
-          default: linear_tile_f32<LINF_MC>(wt, xm, ldx, K, b, o, n, ncols); break;
-        }
-      }
-    }
-  });
+  small_m_linear<LINF_MC>(T, M, n, LINF_TW, K * LINF_TW, xp, ldx, wp, bp, out.data_ptr<float>(),
+                          [&](auto mc, const float* wt, const float* xm, const float* b, float* o, int64_t ncols) {
+                            linear_tile_f32<decltype(mc)::value>(wt, xm, ldx, K, b, o, n, ncols);
+                          });
   return out;
 #else
   (void)bias;

@@ -57,10 +57,14 @@ def _new_param(*shape: int) -> nn.Parameter:
 # --------------------------------------------------------------------------- packed CPU weights
 
 
+def _env_on(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def _can_pack(weight: torch.Tensor) -> bool:
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    if os.environ.get("FLEETSERVE_PACKED_LINEAR", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not _env_on("FLEETSERVE_PACKED_LINEAR"):
         return False
     if weight.dtype == torch.bfloat16:
         try:
@@ -68,10 +72,6 @@ def _can_pack(weight: torch.Tensor) -> bool:
         except (AttributeError, RuntimeError):
             return False
     return weight.dtype == torch.float32
-
-
-def _env_on(name: str) -> bool:
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 # Where fleetserve's small-M linear beats oneDNN here (benchmarks/decode_step.py --compare-small-m
