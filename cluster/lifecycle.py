@@ -112,7 +112,10 @@ def run_server(config: AppConfig) -> int:
             pass
     if not start.done.is_set():
         log.info("%s during start-up: stopping", received[0] if received else "stop")
-        _teardown(config, delete_app=start.deploying and bool(config.address))
+        # Drain what is deployed, embedded Ray or not: /health turns green when a replica is
+        # up, before serve.run returns, so requests may already be streaming (a SIGTERM from
+        # Kubernetes right after its readiness probe passed, or test_drain).
+        _teardown(config, delete_app=start.deploying)
         return 0
     if start.error is not None:
         _report_failure(start.error)
