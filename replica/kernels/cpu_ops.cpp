@@ -387,6 +387,48 @@ void reshape_and_cache_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_
 
 // ------------------------------------------------------------------------------------------ paged attention
 
+// Streams the key and value blocks of a thread's *next* (token, kv head) task into L2 while the
+// current task computes from its own (already cached) rows: the scores and P*V loops are
+// compute-bound once their rows are near, and the next task's memory traffic then overlaps them
+// instead of following them (a decode batch's KV is read from DRAM once per step). `issue(n)`
+// prefetches the next n cache lines, K and V of one block after another.
+struct NextTaskPrefetch {
+  const char* k = nullptr;   // the next task's kv-head base of the key / value cache
+  const char* v = nullptr;
+  const int64_t* blocks = nullptr;
+  int64_t block_bytes = 0;   // one head's block of one cache: BS * D * elem
+  int64_t nblocks = 0;
+  int64_t b = 0, off = 0;    // where the next line is: block b, byte off of its K then V (off >= block_bytes)
+  int64_t per = 0;           // lines per `issue()`, set by `spread`
+
+  void set(const void* kh, const void* vh, const int64_t* blk, int64_t len, int64_t BS, int64_t bytes) {
+    k = static_cast<const char*>(kh);
+    v = static_cast<const char*>(vh);
+    blocks = blk;
+    block_bytes = bytes;
+    nblocks = (len + BS - 1) / BS;
+    b = off = 0;
+  }
+  void clear() { nblocks = b = off = 0; }
+  // Spread the rest over `calls` calls of `issue()`.
+  void spread(int64_t calls) {
+    const int64_t left = (nblocks - b) * 2 * block_bytes / 64;
+    per = calls > 0 ? (left + calls - 1) / calls : left;
+  }
+  void issue() {
+    for (int64_t n = per; n > 0 && b < nblocks; --n) {
+      const char* p = off < block_bytes ? k + blocks[b] * block_bytes + off
+                                        : v + blocks[b] * block_bytes + (off - block_bytes);
+      __builtin_prefetch(p, 0, 2);
+      off += 64;
+      if (off == 2 * block_bytes) {
+        off = 0;
+        ++b;
+      }
+    }
+  }
+};
+
 // Scores for one (token, kv head): q_g . k_l for the G query heads of the group (scalar path).
 template <typename T>
 void scores_scalar(const float* qf, const T* const* kp, int64_t len, int64_t D, int64_t G, float* scores,
@@ -436,11 +478,13 @@ struct DotBF16 {
 // head's pass prefetches keys two blocks ahead and this token's values (for P*V) into L2.
 template <typename Dot, typename T, typename Q>
 void scores_avx(const Q* q, int64_t D, const T* const* kp, const T* const* vp, int64_t len, int64_t G,
-                float scale, float* scores, int64_t stride_row) {
+                float scale, float* scores, int64_t stride_row, NextTaskPrefetch& pf) {
   const __m512 sv = _mm512_set1_ps(scale);
   for (int64_t g = 0; g < G; ++g) {
     const Dot dot(q + g * D);
     for (int64_t l0 = 0; l0 < len; l0 += 16) {
+      if (g > 0)  // the first head's pass reads this task's keys from memory
+        for (int j = 0; j < 16; ++j) pf.issue();
       const int64_t n = std::min<int64_t>(16, len - l0);
       __m512 part[16];
       for (int64_t j = 0; j < 16; ++j) {
@@ -462,12 +506,13 @@ void scores_avx(const Q* q, int64_t D, const T* const* kp, const T* const* vp, i
 // out[g] = sum_l p[g][l] v[l] / sum[g], the value rows converted once for GB heads at a time.
 template <typename T, int NV, int GB>
 void pv_avx_group(const T* const* vp, int64_t len, const float* scores, int64_t stride_row, const float* inv_sum,
-                  T* out) {
+                  T* out, NextTaskPrefetch& pf) {
   constexpr int64_t D = 16 * NV;
   __m512 acc[GB][NV];
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t l = 0; l < len; ++l) {
+    pf.issue();
     const T* v = vp[l];
     if (l + 8 < len) prefetch_row(vp[l + 8], D * sizeof(T));
     __m512 vv[NV];
@@ -485,7 +530,7 @@ void pv_avx_group(const T* const* vp, int64_t len, const float* scores, int64_t 
 
 template <typename T, int NV>
 void pv_avx(const T* const* vp, int64_t len, int64_t G, const float* scores, int64_t stride_row,
-            const float* inv_sum, T* out) {
+            const float* inv_sum, T* out, NextTaskPrefetch& pf) {
   constexpr int64_t D = 16 * NV;
   // Up to GMAX heads per pass over the values (GMAX * NV accumulators stay in registers), so
   // each value row is loaded and converted once per pass, not once per head.
@@ -494,10 +539,10 @@ void pv_avx(const T* const* vp, int64_t len, int64_t G, const float* scores, int
     const int64_t n = std::min<int64_t>(GMAX, G - g);
     const float* sc = scores + g * stride_row;
     switch (n) {
-      case 4: pv_avx_group<T, NV, (GMAX >= 4 ? 4 : 1)>(vp, len, sc, stride_row, inv_sum + g, out + g * D); break;
-      case 3: pv_avx_group<T, NV, (GMAX >= 3 ? 3 : 1)>(vp, len, sc, stride_row, inv_sum + g, out + g * D); break;
-      case 2: pv_avx_group<T, NV, (GMAX >= 2 ? 2 : 1)>(vp, len, sc, stride_row, inv_sum + g, out + g * D); break;
-      default: pv_avx_group<T, NV, 1>(vp, len, sc, stride_row, inv_sum + g, out + g * D); break;
+      case 4: pv_avx_group<T, NV, (GMAX >= 4 ? 4 : 1)>(vp, len, sc, stride_row, inv_sum + g, out + g * D, pf); break;
+      case 3: pv_avx_group<T, NV, (GMAX >= 3 ? 3 : 1)>(vp, len, sc, stride_row, inv_sum + g, out + g * D, pf); break;
+      case 2: pv_avx_group<T, NV, (GMAX >= 2 ? 2 : 1)>(vp, len, sc, stride_row, inv_sum + g, out + g * D, pf); break;
+      default: pv_avx_group<T, NV, 1>(vp, len, sc, stride_row, inv_sum + g, out + g * D, pf); break;
     }
     g += n;
   }
@@ -555,12 +600,13 @@ void scores_avx2(const float* qf, const float* const* kp, int64_t len, int64_t G
 // out[g] = sum_l p[g][l] v[l] / sum[g], float values, the accumulator in registers.
 template <int NV>
 void pv_avx2(const float* const* vp, int64_t len, int64_t G, const float* scores, int64_t stride_row,
-             const float* inv_sum, float* out) {
+             const float* inv_sum, float* out, NextTaskPrefetch& pf) {
   for (int64_t g = 0; g < G; ++g) {
     __m256 acc[NV];
     for (int c = 0; c < NV; ++c) acc[c] = _mm256_setzero_ps();
     const float* p = scores + g * stride_row;
     for (int64_t l = 0; l < len; ++l) {
+      if (g == 0) pf.issue();
       const __m256 pv = _mm256_set1_ps(p[l]);
       const float* v = vp[l];
       for (int c = 0; c < NV; ++c) acc[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * c), acc[c]);
@@ -576,7 +622,8 @@ void pv_avx2(const float* const* vp, int64_t len, int64_t G, const float* scores
 // it in L1/L2: one task's keys are len * D elements).
 template <typename T>
 void decode_one(const T* q, const T* kc, const T* vc, const int64_t* blocks, int64_t len, int64_t BS, int64_t D,
-                int64_t G, float scale, T* out, std::vector<float>& scratch, std::vector<const T*>& ptrs) {
+                int64_t G, float scale, T* out, std::vector<float>& scratch, std::vector<const T*>& ptrs,
+                NextTaskPrefetch& pf) {
   const int64_t stride_row = len + 16;
   scratch.resize(static_cast<size_t>(G * stride_row + 2 * G * D + G));
   float* scores = scratch.data();          // [G, len (+16)]
@@ -597,16 +644,19 @@ void decode_one(const T* q, const T* kc, const T* vc, const int64_t* blocks, int
     }
   }
 
+  // The next task's lines go out in the key passes of heads 1.. (16 calls per 16 keys; AVX-512)
+  // and in the P*V pass (one call per row).
+  pf.spread((FS_AVX512 ? (G - 1) * 16 * ((len + 15) / 16) : 0) + len);
   bool vec = true;
   switch (D) {
 #if defined(__AVX512BF16__)
 #define FS_SCORES(NV)                                                                                 \
   if constexpr (std::is_same_v<T, bf16>)                                                            \
-    scores_avx<DotBF16<NV>>(q, D, kp, vp, len, G, scale, scores, stride_row);                       \
+    scores_avx<DotBF16<NV>>(q, D, kp, vp, len, G, scale, scores, stride_row, pf);                   \
   else                                                                                              \
-    scores_avx<DotFloat<T, NV>>(qf, D, kp, vp, len, G, 1.f, scores, stride_row);
+    scores_avx<DotFloat<T, NV>>(qf, D, kp, vp, len, G, 1.f, scores, stride_row, pf);
 #elif FS_AVX512
-#define FS_SCORES(NV) scores_avx<DotFloat<T, NV>>(qf, D, kp, vp, len, G, 1.f, scores, stride_row);
+#define FS_SCORES(NV) scores_avx<DotFloat<T, NV>>(qf, D, kp, vp, len, G, 1.f, scores, stride_row, pf);
 #endif
 #if FS_AVX512
     case 32: FS_SCORES(2) break;
@@ -665,28 +715,30 @@ void decode_one(const T* q, const T* kc, const T* vc, const int64_t* blocks, int
   // probabilities to bf16 and measured no faster here (this loop is memory-bound).
 #if FS_AVX512
   switch (D) {
-    case 32: pv_avx<T, 2>(vp, len, G, scores, stride_row, inv_sum, out); return;
-    case 64: pv_avx<T, 4>(vp, len, G, scores, stride_row, inv_sum, out); return;
-    case 128: pv_avx<T, 8>(vp, len, G, scores, stride_row, inv_sum, out); return;
-    case 256: pv_avx<T, 16>(vp, len, G, scores, stride_row, inv_sum, out); return;
+    case 32: pv_avx<T, 2>(vp, len, G, scores, stride_row, inv_sum, out, pf); return;
+    case 64: pv_avx<T, 4>(vp, len, G, scores, stride_row, inv_sum, out, pf); return;
+    case 128: pv_avx<T, 8>(vp, len, G, scores, stride_row, inv_sum, out, pf); return;
+    case 256: pv_avx<T, 16>(vp, len, G, scores, stride_row, inv_sum, out, pf); return;
     default: break;
   }
 #elif FS_AVX2
   if constexpr (std::is_same_v<T, float>) {
     switch (D) {
-      case 32: pv_avx2<4>(vp, len, G, scores, stride_row, inv_sum, out); return;
-      case 64: pv_avx2<8>(vp, len, G, scores, stride_row, inv_sum, out); return;
-      case 128: pv_avx2<16>(vp, len, G, scores, stride_row, inv_sum, out); return;
+      case 32: pv_avx2<4>(vp, len, G, scores, stride_row, inv_sum, out, pf); return;
+      case 64: pv_avx2<8>(vp, len, G, scores, stride_row, inv_sum, out, pf); return;
+      case 128: pv_avx2<16>(vp, len, G, scores, stride_row, inv_sum, out, pf); return;
       default: break;
     }
   }
 #endif
   std::fill(acc, acc + G * D, 0.f);
-  for (int64_t l = 0; l < len; ++l)
+  for (int64_t l = 0; l < len; ++l) {
+    pf.issue();
     for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * stride_row + l];
       for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p * to_f(vp[l][d]);
     }
+  }
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) out[g * D + d] = from_f<T>(acc[g * D + d] * inv_sum[g]);
 }
@@ -741,17 +793,28 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     const scalar_t* kc = k_cache.data_ptr<scalar_t>();
     const scalar_t* vc = v_cache.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
+    // Take tasks alternately from both ends: causal work grows along a prompt, and the
+    // threads each get a contiguous range of i.
+    auto task_of = [&](int64_t i) { return (i % 2 == 0) ? i / 2 : N - 1 - i / 2; };
+    const int64_t head_elems = NB * BS * D;
     at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch;
       std::vector<const scalar_t*> ptrs;
+      NextTaskPrefetch pf;
       for (int64_t i = begin; i < end; ++i) {
-        // Take tasks alternately from both ends: causal work grows along a prompt, and the
-        // threads each get a contiguous range of i.
-        const int64_t task = (i % 2 == 0) ? i / 2 : N - 1 - i / 2;
+        const int64_t task = task_of(i);
         const int64_t t = task / KVH, h = task % KVH;
         const int64_t r = trp ? trp[t] : t;
-        decode_one(qp + t * q.stride(0) + h * G * D, kc + h * NB * BS * D, vc + h * NB * BS * D, btp + r * MB,
-                   slp[t], BS, D, G, static_cast<float>(scale), op + t * H * D + h * G * D, scratch, ptrs);
+        pf.clear();
+        if (i + 1 < end) {  // the next task's rows, unless they are this task's (a prompt's tokens)
+          const int64_t nt = task_of(i + 1) / KVH, nh = task_of(i + 1) % KVH;
+          const int64_t nr = trp ? trp[nt] : nt;
+          if (nr != r || nh != h)
+            pf.set(kc + nh * head_elems, vc + nh * head_elems, btp + nr * MB, slp[nt], BS,
+                   BS * D * static_cast<int64_t>(sizeof(scalar_t)));
+        }
+        decode_one(qp + t * q.stride(0) + h * G * D, kc + h * head_elems, vc + h * head_elems, btp + r * MB,
+                   slp[t], BS, D, G, static_cast<float>(scale), op + t * H * D + h * G * D, scratch, ptrs, pf);
       }
     });
   });
