@@ -484,7 +484,7 @@ void scores_avx(const Q* q, int64_t D, const T* const* kp, const T* const* vp, i
     const Dot dot(q + g * D);
     for (int64_t l0 = 0; l0 < len; l0 += 16) {
       if (g > 0)  // the first head's pass reads this task's keys from memory
-        for (int j = 0; j < 16; ++j) pf.issue();
+        for (int64_t j = l0; j < std::min<int64_t>(l0 + 16, len); ++j) pf.issue();
       const int64_t n = std::min<int64_t>(16, len - l0);
       __m512 part[16];
       for (int64_t j = 0; j < 16; ++j) {
@@ -577,22 +577,46 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-// scores[g][l] = qf_g . k_l (qf pre-scaled), float keys, D = 8 * NV; the query in registers.
+// Lane j = the horizontal sum of v[j], for 8 vectors at once (7 hadds, 2 lane swaps, 1 add instead
+// of a shuffle-add tree per vector).
+inline __m256 hsum8x8(const __m256* v) {
+  const __m256 a01 = _mm256_hadd_ps(v[0], v[1]), a23 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 a45 = _mm256_hadd_ps(v[4], v[5]), a67 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 b0 = _mm256_hadd_ps(a01, a23);  // [v0..v3 lanes 0-3 | v0..v3 lanes 4-7]
+  const __m256 b1 = _mm256_hadd_ps(a45, a67);  // [v4..v7 lanes 0-3 | v4..v7 lanes 4-7]
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+// scores[g][l] = qf_g . k_l (qf pre-scaled), float keys, D = 8 * NV; the query in registers, 8 keys
+// at a time summed together. The first head's pass prefetches keys two rows of 8 ahead; the later
+// heads' passes (keys in L1/L2) carry the next task's prefetches.
 template <int NV>
 void scores_avx2(const float* qf, const float* const* kp, int64_t len, int64_t G, float* scores,
-                 int64_t stride_row) {
+                 int64_t stride_row, NextTaskPrefetch& pf) {
   for (int64_t g = 0; g < G; ++g) {
     __m256 q[NV];
     for (int c = 0; c < NV; ++c) q[c] = _mm256_loadu_ps(qf + g * 8 * NV + 8 * c);
-    for (int64_t l = 0; l < len; ++l) {
-      const float* k = kp[l];
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-      for (int c = 0; c + 1 < NV; c += 2) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 8 * c), q[c], a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 8 * c + 8), q[c + 1], a1);
+    for (int64_t l0 = 0; l0 < len; l0 += 8) {
+      const int64_t n = std::min<int64_t>(8, len - l0);
+      __m256 part[8];
+      for (int64_t j = 0; j < 8; ++j) {
+        if (j >= n) {
+          part[j] = _mm256_setzero_ps();
+          continue;
+        }
+        if (g == 0) {
+          if (l0 + j + 16 < len)
+            for (int c = 0; c < NV; c += 2) __builtin_prefetch(kp[l0 + j + 16] + 8 * c, 0, 3);
+        } else {
+          pf.issue();
+        }
+        const float* k = kp[l0 + j];
+        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(k), q[0]);
+        for (int c = 1; c < NV; ++c) a = _mm256_fmadd_ps(_mm256_loadu_ps(k + 8 * c), q[c], a);
+        part[j] = a;
       }
-      if (NV % 2) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(k + 8 * (NV - 1)), q[NV - 1], a0);
-      scores[g * stride_row + l] = hsum8(_mm256_add_ps(a0, a1));
+      // Rows have 16 floats of room past len (decode_one's stride_row).
+      _mm256_storeu_ps(scores + g * stride_row + l0, hsum8x8(part));
     }
   }
 }
@@ -644,9 +668,15 @@ void decode_one(const T* q, const T* kc, const T* vc, const int64_t* blocks, int
     }
   }
 
-  // The next task's lines go out in the key passes of heads 1.. (16 calls per 16 keys; AVX-512)
-  // and in the P*V pass (one call per row).
-  pf.spread((FS_AVX512 ? (G - 1) * 16 * ((len + 15) / 16) : 0) + len);
+  // The next task's lines go out in the key passes of heads 1.. (one call per key) and in the
+  // P*V pass (one call per row): vector paths only, the scalar loops call it in P*V alone.
+  bool vec_scores = false;
+#if FS_AVX512
+  vec_scores = D == 32 || D == 64 || D == 128 || D == 256;
+#elif FS_AVX2
+  vec_scores = std::is_same_v<T, float> && (D == 32 || D == 64 || D == 128);
+#endif
+  pf.spread((vec_scores ? (G - 1) * len : 0) + len);
   bool vec = true;
   switch (D) {
 #if defined(__AVX512BF16__)
@@ -671,9 +701,9 @@ void decode_one(const T* q, const T* kc, const T* vc, const int64_t* blocks, int
   if constexpr (std::is_same_v<T, float>) {
     vec = true;
     switch (D) {
-      case 32: scores_avx2<4>(qf, kp, len, G, scores, stride_row); break;
-      case 64: scores_avx2<8>(qf, kp, len, G, scores, stride_row); break;
-      case 128: scores_avx2<16>(qf, kp, len, G, scores, stride_row); break;
+      case 32: scores_avx2<4>(qf, kp, len, G, scores, stride_row, pf); break;
+      case 64: scores_avx2<8>(qf, kp, len, G, scores, stride_row, pf); break;
+      case 128: scores_avx2<16>(qf, kp, len, G, scores, stride_row, pf); break;
       default: vec = false;
     }
   }
