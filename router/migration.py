@@ -29,7 +29,9 @@ What is guaranteed:
   stop string) is sent when the stream moves (`_catch_up`); a failure inside a multi-byte
   character loses that character's text (its tokens are not lost); a stop string that
   straddles the failure point is not matched;
-- `n > 1` requests are not migrated (their choices share one stream): they fail as before.
+- `n > 1` requests are not continued once any choice has produced tokens (their choices
+  share one stream): they fail as before. One whose replica fails before its first token is
+  sent again whole (nothing reached the client; the same seeds give the same draws).
 """
 
 from __future__ import annotations
@@ -158,8 +160,8 @@ class MigratingStream:
             return "the cluster is overloaded (Serve's queue is full)"
         if self.migrations >= self._max:
             return f"already migrated {self.migrations} times ({error})"
-        if self._body["sampling_params"].get("n", 1) != 1:
-            return "requests with n > 1 are not migrated"
+        if self._body["sampling_params"].get("n", 1) != 1 and self._generated:
+            return "requests with n > 1 are not migrated once they have produced tokens"
         if self._body.get("kv_transfer_params"):
             return "requests with KV transfer parameters are not migrated"
         if 0 in self._finished:

@@ -20,7 +20,7 @@ from fleetserve.router.proto import fleetserve_pb2 as pb
 from fleetserve.router.proto import fleetserve_pb2_grpc as pb_grpc
 
 PROMPTS = [f"Stream number {i} tells a story about" for i in range(6)]
-MAX_TOKENS = 120
+MAX_TOKENS = 200  # of max_model_len 256: a long window in which to kill an engine mid-stream
 
 
 def _replica_health(server) -> dict[str, dict]:
@@ -104,27 +104,39 @@ def test_engine_core_killed_mid_stream_streams_migrate(server):
     assert len(pids) == 2 and all(pids.values()), pids
     migrated_before = _migrations(server)
     progress: dict[int, int] = {}
-    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-        ids = [pool.submit(_grpc_ids, server, p, progress, i) for i, p in enumerate(PROMPTS[:4])]
-        sse = [pool.submit(_stream, server, p, progress, i + 4) for i, p in enumerate(PROMPTS[4:])]
-        deadline = time.monotonic() + 60
-        while min(progress.get(i, 0) for i in range(len(PROMPTS))) < 5:
-            assert time.monotonic() < deadline, progress
-            time.sleep(0.05)
-        victim = sorted(pids)[0]
-        os.kill(pids[victim], signal.SIGKILL)  # mid-stream, every stream running
-        got = [f.result(timeout=240) for f in ids]
-        streamed = [f.result(timeout=240) for f in sse]
-    for prompt, token_ids in zip(PROMPTS, got):
-        assert token_ids == reference[prompt]  # nothing repeated, nothing missing
-    for res in streamed:
-        assert res["events"][-1] == "[DONE]"
-        assert res["usage"]["completion_tokens"] == MAX_TOKENS, res["usage"]
-    assert _migrations(server) > migrated_before  # the streams on the victim were continued
-    health = httpx.get(server.base_url + "/health", timeout=30).json()
-    # The dead engine is reported until Serve has replaced its replica.
-    assert health.get("unhealthy") or health["num_replicas"] == 2, health
-    _wait_healthy(server, 2, 180)  # Serve replaced it (check_health failed)
+    victim = None
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            ids = [pool.submit(_grpc_ids, server, p, progress, i) for i, p in enumerate(PROMPTS[:4])]
+            sse = [pool.submit(_stream, server, p, progress, i + 4) for i, p in enumerate(PROMPTS[4:])]
+            deadline = time.monotonic() + 60
+            while min(progress.get(i, 0) for i in range(len(PROMPTS))) < 3:
+                assert time.monotonic() < deadline, progress
+                time.sleep(0.02)
+            # Every stream has sent tokens. The victim is the replica running the most of them
+            # now, by the engines' own count: the clients read behind the engines (a fast
+            # engine had once finished every stream by the time each client had read 5 chunks,
+            # and the kill then hit an idle engine).
+            loads = server.replica_loads()
+            victim = max(loads, key=lambda r: loads[r]["num_running"])
+            assert loads[victim]["num_running"] > 0, f"no stream left running to interrupt: {loads}"
+            os.kill(pids[victim], signal.SIGKILL)  # mid-stream
+            got = [f.result(timeout=240) for f in ids]
+            streamed = [f.result(timeout=240) for f in sse]
+        for prompt, token_ids in zip(PROMPTS, got):
+            assert token_ids == reference[prompt]  # nothing repeated, nothing missing
+        for res in streamed:
+            assert res["events"][-1] == "[DONE]"
+            assert res["usage"]["completion_tokens"] == MAX_TOKENS, res["usage"]
+        assert _migrations(server) > migrated_before  # the streams on the victim were continued
+        health = httpx.get(server.base_url + "/health", timeout=30).json()
+        # The dead engine is reported until Serve has replaced its replica.
+        assert health.get("unhealthy") or health["num_replicas"] == 2, health
+    finally:
+        # Whatever failed above, the session's server gets its second replica back before
+        # the next test (Serve replaces the replica whose check_health fails).
+        if victim is not None:
+            _wait_healthy(server, 2, 180)
     assert victim not in _replica_health(server)
     assert _grpc_ids(server, PROMPTS[0], {}, 0) == reference[PROMPTS[0]]
     server.wait_idle()

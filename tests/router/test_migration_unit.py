@@ -8,7 +8,8 @@ import asyncio
 
 import pytest
 
-from fleetserve.router.migration import continuation_body, continued_seed
+from fleetserve.router.migration import (ENGINE_DEAD, MIGRATED_KEY, MigratingStream, continuation_body,
+                                         continued_seed)
 from fleetserve.scheduler import SamplingParams
 
 
@@ -59,3 +60,81 @@ def test_continued_seed_inverts_the_reseeding_stride():
     for seed in (0, 1, 1234, (1 << 63) - 1):
         for k in (0, 1, 5, 1000):
             assert (continued_seed(seed, k) * 1_000_003) % (1 << 63) == (seed * 1_000_003 + k) % (1 << 63)
+
+
+class _FakeStream:
+    """A replica stream: yields `items` (an Exception instance is raised in its place)."""
+
+    def __init__(self, items):
+        self.items = list(items)
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.items:
+            raise StopAsyncIteration
+        item = self.items.pop(0)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def _out(replica, tokens_by_choice, finished=False):
+    return {"replica": replica, "outputs": [
+        {"index": i, "text": "", "token_ids": ids, "finish_reason": "length" if finished else None}
+        for i, ids in enumerate(tokens_by_choice)]}
+
+
+def _dead(replica):
+    return {"status": 503, "replica": replica,
+            "error": {"message": "the engine is dead", "type": "ServiceUnavailableError", "code": ENGINE_DEAD}}
+
+
+def _collect(stream):
+    async def go():
+        return [item async for item in stream]
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("first", ["dead-item", "raised"])
+def test_n_gt_1_before_any_token_is_sent_again_whole(first):
+    body = {"request_id": "r", "prompt_token_ids": [1, 2, 3],
+            "sampling_params": {"n": 2, "max_tokens": 2, "seed": 9}}
+    opened = []
+    streams = [_FakeStream([_dead("A") if first == "dead-item" else RuntimeError("actor died")]),
+               _FakeStream([_out("B", [[7], [8]]), _out("B", [[9], [10]], finished=True)])]
+
+    def open_stream(b):
+        opened.append(b)
+        return streams[len(opened) - 1]
+
+    stream = MigratingStream(open_stream, body, max_migrations=2, backoff_s=0)
+    items = _collect(stream)
+    assert [o["token_ids"] for i in items for o in i["outputs"]] == [[7], [8], [9], [10]]
+    assert stream.migrations == 1 and streams[0].cancelled
+    retry = opened[1]
+    # The whole request again: same prompt, budget and seed; the dead replica avoided.
+    assert retry["prompt_token_ids"] == [1, 2, 3]
+    assert {k: retry["sampling_params"][k] for k in ("n", "max_tokens", "seed")} == body["sampling_params"]
+    assert retry[MIGRATED_KEY] == 1
+    if first == "dead-item":
+        assert retry["_fleetserve_avoid_replicas"] == ["A"]
+
+
+def test_n_gt_1_after_tokens_is_not_continued():
+    body = {"request_id": "r", "prompt_token_ids": [1, 2, 3],
+            "sampling_params": {"n": 2, "max_tokens": 4}}
+    streams = [_FakeStream([_out("A", [[7], [8]]), RuntimeError("actor died")])]
+    stream = MigratingStream(lambda b: streams.pop(0), body, max_migrations=2, backoff_s=0)
+
+    async def go():
+        got = [await stream.__anext__()]
+        with pytest.raises(RuntimeError, match="actor died"):
+            await stream.__anext__()
+        return got
+    assert len(asyncio.run(go())) == 1 and stream.migrations == 0
