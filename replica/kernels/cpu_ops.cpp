@@ -390,8 +390,9 @@ void reshape_and_cache_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_
 // Streams the key and value blocks of a thread's *next* (token, kv head) task into L2 while the
 // current task computes from its own (already cached) rows: the scores and P*V loops are
 // compute-bound once their rows are near, and the next task's memory traffic then overlaps them
-// instead of following them (a decode batch's KV is read from DRAM once per step). `issue(n)`
-// prefetches the next n cache lines, K and V of one block after another.
+// instead of following them (a decode batch's KV is read from DRAM once per step). `spread(calls)`
+// sets how many lines each of the task's `issue()` calls prefetches, K and V of one block after
+// another, so that the next task's blocks are on their way by the end of this one.
 struct NextTaskPrefetch {
   const char* k = nullptr;   // the next task's kv-head base of the key / value cache
   const char* v = nullptr;
@@ -424,8 +425,8 @@ struct NextTaskPrefetch {
   }
   // Blocks this thread prefetched or read in this call, direct-mapped by address: a block that
   // many rows share (a common prompt prefix) is fetched once, not once per row (its lines are
-  // then in cache, and re-prefetching them cost more than the overlap won: 12.5 -> 14 ms per
-  // step at batch 64 with 128 of 200 tokens shared, before this table).
+  // then in cache, and re-prefetching them cost more than the overlap won: 12.8 -> 13.8 ms
+  // per step at batch 64 with 128 of 200 tokens shared, before this table).
   static constexpr int64_t SEEN = 512;
   const char* seen[SEEN] = {};
 
