@@ -136,6 +136,52 @@ inline __m512 hsum16x16(const __m512* v) {
 }
 #endif
 
+#if FS_AVX2
+// 8-lane float loads/stores of float or bf16 data (bf16: the bits shifted into the float's high
+// half; stores round to nearest even, NaN kept, as c10::BFloat16 does).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(bf16* p, __m256 v) {
+  __m256i i = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(i, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(i, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  // 32 -> 16 bits: packus works within 128-bit lanes, so put lanes 0-3 and 4-7 side by side first.
+  __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
+}
+
+// e^x as exp16 (Cody-Waite reduction, degree-7 Taylor), 2^n built in the exponent bits.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365478515625f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  // n in [-126, 127] after the clamp: 2^n is a normal float.
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
 // Error messages are built from std::string pieces (integers through std::to_string), never with
 // an ostream: TORCH_CHECK's own formatting puts an ostringstream in this library, and on a GPU
 // machine (g++ 13.3, Ubuntu 24.04, torch 2.11+cu130) that crashed the process while formatting an
@@ -188,6 +234,13 @@ void rms_norm_row(const T* x, const T* w, T* y, int64_t n, float eps) {
     acc = _mm512_fmadd_ps(v, v, acc);
   }
   ss = _mm512_reduce_add_ps(acc);
+#elif FS_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = load8(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  ss = hsum8(acc);
 #endif
   for (; i < n; ++i) ss += to_f(x[i]) * to_f(x[i]);
   const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
@@ -197,6 +250,9 @@ void rms_norm_row(const T* x, const T* w, T* y, int64_t n, float eps) {
   for (; i + 16 <= n; i += 16) {
     store16(y + i, _mm512_mul_ps(_mm512_mul_ps(load16(x + i), rv), load16(w + i)));
   }
+#elif FS_AVX2
+  __m256 rv = _mm256_set1_ps(r);
+  for (; i + 8 <= n; i += 8) store8(y + i, _mm256_mul_ps(_mm256_mul_ps(load8(x + i), rv), load8(w + i)));
 #endif
   for (; i < n; ++i) y[i] = from_f<T>(to_f(x[i]) * r * to_f(w[i]));
 }
@@ -249,6 +305,8 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const
         int64_t i = 0;
 #if FS_AVX512
         for (; i + 16 <= n; i += 16) store16(sr + i, _mm512_add_ps(load16(xr + i), load16(rr + i)));
+#elif FS_AVX2
+        for (; i + 8 <= n; i += 8) store8(sr + i, _mm256_add_ps(load8(xr + i), load8(rr + i)));
 #endif
         for (; i < n; ++i) sr[i] = from_f<scalar_t>(to_f(xr[i]) + to_f(rr[i]));
         rms_norm_row(sr, wp, op + r * n, n, static_cast<float>(eps));
@@ -297,6 +355,13 @@ void rotary_embedding_(at::Tensor& qk, const at::Tensor& cos_sin_cache, const at
             store16(x + i, _mm512_fmsub_ps(x1, cv, _mm512_mul_ps(x2, sv)));
             store16(x + half + i, _mm512_fmadd_ps(x2, cv, _mm512_mul_ps(x1, sv)));
           }
+#elif FS_AVX2
+          for (; i + 8 <= half; i += 8) {
+            __m256 x1 = load8(x + i), x2 = load8(x + half + i);
+            __m256 cv = _mm256_loadu_ps(c.data() + i), sv = _mm256_loadu_ps(s.data() + i);
+            store8(x + i, _mm256_fmsub_ps(x1, cv, _mm256_mul_ps(x2, sv)));
+            store8(x + half + i, _mm256_fmadd_ps(x2, cv, _mm256_mul_ps(x1, sv)));
+          }
 #endif
           for (; i < half; ++i) {
             const float x1 = to_f(x[i]), x2 = to_f(x[half + i]);
@@ -336,6 +401,13 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
           __m512 gv = load16(g + i);
           __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
           store16(o + i, _mm512_mul_ps(_mm512_mul_ps(gv, sig), load16(u + i)));
+        }
+#elif FS_AVX2
+        const __m256 one = _mm256_set1_ps(1.f);
+        for (; i + 8 <= d; i += 8) {
+          __m256 gv = load8(g + i);
+          __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+          store8(o + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), load8(u + i)));
         }
 #endif
         for (; i < d; ++i) {
@@ -576,32 +648,6 @@ void pv_avx(const T* const* vp, int64_t len, int64_t G, const float* scores, int
 #endif
 
 #if FS_AVX2
-inline float hsum8(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
-}
-
-// e^x as exp16 (Cody-Waite reduction, degree-7 Taylor), 2^n built in the exponent bits.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-87.3365478515625f));
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
-  __m256 p = _mm256_set1_ps(1.0f / 5040);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 720));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  // n in [-126, 127] after the clamp: 2^n is a normal float.
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 // Lane j = the horizontal sum of v[j], for 8 vectors at once (7 hadds, 2 lane swaps, 1 add instead
 // of a shuffle-add tree per vector).
 inline __m256 hsum8x8(const __m256* v) {

@@ -80,6 +80,29 @@ def test_silu_and_mul(dtype, d):
     torch.testing.assert_close(ops.silu_and_mul(x).double(), F.silu(gate) * up, **tol(dtype))
 
 
+def test_bf16_stores_round_half_to_even_and_keep_specials():
+    """Every vector path's bf16 store (AVX-512's and AVX2's own rounding code) against torch's
+    add: float sums that sit exactly halfway between two bf16 values round to the even one, and
+    inf / NaN come through (a rounding bias of half a step in every residual add would drift
+    a whole forward away from the reference)."""
+    n = 64  # whole vectors on every path
+    ones = torch.ones(4, n, dtype=torch.bfloat16)
+    # 1 + k * 2^-8: exactly halfway between bf16 neighbours (step 2^-7) for odd k.
+    half_steps = (torch.arange(4 * n).view(4, n) % 7) * 2.0 ** -8
+    x = ones.clone()
+    r = half_steps.to(torch.bfloat16)
+    x[0, 3], r[1, 5], x[2, 9], r[3, 11] = float("nan"), float("inf"), float("-inf"), float("nan")
+    w = torch.ones(n, dtype=torch.bfloat16)
+    _, s = ops.fused_add_rms_norm(x, r, w, 1e-5)
+    torch.testing.assert_close(s, x + r, atol=0, rtol=0, equal_nan=True)
+    assert s[0, 3].isnan() and s[1, 5] == float("inf") and s[2, 9] == float("-inf") and s[3, 11].isnan()
+    # NaN in a gate comes out NaN, never clamped into a number by the exp's range limits.
+    g = torch.randn(2, 2 * n).to(torch.bfloat16)
+    g[1, 7] = float("nan")
+    y = ops.silu_and_mul(g)
+    assert y[1, 7].isnan() and not y[0].isnan().any()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_reshape_and_cache(dtype):
     KVH, NB, BS, D, T = 3, 10, 4, 8, 5
