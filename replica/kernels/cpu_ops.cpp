@@ -4,8 +4,8 @@
 // replica/kernels/__init__.py with -O3 -march=native and cached per machine.
 // float32 and bfloat16; float accumulation everywhere; each output is rounded
 // to the tensor's dtype once. AVX-512 paths where the CPU has it (with BF16 dot
-// products where it has those), AVX2+FMA float paths for attention without it,
-// scalar loops otherwise. `isa()` names the paths a build compiled in;
+// products where it has those), AVX2+FMA paths without it (float32 attention and
+// linears; the element-wise ops in float32 and bf16), scalar loops otherwise. `isa()` names the paths a build compiled in;
 // FLEETSERVE_CPU_MARCH builds for another -march (the tests build every
 // fallback the host can run: tests/replica/test_cpu_kernel_isas.py).
 //
@@ -47,8 +47,9 @@
 #else
 #define FS_AVX512 0
 #endif
-// AVX2 + FMA without AVX-512 (e.g. AMD EPYC Rome/Milan): 8-lane float paths for attention, the
-// one kernel whose scalar fallback cannot be auto-vectorized (dot-product reductions and exp).
+// AVX2 + FMA without AVX-512 (e.g. AMD EPYC Rome/Milan): 8-lane paths wherever the scalar loop
+// would not vectorize (reductions and exp: with -ffp-contract=off and no -ffast-math GCC keeps a
+// float sum sequential, and std::exp is a call per element).
 #if !FS_AVX512 && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define FS_AVX2 1
