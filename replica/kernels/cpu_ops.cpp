@@ -5,9 +5,10 @@
 // float32 and bfloat16; float accumulation everywhere; each output is rounded
 // to the tensor's dtype once. AVX-512 paths where the CPU has it (with BF16 dot
 // products where it has those), AVX2+FMA paths without it (float32 attention and
-// linears; the element-wise ops in float32 and bf16), scalar loops otherwise. `isa()` names the paths a build compiled in;
-// FLEETSERVE_CPU_MARCH builds for another -march (the tests build every
-// fallback the host can run: tests/replica/test_cpu_kernel_isas.py).
+// linears; the element-wise ops in float32 and bf16), scalar loops otherwise.
+// `isa()` names the paths a build compiled in; FLEETSERVE_CPU_MARCH builds for
+// another -march (the tests build every fallback the host can run:
+// tests/replica/test_cpu_kernel_isas.py).
 //
 //   rms_norm(x, w, eps) -> y                        y = x / rms(x) * w
 //   fused_add_rms_norm(x, residual, w, eps) -> (y, s) s = x + residual (rounded); y = rms_norm(s)
