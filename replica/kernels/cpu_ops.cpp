@@ -938,16 +938,26 @@ inline void with_rows(int64_t mc, F&& f) {
 
 // Tiles of TW outputs (tile_elems weight elements each) split across threads; within a tile the
 // rows of x go in passes of up to MCMAX: tile(mc, weight tile, x rows, bias or null, out, ncols).
+// Past SMALL_M_ROW_BLOCK rows (prefill chunks) a task is one tile for one block of that many
+// rows, so a weight of few tiles (576 outputs: 18) still spreads over many threads; a tile's
+// row blocks are consecutive tasks, so a thread finds its tile in L2. Each output is the same
+// sequence of operations whatever M is and however the rows are blocked.
+constexpr int64_t SMALL_M_ROW_BLOCK = 256;
+
 template <int MCMAX, typename X, typename W, typename O, typename Tile>
 void small_m_linear(int64_t T, int64_t M, int64_t n, int64_t TW, int64_t tile_elems, const X* xp, int64_t ldx,
                     const W* wp, const float* bp, O* op, Tile&& tile) {
-  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
+  static_assert(SMALL_M_ROW_BLOCK % MCMAX == 0, "row blocks hold whole passes");
+  const int64_t nrb = (M + SMALL_M_ROW_BLOCK - 1) / SMALL_M_ROW_BLOCK;
+  at::parallel_for(0, T * nrb, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = task / nrb, rb = task % nrb;
       const W* wt = wp + t * tile_elems;
       const int64_t col = t * TW, ncols = std::min<int64_t>(TW, n - col);
       const float* b = bp ? bp + col : nullptr;
-      for (int64_t m0 = 0; m0 < M; m0 += MCMAX)
-        with_rows<MCMAX>(std::min<int64_t>(MCMAX, M - m0),
+      const int64_t m_end = std::min<int64_t>(M, (rb + 1) * SMALL_M_ROW_BLOCK);
+      for (int64_t m0 = rb * SMALL_M_ROW_BLOCK; m0 < m_end; m0 += MCMAX)
+        with_rows<MCMAX>(std::min<int64_t>(MCMAX, m_end - m0),
                          [&](auto mc) { tile(mc, wt, xp + m0 * ldx, b, op + m0 * n + col, ncols); });
     }
   });

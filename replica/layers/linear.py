@@ -75,10 +75,12 @@ def _can_pack(weight: torch.Tensor) -> bool:
 
 
 # Where fleetserve's small-M linear beats oneDNN here (benchmarks/decode_step.py --compare-small-m
-# and the kernel's own sweep): bfloat16 up to 128 rows (at 256 oneDNN is faster), float32 the
-# same. The AVX2 build was measured against oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2, as on
-# an AVX2-only CPU): faster up to 192 rows, even at 256.
-_DEFAULT_ROWS = {("bfloat16", "avx512_bf16"): 128, ("float32", "avx512_bf16"): 128, ("float32", "avx512"): 128,
+# and the kernel's own sweep, 30 layers of distinct weights as in a model). bfloat16: at every
+# size up to 4096 rows, prefill chunks included (1.10x at 256-512 rows, 1.03x at 2048, 1.01x at
+# 4096; 0.88x at 8192). float32 with AVX-512: up to 128 (at 1024-2048 rows oneDNN is 1.08-1.1x
+# faster). The AVX2 build was measured against oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2, as
+# on an AVX2-only CPU): faster up to 192 rows, even at 256.
+_DEFAULT_ROWS = {("bfloat16", "avx512_bf16"): 4096, ("float32", "avx512_bf16"): 128, ("float32", "avx512"): 128,
                  ("float32", "avx2"): 128}
 
 
@@ -132,8 +134,9 @@ class PackedWeightMixin:
     which takes batches of up to `small_m_rows(dtype)` rows (read when the weight
     is packed): oneDNN streams the weights of a decode step at about half the
     memory bandwidth, that kernel at nearly all of it (README, CPU kernels: SmolLM2
-    bf16 decode steps 1.53x faster at batch 1, 1.10x at 64). Each row's result is
-    the same whatever else is in the batch. One more copy of the weights;
+    bf16 decode steps 1.53x faster at batch 1, 1.10x at 64; in bf16 it also takes
+    prefill chunks, up to 4096 rows: 1.02-1.07x). Each row's result is the same
+    whatever else is in the batch. One more copy of the weights;
     FLEETSERVE_SMALL_M_LINEAR=0 goes without it (and without the kernel).
     """
 

@@ -267,6 +267,15 @@ def test_small_m_linear_bf16_matches_float64_and_is_batch_invariant():
             assert full.dtype == torch.float32 and torch.equal(full.to(torch.bfloat16), got)
             torch.testing.assert_close(full.double(), ref, atol=1e-3, rtol=1e-5)
     assert ops.linear_bf16(x[:0], packed, None, n).shape == (0, n)
+    # Prefill-sized batches: past 256 rows the kernel splits rows into blocks across threads;
+    # every row still gets the same result as alone.
+    w, b, x = _bf16_linear_case(80, 48, 600, g)
+    packed = ops.pack_linear_bf16(w)
+    got = ops.linear_bf16(x, packed, b, 80)
+    ref = x.double() @ w.double().t() + b.double()
+    assert ((got.double() - ref).abs() <= 2 * (ref.abs() * 2.0 ** -8 + 1e-3)).all()
+    for lo, hi in [(0, 1), (250, 262), (255, 257), (256, 600), (599, 600)]:
+        assert torch.equal(ops.linear_bf16(x[lo:hi], packed, b, 80), got[lo:hi]), (lo, hi)
 
 
 def test_small_m_linear_bf16_refuses_what_does_not_fit():
@@ -314,6 +323,12 @@ def test_small_m_linear_f32_matches_float64_and_is_batch_invariant():
             wide = torch.randn(21, k + 7, generator=g)
             wide[:, :k] = x
             assert torch.equal(ops.linear_f32(wide[:, :k], packed, b, n), got)
+    x = torch.randn(600, k, generator=g)  # past 256 rows: row blocks across threads
+    got = ops.linear_f32(x, packed, b, n)
+    torch.testing.assert_close(got.double(), x.double() @ w.double().t() + (b.double() if bias else 0),
+                               atol=1e-4, rtol=1e-5)
+    for lo, hi in [(0, 1), (255, 257), (256, 600)]:
+        assert torch.equal(ops.linear_f32(x[lo:hi], packed, b, n), got[lo:hi]), (lo, hi)
     with pytest.raises(RuntimeError, match="does not match"):
         ops.linear_f32(x, packed, b, 3)
     with pytest.raises(RuntimeError, match="features"):

@@ -153,7 +153,8 @@ def test_packed_cpu_linear_matches_f_linear_and_follows_weight_edits(dtype, smal
     assert (layer._small_m is not None) == kernel
     rows = small_m_rows(dtype) if kernel else 0
     op = "fleetserve::linear_bf16" if dtype == torch.bfloat16 else "fleetserve::linear_f32"
-    for m in (1, 7, 64, 300):  # 300 rows: past the small-M kernel's (at most 128 here), oneDNN
+    # 300 rows: past the float32 kernel's limit (128); rows + 1: past any kernel's limit, oneDNN.
+    for m in (1, 7, 64, 300, rows + 1):
         x = torch.randn(m, 48, generator=g).to(dtype)
         with torch.no_grad(), torch.profiler.profile() as prof:
             got = layer(x)
