@@ -47,7 +47,11 @@ def _body(rid, n, max_tokens):
 
 def test_queued_tokens_beyond_kv_room_get_429(replica):
     async def go():
-        running = replica.generate(_body("a", 100, 25))
+        # A short prompt and a long answer (120 of max_model_len 128): "a" keeps the one running
+        # slot for ~110 steps while the two waiters are queued behind it. With 100 -> 25 tokens the
+        # tiny model once finished "a" before the waiters reached the engine (CI, 2026-11-26), and
+        # the wait below timed out with nothing queued.
+        running = replica.generate(_body("a", 10, 110))
         assert "outputs" in await running.__anext__()
         waiting = [replica.generate(_body(f"w{i}", 100, 2)) for i in range(2)]
         firsts = [asyncio.ensure_future(w.__anext__()) for w in waiting]
