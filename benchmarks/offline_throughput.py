@@ -80,13 +80,14 @@ def workload(name: str, tokenizer, num_prompts: int, seed: int = 0):
 
 # ---- engines -----------------------------------------------------------------------------
 def run_fleetserve(model: str, dtype: str, prompts, outputs, max_num_seqs: int,
-                   device: str = "cpu") -> dict:
+                   device: str = "cpu", enforce_eager: bool = False) -> dict:
     from fleetserve.replica.llm import LLM
     from fleetserve.scheduler import SamplingParams
 
     llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
-              enable_prefix_caching=False, kv_cache_memory_bytes=2 << 30, device=device)
-    warm = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)] * 4
+              enable_prefix_caching=False, kv_cache_memory_bytes=2 << 30, device=device,
+              enforce_eager=enforce_eager)
+    warm = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)] * len(prompts[:4])
     llm.generate(prompts[:4], warm, use_tqdm=False)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
     t0 = time.perf_counter()
@@ -94,7 +95,11 @@ def run_fleetserve(model: str, dtype: str, prompts, outputs, max_num_seqs: int,
     elapsed = time.perf_counter() - t0
     ntok = sum(len(o.outputs[0].token_ids) for o in outs)
     ttft = statistics.mean(o.metrics.ttft for o in outs)
-    return {"tok_s": ntok / elapsed, "ttft": ttft, "elapsed": elapsed, "tokens": ntok}
+    graphs = llm.core.executor.worker.runner.decode_graphs
+    extra = {} if graphs is None else {"graphs": graphs.num_graphs, "replays": graphs.num_replays,
+                                       "capture_s": round(graphs.capture_seconds, 2)}
+    llm.core.shutdown()
+    return {"tok_s": ntok / elapsed, "ttft": ttft, "elapsed": elapsed, "tokens": ntok, **extra}
 
 
 def run_hf(hf_dir: str, dtype: str, prompts, outputs, batch_size: int, device: str = "cpu") -> dict:
@@ -274,6 +279,10 @@ def main() -> None:
                     runs.setdefault("fleetserve", []).append(
                         run_fleetserve(args.model, dtype, prompts, outputs, max_num_seqs=max(64, n),
                                        device=args.device))
+                if "fleetserve-eager" in engines:  # on a GPU: no CUDA graphs (--enforce-eager)
+                    runs.setdefault("fleetserve-eager", []).append(
+                        run_fleetserve(args.model, dtype, prompts, outputs, max_num_seqs=max(64, n),
+                                       device=args.device, enforce_eager=True))
                 if "hf" in engines:
                     runs.setdefault("hf-static", []).append(
                         run_hf(hf_dir, dtype, prompts, outputs, args.hf_batch_size, args.device))
@@ -311,7 +320,7 @@ def main() -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    header = f"{'workload':<9}{'dtype':<10}{'engine':<12}{'out tok/s':>10}{'mean TTFT s':>12}" \
+    header = f"{'workload':<9}{'dtype':<10}{'engine':<18}{'out tok/s':>10}{'mean TTFT s':>12}" \
              f"{'fleetserve/x':>13}{'% ceil (out)':>14}{'% ceil (all)':>14}"
     print(header)
     print("-" * len(header))
@@ -320,7 +329,7 @@ def print_table(rows: list[dict]) -> None:
         mfu = "" if r.get("mfu_all_tokens") is None else f"{100 * r['mfu_all_tokens']:.1f}%"
         ratio = "" if r.get("fs_over_this") is None else f"{r['fs_over_this']:.2f}x"
         rounds = "" if len(r.get("all_tok_s", [])) < 2 else "  rounds: " + ", ".join(map(str, r["all_tok_s"]))
-        print(f"{r['workload']:<9}{r['dtype']:<10}{r['engine']:<12}{r['tok_s']:>10.1f}"
+        print(f"{r['workload']:<9}{r['dtype']:<10}{r['engine']:<18}{r['tok_s']:>10.1f}"
               f"{r['ttft']:>12.2f}{ratio:>13}{frac:>14}{mfu:>14}{rounds}")
 
 

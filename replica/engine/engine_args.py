@@ -68,6 +68,12 @@ class EngineArgs(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1, description=(
         "Ranks per replica (one Ray actor each, 1 CPU each); it must divide the model's "
         "attention heads (smollm2-135m: 1 or 3)."))
+    enforce_eager: bool = Field(False, description=(
+        "Run every step eagerly: no CUDA graphs for decode steps on a GPU (CPUs never use "
+        "them)."))
+    max_seq_len_to_capture: int = Field(8192, ge=1, description=(
+        "Longest sequence (tokens) a decode step replayed from a CUDA graph may hold; "
+        "steps with longer rows run eagerly."))
     placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD"] = Field("PACK", description=(
         "Ray placement group strategy for the tensor-parallel ranks."))
     max_waiting_requests: int = Field(1024, ge=1, description=(

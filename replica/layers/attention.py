@@ -109,6 +109,9 @@ class AttentionMetadata:
     block_table: Optional[torch.Tensor] = None
     token_req: Optional[torch.Tensor] = None
     token_seq_lens: Optional[torch.Tensor] = None
+    # Built from a CUDA graph's static buffers (`static_decode`): every tensor above is a view of
+    # them or computed from them inside the graph, so nothing is carried between steps.
+    static: bool = False
     _successor: dict = field(default_factory=dict)
     # (num_kv_heads, num_blocks) -> rows of the [kv_heads * num_blocks, block] cache view to gather.
     _gather_index: dict = field(default_factory=dict)
@@ -211,6 +214,31 @@ class AttentionMetadata:
                 chunk.mask = (key_pos[None, :] <= (c + torch.arange(q))[:, None]).to(device)
             md.prefills.append(chunk)
         return md
+
+    @staticmethod
+    def static_decode(token_ids_positions_slots_lens: torch.Tensor, table: torch.Tensor,
+                      block_size: int) -> "AttentionMetadata":
+        """Metadata of a decode-only batch over fixed buffers, for CUDA graphs (worker/cuda_graph.py).
+
+        `token_ids_positions_slots_lens` is [4, B] long (rows: token id, position, cache slot,
+        sequence length incl. the new token), `table` [B, W] long: each row's first W block ids
+        (padded with blocks whose keys the lengths mask). The index tensors derived from them
+        (gather index, length mask) are computed here, so a graph captured around the forward
+        recomputes them from whatever the buffers hold at replay. The decode buffer is off.
+        """
+        B, W = table.shape
+        seq_lens = token_ids_positions_slots_lens[3]
+        valid = torch.arange(W * block_size, device=table.device)[None, :] < seq_lens[:, None]
+        bias = torch.zeros(valid.shape, dtype=torch.float32, device=table.device).masked_fill_(
+            ~valid, float("-inf"))[None, :, None, :]
+        contiguous_table = table.contiguous()
+        return AttentionMetadata(
+            num_tokens=B, block_size=block_size, query_lens=[1] * B, context_lens=[],
+            slot_mapping=token_ids_positions_slots_lens[2], positions=token_ids_positions_slots_lens[1],
+            last_token_indices=torch.arange(B, device=table.device), num_decodes=B,
+            decode_slice=slice(0, B), decode_block_ids=contiguous_table.view(-1), decode_max_blocks=W,
+            decode_bias=bias, decode_seq_lens=seq_lens, decode_max_len=W * block_size,
+            block_table=contiguous_table, token_req=None, token_seq_lens=seq_lens, static=True)
 
     def _build_decodes(self, rows: list[int], table: torch.Tensor, starts: torch.Tensor, seq_lens: list[int],
                        block_size: int, device: torch.device, request_ids: Optional[list] = None) -> None:
@@ -316,7 +344,7 @@ class PagedAttention(nn.Module):
         steady state of decoding), appends the new token; it is re-gathered when
         the batch changes or the width W (a block of headroom) runs out.
         """
-        if not self.use_decode_buffer:
+        if not self.use_decode_buffer or md.static:
             return None
         KVH, D = self.num_kv_heads, self.head_dim
         B, bs = md.num_decodes, md.block_size

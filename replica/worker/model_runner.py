@@ -68,6 +68,8 @@ class ModelRunner:
         # A KV connector that moves KV layer by layer (its hooks run around each layer of the
         # forward); set by the worker only for a connector that asks (None: no per-layer call).
         self.kv_hooks = None
+        # CUDA graphs of decode steps (worker/cuda_graph.py); None: every step runs eagerly.
+        self.decode_graphs = None
 
     @classmethod
     def load(cls, source, *, device: torch.device, dtype: torch.dtype, block_size: int,
@@ -81,12 +83,22 @@ class ModelRunner:
         own = kv_cache_bytes_per_block(self.hf_config, self.block_size, self.dtype, self.tp_size)
         return own + (self.proposer.bytes_per_block() if self.proposer is not None else 0)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_caches(self.hf_config, num_blocks, self.block_size,
+    def initialize_kv_cache(self, num_blocks: int, decode_graphs=None) -> None:
+        """`decode_graphs` (a cuda_graph.DecodeGraphConfig): replay decode steps from CUDA graphs;
+        the cache then holds one scratch block past `num_blocks` for the graphs' padded rows."""
+        extra = 1 if decode_graphs is not None else 0
+        self.decode_graphs = None
+        self.kv_caches = allocate_kv_caches(self.hf_config, num_blocks + extra, self.block_size,
                                             self.dtype, self.device, self.tp_size)
         if self.proposer is not None:
             self.proposer.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
+        if decode_graphs is not None:
+            from fleetserve.replica.worker.cuda_graph import DecodeGraphs
+
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, scratch_block=num_blocks,
+                                              block_size=self.block_size, config=decode_graphs,
+                                              device=self.device)
 
     # ---- persistent batch -------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -149,12 +161,19 @@ class ModelRunner:
             state.num_computed_tokens = start + n
 
         device = self.device
-        attn_metadata = AttentionMetadata.build(
-            query_lens, context_lens, [s.block_ids for s in states], self.block_size, device,
-            request_ids=req_ids)
-        input_t = torch.tensor(input_ids, dtype=torch.long, device=device)
-        positions_t = torch.tensor(positions, dtype=torch.long, device=device)
-        hidden = self.model(input_t, positions_t, self.kv_caches, attn_metadata, self.kv_hooks)
+        graph_key = None
+        if (self.decode_graphs is not None and offset == len(req_ids)  # one token per request
+                and self.kv_hooks is None and self.proposer is None):
+            graph_key = self.decode_graphs.bucket(len(req_ids), -(-(max(positions) + 1) // self.block_size))
+        if graph_key is not None:
+            hidden = self.decode_graphs.run(graph_key, input_ids, positions, [s.block_ids for s in states])
+        else:
+            attn_metadata = AttentionMetadata.build(
+                query_lens, context_lens, [s.block_ids for s in states], self.block_size, device,
+                request_ids=req_ids)
+            input_t = torch.tensor(input_ids, dtype=torch.long, device=device)
+            positions_t = torch.tensor(positions, dtype=torch.long, device=device)
+            hidden = self.model(input_t, positions_t, self.kv_caches, attn_metadata, self.kv_hooks)
 
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: dict = {}

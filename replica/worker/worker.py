@@ -88,8 +88,30 @@ class Worker:
                 f"{self.runner.bytes_per_block()} bytes; raise --kv-cache-memory-bytes")
         return int(num_blocks)
 
+    def _decode_graph_config(self):
+        """CUDA graphs for decode steps on a GPU, unless something needs the step eager."""
+        if self.device.type != "cuda" or self.args.enforce_eager:
+            return None
+        why = [reason for cond, reason in (
+            (self.world_size > 1, "tensor parallelism"),
+            (self.kv_connector is not None, "a KV connector"),
+            (self.runner.proposer is not None, "speculative decoding"),
+        ) if cond]
+        if why:
+            logger.info("CUDA graphs off (%s): decode steps run eagerly", ", ".join(why))
+            return None
+        from fleetserve.replica.worker.cuda_graph import DecodeGraphConfig
+
+        max_len = min(self.args.max_seq_len_to_capture, self.args.max_model_len or self.runner.model.max_position)
+        return DecodeGraphConfig(max_batch=self.args.max_num_seqs, max_len=max_len)
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.runner.initialize_kv_cache(num_blocks)
+        graphs = self._decode_graph_config()
+        self.runner.initialize_kv_cache(num_blocks, decode_graphs=graphs)
+        if graphs is not None:
+            logger.info("decode steps of up to %d rows and %d tokens per row replay CUDA graphs "
+                        "(captured on first use; --enforce-eager turns them off)",
+                        self.runner.decode_graphs.max_batch, self.runner.decode_graphs.max_blocks * self.args.block_size)
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.runner.kv_caches)
             if self.kv_connector.uses_layer_hooks:

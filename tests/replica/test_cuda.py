@@ -3,8 +3,10 @@
 Skipped where no GPU is visible (CI, the development machines). Run on a GPU
 machine with `python -m pytest -q tests/replica/test_cuda.py`. What these cover
 is the code the CPU suite exercises with kernels disabled (SDPA prefill, the
-decode buffer, torch's sampler ops), now with CUDA tensors: the references are
-HF transformers in float32 on the CPU, the same ones the CPU tests use.
+decode buffer, torch's sampler ops), now with CUDA tensors, and the CUDA graphs
+of decode steps (replica/worker/cuda_graph.py) against HF and the eager engine:
+the references are HF transformers in float32 on the CPU, the same ones the CPU
+tests use.
 
 Not covered (needs two GPUs): NCCL tensor parallelism (`replica.parallel`
 with world_size > 1, the Ray TP executor on GPUs).
@@ -105,23 +107,67 @@ def _hf_greedy(hf, prompts, n):
     return outs
 
 
-def test_llm_greedy_on_cuda_matches_hf(model_dir, hf_cpu):
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
+def test_llm_greedy_on_cuda_matches_hf(model_dir, hf_cpu, enforce_eager):
     """The whole engine (scheduler, persistent batch, sampler) on CUDA in fp32, with a cache
-    small enough to preempt: the same greedy tokens as HF on the CPU."""
+    small enough to preempt: the same greedy tokens as HF on the CPU, with decode steps
+    replayed from CUDA graphs and without."""
     from fleetserve.replica.llm import LLM
     from fleetserve.scheduler import SamplingParams
 
     torch.backends.cuda.matmul.allow_tf32 = False
     llm = LLM(str(model_dir), device="cuda", dtype="float32", num_gpu_blocks_override=24,
-              block_size=BLOCK, max_num_seqs=8)
+              block_size=BLOCK, max_num_seqs=8, enforce_eager=enforce_eager)
     assert llm.core.executor.worker.device.type == "cuda"
     prompts = [_prompt(n, 10 + n, 380) for n in (5, 11, 17, 8, 23, 3)]
     outs = llm.generate([list(p) for p in prompts],
                         SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == _hf_greedy(hf_cpu, prompts, 12)
+    graphs = llm.core.executor.worker.runner.decode_graphs
+    if enforce_eager:
+        assert graphs is None
+    else:
+        assert graphs.num_replays > 0 and graphs.num_graphs >= 2
     stats = llm.core.scheduler.get_stats()
     assert stats.num_free_blocks == stats.num_blocks  # nothing leaked
     llm.core.shutdown()
+
+
+def test_cuda_graphs_equal_eager_as_the_batch_changes(model_dir):
+    """fp32, 24 requests of varied lengths through 8 slots and a cache that preempts: rows
+    join and leave (every padded batch size), contexts cross width buckets (narrow ones here,
+    so that several are captured on first use) and the capture limit (longer rows run
+    eagerly); greedy tokens and logprobs equal the eager engine's, and no block leaks."""
+    from fleetserve.replica.llm import LLM
+    from fleetserve.replica.worker.cuda_graph import DecodeGraphConfig
+    from fleetserve.scheduler import SamplingParams
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prompts = [_prompt(3 + (7 * i) % 29, 100 + i, 380) for i in range(24)]
+    params = [SamplingParams(max_tokens=4 + (5 * i) % 23, temperature=0, ignore_eos=True, logprobs=1)
+              for i in range(24)]
+    results = {}
+    for eager in (True, False):
+        llm = LLM(str(model_dir), device="cuda", dtype="float32", num_gpu_blocks_override=40,
+                  block_size=BLOCK, max_num_seqs=8, enforce_eager=eager)
+        runner = llm.core.executor.worker.runner
+        if not eager:
+            assert runner.decode_graphs.num_graphs == 4  # 1, 2, 4, 8 rows, captured at start
+            runner.initialize_kv_cache(40, decode_graphs=DecodeGraphConfig(max_batch=8, max_len=40,
+                                                                           min_width_tokens=BLOCK))
+        outs = llm.generate([list(p) for p in prompts], params, use_tqdm=False)
+        results[eager] = [o.outputs[0] for o in outs]
+        stats = llm.core.scheduler.get_stats()
+        assert stats.num_free_blocks == stats.num_blocks
+        if not eager:
+            graphs = runner.decode_graphs
+            assert graphs.num_replays > 20 and graphs.num_graphs >= 8, (graphs.num_replays, graphs.num_graphs)
+        llm.core.shutdown()
+    assert [o.token_ids for o in results[False]] == [o.token_ids for o in results[True]]
+    for a, b in zip(results[False], results[True]):
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.keys() == y.keys()
+            assert all(abs(x[t] - y[t]) < 1e-4 for t in x)
 
 
 def test_bf16_sampling_and_prefix_cache_on_cuda(model_dir):

@@ -1,0 +1,178 @@
+"""CUDA graphs for decode steps.
+
+A decode step of a small model on a GPU is bound by kernel launches, not by the GPU:
+SmolLM2-135M's 30 layers launch some 400 kernels of a few microseconds each, and the
+Python that launches them takes longer than the GPU takes to run them. Captured once
+as a CUDA graph, the whole forward of a decode batch is one graph launch.
+
+A graph replays fixed shapes and fixed addresses, so every decode step is written into
+the same static buffers and padded to a captured shape:
+
+* rows to the next capture size (1, 2, 4, then multiples of 8 up to `max_num_seqs`,
+  at most 512, as vLLM's default sizes);
+* every row's block table to a width bucket: a power of two of blocks, up to the
+  blocks of `max_seq_len_to_capture` tokens. Attention gathers that many blocks per
+  row, so buckets keep short contexts cheap.
+
+Padded rows read and write a *scratch block*: the KV cache holds one block more than
+the scheduler knows of, so nothing a padded row writes lands in a request's cache.
+Padded table entries of real rows point at it too and are masked by the row's length.
+
+Every row count at the narrowest width (256 tokens) is captured when the runner is
+built; a wider shape the first time a step needs it (a warm-up forward and a capture, on
+dummy inputs that touch only the scratch block: some 40 ms for SmolLM2 on an H200, while
+the step loop waits). Graphs are replayed from then on and share one memory pool. A graph's output lives in that pool and
+is read (logits computed) before the next replay. Steps that prefill, carry draft
+tokens, need a KV connector's per-layer hooks, or run tensor-parallel collectives run
+eagerly (see `Worker._decode_graph_config`).
+
+`capture=False` runs the very same padded, static-buffer forward without a graph: how
+the CPU test suite checks the padding and the buffer bookkeeping where no GPU is.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from fleetserve.replica.layers.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+# vLLM's default largest capture size: past it, decode batches run eagerly.
+MAX_CAPTURE_BATCH = 512
+
+
+@dataclass(frozen=True)
+class DecodeGraphConfig:
+    max_batch: int  # largest decode batch to capture (max_num_seqs, at most MAX_CAPTURE_BATCH)
+    max_len: int  # longest sequence (tokens) a captured step may hold (max_seq_len_to_capture)
+    capture: bool = True  # False: the same static-shape forward, eagerly (no CUDA needed)
+    # Narrowest width bucket, in tokens: fewer shapes to capture, at the cost of gathering
+    # up to this many keys per row for short contexts.
+    min_width_tokens: int = 256
+    # Capture every batch size at the narrowest width when the runner is built (as vLLM
+    # captures at start-up), so short-context serving never waits for a capture.
+    capture_at_start: bool = True
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """Row counts a decode step is padded to: 1, 2, 4, 8, 16, 24, ..., up to the first that holds `max_batch`."""
+    sizes = [1, 2, 4] + list(range(8, max_batch + 8, 8))
+    return [s for s in sizes if s < max_batch] + [next(s for s in sizes if s >= max_batch)]
+
+
+def width_bucket(blocks: int, max_blocks: int, min_blocks: int = 1) -> int:
+    """Blocks per row for a step whose longest row needs `blocks`: the next power of two (at
+    least `min_blocks`), capped at `max_blocks`."""
+    return min(max(1 << max(blocks - 1, 0).bit_length(), min_blocks), max_blocks)
+
+
+class DecodeGraphs:
+    """Captured decode forwards of one model over one set of KV caches."""
+
+    def __init__(self, model, kv_caches: list[torch.Tensor], *, scratch_block: int, block_size: int,
+                 config: DecodeGraphConfig, device: torch.device) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.capture = config.capture
+        self.sizes = capture_sizes(min(config.max_batch, MAX_CAPTURE_BATCH))
+        self.max_batch = self.sizes[-1]
+        self.max_blocks = max(1, -(-config.max_len // block_size))
+        self.min_blocks = max(1, -(-config.min_width_tokens // block_size))
+        self.device = device
+        # Rows: token id, position, cache slot, sequence length (incl. the new token).
+        self._rows = torch.zeros(4, self.max_batch, dtype=torch.long, device=device)
+        self._table = torch.zeros(self.max_batch, self.max_blocks, dtype=torch.long, device=device)
+        self._graphs: dict[tuple[int, int], tuple[Optional[torch.cuda.CUDAGraph], Optional[torch.Tensor]]] = {}
+        self._pool = None
+        self.num_steps = 0  # steps run through here (graph replays, or static eager steps)
+        self.num_replays = 0
+        self.capture_seconds = 0.0
+        if self.capture and config.capture_at_start:
+            width = width_bucket(1, self.max_blocks, self.min_blocks)
+            for rows in reversed(self.sizes):  # largest first: the pool's blocks then fit the rest
+                self._graphs[(rows, width)] = self._capture(rows, width)
+            logger.info("captured %d decode CUDA graphs (1..%d rows, %d tokens per row) in %.1f s",
+                        len(self.sizes), self.max_batch, width * block_size, self.capture_seconds)
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(1 for g, _ in self._graphs.values() if g is not None)
+
+    def bucket(self, num_rows: int, max_blocks: int) -> Optional[tuple[int, int]]:
+        """The captured shape for a decode step of `num_rows` rows needing at most `max_blocks`
+        blocks per row, or None when the step is too big to capture (it runs eagerly)."""
+        if num_rows > self.max_batch or max_blocks > self.max_blocks:
+            return None
+        return (self.sizes[bisect.bisect_left(self.sizes, num_rows)],
+                width_bucket(max_blocks, self.max_blocks, self.min_blocks))
+
+    def run(self, key: tuple[int, int], token_ids: list[int], positions: list[int],
+            block_tables: list[list[int]]) -> torch.Tensor:
+        """Final hidden states [len(token_ids), hidden] of one decode token per row."""
+        rows, width = key
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(rows, width)
+        self._fill(rows, width, token_ids, positions, block_tables)
+        graph, out = self._graphs[key]
+        self.num_steps += 1
+        if graph is None:
+            out = self._forward(rows, width)
+        else:
+            graph.replay()
+            self.num_replays += 1
+        return out[:len(token_ids)]
+
+    # ---- internals ------------------------------------------------------------------
+    def _fill(self, rows: int, width: int, token_ids: list[int], positions: list[int],
+              block_tables: list[list[int]]) -> None:
+        n, bs, scratch = len(token_ids), self.block_size, self.scratch_block
+        pad = rows - n
+        slots = [bt[p // bs] * bs + p % bs for bt, p in zip(block_tables, positions)]
+        header = torch.tensor([token_ids + [0] * pad, positions + [0] * pad,
+                               slots + [scratch * bs] * pad, [p + 1 for p in positions] + [1] * pad],
+                              dtype=torch.long)
+        table = torch.tensor([bt[:width] + [scratch] * (width - len(bt)) for bt in block_tables]
+                             + [[scratch] * width] * pad, dtype=torch.long)
+        self._rows[:, :rows].copy_(header, non_blocking=True)
+        self._table[:rows, :width].copy_(table, non_blocking=True)
+
+    def _fill_dummy(self, rows: int, width: int) -> None:
+        """Inputs that read and write only the scratch block (for warm-up and capture)."""
+        self._rows[:, :rows] = torch.tensor([0, 0, self.scratch_block * self.block_size, 1],
+                                            dtype=torch.long, device=self.device)[:, None]
+        self._table[:rows, :width] = self.scratch_block
+
+    def _forward(self, rows: int, width: int) -> torch.Tensor:
+        md = AttentionMetadata.static_decode(self._rows[:, :rows], self._table[:rows, :width], self.block_size)
+        return self.model(self._rows[0, :rows], self._rows[1, :rows], self.kv_caches, md)
+
+    def _capture(self, rows: int, width: int):
+        if not self.capture:
+            return None, None
+        t0 = time.perf_counter()
+        self._fill_dummy(rows, width)
+        # Warm up on a side stream first (cuBLAS handles and workspaces, lazy inits), as
+        # torch.cuda.graph's documentation asks; then capture into the shared pool.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._forward(rows, width)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._forward(rows, width)
+        if self._pool is None:
+            self._pool = graph.pool()
+        self.capture_seconds += time.perf_counter() - t0
+        logger.debug("captured a decode CUDA graph for %d rows x %d blocks in %.0f ms",
+                     rows, width, 1e3 * (time.perf_counter() - t0))
+        return graph, out

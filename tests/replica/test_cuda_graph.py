@@ -1,0 +1,98 @@
+"""Decode steps through the CUDA-graph runner's static, padded buffers (replica/worker/cuda_graph.py).
+
+No GPU here: the runner runs its very forward without capturing (`capture=False`), which
+checks what a graph replays -- padding rows to a capture size and block tables to a width
+bucket, the scratch block, the metadata derived from the buffers -- against the ordinary
+eager path. tests/replica/test_cuda.py runs the captured graphs on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fleetserve.replica.llm import LLM
+from fleetserve.replica.worker.cuda_graph import DecodeGraphConfig, DecodeGraphs, capture_sizes, width_bucket
+from fleetserve.scheduler import SamplingParams
+
+BLOCK = 4
+NUM_BLOCKS = 40
+
+
+def test_capture_sizes_and_buckets():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(3) == [1, 2, 4]
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert capture_sizes(100)[-2:] == [96, 104]
+    assert [width_bucket(b, 40) for b in (1, 2, 3, 5, 16, 17, 40)] == [1, 2, 4, 8, 16, 32, 40]
+    assert [width_bucket(b, 40, 16) for b in (1, 16, 17)] == [16, 16, 32]
+    g = DecodeGraphs(None, [], scratch_block=9, block_size=BLOCK, device=torch.device("cpu"),
+                     config=DecodeGraphConfig(max_batch=6, max_len=30, capture=False, min_width_tokens=8))
+    assert g.max_batch == 8 and g.max_blocks == 8
+    assert g.bucket(3, 1) == (4, 2)
+    assert g.bucket(3, 3) == (4, 4)
+    assert g.bucket(8, 8) == (8, 8)
+    assert g.bucket(9, 1) is None  # more rows than captured: eager
+    assert g.bucket(1, 9) is None  # a row longer than max_seq_len_to_capture: eager
+
+
+def _prompts(n: int, vocab: int = 380) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, vocab, (int(torch.randint(2, 14, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def _run(model_dir, dtype: str, static: bool):
+    llm = LLM(str(model_dir), dtype=dtype, num_gpu_blocks_override=NUM_BLOCKS, block_size=BLOCK, max_num_seqs=6,
+              device="cpu")
+    runner = llm.core.executor.worker.runner
+    if static:
+        # Rows up to 6 (padded to 8) and 32 tokens per row: the larger steps of this workload
+        # (7+ rows can't happen; rows past 32 tokens can) run eagerly, the rest through the buffers.
+        runner.initialize_kv_cache(NUM_BLOCKS, decode_graphs=DecodeGraphConfig(
+            max_batch=6, max_len=32, capture=False, min_width_tokens=1))
+        assert runner.kv_caches[0].shape[2] == NUM_BLOCKS + 1  # the scratch block
+    # Varied lengths: rows join and leave (batch sizes 1..6 padded), contexts cross width
+    # buckets and the capture limit, and 40 blocks of 4 tokens force preemptions.
+    prompts = _prompts(10)
+    params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True, logprobs=2)
+              for i in range(len(prompts))]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.core.scheduler.get_stats()
+    assert stats.num_free_blocks == stats.num_blocks  # nothing leaked
+    graphs = runner.decode_graphs
+    llm.core.shutdown()
+    return [o.outputs[0] for o in outs], graphs
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_static_decode_path_matches_eager(tiny_model_dir, dtype):
+    """With the fused CPU kernels every op treats each row on its own, so the padded static
+    path must give bit-identical tokens and logprobs; without them (PyTorch attention, what
+    GPUs run) the tokens must match."""
+    from fleetserve.replica import kernels
+
+    eager, _ = _run(tiny_model_dir, dtype, static=False)
+    static, graphs = _run(tiny_model_dir, dtype, static=True)
+    assert graphs.num_steps > 10 and graphs.num_replays == 0
+    assert len(graphs._graphs) >= 3  # several (rows, width) shapes
+    assert [o.token_ids for o in static] == [o.token_ids for o in eager]
+    if kernels.cpu_ops() is not None:
+        assert [o.logprobs for o in static] == [o.logprobs for o in eager]
+
+
+def test_static_decode_path_matches_eager_with_pytorch_attention(tiny_model_dir, monkeypatch):
+    from fleetserve.replica.layers.attention import PagedAttention
+
+    monkeypatch.setattr(PagedAttention, "use_attention_kernel", False)
+    eager, _ = _run(tiny_model_dir, "float32", static=False)
+    static, graphs = _run(tiny_model_dir, "float32", static=True)
+    assert graphs.num_steps > 10
+    assert [o.token_ids for o in static] == [o.token_ids for o in eager]
+
+
+def test_no_graphs_on_cpu_or_when_eager(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), num_gpu_blocks_override=16, device="cpu")
+    worker = llm.core.executor.worker
+    assert worker.runner.decode_graphs is None and worker._decode_graph_config() is None
+    llm.core.shutdown()
