@@ -55,29 +55,31 @@ def test_rmsnorm_fused_residual():
     torch.testing.assert_close(out, norm(x + r))
 
 
-def _tp_worker(rank: int, world_size: int, init_file: str, model_dir: str, out_file: str) -> None:
+def _tp_worker(rank: int, world_size: int, init_file: str, model_dir: str, out_file: str,
+               backend: str = "gloo") -> None:
     torch.set_num_threads(1)
     from fleetserve.replica.layers.attention import AttentionMetadata
     from fleetserve.replica.model_loader.registry import resolve_model
     from fleetserve.replica.distributed.parallel import destroy_tp_group, init_tp_group
     from fleetserve.replica.model_loader.weights import allocate_kv_caches, load_model
 
-    tp = init_tp_group(world_size, rank, f"file://{init_file}", backend="gloo")
+    tp = init_tp_group(world_size, rank, f"file://{init_file}", backend=backend)
+    device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
     try:
         step = tp.broadcast_object({"req": [1, 2, 3], "text": "é"} if rank == 0 else None)
         assert step == {"req": [1, 2, 3], "text": "é"}
-        gathered = tp.all_gather(torch.full((2,), float(rank), dtype=torch.bfloat16), dim=0)
+        gathered = tp.all_gather(torch.full((2,), float(rank), dtype=torch.bfloat16, device=device), dim=0)
         assert gathered.dtype == torch.bfloat16 and gathered.tolist() == [0.0, 0.0, 1.0, 1.0]
-        model, cfg = load_model(resolve_model(model_dir), torch.float32, "cpu")
-        caches = allocate_kv_caches(cfg, 16, 4, torch.float32, "cpu", tp_size=world_size)
-        ids = torch.arange(3, 14)
-        md = AttentionMetadata.build([10], [0], [[5, 2, 9]], 4)
+        model, cfg = load_model(resolve_model(model_dir), torch.float32, device)
+        caches = allocate_kv_caches(cfg, 16, 4, torch.float32, device, tp_size=world_size)
+        ids = torch.arange(3, 14, device=device)
+        md = AttentionMetadata.build([10], [0], [[5, 2, 9]], 4, device)
         with torch.no_grad():
             prefill = model.compute_logits(model(ids[:10], md.positions, caches, md))
-            md = AttentionMetadata.build([1], [10], [[5, 2, 9]], 4)
+            md = AttentionMetadata.build([1], [10], [[5, 2, 9]], 4, device)
             decode = model.compute_logits(model(ids[10:], md.positions, caches, md))
         if tp.rank == 0:
-            torch.save({"prefill": prefill, "decode": decode}, out_file)
+            torch.save({"prefill": prefill.cpu(), "decode": decode.cpu()}, out_file)
         # Both ranks done before either tears gloo down: a rank that destroyed its group while
         # the other still had a gloo connection open died of std::terminate (SIGABRT), rarely.
         torch.distributed.barrier()
@@ -85,7 +87,7 @@ def _tp_worker(rank: int, world_size: int, init_file: str, model_dir: str, out_f
         destroy_tp_group()
 
 
-def _run_tp(model_dir, world_size, tmp_path):
+def _run_tp(model_dir, world_size, tmp_path, backend: str = "gloo"):
     import torch.multiprocessing as mp
 
     out = tmp_path / f"tp{world_size}.pt"
@@ -103,7 +105,7 @@ def _run_tp(model_dir, world_size, tmp_path):
             md = AttentionMetadata.build([1], [10], [[5, 2, 9]], 4)
             decode = model.compute_logits(model(ids[10:], md.positions, caches, md))
         return {"prefill": prefill, "decode": decode}
-    mp.spawn(_tp_worker, args=(world_size, str(tmp_path / "init"), str(model_dir), str(out)),
+    mp.spawn(_tp_worker, args=(world_size, str(tmp_path / f"init-{backend}"), str(model_dir), str(out), backend),
              nprocs=world_size, join=True)
     return torch.load(out)
 
@@ -120,6 +122,19 @@ def test_tp2_gloo_matches_tp1(tmp_path, num_kv_heads):
     got = _run_tp(path, 2, tmp_path)
     for key in ("prefill", "decode"):
         assert got[key].shape == ref[key].shape
+        torch.testing.assert_close(got[key], ref[key], atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL tensor parallelism needs two GPUs")
+def test_tp2_nccl_matches_tp1(tmp_path):
+    """The same check over NCCL: each rank on its own GPU (TF32 off: float32 as on the CPU)."""
+    from fleetserve.replica.testing import make_tiny_llama
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = make_tiny_llama(tmp_path / "m", vocab_size=301, num_heads=4, num_kv_heads=2, attention_bias=True)
+    ref = _run_tp(path, 1, tmp_path)
+    got = _run_tp(path, 2, tmp_path, backend="nccl")
+    for key in ("prefill", "decode"):
         torch.testing.assert_close(got[key], ref[key], atol=1e-4, rtol=0)
 
 
