@@ -18,13 +18,14 @@ Padded rows read and write a *scratch block*: the KV cache holds one block more 
 the scheduler knows of, so nothing a padded row writes lands in a request's cache.
 Padded table entries of real rows point at it too and are masked by the row's length.
 
-Every row count at the narrowest width (256 tokens) is captured when the runner is
-built; a wider shape the first time a step needs it (a warm-up forward and a capture, on
+Every row count at every width up to 2048 tokens is captured when the runner is built
+(11 row counts x 4 widths for `--max-num-seqs 64`); a wider shape the first time a step
+needs it (a warm-up forward and a capture, on
 dummy inputs that touch only the scratch block: some 40 ms for SmolLM2 on an H200, while
-the step loop waits). Graphs are replayed from then on and share one memory pool. A graph's output lives in that pool and
-is read (logits computed) before the next replay. Steps that prefill, carry draft
-tokens, need a KV connector's per-layer hooks, or run tensor-parallel collectives run
-eagerly (see `Worker._decode_graph_config`).
+the step loop waits). Graphs are replayed from then on and share one memory pool; a
+graph's output lives in that pool and is read (logits computed) before the next replay.
+Steps that prefill, carry draft tokens, need a KV connector, or run tensor-parallel
+collectives run eagerly (see `Worker._decode_graph_config`).
 
 `capture=False` runs the very same padded, static-buffer forward without a graph: how
 the CPU test suite checks the padding and the buffer bookkeeping where no GPU is.
@@ -56,9 +57,11 @@ class DecodeGraphConfig:
     # Narrowest width bucket, in tokens: fewer shapes to capture, at the cost of gathering
     # up to this many keys per row for short contexts.
     min_width_tokens: int = 256
-    # Capture every batch size at the narrowest width when the runner is built (as vLLM
-    # captures at start-up), so short-context serving never waits for a capture.
+    # Capture every batch size at every width up to `start_width_tokens` when the runner is
+    # built (as vLLM captures at start-up), so steps within it never wait for a capture;
+    # wider shapes are captured on first use.
     capture_at_start: bool = True
+    start_width_tokens: int = 2048
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -97,11 +100,19 @@ class DecodeGraphs:
         self.num_replays = 0
         self.capture_seconds = 0.0
         if self.capture and config.capture_at_start:
-            width = width_bucket(1, self.max_blocks, self.min_blocks)
-            for rows in reversed(self.sizes):  # largest first: the pool's blocks then fit the rest
-                self._graphs[(rows, width)] = self._capture(rows, width)
-            logger.info("captured %d decode CUDA graphs (1..%d rows, %d tokens per row) in %.1f s",
-                        len(self.sizes), self.max_batch, width * block_size, self.capture_seconds)
+            shapes = self.start_shapes(config.start_width_tokens)
+            for key in shapes:
+                self._graphs[key] = self._capture(*key)
+            logger.info("captured %d decode CUDA graphs (1..%d rows, up to %d tokens per row) in %.1f s",
+                        len(shapes), self.max_batch, shapes[0][1] * block_size, self.capture_seconds)
+
+    def start_shapes(self, max_tokens: int) -> list[tuple[int, int]]:
+        """(rows, width) of every shape captured at start: each batch size at each width bucket
+        up to `max_tokens` per row (at least the narrowest), the largest first so that the
+        shared pool's first blocks are big enough for every later capture."""
+        widths = sorted({width_bucket(b, self.max_blocks, self.min_blocks)
+                         for b in range(1, max(1, -(-max_tokens // self.block_size)) + 1)}, reverse=True)
+        return [(rows, w) for w in widths for rows in reversed(self.sizes)]
 
     @property
     def num_graphs(self) -> int:

@@ -152,9 +152,11 @@ def test_cuda_graphs_equal_eager_as_the_batch_changes(model_dir):
                   block_size=BLOCK, max_num_seqs=8, enforce_eager=eager)
         runner = llm.core.executor.worker.runner
         if not eager:
-            assert runner.decode_graphs.num_graphs == 4  # 1, 2, 4, 8 rows, captured at start
-            runner.initialize_kv_cache(40, decode_graphs=DecodeGraphConfig(max_batch=8, max_len=40,
-                                                                           min_width_tokens=BLOCK))
+            graphs = runner.decode_graphs  # 1, 2, 4, 8 rows x widths up to 2048 tokens, at start
+            assert graphs.num_graphs == len(graphs.start_shapes(2048)) == 16 and graphs.num_replays == 0
+            runner.initialize_kv_cache(40, decode_graphs=DecodeGraphConfig(
+                max_batch=8, max_len=40, min_width_tokens=BLOCK, start_width_tokens=BLOCK))
+            assert runner.decode_graphs.num_graphs == 4  # one block wide at start; the rest on first use
         outs = llm.generate([list(p) for p in prompts], params, use_tqdm=False)
         results[eager] = [o.outputs[0] for o in outs]
         stats = llm.core.scheduler.get_stats()

@@ -34,6 +34,13 @@ def test_capture_sizes_and_buckets():
     assert g.bucket(8, 8) == (8, 8)
     assert g.bucket(9, 1) is None  # more rows than captured: eager
     assert g.bucket(1, 9) is None  # a row longer than max_seq_len_to_capture: eager
+    # Captured at start: every size at widths 2 and 4 (up to 16 tokens), widest and largest first.
+    assert g.start_shapes(16) == [(8, 4), (4, 4), (2, 4), (1, 4), (8, 2), (4, 2), (2, 2), (1, 2)]
+    assert g.start_shapes(1) == [(8, 2), (4, 2), (2, 2), (1, 2)]  # at least the narrowest
+    assert g.start_shapes(1000)[0] == (8, 8)  # capped at max_seq_len_to_capture
+    big = DecodeGraphs(None, [], scratch_block=0, block_size=16, device=torch.device("cpu"),
+                       config=DecodeGraphConfig(max_batch=64, max_len=8192, capture=False))
+    assert len(big.start_shapes(2048)) == 11 * 4  # 1..64 rows x 256, 512, 1024, 2048 tokens
 
 
 def _prompts(n: int, vocab: int = 380) -> list[list[int]]:
