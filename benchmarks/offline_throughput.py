@@ -19,7 +19,11 @@ Prints a table and writes a PNG under benchmarks/results/.
     python benchmarks/offline_throughput.py --workloads a --dtypes bfloat16 --repeats 3   # medians
 
 vLLM CPU runs when it is importable in a separate interpreter (--vllm-python,
-default /opt/vllm-venv/bin/python; see benchmarks/README.md).
+default /opt/vllm-venv/bin/python; see benchmarks/README.md). On a GPU, the engine
+`fleetserve-eager` is fleetserve with `enforce_eager=True` (no CUDA graphs):
+
+    python benchmarks/offline_throughput.py --model <dir> --device cuda \
+        --engines fleetserve,fleetserve-eager --dtypes bfloat16 --num-prompts 256 --repeats 5
 """
 
 from __future__ import annotations
