@@ -103,3 +103,30 @@ def test_no_graphs_on_cpu_or_when_eager(tiny_model_dir):
     worker = llm.core.executor.worker
     assert worker.runner.decode_graphs is None and worker._decode_graph_config() is None
     llm.core.shutdown()
+
+
+def test_which_workers_would_capture(tiny_model_dir, monkeypatch, caplog):
+    """The worker's choice on a GPU (its device faked: nothing is captured here): graphs with
+    the run's batch and length limits, none with --enforce-eager, TP, a KV connector or a
+    speculative proposer (and the log says why)."""
+    llm = LLM(str(tiny_model_dir), num_gpu_blocks_override=16, device="cpu", max_num_seqs=24,
+              max_model_len=300)
+    worker = llm.core.executor.worker
+    monkeypatch.setattr(worker, "device", torch.device("cuda"))
+    cfg = worker._decode_graph_config()
+    assert (cfg.max_batch, cfg.max_len, cfg.capture) == (24, 300, True)
+    monkeypatch.setattr(worker, "args", worker.args.model_copy(update={"max_seq_len_to_capture": 128}))
+    assert worker._decode_graph_config().max_len == 128
+    monkeypatch.setattr(worker, "args", worker.args.model_copy(update={"enforce_eager": True}))
+    assert worker._decode_graph_config() is None
+    monkeypatch.setattr(worker, "args", worker.args.model_copy(update={"enforce_eager": False}))
+    monkeypatch.setattr(worker, "world_size", 2)
+    monkeypatch.setattr(worker, "kv_connector", object())
+    with caplog.at_level("INFO"):
+        assert worker._decode_graph_config() is None
+    assert "CUDA graphs off (tensor parallelism, a KV connector)" in caplog.text
+    monkeypatch.setattr(worker, "world_size", 1)
+    monkeypatch.setattr(worker, "kv_connector", None)
+    monkeypatch.setattr(worker.runner, "proposer", object())
+    assert worker._decode_graph_config() is None
+    llm.core.shutdown()
