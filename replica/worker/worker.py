@@ -110,8 +110,9 @@ class Worker:
         self.runner.initialize_kv_cache(num_blocks, decode_graphs=graphs)
         if graphs is not None:
             logger.info("decode steps of up to %d rows and %d tokens per row replay CUDA graphs "
-                        "(captured on first use; --enforce-eager turns them off)",
-                        self.runner.decode_graphs.max_batch, self.runner.decode_graphs.max_blocks * self.args.block_size)
+                        "(wider shapes than those captured at start-up are captured on first use; "
+                        "--enforce-eager turns graphs off)", self.runner.decode_graphs.max_batch,
+                        self.runner.decode_graphs.max_blocks * self.args.block_size)
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.runner.kv_caches)
             if self.kv_connector.uses_layer_hooks:
