@@ -228,17 +228,16 @@ class AttentionMetadata:
         """
         B, W = table.shape
         seq_lens = token_ids_positions_slots_lens[3]
-        valid = torch.arange(W * block_size, device=table.device)[None, :] < seq_lens[:, None]
-        bias = torch.zeros(valid.shape, dtype=torch.float32, device=table.device).masked_fill_(
-            ~valid, float("-inf"))[None, :, None, :]
         contiguous_table = table.contiguous()
-        return AttentionMetadata(
+        md = AttentionMetadata(
             num_tokens=B, block_size=block_size, query_lens=[1] * B, context_lens=[],
             slot_mapping=token_ids_positions_slots_lens[2], positions=token_ids_positions_slots_lens[1],
             last_token_indices=torch.arange(B, device=table.device), num_decodes=B,
             decode_slice=slice(0, B), decode_block_ids=contiguous_table.view(-1), decode_max_blocks=W,
-            decode_bias=bias, decode_seq_lens=seq_lens, decode_max_len=W * block_size,
+            decode_seq_lens=seq_lens, decode_max_len=W * block_size,
             block_table=contiguous_table, token_req=None, token_seq_lens=seq_lens, static=True)
+        md.decode_bias = md.decode_bias_width(W * block_size)
+        return md
 
     def _build_decodes(self, rows: list[int], table: torch.Tensor, starts: torch.Tensor, seq_lens: list[int],
                        block_size: int, device: torch.device, request_ids: Optional[list] = None) -> None:
