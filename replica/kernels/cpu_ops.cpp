@@ -20,6 +20,7 @@
 //                                                   (bfloat16; AVX-512 BF16 builds only)
 //   pack_linear_f32(w) -> packed; linear_f32(x, packed, bias, n) -> the same in float32
 //                                                   (AVX-512 or AVX2+FMA builds)
+//   argmax_rows(x) -> idx                          torch.argmax(x, -1) of a [R, V] float32/bf16 matrix
 //   isa() -> "avx512_bf16" | "avx512" | "avx2" | "scalar"
 //
 // KV cache layout (replica/attention.py): [num_kv_heads, num_blocks, block_size, head_dim].
@@ -1195,6 +1196,104 @@ bool advise_hugepages(const at::Tensor& t) {
 #endif
 }
 
+// ------------------------------------------------------------------------------------------ argmax
+
+// Index of each row's maximum, as torch.argmax(x, -1): the first index of the largest value, and
+// the first NaN's index when a row has one. torch's CPU argmax walks the row one element at a
+// time (2.2 ms for 64 x 49152 floats on a Zen 4 core pair, 27x its amax); here a vector max pass
+// and a vector compare pass that stops at the first match.
+template <typename T>
+int64_t argmax_row_scalar(const T* x, int64_t n) {
+  int64_t best = 0;
+  float bv = to_f(x[0]);
+  if (std::isnan(bv)) return 0;
+  for (int64_t i = 1; i < n; ++i) {
+    float v = to_f(x[i]);
+    if (std::isnan(v)) return i;
+    if (v > bv) { bv = v; best = i; }
+  }
+  return best;
+}
+
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+#if FS_AVX512
+  if (n >= 16) {
+    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __mmask16 nan = 0;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      __m512 v = load16(x + i);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      mx = _mm512_max_ps(mx, v);
+    }
+    if (i < n) {
+      __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
+      __m512 v = _mm512_mask_blend_ps(m, _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
+                                      load16_masked(x + i, m));
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      mx = _mm512_max_ps(mx, v);
+    }
+    if (nan) return argmax_row_scalar(x, n);
+    const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    for (i = 0; i + 16 <= n; i += 16) {
+      __mmask16 eq = _mm512_cmp_ps_mask(load16(x + i), best, _CMP_EQ_OQ);
+      if (eq) return i + __builtin_ctz(eq);
+    }
+    for (; i < n; ++i)
+      if (to_f(x[i]) == _mm512_cvtss_f32(best)) return i;
+  }
+#elif FS_AVX2
+  if (n >= 8) {
+    __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    __m256 nan = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      __m256 v = load8(x + i);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      mx = _mm256_max_ps(mx, v);
+    }
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t j = i; j < n; ++j) {
+      float v = to_f(x[j]);
+      if (std::isnan(v)) return argmax_row_scalar(x, n);
+      m = std::max(m, v);
+    }
+    if (_mm256_movemask_ps(nan)) return argmax_row_scalar(x, n);
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mx);
+    for (float v : lanes) m = std::max(m, v);
+    const __m256 best = _mm256_set1_ps(m);
+    for (i = 0; i + 8 <= n; i += 8) {
+      int eq = _mm256_movemask_ps(_mm256_cmp_ps(load8(x + i), best, _CMP_EQ_OQ));
+      if (eq) return i + __builtin_ctz(eq);
+    }
+    for (; i < n; ++i)
+      if (to_f(x[i]) == m) return i;
+  }
+#endif
+  return argmax_row_scalar(x, n);
+}
+
+// x [R, V] float32 or bfloat16 (rows may be strided, e.g. a padded LM head's narrowed view;
+// each row contiguous) -> int64 [R].
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_cpu(x, "x");
+  check_float_dtype(x, "x");
+  FS_CHECK(x.dim() == 2 && x.size(1) > 0, "x must be [rows, n] with n > 0");
+  at::Tensor xs = x.stride(1) == 1 ? x : x.contiguous();
+  const int64_t R = xs.size(0), n = xs.size(1), ld = xs.stride(0);
+  at::Tensor out = at::empty({R}, xs.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  FS_DISPATCH(xs.scalar_type(), [&] {
+    const scalar_t* base = xs.data_ptr<scalar_t>();
+    at::parallel_for(0, R, 1, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) o[r] = argmax_row(base + r * ld, n);
+    });
+  });
+  return out;
+}
+
 // Which of this file's vector paths the build compiled in (the -march it was built with decides).
 std::string isa() {
 #if defined(__AVX512BF16__)
@@ -1220,6 +1319,7 @@ TORCH_LIBRARY(fleetserve, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
         "Tensor? token_req, float scale) -> Tensor");
   m.def("advise_hugepages(Tensor t) -> bool");
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("pack_linear_bf16(Tensor w) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias, int n, bool float_out=False) -> Tensor");
   m.def("pack_linear_f32(Tensor w) -> Tensor");
@@ -1234,6 +1334,7 @@ TORCH_LIBRARY_IMPL(fleetserve, CPU, m) {
   m.impl("reshape_and_cache_", &reshape_and_cache_);
   m.impl("paged_attention", &paged_attention);
   m.impl("advise_hugepages", &advise_hugepages);
+  m.impl("argmax_rows", &argmax_rows);
   m.impl("pack_linear_bf16", &pack_linear_bf16);
   m.impl("linear_bf16", &linear_bf16);
   m.impl("pack_linear_f32", &pack_linear_f32);

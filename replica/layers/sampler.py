@@ -38,6 +38,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from fleetserve.replica.kernels import ops_for
 from fleetserve.scheduler.outputs import Logprobs
 from fleetserve.scheduler.sampling_params import SamplingParams
 
@@ -54,6 +55,16 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     gen = torch.Generator(device=torch.device(device))
     gen.manual_seed(int(seed) % (1 << 63))
     return gen
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, -1), through the CPU kernel when it applies: torch's CPU argmax
+    walks each row one element at a time (~2 ms of a ~100 ms SmolLM2 decode step at batch
+    64 on 2 Zen 4 cores, 12x the kernel's time)."""
+    ops = ops_for(logits)
+    if ops is not None and logits.dim() == 2 and logits.shape[1] > 0:
+        return ops.argmax_rows(logits)
+    return logits.argmax(-1)
 
 
 def _long(values: Sequence[int], device) -> torch.Tensor:
@@ -244,11 +255,11 @@ class Sampler:
             _apply_penalties(logits, batch.penalties)
 
         if batch.random is None:
-            sampled = logits.argmax(-1)
+            sampled = greedy(logits)
         else:
             sampled = torch.empty(batch.num_rows, dtype=torch.long, device=logits.device)
             if batch.greedy_rows is not None:
-                sampled[batch.greedy_rows] = logits.index_select(0, batch.greedy_rows).argmax(-1)
+                sampled[batch.greedy_rows] = greedy(logits.index_select(0, batch.greedy_rows))
             sampled[batch.random.rows] = _sample_random(logits, batch.random)
         sampled_list = sampled.tolist()
         logprobs: list = [None] * batch.num_rows

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from fleetserve.replica.layers.attention import AttentionMetadata
+from fleetserve.replica.layers.sampler import greedy
 from fleetserve.replica.model_loader.registry import resolve_model
 from fleetserve.replica.model_loader.weights import (allocate_kv_caches, kv_cache_bytes_per_block,
                                                      load_model)
@@ -82,4 +83,4 @@ class DraftModelProposer:
 
     def _argmax(self, hidden: torch.Tensor) -> list[int]:
         logits = self.model.compute_logits(hidden)[:, :self.hf_config.vocab_size]  # unpad the LM head
-        return logits.argmax(-1).tolist()
+        return greedy(logits).tolist()

@@ -80,6 +80,31 @@ def test_silu_and_mul(dtype, d):
     torch.testing.assert_close(ops.silu_and_mul(x).double(), F.silu(gate) * up, **tol(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [49152, 1000, 17, 16, 7, 1])  # whole vectors, tails, shorter than a vector
+def test_argmax_rows_is_torch_argmax(dtype, n):
+    """The greedy sampler's argmax: torch.argmax(x, -1) exactly, ties (first index), NaN (the
+    first NaN, as torch), all -inf rows, and a narrowed view (a padded LM head's logits)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, n, generator=g).to(dtype)
+    assert torch.equal(ops.argmax_rows(x), x.argmax(-1))
+    ties = (x.float() * 2).round().clamp(-2, 2).to(dtype)  # many equal maxima per row
+    assert torch.equal(ops.argmax_rows(ties), ties.argmax(-1))
+    special = x.clone()
+    special[1] = float("-inf")
+    special[2, n - 1] = float("inf")
+    special[3, n // 2] = float("nan")
+    special[4, n - 1] = float("nan")
+    special[4, n // 3] = float("nan")
+    special[5, 0] = float("nan")
+    got = ops.argmax_rows(special)
+    assert torch.equal(got, special.argmax(-1)), (got, special.argmax(-1))
+    assert got[1] == 0 and got[2] == n - 1 and got[3] == n // 2 and got[5] == 0
+    wide = torch.randn(9, n + 40, generator=g).to(dtype)
+    assert torch.equal(ops.argmax_rows(wide[:, :n]), wide[:, :n].argmax(-1))
+    assert ops.argmax_rows(x[:0]).shape == (0,)
+
+
 def test_bf16_stores_round_half_to_even_and_keep_specials():
     """Every vector path's bf16 store (AVX-512's and AVX2's own rounding code) against torch's
     add: float sums that sit exactly halfway between two bf16 values round to the even one, and
