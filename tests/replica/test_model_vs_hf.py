@@ -141,6 +141,37 @@ def test_mixed_batch(setup, order):
     torch.testing.assert_close(got["dec2"][0], setup.reference(dec2)[5], atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("max_pack", [2048, 20])
+def test_packed_fresh_prompts(setup, monkeypatch, max_pack):
+    """Several new prompts in one step: adjacent ones are attended in one packed call (the
+    plain-torch path; the CPU kernel takes every token itself), a continuation between them
+    breaks the pack, and the token cap splits it. Each prompt's logits equal its own forward."""
+    from fleetserve.replica.layers.attention import PagedAttention
+
+    monkeypatch.setattr(AttentionMetadata, "max_pack_tokens", max_pack)
+    monkeypatch.setattr(PagedAttention, "pack_prefills", True)  # GPU only by default
+    v = setup.cfg.vocab_size
+    fresh = [_prompt(n, 30 + n, v) for n in (9, 14, 5, 11)]
+    cont = _prompt(12, 7, v)
+    tables = [setup.blocks_for(len(s)) for s in fresh]
+    cont_table = setup.blocks_for(len(cont))
+    setup.step([(cont[:4], 0, cont_table)])
+    # tokens: fresh0 [0, 9), fresh1 [9, 23) | cont [23, 31) | fresh2 [31, 36), fresh3 [36, 47)
+    chunks = [(fresh[0], 0, tables[0]), (fresh[1], 0, tables[1]), (cont[4:], 4, cont_table),
+              (fresh[2], 0, tables[2]), (fresh[3], 0, tables[3])]
+    md = AttentionMetadata.build([len(c[0]) for c in chunks], [c[1] for c in chunks], [c[2] for c in chunks], BLOCK)
+    packs = [(p.start, p.end, p.seg_lens) for p in md.prefill_packs]
+    if max_pack == 2048:
+        assert packs == [(0, 23, [9, 14]), (31, 47, [5, 11])]
+    else:  # 9 + 14 tokens exceed the cap: those two run one by one
+        assert packs == [(31, 47, [5, 11])]
+    assert [c.packed for c in md.prefills] == [max_pack == 2048, max_pack == 2048, False, True, True]
+    got = setup.step(chunks)
+    for c, g in zip(chunks, got):
+        ids = c[0] if c[1] == 0 else cont
+        torch.testing.assert_close(g, setup.reference(ids)[c[1]:], atol=ATOL, rtol=0)
+
+
 def test_decode_batch_of_different_lengths(setup):
     v = setup.cfg.vocab_size
     seqs = [_prompt(n, 10 + n, v) for n in (2, 5, 9, 13, 4)]
