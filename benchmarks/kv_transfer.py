@@ -9,8 +9,12 @@ paged cache. Against, in the same run and on the same bytes:
 
 * its raw transport: one file write + read (shared storage), one `ray.put` +
   `ray.get` (Ray object store), one gloo send + recv between two ranks (P2P; the
-  connector's two ranks live in this one process too, on the server's thread);
+  connector's two ranks live in this one process too, on the server's thread; the
+  group formed once, as the connector keeps its groups);
 * a plain memcpy (`torch` copy of the same bytes).
+
+Each size starts with one untimed round of every path (the steady state of a serving
+engine: staging buffers of that size pooled, pages touched, groups formed).
 
 A connector's hand-off also copies the blocks out of one paged cache and into
 another (two copies the raw transports do not make) and checks every block's
@@ -114,32 +118,41 @@ def raw_file(buf: np.ndarray, tmp: str) -> float:
     return dt
 
 
-def raw_gloo(buf: torch.Tensor, out: torch.Tensor) -> float:
-    """One send + recv of `buf` between two gloo ranks (threads of this process), group
-    already formed, receive buffer already touched."""
-    import datetime
-    import threading
+class RawGloo:
+    """Two gloo ranks (threads of this process) over loopback, the group formed once and kept,
+    as the P2P connector keeps its groups between pulls."""
 
-    import torch.distributed as dist
+    def __init__(self) -> None:
+        import datetime
+        import threading
 
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    # One store client per rank, as between two processes (one shared client deadlocks).
-    stores = [master, dist.TCPStore("127.0.0.1", master.port, is_master=False)]
-    groups = [None, None]
+        import torch.distributed as dist
 
-    def make(rank):
-        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("raw", stores[rank]), rank, 2,
-                                             datetime.timedelta(seconds=60))
+        master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        # One store client per rank, as between two processes (one shared client deadlocks).
+        self.stores = [master, dist.TCPStore("127.0.0.1", master.port, is_master=False)]
+        self.groups = [None, None]
 
-    ts = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
-    [t.start() for t in ts]
-    [t.join() for t in ts]
-    t0 = time.perf_counter()
-    sender = threading.Thread(target=lambda: groups[0].send([buf], 1, 0).wait())
-    sender.start()
-    groups[1].recv([out], 0, 0).wait()
-    sender.join()
-    return time.perf_counter() - t0
+        def make(rank):
+            self.groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("raw", self.stores[rank]), rank, 2,
+                                                      datetime.timedelta(seconds=60))
+
+        ts = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        self.tag = 0
+
+    def __call__(self, buf: torch.Tensor, out: torch.Tensor) -> float:
+        """One send + recv of `buf`, receive buffer already touched."""
+        import threading
+
+        self.tag += 1
+        t0 = time.perf_counter()
+        sender = threading.Thread(target=lambda: self.groups[0].send([buf], 1, self.tag).wait())
+        sender.start()
+        self.groups[1].recv([out], 0, self.tag).wait()
+        sender.join()
+        return time.perf_counter() - t0
 
 
 def raw_ray(buf: np.ndarray) -> float:
@@ -211,6 +224,7 @@ def main() -> int:
         for k in kinds:  # warm-up (actor start, first file in each folder), not timed
             hand_off(*pairs[k], 512, f"warmup-{k[:4]}")
         raw_ray(np.zeros(1 << 20, dtype=np.uint8))
+        raw_gloo = RawGloo()
         for n in sizes:
             nbytes = n * LAYERS * 2 * HEADS * HEAD_DIM * 4
             data = torch.randn(nbytes // 4)
@@ -218,7 +232,12 @@ def main() -> int:
             t = {k: [] for k in ("memcpy", "raw_file", "raw_ray", "raw_gloo",
                                  *[f"{k}_{p}" for k in kinds for p in ("export", "load")])}
             recv = torch.zeros_like(data.view(torch.uint8))
-            for r in range(repeats):  # interleaved: every path once per round
+            for r in range(-1, repeats):  # interleaved: every path once per round; round -1 untimed
+                if r < 0:  # warm-up at this size: buffers of this size pooled, pages touched
+                    memcpy(data), raw_file(buf, tmp), raw_ray(buf), raw_gloo(data.view(torch.uint8), recv)
+                    for k in kinds:
+                        hand_off(*pairs[k], n, f"warmup-{n}-{k[:4]}")
+                    continue
                 t["memcpy"].append(memcpy(data))
                 t["raw_file"].append(raw_file(buf, tmp))
                 t["raw_ray"].append(raw_ray(buf))
