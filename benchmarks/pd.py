@@ -48,7 +48,7 @@ def app(args, port: int, *, policy: str = "power_of_two", blocks: int | None = N
     from fleetserve.cluster.config import AppConfig
 
     engine = {"model": args.model, "max_model_len": args.max_model_len, "num_threads": 1,
-              "max_num_seqs": 32, "dtype": "float32",
+              "max_num_seqs": 32, "dtype": "float32", "cpu_bind": args.cpu_bind,
               # Chunked prefill, as colocated vLLM runs: a long prompt is computed in chunks
               # of this many tokens between decode steps (the same in every pool).
               "max_num_batched_tokens": args.max_batched_tokens}
@@ -333,6 +333,8 @@ def main() -> None:
                    help="routing.min_match_fraction of the prefix-aware policies")
     p.add_argument("--reuse-rounds", type=int, default=5)
     p.add_argument("--skip", nargs="*", default=[], choices=["interference", "prefix", "reuse"])
+    p.add_argument("--cpu-bind", default=None, choices=[None, "auto"],
+                   help="auto: each engine replica pinned to a core of its own (default: unbound)")
     p.add_argument("--connector", default="ray_object_store", choices=["ray_object_store", "p2p"],
                    help="interference: the P/D setup's KV connector")
     args = p.parse_args()

@@ -83,6 +83,11 @@ class EngineArgs(BaseModel):
         "must not collide with or probe each other's prefixes; see README, Security)."))
     num_threads: Optional[int] = Field(None, ge=1, description=(
         "Torch threads per replica (unset: the CPUs Ray reserves for it, or the cores available)."))
+    cpu_bind: Optional[str] = Field(None, description=(
+        "Pin each engine process to cores (vLLM CPU: VLLM_CPU_OMP_THREADS_BIND): 'auto' claims "
+        "--num-threads cores no other fleetserve engine on the machine holds (replicas never "
+        "share a core), a list like '0-3,8', one list per TP rank '0-1|2-3', or 'nobind' "
+        "(unset: not bound)."))
     speculative_config: Optional[SpeculativeConfig] = Field(None, description=(
         "Speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 6, "
         "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}, or a draft model sharing the "
@@ -96,6 +101,13 @@ class EngineArgs(BaseModel):
         "(SharedStorageConnector, RayObjectStoreConnector, P2PConnector or 'module:Class'), "
         "kv_role (kv_producer|kv_consumer|kv_both), kv_connector_extra_config, "
         "kv_load_failure_policy (recompute|fail), kv_lease_s, kv_load_timeout_s."))
+
+    @field_validator("cpu_bind")
+    @classmethod
+    def _check_cpu_bind(cls, value):
+        from fleetserve.replica.worker.device import check_cpu_bind
+
+        return check_cpu_bind(value)
 
     @field_validator("speculative_config", mode="before")
     @classmethod

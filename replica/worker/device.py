@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import tempfile
+from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -68,3 +72,100 @@ def default_kv_cache_bytes(device: torch.device) -> int:
     # SmolLM2-135M in bf16 (23 KB per token), several full 8k contexts; more is
     # an explicit choice (kv_cache_memory_bytes or num_gpu_blocks_override).
     return int(min(1 << 30, avail * 0.1))
+
+
+# ---- binding a process to cores (vLLM CPU: VLLM_CPU_OMP_THREADS_BIND) ------------------------
+# Open lock files of the cores this process claimed with cpu_bind="auto": held (and so the
+# cores reserved) for the life of the process; the OS drops the locks when it exits or dies.
+_claimed: list = []
+
+
+def parse_cpu_list(spec: str) -> list[int]:
+    """"0-3,8,10-11" -> [0, 1, 2, 3, 8, 10, 11] (taskset's list form)."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"cpu_bind: {part!r} is not a core number or a range like 0-3 (in {spec!r})")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise ValueError(f"cpu_bind: range {part!r} runs backwards")
+        cpus.update(range(first, last + 1))
+    return sorted(cpus)
+
+
+def check_cpu_bind(spec: Optional[str]) -> Optional[str]:
+    """Validate an EngineArgs.cpu_bind value (None, "auto", "nobind", "0-3,8" or per TP rank "0-1|2-3")."""
+    if spec is None or spec in ("auto", "nobind"):
+        return spec
+    for rank_spec in spec.split("|"):
+        parse_cpu_list(rank_spec)
+    return spec
+
+
+def _lock_dir() -> Path:
+    d = Path(os.environ.get("FLEETSERVE_CPU_LOCK_DIR") or Path(tempfile.gettempdir()) / "fleetserve-cpus")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def claim_cpus(count: int, allowed: list[int]) -> list[int]:
+    """Take `count` cores of `allowed` that no other process on this machine has claimed (one
+    lock file per core, flock'ed for as long as this process lives). Empty when too few are
+    free: the caller runs unbound rather than doubling up on a claimed core."""
+    import fcntl
+
+    taken: list[tuple[int, int]] = []
+    for cpu in allowed:
+        if len(taken) == count:
+            break
+        fd = os.open(_lock_dir() / f"cpu-{cpu}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                continue
+            raise
+        taken.append((cpu, fd))
+    if len(taken) < count:
+        for _, fd in taken:
+            os.close(fd)  # closing the file drops its lock
+        return []
+    _claimed.extend(fd for _, fd in taken)
+    return [cpu for cpu, _ in taken]
+
+
+def bind_cpus(spec: Optional[str], num_threads: Optional[int], rank: int = 0) -> Optional[list[int]]:
+    """Pin this process (its threads started from now on: the OpenMP pool included) to cores.
+
+    `spec`: None or "nobind" (leave it), "auto" (claim `num_threads` cores, default 1, that no
+    other fleetserve engine on this machine holds: two replicas never share a core), a core list
+    "0-3,8", or one list per TP rank "0-1|2-3". Returns the cores, or None when unbound (with
+    "auto" and too few free cores, logged). Call it before the first parallel op."""
+    if spec is None or spec == "nobind":
+        return None
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not allowed:
+        logger.warning("cpu_bind=%s: this OS cannot bind threads to cores; running unbound", spec)
+        return None
+    if spec == "auto":
+        want = num_threads or 1
+        cpus = claim_cpus(want, allowed)
+        if not cpus:
+            logger.warning("cpu_bind=auto: fewer than %d of this process's cores %s are unclaimed; "
+                           "running unbound", want, allowed)
+            return None
+    else:
+        ranks = spec.split("|")
+        if len(ranks) > 1 and rank >= len(ranks):
+            raise ValueError(f"cpu_bind {spec!r} names {len(ranks)} ranks' cores; rank {rank} has none")
+        cpus = parse_cpu_list(ranks[rank] if len(ranks) > 1 else ranks[0])
+        outside = sorted(set(cpus) - set(allowed))
+        if outside:
+            raise ValueError(f"cpu_bind {spec!r}: cores {outside} are not available to this process "
+                             f"(it may run on {allowed})")
+    os.sched_setaffinity(0, cpus)
+    logger.info("bound to cores %s (cpu_bind=%s)", cpus, spec)
+    return cpus

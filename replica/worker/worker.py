@@ -12,7 +12,8 @@ from typing import Optional
 
 import torch
 
-from fleetserve.replica.worker.device import default_kv_cache_bytes, select_device, select_dtype, set_num_threads
+from fleetserve.replica.worker.device import (bind_cpus, default_kv_cache_bytes, select_device, select_dtype,
+                                              set_num_threads)
 from fleetserve.replica.worker.heap import HeapTrimmer
 from fleetserve.replica.engine.engine_args import EngineArgs
 from fleetserve.replica.model_loader.registry import resolve_model
@@ -29,7 +30,12 @@ class Worker:
         self.args = args
         self.rank = rank
         self.world_size = world_size
-        self.num_threads = set_num_threads(args.num_threads, threads_share)
+        # Bound first: the OpenMP threads the next line's pool starts inherit the cores.
+        # With "auto" or one list per rank each rank has cores of its own; ranks that share one
+        # list (or run unbound) split the cores they see, as before.
+        self.cpus = bind_cpus(args.cpu_bind, args.num_threads, rank)
+        own = self.cpus is not None and (args.cpu_bind == "auto" or "|" in args.cpu_bind)
+        self.num_threads = set_num_threads(args.num_threads, 1 if own else threads_share)
         self.heap = HeapTrimmer()
         self.device = select_device(args.device)
         if self.device.type == "cuda" and world_size > 1:
