@@ -12,8 +12,8 @@ from typing import Optional
 
 import torch
 
-from fleetserve.replica.worker.device import (bind_cpus, default_kv_cache_bytes, select_device, select_dtype,
-                                              set_num_threads)
+from fleetserve.replica.worker.device import (available_cores, bind_cpus, default_kv_cache_bytes, select_device,
+                                              select_dtype, set_num_threads)
 from fleetserve.replica.worker.heap import HeapTrimmer
 from fleetserve.replica.engine.engine_args import EngineArgs
 from fleetserve.replica.model_loader.registry import resolve_model
@@ -33,7 +33,7 @@ class Worker:
         # Bound first: the OpenMP threads the next line's pool starts inherit the cores.
         # With "auto" or one list per rank each rank has cores of its own; ranks that share one
         # list (or run unbound) split the cores they see, as before.
-        self.cpus = bind_cpus(args.cpu_bind, args.num_threads, rank)
+        self.cpus = bind_cpus(args.cpu_bind, args.num_threads or max(1, available_cores() // threads_share), rank)
         own = self.cpus is not None and (args.cpu_bind == "auto" or "|" in args.cpu_bind)
         self.num_threads = set_num_threads(args.num_threads, 1 if own else threads_share)
         self.heap = HeapTrimmer()
