@@ -381,8 +381,8 @@ class PagedAttention(nn.Module):
 
     def _prefill_pack(self, q, k, v, pack: PrefillPack, md: AttentionMetadata) -> torch.Tensor:
         """Several fresh prompts in one SDPA call under a block-diagonal causal mask. K/V are
-        repeated per query head here (small: these tokens' own keys) so that the masked call
-        can take the fused memory-efficient kernel on a GPU (`enable_gqa` with a mask cannot)."""
+        repeated per query head here (small: these tokens' own keys), so the masked call does not
+        depend on which of torch's SDPA kernels accept `enable_gqa` together with a mask."""
         qs = q[pack.start:pack.end].transpose(0, 1)  # [H, L, d]
         ks = k[pack.start:pack.end].transpose(0, 1)  # [KVH, L, d]
         vs = v[pack.start:pack.end].transpose(0, 1)
