@@ -49,6 +49,7 @@ import collections
 import datetime
 import json
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -82,6 +83,60 @@ def nccl_usable(device: torch.device) -> bool:
 
 def _tag(pid: int) -> int:
     return pid % (1 << 30)
+
+
+
+_CONNECTING: dict[str, threading.Thread] = {}  # connects given up on, still running (see connect_store)
+_CONNECTING_LOCK = threading.Lock()
+
+
+def connect_store(host: str, port: int, timeout: float, wait: float) -> Any:
+    """A client of a producer's TCPStore within `timeout` seconds, or TransferError.
+
+    TCPStore's client alone overruns its timeout: it retries a refused port until the
+    timeout and then retries the whole connect with backoff (8 s for a 3 s timeout, seen
+    in CI, when a killed producer's socket accepted a connection and then reset it). So
+    one plain connect first (a dead producer's refusal fails the load at once), then the
+    store is made on a thread that is waited for `timeout` at most. A thread given up on
+    ends when torch's client does (a reset socket ends it; a producer that accepts and
+    never answers, stopped but not dead, can hold it for minutes), so there is at most
+    one per address: while it lives, pulls from that address fail at once.
+    """
+    import torch.distributed as dist
+
+    addr = f"{host}:{port}"
+    with _CONNECTING_LOCK:
+        stuck = _CONNECTING.get(addr)
+        if stuck is not None and stuck.is_alive():
+            raise TransferError(f"point-to-point server {addr} did not answer an earlier connect; "
+                                "still waiting on it")
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:  # refused, unreachable, timed out
+        raise TransferError(f"point-to-point server {host}:{port} unreachable ({e}); "
+                            "stopped, or not reachable from here") from None
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def make() -> None:
+        try:
+            box["store"] = dist.TCPStore(host, port, is_master=False,
+                                         timeout=datetime.timedelta(seconds=timeout))
+            box["store"].set_timeout(datetime.timedelta(seconds=wait))
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=make, name="p2p-connect", daemon=True)
+    thread.start()
+    if not done.wait(timeout):
+        with _CONNECTING_LOCK:
+            _CONNECTING[addr] = thread
+        raise TransferError(f"point-to-point server {host}:{port} did not answer within {timeout:.1f} s")
+    if "error" in box:
+        raise TransferError(f"point-to-point server {host}:{port}: {box['error']}") from None
+    return box["store"]
 
 
 class _Groups:
@@ -300,11 +355,10 @@ class P2PTransport(Transport):
             self._addresses[name] = addr
         host, port = addr.rsplit(":", 1)
         left = spec.deadline - time.time()
-        # A dead producer's port refuses connections, which TCPStore retries until its timeout:
-        # connect within CONNECT_TIMEOUT_S (not the whole deadline), then wait up to the deadline.
-        store = dist.TCPStore(host, int(port), is_master=False,
-                              timeout=datetime.timedelta(seconds=max(0.5, min(left, CONNECT_TIMEOUT_S))))
-        store.set_timeout(datetime.timedelta(seconds=max(0.5, spec.deadline - time.time())))
+        # Connect within CONNECT_TIMEOUT_S (a dead producer fails the load then, not at the
+        # deadline), then wait for its answers up to the deadline.
+        store = connect_store(host, int(port), max(0.5, min(left, CONNECT_TIMEOUT_S)),
+                              max(0.5, spec.deadline - time.time()))
         backend = "nccl" if nccl_usable(self._device) else "gloo"
         kept = self._pull_groups.get(addr) if backend == "gloo" else None
         regroups = 0

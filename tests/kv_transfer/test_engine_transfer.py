@@ -228,9 +228,10 @@ def test_p2p_hand_off_matches_one_engine(tiny_model_dir, local_ray, reference):
         t0 = time.monotonic()
         tokens, final = run(collect(cons, prompts(1, seed=12)[0], greedy(2), pfinal.kv_transfer_params))
         assert final.outputs[0].finish_reason == "error" and tokens == []
-        # Not the whole 20 s deadline: its port refuses connections (CONNECT_TIMEOUT_S).
+        # Not the whole 20 s deadline, nor TCPStore's retries of a refused port (8 s in CI
+        # once): one probe connect is refused and the load fails.
         print(f"dead producer: load failed after {time.monotonic() - t0:.1f} s")
-        assert time.monotonic() - t0 < 3 + 5
+        assert time.monotonic() - t0 < 5
         wait_all_free(cons)
     finally:
         prod.shutdown()

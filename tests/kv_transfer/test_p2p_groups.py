@@ -192,3 +192,35 @@ def test_a_pull_that_overtakes_its_export_waits_for_it(pair):
         time.sleep(0.005)
     assert time.monotonic() - t0 < 3
     assert cons.get_block_ids_with_load_errors() == {3, 4, 5}
+
+
+def test_a_dead_or_silent_producer_fails_the_connect_in_time():
+    """TCPStore's own client overruns its timeout (retries with backoff): connect_store
+    must not. A closed port is refused at once; a port that accepts and never answers
+    (a killed producer's socket, before the kernel closes it) fails at the timeout."""
+    import socket
+
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    t0 = time.monotonic()
+    with pytest.raises(p2p.TransferError, match="unreachable"):
+        p2p.connect_store("127.0.0.1", port, 3.0, 5.0)
+    assert time.monotonic() - t0 < 1.0
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel accepts; nobody answers
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(p2p.TransferError, match="did not answer|127.0.0.1"):
+            p2p.connect_store("127.0.0.1", silent.getsockname()[1], 1.0, 5.0)
+        assert time.monotonic() - t0 < 2.0
+        # Its thread is still waiting on the silent port: the next pull fails at once and
+        # starts no second one.
+        t0 = time.monotonic()
+        with pytest.raises(p2p.TransferError, match="earlier connect"):
+            p2p.connect_store("127.0.0.1", silent.getsockname()[1], 1.0, 5.0)
+        assert time.monotonic() - t0 < 0.5
+    finally:
+        silent.close()
