@@ -228,10 +228,12 @@ def test_p2p_hand_off_matches_one_engine(tiny_model_dir, local_ray, reference):
         t0 = time.monotonic()
         tokens, final = run(collect(cons, prompts(1, seed=12)[0], greedy(2), pfinal.kv_transfer_params))
         assert final.outputs[0].finish_reason == "error" and tokens == []
-        # Not the whole 20 s deadline, nor TCPStore's retries of a refused port (8 s in CI
-        # once): one probe connect is refused and the load fails.
+        # Not the whole 20 s deadline, nor TCPStore's retries (8.1 s in CI once): refused
+        # at once, or given up after CONNECT_TIMEOUT_S when the dying socket still accepts.
+        from fleetserve.kv_transfer.p2p import CONNECT_TIMEOUT_S
+
         print(f"dead producer: load failed after {time.monotonic() - t0:.1f} s")
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < CONNECT_TIMEOUT_S + 3
         wait_all_free(cons)
     finally:
         prod.shutdown()
