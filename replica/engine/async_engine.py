@@ -242,8 +242,12 @@ class AsyncEngine:
         if stream is None:
             return
         loop, queue = stream
-        if _running_loop() is loop:  # read on the caller's own loop: no hand-off
-            queue.put_nowait(item)
+        # Always through the loop's ready queue, in delivery order. A core process's results
+        # are read on the caller's loop or by a get_load/metrics_text caller on another
+        # thread; a direct put here overtook an output that thread had scheduled a moment
+        # before, and a stream's text came out with two pieces swapped (CI, under overload).
+        if _running_loop() is loop:
+            loop.call_soon(queue.put_nowait, item)
             return
         try:
             loop.call_soon_threadsafe(queue.put_nowait, item)

@@ -117,3 +117,24 @@ def test_core_process_exits_with_its_parent(tiny_model_dir, tmp_path):
         assert _wait_gone(child_pid), "the engine core outlived its parent"
     finally:
         parent.kill()
+
+
+def test_outputs_reach_a_stream_in_delivery_order():
+    """A core process's results are read on the caller's loop or, between loops, by a
+    get_load/metrics_text caller on another thread. An output handed over from that
+    thread must not be overtaken by the next one read on the loop (a streamed answer
+    once came out with two pieces swapped)."""
+    import threading
+    import types
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        engine = types.SimpleNamespace(_streams={"r": (loop, queue)})
+        other = threading.Thread(target=AsyncEngine._deliver, args=(engine, "r", "first"))
+        other.start()
+        other.join()
+        AsyncEngine._deliver(engine, "r", "second")  # on the loop, before it ran the first
+        return [await queue.get(), await queue.get()]
+
+    assert asyncio.run(main()) == ["first", "second"]
