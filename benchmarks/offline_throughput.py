@@ -5,6 +5,8 @@ Same machine, same weights (the default SmolLM2-135M GGUF, dequantized), one run
   (a) fixed:  64 prompts of ~120 tokens x 128 output tokens, EOS ignored
   (b) varied: prompt and output lengths from a seeded long-tailed (log-normal)
               distribution, EOS ignored, so every engine produces the same tokens
+  (pN) prefill only: prompts of N tokens, one output token each (64 prompts up to
+              N = 256, fewer past it: 16 of 1000); compare "prompt tok/s"
 
 for each dtype (bf16, fp32). Reports output tokens/s, mean TTFT (all requests
 arrive at t=0), and model FLOP/s as a fraction of this machine's bf16 matmul
@@ -17,6 +19,7 @@ Prints a table and writes a PNG under benchmarks/results/.
     python benchmarks/offline_throughput.py --quick         # a smoke run (small)
     python benchmarks/offline_throughput.py --engines fleetserve,hf --dtypes bfloat16
     python benchmarks/offline_throughput.py --workloads a --dtypes bfloat16 --repeats 3   # medians
+    python benchmarks/offline_throughput.py --workloads p120,p1000 --dtypes bfloat16 --engines fleetserve,vllm --repeats 3
 
 vLLM CPU runs when it is importable in a separate interpreter (--vllm-python,
 default /opt/vllm-venv/bin/python; see benchmarks/README.md). On a GPU, the engine
@@ -73,6 +76,10 @@ def workload(name: str, tokenizer, num_prompts: int, seed: int = 0):
     import random
 
     rng = random.Random(seed)
+    if name.startswith("p") and name[1:].isdigit():  # prefill only: pN, prompts of N tokens
+        length = int(name[1:])
+        n = max(8, min(num_prompts, num_prompts * 256 // length))
+        return make_prompts(tokenizer, [length] * n, seed), [1] * n
     if name == "a":
         lengths = [rng.randint(112, 128) for _ in range(num_prompts)]
         outputs = [128] * num_prompts
@@ -302,12 +309,16 @@ def main() -> None:
             res = {}
             for engine, rs in runs.items():
                 med = sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2]
-                res[engine] = dict(med, all_tok_s=[round(r["tok_s"], 1) for r in rs])
+                # Rounds as the table's main figure: prompt tokens/s for a prefill-only workload.
+                key = (lambda r: sum(map(len, prompts)) / r["elapsed"]) if wl.startswith("p") else \
+                    (lambda r: r["tok_s"])
+                res[engine] = dict(med, all_tok_s=[round(key(r), 1) for r in rs])
             for engine, r in res.items():
                 r.update(workload=wl, dtype=dtype, engine=engine, device=args.device,
                          model=Path(args.model).name)
                 # Output tokens only (the target's definition), and model FLOP utilization over
                 # every token the model processed (prompt + output: prefill is real work).
+                r["prompt_tok_s"] = sum(map(len, prompts)) / r["elapsed"]
                 r["roofline_frac"] = r["tok_s"] * flops_tok / 1e9 / ceiling if dtype == "bfloat16" else None
                 r["mfu_all_tokens"] = (r["tok_s"] * (sum(map(len, prompts)) + sum(outputs)) / sum(outputs)
                                        * flops_tok / 1e9 / ceiling) if dtype == "bfloat16" else None
@@ -324,8 +335,8 @@ def main() -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    header = f"{'workload':<9}{'dtype':<10}{'engine':<18}{'out tok/s':>10}{'mean TTFT s':>12}" \
-             f"{'fleetserve/x':>13}{'% ceil (out)':>14}{'% ceil (all)':>14}"
+    header = f"{'workload':<9}{'dtype':<10}{'engine':<18}{'out tok/s':>10}{'prompt tok/s':>13}" \
+             f"{'mean TTFT s':>12}{'fleetserve/x':>13}{'% ceil (out)':>14}{'% ceil (all)':>14}"
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -334,7 +345,7 @@ def print_table(rows: list[dict]) -> None:
         ratio = "" if r.get("fs_over_this") is None else f"{r['fs_over_this']:.2f}x"
         rounds = "" if len(r.get("all_tok_s", [])) < 2 else "  rounds: " + ", ".join(map(str, r["all_tok_s"]))
         print(f"{r['workload']:<9}{r['dtype']:<10}{r['engine']:<18}{r['tok_s']:>10.1f}"
-              f"{r['ttft']:>12.2f}{ratio:>13}{frac:>14}{mfu:>14}{rounds}")
+              f"{r.get('prompt_tok_s', float('nan')):>13.1f}{r['ttft']:>12.2f}{ratio:>13}{frac:>14}{mfu:>14}{rounds}")
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -347,9 +358,16 @@ def plot(rows: list[dict], path: Path) -> None:
     engines = sorted({r["engine"] for r in rows})
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / max(1, len(engines))
-    for metric, ax, label in (("tok_s", axes[0], "output tokens/s"), ("ttft", axes[1], "mean TTFT (s)")):
+    def value(r: dict, metric: str) -> float:
+        if metric == "tok_s" and r["workload"].startswith("p"):  # prefill only: prompt tokens
+            return r["prompt_tok_s"]
+        return r[metric]
+
+    for metric, ax, label in (("tok_s", axes[0], "output tokens/s (prompt tokens/s for pN)"),
+                              ("ttft", axes[1], "mean TTFT (s)")):
         for j, engine in enumerate(engines):
-            vals = [next((r[metric] for r in rows if (r["workload"], r["dtype"]) == g and r["engine"] == engine), 0)
+            vals = [next((value(r, metric) for r in rows
+                          if (r["workload"], r["dtype"]) == g and r["engine"] == engine), 0)
                     for g in groups]
             ax.bar([i + j * width for i in range(len(groups))], vals, width, label=engine)
         ax.set_xticks([i + width * (len(engines) - 1) / 2 for i in range(len(groups))])
