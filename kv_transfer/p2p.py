@@ -85,13 +85,13 @@ def _tag(pid: int) -> int:
     return pid % (1 << 30)
 
 
-
 _CONNECTING: dict[str, threading.Thread] = {}  # connects given up on, still running (see connect_store)
 _CONNECTING_LOCK = threading.Lock()
 
 
-def connect_store(host: str, port: int, timeout: float, wait: float) -> Any:
-    """A client of a producer's TCPStore within `timeout` seconds, or TransferError.
+def connect_store(host: str, port: int, timeout: float, deadline: float) -> Any:
+    """A client of a producer's TCPStore within `timeout` seconds, or TransferError; its
+    waits for answers then last until `deadline` (a `time.time()`).
 
     TCPStore's client alone overruns its timeout: it retries a refused port until the
     timeout and then retries the whole connect with backoff (8 s for a 3 s timeout, seen
@@ -122,7 +122,7 @@ def connect_store(host: str, port: int, timeout: float, wait: float) -> Any:
         try:
             box["store"] = dist.TCPStore(host, port, is_master=False,
                                          timeout=datetime.timedelta(seconds=timeout))
-            box["store"].set_timeout(datetime.timedelta(seconds=wait))
+            box["store"].set_timeout(datetime.timedelta(seconds=max(0.5, deadline - time.time())))
         except Exception as e:  # noqa: BLE001 - handed to the caller
             box["error"] = e
         finally:
@@ -132,6 +132,8 @@ def connect_store(host: str, port: int, timeout: float, wait: float) -> Any:
     thread.start()
     if not done.wait(timeout):
         with _CONNECTING_LOCK:
+            for gone in [a for a, t in _CONNECTING.items() if not t.is_alive()]:
+                del _CONNECTING[gone]
             _CONNECTING[addr] = thread
         raise TransferError(f"point-to-point server {host}:{port} did not answer within {timeout:.1f} s")
     if "error" in box:
@@ -357,8 +359,7 @@ class P2PTransport(Transport):
         left = spec.deadline - time.time()
         # Connect within CONNECT_TIMEOUT_S (a dead producer fails the load then, not at the
         # deadline), then wait for its answers up to the deadline.
-        store = connect_store(host, int(port), max(0.5, min(left, CONNECT_TIMEOUT_S)),
-                              max(0.5, spec.deadline - time.time()))
+        store = connect_store(host, int(port), max(0.5, min(left, CONNECT_TIMEOUT_S)), spec.deadline)
         backend = "nccl" if nccl_usable(self._device) else "gloo"
         kept = self._pull_groups.get(addr) if backend == "gloo" else None
         regroups = 0
