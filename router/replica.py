@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Optional
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
-from fleetserve.replica.engine.async_engine import EngineDeadError, QueueFullError
+from fleetserve.replica.engine.errors import EngineDeadError, QueueFullError
 from fleetserve.replica.engine.engine_args import EngineArgs
 from fleetserve.router.admission import admission_refusal
 from fleetserve.router.errors import error_body

@@ -36,16 +36,9 @@ from fleetserve.replica.engine.processor import InputProcessor, OutputProcessor,
 from fleetserve.replica.engine.tokenizer import apply_chat_template, load_tokenizer
 from fleetserve.kv_transfer.params import validate_kv_transfer_params
 from fleetserve.scheduler import KVEventLog, SamplingParams
+from fleetserve.replica.engine.errors import EngineDeadError, QueueFullError  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
-
-
-class QueueFullError(RuntimeError):
-    """The replica's bounded waiting queue is full; try again later (HTTP 429)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine hit an unrecoverable error (e.g. a worker died); restart the replica."""
 
 
 class AsyncEngine:
