@@ -59,7 +59,7 @@ mine = [p for p in psutil.process_iter() if ours(p)]
 for p in mine:
     try: p.send_signal(signal.SIGTERM)
     except psutil.Error: pass
-gone, alive = psutil.wait_procs(mine, timeout=15)
+gone, alive = psutil.wait_procs(mine, timeout=5)  # gcs_server, raylet and Serve's actors sit out 15 s of SIGTERM
 for p in alive:
     try: p.kill()
     except psutil.Error: pass
