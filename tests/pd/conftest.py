@@ -158,7 +158,7 @@ def _start_server(tmp_path, model_dir, pd: dict, name: str = APP, **top):
         if time.time() > deadline:
             stop_server(proc)
             raise AssertionError("server did not come up:\n" + server.log_tail())
-        time.sleep(1)
+        time.sleep(0.5)
     return proc, server
 
 
