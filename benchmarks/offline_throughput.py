@@ -307,10 +307,11 @@ def main() -> None:
                     else:
                         print(f"vLLM not installed at {args.vllm_python}: skipped", file=sys.stderr)
             res = {}
+            prompt_tokens = sum(map(len, prompts))
             for engine, rs in runs.items():
                 med = sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2]
                 # Rounds as the table's main figure: prompt tokens/s for a prefill-only workload.
-                key = (lambda r: sum(map(len, prompts)) / r["elapsed"]) if wl.startswith("p") else \
+                key = (lambda r: prompt_tokens / r["elapsed"]) if wl.startswith("p") else \
                     (lambda r: r["tok_s"])
                 res[engine] = dict(med, all_tok_s=[round(key(r), 1) for r in rs])
             for engine, r in res.items():
@@ -318,9 +319,9 @@ def main() -> None:
                          model=Path(args.model).name)
                 # Output tokens only (the target's definition), and model FLOP utilization over
                 # every token the model processed (prompt + output: prefill is real work).
-                r["prompt_tok_s"] = sum(map(len, prompts)) / r["elapsed"]
+                r["prompt_tok_s"] = prompt_tokens / r["elapsed"]
                 r["roofline_frac"] = r["tok_s"] * flops_tok / 1e9 / ceiling if dtype == "bfloat16" else None
-                r["mfu_all_tokens"] = (r["tok_s"] * (sum(map(len, prompts)) + sum(outputs)) / sum(outputs)
+                r["mfu_all_tokens"] = (r["tok_s"] * (prompt_tokens + sum(outputs)) / sum(outputs)
                                        * flops_tok / 1e9 / ceiling) if dtype == "bfloat16" else None
                 if "fleetserve" in res:
                     r["fs_over_this"] = res["fleetserve"]["tok_s"] / r["tok_s"]

@@ -59,9 +59,13 @@ def variant_runs(tmp_path_factory):
         runs[march] = (proc, log)
     yield runs
     for run in runs.values():
-        if not isinstance(run, str) and run[0].poll() is None:
-            run[0].kill()
-            run[0].wait()
+        if isinstance(run, str):
+            continue
+        proc, log = run
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
 
 
 @pytest.mark.parametrize("march,expected", VARIANTS)
