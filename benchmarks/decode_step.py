@@ -3,8 +3,8 @@
     python benchmarks/decode_step.py                      # bf16, 2 threads
     python benchmarks/decode_step.py --threads 1 --reps 7  # when the machine is busy
 
-Cases: one prefill step of 2048 tokens (16 prompts of 128, no cached context)
-and decode steps at batch 16 and 64 with 200 tokens of context each. The KV
+Cases: one prefill step of 2048 tokens (16 prompts of 128, no cached context;
+`prefill1000-2000` is one of two prompts of 1000) and decode steps at batch 16 and 64 with 200 tokens of context each. The KV
 blocks of the requests are scattered through the cache (a shuffled free list,
 as after a while of serving). Per case it reports the median step time and a
 breakdown by kind of op from `torch.profiler` (one profiled step, scaled to the
@@ -174,9 +174,10 @@ def main() -> None:
     for name in args.cases.split(","):
         kind, n = name.split("-")
         n = int(n)
-        if kind == "prefill":
-            case = build_case("prefill", n // 128, 128, block_size, num_blocks, gen)
-            tokens, sampled = n, n // 128
+        if kind.startswith("prefill"):  # prefill-N: prompts of 128; prefillL-N: prompts of L
+            length = int(kind[len("prefill"):] or 128)
+            case = build_case("prefill", n // length, length, block_size, num_blocks, gen)
+            tokens, sampled = n // length * length, n // length
         else:
             case = build_case("decode", n, args.context, block_size, num_blocks, gen)
             tokens, sampled = n, n
