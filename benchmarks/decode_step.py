@@ -4,8 +4,8 @@
     python benchmarks/decode_step.py --threads 1 --reps 7  # when the machine is busy
 
 Cases: one prefill step of 2048 tokens (16 prompts of 128, no cached context;
-`prefill1000-2000` is one of two prompts of 1000) and decode steps at batch 16 and 64 with 200 tokens of context each. The KV
-blocks of the requests are scattered through the cache (a shuffled free list,
+`prefill1000-2000` is one of two prompts of 1000) and decode steps at batch 16
+and 64 with 200 tokens of context each. The KV blocks of the requests are scattered through the cache (a shuffled free list,
 as after a while of serving). Per case it reports the median step time and a
 breakdown by kind of op from `torch.profiler` (one profiled step, scaled to the
 median): weight matmuls (linear / addmm / mm, fleetserve's small-M `linear_bf16` / `linear_f32`),
