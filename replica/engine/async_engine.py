@@ -24,7 +24,8 @@ import threading
 import uuid
 from typing import Any, AsyncIterator, Optional
 
-from fleetserve.replica.engine.core_client import ProcessCoreClient, ThreadCoreClient, use_core_process
+from fleetserve.replica.engine.core_client import (ProcessCoreClient, SpawnedCore, ThreadCoreClient,
+                                                   use_core_process)
 from fleetserve.replica.engine.engine_args import EngineArgs
 from fleetserve.replica.engine.engine_core import StepResult
 from fleetserve.replica.executor import ExecutorError
@@ -45,6 +46,17 @@ class AsyncEngine:
     def __init__(self, args: Optional[EngineArgs] = None, *, core_process: Optional[bool] = None,
                  **kwargs: Any) -> None:
         self.args = args = args or EngineArgs(**kwargs)
+        own_process = use_core_process(args, core_process)
+        # The core process imports torch and the engine while this one loads the tokenizer.
+        spawned = SpawnedCore() if own_process else None
+        try:
+            self._start(args, spawned)
+        except BaseException:
+            if spawned is not None:
+                spawned.kill()
+            raise
+
+    def _start(self, args: EngineArgs, spawned: Optional[SpawnedCore]) -> None:
         source = resolve_model(args.model)
         self.tokenizer = load_tokenizer(source)
         self.model_name = args.served_model_name or source.name
@@ -61,8 +73,12 @@ class AsyncEngine:
         self._dead: Optional[str] = None  # why the engine cannot serve any more
         # What the prefix cache gains and loses, for subscribers (the router's prefix index).
         self.kv_events: Optional[KVEventLog] = KVEventLog() if args.enable_kv_cache_events else None
-        client_cls = ProcessCoreClient if use_core_process(args, core_process) else ThreadCoreClient
-        self._client = client_cls(args, self.tokenizer.eos_token_id, self._on_step, self._on_failure)
+        if spawned is not None:
+            self._client = ProcessCoreClient(args, self.tokenizer.eos_token_id, self._on_step,
+                                             self._on_failure, spawned=spawned)
+        else:
+            self._client = ThreadCoreClient(args, self.tokenizer.eos_token_id, self._on_step,
+                                            self._on_failure)
         self.max_model_len = self._client.max_model_len
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len,
                                               self._client.vocab_size)

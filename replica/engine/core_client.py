@@ -233,6 +233,48 @@ class ThreadCoreClient(_CoreClient):
             self._on_step(events)
 
 
+class SpawnedCore:
+    """An engine-core process started before its `init` is known: the child imports torch
+    and the engine (~1.5 s) and then waits on the socket, so `AsyncEngine` starts it first
+    and loads the tokenizer meanwhile. Owned by whoever made it until a ProcessCoreClient
+    takes it over; `kill()` otherwise (a failure in between)."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        # The child imports what this process can import (a Ray worker's sys.path may hold
+        # entries, e.g. a runtime_env working_dir, that PYTHONPATH does not).
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+            # A KV connector in the child that uses Ray joins this process's cluster.
+            env.setdefault("RAY_ADDRESS", sys.modules["ray"].get_runtime_context().gcs_address)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "fleetserve.replica.engine.core_process", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], env=env, close_fds=True)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._sock: Optional[socket.socket] = ours
+
+    def take_socket(self) -> int:
+        """The parent's end, as a file descriptor the caller now owns."""
+        sock, self._sock = self._sock, None
+        assert sock is not None, "taken already"
+        return sock.detach()
+
+    def kill(self) -> None:
+        """Stop the child and close the parent's end (both no-ops once taken over and done)."""
+        if self._sock is not None:
+            self._sock.close()  # the child reads EOF before an init: it exits
+            self._sock = None
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
 class ProcessCoreClient(_CoreClient):
     """The EngineCore in a child process (`python -m fleetserve.replica.engine.core_process`).
 
@@ -245,7 +287,7 @@ class ProcessCoreClient(_CoreClient):
 
     def __init__(self, args: EngineArgs, eos_token_id: Optional[int], on_step: StepCallback,
                  on_failure: FailureCallback, start_timeout_s: float = 600.0,
-                 send_timeout_s: float = 30.0) -> None:
+                 send_timeout_s: float = 30.0, spawned: Optional["SpawnedCore"] = None) -> None:
         self._on_step, self._on_failure = on_step, on_failure
         self._send_timeout_s = send_timeout_s
         self._recv_lock = threading.Lock()
@@ -253,19 +295,9 @@ class ProcessCoreClient(_CoreClient):
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._stopping = False
         self._failed = False
-        ours, theirs = socket.socketpair()
-        env = dict(os.environ)
-        # The child imports what this process can import (a Ray worker's sys.path may hold
-        # entries, e.g. a runtime_env working_dir, that PYTHONPATH does not).
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        if "ray" in sys.modules and sys.modules["ray"].is_initialized():
-            # A KV connector in the child that uses Ray joins this process's cluster.
-            env.setdefault("RAY_ADDRESS", sys.modules["ray"].get_runtime_context().gcs_address)
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "fleetserve.replica.engine.core_process", str(theirs.fileno())],
-            pass_fds=[theirs.fileno()], env=env, close_fds=True)
-        theirs.close()
-        self._chan = FrameChannel(ours.detach())
+        spawned = spawned or SpawnedCore()
+        self._proc = spawned.proc
+        self._chan = FrameChannel(spawned.take_socket())
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._writer_thread = threading.Thread(target=self._writer, name="fleetserve-core-writer",
                                                daemon=True)

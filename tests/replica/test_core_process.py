@@ -37,6 +37,36 @@ def test_start_up_error_names_the_cause(tiny_model_dir):
                     core_process=True)
 
 
+def test_core_started_before_a_failing_tokenizer_is_stopped(tiny_model_dir, monkeypatch):
+    """The core process starts before the tokenizer loads (its imports overlap that load): when
+    the engine fails in between, it must not outlive the error."""
+    import fleetserve.replica.engine.async_engine as async_engine
+
+    started = []
+
+    class Recorded(async_engine.SpawnedCore):
+        def __init__(self) -> None:
+            super().__init__()
+            started.append(self)
+
+    def broken_tokenizer(source):
+        raise OSError(f"no tokenizer files in {source}")
+
+    monkeypatch.setattr(async_engine, "SpawnedCore", Recorded)
+    monkeypatch.setattr(async_engine, "load_tokenizer", broken_tokenizer)
+    with pytest.raises(OSError, match="no tokenizer files"):
+        AsyncEngine(model=str(tiny_model_dir), dtype="float32", core_process=True)
+    assert len(started) == 1
+    assert started[0].proc.poll() is not None and _wait_gone(started[0].proc.pid)
+    monkeypatch.undo()
+    engine = AsyncEngine(model=str(tiny_model_dir), dtype="float32", core_process=True,
+                         kv_cache_memory_bytes=8 << 20)  # and a real start still works
+    try:
+        assert engine.core_pid is not None and engine.check_health() is None
+    finally:
+        engine.shutdown()
+
+
 def test_stop_string_frees_blocks_and_serves_on(tiny_model_dir):
     """A stop string is found here (detokenizer) but the request lives in the core process:
     the finish crosses over, and its blocks go back to the pool."""
