@@ -17,6 +17,7 @@ vLLM ratios) and writes benchmarks/results/serve_vs_vllm[-<dtype>].{json,png}.
     python benchmarks/serve_vs_vllm.py                          # bf16 where the CPU has it
     python benchmarks/serve_vs_vllm.py --dtype float32 --rates 1,4,inf
     python benchmarks/serve_vs_vllm.py --servers fleetserve     # without vLLM
+    python benchmarks/serve_vs_vllm.py --rates inf --stream-interval 4   # both servers batch 4 tokens a chunk
 
 The client shares the machine's cores with the server under test (for both servers).
 """
@@ -156,7 +157,7 @@ def start_fleetserve(args, port: int, log: Path) -> Server:
     cmd = [sys.executable, "-m", "fleetserve.cluster.cli", "serve", args.model, "--host", "127.0.0.1",
            "--port", str(port), "--num-replicas", "1", "--dtype", args.dtype,
            "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
-           "--served-model-name", args.model]
+           "--served-model-name", args.model, "--stream-interval", str(args.stream_interval)]
     return Server("fleetserve", cmd, dict(os.environ, RAY_AUTH_MODE="disabled"), port, log)
 
 
@@ -164,7 +165,7 @@ def start_vllm(args, hf_dir: str, port: int, log: Path) -> Server:
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir,
            "--served-model-name", args.model, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
-           "--max-model-len", str(args.max_model_len)]
+           "--max-model-len", str(args.max_model_len), "--stream-interval", str(args.stream_interval)]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib),
                VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}",
                VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_LOGGING_LEVEL="WARNING")
@@ -210,7 +211,8 @@ def report(rows: list[dict], args, cpu: str) -> None:
     text = "\n".join(lines)
     print("\n" + text)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"serve_vs_vllm-{args.dtype}"
+    stem = RESULTS / (f"serve_vs_vllm-{args.dtype}"
+                      + (f"-si{args.stream_interval}" if args.stream_interval > 1 else ""))
     stem.with_suffix(".json").write_text(json.dumps({"cpu": cpu, "args": {
         k: v for k, v in vars(args).items() if k != "rates"}, "rates": [str(r) for r in args.rates],
         "rows": rows}, indent=1, default=str))
@@ -249,6 +251,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="both servers' --stream-interval (tokens per streamed chunk after the first; "
+                         "ITL is then the gap between chunks)")
     ap.add_argument("--servers", default="vllm,fleetserve")
     ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     ap.add_argument("--vllm-kv-gib", type=int, default=4)

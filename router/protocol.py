@@ -50,6 +50,8 @@ class _SamplingRequest(StructuredOutputFields):
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     logit_bias: Optional[dict[str, float]] = None
+    # vLLM's: tokens per streamed chunk after the first; raises the server's --stream-interval.
+    stream_interval: Optional[int] = None
 
     def _max_tokens(self) -> Optional[int]:
         return self.max_tokens
@@ -75,6 +77,7 @@ class _SamplingRequest(StructuredOutputFields):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logit_bias": self.logit_bias,
             "structured_outputs": self.structured_outputs_params(),
+            "stream_interval": self.stream_interval,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):

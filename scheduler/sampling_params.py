@@ -42,6 +42,9 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None
     # Constrained decoding (vLLM's `structured_outputs`); the engine core compiles it.
     structured_outputs: Optional[StructuredOutputsParams] = None
+    # Streaming: tokens per streamed output after the first (vLLM's `stream_interval`;
+    # raises the engine's `--stream-interval` for this request, never lowers it).
+    stream_interval: Optional[int] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -99,6 +102,10 @@ class SamplingParams:
             raise bad("logprobs", "must be in [0, 20]")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             raise bad("prompt_logprobs", "must be in [0, 20]")
+        if self.stream_interval is not None and (isinstance(self.stream_interval, bool)
+                                                 or not isinstance(self.stream_interval, int)
+                                                 or self.stream_interval < 1):
+            raise bad("stream_interval", "must be a positive integer")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):

@@ -32,7 +32,7 @@ from fleetserve.replica.executor import ExecutorError
 from fleetserve.replica.engine.metrics import EngineMetrics
 from fleetserve.replica.model_loader.model_info import generation_defaults, read_model_shape
 from fleetserve.replica.model_loader.registry import resolve_model
-from fleetserve.replica.engine.outputs import RequestOutput
+from fleetserve.replica.engine.outputs import RequestOutput, merge_deltas, num_new_tokens
 from fleetserve.replica.engine.processor import InputProcessor, OutputProcessor, PromptType
 from fleetserve.replica.engine.tokenizer import apply_chat_template, load_tokenizer
 from fleetserve.kv_transfer.params import validate_kv_transfer_params
@@ -135,6 +135,11 @@ class AsyncEngine:
             self._forget(request_id)
             raise EngineDeadError(f"the engine is dead: {e}") from e
         finished = False
+        # --stream-interval: after the first output, deltas are held and merged until they
+        # carry that many tokens or the request finishes (vLLM's semantics).
+        interval = max(self.args.stream_interval, sp.stream_interval or 1)
+        held: Optional[RequestOutput] = None
+        sent = False
         try:
             while not finished:
                 item = await queue.get()
@@ -142,6 +147,12 @@ class AsyncEngine:
                     finished = True
                     raise item
                 finished = item.finished
+                if interval > 1:
+                    held = item if held is None else merge_deltas(held, item)
+                    if sent and not finished and num_new_tokens(held) < interval:
+                        continue
+                    item, held = held, None
+                sent = True
                 yield item
         finally:
             self._streams.pop(request_id, None)

@@ -76,6 +76,11 @@ class EngineArgs(BaseModel):
         "steps with longer rows run eagerly."))
     placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD"] = Field("PACK", description=(
         "Ray placement group strategy for the tensor-parallel ranks."))
+    stream_interval: int = Field(1, ge=1, description=(
+        "Tokens per streamed chunk after the first (vLLM's --stream-interval): 1 sends every "
+        "token as it comes; more batches a request's tokens into fewer chunks, which costs the "
+        "replica and the ingress less per token under load. The first and last chunks go out "
+        "at once; a request's `stream_interval` can raise it, never lower it."))
     max_waiting_requests: int = Field(1024, ge=1, description=(
         "Bounded waiting queue per replica; a request beyond it is refused (HTTP 429)."))
     prefix_caching_hash_algo: Literal["builtin", "sha256"] = Field("builtin", description=(

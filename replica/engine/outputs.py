@@ -78,3 +78,35 @@ class RequestOutput:
     num_remote_tokens: int = 0
     # Inter-token latencies (seconds) observed for this request, on the final item.
     itl: list[float] = field(default_factory=list)
+
+
+def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive deltas of one request as one (`--stream-interval`): per completion
+    index the text, token ids and logprobs joined, the later finish; `first` is updated."""
+    by_index = {c.index: c for c in first.outputs}
+    for c in then.outputs:
+        mine = by_index.get(c.index)
+        if mine is None:
+            first.outputs.append(c)
+            by_index[c.index] = c
+            continue
+        mine.text += c.text
+        mine.token_ids = mine.token_ids + c.token_ids
+        if c.logprobs is not None:
+            mine.logprobs = (mine.logprobs or []) + c.logprobs
+        mine.finish_reason, mine.stop_reason = c.finish_reason, c.stop_reason
+    first.outputs.sort(key=lambda c: c.index)
+    first.finished = then.finished
+    first.num_cached_tokens = max(first.num_cached_tokens, then.num_cached_tokens)
+    first.num_remote_tokens = max(first.num_remote_tokens, then.num_remote_tokens)
+    if first.prompt_logprobs is None:
+        first.prompt_logprobs = then.prompt_logprobs
+    first.metrics = then.metrics if then.metrics is not None else first.metrics
+    first.kv_transfer_params = then.kv_transfer_params or first.kv_transfer_params
+    first.itl = then.itl or first.itl
+    return first
+
+
+def num_new_tokens(out: RequestOutput) -> int:
+    """The most new tokens any completion of a delta carries."""
+    return max((len(c.token_ids) for c in out.outputs), default=0)

@@ -185,6 +185,46 @@ def test_async_streams_match_reference(async_engine, reference):
     assert "vllm:generation_tokens_total" in text and "vllm:time_to_first_token_seconds_bucket" in text
 
 
+def test_stream_interval_batches_tokens_after_the_first(tiny_model_dir, reference):
+    """--stream-interval 4 (vLLM's semantics): the first output at once, then outputs of at
+    least 4 new tokens, the last whatever is left; same tokens and text as interval 1, with
+    logprobs kept in step; a request's stream_interval raises the engine's, never lowers it."""
+    ids, expected = reference
+    engine = AsyncEngine(model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=128,
+                         stream_interval=4)
+
+    async def sizes(prompt, sp, rid):
+        out = []
+        async for o in engine.generate(prompt, sp, rid):
+            c = o.outputs[0]
+            assert len(c.logprobs or []) == (len(c.token_ids) if sp.logprobs is not None else 0)
+            out.append((len(c.token_ids), o.finished, c.token_ids, c.text))
+        return out
+
+    async def main():
+        with_lp = GREEDY.replace(logprobs=1)
+        return await asyncio.gather(sizes(ids[0], with_lp, "a"),
+                                    sizes(ids[1], GREEDY.replace(stream_interval=5), "b"),
+                                    sizes(ids[2], GREEDY.replace(stream_interval=2), "c"))
+
+    try:
+        results = asyncio.run(main())
+        for i, (got, interval) in enumerate(zip(results, (4, 5, 4))):
+            full, rest = divmod(MAX_NEW - 1, interval)  # one token a step, merged
+            assert [n for n, *_ in got] == [1] + [interval] * full + ([rest] if rest else [])
+            assert [f for _, f, *_ in got] == [False] * (len(got) - 1) + [True]
+            assert [t for *_, toks, _ in got for t in toks] == expected[i]
+        load = engine.get_load()
+        assert load["num_running"] == 0 and load["num_free_blocks"] == load["num_blocks"]
+        with pytest.raises(ValueError, match="stream_interval"):
+            SamplingParams(stream_interval=0)
+    finally:
+        engine.shutdown()
+    ref_text = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64).generate(
+        [ids[0]], GREEDY, use_tqdm=False)[0].outputs[0].text
+    assert "".join(text for *_, text in results[0]) == ref_text
+
+
 def test_async_abort_frees_blocks(async_engine, reference):
     ids, _ = reference
     sp = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)

@@ -48,6 +48,23 @@ def test_completion_stream_include_usage(client, server):
     assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
 
 
+def test_stream_interval_per_request(client, server):
+    """vLLM's `stream_interval` in the body: the first chunk at once, then chunks of 3 tokens,
+    the same text as a request without it; 0 is a 400 naming the field, and the server then
+    still serves with every block back."""
+    kw = dict(model=server.model, prompt="The quick brown fox", max_tokens=8, temperature=0, logprobs=1)
+    plain = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(
+        stream=True, **kw, extra_body={"ignore_eos": True, "stream_interval": 3}) if c.choices]
+    assert [len(c.logprobs.tokens) for c in chunks] == [1, 3, 3, 1]
+    assert "".join(c.text for c in chunks) == plain.text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(stream=True, **kw, extra_body={"stream_interval": 0})
+    assert e.value.status_code == 400 and e.value.body["param"] == "stream_interval"
+    assert client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].text == plain.text
+    server.wait_idle()
+
+
 def test_completion_n_seed_stop_logprobs(client, server):
     r = client.completions.create(model=server.model, prompt="one two three", max_tokens=4, n=2,
                                   temperature=0.8, seed=7, logprobs=2,
