@@ -605,6 +605,11 @@ void scores_avx(const Q* q, int64_t D, const T* const* kp, const T* const* vp, i
 }
 
 // out[g] = sum_l p[g][l] v[l] / sum[g], the value rows converted once for GB heads at a time.
+// bf16 rows are widened two ops per 32 values: a float's high half is a bf16, so shifting each
+// 32-bit word left by 16 gives the even elements as floats, masking off its low half the odd
+// ones. The accumulators then hold even and odd dims apart; one permute per 16 outputs at the
+// end interleaves them. Every output sees the same FMAs in the same order as a row converted
+// in dim order, so results are the same bits.
 template <typename T, int NV, int GB>
 void pv_avx_group(const T* const* vp, int64_t len, const float* scores, int64_t stride_row, const float* inv_sum,
                   T* out, NextTaskPrefetch& pf) {
@@ -617,11 +622,33 @@ void pv_avx_group(const T* const* vp, int64_t len, const float* scores, int64_t 
     const T* v = vp[l];
     if (l + 8 < len) prefetch_row(vp[l + 8], D * sizeof(T));
     __m512 vv[NV];
-    for (int c = 0; c < NV; ++c) vv[c] = load16(v + 16 * c);
+    if constexpr (std::is_same_v<T, bf16> && NV % 2 == 0) {
+      const __m512i hi = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+      for (int c = 0; c < NV / 2; ++c) {
+        const __m512i x = _mm512_loadu_si512(v + 32 * c);
+        vv[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));     // dims 32c + 2i
+        vv[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, hi));  // dims 32c + 2i + 1
+      }
+    } else {
+      for (int c = 0; c < NV; ++c) vv[c] = load16(v + 16 * c);
+    }
     for (int g = 0; g < GB; ++g) {
       const __m512 pv = _mm512_set1_ps(scores[g * stride_row + l]);
       for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_fmadd_ps(pv, vv[c], acc[g][c]);
     }
+  }
+  if constexpr (std::is_same_v<T, bf16> && NV % 2 == 0) {
+    const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi_idx = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int g = 0; g < GB; ++g) {
+      const __m512 s = _mm512_set1_ps(inv_sum[g]);
+      for (int c = 0; c < NV / 2; ++c) {
+        const __m512 even = acc[g][2 * c], odd = acc[g][2 * c + 1];
+        store16(out + g * D + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(even, lo_idx, odd), s));
+        store16(out + g * D + 32 * c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(even, hi_idx, odd), s));
+      }
+    }
+    return;
   }
   for (int g = 0; g < GB; ++g) {
     const __m512 s = _mm512_set1_ps(inv_sum[g]);
