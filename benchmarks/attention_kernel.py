@@ -4,6 +4,7 @@ commit's kernel when asked.
 
     python benchmarks/attention_kernel.py                          # this checkout's kernel
     python benchmarks/attention_kernel.py --baseline HEAD~1        # and HEAD~1's, alternated
+    python benchmarks/attention_kernel.py --baseline HEAD --rows-only   # both with row-major keys
 
 Cases: `prefill-PxL` (P prompts of L tokens, each token attending causally to its prompt, as
 a prefill step of one layer), `decode-B@C` (B sequences with C tokens of context). Each round
@@ -69,20 +70,26 @@ def worker(args) -> None:
         table = (torch.randperm(num_blocks - 1, generator=gen) + 1)[:prompts * per].view(prompts, per)
         q = torch.randn(tokens, HEADS, HEAD_DIM, generator=gen).to(dtype)
         calls[case] = (q, k_cache, v_cache, table.long(), seq_lens.long(), rows.long())
+    # The key layout the engine would use with this kernel (replica.layers.attention.kv_cache_layout):
+    # tiled keys where the kernel has them, unless --rows-only. The caches hold random numbers, so
+    # the layout changes nothing but the memory order the kernel reads.
+    tiled = (not args.rows_only and hasattr(ops, "k_tiled_supported")
+             and ops.k_tiled_supported(dtype, BLOCK, HEAD_DIM))
+    extra = (True,) if tiled else ()
     for case, a in calls.items():
-        ops.paged_attention(*a, HEAD_DIM ** -0.5)  # warm-up
+        ops.paged_attention(*a, HEAD_DIM ** -0.5, *extra)  # warm-up
         times[case] = []
     for _ in range(args.reps):
         for case, a in calls.items():
             t0 = time.perf_counter()
-            ops.paged_attention(*a, HEAD_DIM ** -0.5)
+            ops.paged_attention(*a, HEAD_DIM ** -0.5, *extra)
             times[case].append(time.perf_counter() - t0)
-    print(json.dumps({"isa": kernels.isa(), "times": times}))
+    print(json.dumps({"isa": kernels.isa(), "layout": "k_tiled" if tiled else "rows", "times": times}))
 
 
 def run_worker(args, source: str | None) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--cases", args.cases, "--dtype", args.dtype,
-           "--threads", str(args.threads), "--reps", str(args.reps)]
+           "--threads", str(args.threads), "--reps", str(args.reps)] + (["--rows-only"] if args.rows_only else [])
     if source:
         cmd += ["--source", source]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
@@ -99,6 +106,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=15, help="runs of each case per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--baseline", help="a git ref whose replica/kernels/cpu_ops.cpp to time as well")
+    p.add_argument("--rows-only", action="store_true",
+                   help="row-major key blocks for every kernel (default: tiled keys where a kernel has them)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--source", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -117,16 +126,19 @@ def main() -> None:
         kernels[args.baseline] = str(path)
     best: dict[str, dict[str, list[float]]] = {k: {} for k in kernels}
     isa = ""
+    layouts: dict[str, str] = {}
     for r in range(args.rounds):
         for name, source in (kernels.items() if r % 2 == 0 else reversed(kernels.items())):
             out = run_worker(args, source)
             isa = out["isa"]
+            layouts[name] = out.get("layout", "rows")
             for case, ts in out["times"].items():
                 best[name].setdefault(case, []).append(min(ts))
     cases = args.cases.split(",")
     med = {k: {c: statistics.median(best[k][c]) * 1e3 for c in cases} for k in kernels}
     print(f"paged_attention, {args.dtype}, {args.threads} threads, {isa} build; ms per call "
-          f"(median over {args.rounds} rounds of each round's fastest of {args.reps})")
+          f"(median over {args.rounds} rounds of each round's fastest of {args.reps}); key layout: "
+          + ", ".join(f"{k} {v}" for k, v in layouts.items()))
     head = f"{'case':18s} {'this':>9s}" + (f" {args.baseline:>12s} {'ratio':>7s}" if args.baseline else "")
     print(head)
     print("-" * len(head))
@@ -137,7 +149,7 @@ def main() -> None:
         print(line + "   rounds: " + " | ".join(", ".join(f"{x * 1e3:.2f}" for x in best[k][c]) for k in kernels))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "attention_kernel.json").write_text(json.dumps(
-        {"dtype": args.dtype, "threads": args.threads, "isa": isa, "baseline": args.baseline,
+        {"dtype": args.dtype, "threads": args.threads, "isa": isa, "layouts": layouts, "baseline": args.baseline,
          "best_per_round_s": best}, indent=2))
     import matplotlib
 

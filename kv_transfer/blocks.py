@@ -68,13 +68,18 @@ def kv_geometry(hf_config: Any) -> tuple[int, int, int]:
     return hf_config.num_hidden_layers, kv_heads, head_dim
 
 
-def kv_fingerprint(model_id: str, hf_config: Any, dtype: torch.dtype | str, block_size: int) -> str:
-    """Everything two engines must share for one's KV blocks to be valid in the other."""
+def kv_fingerprint(model_id: str, hf_config: Any, dtype: torch.dtype | str, block_size: int,
+                   key_layout: str = "rows") -> str:
+    """Everything two engines must share for one's KV blocks to be valid in the other.
+    `key_layout`: how keys sit inside a block ("rows", or "k_tiled" where the CPU attention
+    kernel keeps them tiled: replica.layers.attention.kv_cache_layout)."""
     layers, kv_heads, head_dim = kv_geometry(hf_config)
     dtype = dtype if isinstance(dtype, str) else dtype_name(dtype)
     parts = [model_id, getattr(hf_config, "model_type", ""), str(hf_config.hidden_size),
              str(hf_config.vocab_size), str(getattr(hf_config, "rope_theta", "")), dtype,
              f"B{block_size}", f"L{layers}", f"H{kv_heads}", f"D{head_dim}", LAYOUT]
+    if key_layout != "rows":  # the fingerprints of row-major engines stay what they were
+        parts.append(f"K:{key_layout}")
     return hashlib.blake2b("|".join(parts).encode(), digest_size=16).hexdigest()
 
 

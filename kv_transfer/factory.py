@@ -32,11 +32,12 @@ def resolve_connector_class(name: str) -> type:
 
 
 def build_context(config: KVTransferConfig, model_id: str, hf_config: Any, dtype, block_size: int,
-                  tp_size: int = 1, tp_rank: int = 0) -> ConnectorContext:
+                  tp_size: int = 1, tp_rank: int = 0, key_layout: str = "rows") -> ConnectorContext:
     model_id = config.kv_connector_extra_config.get("model_id") or model_id
     layers, kv_heads, head_dim = kv_geometry(hf_config)
     return ConnectorContext(
-        engine_id=config.engine_id or "unnamed", fingerprint=kv_fingerprint(model_id, hf_config, dtype, block_size),
+        engine_id=config.engine_id or "unnamed",
+        fingerprint=kv_fingerprint(model_id, hf_config, dtype, block_size, key_layout),
         block_size=block_size, num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
         tp_size=tp_size, tp_rank=tp_rank)
 

@@ -43,9 +43,14 @@ def make_scheduler_connector(args: EngineArgs, hf_config):
     from fleetserve.kv_transfer.factory import build_context, make_connector
     from fleetserve.replica.worker.device import select_device, select_dtype
 
-    dtype = select_dtype(args.dtype, select_device(args.device))
+    from fleetserve.kv_transfer.blocks import kv_geometry
+    from fleetserve.replica.layers.attention import kv_cache_layout
+
+    device = select_device(args.device)
+    dtype = select_dtype(args.dtype, device)
+    layout = kv_cache_layout(dtype, args.block_size, kv_geometry(hf_config)[2], device)
     ctx = build_context(args.kv_transfer_config, kv_model_id(args), hf_config, dtype,
-                        args.block_size, args.tensor_parallel_size)
+                        args.block_size, args.tensor_parallel_size, key_layout=layout)
     return make_connector(args.kv_transfer_config, KVConnectorRole.SCHEDULER, ctx)
 
 

@@ -14,8 +14,9 @@
 //   fused_add_rms_norm(x, residual, w, eps) -> (y, s) s = x + residual (rounded); y = rms_norm(s)
 //   rotary_embedding_(qk, cos_sin_cache, positions) neox (rotate-half) rope, in place
 //   silu_and_mul(x) -> y                            y = silu(x[:, :d]) * x[:, d:]
-//   reshape_and_cache_(k, v, k_cache, v_cache, slot_mapping)
-//   paged_attention(q, k_cache, v_cache, block_table, seq_lens, token_req, scale) -> out
+//   reshape_and_cache_(k, v, k_cache, v_cache, slot_mapping, k_tiled=False)
+//   paged_attention(q, k_cache, v_cache, block_table, seq_lens, token_req, scale, k_tiled=False) -> out
+//   k_tiled_supported(dtype, block_size, head_dim) -> whether this build has the tiled key layout
 //   pack_linear_bf16(w) -> packed; linear_bf16(x, packed, bias, n, float_out) -> x w^T + b at small M
 //                                                   (bfloat16; AVX-512 BF16 builds only)
 //   pack_linear_f32(w) -> packed; linear_f32(x, packed, bias, n) -> the same in float32
@@ -23,7 +24,8 @@
 //   argmax_rows(x) -> idx                          torch.argmax(x, -1) of a [R, V] float32/bf16 matrix
 //   isa() -> "avx512_bf16" | "avx512" | "avx2" | "scalar"
 //
-// KV cache layout (replica/attention.py): [num_kv_heads, num_blocks, block_size, head_dim].
+// KV cache layout (replica/attention.py): [num_kv_heads, num_blocks, block_size, head_dim]; with
+// k_tiled (bf16, AVX-512 BF16) each key block is stored [head_dim/2][block_size][2] instead.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -425,10 +427,25 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 
 // ------------------------------------------------------------------------------------------ KV cache
 
+// Whether this build reads and writes a tiled key cache for this dtype and shape (k_tiled).
+inline bool k_tiled_supported(at::ScalarType dtype, int64_t BS, int64_t D) {
+#if defined(__AVX512BF16__)
+  return dtype == at::kBFloat16 && BS % 16 == 0 && (D == 32 || D == 64 || D == 128 || D == 256);
+#else
+  (void)dtype, (void)BS, (void)D;
+  return false;
+#endif
+}
+bool k_tiled_supported_op(at::ScalarType dtype, int64_t block_size, int64_t head_dim) {
+  return k_tiled_supported(dtype, block_size, head_dim);
+}
+
+
 // k, v [T, KVH, D] (rows may be strided); caches [KVH, num_blocks, block_size, D] contiguous;
-// slot_mapping [T] int64 (block * block_size + offset; negative: skip).
+// slot_mapping [T] int64 (block * block_size + offset; negative: skip). k_tiled: keys go into
+// their block tiled, [D/2][block_size][2] (see scores_tiled_pass); values stay row-major.
 void reshape_and_cache_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
-                        const at::Tensor& slot_mapping) {
+                        const at::Tensor& slot_mapping, bool k_tiled) {
   check_cpu(k, "k");
   FS_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes(), "k, v: [T, kv_heads, head_dim]");
   FS_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
@@ -438,6 +455,9 @@ void reshape_and_cache_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_
   const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2);
   FS_CHECK(k_cache.size(0) == KVH && k_cache.size(3) == D, "cache shape does not match k");
   const int64_t NB = k_cache.size(1), BS = k_cache.size(2);
+  FS_CHECK(!k_tiled || k_tiled_supported(k.scalar_type(), BS, D),
+           "k_tiled: this build writes a tiled key cache for bfloat16 with AVX-512 BF16, block sizes that are "
+           "multiples of 16 and head_dim 32, 64, 128 or 256");
   at::Tensor sm = slot_mapping.contiguous();
   FS_CHECK(sm.scalar_type() == at::kLong && sm.numel() == T, "slot_mapping: int64 [T]");
   const int64_t* sp = sm.data_ptr<int64_t>();
@@ -453,7 +473,14 @@ void reshape_and_cache_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_
       if (slot < 0) continue;
       for (int64_t h = 0; h < KVH; ++h) {
         const int64_t dst = (h * NB * BS + slot) * D * esz;
-        std::memcpy(kc + dst, kp + (t * k.stride(0) + h * D) * esz, D * esz);
+        const char* ksrc = kp + (t * k.stride(0) + h * D) * esz;
+        if (k_tiled) {  // 2-byte elements: pair j of this slot at block + (j * BS + offset) * 2
+          char* block = kc + (h * NB * BS + slot / BS * BS) * D * esz;
+          const int64_t off = slot % BS;
+          for (int64_t j = 0; j < D / 2; ++j) std::memcpy(block + (j * BS + off) * 4, ksrc + j * 4, 4);
+        } else {
+          std::memcpy(kc + dst, ksrc, D * esz);
+        }
         std::memcpy(vc + dst, vp + (t * v.stride(0) + h * D) * esz, D * esz);
       }
     }
@@ -740,13 +767,76 @@ void pv_avx2(const float* const* vp, int64_t len, int64_t G, const float* scores
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// Scores from a tiled key cache (`k_tiled`, bf16): within a block, dims (2j, 2j+1) of 16
+// consecutive slots form one 64-byte vector (a block is [D/2][BS][2] per head), so the scores
+// of 16 keys are D/2 vdpbf16ps against the query's dim pair broadcast, with no horizontal sums
+// (the row-major layout needs a transpose-add tree per 16 keys and head). Up to GB heads per
+// pass share each key vector; four accumulators per head (pairs j mod 4) shorten the
+// dependency chains. The first pass reads the keys from memory: it prefetches keys two groups
+// ahead and this group's value rows (for P*V) into L2, unless `rows_cached`.
+template <int GB>
+void scores_tiled_pass(const bf16* q, int64_t D, const bf16* kh, const int64_t* blocks, int64_t len, int64_t BS,
+                       float scale, float* scores, int64_t stride_row, const bf16* const* vp, NextTaskPrefetch& pf,
+                       bool first, bool rows_cached) {
+  const __m512 sv = _mm512_set1_ps(scale);
+  const int64_t P = D / 2;
+  for (int64_t l0 = 0; l0 < len; l0 += 16) {
+    pf.issue();
+    const bf16* base = kh + blocks[l0 / BS] * BS * D + (l0 % BS) * 2;  // pair j at base + j * BS * 2
+    if (first && !rows_cached) {
+      if (l0 + 32 < len) {
+        const bf16* ahead = kh + blocks[(l0 + 32) / BS] * BS * D + ((l0 + 32) % BS) * 2;
+        for (int64_t j = 0; j < P; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * BS * 2), _MM_HINT_T0);
+      }
+      for (int64_t l = l0; l < std::min<int64_t>(len, l0 + 16); ++l) prefetch_row_l2(vp[l], D * sizeof(bf16));
+    }
+    __m512 a[4][GB];
+    for (int i = 0; i < 4; ++i)
+      for (int g = 0; g < GB; ++g) a[i][g] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < P; j += 4) {  // P = D / 2 is a multiple of 16
+      for (int i = 0; i < 4; ++i) {
+        const __m512bh k = (__m512bh)_mm512_loadu_si512(base + (j + i) * BS * 2);
+        for (int g = 0; g < GB; ++g) {
+          // the query's dim pair (2(j+i), 2(j+i)+1) of head g, broadcast straight from memory
+          const __m512i w = _mm512_broadcastd_epi32(_mm_loadu_si32(q + g * D + 2 * (j + i)));
+          a[i][g] = _mm512_dpbf16_ps(a[i][g], k, (__m512bh)w);
+        }
+      }
+    }
+    for (int g = 0; g < GB; ++g)
+      _mm512_storeu_ps(scores + g * stride_row + l0,
+                       _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(a[0][g], a[1][g]), _mm512_add_ps(a[2][g], a[3][g])), sv));
+  }
+}
+
+inline void scores_tiled(const bf16* q, int64_t D, const bf16* kh, const int64_t* blocks, int64_t len, int64_t BS,
+                         int64_t G, float scale, float* scores, int64_t stride_row, const bf16* const* vp,
+                         NextTaskPrefetch& pf, bool rows_cached) {
+  for (int64_t g = 0; g < G;) {
+    const int64_t n = std::min<int64_t>(4, G - g);
+    const bf16* qg = q + g * D;
+    float* sg = scores + g * stride_row;
+    const bool first = g == 0;
+    switch (n) {
+      case 4: scores_tiled_pass<4>(qg, D, kh, blocks, len, BS, scale, sg, stride_row, vp, pf, first, rows_cached); break;
+      case 3: scores_tiled_pass<3>(qg, D, kh, blocks, len, BS, scale, sg, stride_row, vp, pf, first, rows_cached); break;
+      case 2: scores_tiled_pass<2>(qg, D, kh, blocks, len, BS, scale, sg, stride_row, vp, pf, first, rows_cached); break;
+      default: scores_tiled_pass<1>(qg, D, kh, blocks, len, BS, scale, sg, stride_row, vp, pf, first, rows_cached); break;
+    }
+    g += n;
+  }
+}
+#endif
+
+
 // One (token, kv head) task: scores, softmax and P*V over the first `len` cached keys. The G
 // query heads of the group share each key/value row (read from memory once; later heads find
 // it in L1/L2: one task's keys are len * D elements).
 template <typename T>
 void decode_one(const T* q, const T* kc, const T* vc, const int64_t* blocks, int64_t len, int64_t BS, int64_t D,
                 int64_t G, float scale, T* out, std::vector<float>& scratch, std::vector<const T*>& ptrs,
-                NextTaskPrefetch& pf, bool rows_cached) {
+                NextTaskPrefetch& pf, bool rows_cached, bool k_tiled = false) {
   const int64_t stride_row = len + 16;
   scratch.resize(static_cast<size_t>(G * stride_row + 2 * G * D + G));
   float* scores = scratch.data();          // [G, len (+16)]
@@ -762,10 +852,22 @@ void decode_one(const T* q, const T* kc, const T* vc, const int64_t* blocks, int
   for (int64_t l = 0, blk = 0; l < len; ++blk) {
     const int64_t base = blocks[blk] * BS * D;
     for (int64_t o = 0; o < BS && l < len; ++o, ++l) {
-      kp[l] = kc + base + o * D;
+      kp[l] = kc + base + o * D;  // (unused with a tiled key cache)
       vp[l] = vc + base + o * D;
     }
   }
+  bool scored = false;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (k_tiled) {  // paged_attention checked k_tiled_supported
+      const int64_t passes = (G + 3) / 4;
+      pf.spread(passes * ((len + 15) / 16) + (len + 7) / 8);
+      scores_tiled(q, D, kc, blocks, len, BS, G, scale, scores, stride_row, vp, pf, rows_cached);
+      scored = true;
+    }
+  }
+#endif
+  if (!scored) {
 
   // The next task's lines go out in the key passes of heads 1.. (one call per 16 keys with
   // AVX-512, 8 with AVX2) and in the P*V pass (one call per 8 rows); the scalar loops call it
@@ -810,6 +912,7 @@ void decode_one(const T* q, const T* kc, const T* vc, const int64_t* blocks, int
   }
 #endif
   if (!vec) scores_scalar(qf, kp, len, D, G, scores, stride_row);
+  }
 
   // softmax per query head (unnormalized here; 1/sum applied to the output)
   for (int64_t g = 0; g < G; ++g) {
@@ -901,7 +1004,7 @@ void decode_one(const T* q, const T* kc, const T* vc, const int64_t* blocks, int
 //   token_req [T] int64: the block-table row of each token (None: row t, R == T) -> out [T, H * D].
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_table, const at::Tensor& seq_lens,
-                           const c10::optional<at::Tensor>& token_req, double scale) {
+                           const c10::optional<at::Tensor>& token_req, double scale, bool k_tiled) {
   check_cpu(q, "q");
   check_float_dtype(q, "q");
   FS_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [T, heads, D], rows strided");
@@ -913,6 +1016,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t KVH = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
   FS_CHECK(k_cache.size(3) == D && H % KVH == 0, "head_dim / head counts do not match the cache");
   const int64_t G = H / KVH;
+  FS_CHECK(!k_tiled || k_tiled_supported(q.scalar_type(), BS, D),
+           "k_tiled: this build reads a tiled key cache for bfloat16 with AVX-512 BF16, block sizes that are "
+           "multiples of 16 and head_dim 32, 64, 128 or 256");
   at::Tensor bt = block_table.contiguous();
   at::Tensor sl = seq_lens.contiguous();
   FS_CHECK(bt.scalar_type() == at::kLong && bt.dim() == 2, "block_table: int64 [requests, max_blocks]");
@@ -971,7 +1077,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
         const bool rows_cached = trp && ((t > 0 && trp[t - 1] == r) || (t + 1 < T && trp[t + 1] == r));
         decode_one(qp + t * q.stride(0) + h * G * D, kc + h * head_elems, vc + h * head_elems, btp + r * MB,
                    slp[t], BS, D, G, static_cast<float>(scale), op + t * H * D + h * G * D, scratch, ptrs, pf,
-                   rows_cached);
+                   rows_cached, k_tiled);
       }
     });
   });
@@ -1368,9 +1474,11 @@ TORCH_LIBRARY(fleetserve, m) {
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary_embedding_(Tensor(a!) qk, Tensor cos_sin_cache, Tensor positions) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
-  m.def("reshape_and_cache_(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def("reshape_and_cache_(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "bool k_tiled=False) -> ()");
+  m.def("k_tiled_supported(ScalarType dtype, int block_size, int head_dim) -> bool", &k_tiled_supported_op);
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
-        "Tensor? token_req, float scale) -> Tensor");
+        "Tensor? token_req, float scale, bool k_tiled=False) -> Tensor");
   m.def("advise_hugepages(Tensor t) -> bool");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("pack_linear_bf16(Tensor w) -> Tensor");

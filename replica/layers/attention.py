@@ -317,6 +317,18 @@ class AttentionMetadata:
             ~valid, float("-inf"))[None, :, None, :].to(device)
 
 
+def kv_cache_layout(dtype: torch.dtype, block_size: int, head_dim: int, device: torch.device | str = "cpu") -> str:
+    """How a key block is laid out in this process's caches: "rows" ([block_size, head_dim],
+    every path), or "k_tiled" where fleetserve's CPU attention kernel runs and supports it
+    (bfloat16 with AVX-512 BF16, block sizes that are multiples of 16): [head_dim/2][block_size][2],
+    so 16 keys' scores need no horizontal sums (replica/kernels/cpu_ops.cpp). Values are always
+    rows. Engines exchange KV blocks only with the same layout (the KV fingerprint has it)."""
+    ops = ops_for(torch.empty(0, dtype=dtype, device=device))
+    if ops is None or not PagedAttention.use_attention_kernel or not hasattr(ops, "k_tiled_supported"):
+        return "rows"
+    return "k_tiled" if ops.k_tiled_supported(dtype, block_size, head_dim) else "rows"
+
+
 class PagedAttention(nn.Module):
     """Attention of one layer (this rank's heads) over its paged KV cache."""
 
@@ -344,6 +356,9 @@ class PagedAttention(nn.Module):
         self.scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
         # Decode buffer: (buffer [2, KVH, B, W, D], row keys it holds, cache data_ptr) or None.
         self._dbuf: Optional[tuple] = None
+        # Whether the CPU kernels keep this layer's keys tiled (kv_cache_layout), for _layout_key.
+        self._layout_key: Optional[tuple] = None
+        self._k_tiled = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:
@@ -355,12 +370,16 @@ class PagedAttention(nn.Module):
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [KVH, num_blocks, block_size, D]
         ops = ops_for(q)
         if ops is not None:
-            ops.reshape_and_cache_(k, v, k_cache, v_cache, md.slot_mapping)
+            key = (q.dtype, k_cache.shape[2], self.use_attention_kernel)
+            if self._layout_key != key:  # the same answer as kv_cache_layout, asked once
+                self._layout_key = key
+                self._k_tiled = kv_cache_layout(q.dtype, k_cache.shape[2], D) == "k_tiled"
+            ops.reshape_and_cache_(k, v, k_cache, v_cache, md.slot_mapping, self._k_tiled)
             if self.use_attention_kernel:
                 # Every token (prefill chunk, continuation or decode) attends to its request's
                 # first seq_len cached keys, read straight from the blocks.
                 return ops.paged_attention(q, k_cache, v_cache, md.block_table, md.token_seq_lens,
-                                           md.token_req, self.scale)
+                                           md.token_req, self.scale, self._k_tiled)
         else:
             k_cache.view(KVH, -1, D).index_copy_(1, md.slot_mapping, k.transpose(0, 1))
             v_cache.view(KVH, -1, D).index_copy_(1, md.slot_mapping, v.transpose(0, 1))

@@ -67,9 +67,13 @@ class Worker:
         from fleetserve.kv_transfer.factory import build_context, make_connector
         from fleetserve.replica.engine.engine_core import kv_model_id
 
+        from fleetserve.kv_transfer.blocks import kv_geometry
+        from fleetserve.replica.layers.attention import kv_cache_layout
+
         cfg = self.args.kv_transfer_config
+        layout = kv_cache_layout(self.dtype, self.args.block_size, kv_geometry(self.hf_config)[2], self.device)
         ctx = build_context(cfg, kv_model_id(self.args), self.hf_config, self.dtype,
-                            self.args.block_size, self.world_size, self.rank)
+                            self.args.block_size, self.world_size, self.rank, key_layout=layout)
         return make_connector(cfg, KVConnectorRole.WORKER, ctx)
 
     @property

@@ -59,6 +59,9 @@ def test_chain_keys_depend_on_every_earlier_token_salt_and_fingerprint():
     assert chain_keys(fp, list(range(12)), 4, 3, cache_salt="tenant") != base
     other = kv_fingerprint("m", CFG, torch.bfloat16, 4)
     assert chain_keys(other, list(range(12)), 4, 3) != base
+    # Engines whose key blocks are laid out differently (the CPU kernel's tiled keys) share nothing.
+    assert kv_fingerprint("m", CFG, torch.bfloat16, 16, "k_tiled") != kv_fingerprint("m", CFG, torch.bfloat16, 16)
+    assert kv_fingerprint("m", CFG, torch.bfloat16, 16, "rows") == kv_fingerprint("m", CFG, torch.bfloat16, 16)
     assert chain_keys(fp, list(range(10)), 4, 3) == base[:2]  # full blocks only
 
 

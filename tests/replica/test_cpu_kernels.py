@@ -358,3 +358,78 @@ def test_small_m_linear_f32_matches_float64_and_is_batch_invariant():
         ops.linear_f32(x, packed, b, 3)
     with pytest.raises(RuntimeError, match="features"):
         ops.linear_f32(torch.randn(2, k + 1), packed, b, n)
+
+
+TILED = ops is not None and ops.k_tiled_supported(torch.bfloat16, 16, 64)
+
+
+@pytest.mark.skipif(not TILED, reason="this build has no tiled key layout (it needs AVX-512 BF16)")
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size",
+                         [(9, 3, 64, 16), (4, 4, 32, 32), (8, 1, 128, 16), (10, 2, 64, 16), (2, 1, 256, 16)])
+def test_tiled_keys_written_and_read(heads, kv_heads, head_dim, block_size):
+    """k_tiled: reshape_and_cache_ stores each key block as [D/2][BS][2] (values unchanged) and
+    paged_attention reads it back: the float64 reference's answer within bf16 rounding, and the
+    row-major layout's answer to within an ulp, for prefills, a continuation and decodes."""
+    KVH, H, D, BS, NB = kv_heads, heads, head_dim, block_size, 48
+    g = torch.Generator().manual_seed(6)
+    reqs = [(0, 37), (2 * BS + 3, 4), (3 * BS - 1, 1), (0, 1)]  # (cached context, new tokens)
+    perm = (torch.randperm(NB - 1, generator=g) + 1).tolist()
+    tables, caches = [], {}
+    for tiled in (False, True):
+        caches[tiled] = [torch.zeros(KVH, NB, BS, D, dtype=torch.bfloat16) for _ in range(2)]
+    token_req, seq_lens, pos = [], [], 0
+    for r, (ctx, n) in enumerate(reqs):
+        nb = -(-(ctx + n) // BS)
+        tables.append(perm[pos:pos + nb])
+        pos += nb
+        k = torch.randn(ctx + n, KVH, D, generator=g).bfloat16()
+        v = torch.randn(ctx + n, KVH, D, generator=g).bfloat16()
+        slots = torch.tensor([tables[r][i // BS] * BS + i % BS for i in range(ctx + n)])
+        for tiled, (kc, vc) in caches.items():
+            ops.reshape_and_cache_(k, v, kc, vc, slots, tiled)
+        token_req += [r] * n
+        seq_lens += [ctx + i + 1 for i in range(n)]
+    (k_rows, v_rows), (k_tiled, v_tiled) = caches[False], caches[True]
+    assert torch.equal(v_rows, v_tiled)
+    assert torch.equal(k_tiled.view(KVH, NB, D // 2, BS, 2),
+                       k_rows.view(KVH, NB, BS, D // 2, 2).permute(0, 1, 3, 2, 4))
+    width = max(map(len, tables))
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q = torch.randn(len(token_req), H, D, generator=g).bfloat16()
+    args = (table, torch.tensor(seq_lens), torch.tensor(token_req), 1 / math.sqrt(D))
+    tiled_out = ops.paged_attention(q, k_tiled, v_tiled, *args, True)
+    rows_out = ops.paged_attention(q, k_rows, v_rows, *args)
+    expected = reference_decode(q, k_rows, v_rows, [tables[r] for r in token_req], seq_lens, 1 / math.sqrt(D))
+    torch.testing.assert_close(tiled_out.double(), expected, **tol(torch.bfloat16))
+    ulp = rows_out.float().abs().clamp_min(1e-30) * 2.0 ** -7
+    assert bool(((tiled_out.float() - rows_out.float()).abs() <= ulp).all())
+
+
+def test_tiled_keys_refused_where_unsupported():
+    """A tiled key cache exists only for bf16 with AVX-512 BF16, blocks of 16k, head_dim 32-256:
+    asked for anything else, the ops raise rather than read or write a layout they lack."""
+    q = torch.randn(1, 2, 64)
+    kc, vc = torch.zeros(1, 4, 16, 64), torch.zeros(1, 4, 16, 64)
+    table, lens = torch.tensor([[0]]), torch.tensor([1])
+    assert not ops.k_tiled_supported(torch.float32, 16, 64)
+    assert not ops.k_tiled_supported(torch.bfloat16, 8, 64)
+    with pytest.raises(RuntimeError, match="k_tiled"):
+        ops.paged_attention(q, kc, vc, table, lens, None, 0.125, True)
+    with pytest.raises(RuntimeError, match="k_tiled"):
+        ops.reshape_and_cache_(q[:, :1], q[:, :1], kc, vc, torch.tensor([0]), True)
+    kb = torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="k_tiled"):
+        ops.paged_attention(q.bfloat16(), kb, kb.clone(), table, lens, None, 0.125, True)
+
+
+def test_kv_cache_layout_follows_the_kernels():
+    from fleetserve.replica import kernels
+    from fleetserve.replica.layers.attention import kv_cache_layout
+
+    assert kv_cache_layout(torch.bfloat16, 16, 64) == ("k_tiled" if TILED else "rows")
+    assert kv_cache_layout(torch.bfloat16, 32, 32) == ("k_tiled" if TILED else "rows")
+    assert kv_cache_layout(torch.float32, 16, 64) == "rows"
+    assert kv_cache_layout(torch.bfloat16, 8, 64) == "rows"
+    assert kv_cache_layout(torch.bfloat16, 16, 48) == "rows"
+    with kernels.disabled():
+        assert kv_cache_layout(torch.bfloat16, 16, 64) == "rows"
