@@ -8,7 +8,9 @@ Head-major, so that the keys of one kv head for a whole decode batch come out
 of one `index_select` as a contiguous [B, L, head_dim] slab per head, ready
 for a batched matmul with no permute copy (see below). A token's slot is
 `block_id * block_size + offset`; block b of a layer is `kv_cache[:, :, b]`
-(what the KV connectors move).
+(what the KV connectors move). Where the CPU attention kernel keeps keys tiled
+(`kv_cache_layout` == "k_tiled"), each key block's [block_size, head_dim] bytes hold
+[head_dim/2, block_size, 2] instead; shapes, slots and block moves are unchanged.
 
 One forward mixes requests, their tokens flattened in request order with no
 padding. For request i with `context_lens[i]` tokens already cached and
