@@ -363,14 +363,24 @@ def test_small_m_linear_f32_matches_float64_and_is_batch_invariant():
 TILED = ops is not None and ops.k_tiled_supported(torch.bfloat16, 16, 64)
 
 
-@pytest.mark.skipif(not TILED, reason="this build has no tiled key layout (it needs AVX-512 BF16)")
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size",
                          [(9, 3, 64, 16), (4, 4, 32, 32), (8, 1, 128, 16), (10, 2, 64, 16), (2, 1, 256, 16)])
 def test_tiled_keys_written_and_read(heads, kv_heads, head_dim, block_size):
     """k_tiled: reshape_and_cache_ stores each key block as [D/2][BS][2] (values unchanged) and
     paged_attention reads it back: the float64 reference's answer within bf16 rounding, and the
-    row-major layout's answer to within an ulp, for prefills, a continuation and decodes."""
+    row-major layout's answer to within an ulp, for prefills, a continuation and decodes. A build
+    without AVX-512 BF16 (the fallback builds of test_cpu_kernel_isas.py) has no tiled layout and
+    says so."""
     KVH, H, D, BS, NB = kv_heads, heads, head_dim, block_size, 48
+    if not TILED:
+        from fleetserve.replica.layers.attention import kv_cache_layout
+
+        assert not ops.k_tiled_supported(torch.bfloat16, BS, D) and kv_cache_layout(torch.bfloat16, BS, D) == "rows"
+        kc = torch.zeros(KVH, NB, BS, D, dtype=torch.bfloat16)
+        with pytest.raises(RuntimeError, match="k_tiled"):
+            ops.paged_attention(torch.zeros(1, H, D, dtype=torch.bfloat16), kc, kc.clone(), torch.tensor([[0]]),
+                                torch.tensor([1]), None, 0.125, True)
+        return
     g = torch.Generator().manual_seed(6)
     reqs = [(0, 37), (2 * BS + 3, 4), (3 * BS - 1, 1), (0, 1)]  # (cached context, new tokens)
     perm = (torch.randperm(NB - 1, generator=g) + 1).tolist()
