@@ -17,7 +17,7 @@ from fleetserve.replica.engine.engine_core import EngineCore
 from fleetserve.replica.engine.metrics import EngineMetrics
 from fleetserve.replica.model_loader.model_info import generation_defaults
 from fleetserve.replica.model_loader.registry import resolve_model
-from fleetserve.replica.engine.outputs import CompletionOutput, RequestOutput
+from fleetserve.replica.engine.outputs import RequestOutput, merge_deltas
 from fleetserve.replica.engine.processor import InputProcessor, OutputProcessor, PromptType
 from fleetserve.replica.engine.tokenizer import apply_chat_template, load_tokenizer
 from fleetserve.scheduler import RequestStatus, SamplingParams
@@ -134,24 +134,4 @@ def _accumulate(results: dict[str, RequestOutput], delta: RequestOutput) -> None
     if acc is None:
         acc = results[delta.request_id] = RequestOutput(
             delta.request_id, delta.prompt, delta.prompt_token_ids, [], False)
-    by_index = {c.index: c for c in acc.outputs}
-    for c in delta.outputs:
-        mine = by_index.get(c.index)
-        if mine is None:
-            mine = CompletionOutput(c.index, "", [], [] if c.logprobs is not None else None)
-            acc.outputs.append(mine)
-            by_index[c.index] = mine
-        mine.text += c.text
-        mine.token_ids.extend(c.token_ids)
-        if c.logprobs is not None and mine.logprobs is not None:
-            mine.logprobs.extend(c.logprobs)
-        mine.finish_reason, mine.stop_reason = c.finish_reason, c.stop_reason
-    acc.outputs.sort(key=lambda c: c.index)
-    acc.finished = delta.finished
-    acc.num_cached_tokens = max(acc.num_cached_tokens, delta.num_cached_tokens)
-    acc.num_remote_tokens = max(acc.num_remote_tokens, delta.num_remote_tokens)
-    acc.metrics = delta.metrics
-    if delta.finished:
-        acc.prompt_logprobs = delta.prompt_logprobs
-        acc.itl = delta.itl
-        acc.kv_transfer_params = delta.kv_transfer_params
+    merge_deltas(acc, delta)

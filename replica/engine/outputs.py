@@ -81,14 +81,18 @@ class RequestOutput:
 
 
 def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
-    """Two consecutive deltas of one request as one (`--stream-interval`): per completion
-    index the text, token ids and logprobs joined, the later finish; `first` is updated."""
+    """Two consecutive deltas of one request as one (`--stream-interval`, and `LLM` collecting
+    whole outputs): per completion index the text, token ids and logprobs joined, the later
+    finish; `first` is updated."""
     by_index = {c.index: c for c in first.outputs}
     for c in then.outputs:
         mine = by_index.get(c.index)
-        if mine is None:
-            first.outputs.append(c)
-            by_index[c.index] = c
+        if mine is None:  # a copy: later merges extend it, never the caller's delta
+            mine = CompletionOutput(c.index, c.text, list(c.token_ids),
+                                    None if c.logprobs is None else list(c.logprobs),
+                                    c.finish_reason, c.stop_reason)
+            first.outputs.append(mine)
+            by_index[c.index] = mine
             continue
         mine.text += c.text
         mine.token_ids = mine.token_ids + c.token_ids
