@@ -11,7 +11,9 @@ directly, and `AsyncEngine` drives it from one background thread.
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -25,6 +27,44 @@ from fleetserve.scheduler import EngineCoreOutput, KVEventBatch, Request, Reques
 logger = logging.getLogger(__name__)
 
 KV_IDLE_POLL_S = 0.002
+STEP_TRACE_ENV = "FLEETSERVE_STEP_TRACE"
+
+
+class StepTrace:
+    """One JSON line per engine step, for finding where a served engine's time goes: with
+    `FLEETSERVE_STEP_TRACE=<folder>` each engine core process appends to
+    `<folder>/steps-<pid>.jsonl` (a served engine inherits the variable from `fleetserve
+    serve`). Fields: `t` (wall clock at the step's end), `step_s` (schedule, model and
+    update), `model_s` (the model alone), `cpu_s` (CPU time this process used in the step:
+    below `step_s` x threads means its threads waited for a core), `tokens` (scheduled),
+    `reqs` (scheduled requests), `waiting` (requests left waiting)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._file = open(path, "a", buffering=1)
+
+    @classmethod
+    def from_env(cls) -> Optional["StepTrace"]:
+        folder = os.environ.get(STEP_TRACE_ENV)
+        if not folder:
+            return None
+        try:
+            os.makedirs(folder, exist_ok=True)
+            return cls(os.path.join(folder, f"steps-{os.getpid()}.jsonl"))
+        except OSError as e:
+            logger.warning("%s=%s: cannot write the step trace there: %s", STEP_TRACE_ENV, folder, e)
+            return None
+
+    def write(self, start: float, model_start: float, model_end: float, cpu_start: float,
+              tokens: int, reqs: int, waiting: int) -> None:
+        end = time.monotonic()
+        self._file.write(json.dumps({
+            "t": round(time.time(), 6), "step_s": round(end - start, 6),
+            "model_s": round(model_end - model_start, 6), "cpu_s": round(time.process_time() - cpu_start, 6),
+            "tokens": tokens, "reqs": reqs, "waiting": waiting}) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
 
 
 def name_kv_engine(args: EngineArgs) -> EngineArgs:
@@ -108,6 +148,7 @@ class EngineCore:
                     num_blocks, args.block_size, self.max_model_len)
         self.structured = StructuredOutputManager(
             functools.partial(_grammar_backend, args.model, self.hf_config.vocab_size, eos_token_id))
+        self._trace = StepTrace.from_env()
 
     # ---- requests -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -139,12 +180,17 @@ class EngineCore:
             self.scheduler.add_request(request)
         if not self.scheduler.has_requests():  # only grammars compiling: no step to run
             return StepResult(failed, [], 0, time.monotonic())
+        start, cpu_start = time.monotonic(), (time.process_time() if self._trace is not None else 0.0)
         scheduler_output = self.scheduler.schedule()
         scheduler_output.structured_output = self.structured.bitmask(
             self._sampling_req_ids(scheduler_output))
         now = time.monotonic()
         runner_output = self.executor.execute_model(scheduler_output)
+        model_end = time.monotonic()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self._trace is not None:
+            self._trace.write(start, now, model_end, cpu_start, scheduler_output.total_num_scheduled_tokens,
+                              len(scheduler_output.num_scheduled_tokens), len(self.scheduler.waiting))
         self._advance_grammars(outputs)
         outputs.extend(failed)
         if self.kv_connector is not None and not outputs and scheduler_output.is_empty:
@@ -204,6 +250,9 @@ class EngineCore:
         }
 
     def shutdown(self) -> None:
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
         self.structured.shutdown()
         self.executor.shutdown()
         if self.kv_connector is not None:

@@ -2,6 +2,7 @@
 checked token for token against HF transformers."""
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -72,6 +73,33 @@ def test_text_matches_tokens(tiny_model_dir):
     (out,) = llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
     c = out.outputs[0]
     assert c.text == llm.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+
+
+def test_step_trace_records_every_step(tiny_model_dir, tmp_path, monkeypatch):
+    """FLEETSERVE_STEP_TRACE: one JSON line per step, whose token counts add up to the work done."""
+    from fleetserve.replica.engine.engine_core import STEP_TRACE_ENV, StepTrace
+
+    monkeypatch.setenv(STEP_TRACE_ENV, str(tmp_path / "trace"))
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=128,
+              enable_prefix_caching=False, max_num_batched_tokens=32)
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS[:3]]
+    sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    outs = llm.generate(ids, sp, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 5 for o in outs)
+    llm.core.shutdown()
+    (path,) = (tmp_path / "trace").glob("steps-*.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    # Every prompt token once, and every output token but the last fed back once.
+    assert sum(r["tokens"] for r in rows) == sum(len(i) for i in ids) + 3 * (5 - 1)
+    assert max(r["tokens"] for r in rows) <= 32  # chunked by the token budget
+    assert any(r["waiting"] > 0 for r in rows) and rows[-1]["waiting"] == 0
+    assert all(r["step_s"] >= r["model_s"] > 0 and r["cpu_s"] >= 0 and r["reqs"] >= 1 for r in rows)
+    assert [r["t"] for r in rows] == sorted(r["t"] for r in rows)
+    # A folder that cannot be made: a warning and no trace, not a failed engine.
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv(STEP_TRACE_ENV, str(blocker / "trace"))
+    assert StepTrace.from_env() is None
 
 
 def test_seeded_sampling_reproducible_and_n(tiny_model_dir):
