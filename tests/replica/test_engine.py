@@ -93,7 +93,8 @@ def test_step_trace_records_every_step(tiny_model_dir, tmp_path, monkeypatch):
     assert sum(r["tokens"] for r in rows) == sum(len(i) for i in ids) + 3 * (5 - 1)
     assert max(r["tokens"] for r in rows) <= 32  # chunked by the token budget
     assert any(r["waiting"] > 0 for r in rows) and rows[-1]["waiting"] == 0
-    assert all(r["step_s"] >= r["model_s"] > 0 and r["cpu_s"] >= 0 and r["reqs"] >= 1 for r in rows)
+    assert all(r["step_s"] >= r["model_s"] >= 0 and r["cpu_s"] >= 0 for r in rows)
+    assert all(r["reqs"] >= 1 and r["model_s"] > 0 for r in rows if r["tokens"])
     assert [r["t"] for r in rows] == sorted(r["t"] for r in rows)
     # A folder that cannot be made: a warning and no trace, not a failed engine.
     blocker = tmp_path / "a-file"
