@@ -851,13 +851,11 @@ void decode_one(const T* q, const T* kc, const T* vc, const int64_t* blocks, int
   const T** vp = kp + len;
   for (int64_t l = 0, blk = 0; l < len; ++blk) {
     const int64_t base = blocks[blk] * BS * D;
-    for (int64_t o = 0; o < BS && l < len; ++o, ++l) vp[l] = vc + base + o * D;
-  }
-  if (!k_tiled)  // a tiled key cache is read by block (scores_tiled), not by row
-    for (int64_t l = 0, blk = 0; l < len; ++blk) {
-      const int64_t base = blocks[blk] * BS * D;
-      for (int64_t o = 0; o < BS && l < len; ++o, ++l) kp[l] = kc + base + o * D;
+    for (int64_t o = 0; o < BS && l < len; ++o, ++l) {
+      vp[l] = vc + base + o * D;
+      if (!k_tiled) kp[l] = kc + base + o * D;  // a tiled key cache is read by block (scores_tiled)
     }
+  }
   bool scored = false;
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, bf16>) {
