@@ -48,6 +48,7 @@ from fleetserve.router.migration import metrics_text as migration_metrics
 from fleetserve.router.openapi import add_request_bodies
 from fleetserve.router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest, sampling_dict)
+from fleetserve.router.feed import FEED_FLAG, FeedHub, Inbox
 from fleetserve.router.registry import get_router, release_request
 from fleetserve.router.request_router import TARGET_KWARG
 
@@ -119,6 +120,10 @@ class Ingress(GrpcMethods):
             self._reuse = PrefixReuse(engine, ReuseSettings(**reuse.get("settings", {})))
         self._stream = engine.options(stream=True)
         self._generate = self._stream.generate  # built once: each attribute access makes a new handle
+        # One Serve stream per engine replica for all requests' deltas (router.feed);
+        # FLEETSERVE_STREAM_FEED=0 streams each request on its own call only.
+        self._feeds = (FeedHub(self._stream)
+                       if os.environ.get("FLEETSERVE_STREAM_FEED", "1") != "0" else None)
         self.served_model_name = served_model_name
         self._model_names = {served_model_name, *model_aliases}
         self._auth = ApiKeyAuth(api_key, tuple((reliability or {}).get("open_paths", ("/health", "/metrics"))))
@@ -251,7 +256,7 @@ class Ingress(GrpcMethods):
     async def _open_plain(self, body: dict):
         skip = body["sampling_params"].get("skip_special_tokens", True)
         tok = self._info["tokenizer"] if self._info else None
-        gen = MigratingStream(lambda b: ReplicaStream(self._generate.remote(b)), body,
+        gen = MigratingStream(lambda b: ReplicaStream.open(self._generate, b, self._feeds), body,
                               max_migrations=self._reliability.get("max_migrations", 2),
                               decode=tok and (lambda ids: tok.decode(ids, skip_special_tokens=skip)))
         try:
@@ -493,6 +498,17 @@ class Ingress(GrpcMethods):
                                  ("false", policy.num_routed - policy.num_prefix_routed)):
                     lines.append(f'fleetserve:router_prefix_routed_requests_total{{deployment="{dep}",'
                                  f'prefix_match="{match}"}} {n}')
+        if self._feeds is not None:
+            lines += ["# HELP fleetserve:router_feed_batches_total Per-step feed messages this "
+                      "ingress received from engine replicas (router/feed.py).",
+                      "# TYPE fleetserve:router_feed_batches_total counter",
+                      f"fleetserve:router_feed_batches_total {self._feeds.batches}",
+                      "# HELP fleetserve:router_feed_items_total Request deltas those messages carried.",
+                      "# TYPE fleetserve:router_feed_items_total counter",
+                      f"fleetserve:router_feed_items_total {self._feeds.items}",
+                      "# HELP fleetserve:router_feeds_open Engine replicas this ingress has a feed from.",
+                      "# TYPE fleetserve:router_feeds_open gauge",
+                      f"fleetserve:router_feeds_open {len(self._feeds.open_feeds())}"]
         text = "\n".join(lines) + "\n"
         for extra in (self._pd, self._reuse):
             if extra is not None:
@@ -540,11 +556,30 @@ class ReplicaStream:
     """A replica's `generate` stream, one delta at a time. The replica sends a list
     when several deltas were ready at once (router.replica.ready_batches); they are
     handed out here without awaiting in between, so their SSE chunks also leave in one
-    ASGI message."""
+    ASGI message.
 
-    def __init__(self, gen) -> None:
+    With a `FeedHub` (router.feed) the call carries a feed key: when the replica says so
+    on the first item, the later items come from the hub's feed into this stream's inbox,
+    and a task of ours waits on the call itself (its end, its failure, or items it still
+    sends when the feed closed). Without one, or when the replica has no feed from us yet,
+    everything comes on the call as before (and a first item from a replica without a feed
+    opens one, for the requests after it)."""
+
+    def __init__(self, gen, hub: Optional[FeedHub] = None, key: Optional[int] = None,
+                 inbox: Optional[Inbox] = None) -> None:
         self._gen = gen
         self._ready: collections.deque = collections.deque()
+        self._hub, self._key, self._inbox = hub, key, inbox
+        self._watcher: Optional[asyncio.Task] = None
+        self._first = True
+        self._done = False
+
+    @classmethod
+    def open(cls, generate, body: dict, hub: Optional[FeedHub]) -> "ReplicaStream":
+        if hub is None:
+            return cls(generate.remote(body))
+        call, key, inbox = hub.open(generate, body)
+        return cls(call, hub, key, inbox)
 
     def __aiter__(self):
         return self
@@ -552,24 +587,68 @@ class ReplicaStream:
     async def __anext__(self):
         if self._ready:
             return self._ready.popleft()
+        if self._watcher is not None:  # the feed brings the items
+            if self._done:
+                raise StopAsyncIteration
+            try:
+                item = await self._inbox.get()
+            except BaseException:
+                self._finish()
+                raise
+            if isinstance(item, dict) and (item.get("finished") or is_error(item)):
+                self._finish()
+            return item
         try:
             item = await self._gen.__anext__()
         except BaseException:  # the end, an error, or our caller cancelled: stop counting it
-            self._release()
+            self._finish()
             raise
+        if self._first:
+            self._first = False
+            if self._hub is not None and isinstance(item, dict):
+                if item.pop(FEED_FLAG, False):
+                    self._watcher = asyncio.ensure_future(self._watch())
+                else:
+                    self._forget_key()  # everything comes on the call
+                    if not is_error(item):
+                        self._hub.ensure(item.get("replica", ""))
         if isinstance(item, list):
             self._ready.extend(item[1:])
             return item[0]
         return item
 
+    async def _watch(self) -> None:
+        """The call itself, while the feed brings the items: its end, its failure, or items
+        it sends once the feed closed on the replica."""
+        try:
+            async for payload in self._gen:
+                self._inbox.put(payload)
+            self._inbox.end()
+        except asyncio.CancelledError:
+            pass
+        except Exception as e:  # noqa: BLE001 - raised to the reader (migration decides)
+            self._inbox.fail(e)
+
     def cancel(self) -> None:
         self._gen.cancel()
-        self._release()
+        if self._watcher is not None:
+            self._watcher.cancel()
+        self._finish()
 
-    def _release(self) -> None:
+    def _finish(self) -> None:
+        # After a last item the watcher stays: the call ends right after it on the replica.
+        if self._done:
+            return
+        self._done = True
+        self._forget_key()
         meta = getattr(self._gen, "_request_metadata", None)
         if meta is not None:
             release_request(meta.internal_request_id)
+
+    def _forget_key(self) -> None:
+        if self._hub is not None and self._key is not None:
+            self._hub.forget(self._key)
+            self._key = None
 
 
 # /openapi.json describes the bodies the routes parse themselves (router/openapi.py).

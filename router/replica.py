@@ -27,6 +27,7 @@ from fleetserve.replica.engine.errors import EngineDeadError, QueueFullError
 from fleetserve.replica.engine.engine_args import EngineArgs
 from fleetserve.router.admission import admission_refusal
 from fleetserve.router.errors import error_body
+from fleetserve.router.feed import FEED_FLAG, FEED_KEY, FeedChannels
 from fleetserve.router.migration import ENGINE_DEAD, MIGRATED_KEY
 from fleetserve.scheduler import SamplingParams, resolve_obj_by_qualname
 
@@ -46,6 +47,7 @@ class EngineReplica:
         self.block_size = args.block_size
         self.hash_algo = args.prefix_caching_hash_algo
         self._kv_wake = AppendWaiter()
+        self._feeds = FeedChannels()
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except RayServeException:  # outside Serve (unit tests): a random id
@@ -54,10 +56,44 @@ class EngineReplica:
     # -- generation ------------------------------------------------------------
 
     async def generate(self, body: dict, _fleetserve_target: Optional[str] = None
-                       ) -> AsyncIterator[dict]:
+                       ) -> AsyncIterator[Any]:
         """Stream one request. `body["kv_transfer_params"]` (set by the router's P/D flow,
         never taken from a client) asks the engine to export or load the prompt's KV;
-        `_fleetserve_target` pins the call to this replica (router.request_router)."""
+        `_fleetserve_target` pins the call to this replica (router.request_router).
+
+        `body[FEED_KEY]` (the ingress's feed id and this request's key): when that feed is
+        open here, the first item goes out on this call marked `"feed": True` and the rest
+        over the feed (router.feed); this call then ends when the request does."""
+        feed = body.get(FEED_KEY)
+        channel = self._feeds.get(feed[0]) if feed else None
+        if channel is None:
+            async with contextlib.aclosing(self._items(body, batched=True)) as items:
+                async for item in items:
+                    yield item
+            return
+        key, bound = feed[1], False
+        try:
+            async with contextlib.aclosing(self._items(body, batched=False)) as items:
+                async for item in items:
+                    if bound:
+                        if channel.open:
+                            channel.put(key, item)
+                            continue
+                        bound = False  # the feed closed: the rest on this call
+                        channel.unbind()
+                    elif channel is not None and channel.open and not item.get("finished", True):
+                        item[FEED_FLAG] = True  # not on errors (no "finished") nor a last item
+                        bound = True
+                        channel.bound += 1
+                    channel = channel if bound else None
+                    yield item
+        finally:
+            if bound:
+                channel.unbind()
+
+    async def _items(self, body: dict, batched: bool) -> AsyncIterator[Any]:
+        """The request's items: dicts (and, `batched`, lists of the dicts that were ready
+        together: `ready_batches`), or one error dict."""
         try:
             params = SamplingParams(**body["sampling_params"])
         except (TypeError, ValueError) as e:
@@ -80,7 +116,8 @@ class EngineReplica:
             **({"admitted": True} if admitted else {}),
             **({"kv_transfer_params": kv_params} if kv_params is not None else {}))
         try:
-            async with contextlib.aclosing(ready_batches(outputs)) as batches:
+            async with contextlib.aclosing(ready_batches(outputs) if batched
+                                           else one_by_one(outputs)) as batches:
                 async for batch in batches:
                     items = []
                     for out in batch:
@@ -99,6 +136,24 @@ class EngineReplica:
             # Named, so the ingress migrates the request and avoids this replica
             # (router/migration.py) until Serve replaces it.
             yield {**error_body(str(e), status=503, code=ENGINE_DEAD), "replica": self.replica_id}
+
+    async def feed(self, feed_id: str, replica_id: Optional[str] = None,
+                   _fleetserve_target: Optional[str] = None) -> AsyncIterator[list]:
+        """One ingress's per-step feed (router.feed): lists of (request key, item) of the
+        requests bound to it, until no request has been bound for `FEED_IDLE_S` or the
+        caller goes away. A call meant for another replica (`replica_id`: Serve routes a
+        call pinned to a replica that is gone anywhere) ends at once."""
+        if replica_id is not None and replica_id != self.replica_id:
+            return
+        channel = self._feeds.open(feed_id)
+        try:
+            while True:
+                batch = await channel.take()
+                if batch is None:
+                    return
+                yield batch
+        finally:
+            self._feeds.close(feed_id, channel)
 
     # -- control ---------------------------------------------------------------
 
@@ -245,6 +300,15 @@ async def ready_batches(outputs: AsyncIterator[Any]) -> AsyncIterator[list[Any]]
                 pass
         elif pending is not None and not pending.cancelled():
             pending.exception()  # retrieved: no "never retrieved" warning when we bail out
+        await outputs.aclose()
+
+
+async def one_by_one(outputs: AsyncIterator[Any]) -> AsyncIterator[list[Any]]:
+    """`ready_batches`' interface without its batching (the feed batches across requests)."""
+    try:
+        async for out in outputs:
+            yield [out]
+    finally:
         await outputs.aclose()
 
 

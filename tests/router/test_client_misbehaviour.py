@@ -14,7 +14,7 @@ import time
 
 import httpx
 
-from tests.router.test_routing_e2e import router_ongoing
+from tests.router.test_routing_e2e import feed_items, router_ongoing
 
 REFERENCE = {"prompt": "The reference request says", "max_tokens": 24, "temperature": 0,
              "ignore_eos": True}
@@ -72,6 +72,7 @@ async def _storm(server, n: int, concurrency: int, seed: int) -> dict:
 def test_hundreds_of_random_disconnects_leave_others_untouched_and_no_block_held(server):
     server.wait_idle()
     expected = _reference(server)
+    fed_before = feed_items(server)
     results: dict = {}
 
     def storm() -> None:
@@ -89,6 +90,8 @@ def test_hundreds_of_random_disconnects_leave_others_untouched_and_no_block_held
     server.wait_idle(timeout_s=30)  # every block back, nothing running or queued
     assert router_ongoing(server) == 0
     assert _reference(server) == expected
+    # The storm's streams rode the per-step feed (router/feed.py), disconnects included.
+    assert feed_items(server) > fed_before + 100, (fed_before, feed_items(server))
 
 
 def test_slow_reader_and_never_reading_client_do_not_stall_others(server):

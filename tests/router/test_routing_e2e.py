@@ -36,6 +36,14 @@ def router_ongoing(server) -> float:
                if fam.name == "fleetserve:router_ongoing_requests" for s in fam.samples)
 
 
+def feed_items(server) -> float:
+    """Deltas the ingress received over its per-step feeds (router/feed.py)."""
+    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    return sum(s.value for fam in text_string_to_metric_families(text)
+               if fam.name == "fleetserve:router_feed_items" for s in fam.samples
+               if s.name.endswith("_total"))
+
+
 def delta(before: dict, after: dict) -> dict:
     return {k: after.get(k, 0) - before.get(k, 0) for k in after}
 

@@ -1,0 +1,275 @@
+"""The per-step feed: one Serve stream per (ingress, engine replica) pair carries every
+request's deltas, instead of one Serve streaming item per delta per request.
+
+Why. Each item of a Serve streaming call costs CPU in both processes (cloudpickle, the
+gRPC generator wrapper, a task wake-up on each side): with 64 streams and a step every
+~50 ms that is ~1300 items a second, about half of the engine replica's CPU and a fifth
+of the ingress's at saturation on a 2-core machine (README, "On a third machine"), taken
+from the model's OpenMP threads. vLLM's engine core sends its API server one message per
+step for all requests; this is the same for a Serve deployment pair.
+
+How. A request still makes its own `generate` call, routed by the request router as
+before, and that call still owns the request: its first item (the first token, or the
+error that refused it) comes back on it, cancelling it aborts the request, and its end
+or failure is how the ingress learns the replica finished or died. What changes is the
+path of the items after the first:
+
+    ingress                                         engine replica
+    FeedHub.open(body) -> inbox for key k           generate({..., FEED_KEY: (feed id, k)})
+      generate call  ──────────────────────────▶      first item, with "feed": True
+      ◀── first item (TTFT) ───────────────────       later items -> FeedChannel.put(k, item)
+    FeedHub's task reads feed(feed id) ◀── one list of (key, item) per loop turn ──
+      and puts each item in its request's inbox
+
+- The replica uses the feed only when the ingress's feed is open on it *now*
+  (`FeedChannel` registered under the feed id); otherwise the request streams on its own
+  call as before, and its first item makes the ingress open a feed to that replica
+  (`FeedHub.ensure`), for the requests after it. A feed with no request bound to it for
+  `FEED_IDLE_S` ends, so a replica being stopped (scale-down, Ctrl-C) is not held open by
+  it: Serve drains a replica until no call is in flight.
+- If the feed closes while requests are bound to it, their later items go back to their
+  own calls (`FeedChannel.open` is checked per item); the ingress reads both into the
+  same inbox. The request's own call ending before its last item came over the feed
+  waits at most `FEED_END_GRACE_S` for it (the feed lags), then fails the stream
+  (`FeedLost`), which the ingress's migration treats as a replica failure.
+- A request is done for the ingress when it has handed out an item that is finished or
+  an error; the key's inbox is removed then (or when the stream is cancelled).
+
+The inbox keeps arrival order; the feed and a request's own call are two streams, so
+only the switch back (a feed closed mid-request, which happens when the ingress drops
+it or a replica is going away) could reorder items, and then the first item on the own
+call follows everything the feed delivered before it closed on the replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextvars
+import itertools
+import logging
+import uuid
+from typing import Any, Optional
+
+logger = logging.getLogger("ray.serve")
+
+FEED_KEY = "_fleetserve_feed"  # body key: (feed id, request key); set by the ingress only
+FEED_FLAG = "feed"  # on a first item: the request's later items come over the feed
+FEED_IDLE_S = 1.0  # a feed with no request bound to it ends after this long
+FEED_END_GRACE_S = 30.0  # the own call ended: how long the last items may lag on the feed
+
+
+class FeedLost(RuntimeError):
+    """A request's call ended but the items it sent over the feed never arrived."""
+
+
+# -- the engine replica's side ---------------------------------------------------------
+
+class FeedChannel:
+    """What the requests bound to one ingress's feed produced since the feed last sent.
+    Lives on the replica's event loop; `put` never blocks (a slow reader gets bigger
+    batches, as `ready_batches` does for one stream)."""
+
+    def __init__(self) -> None:
+        self.open = True
+        self.bound = 0  # requests whose later items go over this feed
+        self._pending: list[tuple[int, Any]] = []
+        self._waiter: Optional[asyncio.Future] = None
+
+    def put(self, key: int, payload: Any) -> None:
+        self._pending.append((key, payload))
+        self._wake()
+
+    def unbind(self) -> None:
+        self.bound -= 1
+        if self.bound <= 0:
+            self._wake()  # the idle clock starts now
+
+    def close(self) -> None:
+        self.open = False
+        self._wake()
+
+    async def take(self, idle_s: Optional[float] = None) -> Optional[list[tuple[int, Any]]]:
+        """The next batch; None when the feed should end (closed, or idle for `idle_s`
+        (`FEED_IDLE_S`) with no request bound to it)."""
+        idle_s = FEED_IDLE_S if idle_s is None else idle_s
+        loop = asyncio.get_running_loop()
+        while not self._pending:
+            if not self.open:
+                return None
+            idle = self.bound <= 0
+            self._waiter = loop.create_future()
+            try:
+                if idle:
+                    try:
+                        await asyncio.wait_for(self._waiter, idle_s)
+                    except asyncio.TimeoutError:
+                        if not self._pending and self.bound <= 0:
+                            return None
+                else:
+                    await self._waiter
+            finally:
+                self._waiter = None
+        batch, self._pending = self._pending, []
+        return batch
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class FeedChannels:
+    """The replica's open feeds, by feed id (one per ingress process and engine pool)."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, FeedChannel] = {}
+
+    def get(self, feed_id: str) -> Optional[FeedChannel]:
+        channel = self._channels.get(feed_id)
+        return channel if channel is not None and channel.open else None
+
+    def open(self, feed_id: str) -> FeedChannel:
+        old = self._channels.get(feed_id)
+        if old is not None:  # the ingress opened it again (it lost the old one): replace
+            old.close()
+        channel = self._channels[feed_id] = FeedChannel()
+        return channel
+
+    def close(self, feed_id: str, channel: FeedChannel) -> None:
+        channel.close()
+        if self._channels.get(feed_id) is channel:
+            del self._channels[feed_id]
+
+    def __len__(self) -> int:
+        return len(self._channels)
+
+
+# -- the ingress's side -----------------------------------------------------------------
+
+class Inbox:
+    """One request's items, from the feed and from its own call, in arrival order."""
+
+    __slots__ = ("items", "error", "ended", "_waiter")
+
+    def __init__(self) -> None:
+        self.items: collections.deque = collections.deque()
+        self.error: Optional[BaseException] = None
+        self.ended = False  # the request's own call ended
+        self._waiter: Optional[asyncio.Future] = None
+
+    def put(self, payload: Any) -> None:
+        if isinstance(payload, list):
+            self.items.extend(payload)
+        else:
+            self.items.append(payload)
+        self._wake()
+
+    def end(self) -> None:
+        self.ended = True
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self._wake()
+
+    async def get(self, grace_s: Optional[float] = None) -> Any:
+        grace_s = FEED_END_GRACE_S if grace_s is None else grace_s
+        while not self.items:
+            if self.error is not None:
+                raise self.error
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                if self.ended:  # only the feed can still bring the rest
+                    try:
+                        await asyncio.wait_for(self._waiter, grace_s)
+                    except asyncio.TimeoutError:
+                        if not self.items:
+                            raise FeedLost(f"the replica ended the request, but its last "
+                                           f"outputs did not arrive on the feed within "
+                                           f"{grace_s:g} s") from None
+                else:
+                    await self._waiter
+            finally:
+                self._waiter = None
+        return self.items.popleft()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class FeedHub:
+    """This ingress's feeds to one engine pool: one Serve stream per replica, read by a task
+    that sorts each batch into the requests' inboxes."""
+
+    def __init__(self, stream_handle, name: str = "engine") -> None:
+        self._handle = stream_handle  # the pool's handle with stream=True
+        self.feed_id = f"{name}-{uuid.uuid4().hex[:12]}"
+        self._keys = itertools.count()
+        self._inboxes: dict[int, Inbox] = {}
+        self._feeds: dict[str, asyncio.Task] = {}
+        self.batches = 0  # counters for tests and debugging
+        self.items = 0
+
+    def open(self, generate, body: dict):
+        """Call `generate` (the pool's streaming `generate` method handle) for `body` with
+        an inbox ready for its feed items; returns (the call, its key, its inbox)."""
+        key = next(self._keys)
+        inbox = self._inboxes[key] = Inbox()
+        try:
+            call = generate.remote({**body, FEED_KEY: (self.feed_id, key)})
+        except BaseException:
+            self._inboxes.pop(key, None)
+            raise
+        return call, key, inbox
+
+    def forget(self, key: int) -> None:
+        self._inboxes.pop(key, None)
+
+    def ensure(self, replica_id: str) -> None:
+        """Open a feed to `replica_id` unless one is open or opening."""
+        if not replica_id or replica_id in self._feeds:
+            return
+        # A context of its own: Serve's router keys calls by the request context's internal
+        # id, and a call sharing the id of the request that started it confuses it.
+        self._feeds[replica_id] = asyncio.get_running_loop().create_task(
+            self._run(replica_id), context=contextvars.Context())
+
+    def open_feeds(self) -> list[str]:
+        return list(self._feeds)
+
+    async def close(self) -> None:
+        tasks = list(self._feeds.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run(self, replica_id: str) -> None:
+        from ray.serve._private.utils import generate_request_id
+        from ray.serve.context import _set_request_context
+
+        from fleetserve.router.request_router import TARGET_KWARG
+
+        _set_request_context(_internal_request_id=generate_request_id())
+        call = None
+        try:
+            call = self._handle.feed.remote(self.feed_id, replica_id, **{TARGET_KWARG: replica_id})
+            inboxes = self._inboxes
+            async for batch in call:
+                self.batches += 1
+                self.items += len(batch)
+                for key, payload in batch:
+                    inbox = inboxes.get(key)
+                    if inbox is not None:  # None: the request was cancelled or is done
+                        inbox.put(payload)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the requests' own calls say what failed
+            logger.info("feed from replica %s ended: %s: %s", replica_id, type(e).__name__, e)
+        finally:
+            if call is not None:
+                call.cancel()
+            if self._feeds.get(replica_id) is asyncio.current_task():
+                del self._feeds[replica_id]
