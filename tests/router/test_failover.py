@@ -17,6 +17,7 @@ import grpc
 import httpx
 
 from fleetserve.router.proto import fleetserve_pb2 as pb
+from tests.router.test_routing_e2e import feed_items
 from fleetserve.router.proto import fleetserve_pb2_grpc as pb_grpc
 
 PROMPTS = [f"Stream number {i} tells a story about" for i in range(6)]
@@ -103,6 +104,7 @@ def test_engine_core_killed_mid_stream_streams_migrate(server):
     pids = {rid: h["core_pid"] for rid, h in _replica_health(server).items()}
     assert len(pids) == 2 and all(pids.values()), pids
     migrated_before = _migrations(server)
+    fed_before = feed_items(server)
     progress: dict[int, int] = {}
     victim = None
     try:
@@ -129,6 +131,7 @@ def test_engine_core_killed_mid_stream_streams_migrate(server):
             assert res["events"][-1] == "[DONE]"
             assert res["usage"]["completion_tokens"] == MAX_TOKENS, res["usage"]
         assert _migrations(server) > migrated_before  # the streams on the victim were continued
+        assert feed_items(server) > fed_before  # streams rode the per-step feed (router/feed.py)
         health = httpx.get(server.base_url + "/health", timeout=30).json()
         # The dead engine is reported until Serve has replaced its replica.
         assert health.get("unhealthy") or health["num_replicas"] == 2, health

@@ -204,6 +204,31 @@ def test_a_feed_that_closes_mid_request_hands_the_rest_to_the_call(replica):
     assert_no_leak(replica)
 
 
+def test_a_call_that_fails_while_its_items_ride_the_feed_raises_to_the_reader(replica):
+    """The replica died: its calls fail (Serve raises in the reader). The stream raises that
+    error (migration decides what next) instead of waiting on the feed."""
+    async def go():
+        handle = Handle(replica)
+        hub = FeedHub(handle)
+        hub.ensure(replica.replica_id)
+        await wait_until(lambda: len(replica._feeds) == 1, "feed open")
+        stream = ReplicaStream.open(handle.generate, body("z", PROMPTS[4], max_tokens=200, ignore_eos=True), hub)
+        await stream.__anext__()
+        await stream.__anext__()
+        assert stream._watcher is not None
+        call = handle.calls[-1]
+        call._task.cancel()  # the replica side is gone...
+        call._queue.put_nowait(("error", ConnectionError("the replica died")))  # ...and Serve says so
+        with pytest.raises((ConnectionError, RuntimeError)):
+            while True:
+                await asyncio.wait_for(stream.__anext__(), 10)
+        assert not hub._inboxes
+        await hub.close()
+
+    asyncio.run(go())
+    assert_no_leak(replica)
+
+
 def test_a_feed_pinned_to_another_replica_ends_at_once(replica):
     async def go():
         items = [b async for b in replica.feed("some-ingress", "not-this-replica")]
