@@ -213,13 +213,14 @@ class FeedHub:
         self.batches = 0  # counters for tests and debugging
         self.items = 0
 
-    def open(self, generate, body: dict):
-        """Call `generate` (the pool's streaming `generate` method handle) for `body` with
-        an inbox ready for its feed items; returns (the call, its key, its inbox)."""
+    def open(self, generate, body: dict, **kwargs):
+        """Call `generate` (the pool's streaming `generate` method handle) for `body` (and
+        `kwargs`: a pin) with an inbox ready for its feed items; returns (the call, its
+        key, its inbox)."""
         key = next(self._keys)
         inbox = self._inboxes[key] = Inbox()
         try:
-            call = generate.remote({**body, FEED_KEY: (self.feed_id, key)})
+            call = generate.remote({**body, FEED_KEY: (self.feed_id, key)}, **kwargs)
         except BaseException:
             self._inboxes.pop(key, None)
             raise

@@ -247,16 +247,21 @@ class Ingress(GrpcMethods):
         """Send to a replica; return (generator, first item). The first item may be an error."""
         if self._pd is not None:
             await self.info()  # the pools' routers exist: the P/D flow picks from them
-            return await self._pd.open_stream(body, ReplicaStream)
+            return await self._pd.open_stream(body, self._open_call)
         if self._reuse is not None:
             await self.info()
-            return await self._reuse.open_stream(body, ReplicaStream, self._open_plain)
+            return await self._reuse.open_stream(body, self._open_call, self._open_plain)
         return await self._open_plain(body)
+
+    def _open_call(self, generate, body: dict, **kwargs) -> "ReplicaStream":
+        """Call an engine pool's streaming `generate` (this ingress's pool handle, or the P/D
+        and reuse flows' pinned ones: the same deployment) with the per-step feed."""
+        return ReplicaStream.open(generate, body, self._feeds, **kwargs)
 
     async def _open_plain(self, body: dict):
         skip = body["sampling_params"].get("skip_special_tokens", True)
         tok = self._info["tokenizer"] if self._info else None
-        gen = MigratingStream(lambda b: ReplicaStream.open(self._generate, b, self._feeds), body,
+        gen = MigratingStream(lambda b: self._open_call(self._generate, b), body,
                               max_migrations=self._reliability.get("max_migrations", 2),
                               decode=tok and (lambda ids: tok.decode(ids, skip_special_tokens=skip)))
         try:
@@ -575,10 +580,10 @@ class ReplicaStream:
         self._done = False
 
     @classmethod
-    def open(cls, generate, body: dict, hub: Optional[FeedHub]) -> "ReplicaStream":
+    def open(cls, generate, body: dict, hub: Optional[FeedHub], **kwargs) -> "ReplicaStream":
         if hub is None:
-            return cls(generate.remote(body))
-        call, key, inbox = hub.open(generate, body)
+            return cls(generate.remote(body, **kwargs))
+        call, key, inbox = hub.open(generate, body, **kwargs)
         return cls(call, hub, key, inbox)
 
     def __aiter__(self):

@@ -105,8 +105,10 @@ class PDRouter:
 
     # -- the flow --------------------------------------------------------------
 
-    async def open_stream(self, body: dict, stream_cls):
-        """Like `Ingress.open_stream`: (stream, first item) from the decode replica."""
+    async def open_stream(self, body: dict, open_call):
+        """Like `Ingress.open_stream`: (stream, first item) from the decode replica.
+        `open_call(generate, body, **kwargs)` makes the call and returns its stream (the
+        ingress's `ReplicaStream.open`: the decode stream rides the per-step feed)."""
         prompt = body["prompt_token_ids"]
         decode_id, cached = self._pick_decode(body)
         params, path = None, "decode_only"
@@ -123,7 +125,7 @@ class PDRouter:
             d_body = dict(body, request_id=body["request_id"] + (f"-d{attempt}" if attempt else ""))
             if params is not None:
                 d_body["kv_transfer_params"] = params
-            gen = stream_cls(self._decode_generate.remote(d_body, **self._pin(decode_id)))
+            gen = open_call(self._decode_generate, d_body, **self._pin(decode_id))
             try:
                 first = await gen.__anext__()
             except BaseException:

@@ -97,8 +97,9 @@ class PrefixReuse:
             return None
         return chosen, holder, prefix
 
-    async def open_stream(self, body: dict, stream_cls, plain):
-        """(stream, first item); `plain(body)` opens an ordinary stream when reuse does not pay."""
+    async def open_stream(self, body: dict, open_call, plain):
+        """(stream, first item); `plain(body)` opens an ordinary stream when reuse does not pay.
+        `open_call(generate, body, **kwargs)` makes a call and returns its stream."""
         plan = self.plan(body)
         if plan is None:
             return await plain(body)
@@ -109,7 +110,7 @@ class PrefixReuse:
             r_body = dict(body, request_id=body["request_id"] + (f"-r{attempt}" if attempt else ""))
             if params is not None:
                 r_body["kv_transfer_params"] = params
-            gen = stream_cls(self._generate.remote(r_body, **{TARGET_KWARG: chosen}))
+            gen = open_call(self._generate, r_body, **{TARGET_KWARG: chosen})
             try:
                 first = await gen.__anext__()
             except BaseException:

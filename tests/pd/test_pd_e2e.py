@@ -15,6 +15,7 @@ import httpx
 import openai
 
 from tests.pd.conftest import BLOCK, MAX_TOKENS
+from tests.router.test_routing_e2e import feed_items
 
 
 def client(server) -> openai.OpenAI:
@@ -47,6 +48,7 @@ def test_completions_equal_colocated_and_decode_computes_at_most_a_block(pd_serv
     c = client(pd_server)
     rng = random.Random(1)
     before = pd_server.pd_tokens()
+    fed_before = feed_items(pd_server)
     for i in range(3):
         prompt = long_prompt(rng)
         ids = tokenize(pd_server, prompt=prompt)
@@ -58,6 +60,9 @@ def test_completions_equal_colocated_and_decode_computes_at_most_a_block(pd_serv
     after = pd_server.pd_tokens()
     assert after.get("loaded", 0) > before.get("loaded", 0)
     assert pd_server.pd_paths().get("pd", 0) >= 3
+    # The first decode call opened the ingress's feed to the decode replica; the later
+    # ones' tokens came over it (router/feed.py).
+    assert feed_items(pd_server) > fed_before
     pd_server.wait_all_free()
 
 
