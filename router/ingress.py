@@ -563,12 +563,12 @@ class ReplicaStream:
     handed out here without awaiting in between, so their SSE chunks also leave in one
     ASGI message.
 
-    With a `FeedHub` (router.feed) the call carries a feed key: when the replica says so
-    on the first item, the later items come from the hub's feed into this stream's inbox,
-    and a task of ours waits on the call itself (its end, its failure, or items it still
-    sends when the feed closed). Without one, or when the replica has no feed from us yet,
-    everything comes on the call as before (and a first item from a replica without a feed
-    opens one, for the requests after it)."""
+    With a `FeedHub` (router.feed) the call carries a feed key: when the replica marks an
+    item (`"feed": True`: the replica has our feed open), the later items come from the
+    hub's feed into this stream's inbox, and a task of ours waits on the call itself (its
+    end, its failure, or items it still sends if the feed closed). Until then, and without
+    a hub, everything comes on the call as before; a first item from a replica that has no
+    feed from us opens one (the replica moves this request onto it once it is open)."""
 
     def __init__(self, gen, hub: Optional[FeedHub] = None, key: Optional[int] = None,
                  inbox: Optional[Inbox] = None) -> None:
@@ -608,18 +608,20 @@ class ReplicaStream:
         except BaseException:  # the end, an error, or our caller cancelled: stop counting it
             self._finish()
             raise
-        if self._first:
+        if self._hub is not None:
+            last = item[-1] if isinstance(item, list) else item
+            if isinstance(last, dict) and last.pop(FEED_FLAG, False):
+                # The rest comes over the feed (already arriving in our inbox, in order).
+                self._watcher = asyncio.ensure_future(self._watch())
+            elif self._first and not is_error(last):
+                self._hub.ensure(last.get("replica", ""))  # no feed there yet: open one
             self._first = False
-            if self._hub is not None and isinstance(item, dict):
-                if item.pop(FEED_FLAG, False):
-                    self._watcher = asyncio.ensure_future(self._watch())
-                else:
-                    self._forget_key()  # everything comes on the call
-                    if not is_error(item):
-                        self._hub.ensure(item.get("replica", ""))
         if isinstance(item, list):
             self._ready.extend(item[1:])
-            return item[0]
+            item = item[0]
+        if self._watcher is None and isinstance(item, dict) and (
+                item.get("finished") or is_error(item)) and not self._ready:
+            self._finish()
         return item
 
     async def _watch(self) -> None:

@@ -18,7 +18,7 @@ import contextlib
 import inspect
 import logging
 import uuid
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from ray import serve
 from ray.serve.exceptions import RayServeException
@@ -27,7 +27,7 @@ from fleetserve.replica.engine.errors import EngineDeadError, QueueFullError
 from fleetserve.replica.engine.engine_args import EngineArgs
 from fleetserve.router.admission import admission_refusal
 from fleetserve.router.errors import error_body
-from fleetserve.router.feed import FEED_FLAG, FEED_KEY, FeedChannels
+from fleetserve.router.feed import FEED_FLAG, FEED_KEY, FeedChannel, FeedChannels
 from fleetserve.router.migration import ENGINE_DEAD, MIGRATED_KEY
 from fleetserve.scheduler import SamplingParams, resolve_obj_by_qualname
 
@@ -61,39 +61,40 @@ class EngineReplica:
         never taken from a client) asks the engine to export or load the prompt's KV;
         `_fleetserve_target` pins the call to this replica (router.request_router).
 
-        `body[FEED_KEY]` (the ingress's feed id and this request's key): when that feed is
-        open here, the first item goes out on this call marked `"feed": True` and the rest
-        over the feed (router.feed); this call then ends when the request does."""
+        `body[FEED_KEY]` (the ingress's feed id and this request's key): once that feed is
+        open here (checked at each item, so a burst that arrived before the feed opened
+        moves onto it too), the item going out on this call is marked `"feed": True` and
+        the later ones go over the feed (router.feed); this call then ends when the request
+        does. If the feed closes, the rest comes on this call again, for good."""
         feed = body.get(FEED_KEY)
-        channel = self._feeds.get(feed[0]) if feed else None
-        if channel is None:
-            async with contextlib.aclosing(self._items(body, batched=True)) as items:
-                async for item in items:
-                    yield item
-            return
-        key, bound = feed[1], False
+        channel: Optional[FeedChannel] = None  # the feed this request's items go over
+        fell_back = False  # a feed closed under it: never bind again (order across streams)
         try:
-            async with contextlib.aclosing(self._items(body, batched=False)) as items:
+            async with contextlib.aclosing(
+                    self._items(body, batching=lambda: channel is None)) as items:
                 async for item in items:
-                    if bound:
+                    if channel is not None:
                         if channel.open:
-                            channel.put(key, item)
+                            channel.put(feed[1], item)
                             continue
-                        bound = False  # the feed closed: the rest on this call
-                        channel.unbind()
-                    elif channel is not None and channel.open and not item.get("finished", True):
-                        item[FEED_FLAG] = True  # not on errors (no "finished") nor a last item
-                        bound = True
-                        channel.bound += 1
-                    channel = channel if bound else None
+                        channel.unbind()  # the feed closed: the rest on this call
+                        channel, fell_back = None, True
+                    elif feed is not None and not fell_back:
+                        last = item[-1] if isinstance(item, list) else item
+                        # Not on errors (no "finished") nor on a last item: nothing follows.
+                        if last.get("finished", True) is False:
+                            channel = self._feeds.get(feed[0])
+                            if channel is not None:
+                                last[FEED_FLAG] = True
+                                channel.bound += 1
                     yield item
         finally:
-            if bound:
+            if channel is not None:
                 channel.unbind()
 
-    async def _items(self, body: dict, batched: bool) -> AsyncIterator[Any]:
-        """The request's items: dicts (and, `batched`, lists of the dicts that were ready
-        together: `ready_batches`), or one error dict."""
+    async def _items(self, body: dict, batching: Callable[[], bool]) -> AsyncIterator[Any]:
+        """The request's items: dicts (and, while `batching()`, lists of the dicts that were
+        ready together: `ready_batches`), or one error dict."""
         try:
             params = SamplingParams(**body["sampling_params"])
         except (TypeError, ValueError) as e:
@@ -116,8 +117,7 @@ class EngineReplica:
             **({"admitted": True} if admitted else {}),
             **({"kv_transfer_params": kv_params} if kv_params is not None else {}))
         try:
-            async with contextlib.aclosing(ready_batches(outputs) if batched
-                                           else one_by_one(outputs)) as batches:
+            async with contextlib.aclosing(ready_batches(outputs, batching)) as batches:
                 async for batch in batches:
                     items = []
                     for out in batch:
@@ -258,7 +258,8 @@ class AppendWaiter:
                 fut.set_result(None)
 
 
-async def ready_batches(outputs: AsyncIterator[Any]) -> AsyncIterator[list[Any]]:
+async def ready_batches(outputs: AsyncIterator[Any],
+                        batching: Callable[[], bool] = lambda: True) -> AsyncIterator[list[Any]]:
     """The engine's outputs in batches: each output is sent as soon as it exists (no
     waiting for more), but outputs that are already there when the previous send is
     done go out together, as one stream item.
@@ -267,7 +268,9 @@ async def ready_batches(outputs: AsyncIterator[Any]) -> AsyncIterator[list[Any]]
     proxy (measured, issue 5); with the engine stepping every few ms that can exceed
     the step time on a busy host, and then items queue up behind each other. Batching
     what is already queued keeps the stream from falling behind, and costs nothing
-    when it keeps up. Closing this generator (the caller went away) closes `outputs`
+    when it keeps up. While `batching()` is false (the request's items go over a per-step
+    feed, which batches across requests: router.feed) each output goes out alone, with no
+    extra loop turn. Closing this generator (the caller went away) closes `outputs`
     (the engine aborts the request).
     """
     pending: Optional[asyncio.Future] = None
@@ -280,7 +283,7 @@ async def ready_batches(outputs: AsyncIterator[Any]) -> AsyncIterator[list[Any]]
                 return
             pending = None
             batch = [out]
-            while not first and not getattr(out, "finished", False):
+            while not first and not getattr(out, "finished", False) and batching():
                 pending = asyncio.ensure_future(outputs.__anext__())
                 await asyncio.sleep(0)  # one loop turn: an already-queued output completes it
                 if not pending.done():
@@ -300,15 +303,6 @@ async def ready_batches(outputs: AsyncIterator[Any]) -> AsyncIterator[list[Any]]
                 pass
         elif pending is not None and not pending.cancelled():
             pending.exception()  # retrieved: no "never retrieved" warning when we bail out
-        await outputs.aclose()
-
-
-async def one_by_one(outputs: AsyncIterator[Any]) -> AsyncIterator[list[Any]]:
-    """`ready_batches`' interface without its batching (the feed batches across requests)."""
-    try:
-        async for out in outputs:
-            yield [out]
-    finally:
         await outputs.aclose()
 
 
