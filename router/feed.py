@@ -12,33 +12,33 @@ How. A request still makes its own `generate` call, routed by the request router
 before, and that call still owns the request: its first item (the first token, or the
 error that refused it) comes back on it, cancelling it aborts the request, and its end
 or failure is how the ingress learns the replica finished or died. What changes is the
-path of the items after the first:
+path of the items after the one the replica marks:
 
     ingress                                         engine replica
     FeedHub.open(body) -> inbox for key k           generate({..., FEED_KEY: (feed id, k)})
-      generate call  ──────────────────────────▶      first item, with "feed": True
-      ◀── first item (TTFT) ───────────────────       later items -> FeedChannel.put(k, item)
+      generate call  ──────────────────────────▶      an item with "feed": True
+      ◀── items up to that one (TTFT) ─────────       later items -> FeedChannel.put(k, item)
     FeedHub's task reads feed(feed id) ◀── one list of (key, item) per loop turn ──
       and puts each item in its request's inbox
 
-- The replica uses the feed only when the ingress's feed is open on it *now*
-  (`FeedChannel` registered under the feed id); otherwise the request streams on its own
-  call as before, and its first item makes the ingress open a feed to that replica
-  (`FeedHub.ensure`), for the requests after it. A feed with no request bound to it for
+- The replica moves a request onto the feed at the first item that finds the ingress's
+  feed open on it (`FeedChannel` registered under the feed id); until then the request
+  streams on its own call as before, and the first item from a replica without a feed
+  from us makes the ingress open one (`FeedHub.ensure`): a burst that reached an idle
+  replica moves onto it a step or two later. A feed with no request bound to it for
   `FEED_IDLE_S` ends, so a replica being stopped (scale-down, Ctrl-C) is not held open by
   it: Serve drains a replica until no call is in flight.
-- If the feed closes while requests are bound to it, their later items go back to their
-  own calls (`FeedChannel.open` is checked per item); the ingress reads both into the
-  same inbox. The request's own call ending before its last item came over the feed
-  waits at most `FEED_END_GRACE_S` for it (the feed lags), then fails the stream
-  (`FeedLost`), which the ingress's migration treats as a replica failure.
+- If a feed ends while requests are bound to it (the replica died, the stream broke, the
+  ingress is going away), those requests fail with `FeedLost` and the ingress's migration
+  continues them from the tokens their clients already have (router.migration): items in
+  flight on a broken stream cannot be recovered, and falling back to the requests' own
+  calls could leave a gap or reorder them. (The replica still sends on a request's own
+  call once its feed is closed there, for an ingress without that rule; it never moves a
+  request onto a feed again after that.) A request's own call ending before its last
+  item came over the feed waits at most `FEED_END_GRACE_S` for it (the feed lags), then
+  fails the same way.
 - A request is done for the ingress when it has handed out an item that is finished or
   an error; the key's inbox is removed then (or when the stream is cancelled).
-
-The inbox keeps arrival order; the feed and a request's own call are two streams, so
-only the switch back (a feed closed mid-request, which happens when the ingress drops
-it or a replica is going away) could reorder items, and then the first item on the own
-call follows everything the feed delivered before it closed on the replica.
 """
 
 from __future__ import annotations
@@ -54,13 +54,14 @@ from typing import Any, Optional
 logger = logging.getLogger("ray.serve")
 
 FEED_KEY = "_fleetserve_feed"  # body key: (feed id, request key); set by the ingress only
-FEED_FLAG = "feed"  # on a first item: the request's later items come over the feed
+FEED_FLAG = "feed"  # on the item after which the request's items come over the feed
 FEED_IDLE_S = 1.0  # a feed with no request bound to it ends after this long
 FEED_END_GRACE_S = 30.0  # the own call ended: how long the last items may lag on the feed
 
 
 class FeedLost(RuntimeError):
-    """A request's call ended but the items it sent over the feed never arrived."""
+    """A request's items on the feed did not all arrive: its feed ended under it, or its
+    call ended and the last items never came. The ingress's migration continues it."""
 
 
 # -- the engine replica's side ---------------------------------------------------------
@@ -210,6 +211,8 @@ class FeedHub:
         self._keys = itertools.count()
         self._inboxes: dict[int, Inbox] = {}
         self._feeds: dict[str, asyncio.Task] = {}
+        self._bound: dict[str, set[int]] = {}  # replica id -> keys whose items ride its feed
+        self._replica_of: dict[int, str] = {}
         self.batches = 0  # counters for tests and debugging
         self.items = 0
 
@@ -228,6 +231,22 @@ class FeedHub:
 
     def forget(self, key: int) -> None:
         self._inboxes.pop(key, None)
+        replica_id = self._replica_of.pop(key, None)
+        if replica_id is not None:
+            self._bound.get(replica_id, set()).discard(key)
+
+    def bind(self, key: int, replica_id: str) -> None:
+        """The replica moved request `key` onto our feed: if that feed ends before the
+        request does, the request fails over (`FeedLost`) rather than wait or lose items."""
+        inbox = self._inboxes.get(key)
+        if inbox is None:
+            return
+        if replica_id not in self._feeds:  # ended here already: its last items may be lost
+            inbox.fail(FeedLost(f"the feed from replica {replica_id} ended as the request "
+                                "moved onto it"))
+            return
+        self._bound.setdefault(replica_id, set()).add(key)
+        self._replica_of[key] = replica_id
 
     def ensure(self, replica_id: str) -> None:
         """Open a feed to `replica_id` unless one is open or opening."""
@@ -274,3 +293,14 @@ class FeedHub:
                 call.cancel()
             if self._feeds.get(replica_id) is asyncio.current_task():
                 del self._feeds[replica_id]
+            # Requests still on this feed: their items in flight are gone with it. They fail
+            # over (migration continues them from what their clients saw) instead of falling
+            # back to their own calls with a gap. A feed that ended because nothing was bound
+            # to it on the replica has only finished requests here: their last items are
+            # already in their inboxes, which hand out items before the error.
+            for key in self._bound.pop(replica_id, ()):
+                self._replica_of.pop(key, None)
+                inbox = self._inboxes.get(key)
+                if inbox is not None:
+                    inbox.fail(FeedLost(f"the feed from replica {replica_id} ended while "
+                                        "the request was on it"))

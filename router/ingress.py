@@ -613,6 +613,7 @@ class ReplicaStream:
             if isinstance(last, dict) and last.pop(FEED_FLAG, False):
                 # The rest comes over the feed (already arriving in our inbox, in order).
                 self._watcher = asyncio.ensure_future(self._watch())
+                self._hub.bind(self._key, last.get("replica", ""))
             elif self._first and not is_error(last):
                 self._hub.ensure(last.get("replica", ""))  # no feed there yet: open one
             self._first = False

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fleetserve.router import feed as feed_mod
 from fleetserve.router.feed import FEED_KEY, FeedChannel, FeedHub, FeedLost, Inbox
 from fleetserve.router.ingress import ReplicaStream
+from fleetserve.router.migration import MigratingStream
 from fleetserve.router.protocol import sampling_dict
 from fleetserve.router.replica import EngineReplica
 from fleetserve.scheduler import SamplingParams
@@ -204,7 +205,11 @@ def test_cancelled_stream_on_the_feed_aborts_and_frees_its_blocks(replica):
     assert aborted(replica) == before + 1
 
 
-def test_a_feed_that_closes_mid_request_hands_the_rest_to_the_call(replica):
+def test_a_feed_that_ends_under_a_request_fails_it_over_without_a_gap(replica):
+    """The feed ends while a request rides it (its stream broke, the ingress dropped it):
+    the items in flight are gone, so the request fails with FeedLost, and the ingress's
+    migration continues it from what the client has: the same tokens as an uninterrupted
+    run, none lost, none repeated."""
     async def go():
         handle = Handle(replica)
         hub = FeedHub(handle)
@@ -215,12 +220,29 @@ def test_a_feed_that_closes_mid_request_hands_the_rest_to_the_call(replica):
         tokens = []
         for _ in range(4):
             tokens += (await stream.__anext__())["outputs"][0]["token_ids"]
-        await hub.close()  # the ingress drops its feed: the replica's feed call is cancelled
+        assert stream._watcher is not None
+        await hub.close()  # the feed ends under the request
+        with pytest.raises(FeedLost):
+            while True:
+                await asyncio.wait_for(stream.__anext__(), 10)
+        assert not hub._inboxes and not hub._bound
         await wait_until(lambda: not len(replica._feeds), "feed closed on the replica")
-        rest, items = await read_all(stream)
-        assert tokens + rest == direct  # nothing lost, nothing repeated, in order
+
+        # The same through the ingress's MigratingStream: the client's stream goes on.
+        hub.ensure(replica.replica_id)
+        await wait_until(lambda: len(replica._feeds) == 1, "feed open again")
+        migrating = MigratingStream(lambda b: ReplicaStream.open(handle.generate, b, hub),
+                                    body("m", PROMPTS[3], max_tokens=40, ignore_eos=True),
+                                    max_migrations=2, backoff_s=0)
+        got = []
+        for _ in range(4):
+            got += (await migrating.__anext__())["outputs"][0]["token_ids"]
+        await hub.close()
+        rest, items = await read_all(migrating)
+        assert migrating.migrations == 1
+        assert got + rest == direct  # greedy: nothing lost, nothing repeated, in order
         assert items[-1]["finished"]
-        assert not hub._inboxes
+        await hub.close()
 
     asyncio.run(go())
     assert_no_leak(replica)
@@ -338,5 +360,11 @@ def test_hub_adds_the_feed_key_without_touching_the_body():
         assert hub._inboxes[key] is inbox
         hub.forget(key)
         assert not hub._inboxes
+        # A replica moved a request onto a feed this ingress no longer has (it ended a
+        # moment before): the request fails over at once instead of waiting for items.
+        _, key2, inbox2 = hub.open(gen, original)
+        hub.bind(key2, "replica-without-a-feed")
+        with pytest.raises(FeedLost):
+            await asyncio.wait_for(inbox2.get(), 2)
 
     asyncio.run(go())
