@@ -36,6 +36,7 @@ from fleetserve.router.access_log import AccessLog
 from fleetserve.router.auth import ApiKeyAuth, RequireApiKey
 from fleetserve.router.errors import (APIError, error_body, field_path, from_validation_error, is_error,
                                       to_response)
+from fleetserve.router.feed import FEED_FLAG, FeedHub, Inbox
 from fleetserve.router.grpc_service import GrpcMethods, quiet_client_errors
 from fleetserve.router.kv_subscriber import KVEventSubscriber
 from fleetserve.router.pd import PDRouter, PDSettings
@@ -48,7 +49,6 @@ from fleetserve.router.migration import metrics_text as migration_metrics
 from fleetserve.router.openapi import add_request_bodies
 from fleetserve.router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest, sampling_dict)
-from fleetserve.router.feed import FEED_FLAG, FeedHub, Inbox
 from fleetserve.router.registry import get_router, release_request
 from fleetserve.router.request_router import TARGET_KWARG
 

@@ -143,3 +143,47 @@ def test_engine_core_killed_mid_stream_streams_migrate(server):
     assert victim not in _replica_health(server)
     assert _grpc_ids(server, PROMPTS[0], {}, 0) == reference[PROMPTS[0]]
     server.wait_idle()
+
+
+def test_replica_killed_while_its_streams_ride_the_feed_streams_migrate(server):
+    """The engine replica's whole process dies (not only its engine core) while streams
+    ride its per-step feed (router/feed.py): the feed and the streams' own calls fail,
+    and every stream goes on on the other replica with the tokens of an uninterrupted run."""
+    import ray
+
+
+    _wait_healthy(server, 2, 180)
+    reference = {p: _grpc_ids(server, p, {}, 0) for p in PROMPTS[:4]}
+    migrated_before = _migrations(server)
+    fed_before = feed_items(server)
+    progress: dict[int, int] = {}
+    victim = None
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            ids = [pool.submit(_grpc_ids, server, p, progress, i) for i, p in enumerate(PROMPTS[:4])]
+            sse = [pool.submit(_stream, server, p, progress, i + 4) for i, p in enumerate(PROMPTS[4:])]
+            deadline = time.monotonic() + 60
+            # Every stream has sent tokens, and tokens have come over a feed.
+            while min(progress.get(i, 0) for i in range(len(PROMPTS))) < 5 or \
+                    feed_items(server) <= fed_before:
+                assert time.monotonic() < deadline, (progress, feed_items(server), fed_before)
+                time.sleep(0.05)
+            loads = server.replica_loads()
+            victim = max(loads, key=lambda r: loads[r]["num_running"])
+            assert loads[victim]["num_running"] > 0, f"no stream left running to interrupt: {loads}"
+            ray.kill(ray.get_actor(f"SERVE_REPLICA::{server.app}#engine#{victim}", namespace="serve"),
+                     no_restart=True)
+            got = [f.result(timeout=240) for f in ids]
+            streamed = [f.result(timeout=240) for f in sse]
+        for prompt, token_ids in zip(PROMPTS, got):
+            assert token_ids == reference[prompt]  # nothing repeated, nothing missing
+        for res in streamed:
+            assert res["events"][-1] == "[DONE]"
+            assert res["usage"]["completion_tokens"] == MAX_TOKENS, res["usage"]
+        assert _migrations(server) > migrated_before
+    finally:
+        if victim is not None:
+            _wait_healthy(server, 2, 180)
+    assert victim not in _replica_health(server)
+    assert _grpc_ids(server, PROMPTS[0], {}, 0) == reference[PROMPTS[0]]
+    server.wait_idle()
