@@ -33,8 +33,9 @@ path of the items after the one the replica marks:
   continues them from the tokens their clients already have (router.migration): items in
   flight on a broken stream cannot be recovered, and falling back to the requests' own
   calls could leave a gap or reorder them. (The replica still sends on a request's own
-  call once its feed is closed there, for an ingress without that rule; it never moves a
-  request onto a feed again after that.) A request's own call ending before its last
+  call once its feed is closed there: first what the feed never sent, then the rest; it
+  never moves that request onto a feed again. That covers a feed that closes on the
+  replica while the ingress has not yet seen it end.) A request's own call ending before its last
   item came over the feed waits at most `FEED_END_GRACE_S` for it (the feed lags), then
   fails the same way.
 - A request is done for the ingress when it has handed out an item that is finished or
@@ -87,15 +88,24 @@ class FeedChannel:
             self._wake()  # the idle clock starts now
 
     def close(self) -> None:
+        """No more sends. What was put and not yet sent stays until its request takes it
+        back (`reclaim`) to send it on its own call."""
         self.open = False
         self._wake()
+
+    def reclaim(self, key: int) -> list[Any]:
+        """Request `key`'s items that a closed feed never sent, in order."""
+        mine = [payload for k, payload in self._pending if k == key]
+        if mine:
+            self._pending = [(k, payload) for k, payload in self._pending if k != key]
+        return mine
 
     async def take(self, idle_s: Optional[float] = None) -> Optional[list[tuple[int, Any]]]:
         """The next batch; None when the feed should end (closed, or idle for `idle_s`
         (`FEED_IDLE_S`) with no request bound to it)."""
         idle_s = FEED_IDLE_S if idle_s is None else idle_s
         loop = asyncio.get_running_loop()
-        while not self._pending:
+        while not self._pending or not self.open:
             if not self.open:
                 return None
             idle = self.bound <= 0

@@ -77,7 +77,10 @@ class EngineReplica:
                         if channel.open:
                             channel.put(feed[1], item)
                             continue
-                        channel.unbind()  # the feed closed: the rest on this call
+                        # The feed closed: what it never sent, then the rest, on this call.
+                        for unsent in channel.reclaim(feed[1]):
+                            yield unsent
+                        channel.unbind()
                         channel, fell_back = None, True
                     elif feed is not None and not fell_back:
                         last = item[-1] if isinstance(item, list) else item
@@ -88,6 +91,9 @@ class EngineReplica:
                                 last[FEED_FLAG] = True
                                 channel.bound += 1
                     yield item
+            if channel is not None and not channel.open:  # closed after the last item went in
+                for unsent in channel.reclaim(feed[1]):
+                    yield unsent
         finally:
             if channel is not None:
                 channel.unbind()

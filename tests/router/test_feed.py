@@ -273,6 +273,33 @@ def test_a_call_that_fails_while_its_items_ride_the_feed_raises_to_the_reader(re
     assert_no_leak(replica)
 
 
+def test_items_a_closed_feed_never_sent_go_out_on_the_call_in_order(replica):
+    """The replica side alone: a feed channel nobody reads (its stream is stuck or gone)
+    holds a bound request's items; when it closes, the request sends those items and then
+    the rest on its own call, in order, so an ingress that never heard of the feed's end
+    still gets every token."""
+    async def go():
+        direct, _ = await read_all(ReplicaStream.open(Handle(replica).generate, body("p", PROMPTS[5], max_tokens=30, ignore_eos=True), None))
+        channel = replica._feeds.open("stuck-ingress")
+        gen = Call(replica.generate({**body("q", PROMPTS[5], max_tokens=30, ignore_eos=True),
+                                     FEED_KEY: ("stuck-ingress", 7)}))  # pumped, as Serve does
+        first = await gen.__anext__()
+        first = first[-1] if isinstance(first, list) else first
+        assert first.pop("feed") is True and channel.bound == 1
+        await wait_until(lambda: len(channel._pending) >= 5, "items held by the unread feed")
+        replica._feeds.close("stuck-ingress", channel)
+        tokens = list(first["outputs"][0]["token_ids"])
+        async for item in gen:
+            for i in (item if isinstance(item, list) else [item]):
+                assert "feed" not in i
+                tokens += i["outputs"][0]["token_ids"]
+        assert tokens == direct  # the held items, then the rest: nothing lost, in order
+        assert channel.bound == 0 and not channel._pending
+
+    asyncio.run(go())
+    assert_no_leak(replica)
+
+
 def test_a_feed_pinned_to_another_replica_ends_at_once(replica):
     async def go():
         items = [b async for b in replica.feed("some-ingress", "not-this-replica")]
