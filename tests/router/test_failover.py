@@ -98,60 +98,12 @@ def _wait_healthy(server, n: int, timeout_s: float) -> dict:
         time.sleep(1)
 
 
-def test_engine_core_killed_mid_stream_streams_migrate(server):
-    _wait_healthy(server, 2, 120)
-    reference = {p: _grpc_ids(server, p, {}, 0) for p in PROMPTS[:4]}
-    pids = {rid: h["core_pid"] for rid, h in _replica_health(server).items()}
-    assert len(pids) == 2 and all(pids.values()), pids
-    migrated_before = _migrations(server)
-    fed_before = feed_items(server)
-    progress: dict[int, int] = {}
-    victim = None
-    try:
-        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-            ids = [pool.submit(_grpc_ids, server, p, progress, i) for i, p in enumerate(PROMPTS[:4])]
-            sse = [pool.submit(_stream, server, p, progress, i + 4) for i, p in enumerate(PROMPTS[4:])]
-            deadline = time.monotonic() + 60
-            while min(progress.get(i, 0) for i in range(len(PROMPTS))) < 3:
-                assert time.monotonic() < deadline, progress
-                time.sleep(0.02)
-            # Every stream has sent tokens. The victim is the replica running the most of them
-            # now, by the engines' own count: the clients read behind the engines (a fast
-            # engine had once finished every stream by the time each client had read 5 chunks,
-            # and the kill then hit an idle engine).
-            loads = server.replica_loads()
-            victim = max(loads, key=lambda r: loads[r]["num_running"])
-            assert loads[victim]["num_running"] > 0, f"no stream left running to interrupt: {loads}"
-            os.kill(pids[victim], signal.SIGKILL)  # mid-stream
-            got = [f.result(timeout=240) for f in ids]
-            streamed = [f.result(timeout=240) for f in sse]
-        for prompt, token_ids in zip(PROMPTS, got):
-            assert token_ids == reference[prompt]  # nothing repeated, nothing missing
-        for res in streamed:
-            assert res["events"][-1] == "[DONE]"
-            assert res["usage"]["completion_tokens"] == MAX_TOKENS, res["usage"]
-        assert _migrations(server) > migrated_before  # the streams on the victim were continued
-        assert feed_items(server) > fed_before  # streams rode the per-step feed (router/feed.py)
-        health = httpx.get(server.base_url + "/health", timeout=30).json()
-        # The dead engine is reported until Serve has replaced its replica.
-        assert health.get("unhealthy") or health["num_replicas"] == 2, health
-    finally:
-        # Whatever failed above, the session's server gets its second replica back before
-        # the next test (Serve replaces the replica whose check_health fails).
-        if victim is not None:
-            _wait_healthy(server, 2, 180)
-    assert victim not in _replica_health(server)
-    assert _grpc_ids(server, PROMPTS[0], {}, 0) == reference[PROMPTS[0]]
-    server.wait_idle()
-
-
-def test_replica_killed_while_its_streams_ride_the_feed_streams_migrate(server):
-    """The engine replica's whole process dies (not only its engine core) while streams
-    ride its per-step feed (router/feed.py): the feed and the streams' own calls fail,
-    and every stream goes on on the other replica with the tokens of an uninterrupted run."""
-    import ray
-
-
+def _streams_survive_a_kill(server, kill, wait_for_feed: bool = False,
+                            dead_engine_reported: bool = False) -> None:
+    """Six streams (4 gRPC, 2 SSE) on both replicas; once each has sent tokens (and, with
+    `wait_for_feed`, tokens have come over a per-step feed), `kill(replica id)` hits the
+    replica running the most of them. Every stream must finish with the token ids of an
+    uninterrupted run, and Serve must bring the pool back to 2 replicas."""
     _wait_healthy(server, 2, 180)
     reference = {p: _grpc_ids(server, p, {}, 0) for p in PROMPTS[:4]}
     migrated_before = _migrations(server)
@@ -163,16 +115,18 @@ def test_replica_killed_while_its_streams_ride_the_feed_streams_migrate(server):
             ids = [pool.submit(_grpc_ids, server, p, progress, i) for i, p in enumerate(PROMPTS[:4])]
             sse = [pool.submit(_stream, server, p, progress, i + 4) for i, p in enumerate(PROMPTS[4:])]
             deadline = time.monotonic() + 60
-            # Every stream has sent tokens, and tokens have come over a feed.
-            while min(progress.get(i, 0) for i in range(len(PROMPTS))) < 5 or \
-                    feed_items(server) <= fed_before:
+            while min(progress.get(i, 0) for i in range(len(PROMPTS))) < 3 or \
+                    (wait_for_feed and feed_items(server) <= fed_before):
                 assert time.monotonic() < deadline, (progress, feed_items(server), fed_before)
-                time.sleep(0.05)
+                time.sleep(0.02)
+            # Every stream has sent tokens. The victim is the replica running the most of them
+            # now, by the engines' own count: the clients read behind the engines (a fast
+            # engine had once finished every stream by the time each client had read 5 chunks,
+            # and the kill then hit an idle engine).
             loads = server.replica_loads()
             victim = max(loads, key=lambda r: loads[r]["num_running"])
             assert loads[victim]["num_running"] > 0, f"no stream left running to interrupt: {loads}"
-            ray.kill(ray.get_actor(f"SERVE_REPLICA::{server.app}#engine#{victim}", namespace="serve"),
-                     no_restart=True)
+            kill(victim)  # mid-stream
             got = [f.result(timeout=240) for f in ids]
             streamed = [f.result(timeout=240) for f in sse]
         for prompt, token_ids in zip(PROMPTS, got):
@@ -180,10 +134,38 @@ def test_replica_killed_while_its_streams_ride_the_feed_streams_migrate(server):
         for res in streamed:
             assert res["events"][-1] == "[DONE]"
             assert res["usage"]["completion_tokens"] == MAX_TOKENS, res["usage"]
-        assert _migrations(server) > migrated_before
+        assert _migrations(server) > migrated_before  # the streams on the victim were continued
+        assert feed_items(server) > fed_before  # streams rode the per-step feed (router/feed.py)
+        if dead_engine_reported:
+            health = httpx.get(server.base_url + "/health", timeout=30).json()
+            # The dead engine is reported until Serve has replaced its replica.
+            assert health.get("unhealthy") or health["num_replicas"] == 2, health
     finally:
+        # Whatever failed above, the session's server gets its second replica back before
+        # the next test (Serve replaces the replica whose check_health fails).
         if victim is not None:
             _wait_healthy(server, 2, 180)
     assert victim not in _replica_health(server)
     assert _grpc_ids(server, PROMPTS[0], {}, 0) == reference[PROMPTS[0]]
     server.wait_idle()
+
+
+def test_engine_core_killed_mid_stream_streams_migrate(server):
+    _wait_healthy(server, 2, 120)
+    pids = {rid: h["core_pid"] for rid, h in _replica_health(server).items()}
+    assert len(pids) == 2 and all(pids.values()), pids
+    _streams_survive_a_kill(server, lambda victim: os.kill(pids[victim], signal.SIGKILL),
+                            dead_engine_reported=True)
+
+
+def test_replica_killed_while_its_streams_ride_the_feed_streams_migrate(server):
+    """The engine replica's whole process dies (not only its engine core) while streams
+    ride its per-step feed (router/feed.py): the feed and the streams' own calls fail,
+    and every stream goes on on the other replica with the tokens of an uninterrupted run."""
+    import ray
+
+    def kill(victim: str) -> None:
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::{server.app}#engine#{victim}", namespace="serve"),
+                 no_restart=True)
+
+    _streams_survive_a_kill(server, kill, wait_for_feed=True)

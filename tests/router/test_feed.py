@@ -123,6 +123,15 @@ def aborted(replica) -> float:
                if s.name.endswith("_total") and s.labels.get("finished_reason") == "abort")
 
 
+async def with_open_feed(replica):
+    """A pool handle for `replica` and an ingress-side hub whose feed to it is open."""
+    handle = Handle(replica)
+    hub = FeedHub(handle)
+    hub.ensure(replica.replica_id)
+    await wait_until(lambda: len(replica._feeds) == 1, "feed open")
+    return handle, hub
+
+
 PROMPTS = [[5, 6, 7 + i, 8, 9] for i in range(6)]
 
 
@@ -183,10 +192,7 @@ def test_a_burst_sent_before_the_feed_opened_moves_onto_it_mid_stream(replica):
 
 def test_cancelled_stream_on_the_feed_aborts_and_frees_its_blocks(replica):
     async def go():
-        handle = Handle(replica)
-        hub = FeedHub(handle)
-        hub.ensure(replica.replica_id)
-        await wait_until(lambda: len(replica._feeds) == 1, "feed open")
+        handle, hub = await with_open_feed(replica)
         stream = ReplicaStream.open(handle.generate, body("c", PROMPTS[1], max_tokens=200, ignore_eos=True), hub)
         other = ReplicaStream.open(handle.generate, body("o", PROMPTS[2], max_tokens=8, ignore_eos=True), hub)
         for _ in range(3):
@@ -252,10 +258,7 @@ def test_a_call_that_fails_while_its_items_ride_the_feed_raises_to_the_reader(re
     """The replica died: its calls fail (Serve raises in the reader). The stream raises that
     error (migration decides what next) instead of waiting on the feed."""
     async def go():
-        handle = Handle(replica)
-        hub = FeedHub(handle)
-        hub.ensure(replica.replica_id)
-        await wait_until(lambda: len(replica._feeds) == 1, "feed open")
+        handle, hub = await with_open_feed(replica)
         stream = ReplicaStream.open(handle.generate, body("z", PROMPTS[4], max_tokens=200, ignore_eos=True), hub)
         await stream.__anext__()
         await stream.__anext__()
@@ -310,10 +313,7 @@ def test_a_feed_pinned_to_another_replica_ends_at_once(replica):
 
 def test_errors_and_one_token_requests_stay_on_their_call(replica):
     async def go():
-        handle = Handle(replica)
-        hub = FeedHub(handle)
-        hub.ensure(replica.replica_id)
-        await wait_until(lambda: len(replica._feeds) == 1, "feed open")
+        handle, hub = await with_open_feed(replica)
         bad = body("bad", PROMPTS[0])
         bad["sampling_params"]["temperature"] = -1.0
         item = await ReplicaStream.open(handle.generate, bad, hub).__anext__()
