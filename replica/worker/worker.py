@@ -14,7 +14,7 @@ import torch
 
 from fleetserve.replica.worker.device import (available_cores, bind_cpus, default_kv_cache_bytes, select_device,
                                               select_dtype, set_num_threads)
-from fleetserve.replica.worker.heap import HeapTrimmer
+from fleetserve.replica.worker.heap import HeapTrimmer, tune_malloc
 from fleetserve.replica.engine.engine_args import EngineArgs
 from fleetserve.replica.model_loader.registry import resolve_model
 from fleetserve.replica.worker.model_runner import ModelRunner
@@ -37,6 +37,7 @@ class Worker:
         own = self.cpus is not None and (args.cpu_bind == "auto" or "|" in args.cpu_bind)
         self.num_threads = set_num_threads(args.num_threads, 1 if own else threads_share)
         self.heap = HeapTrimmer()
+        self.malloc_tuned = tune_malloc()  # before the weights and the KV cache are allocated
         self.device = select_device(args.device)
         if self.device.type == "cuda" and world_size > 1:
             self.device = torch.device("cuda", rank % torch.cuda.device_count())
