@@ -77,6 +77,7 @@ class FeedChannel:
         self.bound = 0  # requests whose later items go over this feed
         self._pending: list[tuple[int, Any]] = []
         self._waiter: Optional[asyncio.Future] = None
+        self._sent: list[asyncio.Future] = []  # `drained` waiters, woken when a batch goes out
 
     def put(self, key: int, payload: Any) -> None:
         self._pending.append((key, payload))
@@ -92,6 +93,29 @@ class FeedChannel:
         back (`reclaim`) to send it on its own call."""
         self.open = False
         self._wake()
+        self._wake_sent()
+
+    async def drained(self, key: int, timeout_s: float) -> bool:
+        """Wait until the feed has taken request `key`'s items to send (True), or closed or
+        `timeout_s` passed first (False: whatever is left is the request's to `reclaim`, or,
+        past the deadline, the ingress's to count lost). A request's call ends only after
+        this, so items a feed holds when it closes never outlive the call that could send them."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.open and any(k == key for k, _ in self._pending):
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            fut = loop.create_future()
+            self._sent.append(fut)
+            try:
+                await asyncio.wait_for(fut, left)
+            except asyncio.TimeoutError:
+                return False
+            finally:
+                if fut in self._sent:
+                    self._sent.remove(fut)
+        return self.open
 
     def reclaim(self, key: int) -> list[Any]:
         """Request `key`'s items that a closed feed never sent, in order."""
@@ -122,7 +146,14 @@ class FeedChannel:
             finally:
                 self._waiter = None
         batch, self._pending = self._pending, []
+        self._wake_sent()
         return batch
+
+    def _wake_sent(self) -> None:
+        waiters, self._sent = self._sent, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
 
     def _wake(self) -> None:
         waiter = self._waiter

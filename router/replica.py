@@ -27,7 +27,7 @@ from fleetserve.replica.engine.errors import EngineDeadError, QueueFullError
 from fleetserve.replica.engine.engine_args import EngineArgs
 from fleetserve.router.admission import admission_refusal
 from fleetserve.router.errors import error_body
-from fleetserve.router.feed import FEED_FLAG, FEED_KEY, FeedChannel, FeedChannels
+from fleetserve.router.feed import FEED_END_GRACE_S, FEED_FLAG, FEED_KEY, FeedChannel, FeedChannels
 from fleetserve.router.migration import ENGINE_DEAD, MIGRATED_KEY
 from fleetserve.scheduler import SamplingParams, resolve_obj_by_qualname
 
@@ -91,9 +91,14 @@ class EngineReplica:
                                 last[FEED_FLAG] = True
                                 channel.bound += 1
                     yield item
-            if channel is not None and not channel.open:  # closed after the last item went in
-                for unsent in channel.reclaim(feed[1]):
-                    yield unsent
+            if channel is not None:
+                # The last items went in: end once the feed took them, or send them here if
+                # it closes first (a feed that closes after this call ended would lose them).
+                # A feed still open but unread past the deadline keeps them: the ingress
+                # counts them lost after the same grace and migrates the request.
+                if not await channel.drained(feed[1], FEED_END_GRACE_S) and not channel.open:
+                    for unsent in channel.reclaim(feed[1]):
+                        yield unsent
         finally:
             if channel is not None:
                 channel.unbind()

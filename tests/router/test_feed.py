@@ -276,11 +276,13 @@ def test_a_call_that_fails_while_its_items_ride_the_feed_raises_to_the_reader(re
     assert_no_leak(replica)
 
 
-def test_items_a_closed_feed_never_sent_go_out_on_the_call_in_order(replica):
+@pytest.mark.parametrize("when", ["mid-request", "after its last item"])
+def test_items_a_closed_feed_never_sent_go_out_on_the_call_in_order(replica, when):
     """The replica side alone: a feed channel nobody reads (its stream is stuck or gone)
     holds a bound request's items; when it closes, the request sends those items and then
     the rest on its own call, in order, so an ingress that never heard of the feed's end
-    still gets every token."""
+    still gets every token. Also when the request had put its last item in already: its
+    call waits for the feed to take them (`FeedChannel.drained`) instead of ending."""
     async def go():
         direct, _ = await read_all(ReplicaStream.open(Handle(replica).generate, body("p", PROMPTS[5], max_tokens=30, ignore_eos=True), None))
         channel = replica._feeds.open("stuck-ingress")
@@ -289,7 +291,12 @@ def test_items_a_closed_feed_never_sent_go_out_on_the_call_in_order(replica):
         first = await gen.__anext__()
         first = first[-1] if isinstance(first, list) else first
         assert first.pop("feed") is True and channel.bound == 1
-        await wait_until(lambda: len(channel._pending) >= 5, "items held by the unread feed")
+        held = 5 if when == "mid-request" else len(direct) - len(first["outputs"][0]["token_ids"])
+        await wait_until(lambda: sum(len(p["outputs"][0]["token_ids"]) for _, p in channel._pending) >= held,
+                         "items held by the unread feed")
+        if when != "mid-request":
+            await asyncio.sleep(0.05)
+            assert not gen._task.done()  # the call waits for the feed to take its items
         replica._feeds.close("stuck-ingress", channel)
         tokens = list(first["outputs"][0]["token_ids"])
         async for item in gen:
