@@ -631,24 +631,34 @@ void scores_avx(const Q* q, int64_t D, const T* const* kp, const T* const* vp, i
   }
 }
 
-// out[g] = sum_l p[g][l] v[l] / sum[g], the value rows converted once for GB heads at a time.
-// bf16 rows are widened two ops per 32 values: a float's high half is a bf16, so shifting each
-// 32-bit word left by 16 gives the even elements as floats, masking off its low half the odd
-// ones. The accumulators then hold even and odd dims apart; one permute per 16 outputs at the
-// end interleaves them. Every output sees the same FMAs in the same order as a row converted
-// in dim order, so results are the same bits.
+// out_r = inv_r * sum_{l < len_r} p_r[l] v[l] for GB rows at a time: one token's query heads, or
+// the heads of several tokens of a chunk (attend_tokens). Each pass converts a value row once
+// for all its rows. bf16 rows are widened two ops per 32 values: a float's high half is a bf16,
+// so shifting each 32-bit word left by 16 gives the even elements as floats, masking off its
+// low half the odd ones. The accumulators then hold even and odd dims apart; one permute per 16
+// outputs at the end interleaves them. Every output sees the same FMAs in the same order as a
+// row converted in dim order, and a row stops at its own len whatever rows share its pass, so
+// results are the same bits however rows are grouped.
 template <typename T, int NV, int GB>
-void pv_avx_group(const T* const* vp, int64_t len, const float* scores, int64_t stride_row, const float* inv_sum,
-                  T* out, NextTaskPrefetch& pf) {
+void pv_rows_group(const T* const* vp, const float* const* p, const int64_t* len, const float* inv_sum,
+                   T* const* out, NextTaskPrefetch& pf) {
   constexpr int64_t D = 16 * NV;
+  const float* pr[GB];
+  int64_t n[GB];
+  int64_t lmin = len[0], lmax = len[0];
+  for (int g = 0; g < GB; ++g) {
+    pr[g] = p[g];
+    n[g] = len[g];
+    lmin = std::min(lmin, n[g]);
+    lmax = std::max(lmax, n[g]);
+  }
   __m512 acc[GB][NV];
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t l = 0; l < len; ++l) {
+  auto load_v = [&](int64_t l, __m512* vv) {
     if ((l & 7) == 0) pf.issue();
     const T* v = vp[l];
-    if (l + 8 < len) prefetch_row(vp[l + 8], D * sizeof(T));
-    __m512 vv[NV];
+    if (l + 8 < lmax) prefetch_row(vp[l + 8], D * sizeof(T));
     if constexpr (std::is_same_v<T, bf16> && NV % 2 == 0) {
       const __m512i hi = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
       for (int c = 0; c < NV / 2; ++c) {
@@ -659,8 +669,21 @@ void pv_avx_group(const T* const* vp, int64_t len, const float* scores, int64_t 
     } else {
       for (int c = 0; c < NV; ++c) vv[c] = load16(v + 16 * c);
     }
+  };
+  for (int64_t l = 0; l < lmin; ++l) {
+    __m512 vv[NV];
+    load_v(l, vv);
     for (int g = 0; g < GB; ++g) {
-      const __m512 pv = _mm512_set1_ps(scores[g * stride_row + l]);
+      const __m512 pv = _mm512_set1_ps(pr[g][l]);
+      for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_fmadd_ps(pv, vv[c], acc[g][c]);
+    }
+  }
+  for (int64_t l = lmin; l < lmax; ++l) {  // the last keys of a chunk: only the rows that see them
+    __m512 vv[NV];
+    load_v(l, vv);
+    for (int g = 0; g < GB; ++g) {
+      if (l >= n[g]) continue;
+      const __m512 pv = _mm512_set1_ps(pr[g][l]);
       for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_fmadd_ps(pv, vv[c], acc[g][c]);
     }
   }
@@ -671,35 +694,38 @@ void pv_avx_group(const T* const* vp, int64_t len, const float* scores, int64_t 
       const __m512 s = _mm512_set1_ps(inv_sum[g]);
       for (int c = 0; c < NV / 2; ++c) {
         const __m512 even = acc[g][2 * c], odd = acc[g][2 * c + 1];
-        store16(out + g * D + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(even, lo_idx, odd), s));
-        store16(out + g * D + 32 * c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(even, hi_idx, odd), s));
+        store16(out[g] + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(even, lo_idx, odd), s));
+        store16(out[g] + 32 * c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(even, hi_idx, odd), s));
       }
     }
     return;
   }
   for (int g = 0; g < GB; ++g) {
     const __m512 s = _mm512_set1_ps(inv_sum[g]);
-    for (int c = 0; c < NV; ++c) store16(out + g * D + 16 * c, _mm512_mul_ps(acc[g][c], s));
+    for (int c = 0; c < NV; ++c) store16(out[g] + 16 * c, _mm512_mul_ps(acc[g][c], s));
   }
 }
 
+// P*V for n rows, up to GMAX at a time (GMAX * NV accumulators stay in registers).
 template <typename T, int NV>
-void pv_avx(const T* const* vp, int64_t len, int64_t G, const float* scores, int64_t stride_row,
-            const float* inv_sum, T* out, NextTaskPrefetch& pf) {
-  constexpr int64_t D = 16 * NV;
-  // Up to GMAX heads per pass over the values (GMAX * NV accumulators stay in registers), so
-  // each value row is loaded and converted once per pass, not once per head.
-  constexpr int GMAX = NV <= 4 ? 4 : (NV <= 8 ? 2 : 1);
-  for (int64_t g = 0; g < G;) {
-    const int64_t n = std::min<int64_t>(GMAX, G - g);
-    const float* sc = scores + g * stride_row;
-    switch (n) {
-      case 4: pv_avx_group<T, NV, (GMAX >= 4 ? 4 : 1)>(vp, len, sc, stride_row, inv_sum + g, out + g * D, pf); break;
-      case 3: pv_avx_group<T, NV, (GMAX >= 3 ? 3 : 1)>(vp, len, sc, stride_row, inv_sum + g, out + g * D, pf); break;
-      case 2: pv_avx_group<T, NV, (GMAX >= 2 ? 2 : 1)>(vp, len, sc, stride_row, inv_sum + g, out + g * D, pf); break;
-      default: pv_avx_group<T, NV, 1>(vp, len, sc, stride_row, inv_sum + g, out + g * D, pf); break;
+void pv_rows(const T* const* vp, int64_t n, const float* const* p, const int64_t* len, const float* inv_sum,
+             T* const* out, NextTaskPrefetch& pf) {
+  constexpr int GMAX = NV <= 2 ? 8 : (NV <= 4 ? 6 : (NV <= 8 ? 3 : 1));
+  for (int64_t g = 0; g < n;) {
+    const int64_t k = std::min<int64_t>(GMAX, n - g);
+#define FS_PV(K) pv_rows_group<T, NV, (K <= GMAX ? K : 1)>(vp, p + g, len + g, inv_sum + g, out + g, pf)
+    switch (k) {
+      case 8: FS_PV(8); break;
+      case 7: FS_PV(7); break;
+      case 6: FS_PV(6); break;
+      case 5: FS_PV(5); break;
+      case 4: FS_PV(4); break;
+      case 3: FS_PV(3); break;
+      case 2: FS_PV(2); break;
+      default: FS_PV(1); break;
     }
-    g += n;
+#undef FS_PV
+    g += (k <= GMAX ? k : 1);
   }
 }
 
@@ -741,7 +767,7 @@ void scores_avx2(const float* qf, const float* const* kp, int64_t len, int64_t G
         for (int c = 1; c < NV; ++c) a = _mm256_fmadd_ps(_mm256_loadu_ps(k + 8 * c), q[c], a);
         part[j] = a;
       }
-      // Rows have 16 floats of room past len (decode_one's stride_row).
+      // Rows have 16 floats of room past len (attend_tokens' stride_row).
       _mm256_storeu_ps(scores + g * stride_row + l0, hsum8x8(part));
     }
   }
@@ -830,175 +856,236 @@ inline void scores_tiled(const bf16* q, int64_t D, const bf16* kh, const int64_t
 #endif
 
 
-// One (token, kv head) task: scores, softmax and P*V over the first `len` cached keys. The G
-// query heads of the group share each key/value row (read from memory once; later heads find
-// it in L1/L2: one task's keys are len * D elements).
+// Softmax of one row of scores in place, unnormalized (s[l] = e^(s[l] - max), l < len); returns
+// 1 / sum. The row has 16 floats of room past len. The maximum is taken in vector lanes (a scalar
+// max chain costs ~3 cycles a score: ~20% of a long prompt's attention); exact in any order, and
+// a NaN score is skipped as the scalar loop skips it (maxps returns its second operand on a NaN).
+// The last len % 16 (or % 8) scores go through the same vector exp under a mask: a scalar
+// std::exp per tail score was ~4% of a prefill of short prompts.
+inline float softmax_row(float* s, int64_t len) {
+  float m = -std::numeric_limits<float>::infinity();
+  float sum = 0.f;
+  int64_t l = 0;
+#if FS_AVX512
+  __m512 mx = _mm512_set1_ps(m);
+  for (; l + 16 <= len; l += 16) mx = _mm512_max_ps(_mm512_loadu_ps(s + l), mx);
+  const __mmask16 tail = static_cast<__mmask16>((1u << (len - l)) - 1u);
+  if (tail) mx = _mm512_mask_max_ps(mx, tail, _mm512_maskz_loadu_ps(tail, s + l), mx);
+  m = _mm512_reduce_max_ps(mx);
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 sv = _mm512_setzero_ps();
+  for (l = 0; l + 16 <= len; l += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + l), mv));
+    _mm512_storeu_ps(s + l, e);
+    sv = _mm512_add_ps(sv, e);
+  }
+  if (tail) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + l), mv));  // lanes past len: room, discarded
+    _mm512_mask_storeu_ps(s + l, tail, e);
+    sv = _mm512_mask_add_ps(sv, tail, sv, e);
+  }
+  sum = _mm512_reduce_add_ps(sv);
+#elif FS_AVX2
+  __m256 mx = _mm256_set1_ps(m);
+  for (; l + 8 <= len; l += 8) mx = _mm256_max_ps(_mm256_loadu_ps(s + l), mx);
+  const int64_t rest = len - l;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(rest)), lane));
+  if (rest) mx = _mm256_max_ps(_mm256_blendv_ps(mx, _mm256_loadu_ps(s + l), valid), mx);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mx);
+  for (float x : lanes) m = std::max(m, x);
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 sv = _mm256_setzero_ps();
+  for (l = 0; l + 8 <= len; l += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + l), mv));
+    _mm256_storeu_ps(s + l, e);
+    sv = _mm256_add_ps(sv, e);
+  }
+  if (rest) {
+    const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(s + l), mv)), valid);
+    _mm256_maskstore_ps(s + l, _mm256_castps_si256(valid), e);
+    sv = _mm256_add_ps(sv, e);
+  }
+  sum = hsum8(sv);
+#else
+  for (; l < len; ++l) m = std::max(m, s[l]);
+  for (l = 0; l < len; ++l) {
+    s[l] = std::exp(s[l] - m);
+    sum += s[l];
+  }
+#endif
+  return 1.f / sum;
+}
+
+// Per-thread buffers of attend_tokens, kept across its tasks.
 template <typename T>
-void decode_one(const T* q, const T* kc, const T* vc, const int64_t* blocks, int64_t len, int64_t BS, int64_t D,
-                int64_t G, float scale, T* out, std::vector<float>& scratch, std::vector<const T*>& ptrs,
-                NextTaskPrefetch& pf, bool rows_cached, bool k_tiled = false) {
-  const int64_t stride_row = len + 16;
-  scratch.resize(static_cast<size_t>(G * stride_row + 2 * G * D + G));
-  float* scores = scratch.data();          // [G, len (+16)]
-  float* qf = scores + G * stride_row;     // [G, D] scaled queries
-  float* acc = qf + G * D;                 // [G, D]
-  float* inv_sum = acc + G * D;            // [G]
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(q[g * D + d]) * scale;
+struct AttnScratch {
+  std::vector<float> f;
+  std::vector<const T*> ptrs;
+  std::vector<const float*> prow;
+  std::vector<T*> orow;
+  std::vector<int64_t> rlen;
+};
+
+// One task: `nt` tokens of one request against one kv head. Token i (its G query heads at
+// q + i * q_stride) attends to the first lens[i] cached keys, into out + i * out_stride. nt = 1
+// is a decode; more is a run of a prompt chunk (or of drafts being verified), whose tokens share
+// one walk through the block table, the task's prefetches, and every P*V pass over the value
+// rows (pv_rows: GB rows of several tokens per pass). The G heads of a token share each key row
+// (read from memory once; later heads find it in L1/L2). A row's scores, softmax and P*V are
+// the same operations in the same order whatever nt is: a token's output is the same bits in
+// any tile, so verifying drafts computes what decoding them one at a time would.
+template <typename T>
+void attend_tokens(const T* q, int64_t q_stride, int64_t nt, const int64_t* lens, const T* kc, const T* vc,
+                   const int64_t* blocks, int64_t BS, int64_t D, int64_t G, float scale, T* out, int64_t out_stride,
+                   AttnScratch<T>& sc, NextTaskPrefetch& pf, bool rows_cached, bool k_tiled = false) {
+  int64_t maxlen = 0;
+  for (int64_t i = 0; i < nt; ++i) maxlen = std::max(maxlen, lens[i]);
+  const int64_t stride_row = maxlen + 16;
+  const int64_t R = nt * G;
+  sc.f.resize(static_cast<size_t>(R * stride_row + 2 * G * D + R));
+  float* scores = sc.f.data();             // [R, maxlen (+16)], row i * G + g
+  float* qf = scores + R * stride_row;     // [G, D] scaled queries of one token
+  float* acc = qf + G * D;                 // [G, D] (scalar P*V)
+  float* inv_sum = acc + G * D;            // [R]
   // Row pointers of every key and value: one walk through the block table.
-  ptrs.resize(static_cast<size_t>(2 * len));
-  const T** kp = ptrs.data();
-  const T** vp = kp + len;
-  for (int64_t l = 0, blk = 0; l < len; ++blk) {
+  sc.ptrs.resize(static_cast<size_t>(2 * maxlen));
+  const T** kp = sc.ptrs.data();
+  const T** vp = kp + maxlen;
+  for (int64_t l = 0, blk = 0; l < maxlen; ++blk) {
     const int64_t base = blocks[blk] * BS * D;
-    for (int64_t o = 0; o < BS && l < len; ++o, ++l) {
+    for (int64_t o = 0; o < BS && l < maxlen; ++o, ++l) {
       vp[l] = vc + base + o * D;
       if (!k_tiled) kp[l] = kc + base + o * D;  // a tiled key cache is read by block (scores_tiled)
     }
   }
-  bool scored = false;
+  for (int64_t i = 0; i < nt; ++i) {
+    const T* qi = q + i * q_stride;
+    const int64_t len = lens[i];
+    float* si = scores + i * G * stride_row;
+    // The first token reads the keys from memory (unless a neighbouring task just did); the
+    // chunk's later tokens find them in cache.
+    const bool cached = rows_cached || i > 0;
+    bool scored = false;
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, bf16>) {
-    if (k_tiled) {  // paged_attention checked k_tiled_supported
-      const int64_t passes = (G + 3) / 4;
-      pf.spread(passes * ((len + 15) / 16) + (len + 7) / 8);
-      scores_tiled(q, D, kc, blocks, len, BS, G, scale, scores, stride_row, vp, pf, rows_cached);
-      scored = true;
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (k_tiled) {  // paged_attention checked k_tiled_supported
+        const int64_t passes = (G + 3) / 4;
+        if (i == 0) pf.spread(passes * ((len + 15) / 16) + (len + 7) / 8);
+        scores_tiled(qi, D, kc, blocks, len, BS, G, scale, si, stride_row, vp, pf, cached);
+        scored = true;
+      }
     }
-  }
 #endif
-  if (!scored) {
-
-  // The next task's lines go out in the key passes of heads 1.. (one call per 16 keys with
-  // AVX-512, 8 with AVX2) and in the P*V pass (one call per 8 rows); the scalar loops call it
-  // in P*V alone. Fewer, larger calls: one per key cost ~1.7 ms per batch-64 step when every
-  // block was in cache already.
-  int64_t key_chunk = 0;
+    if (scored) continue;
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qi[g * D + d]) * scale;
+    // The next task's lines go out in the key passes of heads 1.. (one call per 16 keys with
+    // AVX-512, 8 with AVX2) and in the P*V pass (one call per 8 rows); the scalar loops call it
+    // in P*V alone. Fewer, larger calls: one per key cost ~1.7 ms per batch-64 step when every
+    // block was in cache already.
+    int64_t key_chunk = 0;
 #if FS_AVX512
-  if (D == 32 || D == 64 || D == 128 || D == 256) key_chunk = 16;
+    if (D == 32 || D == 64 || D == 128 || D == 256) key_chunk = 16;
 #elif FS_AVX2
-  if (std::is_same_v<T, float> && (D == 32 || D == 64 || D == 128)) key_chunk = 8;
+    if (std::is_same_v<T, float> && (D == 32 || D == 64 || D == 128)) key_chunk = 8;
 #endif
-  pf.spread((key_chunk ? (G - 1) * ((len + key_chunk - 1) / key_chunk) : 0) + (len + 7) / 8);
-  bool vec = true;
-  switch (D) {
+    if (i == 0) pf.spread((key_chunk ? (G - 1) * ((len + key_chunk - 1) / key_chunk) : 0) + (len + 7) / 8);
+    bool vec = true;
+    switch (D) {
 #if defined(__AVX512BF16__)
 #define FS_SCORES(NV)                                                                                 \
   if constexpr (std::is_same_v<T, bf16>)                                                            \
-    scores_avx<DotBF16<NV>>(q, D, kp, vp, len, G, scale, scores, stride_row, pf, rows_cached);      \
+    scores_avx<DotBF16<NV>>(qi, D, kp, vp, len, G, scale, si, stride_row, pf, cached);              \
   else                                                                                              \
-    scores_avx<DotFloat<T, NV>>(qf, D, kp, vp, len, G, 1.f, scores, stride_row, pf, rows_cached);
+    scores_avx<DotFloat<T, NV>>(qf, D, kp, vp, len, G, 1.f, si, stride_row, pf, cached);
 #elif FS_AVX512
-#define FS_SCORES(NV) scores_avx<DotFloat<T, NV>>(qf, D, kp, vp, len, G, 1.f, scores, stride_row, pf, rows_cached);
+#define FS_SCORES(NV) scores_avx<DotFloat<T, NV>>(qf, D, kp, vp, len, G, 1.f, si, stride_row, pf, cached);
 #endif
 #if FS_AVX512
-    case 32: FS_SCORES(2) break;
-    case 64: FS_SCORES(4) break;
-    case 128: FS_SCORES(8) break;
-    case 256: FS_SCORES(16) break;
+      case 32: FS_SCORES(2) break;
+      case 64: FS_SCORES(4) break;
+      case 128: FS_SCORES(8) break;
+      case 256: FS_SCORES(16) break;
 #undef FS_SCORES
 #endif
-    default: vec = false;
-  }
-#if FS_AVX2
-  if constexpr (std::is_same_v<T, float>) {
-    vec = true;
-    switch (D) {
-      case 32: scores_avx2<4>(qf, kp, len, G, scores, stride_row, pf, rows_cached); break;
-      case 64: scores_avx2<8>(qf, kp, len, G, scores, stride_row, pf, rows_cached); break;
-      case 128: scores_avx2<16>(qf, kp, len, G, scores, stride_row, pf, rows_cached); break;
       default: vec = false;
     }
-  }
+#if FS_AVX2
+    if constexpr (std::is_same_v<T, float>) {
+      vec = true;
+      switch (D) {
+        case 32: scores_avx2<4>(qf, kp, len, G, si, stride_row, pf, cached); break;
+        case 64: scores_avx2<8>(qf, kp, len, G, si, stride_row, pf, cached); break;
+        case 128: scores_avx2<16>(qf, kp, len, G, si, stride_row, pf, cached); break;
+        default: vec = false;
+      }
+    }
 #endif
-  if (!vec) scores_scalar(qf, kp, len, D, G, scores, stride_row);
+    if (!vec) scores_scalar(qf, kp, len, D, G, si, stride_row);
   }
 
-  // softmax per query head (unnormalized here; 1/sum applied to the output)
-  for (int64_t g = 0; g < G; ++g) {
-    float* s = scores + g * stride_row;
-    // The row's maximum, in vector lanes (a scalar max chain costs ~3 cycles a score: ~20%
-    // of a long prompt's attention). Exact in any order, so results do not change; a NaN score
-    // is skipped as the scalar loop skips it (maxps returns its second operand on a NaN).
-    float m = -std::numeric_limits<float>::infinity();
-    int64_t l = 0;
-#if FS_AVX512
-    {
-      __m512 mx = _mm512_set1_ps(m);
-      for (; l + 16 <= len; l += 16) mx = _mm512_max_ps(_mm512_loadu_ps(s + l), mx);
-      m = _mm512_reduce_max_ps(mx);
-    }
-#elif FS_AVX2
-    {
-      __m256 mx = _mm256_set1_ps(m);
-      for (; l + 8 <= len; l += 8) mx = _mm256_max_ps(_mm256_loadu_ps(s + l), mx);
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, mx);
-      for (float x : lanes) m = std::max(m, x);
-    }
-#endif
-    for (; l < len; ++l) m = std::max(m, s[l]);
-    float sum = 0.f;
-    l = 0;
-#if FS_AVX512
-    __m512 mv = _mm512_set1_ps(m), sv = _mm512_setzero_ps();
-    for (; l + 16 <= len; l += 16) {
-      __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + l), mv));
-      _mm512_storeu_ps(s + l, e);
-      sv = _mm512_add_ps(sv, e);
-    }
-    sum = _mm512_reduce_add_ps(sv);
-#elif FS_AVX2
-    __m256 mv = _mm256_set1_ps(m), sv = _mm256_setzero_ps();
-    for (; l + 8 <= len; l += 8) {
-      __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + l), mv));
-      _mm256_storeu_ps(s + l, e);
-      sv = _mm256_add_ps(sv, e);
-    }
-    sum = hsum8(sv);
-#endif
-    for (; l < len; ++l) {
-      s[l] = std::exp(s[l] - m);
-      sum += s[l];
-    }
-    inv_sum[g] = 1.f / sum;
-  }
+  for (int64_t r = 0; r < R; ++r) inv_sum[r] = softmax_row(scores + r * stride_row, lens[r / G]);
 
   // P*V stays in float (values converted on load): vdpbf16ps over token pairs would round the
   // probabilities to bf16 and measured no faster here (this loop is memory-bound).
 #if FS_AVX512
-  switch (D) {
-    case 32: pv_avx<T, 2>(vp, len, G, scores, stride_row, inv_sum, out, pf); return;
-    case 64: pv_avx<T, 4>(vp, len, G, scores, stride_row, inv_sum, out, pf); return;
-    case 128: pv_avx<T, 8>(vp, len, G, scores, stride_row, inv_sum, out, pf); return;
-    case 256: pv_avx<T, 16>(vp, len, G, scores, stride_row, inv_sum, out, pf); return;
-    default: break;
+  if (D == 32 || D == 64 || D == 128 || D == 256) {
+    sc.prow.resize(static_cast<size_t>(R));
+    sc.orow.resize(static_cast<size_t>(R));
+    sc.rlen.resize(static_cast<size_t>(R));
+    for (int64_t r = 0; r < R; ++r) {
+      sc.prow[r] = scores + r * stride_row;
+      sc.orow[r] = out + (r / G) * out_stride + (r % G) * D;
+      sc.rlen[r] = lens[r / G];
+    }
+    const float* const* pr = sc.prow.data();
+    T* const* orow = sc.orow.data();
+    const int64_t* rl = sc.rlen.data();
+    switch (D) {
+      case 32: pv_rows<T, 2>(vp, R, pr, rl, inv_sum, orow, pf); return;
+      case 64: pv_rows<T, 4>(vp, R, pr, rl, inv_sum, orow, pf); return;
+      case 128: pv_rows<T, 8>(vp, R, pr, rl, inv_sum, orow, pf); return;
+      default: pv_rows<T, 16>(vp, R, pr, rl, inv_sum, orow, pf); return;
+    }
   }
 #elif FS_AVX2
   if constexpr (std::is_same_v<T, float>) {
-    switch (D) {
-      case 32: pv_avx2<4>(vp, len, G, scores, stride_row, inv_sum, out, pf); return;
-      case 64: pv_avx2<8>(vp, len, G, scores, stride_row, inv_sum, out, pf); return;
-      case 128: pv_avx2<16>(vp, len, G, scores, stride_row, inv_sum, out, pf); return;
-      default: break;
+    if (D == 32 || D == 64 || D == 128) {
+      for (int64_t i = 0; i < nt; ++i) {
+        const float* si = scores + i * G * stride_row;
+        T* oi = out + i * out_stride;
+        switch (D) {
+          case 32: pv_avx2<4>(vp, lens[i], G, si, stride_row, inv_sum + i * G, oi, pf); break;
+          case 64: pv_avx2<8>(vp, lens[i], G, si, stride_row, inv_sum + i * G, oi, pf); break;
+          default: pv_avx2<16>(vp, lens[i], G, si, stride_row, inv_sum + i * G, oi, pf); break;
+        }
+      }
+      return;
     }
   }
 #endif
-  std::fill(acc, acc + G * D, 0.f);
-  for (int64_t l = 0; l < len; ++l) {
-    if ((l & 7) == 0) pf.issue();
-    for (int64_t g = 0; g < G; ++g) {
-      const float p = scores[g * stride_row + l];
-      for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p * to_f(vp[l][d]);
+  for (int64_t i = 0; i < nt; ++i) {
+    const float* si = scores + i * G * stride_row;
+    std::fill(acc, acc + G * D, 0.f);
+    for (int64_t l = 0; l < lens[i]; ++l) {
+      if ((l & 7) == 0) pf.issue();
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = si[g * stride_row + l];
+        for (int64_t d = 0; d < D; ++d) acc[g * D + d] += p * to_f(vp[l][d]);
+      }
     }
+    T* oi = out + i * out_stride;
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d) oi[g * D + d] = from_f<T>(acc[g * D + d] * inv_sum[i * G + g]);
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; ++d) out[g * D + d] = from_f<T>(acc[g * D + d] * inv_sum[g]);
 }
 
 // Attention of every query token over its request's cached keys/values (causal: token t sees
 // the first seq_lens[t] keys of its request), straight from the paged cache. Prefill chunks,
-// prefix-cache continuations and decodes alike: one task per (token, kv head).
+// prefix-cache continuations and decodes alike: one task per (tile, kv head), a tile being a
+// decode token or a run of one request's tokens (attend_tokens).
 //   q [T, H, D] (rows may be strided; heads and D contiguous), caches [KVH, NB, BS, D],
 //   block_table [R, max_blocks] int64, seq_lens [T] int64 (>= 1),
 //   token_req [T] int64: the block-table row of each token (None: row t, R == T) -> out [T, H * D].
@@ -1043,7 +1130,26 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     for (int64_t j = 0; j < MB; ++j)
       FS_CHECK(btp[r * MB + j] >= 0 && btp[r * MB + j] < NB, "block id out of range");
   at::Tensor out = at::empty({T, H * D}, q.options());
-  const int64_t N = T * KVH;
+  // Tasks are (tile, kv head). A tile is one token, or a run of up to QT consecutive tokens of one
+  // request (a prompt chunk, drafts being verified: attend_tokens shares the block-table walk and
+  // the P*V passes between them), with at most ~64K floats of scores (QT shrinks for long contexts).
+  const int64_t QT = std::max<int64_t>(1, std::min<int64_t>(8, 24 / G));
+  std::vector<int64_t> tile;  // tile k is tokens [tile[k], tile[k + 1])
+  tile.reserve(static_cast<size_t>(T + 1));
+  for (int64_t t = 0; t < T;) {
+    tile.push_back(t);
+    int64_t e = t + 1, maxlen = slp[t];
+    while (trp && e < T && e - t < QT && trp[e] == trp[t]) {
+      const int64_t m = std::max(maxlen, slp[e]);
+      if ((e - t + 1) * G * (m + 16) > 65536) break;
+      maxlen = m;
+      ++e;
+    }
+    t = e;
+  }
+  const int64_t NT = static_cast<int64_t>(tile.size());
+  tile.push_back(T);
+  const int64_t N = NT * KVH;
   FS_DISPATCH(q.scalar_type(), [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
     const scalar_t* kc = k_cache.data_ptr<scalar_t>();
@@ -1053,31 +1159,36 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     // threads each get a contiguous range of i.
     auto task_of = [&](int64_t i) { return (i % 2 == 0) ? i / 2 : N - 1 - i / 2; };
     const int64_t head_elems = NB * BS * D;
+    const int64_t block_bytes = BS * D * static_cast<int64_t>(sizeof(scalar_t));
     at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scratch;
-      std::vector<const scalar_t*> ptrs;
+      static thread_local AttnScratch<scalar_t> scratch;  // grown once per thread, not per call
       NextTaskPrefetch pf;
       for (int64_t i = begin; i < end; ++i) {
         const int64_t task = task_of(i);
-        const int64_t t = task / KVH, h = task % KVH;
-        const int64_t r = trp ? trp[t] : t;
+        const int64_t k = task / KVH, h = task % KVH;
+        const int64_t t0 = tile[k], t1 = tile[k + 1];
+        const int64_t r = trp ? trp[t0] : t0;
+        int64_t maxlen = 0;
+        for (int64_t t = t0; t < t1; ++t) maxlen = std::max(maxlen, slp[t]);
         pf.clear();
-        pf.mark_read(kc + h * head_elems, btp + r * MB, slp[t], BS, BS * D * static_cast<int64_t>(sizeof(scalar_t)));
+        pf.mark_read(kc + h * head_elems, btp + r * MB, maxlen, BS, block_bytes);
         if (i + 1 < end) {  // the next task's rows, unless they are this task's (a prompt's tokens)
-          const int64_t nt = task_of(i + 1) / KVH, nh = task_of(i + 1) % KVH;
-          const int64_t nr = trp ? trp[nt] : nt;
+          const int64_t nk = task_of(i + 1) / KVH, nh = task_of(i + 1) % KVH;
+          const int64_t nt0 = tile[nk];
+          const int64_t nr = trp ? trp[nt0] : nt0;
           if (nr != r || nh != h)
-            pf.set(kc + nh * head_elems, vc + nh * head_elems, btp + nr * MB, slp[nt], BS,
-                   BS * D * static_cast<int64_t>(sizeof(scalar_t)));
+            pf.set(kc + nh * head_elems, vc + nh * head_elems, btp + nr * MB, slp[tile[nk + 1] - 1], BS,
+                   block_bytes);
         }
-        // A token of a chunk (a prompt, drafts being verified) reads keys that its request's
-        // other tokens, in this thread's tasks around it, read too: in cache, so the key pass's
-        // row prefetches only cost (two 1000-token prompts ~1.07x faster without). A lone
-        // decode token's rows come from memory and keep them.
-        const bool rows_cached = trp && ((t > 0 && trp[t - 1] == r) || (t + 1 < T && trp[t + 1] == r));
-        decode_one(qp + t * q.stride(0) + h * G * D, kc + h * head_elems, vc + h * head_elems, btp + r * MB,
-                   slp[t], BS, D, G, static_cast<float>(scale), op + t * H * D + h * G * D, scratch, ptrs, pf,
-                   rows_cached, k_tiled);
+        // A chunk's tokens read keys that its request's other tokens, in this thread's tasks
+        // around it, read too: in cache, so the key pass's row prefetches only cost (two
+        // 1000-token prompts ~1.07x faster without). A lone decode token's rows come from
+        // memory and keep them.
+        const bool rows_cached =
+            trp && (t1 - t0 > 1 || (t0 > 0 && trp[t0 - 1] == r) || (t1 < T && trp[t1] == r));
+        attend_tokens(qp + t0 * q.stride(0) + h * G * D, q.stride(0), t1 - t0, slp + t0, kc + h * head_elems,
+                      vc + h * head_elems, btp + r * MB, BS, D, G, static_cast<float>(scale),
+                      op + t0 * H * D + h * G * D, H * D, scratch, pf, rows_cached, k_tiled);
       }
     });
   });

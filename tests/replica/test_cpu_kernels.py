@@ -214,6 +214,55 @@ def test_paged_attention_prefill_chunks_and_decodes(dtype):
     torch.testing.assert_close(out.double(), expected, **tol(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (6, 2, 24), (8, 1, 128), (2, 1, 256)])
+def test_paged_attention_chunk_tokens_match_lone_tokens_bit_for_bit(dtype, heads, kv_heads, head_dim):
+    """A run of one request's tokens (a prompt chunk, drafts being verified) is attended as one
+    tile, sharing value passes between tokens; a token alone (a decode) is its own tile. Either
+    way each token's output is the same bits: verifying drafts computes exactly what decoding
+    them one by one would, whatever the chunk's length, with scores past any 16 keys. Row-major
+    keys, and tiled keys where this build has them."""
+    tiled = dtype == torch.bfloat16 and ops.k_tiled_supported(dtype, 16, head_dim)
+    for layout in ("rows", "k_tiled") if tiled else ("rows",):
+        _chunk_vs_lone(dtype, layout, heads, kv_heads, head_dim)
+
+
+def _chunk_vs_lone(dtype, layout, heads, kv_heads, head_dim):
+    KVH, H, D, BS, NB = kv_heads, heads, head_dim, 16, 64
+    g = torch.Generator().manual_seed(8)
+    reqs = [(0, 45), (19, 9), (3, 2), (60, 1), (0, 17)]  # (cached context, new tokens)
+    perm = (torch.randperm(NB - 1, generator=g) + 1).tolist()
+    k_cache = torch.zeros(KVH, NB, BS, D, dtype=dtype)
+    v_cache = torch.zeros(KVH, NB, BS, D, dtype=dtype)
+    tables, token_req, seq_lens, pos = [], [], [], 0
+    for r, (ctx, n) in enumerate(reqs):
+        nb = -(-(ctx + n) // BS)
+        tables.append(perm[pos:pos + nb])
+        pos += nb
+        k = torch.randn(ctx + n, KVH, D, generator=g).to(dtype)
+        v = torch.randn(ctx + n, KVH, D, generator=g).to(dtype)
+        slots = torch.tensor([tables[r][i // BS] * BS + i % BS for i in range(ctx + n)])
+        ops.reshape_and_cache_(k, v, k_cache, v_cache, slots, layout == "k_tiled")
+        token_req += [r] * n
+        seq_lens += [ctx + i + 1 for i in range(n)]
+    width = max(map(len, tables))
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    T = len(token_req)
+    q = torch.randn(T, H, D, generator=g).to(dtype)
+    extra = (True,) if layout == "k_tiled" else ()
+    scale = 1 / math.sqrt(D)
+    chunked = ops.paged_attention(q, k_cache, v_cache, table, torch.tensor(seq_lens), torch.tensor(token_req),
+                                  scale, *extra)
+    # Every token on its own: a batch of lone tokens (one block-table row each), in reverse order.
+    order = list(reversed(range(T)))
+    lone = ops.paged_attention(q[order], k_cache, v_cache, table[[token_req[t] for t in order]],
+                               torch.tensor([seq_lens[t] for t in order]), None, scale, *extra)
+    assert torch.equal(chunked, lone.flip(0))
+    if layout == "rows":  # and right (the tiled layout's reference check: test_tiled_keys_written_and_read)
+        ref = reference_decode(q, k_cache, v_cache, [tables[r] for r in token_req], seq_lens, scale)
+        torch.testing.assert_close(chunked.double(), ref, **tol(dtype))
+
+
 def test_kv_caches_are_zeroed_with_huge_pages_advised():
     from fleetserve.replica.testing import tiny_llama_config
     from fleetserve.replica.model_loader.weights import allocate_kv_caches
