@@ -706,11 +706,12 @@ void pv_rows_group(const T* const* vp, const float* const* p, const int64_t* len
   }
 }
 
-// P*V for n rows, up to GMAX at a time (GMAX * NV accumulators stay in registers).
+// P*V for n rows, up to GMAX at a time: GMAX * NV accumulators and the NV converted value
+// vectors stay within the 32 vector registers (24 + 4 at head_dim 64, 16 + 8 at 128).
 template <typename T, int NV>
 void pv_rows(const T* const* vp, int64_t n, const float* const* p, const int64_t* len, const float* inv_sum,
              T* const* out, NextTaskPrefetch& pf) {
-  constexpr int GMAX = NV <= 2 ? 8 : (NV <= 4 ? 6 : (NV <= 8 ? 3 : 1));
+  constexpr int GMAX = NV <= 2 ? 8 : (NV <= 4 ? 6 : (NV <= 8 ? 2 : 1));
   for (int64_t g = 0; g < n;) {
     const int64_t k = std::min<int64_t>(GMAX, n - g);
 #define FS_PV(K) pv_rows_group<T, NV, (K <= GMAX ? K : 1)>(vp, p + g, len + g, inv_sum + g, out + g, pf)
