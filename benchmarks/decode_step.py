@@ -47,7 +47,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 CATEGORIES = {
     "weight matmul": ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "mkldnn::_linear_pointwise",
-                      "fleetserve::linear_bf16", "fleetserve::linear_f32"),
+                      "fleetserve::linear_bf16", "fleetserve::linear_f32",
+                      "fleetserve::linear_bf16_silu_mul"),  # gate|up with SiLU-and-multiply fused
     "attention": ("aten::bmm", "aten::scaled_dot_product_attention", "aten::_softmax", "aten::softmax",
                   "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::baddbmm", "fleetserve::paged_attention"),
     "kv cache": ("aten::index_copy_", "aten::index_select", "aten::index_put_", "aten::gather",
@@ -129,15 +130,19 @@ def small_m_kernel(model, on: bool):
     from fleetserve.replica.layers.linear import PackedWeightMixin
 
     layers = [m for m in model.modules() if isinstance(m, PackedWeightMixin)]
-    kept = [m._small_m for m in layers]
+    kept = [(m._small_m, m._gated) if hasattr(m, "_gated") else (m._small_m,) for m in layers]
     if not on:
         for m in layers:
             m._small_m = None
+            if hasattr(m, "_gated"):  # the fused gate|up + SiLU kernel too
+                m._gated = None
     try:
         yield
     finally:
         for m, k in zip(layers, kept):
-            m._small_m = k
+            m._small_m = k[0]
+            if len(k) > 1:
+                m._gated = k[1]
 
 
 def main() -> None:

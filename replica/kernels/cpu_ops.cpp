@@ -19,6 +19,7 @@
 //   k_tiled_supported(dtype, block_size, head_dim) -> whether this build has the tiled key layout
 //   pack_linear_bf16(w) -> packed; linear_bf16(x, packed, bias, n, float_out) -> x w^T + b at small M
 //                                                   (bfloat16; AVX-512 BF16 builds only)
+//   linear_bf16_silu_mul(x, packed, bias, d) -> silu(gate) * up of a merged gate|up linear, fused
 //   pack_linear_f32(w) -> packed; linear_f32(x, packed, bias, n) -> the same in float32
 //                                                   (AVX-512 or AVX2+FMA builds)
 //   argmax_rows(x) -> idx                          torch.argmax(x, -1) of a [R, V] float32/bf16 matrix
@@ -1304,6 +1305,43 @@ inline void linear_tile(const bf16* wt, const bf16* x, int64_t ldx, int64_t KP2,
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// linear_tile for a gate|up weight packed by pack_linear_bf16 after interleaving (each tile: 16
+// gate outputs, then the same 16 up outputs): out = silu(gate) * up, computed on the float
+// accumulators (+ bias: 32 floats, gate then up, or null) and rounded to bf16 once. The
+// [M, 2d] gate|up activations are never written or read back.
+template <int MC>
+inline void linear_tile_silu_mul(const bf16* wt, const bf16* x, int64_t ldx, int64_t KP2, const float* bias,
+                                 bf16* out, int64_t ldo, int64_t ncols) {
+  __m512 acc[MC][2];
+  for (int m = 0; m < MC; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < KP2; ++kp) {
+    const bf16* w = wt + kp * 2 * LIN_TW;
+    _mm_prefetch(reinterpret_cast<const char*>(w + 32 * LIN_TW), _MM_HINT_T0);  // 2 KiB ahead
+    _mm_prefetch(reinterpret_cast<const char*>(w + 32 * LIN_TW + 32), _MM_HINT_T0);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 32);
+    for (int m = 0; m < MC; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * ldx + 2 * kp, sizeof(pair));
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xb, w0);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xb, w1);
+    }
+  }
+  const __mmask16 mask = ncols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
+  const __m512 bg = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 bu = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int m = 0; m < MC; ++m) {
+    const __m512 g = _mm512_add_ps(acc[m][0], bg);
+    const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    const __m512 y = _mm512_mul_ps(_mm512_mul_ps(g, sig), _mm512_add_ps(acc[m][1], bu));
+    _mm256_mask_storeu_epi16(out + m * ldo, mask, (__m256i)_mm512_cvtneps_pbh(y));
+  }
+}
+#endif
+
 // x [M, K] bfloat16 (rows may be strided), packed from pack_linear_bf16 of a [n, K] weight,
 // bias [n] or None -> [M, n] bfloat16, or float32 with `float_out` (the accumulators unrounded:
 // for logits, where a bf16 rounding step of ~0.1 at magnitudes of 16-32 ties close candidates).
@@ -1343,6 +1381,58 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10:
   (void)bias;
   (void)float_out;
   FS_CHECK(false, "linear_bf16 needs a build with AVX-512 BF16 (isa() == \"avx512_bf16\")");
+  return out;
+#endif
+}
+
+// silu(x G^T + bg) * (x U^T + bu) -> [M, d] bfloat16 for the merged gate|up projection of an MLP
+// (gate rows [0, d), up rows [d, 2d) of its weight), in one pass: `packed` is pack_linear_bf16 of
+// the weight with every 16 gate rows followed by the same 16 up rows (zero rows pad d to a
+// multiple of 16; replica.layers.linear builds it), bias [2d] (gate | up) or None. Each output is
+// the same operations whatever M is, as linear_bf16's.
+at::Tensor linear_bf16_silu_mul(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                                int64_t d) {
+  check_cpu(x, "x");
+  FS_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: bfloat16 [rows, in_features]");
+  FS_CHECK(packed.dim() == 4 && packed.size(2) == LIN_TW && packed.size(3) == 2 && packed.is_contiguous() &&
+               packed.scalar_type() == at::kBFloat16,
+           "packed: the output of pack_linear_bf16");
+  const int64_t M = x.size(0), K = x.size(1), T = packed.size(0), KP2 = packed.size(1);
+  FS_CHECK((K + 1) / 2 == KP2, "x has ", K, " features, the packed weight ", 2 * KP2);
+  FS_CHECK(d > 0 && T == (d + 15) / 16, "d = ", d, " does not match the packed gate|up weight");
+  at::Tensor out = at::empty({M, d}, x.options().dtype(at::kBFloat16).memory_format(at::MemoryFormat::Contiguous));
+  if (M == 0) return out;
+#if defined(__AVX512BF16__)
+  at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  if (K % 2 == 1) xc = at::constant_pad_nd(xc, {0, 1});  // pairs: the pad column meets zero weights
+  // The bias as each tile wants it: 16 gate values, then the same 16 up values (zeros past d).
+  std::vector<float> b32;
+  if (bias.has_value() && bias->defined()) {
+    FS_CHECK(bias->numel() == 2 * d, "bias: [2 d] (gate | up)");
+    const at::Tensor bf = bias->to(at::kFloat).contiguous();
+    const float* b = bf.data_ptr<float>();
+    b32.assign(static_cast<size_t>(T * 32), 0.f);
+    for (int64_t j = 0; j < d; ++j) {
+      b32[(j / 16) * 32 + j % 16] = b[j];
+      b32[(j / 16) * 32 + 16 + j % 16] = b[d + j];
+    }
+  }
+  const float* b32p = b32.empty() ? nullptr : b32.data();
+  const bf16* xp = xc.data_ptr<bf16>();
+  const int64_t ldx = xc.stride(0);
+  const bf16* wp = packed.data_ptr<bf16>();
+  const int64_t tile_elems = KP2 * 2 * LIN_TW;
+  // Tiles of 16 outputs each (32 weight rows): small_m_linear's column of tile t is 16 t.
+  small_m_linear<LIN_MC>(T, M, d, 16, tile_elems, xp, ldx, wp, nullptr, out.data_ptr<bf16>(),
+                         [&](auto mc, const bf16* wt, const bf16* xm, const float*, bf16* o, int64_t ncols) {
+                           const int64_t t = (wt - wp) / tile_elems;
+                           linear_tile_silu_mul<decltype(mc)::value>(wt, xm, ldx, KP2, b32p ? b32p + 32 * t : nullptr,
+                                                                     o, d, ncols);
+                         });
+  return out;
+#else
+  (void)bias;
+  FS_CHECK(false, "linear_bf16_silu_mul needs a build with AVX-512 BF16 (isa() == \"avx512_bf16\")");
   return out;
 #endif
 }
@@ -1595,6 +1685,7 @@ TORCH_LIBRARY(fleetserve, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("pack_linear_bf16(Tensor w) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias, int n, bool float_out=False) -> Tensor");
+  m.def("linear_bf16_silu_mul(Tensor x, Tensor packed, Tensor? bias, int d) -> Tensor");
   m.def("pack_linear_f32(Tensor w) -> Tensor");
   m.def("linear_f32(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
 }
@@ -1610,6 +1701,7 @@ TORCH_LIBRARY_IMPL(fleetserve, CPU, m) {
   m.impl("argmax_rows", &argmax_rows);
   m.impl("pack_linear_bf16", &pack_linear_bf16);
   m.impl("linear_bf16", &linear_bf16);
+  m.impl("linear_bf16_silu_mul", &linear_bf16_silu_mul);
   m.impl("pack_linear_f32", &pack_linear_f32);
   m.impl("linear_f32", &linear_f32);
 }

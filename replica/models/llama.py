@@ -82,7 +82,10 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        act = self.gate_up_proj.silu_and_mul(x)  # one fused kernel where it runs
+        if act is None:
+            act = self.act_fn(self.gate_up_proj(x))
+        return self.down_proj(act)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -373,6 +373,42 @@ def test_small_m_linear_bf16_refuses_what_does_not_fit():
         ops.pack_linear_bf16(w.float())
 
 
+def test_fused_gate_up_silu_mul_matches_float64_and_is_batch_invariant():
+    """linear_bf16_silu_mul: silu(x G^T + bg) * (x U^T + bu) of a merged [gate; up] weight, packed
+    after interleave_gate_up, in one kernel: within a bf16 step of the float64 result and closer
+    to it than the matmul followed by silu_and_mul (gate and up unrounded); any d (tiles of 16
+    and a tail), odd K, bias or none, prefill-sized batches; a row's result does not depend on
+    its batch; a mismatched weight or bias is refused."""
+    from fleetserve.replica.layers.linear import interleave_gate_up
+
+    g = torch.Generator().manual_seed(5)
+    w, b, x = _bf16_linear_case(2 * 37, 33, 21, g)
+    if ops.isa() != "avx512_bf16":  # fallback builds refuse it; the MLP then takes the two ops
+        with pytest.raises(RuntimeError, match="AVX-512 BF16"):
+            ops.linear_bf16_silu_mul(x, ops.pack_linear_bf16(interleave_gate_up(w, 37)), b, 37)
+        return
+    for d, k, m in [(37, 33, 21), (64, 48, 9), (1536, 576, 300), (5, 2, 3)]:
+        for bias in (True, False):
+            w, b, x = _bf16_linear_case(2 * d, k, m, g, bias)
+            w = w * 0.2  # pre-activations of a few units, where SiLU bends
+            packed = ops.pack_linear_bf16(interleave_gate_up(w, d))
+            got = ops.linear_bf16_silu_mul(x, packed, b, d)
+            assert got.dtype == torch.bfloat16 and got.shape == (m, d)
+            pre = x.double() @ w.double().t() + (b.double() if bias else 0)
+            ref = F.silu(pre[:, :d]) * pre[:, d:]
+            step = ref.abs() * 2.0 ** -8 + 1e-2
+            assert ((got.double() - ref).abs() <= 2 * step).all(), (d, k, bias)
+            two_ops = ops.silu_and_mul(ops.linear_bf16(x, ops.pack_linear_bf16(w), b, 2 * d))
+            assert (got.double() - ref).abs().mean() <= (two_ops.double() - ref).abs().mean()
+            for lo, hi in [(0, 1), (0, 8), (3, 12), (m - 1, m)]:
+                assert torch.equal(ops.linear_bf16_silu_mul(x[lo:hi], packed, b, d), got[lo:hi]), (d, lo, hi)
+    assert ops.linear_bf16_silu_mul(x[:0], packed, None, d).shape == (0, d)
+    with pytest.raises(RuntimeError, match="does not match"):
+        ops.linear_bf16_silu_mul(x, packed, None, d + 16)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.linear_bf16_silu_mul(x, packed, torch.zeros(d, dtype=torch.bfloat16), d)
+
+
 def test_small_m_linear_f32_matches_float64_and_is_batch_invariant():
     g = torch.Generator().manual_seed(2)
     w = torch.randn(37, 33, generator=g)

@@ -148,6 +148,49 @@ def test_tp2_nccl_matches_tp1(tmp_path):
         torch.testing.assert_close(got[key], ref[key], atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_gate_up_silu_mul_fused_where_the_kernel_runs(fused, monkeypatch):
+    """A bf16 [gate; up] MergedColumnParallelLinear packed for the small-M kernel answers
+    silu_and_mul(x) in one kernel (linear_bf16_silu_mul), within a bf16 step of float64, up to
+    the kernel's row limit; past it, with FLEETSERVE_FUSED_SILU_MUL=0, on a stale weight, or
+    without the kernel, it returns None and the MLP takes the matmul and SiluAndMul."""
+    import torch.nn.functional as F
+
+    from fleetserve.replica.distributed.parallel import TPGroup
+    from fleetserve.replica.layers.linear import (MergedColumnParallelLinear, _can_pack_small_m,
+                                                  pack_linear_weights, small_m_rows)
+
+    if not fused:
+        monkeypatch.setenv("FLEETSERVE_FUSED_SILU_MUL", "0")
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        layer = MergedColumnParallelLinear(48, [40, 40], bias=True, tp_group=TPGroup())
+    finally:
+        torch.set_default_dtype(prev)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(80, 48, generator=g) * 0.2)
+        layer.bias.copy_(torch.randn(80, generator=g))
+    pack_linear_weights(layer)
+    x = torch.randn(9, 48, generator=g).bfloat16()
+    if not _can_pack_small_m(layer.weight) or not fused:
+        assert layer.silu_and_mul(x) is None
+        return
+    rows = small_m_rows(torch.bfloat16)
+    with torch.no_grad(), torch.profiler.profile() as prof:
+        got = layer.silu_and_mul(x)
+    assert "fleetserve::linear_bf16_silu_mul" in {e.name for e in prof.events()}
+    pre = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+    ref = F.silu(pre[:, :40]) * pre[:, 40:]
+    assert got.shape == (9, 40) and ((got.double() - ref).abs() <= ref.abs() * 2.0 ** -7 + 1e-2).all()
+    assert layer.silu_and_mul(torch.randn(rows + 1, 48).bfloat16()) is None  # oneDNN and SiluAndMul
+    with torch.no_grad():
+        layer.weight.mul_(2)  # an edited weight: the stale packed copy is not used
+    assert layer.silu_and_mul(x) is None
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("small_m", [True, False])
 def test_packed_cpu_linear_matches_f_linear_and_follows_weight_edits(dtype, small_m, monkeypatch):
