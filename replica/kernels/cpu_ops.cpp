@@ -1270,10 +1270,9 @@ at::Tensor pack_linear_bf16(const at::Tensor& w) {
 }
 
 #if defined(__AVX512BF16__)
-template <int MC, typename O>
-inline void linear_tile(const bf16* wt, const bf16* x, int64_t ldx, int64_t KP2, const float* bias, O* out,
-                        int64_t ldo, int64_t ncols) {
-  __m512 acc[MC][2];
+// The accumulators of one tile for MC rows of x: acc[m][h] = outputs 16h..16h+15 of row m.
+template <int MC>
+inline void linear_tile_acc(const bf16* wt, const bf16* x, int64_t ldx, int64_t KP2, __m512 (&acc)[MC][2]) {
   for (int m = 0; m < MC; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < KP2; ++kp) {
     const bf16* w = wt + kp * 2 * LIN_TW;
@@ -1289,6 +1288,13 @@ inline void linear_tile(const bf16* wt, const bf16* x, int64_t ldx, int64_t KP2,
       acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xb, w1);
     }
   }
+}
+
+template <int MC, typename O>
+inline void linear_tile(const bf16* wt, const bf16* x, int64_t ldx, int64_t KP2, const float* bias, O* out,
+                        int64_t ldo, int64_t ncols) {
+  __m512 acc[MC][2];
+  linear_tile_acc<MC>(wt, x, ldx, KP2, acc);
   for (int h = 0; h < 2; ++h) {
     const int64_t n = std::min<int64_t>(16, ncols - 16 * h);
     if (n <= 0) break;
@@ -1314,21 +1320,7 @@ template <int MC>
 inline void linear_tile_silu_mul(const bf16* wt, const bf16* x, int64_t ldx, int64_t KP2, const float* bias,
                                  bf16* out, int64_t ldo, int64_t ncols) {
   __m512 acc[MC][2];
-  for (int m = 0; m < MC; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-  for (int64_t kp = 0; kp < KP2; ++kp) {
-    const bf16* w = wt + kp * 2 * LIN_TW;
-    _mm_prefetch(reinterpret_cast<const char*>(w + 32 * LIN_TW), _MM_HINT_T0);  // 2 KiB ahead
-    _mm_prefetch(reinterpret_cast<const char*>(w + 32 * LIN_TW + 32), _MM_HINT_T0);
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 32);
-    for (int m = 0; m < MC; ++m) {
-      int32_t pair;
-      std::memcpy(&pair, x + m * ldx + 2 * kp, sizeof(pair));
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xb, w0);
-      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xb, w1);
-    }
-  }
+  linear_tile_acc<MC>(wt, x, ldx, KP2, acc);
   const __mmask16 mask = ncols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
   const __m512 bg = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
   const __m512 bu = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
