@@ -129,20 +129,20 @@ def small_m_kernel(model, on: bool):
     (their packed copies for it set aside, so every linear goes to oneDNN)."""
     from fleetserve.replica.layers.linear import PackedWeightMixin
 
-    layers = [m for m in model.modules() if isinstance(m, PackedWeightMixin)]
-    kept = [(m._small_m, m._gated) if hasattr(m, "_gated") else (m._small_m,) for m in layers]
+    # The fused gate|up + SiLU kernel's packed copy (`_gated`) is set aside too.
+    kept = [(m, m._small_m, m.__dict__.get("_gated")) for m in model.modules() if isinstance(m, PackedWeightMixin)]
     if not on:
-        for m in layers:
+        for m, _, gated in kept:
             m._small_m = None
-            if hasattr(m, "_gated"):  # the fused gate|up + SiLU kernel too
+            if gated is not None:
                 m._gated = None
     try:
         yield
     finally:
-        for m, k in zip(layers, kept):
-            m._small_m = k[0]
-            if len(k) > 1:
-                m._gated = k[1]
+        for m, small, gated in kept:
+            m._small_m = small
+            if gated is not None:
+                m._gated = gated
 
 
 def main() -> None:

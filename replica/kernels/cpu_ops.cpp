@@ -931,19 +931,19 @@ struct AttnScratch {
 };
 
 // One task: `nt` tokens of one request against one kv head. Token i (its G query heads at
-// q + i * q_stride) attends to the first lens[i] cached keys, into out + i * out_stride. nt = 1
-// is a decode; more is a run of a prompt chunk (or of drafts being verified), whose tokens share
+// q + i * q_stride) attends to the first lens[i] cached keys (maxlen: the largest), into
+// out + i * out_stride. nt = 1 is a decode; more is a run of a prompt chunk (or of drafts being
+// verified), whose tokens share
 // one walk through the block table, the task's prefetches, and every P*V pass over the value
 // rows (pv_rows: GB rows of several tokens per pass). The G heads of a token share each key row
 // (read from memory once; later heads find it in L1/L2). A row's scores, softmax and P*V are
 // the same operations in the same order whatever nt is: a token's output is the same bits in
 // any tile, so verifying drafts computes what decoding them one at a time would.
 template <typename T>
-void attend_tokens(const T* q, int64_t q_stride, int64_t nt, const int64_t* lens, const T* kc, const T* vc,
-                   const int64_t* blocks, int64_t BS, int64_t D, int64_t G, float scale, T* out, int64_t out_stride,
-                   AttnScratch<T>& sc, NextTaskPrefetch& pf, bool rows_cached, bool k_tiled = false) {
-  int64_t maxlen = 0;
-  for (int64_t i = 0; i < nt; ++i) maxlen = std::max(maxlen, lens[i]);
+void attend_tokens(const T* q, int64_t q_stride, int64_t nt, const int64_t* lens, int64_t maxlen, const T* kc,
+                   const T* vc, const int64_t* blocks, int64_t BS, int64_t D, int64_t G, float scale, T* out,
+                   int64_t out_stride, AttnScratch<T>& sc, NextTaskPrefetch& pf, bool rows_cached,
+                   bool k_tiled = false) {
   const int64_t stride_row = maxlen + 16;
   const int64_t R = nt * G;
   sc.f.resize(static_cast<size_t>(R * stride_row + 2 * G * D + R));
@@ -1188,7 +1188,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
         // memory and keep them.
         const bool rows_cached =
             trp && (t1 - t0 > 1 || (t0 > 0 && trp[t0 - 1] == r) || (t1 < T && trp[t1] == r));
-        attend_tokens(qp + t0 * q.stride(0) + h * G * D, q.stride(0), t1 - t0, slp + t0, kc + h * head_elems,
+        attend_tokens(qp + t0 * q.stride(0) + h * G * D, q.stride(0), t1 - t0, slp + t0, maxlen, kc + h * head_elems,
                       vc + h * head_elems, btp + r * MB, BS, D, G, static_cast<float>(scale),
                       op + t0 * H * D + h * G * D, H * D, scratch, pf, rows_cached, k_tiled);
       }
