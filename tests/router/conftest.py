@@ -2,7 +2,9 @@
 
 The application: a tiny random Llama (replica.testing.make_tiny_llama) on the
 real AsyncEngine, 2 replicas, prefix-aware routing, HTTP and gRPC on free
-loopback ports, an API key.
+loopback ports, an API key. max_model_len is 2048 so that one request can stream for
+about a second: 256 tokens take ~0.15 s on a fast CPU, less than a test needs to
+look at a stream it is about to drop.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ def server(tiny_model_dir):
 
     config = AppConfig.model_validate({
         "name": APP,
-        "engine": {"model": str(tiny_model_dir), "served_model_name": "tiny", "max_model_len": 256,
-                   "num_gpu_blocks_override": 96, "max_num_seqs": 8, "num_threads": 1,
+        "engine": {"model": str(tiny_model_dir), "served_model_name": "tiny", "max_model_len": 2048,
+                   "num_gpu_blocks_override": 160, "max_num_seqs": 8, "num_threads": 1,
                    "max_waiting_requests": 64},
         "num_replicas": 2, "routing_policy": "prefix_aware", "num_cpus_per_replica": 0,
         "routing": {"imbalance_threshold": 3},

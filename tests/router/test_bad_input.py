@@ -36,7 +36,7 @@ CASES = [
     ("token id out of vocab", "/v1/completions", {"prompt": [1, 10 ** 9]}, None, 400, "prompt", None),
     ("unknown model", "/v1/completions", {"model": "gpt-17", "prompt": "a"}, None,
      404, "model", "model_not_found"),
-    ("over-long prompt", "/v1/completions", {"prompt": "word " * 400}, None,
+    ("over-long prompt", "/v1/completions", {"prompt": "word " * 2500}, None,
      400, "prompt", "context_length_exceeded"),
     ("prompt + max_tokens too long", "/v1/completions", {"prompt": "a b c", "max_tokens": 10_000},
      None, 400, "max_tokens", "context_length_exceeded"),

@@ -102,11 +102,11 @@ def test_suffix_refused_and_still_serving(client, server):
 
 def test_unset_max_tokens_runs_to_the_end_of_the_context(client, server):
     """vLLM's default: no `max_tokens` (or null) on chat means whatever of max_model_len
-    (256 here) the prompt leaves; the fuzzing in test_schemathesis.py bounds it instead."""
+    (the fixture's) the prompt leaves; the fuzzing in test_schemathesis.py bounds it instead."""
     for kw in ({}, {"max_tokens": None}):
         r = client.chat.completions.create(
             model=server.model, messages=[{"role": "user", "content": "Count to ten."}],
             temperature=0, extra_body={"ignore_eos": True}, **kw)
         assert r.choices[0].finish_reason == "length"
-        assert r.usage.prompt_tokens + r.usage.completion_tokens == 256, r.usage
+        assert r.usage.prompt_tokens + r.usage.completion_tokens == server.config.engine.max_model_len, r.usage
     server.wait_idle()

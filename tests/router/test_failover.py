@@ -21,7 +21,7 @@ from tests.router.test_routing_e2e import feed_items
 from fleetserve.router.proto import fleetserve_pb2_grpc as pb_grpc
 
 PROMPTS = [f"Stream number {i} tells a story about" for i in range(6)]
-MAX_TOKENS = 200  # of max_model_len 256: a long window in which to kill an engine mid-stream
+MAX_TOKENS = 200  # of max_model_len 2048: a window in which to kill an engine mid-stream
 
 
 def _replica_health(server) -> dict[str, dict]:

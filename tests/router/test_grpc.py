@@ -46,7 +46,7 @@ def test_generate_token_ids_matches_http_greedy(stub, server):
 def test_health_and_list_models(stub, server):
     assert stub.Health(pb.HealthRequest(), metadata=meta(server), timeout=30).ok
     models = stub.ListModels(pb.ListModelsRequest(), metadata=meta(server), timeout=30).models
-    assert [m.id for m in models] == [server.model] and models[0].max_model_len == 256
+    assert [m.id for m in models] == [server.model] and models[0].max_model_len == server.config.engine.max_model_len
 
 
 @pytest.mark.parametrize("request_kwargs,code", [
@@ -55,7 +55,7 @@ def test_health_and_list_models(stub, server):
     ({"prompt": "x", "sampling_params": pb.SamplingParams(temperature=-1)},
      grpc.StatusCode.INVALID_ARGUMENT),
     ({}, grpc.StatusCode.INVALID_ARGUMENT),
-    ({"prompt": "word " * 400}, grpc.StatusCode.INVALID_ARGUMENT),
+    ({"prompt": "word " * 2500}, grpc.StatusCode.INVALID_ARGUMENT),
     ({"prompt": "x", "model": "nope"}, grpc.StatusCode.NOT_FOUND),
 ])
 def test_generate_errors(stub, server, request_kwargs, code):
@@ -237,7 +237,7 @@ def test_chat_response_format_and_history(stub, server):
     ({"sampling_params": pb.SamplingParams(logprobs=2)}, "logprobs"),
     ({"sampling_params": pb.SamplingParams(temperature=-1)}, "temperature"),
     ({"sampling_params": pb.SamplingParams(max_tokens=10_000)}, "maximum context length"),
-    ({"messages": [pb.ChatMessage(role="user", content="word " * 400)]}, "context length"),
+    ({"messages": [pb.ChatMessage(role="user", content="word " * 2500)]}, "context length"),
 ])
 def test_chat_bad_input_then_serves(stub, server, request_kwargs, needle):
     """Bad input is INVALID_ARGUMENT naming the problem; the server answers the next Chat
