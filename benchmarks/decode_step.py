@@ -19,6 +19,12 @@ instead of fleetserve's small-M kernel (replica/layers/linear.py; set aside
 while that row runs), the two timed in alternation, rep by rep:
 
     python benchmarks/decode_step.py --cases decode-1,decode-16,decode-64 --compare-small-m
+
+`--compare-kernel-layers` adds a row per case with the decoder layers run through their
+modules (FLEETSERVE_KERNEL_LAYERS=0) instead of LlamaModel's loop of kernel calls
+(replica/models/llama.py, `_kernel_plan`), timed the same way:
+
+    python benchmarks/decode_step.py --cases decode-1,decode-16,decode-64 --compare-kernel-layers
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -145,6 +152,20 @@ def small_m_kernel(model, on: bool):
                 m._gated = gated
 
 
+@contextlib.contextmanager
+def kernel_layers(on: bool):
+    """Inside: LlamaModel's loop of kernel calls on or off (FLEETSERVE_KERNEL_LAYERS)."""
+    prev = os.environ.get("FLEETSERVE_KERNEL_LAYERS")
+    os.environ["FLEETSERVE_KERNEL_LAYERS"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if prev is None:
+            os.environ.pop("FLEETSERVE_KERNEL_LAYERS")
+        else:
+            os.environ["FLEETSERVE_KERNEL_LAYERS"] = prev
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -159,6 +180,8 @@ def main() -> None:
     ap.add_argument("--no-fused-norm", action="store_true", help="RMSNorm through float32 copies (HF formula)")
     ap.add_argument("--compare-small-m", action="store_true",
                     help="also time every case with bf16 linears through oneDNN (small-M kernel off)")
+    ap.add_argument("--compare-kernel-layers", action="store_true",
+                    help="also time every case with the decoder layers through their modules")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from fleetserve.replica.layers.attention import PagedAttention
@@ -187,22 +210,26 @@ def main() -> None:
             case = build_case("decode", n, args.context, block_size, num_blocks, gen)
             tokens, sampled = n, n
         step = make_step(model, kv_caches, case, block_size)
-        variants = [("", True)] + ([(" oneDNN", False)] if args.compare_small_m else [])
+        variants = [("", lambda: small_m_kernel(model, True))]
+        if args.compare_small_m:
+            variants.append((" oneDNN", lambda: small_m_kernel(model, False)))
+        if args.compare_kernel_layers:
+            variants.append((" modules", lambda: kernel_layers(False)))
         times: dict[str, list] = {label: [] for label, _ in variants}
-        for label, on in variants:
-            with small_m_kernel(model, on):
+        for label, setting in variants:
+            with setting():
                 step()
                 step()
         for _ in range(args.reps):
-            for label, on in variants:
-                with small_m_kernel(model, on):
+            for label, setting in variants:
+                with setting():
                     t0 = time.perf_counter()
                     step()
                     times[label].append(time.perf_counter() - t0)
         flops = 2 * (tokens * L * per_layer + sampled * cfg.vocab_size * h)
-        for label, on in variants:
+        for label, setting in variants:
             med = statistics.median(times[label])
-            with small_m_kernel(model, on):
+            with setting():
                 parts = breakdown(step)
             rows.append({"case": name + label, "ms": med * 1e3, "min_ms": min(times[label]) * 1e3,
                          "gflops_weights": flops / med / 1e9,
@@ -218,6 +245,7 @@ def main() -> None:
     meta = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "context": args.context,
             "cpu_kernels_isa": kernels_isa(), "small_m_rows": small_m_rows(dtype),
             "decode_buffer": not args.no_decode_buffer, "fused_norm": not args.no_fused_norm,
+            "kernel_layers": os.environ.get("FLEETSERVE_KERNEL_LAYERS", "1") != "0",
             "reps": args.reps, "rows": rows}
     (RESULTS / f"{args.out}.json").write_text(json.dumps(meta, indent=2))
     try:

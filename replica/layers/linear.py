@@ -106,6 +106,11 @@ def _can_pack_small_m(weight: torch.Tensor) -> bool:
     return small_m_rows(weight.dtype) > 0
 
 
+# Bumped by every pack_weight(): whoever caches what the packings allowed (LlamaModel's kernel
+# plan) asks again after a repack.
+PACK_GENERATION = 0
+
+
 class _SmallM(NamedTuple):
     """A weight packed for the small-M kernel, valid while the parameter is unchanged."""
 
@@ -144,6 +149,8 @@ class PackedWeightMixin:
     _small_m: Optional[_SmallM] = None
 
     def pack_weight(self) -> bool:
+        global PACK_GENERATION
+        PACK_GENERATION += 1
         w = self.weight
         self._packed = self._small_m = None
         if _can_pack_small_m(w):
@@ -159,6 +166,13 @@ class PackedWeightMixin:
         packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)  # layout tuned for M ~ 64
         self._packed = (packed, w._version, w.data_ptr())
         return True
+
+    def current_small_m(self) -> Optional[_SmallM]:
+        """The small-M packing while it matches the parameter (same storage and version), else None."""
+        small, w = self._small_m, self.weight
+        if small is None or small.version != w._version or small.data_ptr != w.data_ptr():
+            return None
+        return small
 
     def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor], float_out: bool = False) -> torch.Tensor:
         """x W^T + b; `float_out`: float32 results where the small-M kernel runs (unrounded
@@ -348,6 +362,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                                   w.data_ptr(), d, None, small.max_rows)
             self._small_m = None
         return packed
+
+    def current_gated(self) -> Optional[_SmallM]:
+        """The fused gate|up SiLU packing while it matches the parameter, else None."""
+        g, w = self._gated, self.weight
+        if g is None or g.version != w._version or g.data_ptr != w.data_ptr():
+            return None
+        return g
 
     def silu_and_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """silu(x G^T) * (x U^T) from the fused kernel, or None where it does not run (then: the

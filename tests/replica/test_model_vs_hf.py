@@ -217,3 +217,84 @@ def test_metadata_indices():
     assert [(c.start, c.end, c.context_len) for c in md.prefills] == [(0, 3, 0), (4, 6, 4)]
     with pytest.raises(ValueError, match="cannot hold"):
         AttentionMetadata.build([4], [1], [[0]], 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_layer_loop_equals_the_modules_bit_for_bit(tmp_path, monkeypatch, attention_path, dtype):
+    """Where every linear is packed for the small-M kernel (one rank, CPU kernels built),
+    LlamaModel runs its layers as one loop of kernel calls (_kernel_plan) instead of through the
+    modules. Same ops, same order: logits and KV caches equal the modules' (FLEETSERVE_KERNEL_LAYERS=0)
+    bit for bit, on a mixed step (fresh prompt, continuation, decodes; biases on q/k/v and o),
+    in every ISA build (test_cpu_kernel_isas.py). An edited weight, too many rows, or a
+    layer-wise KV hook send it back to the modules; a repack brings the loop back, and a
+    replaced Parameter is what the loop uses next."""
+    from fleetserve.replica.layers import pack_linear_weights
+    from fleetserve.replica.layers.linear import _can_pack_small_m, small_m_rows
+
+    path = make_tiny_llama(tmp_path, num_heads=6, num_kv_heads=2, hidden_size=96, attention_bias=True, num_layers=3)
+    model, cfg = load_model(resolve_model(str(path)), dtype, "cpu")
+    layer_calls = []
+    model.model.layers[0].register_forward_pre_hook(lambda *_: layer_calls.append(1))
+    v = cfg.vocab_size
+    seqs = [_prompt(n, 40 + n, v) for n in (9, 17, 12, 6)]
+    tables = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(4)]
+    first = [(seqs[1][:10], 0, tables[1]), (seqs[2][:11], 0, tables[2]), (seqs[3][:5], 0, tables[3])]
+    mixed = [(seqs[0], 0, tables[0]), (seqs[2][11:], 11, tables[2]), (seqs[1][10:], 10, tables[1]),
+             (seqs[3][5:], 5, tables[3])]
+
+    def run(kernel_layers: bool, kv_hooks=None):
+        monkeypatch.setenv("FLEETSERVE_KERNEL_LAYERS", "1" if kernel_layers else "0")
+        caches = allocate_kv_caches(cfg, 40, BLOCK, dtype)
+        layer_calls.clear()
+        out = []
+        for chunks in (first, mixed):
+            md = AttentionMetadata.build([len(c[0]) for c in chunks], [c[1] for c in chunks],
+                                         [c[2] for c in chunks], BLOCK)
+            ids = torch.tensor([t for c in chunks for t in c[0]])
+            with torch.no_grad():
+                out.append(model.compute_logits(model(ids, md.positions, caches, md, kv_hooks)))
+        return out, caches, len(layer_calls)
+
+    expect_loop = attention_path == "cpu-kernels" and _can_pack_small_m(model.model.layers[0].mlp.down_proj.weight)
+    ref, ref_caches, calls = run(False)
+    assert calls == 2
+    got, caches, calls = run(True)
+    assert calls == (0 if expect_loop else 2)
+    for a, b in zip(got + caches, ref + ref_caches):
+        assert torch.equal(a, b)
+
+    class Hooks:  # a KV connector's layer-wise hooks: they need the modules' per-layer loop
+        def wait_for_layer_load(self, i): pass
+        def save_kv_layer(self, i, kv, md): pass
+    hooked, _, calls = run(True, Hooks())
+    assert calls == 2 and all(torch.equal(a, b) for a, b in zip(hooked, ref))
+    if not expect_loop:
+        return
+    # 20 rows at most: the first step (26 rows) goes through the modules, the mixed one (18) not.
+    monkeypatch.setenv("FLEETSERVE_SMALL_M_ROWS", "20")
+    pack_linear_weights(model)
+    assert small_m_rows(dtype) == 20
+    ref, ref_caches, calls = run(False)
+    got, caches, calls = run(True)
+    assert calls == 1 and all(torch.equal(a, b) for a, b in zip(got + caches, ref + ref_caches))
+    monkeypatch.delenv("FLEETSERVE_SMALL_M_ROWS")
+    pack_linear_weights(model)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.o_proj.weight.mul_(1.5)  # edited: its packed copies are stale
+    ref, ref_caches, _ = run(False)
+    got, caches, calls = run(True)
+    assert calls == 2 and all(torch.equal(a, b) for a, b in zip(got + caches, ref + ref_caches))
+    pack_linear_weights(model)  # repacked: the loop again, with the edited weight
+    ref, ref_caches, _ = run(False)
+    got, caches, calls = run(True)
+    assert calls == 0 and all(torch.equal(a, b) for a, b in zip(got + caches, ref + ref_caches))
+    down = model.model.layers[2].mlp.down_proj
+    kept, down._small_m = down._small_m, None  # a packing set aside (benchmarks/decode_step.py does)
+    assert run(True)[2] == 2
+    down._small_m = kept
+    assert run(True)[2] == 0
+    norm = model.model.layers[1].post_attention_layernorm
+    norm.weight = torch.nn.Parameter(norm.weight.detach() * 1.25, requires_grad=False)  # a new Parameter
+    ref, ref_caches, _ = run(False)
+    got, caches, calls = run(True)  # the loop, rebuilt with the new Parameter
+    assert calls == 0 and all(torch.equal(a, b) for a, b in zip(got + caches, ref + ref_caches))
