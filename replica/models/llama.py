@@ -162,7 +162,7 @@ class LlamaModel(nn.Module):
         Calling the kernels from one loop over per-layer tuples, rather than through
         nine modules per layer with their views and checks, gives the same results
         bit for bit (the same ops on the same tensors in the same order) and takes
-        ~1.6 ms of Python off every step of SmolLM2's 30 layers: a quarter of a
+        ~1.6-2 ms of Python off every step of SmolLM2's 30 layers: a fifth of a
         batch-1 decode step on a 2-core CPU (README, CPU kernels)."""
         if not _env_on("FLEETSERVE_KERNEL_LAYERS") or not PagedAttention.use_attention_kernel:
             return None
