@@ -211,6 +211,8 @@ def main() -> None:
             tokens, sampled = n, n
         step = make_step(model, kv_caches, case, block_size)
         variants = [("", lambda: small_m_kernel(model, True))]
+        # Alternating with " oneDNN" rebuilds LlamaModel's kernel plan in the first timed step
+        # after each switch back (~0.1 ms; replica/models/llama.py, _kernel_plan).
         if args.compare_small_m:
             variants.append((" oneDNN", lambda: small_m_kernel(model, False)))
         if args.compare_kernel_layers:
