@@ -107,9 +107,13 @@ def breakdown(step) -> dict[str, float]:
         total = time.perf_counter() - t0
     parts = {k: 0.0 for k in CATEGORIES}
     parts["lm head + sample"] = 0.0
-    # Top-level ops only (events with no parent among the timed ops).
+    # Top-level ops only (events with no parent among the timed ops); the kernels that the
+    # one-call decoder layers (fleetserve::llama_layers) record count as top-level.
+    def top(ev) -> bool:
+        return ev.cpu_parent is None or ev.cpu_parent.name == "fleetserve::llama_layers"
+
     for ev in prof.events():
-        if ev.cpu_parent is not None:
+        if not top(ev):
             continue
         name = ev.name
         dur = ev.cpu_time_total / 1e6
@@ -118,8 +122,7 @@ def breakdown(step) -> dict[str, float]:
                 parts[cat] += dur
                 break
     # The LM head matmul is a weight matmul too; separate it by shape: the largest single linear.
-    lm = [ev.cpu_time_total / 1e6 for ev in prof.events()
-          if ev.cpu_parent is None and ev.name in CATEGORIES["weight matmul"]]
+    lm = [ev.cpu_time_total / 1e6 for ev in prof.events() if top(ev) and ev.name in CATEGORIES["weight matmul"]]
     if lm:
         head = lm[-1]
         parts["weight matmul"] -= head

@@ -23,6 +23,8 @@
 //   pack_linear_f32(w) -> packed; linear_f32(x, packed, bias, n) -> the same in float32
 //                                                   (AVX-512 or AVX2+FMA builds)
 //   argmax_rows(x) -> idx                          torch.argmax(x, -1) of a [R, V] float32/bf16 matrix
+//   llama_layers(hidden, positions, ..., weights, biases, ...) -> (hidden, residual)
+//                                                   a model's decoder layers from the ops above, in one call
 //   isa() -> "avx512_bf16" | "avx512" | "avx2" | "scalar"
 //
 // KV cache layout (replica/attention.py): [num_kv_heads, num_blocks, block_size, head_dim]; with
@@ -30,6 +32,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -1647,6 +1650,84 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// ------------------------------------------------------------------------------------------ decoder layers
+
+// A Llama-family model's decoder layers on one rank, as LlamaDecoderLayer.forward runs them with
+// this file's kernels, call for call (the same ops, order and tensors: bit-identical results), from
+// one loop here rather than ~9 Python module calls and dispatches per layer
+// (replica/models/llama.py, LlamaModel._kernel_plan). Per layer i:
+//   weights[6i .. 6i+5]: input norm, qkv (packed), o (packed), post-attention norm, gate|up
+//     (packed: for linear_bf16_silu_mul when `fused`, else the plain [gate; up] packing), down (packed)
+//   biases[4i .. 4i+3]: qkv, o, gate|up, down (None: no bias); sizes[4i .. 4i+3]: their out features
+//     (gate|up: d when fused, 2d otherwise); eps[2i], eps[2i+1]: the two norms'.
+// Linears: linear_bf16 (bf16) or linear_f32 (float32). Returns (hidden, residual) before the final norm.
+// Each call inside is recorded under its op's name for torch.profiler (as if called as an op), so
+// profiles and benchmarks/decode_step.py's breakdown still see the kernels; ~nothing when no
+// profiler runs.
+template <class F>
+auto recorded(const char* name, F&& f) {
+  RECORD_FUNCTION(name, c10::ArrayRef<const c10::IValue>{});
+  return f();
+}
+
+std::tuple<at::Tensor, at::Tensor> llama_layers(
+    const at::Tensor& hidden, const at::Tensor& positions, const at::Tensor& cos_sin, at::TensorList kv_caches,
+    const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& seq_lens,
+    const c10::optional<at::Tensor>& token_req, at::TensorList weights,
+    const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef sizes, at::ArrayRef<double> eps,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, bool k_tiled, bool fused) {
+  const int64_t L = static_cast<int64_t>(kv_caches.size());
+  FS_CHECK(L > 0 && static_cast<int64_t>(weights.size()) == 6 * L &&
+               static_cast<int64_t>(biases.size()) == 4 * L && static_cast<int64_t>(sizes.size()) == 4 * L &&
+               static_cast<int64_t>(eps.size()) == 2 * L,
+           "llama_layers: per layer 6 weights, 4 biases, 4 sizes and 2 eps; got ", weights.size(), ", ",
+           biases.size(), ", ", sizes.size(), ", ", eps.size(), " for ", L, " layers");
+  FS_CHECK(hidden.dim() == 2, "hidden: [tokens, hidden_size]");
+  const bool bf16 = hidden.scalar_type() == at::kBFloat16;
+  FS_CHECK(!fused || bf16, "the fused gate|up SiLU kernel is bfloat16 only");
+  const int64_t T = hidden.size(0), H = num_heads, KVH = num_kv_heads, D = head_dim;
+  const int64_t q_size = H * D, qk_end = q_size + KVH * D;
+  // x W^T + b for the linear with packed weight `packed`, bias and size in slot `k` of 4*i .. 4*i+3.
+  auto linear = [&](const at::Tensor& x, const at::Tensor& packed, int64_t k) {
+    if (bf16) return recorded("fleetserve::linear_bf16", [&] { return linear_bf16(x, packed, biases.get(k), sizes[k], false); });
+    return recorded("fleetserve::linear_f32", [&] { return linear_f32(x, packed, biases.get(k), sizes[k]); });
+  };
+  auto silu_and_mul_of = [&](const at::Tensor& gate_up) {
+    return recorded("fleetserve::silu_and_mul", [&] { return silu_and_mul(gate_up); });
+  };
+  at::Tensor h = hidden, residual;
+  for (int64_t i = 0; i < L; ++i) {
+    if (i == 0) {
+      residual = h;
+      h = recorded("fleetserve::rms_norm", [&] { return rms_norm(h, weights[0], eps[0]); });
+    } else {
+      std::tie(h, residual) = recorded("fleetserve::fused_add_rms_norm",
+                                       [&] { return fused_add_rms_norm(h, residual, weights[6 * i], eps[2 * i]); });
+    }
+    at::Tensor x = linear(h, weights[6 * i + 1], 4 * i);  // [T, (H + 2 KVH) D]
+    at::Tensor qk = x.slice(1, 0, qk_end).view({T, H + KVH, D});
+    recorded("fleetserve::rotary_embedding_", [&] { rotary_embedding_(qk, cos_sin, positions); });
+    at::Tensor k_cache = kv_caches[i].select(0, 0), v_cache = kv_caches[i].select(0, 1);
+    recorded("fleetserve::reshape_and_cache_", [&] {
+      reshape_and_cache_(x.slice(1, q_size, qk_end).view({T, KVH, D}), x.slice(1, qk_end).view({T, KVH, D}),
+                         k_cache, v_cache, slot_mapping, k_tiled);
+    });
+    at::Tensor attn = recorded("fleetserve::paged_attention", [&] {
+      return paged_attention(x.slice(1, 0, q_size).view({T, H, D}), k_cache, v_cache, block_table, seq_lens,
+                             token_req, scale, k_tiled);
+    });
+    h = linear(attn, weights[6 * i + 2], 4 * i + 1);
+    std::tie(h, residual) = recorded("fleetserve::fused_add_rms_norm",
+                                     [&] { return fused_add_rms_norm(h, residual, weights[6 * i + 3], eps[2 * i + 1]); });
+    at::Tensor act = fused ? recorded("fleetserve::linear_bf16_silu_mul", [&] {
+                               return linear_bf16_silu_mul(h, weights[6 * i + 4], biases.get(4 * i + 2), sizes[4 * i + 2]);
+                             })
+                           : silu_and_mul_of(linear(h, weights[6 * i + 4], 4 * i + 2));
+    h = linear(act, weights[6 * i + 5], 4 * i + 3);
+  }
+  return {h, residual};
+}
+
 // Which of this file's vector paths the build compiled in (the -march it was built with decides).
 std::string isa() {
 #if defined(__AVX512BF16__)
@@ -1680,6 +1761,10 @@ TORCH_LIBRARY(fleetserve, m) {
   m.def("linear_bf16_silu_mul(Tensor x, Tensor packed, Tensor? bias, int d) -> Tensor");
   m.def("pack_linear_f32(Tensor w) -> Tensor");
   m.def("linear_f32(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  m.def("llama_layers(Tensor hidden, Tensor positions, Tensor cos_sin, Tensor[] kv_caches, Tensor slot_mapping, "
+        "Tensor block_table, Tensor seq_lens, Tensor? token_req, Tensor[] weights, Tensor?[] biases, int[] sizes, "
+        "float[] eps, int num_heads, int num_kv_heads, int head_dim, float scale, bool k_tiled, bool fused) "
+        "-> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fleetserve, CPU, m) {
@@ -1696,4 +1781,5 @@ TORCH_LIBRARY_IMPL(fleetserve, CPU, m) {
   m.impl("linear_bf16_silu_mul", &linear_bf16_silu_mul);
   m.impl("pack_linear_f32", &pack_linear_f32);
   m.impl("linear_f32", &linear_f32);
+  m.impl("llama_layers", &llama_layers);
 }

@@ -115,9 +115,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class _KernelPlan(NamedTuple):
-    """What `LlamaModel._kernel_layers` needs of every layer, taken from the modules once."""
+    """What the `llama_layers` kernel needs of every layer (replica/kernels/cpu_ops.cpp), taken from
+    the modules once: per layer 6 weights (input norm, qkv, o, post norm, gate|up, down; the
+    linears' packed copies), 4 biases and 4 out features (qkv, o, gate|up, down), 2 norm eps."""
 
-    layers: list[tuple]  # per layer: (input norm, qkv, o, post norm, gate|up, fused, down); see _kernel_plan
+    weights: list[torch.Tensor]
+    biases: list[Optional[torch.Tensor]]
+    sizes: list[int]
+    eps: list[float]
+    fused: bool  # gate|up through linear_bf16_silu_mul
     # (a module's __dict__, packing attribute or None, packing, weight, bias): the plan holds
     # while every module keeps those parameters and every packing is still its linear's and
     # matches the weight (a repack, a set-aside, an edit or a new Parameter: not); _plan_holds
@@ -126,7 +132,7 @@ class _KernelPlan(NamedTuple):
     dtype: torch.dtype
     block_size: int
     cos_sin: torch.Tensor
-    dims: tuple[int, int, int, int, int]  # heads, kv heads, head_dim, q size, kv size
+    dims: tuple[int, int, int]  # heads, kv heads, head_dim
     scale: float
     k_tiled: bool
 
@@ -155,15 +161,15 @@ class LlamaModel(nn.Module):
         self._linear_states: Optional[list[dict]] = None
 
     def _kernel_plan(self, hidden: torch.Tensor, kv_caches: list[torch.Tensor]) -> Optional[_KernelPlan]:
-        """The layers' kernel calls, flattened, where every one of them runs fleetserve's CPU
-        kernels (one rank, every linear packed for the small-M kernel, the attention kernel
-        on); else None and the modules run.
+        """What the `llama_layers` kernel needs to run every decoder layer in one call, where
+        each layer's work is fleetserve's CPU kernels (one rank, every linear packed for the
+        small-M kernel, the attention kernel on); else None and the modules run.
 
-        Calling the kernels from one loop over per-layer tuples, rather than through
-        nine modules per layer with their views and checks, gives the same results
-        bit for bit (the same ops on the same tensors in the same order) and takes
-        ~1.6-2 ms of Python off every step of SmolLM2's 30 layers: a fifth of a
-        batch-1 decode step on a 2-core CPU (README, CPU kernels)."""
+        The kernel calls the same kernels in the same order on the same tensors as the
+        modules do (bit-identical results), from a C++ loop rather than through nine
+        modules per layer with their views, checks and dispatches: ~2-2.5 ms off every
+        step of SmolLM2's 30 layers on a 2-core CPU, a fifth of a batch-1 decode step
+        (README, CPU kernels)."""
         if not _env_on("FLEETSERVE_KERNEL_LAYERS") or not PagedAttention.use_attention_kernel:
             return None
         key = (hidden.dtype, kv_caches[0].shape[3], linear_module.PACK_GENERATION)
@@ -185,73 +191,38 @@ class LlamaModel(nn.Module):
         return [state.get(attr) for state in self._linear_states for attr in ("_small_m", "_gated")]
 
     def _build_kernel_plan(self, dtype: torch.dtype, block_size: int) -> Optional[_KernelPlan]:
-        layers, checks, rows = [], [], []
+        ops = ops_for(torch.empty(0, dtype=dtype))
+        if ops is None or not hasattr(ops, "llama_layers"):
+            return None
+        weights, biases, sizes, eps, fused, checks, rows = [], [], [], [], set(), [], []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if attn.o_proj.tp.world_size != 1:
+            if attn.o_proj.tp.world_size != 1 or attn.qkv_proj.gather_output or mlp.gate_up_proj.gather_output:
                 return None
             qkv, o, down = (m.current_small_m() for m in (attn.qkv_proj, attn.o_proj, mlp.down_proj))
             gated = mlp.gate_up_proj.current_gated()
             gate_up = gated or mlp.gate_up_proj.current_small_m()
             if qkv is None or o is None or down is None or gate_up is None:
                 return None
-            if attn.qkv_proj.gather_output or mlp.gate_up_proj.gather_output:
-                return None
-            layers.append((
-                (layer.input_layernorm.weight, layer.input_layernorm.eps),
-                (qkv.run, qkv.packed, attn.qkv_proj.bias, qkv.out_features),
-                (o.run, o.packed, attn.o_proj.bias, o.out_features),
-                (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps),
-                (gate_up.run, gate_up.packed, mlp.gate_up_proj.bias, gate_up.out_features),
-                gated is not None,
-                (down.run, down.packed, mlp.down_proj.bias, down.out_features)))
+            norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+            weights += [norm1.weight, qkv.packed, o.packed, norm2.weight, gate_up.packed, down.packed]
+            biases += [attn.qkv_proj.bias, attn.o_proj.bias, mlp.gate_up_proj.bias, mlp.down_proj.bias]
+            sizes += [qkv.out_features, o.out_features, gate_up.out_features, down.out_features]
+            eps += [norm1.eps, norm2.eps]
+            fused.add(gated is not None)
             checks += [(vars(m), attr, packing, m.weight, getattr(m, "bias", None)) for m, attr, packing in (
                 (attn.qkv_proj, "_small_m", qkv), (attn.o_proj, "_small_m", o),
                 (mlp.gate_up_proj, "_small_m" if gated is None else "_gated", gate_up),
-                (mlp.down_proj, "_small_m", down),
-                (layer.input_layernorm, None, None), (layer.post_attention_layernorm, None, None))]
+                (mlp.down_proj, "_small_m", down), (norm1, None, None), (norm2, None, None))]
             rows += [qkv.max_rows, o.max_rows, gate_up.max_rows, down.max_rows]
-        if not layers or any(w.dtype != dtype for _, attr, _, w, _ in checks if attr):
+        if not rows or len(fused) != 1 or any(w.dtype != dtype for w in weights):
             return None
         first = self.layers[0].self_attn
         D = first.head_dim
-        return _KernelPlan(layers, checks, min(rows), dtype, block_size,
+        return _KernelPlan(weights, biases, sizes, eps, fused.pop(), checks, min(rows), dtype, block_size,
                            self.rotary_emb.cos_sin_cache.float().contiguous(),
-                           (first.num_heads, first.num_kv_heads, D, first.q_size, first.kv_size),
-                           first.attn.scale, kv_cache_layout(dtype, block_size, D) == "k_tiled")
-
-    def _kernel_layers(self, plan: _KernelPlan, ops: Any, hidden: torch.Tensor, positions: torch.Tensor,
-                       kv_caches: list[torch.Tensor], md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decoder layers as LlamaDecoderLayer.forward runs them with the CPU kernels, call
-        for call (see _kernel_plan); returns (hidden, residual) before the final norm."""
-        T = hidden.shape[0]
-        H, KVH, D, q_size, kv_size = plan.dims
-        qk_end = q_size + kv_size
-        cos_sin, scale, k_tiled = plan.cos_sin, plan.scale, plan.k_tiled
-        rms_norm, add_rms_norm, rotary = ops.rms_norm, ops.fused_add_rms_norm, ops.rotary_embedding_
-        cache, attend, silu_mul = ops.reshape_and_cache_, ops.paged_attention, ops.silu_and_mul
-        slots, tables, seq_lens, token_req = md.slot_mapping, md.block_table, md.token_seq_lens, md.token_req
-        residual = None
-        for (norm1, qkv, o, norm2, gate_up, fused, down), kv_cache in zip(plan.layers, kv_caches, strict=True):
-            if residual is None:
-                residual = hidden
-                hidden = rms_norm(hidden, *norm1)
-            else:
-                hidden, residual = add_rms_norm(hidden, residual, *norm1)
-            x = qkv[0](hidden, qkv[1], qkv[2], qkv[3], False)
-            rotary(x[:, :qk_end].view(T, H + KVH, D), cos_sin, positions)
-            k_cache, v_cache = kv_cache[0], kv_cache[1]
-            cache(x[:, q_size:qk_end].view(T, KVH, D), x[:, qk_end:].view(T, KVH, D), k_cache, v_cache, slots,
-                  k_tiled)
-            x = attend(x[:, :q_size].view(T, H, D), k_cache, v_cache, tables, seq_lens, token_req, scale, k_tiled)
-            hidden = o[0](x, o[1], o[2], o[3], False)
-            hidden, residual = add_rms_norm(hidden, residual, *norm2)
-            if fused:
-                x = ops.linear_bf16_silu_mul(hidden, gate_up[1], gate_up[2], gate_up[3])
-            else:
-                x = silu_mul(gate_up[0](hidden, gate_up[1], gate_up[2], gate_up[3], False))
-            hidden = down[0](x, down[1], down[2], down[3], False)
-        return hidden, residual
+                           (first.num_heads, first.num_kv_heads, D), first.attn.scale,
+                           kv_cache_layout(dtype, block_size, D) == "k_tiled")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 md: AttentionMetadata, kv_hooks=None) -> torch.Tensor:
@@ -268,8 +239,11 @@ class LlamaModel(nn.Module):
             plan = self._kernel_plan(hidden, kv_caches)
             if plan is not None and hidden.shape[0] > plan.max_rows:
                 plan = None
-        if plan is not None:
-            hidden, residual = self._kernel_layers(plan, ops_for(hidden), hidden, positions, kv_caches, md)
+        if plan is not None:  # the layers in one kernel call (_kernel_plan)
+            hidden, residual = ops_for(hidden).llama_layers(
+                hidden, positions, plan.cos_sin, kv_caches, md.slot_mapping, md.block_table, md.token_seq_lens,
+                md.token_req, plan.weights, plan.biases, plan.sizes, plan.eps, *plan.dims, plan.scale,
+                plan.k_tiled, plan.fused)
         elif kv_hooks is None:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 hidden, residual = layer(hidden, residual, rope, kv_cache, md)

@@ -219,11 +219,14 @@ def test_metadata_indices():
         AttentionMetadata.build([4], [1], [[0]], 4)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_layer_loop_equals_the_modules_bit_for_bit(tmp_path, monkeypatch, attention_path, dtype):
+@pytest.mark.parametrize("dtype,fused_silu", [(torch.float32, True), (torch.bfloat16, True),
+                                              (torch.bfloat16, False)], ids=["fp32", "bf16", "bf16-unfused"])
+def test_kernel_layer_loop_equals_the_modules_bit_for_bit(tmp_path, monkeypatch, attention_path, dtype,
+                                                          fused_silu):
     """Where every linear is packed for the small-M kernel (one rank, CPU kernels built),
-    LlamaModel runs its layers as one loop of kernel calls (_kernel_plan) instead of through the
-    modules. Same ops, same order: logits and KV caches equal the modules' (FLEETSERVE_KERNEL_LAYERS=0)
+    LlamaModel runs its layers in one kernel call (`llama_layers`, a C++ loop over the same kernels;
+    _kernel_plan) instead of through the modules. Same ops, same order: logits and KV caches equal
+    the modules' (FLEETSERVE_KERNEL_LAYERS=0)
     bit for bit, on a mixed step (fresh prompt, continuation, decodes; biases on q/k/v and o),
     in every ISA build (test_cpu_kernel_isas.py). An edited weight, too many rows, or a
     layer-wise KV hook send it back to the modules; a repack brings the loop back, and a
@@ -231,6 +234,8 @@ def test_kernel_layer_loop_equals_the_modules_bit_for_bit(tmp_path, monkeypatch,
     from fleetserve.replica.layers import pack_linear_weights
     from fleetserve.replica.layers.linear import _can_pack_small_m, small_m_rows
 
+    if not fused_silu:  # bf16 gate|up through linear_bf16 and silu_and_mul
+        monkeypatch.setenv("FLEETSERVE_FUSED_SILU_MUL", "0")
     path = make_tiny_llama(tmp_path, num_heads=6, num_kv_heads=2, hidden_size=96, attention_bias=True, num_layers=3)
     model, cfg = load_model(resolve_model(str(path)), dtype, "cpu")
     layer_calls = []
