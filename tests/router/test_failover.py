@@ -21,7 +21,8 @@ from tests.router.test_routing_e2e import feed_items
 from fleetserve.router.proto import fleetserve_pb2_grpc as pb_grpc
 
 PROMPTS = [f"Stream number {i} tells a story about" for i in range(6)]
-MAX_TOKENS = 200  # of max_model_len 2048: a window in which to kill an engine mid-stream
+MAX_TOKENS = 800  # of max_model_len 2048: ~0.5 s a stream, a window in which to kill an engine mid-stream
+# (200 tokens take ~0.15 s on a fast CPU, hardly more than the checks before the kill)
 
 
 def _replica_health(server) -> dict[str, dict]:
