@@ -1337,18 +1337,24 @@ inline void linear_tile_silu_mul(const bf16* wt, const bf16* x, int64_t ldx, int
 }
 #endif
 
-// x [M, K] bfloat16 (rows may be strided), packed from pack_linear_bf16 of a [n, K] weight,
-// bias [n] or None -> [M, n] bfloat16, or float32 with `float_out` (the accumulators unrounded:
-// for logits, where a bf16 rounding step of ~0.1 at magnitudes of 16-32 ties close candidates).
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                       int64_t n, bool float_out) {
+// linear_bf16's and linear_bf16_silu_mul's x and packed weight (see linear_bf16).
+void check_linear_bf16_args(const at::Tensor& x, const at::Tensor& packed) {
   check_cpu(x, "x");
   FS_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: bfloat16 [rows, in_features]");
   FS_CHECK(packed.dim() == 4 && packed.size(2) == LIN_TW && packed.size(3) == 2 && packed.is_contiguous() &&
                packed.scalar_type() == at::kBFloat16,
            "packed: the output of pack_linear_bf16");
+  FS_CHECK((x.size(1) + 1) / 2 == packed.size(1), "x has ", x.size(1), " features, the packed weight ",
+           2 * packed.size(1));
+}
+
+// x [M, K] bfloat16 (rows may be strided), packed from pack_linear_bf16 of a [n, K] weight,
+// bias [n] or None -> [M, n] bfloat16, or float32 with `float_out` (the accumulators unrounded:
+// for logits, where a bf16 rounding step of ~0.1 at magnitudes of 16-32 ties close candidates).
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                       int64_t n, bool float_out) {
+  check_linear_bf16_args(x, packed);
   const int64_t M = x.size(0), K = x.size(1), T = packed.size(0), KP2 = packed.size(1);
-  FS_CHECK((K + 1) / 2 == KP2, "x has ", K, " features, the packed weight ", 2 * KP2);
   FS_CHECK(n > (T - 1) * LIN_TW && n <= T * LIN_TW, "n = ", n, " does not match the packed weight");
   at::Tensor out = at::empty({M, n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16)
                                         .memory_format(at::MemoryFormat::Contiguous));
@@ -1375,6 +1381,8 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10:
 #else
   (void)bias;
   (void)float_out;
+  (void)K;
+  (void)KP2;
   FS_CHECK(false, "linear_bf16 needs a build with AVX-512 BF16 (isa() == \"avx512_bf16\")");
   return out;
 #endif
@@ -1387,13 +1395,8 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10:
 // the same operations whatever M is, as linear_bf16's.
 at::Tensor linear_bf16_silu_mul(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                                 int64_t d) {
-  check_cpu(x, "x");
-  FS_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: bfloat16 [rows, in_features]");
-  FS_CHECK(packed.dim() == 4 && packed.size(2) == LIN_TW && packed.size(3) == 2 && packed.is_contiguous() &&
-               packed.scalar_type() == at::kBFloat16,
-           "packed: the output of pack_linear_bf16");
+  check_linear_bf16_args(x, packed);
   const int64_t M = x.size(0), K = x.size(1), T = packed.size(0), KP2 = packed.size(1);
-  FS_CHECK((K + 1) / 2 == KP2, "x has ", K, " features, the packed weight ", 2 * KP2);
   FS_CHECK(d > 0 && T == (d + 15) / 16, "d = ", d, " does not match the packed gate|up weight");
   at::Tensor out = at::empty({M, d}, x.options().dtype(at::kBFloat16).memory_format(at::MemoryFormat::Contiguous));
   if (M == 0) return out;
@@ -1427,6 +1430,8 @@ at::Tensor linear_bf16_silu_mul(const at::Tensor& x, const at::Tensor& packed, c
   return out;
 #else
   (void)bias;
+  (void)K;
+  (void)KP2;
   FS_CHECK(false, "linear_bf16_silu_mul needs a build with AVX-512 BF16 (isa() == \"avx512_bf16\")");
   return out;
 #endif

@@ -57,14 +57,15 @@ def _new_param(*shape: int) -> nn.Parameter:
 # --------------------------------------------------------------------------- packed CPU weights
 
 
-def _env_on(name: str) -> bool:
+def env_on(name: str) -> bool:
+    """An on/off switch from the environment, on unless set to 0 / false / no / off."""
     return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    if not _env_on("FLEETSERVE_PACKED_LINEAR"):
+    if not env_on("FLEETSERVE_PACKED_LINEAR"):
         return False
     if weight.dtype == torch.bfloat16:
         try:
@@ -99,16 +100,11 @@ def small_m_rows(dtype: torch.dtype = torch.bfloat16) -> int:
 def _can_pack_small_m(weight: torch.Tensor) -> bool:
     if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32) or weight.dim() != 2:
         return False
-    if not _env_on("FLEETSERVE_SMALL_M_LINEAR") or ops_for(weight) is None:
+    if not env_on("FLEETSERVE_SMALL_M_LINEAR") or ops_for(weight) is None:
         return False
     if (str(weight.dtype).removeprefix("torch."), kernels_isa() or "") not in _DEFAULT_ROWS:
         return False  # that build has no such path (linear_bf16 needs AVX-512 BF16; no scalar path)
     return small_m_rows(weight.dtype) > 0
-
-
-# Bumped by every pack_weight(): whoever caches what the packings allowed (LlamaModel's kernel
-# plan) asks again after a repack.
-PACK_GENERATION = 0
 
 
 class _SmallM(NamedTuple):
@@ -120,6 +116,13 @@ class _SmallM(NamedTuple):
     out_features: int
     run: Callable  # (x, packed, bias, n, float_out) -> y
     max_rows: int
+
+
+def _current(packing: Optional[_SmallM], w: torch.Tensor) -> Optional[_SmallM]:
+    """`packing` while it still matches parameter `w` (same storage and version), else None."""
+    if packing is None or packing.version != w._version or packing.data_ptr != w.data_ptr():
+        return None
+    return packing
 
 
 class PackedWeightMixin:
@@ -149,8 +152,6 @@ class PackedWeightMixin:
     _small_m: Optional[_SmallM] = None
 
     def pack_weight(self) -> bool:
-        global PACK_GENERATION
-        PACK_GENERATION += 1
         w = self.weight
         self._packed = self._small_m = None
         if _can_pack_small_m(w):
@@ -168,19 +169,15 @@ class PackedWeightMixin:
         return True
 
     def current_small_m(self) -> Optional[_SmallM]:
-        """The small-M packing while it matches the parameter (same storage and version), else None."""
-        small, w = self._small_m, self.weight
-        if small is None or small.version != w._version or small.data_ptr != w.data_ptr():
-            return None
-        return small
+        """The small-M packing while it matches the parameter, else None."""
+        return _current(self._small_m, self.weight)
 
     def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor], float_out: bool = False) -> torch.Tensor:
         """x W^T + b; `float_out`: float32 results where the small-M kernel runs (unrounded
         accumulators; the other paths return the weight's dtype)."""
         w = self.weight
-        small = self._small_m
+        small = _current(self._small_m, w)
         if (small is not None and x.dim() == 2 and x.shape[0] <= small.max_rows and x.dtype == w.dtype
-                and small.version == w._version and small.data_ptr == w.data_ptr()
                 and ops_for(x) is not None):  # None on a GPU tensor or inside kernels.disabled()
             return small.run(x, small.packed, bias, small.out_features, float_out)
         packed = self._packed
@@ -356,7 +353,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         w, small = self.weight, self._small_m
         if (small is not None and w.dtype == torch.bfloat16 and len(self.output_sizes) == 2
                 and self.output_sizes[0] == self.output_sizes[1] and not self.gather_output
-                and _env_on("FLEETSERVE_FUSED_SILU_MUL")):
+                and env_on("FLEETSERVE_FUSED_SILU_MUL")):
             d = w.shape[0] // 2
             self._gated = _SmallM(ops_for(w).pack_linear_bf16(interleave_gate_up(w.detach(), d)), w._version,
                                   w.data_ptr(), d, None, small.max_rows)
@@ -365,17 +362,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def current_gated(self) -> Optional[_SmallM]:
         """The fused gate|up SiLU packing while it matches the parameter, else None."""
-        g, w = self._gated, self.weight
-        if g is None or g.version != w._version or g.data_ptr != w.data_ptr():
-            return None
-        return g
+        return _current(self._gated, self.weight)
 
     def silu_and_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """silu(x G^T) * (x U^T) from the fused kernel, or None where it does not run (then: the
         matmul and SiluAndMul)."""
-        g, w = self._gated, self.weight
-        if (g is None or x.dim() != 2 or x.shape[0] > g.max_rows or x.dtype != w.dtype
-                or g.version != w._version or g.data_ptr != w.data_ptr()):
+        g = self.current_gated()
+        if g is None or x.dim() != 2 or x.shape[0] > g.max_rows or x.dtype != self.weight.dtype:
             return None
         ops = ops_for(x)  # None on a GPU tensor or inside kernels.disabled()
         return None if ops is None else ops.linear_bf16_silu_mul(x, g.packed, self.bias, g.out_features)

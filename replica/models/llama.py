@@ -13,7 +13,6 @@ context; the runner's max_model_len should stay within it).
 
 from __future__ import annotations
 
-import os
 from typing import Any, Iterable, NamedTuple, Optional
 
 import torch
@@ -34,10 +33,6 @@ def _rope_parameters(config: Any) -> dict[str, Any]:
     params = dict(params)
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     return params
-
-
-def _env_on(name: str) -> bool:
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _head_dim(config: Any) -> int:
@@ -170,17 +165,17 @@ class LlamaModel(nn.Module):
         modules per layer with their views, checks and dispatches: ~2-2.5 ms off every
         step of SmolLM2's 30 layers on a 2-core CPU, a fifth of a batch-1 decode step
         (README, CPU kernels)."""
-        if not _env_on("FLEETSERVE_KERNEL_LAYERS") or not PagedAttention.use_attention_kernel:
+        if not linear_module.env_on("FLEETSERVE_KERNEL_LAYERS") or not PagedAttention.use_attention_kernel:
             return None
-        key = (hidden.dtype, kv_caches[0].shape[3], linear_module.PACK_GENERATION)
+        key = (hidden.dtype, kv_caches[0].shape[3])
         cached_key, plan, packings = self._plan
         if cached_key == key:
             if plan is None:
-                if self._packings() == packings:  # none repacked, set aside or put back since
-                    return None
+                if all(a is b for a, b in zip(self._packings(), packings, strict=True)):
+                    return None  # none repacked, set aside or put back since
             elif _plan_holds(plan):
                 return plan
-        plan = self._build_kernel_plan(*key[:2])
+        plan = self._build_kernel_plan(*key)
         self._plan = (key, plan, self._packings() if plan is None else None)
         return plan
 
