@@ -30,6 +30,11 @@ Medians of `--repeats` interleaved rounds. Prints a table and writes
 
     python benchmarks/kv_transfer.py                # 512..16k tokens, 3 rounds
     python benchmarks/kv_transfer.py --quick        # 512 and 2k tokens, 2 rounds
+
+`--device cuda` puts both paged caches on the GPU: a hand-off then also copies the blocks
+to pinned host memory and back, and the table gains that copy alone (`d2h+h2d`: the same
+bytes from device to pinned host and back) as a second baseline. `--connectors storage`
+runs one connector (no Ray needed), `--no-recompute` skips the real model's prefill.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ CFG = type("Cfg", (), dict(num_attention_heads=9, num_key_value_heads=HEADS, hid
                            rope_theta=100000.0, head_dim=HEAD_DIM))
 
 
-def make_pair(kind: str, num_blocks: int, tmp: str):
+def make_pair(kind: str, num_blocks: int, tmp: str, device: str = "cpu", dtype=torch.float32):
     """A producer and a consumer worker half of one connector, each with its own cache."""
     from fleetserve.kv_transfer.base import KVConnectorRole
     from fleetserve.kv_transfer.config import KVTransferConfig
@@ -71,10 +76,10 @@ def make_pair(kind: str, num_blocks: int, tmp: str):
     for seed, role in ((0, "kv_producer"), (1, "kv_consumer")):
         cfg = KVTransferConfig(kv_connector=kind, kv_role=role, kv_connector_extra_config=extra,
                                kv_load_timeout_s=600, engine_id=f"bench-{role}")
-        ctx = build_context(cfg, "smollm2-135m", CFG, torch.float32, BS)
+        ctx = build_context(cfg, "smollm2-135m", CFG, dtype, BS)
         w = cls(cfg, KVConnectorRole.WORKER, ctx)
         g = torch.Generator().manual_seed(seed)
-        w.register_kv_caches([torch.randn((2, HEADS, num_blocks, BS, HEAD_DIM), generator=g)
+        w.register_kv_caches([torch.randn((2, HEADS, num_blocks, BS, HEAD_DIM), generator=g).to(device, dtype)
                               for _ in range(LAYERS)])
         halves.append(w)
     return halves[0].ctx, halves[0], halves[1]
@@ -165,6 +170,17 @@ def raw_ray(buf: np.ndarray) -> float:
     return dt
 
 
+def d2h_h2d(dev: torch.Tensor, host: torch.Tensor) -> float:
+    """The bytes of a GPU tensor to pinned host memory and back, synchronised."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    host.copy_(dev, non_blocking=True)
+    torch.cuda.synchronize()
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def memcpy(t: torch.Tensor) -> float:
     out = torch.empty_like(t).zero_()  # pages touched first: the caches are warm too
     t0 = time.perf_counter()
@@ -191,14 +207,12 @@ def recompute_seconds(num_tokens: int, repeats: int) -> list[float]:
     return times
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--repeats", type=int, default=None)
-    args = ap.parse_args()
-    sizes = [512, 2048] if args.quick else [512, 2048, 8192, 16384]
-    repeats = args.repeats or (2 if args.quick else 3)
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+KINDS = {"storage": ("SharedStorageConnector", "raw_file", "file write+read (raw)", "shared storage connector"),
+         "ray": ("RayObjectStoreConnector", "raw_ray", "ray put+get (raw)", "Ray object store connector"),
+         "p2p": ("P2PConnector", "raw_gloo", "gloo send+recv (raw)", "P2P connector (gloo)")}
+
+
+def start_ray():
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -210,85 +224,117 @@ def main() -> int:
             ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
                      object_store_memory=3 << 30, _node_ip_address="127.0.0.1",
                      _system_config={"preallocate_plasma_memory": True})
-            break
+            return ray
         except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception here
             print(f"ray.init failed ({e}); retrying", file=sys.stderr)
             ray.shutdown()
             if attempt == 2:
                 raise
-    kinds = ["SharedStorageConnector", "RayObjectStoreConnector", "P2PConnector"]
-    shorts = ("storage", "ray", "p2p")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both paged caches live")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--connectors", default="storage,ray,p2p", help="comma list of storage, ray, p2p")
+    ap.add_argument("--no-recompute", action="store_true", help="skip the real model's 2k-token prefill")
+    args = ap.parse_args()
+    shorts = [c for c in args.connectors.split(",") if c]
+    if not shorts or any(c not in KINDS for c in shorts):
+        ap.error(f"--connectors: choose from {', '.join(KINDS)}")
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device visible")
+    dtype = getattr(torch, args.dtype)
+    sizes = [512, 2048] if args.quick else [512, 2048, 8192, 16384]
+    repeats = args.repeats or (2 if args.quick else 3)
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    ray = start_ray() if {"ray", "p2p"} & set(shorts) else None
+    kinds = [KINDS[c][0] for c in shorts]
+    raws = {KINDS[c][1] for c in shorts} | ({"d2h_h2d"} if cuda else set())
+    per_token = LAYERS * 2 * HEADS * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvbench-") as tmp:
-        pairs = {k: make_pair(k, max(sizes) // BS, os.path.join(tmp, k)) for k in kinds}
+        pairs = {k: make_pair(k, max(sizes) // BS, os.path.join(tmp, k), args.device, dtype) for k in kinds}
         for k in kinds:  # warm-up (actor start, first file in each folder), not timed
             hand_off(*pairs[k], 512, f"warmup-{k[:4]}")
-        raw_ray(np.zeros(1 << 20, dtype=np.uint8))
-        raw_gloo = RawGloo()
+        if "raw_ray" in raws:
+            raw_ray(np.zeros(1 << 20, dtype=np.uint8))
+        raw_gloo = RawGloo() if "raw_gloo" in raws else None
         for n in sizes:
-            nbytes = n * LAYERS * 2 * HEADS * HEAD_DIM * 4
+            nbytes = n * per_token
             data = torch.randn(nbytes // 4)
             buf = data.view(torch.uint8).numpy()
-            t = {k: [] for k in ("memcpy", "raw_file", "raw_ray", "raw_gloo",
-                                 *[f"{k}_{p}" for k in kinds for p in ("export", "load")])}
             recv = torch.zeros_like(data.view(torch.uint8))
+            dev = data.to("cuda") if cuda else None
+            pinned = torch.empty(data.shape, dtype=data.dtype, pin_memory=True) if cuda else None
+            paths = {"memcpy": lambda: memcpy(data), "raw_file": lambda: raw_file(buf, tmp),
+                     "raw_ray": lambda: raw_ray(buf),
+                     "raw_gloo": lambda: raw_gloo(data.view(torch.uint8), recv),
+                     "d2h_h2d": lambda: d2h_h2d(dev, pinned)}
+            paths = {k: f for k, f in paths.items() if k == "memcpy" or k in raws}
+            t = {k: [] for k in (*paths, *[f"{k}_{p}" for k in kinds for p in ("export", "load")])}
             for r in range(-1, repeats):  # interleaved: every path once per round; round -1 untimed
-                if r < 0:  # warm-up at this size: buffers of this size pooled, pages touched
-                    memcpy(data), raw_file(buf, tmp), raw_ray(buf), raw_gloo(data.view(torch.uint8), recv)
-                    for k in kinds:
-                        hand_off(*pairs[k], n, f"warmup-{n}-{k[:4]}")
-                    continue
-                t["memcpy"].append(memcpy(data))
-                t["raw_file"].append(raw_file(buf, tmp))
-                t["raw_ray"].append(raw_ray(buf))
-                t["raw_gloo"].append(raw_gloo(data.view(torch.uint8), recv))
+                for name, fn in paths.items():
+                    dt = fn()
+                    if r >= 0:  # round -1 warms up: buffers of this size pooled, pages touched
+                        t[name].append(dt)
                 for k in kinds:
                     ctx, prod, cons = pairs[k]
                     e, l = hand_off(ctx, prod, cons, n, f"bench-{n}-{r}-{k[:4]}")
-                    t[f"{k}_export"].append(e)
-                    t[f"{k}_load"].append(l)
+                    if r >= 0:
+                        t[f"{k}_export"].append(e)
+                        t[f"{k}_load"].append(l)
             med = {k: statistics.median(v) for k, v in t.items()}
             gbs = lambda s: nbytes / s / 1e9  # noqa: E731
-            row = {"tokens": n, "bytes": nbytes, "memcpy_gbs": gbs(med["memcpy"]),
-                   "file_raw_gbs": gbs(med["raw_file"]), "ray_raw_gbs": gbs(med["raw_ray"]),
-                   "gloo_raw_gbs": gbs(med["raw_gloo"])}
-            for k, short in zip(kinds, shorts):
+            row = {"tokens": n, "bytes": nbytes, "device": args.device, "dtype": args.dtype}
+            for k in paths:
+                row[f"{k}_gbs"] = gbs(med[k])
+            for c in shorts:
+                k, raw = KINDS[c][0], KINDS[c][1]
                 total = med[f"{k}_export"] + med[f"{k}_load"]
-                row[f"{short}_gbs"] = gbs(total)
-                row[f"{short}_export_s"] = med[f"{k}_export"]
-                row[f"{short}_load_s"] = med[f"{k}_load"]
-            row["storage_vs_raw"] = row["storage_gbs"] / row["file_raw_gbs"]
-            row["ray_vs_raw"] = row["ray_gbs"] / row["ray_raw_gbs"]
-            row["ray_vs_memcpy"] = row["ray_gbs"] / row["memcpy_gbs"]
-            row["p2p_vs_raw"] = row["p2p_gbs"] / row["gloo_raw_gbs"]
+                row[f"{c}_gbs"] = gbs(total)
+                row[f"{c}_export_s"] = med[f"{k}_export"]
+                row[f"{c}_load_s"] = med[f"{k}_load"]
+                row[f"{c}_vs_raw"] = row[f"{c}_gbs"] / row[f"{raw}_gbs"]
+                if cuda:
+                    row[f"{c}_vs_d2h_h2d"] = row[f"{c}_gbs"] / row["d2h_h2d_gbs"]
+            if "ray" in shorts:
+                row["ray_vs_memcpy"] = row["ray_gbs"] / row["memcpy_gbs"]
             rows.append(row)
             print(json.dumps(row), flush=True)
         for _, prod, cons in pairs.values():
             prod.shutdown()
             cons.shutdown()
-    ray.shutdown()
-    recompute = statistics.median(recompute_seconds(2048, repeats))
+    if ray is not None:
+        ray.shutdown()
+    recompute = None if args.no_recompute else statistics.median(recompute_seconds(2048, repeats))
     two_k = next(r for r in rows if r["tokens"] == 2048)
-    report(rows, recompute, two_k)
+    report(rows, recompute, two_k, shorts, cuda)
     return 0
 
 
-def report(rows, recompute, two_k) -> None:
-    print(f"CPU: {cpu_name()}")
+def report(rows, recompute, two_k, shorts, cuda) -> None:
+    where = f"GPU: {torch.cuda.get_device_name()}, host " if cuda else ""
+    print(f"{where}CPU: {cpu_name()}; caches {rows[0]['dtype']} on {rows[0]['device']}")
     print("\nGB/s end to end (producer cache -> consumer cache), medians; raw = the transport alone")
-    print(f"{'tokens':>7} {'MiB':>6} {'memcpy':>7} {'file':>6} {'storage':>8} {'st/raw':>7} "
-          f"{'ray raw':>8} {'ray':>6} {'ray/raw':>8} {'ray/mcpy':>9} {'gloo':>6} {'p2p':>6} {'p2p/raw':>8}")
+    cols = [("memcpy", "memcpy_gbs")] + ([("d2h+h2d", "d2h_h2d_gbs")] if cuda else [])
+    for c in shorts:
+        cols += [(f"{c} raw", f"{KINDS[c][1]}_gbs"), (c, f"{c}_gbs"), (f"{c}/raw", f"{c}_vs_raw")]
+        if cuda:
+            cols.append((f"{c}/d2h", f"{c}_vs_d2h_h2d"))
+    if "ray" in shorts:
+        cols.append(("ray/mcpy", "ray_vs_memcpy"))
+    print(f"{'tokens':>7} {'MiB':>6} " + " ".join(f"{h:>{max(8, len(h))}}" for h, _ in cols))
     for r in rows:
-        print(f"{r['tokens']:>7} {r['bytes'] / 2**20:>6.0f} {r['memcpy_gbs']:>7.2f} "
-              f"{r['file_raw_gbs']:>6.2f} {r['storage_gbs']:>8.2f} {r['storage_vs_raw']:>7.2f} "
-              f"{r['ray_raw_gbs']:>8.2f} {r['ray_gbs']:>6.2f} {r['ray_vs_raw']:>8.2f} "
-              f"{r['ray_vs_memcpy']:>9.2f} {r['gloo_raw_gbs']:>6.2f} {r['p2p_gbs']:>6.2f} "
-              f"{r['p2p_vs_raw']:>8.2f}")
-    print(f"\nload vs recompute, 2048 tokens: prefill {recompute * 1e3:.0f} ms; "
-          f"storage load {two_k['storage_load_s'] * 1e3:.1f} ms "
-          f"({recompute / two_k['storage_load_s']:.0f}x); ray load {two_k['ray_load_s'] * 1e3:.1f} ms "
-          f"({recompute / two_k['ray_load_s']:.0f}x); p2p load {two_k['p2p_load_s'] * 1e3:.1f} ms "
-          f"({recompute / two_k['p2p_load_s']:.0f}x)")
+        print(f"{r['tokens']:>7} {r['bytes'] / 2**20:>6.0f} "
+              + " ".join(f"{r[k]:>{max(8, len(h))}.2f}" for h, k in cols))
+    loads = ", ".join(f"{c} load {two_k[f'{c}_load_s'] * 1e3:.1f} ms"
+                      + (f" ({recompute / two_k[f'{c}_load_s']:.0f}x)" if recompute else "") for c in shorts)
+    print(f"\nload vs recompute, 2048 tokens: "
+          + (f"prefill {recompute * 1e3:.0f} ms; " if recompute else "prefill not run; ") + loads)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "kv_transfer.json").write_text(json.dumps(
         {"rows": rows, "recompute_2k_s": recompute}, indent=1))
@@ -299,18 +345,18 @@ def report(rows, recompute, two_k) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     x = [r["tokens"] for r in rows]
-    for key, label in (("memcpy_gbs", "memcpy"), ("file_raw_gbs", "file write+read (raw)"),
-                       ("storage_gbs", "shared storage connector"), ("ray_raw_gbs", "ray put+get (raw)"),
-                       ("ray_gbs", "Ray object store connector"), ("gloo_raw_gbs", "gloo send+recv (raw)"),
-                       ("p2p_gbs", "P2P connector (gloo)")):
+    lines = [("memcpy_gbs", "memcpy")] + ([("d2h_h2d_gbs", "GPU -> pinned host -> GPU (raw)")] if cuda else [])
+    for c in shorts:
+        lines += [(f"{KINDS[c][1]}_gbs", KINDS[c][2]), (f"{c}_gbs", KINDS[c][3])]
+    for key, label in lines:
         a.plot(x, [r[key] for r in rows], marker="o", label=label)
     a.set_xscale("log", base=2)
-    a.set_xlabel("prompt tokens (SmolLM2 KV, fp32)")
+    a.set_xlabel(f"prompt tokens (SmolLM2 KV, {rows[0]['dtype']}, caches on {rows[0]['device']})")
     a.set_ylabel("GB/s")
-    a.set_title(f"KV hand-off throughput ({cpu_name()})", fontsize=9)
+    a.set_title(f"KV hand-off throughput ({where}{cpu_name()})", fontsize=9)
     a.legend(fontsize=8)
-    names = ["recompute\n(prefill)", "storage\nload", "ray\nload", "p2p\nload"]
-    vals = [recompute, two_k["storage_load_s"], two_k["ray_load_s"], two_k["p2p_load_s"]]
+    names = ([] if recompute is None else ["recompute\n(prefill)"]) + [f"{c}\nload" for c in shorts]
+    vals = ([] if recompute is None else [recompute]) + [two_k[f"{c}_load_s"] for c in shorts]
     b.barh(names, [v * 1e3 for v in vals])
     b.set_xscale("log")
     b.set_xlabel("ms to make a 2048-token prompt's KV ready")
