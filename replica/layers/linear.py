@@ -79,10 +79,12 @@ def _can_pack(weight: torch.Tensor) -> bool:
 # and the kernel's own sweep, 30 layers of distinct weights as in a model). bfloat16: at every
 # size up to 4096 rows, prefill chunks included (1.10x at 256-512 rows, 1.03x at 2048, 1.01x at
 # 4096; 0.88x at 8192). float32 with AVX-512: up to 128 (at 1024-2048 rows oneDNN is 1.08-1.1x
-# faster). The AVX2 build was measured against oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2, as
-# on an AVX2-only CPU): faster up to 192 rows, even at 256.
+# faster). float32 with AVX2 only, on a real AVX2-only CPU (AMD EPYC Zen 3, 2026-11-27; passes of 6
+# rows over 16-output tiles): 1.1-1.7x oneDNN up to 128 rows, 1.0-1.2x at 256-512, even at 2048
+# (1.0x; `benchmarks/decode_step.py --compare-small-m`: prefill-2048 3718 vs 3743 ms), so it takes
+# prefill chunks too, as bf16 does: one code path, and a row's result never depends on its batch.
 _DEFAULT_ROWS = {("bfloat16", "avx512_bf16"): 4096, ("float32", "avx512_bf16"): 128, ("float32", "avx512"): 128,
-                 ("float32", "avx2"): 128}
+                 ("float32", "avx2"): 4096}
 
 
 def small_m_rows(dtype: torch.dtype = torch.bfloat16) -> int:

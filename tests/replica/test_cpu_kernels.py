@@ -428,7 +428,7 @@ def test_small_m_linear_f32_matches_float64_and_is_batch_invariant():
             got = ops.linear_f32(x, packed, b, n)
             ref = x.double() @ w.double().t() + (b.double() if bias else 0)
             torch.testing.assert_close(got.double(), ref, atol=1e-4, rtol=1e-5)
-            for m in (1, 3, 4, 5, 8, 9, 21):
+            for m in (1, 3, 4, 5, 6, 7, 8, 9, 12, 13, 21):  # passes of 6 rows (AVX2) or 8 (AVX-512)
                 assert torch.equal(ops.linear_f32(x[:m], packed, b, n), got[:m])
             wide = torch.randn(21, k + 7, generator=g)
             wide[:, :k] = x
@@ -437,7 +437,8 @@ def test_small_m_linear_f32_matches_float64_and_is_batch_invariant():
     got = ops.linear_f32(x, packed, b, n)
     torch.testing.assert_close(got.double(), x.double() @ w.double().t() + (b.double() if bias else 0),
                                atol=1e-4, rtol=1e-5)
-    for lo, hi in [(0, 1), (255, 257), (256, 600)]:
+    # row blocks of 256 rows (AVX-512, 8 a pass) or 252 (AVX2, 6 a pass)
+    for lo, hi in [(0, 1), (251, 253), (255, 257), (256, 600), (504, 600)]:
         assert torch.equal(ops.linear_f32(x[lo:hi], packed, b, n), got[lo:hi]), (lo, hi)
     with pytest.raises(RuntimeError, match="does not match"):
         ops.linear_f32(x, packed, b, 3)
