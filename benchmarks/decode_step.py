@@ -195,8 +195,8 @@ def main() -> None:
     model, cfg = load_model(resolve_model(args.model), dtype)
     block_size = 16
     # Enough blocks for the largest case (decode-N: N requests of context + GROWTH tokens).
-    need = max(int(c.split("-")[1]) * -(-(args.context + 1 + GROWTH) // block_size)
-               for c in args.cases.split(",") if c.startswith("decode-")) if "decode-" in args.cases else 0
+    need = max((int(c.split("-")[1]) * -(-(args.context + 1 + GROWTH) // block_size)
+                for c in args.cases.split(",") if c.startswith("decode-")), default=0)
     num_blocks = max(2048, need + 1)
     kv_caches = allocate_kv_caches(cfg, num_blocks, block_size, dtype)
     gen = torch.Generator().manual_seed(0)
