@@ -748,10 +748,12 @@ inline __m256 hsum8x8(const __m256* v) {
 }
 
 // scores[g][l] = qf_g . k_l (qf pre-scaled), float keys, D = 8 * NV; the query in registers, 8 keys
-// at a time summed together. The first head's pass prefetches keys two rows of 8 ahead; the later
-// heads' passes (keys in L1/L2) carry the next task's prefetches.
+// at a time summed together. The first head's pass prefetches keys two rows of 8 ahead, and the
+// value rows that P*V reads next into L2 (AVX2 builds skip the next-task prefetch: see
+// paged_attention); the later heads' passes find the keys in L1/L2.
 template <int NV>
-void scores_avx2(const float* qf, const float* const* kp, int64_t len, int64_t G, float* scores,
+void scores_avx2(const float* qf, const float* const* kp, const float* const* vp, int64_t len, int64_t G,
+                 float* scores,
                  int64_t stride_row, NextTaskPrefetch& pf, bool rows_cached) {
   for (int64_t g = 0; g < G; ++g) {
     __m256 q[NV];
@@ -765,8 +767,10 @@ void scores_avx2(const float* qf, const float* const* kp, int64_t len, int64_t G
           part[j] = _mm256_setzero_ps();
           continue;
         }
-        if (g == 0 && !rows_cached && l0 + j + 16 < len)
+        if (g == 0 && !rows_cached && l0 + j + 16 < len) {
           for (int c = 0; c < NV; c += 2) __builtin_prefetch(kp[l0 + j + 16] + 8 * c, 0, 3);
+          for (int c = 0; c < NV; c += 2) __builtin_prefetch(vp[l0 + j + 16] + 8 * c, 0, 2);
+        }
         const float* k = kp[l0 + j];
         __m256 a = _mm256_mul_ps(_mm256_loadu_ps(k), q[0]);
         for (int c = 1; c < NV; ++c) a = _mm256_fmadd_ps(_mm256_loadu_ps(k + 8 * c), q[c], a);
@@ -1021,9 +1025,9 @@ void attend_tokens(const T* q, int64_t q_stride, int64_t nt, const int64_t* lens
     if constexpr (std::is_same_v<T, float>) {
       vec = true;
       switch (D) {
-        case 32: scores_avx2<4>(qf, kp, len, G, si, stride_row, pf, cached); break;
-        case 64: scores_avx2<8>(qf, kp, len, G, si, stride_row, pf, cached); break;
-        case 128: scores_avx2<16>(qf, kp, len, G, si, stride_row, pf, cached); break;
+        case 32: scores_avx2<4>(qf, kp, vp, len, G, si, stride_row, pf, cached); break;
+        case 64: scores_avx2<8>(qf, kp, vp, len, G, si, stride_row, pf, cached); break;
+        case 128: scores_avx2<16>(qf, kp, vp, len, G, si, stride_row, pf, cached); break;
         default: vec = false;
       }
     }
@@ -1177,7 +1181,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
         for (int64_t t = t0; t < t1; ++t) maxlen = std::max(maxlen, slp[t]);
         pf.clear();
         pf.mark_read(kc + h * head_elems, btp + r * MB, maxlen, BS, block_bytes);
-        if (i + 1 < end) {  // the next task's rows, unless they are this task's (a prompt's tokens)
+        // The next task's rows, unless they are this task's (a prompt's tokens). Not in AVX2
+        // builds: on an AVX2-only Zen 3 the spread prefetches of the next task slowed a batch-64
+        // decode's attention (30 layers, 200 tokens of context) from ~75 to ~90 ms on one thread;
+        // its key pass prefetching this task's own value rows instead did best there.
+        if (FS_AVX512 && i + 1 < end) {
           const int64_t nk = task_of(i + 1) / KVH, nh = task_of(i + 1) % KVH;
           const int64_t nt0 = tile[nk];
           const int64_t nr = trp ? trp[nt0] : nt0;
