@@ -1180,12 +1180,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
         int64_t maxlen = 0;
         for (int64_t t = t0; t < t1; ++t) maxlen = std::max(maxlen, slp[t]);
         pf.clear();
-        pf.mark_read(kc + h * head_elems, btp + r * MB, maxlen, BS, block_bytes);
         // The next task's rows, unless they are this task's (a prompt's tokens). AVX-512 builds
         // only: on an AVX2-only Zen 3 the spread prefetches of the next task slowed a batch-64
         // decode's attention (30 layers, 200 tokens of context) from ~75 to ~90 ms on one thread;
         // its key pass prefetching this task's own value rows instead did best there.
         if (FS_AVX512 && i + 1 < end) {
+          pf.mark_read(kc + h * head_elems, btp + r * MB, maxlen, BS, block_bytes);  // fetched: not again
           const int64_t nk = task_of(i + 1) / KVH, nh = task_of(i + 1) % KVH;
           const int64_t nt0 = tile[nk];
           const int64_t nr = trp ? trp[nt0] : nt0;
