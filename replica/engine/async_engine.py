@@ -27,7 +27,7 @@ from typing import Any, AsyncIterator, Optional
 from fleetserve.replica.engine.core_client import (ProcessCoreClient, SpawnedCore, ThreadCoreClient,
                                                    use_core_process)
 from fleetserve.replica.engine.engine_args import EngineArgs
-from fleetserve.replica.engine.engine_core import StepResult
+from fleetserve.replica.engine.step_result import StepResult
 from fleetserve.replica.executor import ExecutorError
 from fleetserve.replica.engine.metrics import EngineMetrics
 from fleetserve.replica.model_loader.model_info import generation_defaults, read_model_shape

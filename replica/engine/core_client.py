@@ -48,13 +48,16 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from fleetserve.replica.engine.engine_args import EngineArgs
-from fleetserve.replica.engine.engine_core import EngineCore, StepResult
+from fleetserve.replica.engine.step_result import StepResult
 from fleetserve.replica.engine.framing import ChannelBroken, FrameChannel
 from fleetserve.replica.executor import ExecutorError
 from fleetserve.scheduler import Request, RequestStatus
+
+if TYPE_CHECKING:  # the replica side never imports the engine (torch): only the core does
+    from fleetserve.replica.engine.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +156,8 @@ class ThreadCoreClient(_CoreClient):
 
     def __init__(self, args: EngineArgs, eos_token_id: Optional[int], on_step: StepCallback,
                  on_failure: FailureCallback) -> None:
+        from fleetserve.replica.engine.engine_core import EngineCore
+
         self.core = EngineCore(args, eos_token_id)
         self.max_model_len = self.core.max_model_len
         self.vocab_size = self.core.hf_config.vocab_size

@@ -16,13 +16,13 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from fleetserve.replica.engine.engine_args import EngineArgs
+from fleetserve.replica.engine.step_result import StepResult
 from fleetserve.replica.executor import Executor, make_executor
 from fleetserve.replica.structured_output.manager import StructuredOutputManager
-from fleetserve.scheduler import EngineCoreOutput, KVEventBatch, Request, RequestStatus, create_scheduler
+from fleetserve.scheduler import Request, RequestStatus, create_scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -101,19 +101,6 @@ def kv_model_id(args: EngineArgs) -> str:
     from fleetserve.replica.model_loader.registry import resolve_model
 
     return resolve_model(args.model).path.name
-
-
-@dataclass(slots=True)
-class StepResult:
-    outputs: list[EngineCoreOutput]
-    # Requests sent in full this step (new, or resumed after preemption).
-    newly_scheduled: list[str] = field(default_factory=list)
-    num_scheduled_tokens: int = 0
-    timestamp: float = 0.0
-    # What the prefix cache gained and lost (scheduler.kv_events), when events are on.
-    kv_events: Optional[KVEventBatch] = None
-    # KV transfer: what moved this step, and blocks held for transfers (kv_transfer.metrics).
-    kv_stats: Optional[dict] = None
 
 
 def resolve_max_model_len(args: EngineArgs, hf_config) -> int:

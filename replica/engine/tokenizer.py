@@ -8,21 +8,29 @@ keyed by the file's path, size and modification time, so later loads read a
 `tokenizer.json` in well under a second. Replicas that start together may
 both convert; each writes a private folder and renames it into place, and the
 loser's rename simply fails.
+
+`AutoTokenizer` imports transformers' model-configuration machinery and, with it, torch
+(~3 s of CPU). The replica process holds the tokenizer but never runs the model, so a
+folder whose tokenizer AutoTokenizer would load as the plain fast tokenizer anyway (our
+GGUF cache; a Llama folder that names `TokenizersBackend`) is loaded through that class
+directly (`_plain_fast_folder`; tests/replica/test_tokenizer.py checks the two agree).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
-
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from typing import TYPE_CHECKING, Any, Optional
 
 from fleetserve.replica.model_loader.registry import ModelSource
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 logger = logging.getLogger(__name__)
 
@@ -38,19 +46,51 @@ def tokenizer_cache_root() -> Path:
 def load_tokenizer(source: ModelSource, cache_root: Optional[Path] = None) -> PreTrainedTokenizerFast:
     """The fast tokenizer of a model, with its chat template when it has one."""
     if source.kind == "hf":
-        return AutoTokenizer.from_pretrained(str(source.path))
+        return _from_folder(source.path)
     if source.kind != "gguf":
         raise ValueError(f"unknown model source kind {source.kind!r}")
     cached = _cache_dir(source.path, cache_root)
     if (cached / "tokenizer.json").is_file():
         try:
-            return AutoTokenizer.from_pretrained(str(cached))
+            return _from_folder(cached)
         except Exception as e:  # a damaged cache entry (any parse error): convert again
             logger.warning("ignoring unreadable tokenizer cache %s: %s", cached, e)
             shutil.rmtree(cached, ignore_errors=True)
     tokenizer = _convert_gguf(source.path)
     _store(tokenizer, cached)
     return tokenizer
+
+
+# tokenizer_config.json classes that AutoTokenizer loads as they are: the plain fast tokenizer.
+_PLAIN_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _plain_fast_folder(folder: Path) -> bool:
+    """Whether AutoTokenizer would load `folder` as the plain fast tokenizer: its
+    tokenizer_config.json names that class, with no custom code, and the folder is our GGUF
+    cache (no config.json) or a Llama (transformers maps no tokenizer class of its own to
+    `llama`; for some model types it overrides what the folder names, so other folders go
+    through AutoTokenizer)."""
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        if not (folder / "tokenizer.json").is_file():
+            return False
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type") \
+            if (folder / "config.json").exists() else None
+    except (OSError, ValueError):
+        return False
+    return (isinstance(config, dict) and config.get("tokenizer_class") in _PLAIN_CLASSES
+            and "auto_map" not in config and model_type in (None, "llama"))
+
+
+def _from_folder(folder: Path) -> PreTrainedTokenizerFast:
+    if _plain_fast_folder(folder):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(folder))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
 
 
 def _cache_dir(gguf_path: Path, cache_root: Optional[Path]) -> Path:
@@ -60,6 +100,8 @@ def _cache_dir(gguf_path: Path, cache_root: Optional[Path]) -> Path:
 
 
 def _convert_gguf(gguf_path: Path) -> PreTrainedTokenizerFast:
+    from transformers import AutoTokenizer
+
     logger.info("converting the tokenizer of %s (once; cached afterwards)", gguf_path.name)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     if not tokenizer.chat_template:

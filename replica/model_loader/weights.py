@@ -27,6 +27,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from fleetserve.replica.model_loader.model_config import ModelConfig, read_model_config
 from fleetserve.replica.model_loader.registry import ModelSource
 from fleetserve.replica.models import get_model_class
 from fleetserve.replica.distributed.parallel import TPGroup, get_tp_group
@@ -72,9 +73,23 @@ def reverse_llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def gguf_config(meta: dict[str, Any], tensor_names: set[str], path: Path):
-    """A transformers `LlamaConfig` / `MistralConfig` / `Qwen2Config` from GGUF metadata."""
+    """A transformers `LlamaConfig` / `MistralConfig` / `Qwen2Config` from GGUF metadata (for
+    HF's own model: hf_export; the engine reads `gguf_model_config`)."""
     from transformers import AutoConfig
 
+    arch, kwargs = _gguf_config_fields(meta, tensor_names, path)
+    if arch == "qwen2":
+        kwargs.pop("head_dim")
+    return AutoConfig.for_model(arch, **kwargs)
+
+
+def gguf_model_config(meta: dict[str, Any], tensor_names: set[str], path: Path) -> ModelConfig:
+    """The engine's config (model_config.ModelConfig) from GGUF metadata."""
+    arch, kwargs = _gguf_config_fields(meta, tensor_names, path)
+    return ModelConfig.from_dict({"model_type": arch, **kwargs})
+
+
+def _gguf_config_fields(meta: dict[str, Any], tensor_names: set[str], path: Path) -> tuple[str, dict[str, Any]]:
     arch = meta.get("general.architecture")
     if arch not in _GGUF_ARCHITECTURES:
         raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {sorted(_GGUF_ARCHITECTURES)}")
@@ -116,9 +131,7 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], path: Path):
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
     )
-    if arch == "qwen2":
-        kwargs.pop("head_dim")
-    return AutoConfig.for_model(arch, **kwargs)
+    return arch, kwargs
 
 
 # --------------------------------------------------------------------------- tensor iterators
@@ -187,12 +200,12 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | s
     t0 = time.perf_counter()
     gguf_file = None
     if source.kind == "hf":
-        config = load_hf_config(source.path)
+        config = read_model_config(source.path)
     elif source.kind == "gguf":
         from fleetserve.replica.model_loader.gguf_reader import GGUFFile
 
         gguf_file = GGUFFile(source.path)
-        config = gguf_config(gguf_file.metadata, set(gguf_file.tensors), source.path)
+        config = gguf_model_config(gguf_file.metadata, set(gguf_file.tensors), source.path)
     else:
         raise ValueError(f"unknown model source kind {source.kind!r}")
     model_cls = get_model_class(config)

@@ -59,6 +59,75 @@ def test_template_exceptions_become_value_errors(tiny_model_dir):
         apply_chat_template(tok, [{"role": "assistant", "content": "no"}])
 
 
+_SAMPLES = ["Hello world", "  leading spaces and\ttabs\n", "héllo 你好 🎉 naïve", "def f(x):\n    return x",
+            "<|im_start|>user\nhi<|im_end|>\n"]
+
+
+def assert_same_as_auto(tok, folder) -> None:
+    """`tok` is what AutoTokenizer makes of `folder`: same class, ids, special tokens, template."""
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(str(folder))
+    assert type(tok) is type(auto)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, len(tok)) == \
+        (auto.bos_token_id, auto.eos_token_id, auto.pad_token_id, len(auto))
+    assert tok.chat_template == auto.chat_template
+    for text in _SAMPLES:
+        assert tok.encode(text) == auto.encode(text)
+        assert tok(text, add_special_tokens=True)["input_ids"] == auto(text, add_special_tokens=True)["input_ids"]
+        assert tok.decode(auto.encode(text)) == auto.decode(auto.encode(text))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🎉"}]
+    assert apply_chat_template(tok, messages) == apply_chat_template(auto, messages)
+
+
+def test_plain_fast_folders_load_as_autotokenizer_would(tiny_model_dir, tiny_tok):
+    from fleetserve.replica.engine.tokenizer import _plain_fast_folder
+
+    assert _plain_fast_folder(tiny_model_dir)  # loaded without AutoTokenizer (see the module)
+    assert_same_as_auto(tiny_tok, tiny_model_dir)
+
+
+def test_other_folders_go_through_autotokenizer(tiny_model_dir, tmp_path):
+    import json
+    import shutil
+
+    from fleetserve.replica.engine.tokenizer import _plain_fast_folder
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(tiny_model_dir / name, tmp_path / name)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "qwen2"}))
+    assert not _plain_fast_folder(tmp_path)  # transformers may pick another class for qwen2
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tok_config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**tok_config, "auto_map": {"AutoTokenizer": ["x.Y", None]}}))
+    assert not _plain_fast_folder(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    assert not _plain_fast_folder(tmp_path)
+
+
+def test_replica_side_imports_neither_torch_nor_the_engine(tiny_model_dir):
+    """The replica process (AsyncEngine in front of a core process) tokenizes and
+    detokenizes but never runs the model: importing torch there cost ~3 s of CPU per start."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from fleetserve.replica.engine.async_engine import AsyncEngine\n"
+            "from fleetserve.replica.engine.tokenizer import load_tokenizer\n"
+            "from pathlib import Path\n"
+            "from fleetserve.replica.model_loader.registry import ModelSource\n"
+            "from fleetserve.replica.engine.step_result import StepResult\n"
+            "import pickle\n"
+            f"tok = load_tokenizer(ModelSource('tiny', 'hf', Path({str(tiny_model_dir)!r})))\n"
+            "assert tok.encode('hi')\n"
+            "pickle.loads(pickle.dumps(StepResult([])))\n"
+            "print(sorted(m for m in ('torch', 'fleetserve.replica.engine.engine_core') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_no_chat_template_is_a_value_error(tiny_model_dir):
     tok = load_tokenizer(ModelSource("tiny", "hf", tiny_model_dir))
     tok.chat_template = None
@@ -99,6 +168,7 @@ def test_gguf_tokenizer_is_cached_on_disk(smollm_source, smollm_cache, smollm_to
     text = "Hello, world! héllo 你好 🎉"
     assert again.encode(text) == smollm_tok.encode(text)
     assert again.chat_template == smollm_tok.chat_template
+    assert_same_as_auto(again, stored[0].parent)  # the cached folder, loaded without AutoTokenizer
 
 
 @pytest.mark.real_model
