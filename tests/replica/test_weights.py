@@ -120,3 +120,43 @@ def test_kv_cache_sizes(tiny):
     assert len(caches) == 2 and caches[0].shape == (2, 2, 10, 16, 16)
     assert caches[0].abs().sum() == 0
     assert caches[0].numel() * 4 * len(caches) == 10 * kv_cache_bytes_per_block(cfg, 16, torch.float32)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "F16"])
+def test_gguf_dequantization_is_ggufs_bits(qtype):
+    """Q4_0 / Q4_1 / Q8_0 are dequantized in torch (weights.dequantize_gguf): the same float32
+    bits as gguf.quants, including extreme scales; other types still go through gguf."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from fleetserve.replica.model_loader.weights import dequantize_gguf
+
+    t = GGMLQuantizationType[qtype]
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((6, 512)) * np.logspace(-6, 4, 6)[:, None]).astype(np.float32)
+    x[0, :32] = 0.0  # an all-zero block: scale 0
+    raw = quantize(x, t)
+    ours, theirs = dequantize_gguf(raw, t), dequantize(raw, t)
+    assert ours.shape == theirs.shape == x.shape and ours.dtype == np.float32
+    assert np.array_equal(ours.view(np.uint32), np.asarray(theirs, dtype=np.float32).view(np.uint32))
+
+
+@pytest.mark.real_model
+def test_default_model_dequantizes_as_gguf_does():
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from fleetserve.replica.model_loader.gguf_reader import GGUFFile
+    from fleetserve.replica.model_loader.registry import resolve_model
+    from fleetserve.replica.model_loader.weights import dequantize_gguf
+
+    gguf = GGUFFile(resolve_model("smollm2-135m").path)
+    try:
+        for name, info in gguf.tensors.items():
+            raw = gguf.raw(name)
+            ours, theirs = dequantize_gguf(raw, info.ggml_type), dequantize(raw, info.ggml_type)
+            assert np.array_equal(np.asarray(ours).view(np.uint32), np.asarray(theirs).view(np.uint32)), name
+            del raw, ours, theirs  # F32 tensors are views of the file mapping, which close() unmaps
+    finally:
+        gguf.close()
