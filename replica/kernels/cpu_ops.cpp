@@ -1485,10 +1485,25 @@ constexpr int64_t LINF_TW = 2 * LINF_VW;
 at::Tensor pack_linear_f32(const at::Tensor& w) {
   check_cpu(w, "w");
   FS_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "w: float32 [out_features, in_features]");
-  const int64_t N = w.size(0), K = w.size(1), NP = (N + LINF_TW - 1) / LINF_TW * LINF_TW;
-  at::Tensor padded = at::zeros({NP, K}, w.options());
-  padded.narrow(0, 0, N).copy_(w);
-  return padded.view({NP / LINF_TW, LINF_TW, K}).permute({0, 2, 1}).contiguous();
+  const int64_t N = w.size(0), K = w.size(1), NT = (N + LINF_TW - 1) / LINF_TW;
+  // out[t][k][j] = w[t * TW + j][k] (zero past N): the rows padded to whole tiles, each tile
+  // transposed. One tile per task (a tile's K x TW floats stay in L2 while its rows stream in);
+  // at::zeros + copy + permute().contiguous() took ~1 s of an engine's start for SmolLM2.
+  const at::Tensor wc = w.contiguous();
+  at::Tensor out = at::empty({NT, K, LINF_TW}, w.options());
+  const float* src = wc.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, NT, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* o = dst + t * K * LINF_TW;
+      for (int64_t j = 0; j < LINF_TW; ++j) {
+        const int64_t n = t * LINF_TW + j;
+        const float* r = n < N ? src + n * K : nullptr;
+        for (int64_t k = 0; k < K; ++k) o[k * LINF_TW + j] = r ? r[k] : 0.f;
+      }
+    }
+  });
+  return out;
 }
 
 #if FS_AVX512 || FS_AVX2

@@ -413,6 +413,10 @@ def test_small_m_linear_f32_matches_float64_and_is_batch_invariant():
     g = torch.Generator().manual_seed(2)
     w = torch.randn(37, 33, generator=g)
     packed = ops.pack_linear_f32(w)
+    tw = packed.shape[2]  # tiles of 2 vectors of outputs, each transposed, rows past 37 zero
+    padded = torch.cat([w, torch.zeros(-37 % tw, 33)])
+    assert torch.equal(packed, padded.view(-1, tw, 33).permute(0, 2, 1))
+    assert torch.equal(ops.pack_linear_f32(w.t().contiguous().t()), packed)  # any strides
     if ops.isa() == "scalar":  # no vector path: it refuses; the layers never pack it
         with pytest.raises(RuntimeError, match="AVX2"):
             ops.linear_f32(torch.randn(2, 33), packed, None, 37)
