@@ -110,7 +110,7 @@ class EngineArgs(BaseModel):
     @field_validator("cpu_bind")
     @classmethod
     def _check_cpu_bind(cls, value):
-        from fleetserve.replica.worker.device import check_cpu_bind
+        from fleetserve.replica.worker.cpu_list import check_cpu_bind
 
         return check_cpu_bind(value)
 

@@ -11,6 +11,8 @@ from typing import Optional
 
 import torch
 
+from fleetserve.replica.worker.cpu_list import parse_cpu_list
+
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -78,30 +80,6 @@ def default_kv_cache_bytes(device: torch.device) -> int:
 # Open lock files of the cores this process claimed with cpu_bind="auto": held (and so the
 # cores reserved) for the life of the process; the OS drops the locks when it exits or dies.
 _claimed: list = []
-
-
-def parse_cpu_list(spec: str) -> list[int]:
-    """"0-3,8,10-11" -> [0, 1, 2, 3, 8, 10, 11] (taskset's list form)."""
-    cpus: set[int] = set()
-    for part in spec.split(","):
-        part = part.strip()
-        lo, sep, hi = part.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError(f"cpu_bind: {part!r} is not a core number or a range like 0-3 (in {spec!r})")
-        first, last = int(lo), int(hi) if sep else int(lo)
-        if last < first:
-            raise ValueError(f"cpu_bind: range {part!r} runs backwards")
-        cpus.update(range(first, last + 1))
-    return sorted(cpus)
-
-
-def check_cpu_bind(spec: Optional[str]) -> Optional[str]:
-    """Validate an EngineArgs.cpu_bind value (None, "auto", "nobind", "0-3,8" or per TP rank "0-1|2-3")."""
-    if spec is None or spec in ("auto", "nobind"):
-        return spec
-    for rank_spec in spec.split("|"):
-        parse_cpu_list(rank_spec)
-    return spec
 
 
 def _lock_dir() -> Path:

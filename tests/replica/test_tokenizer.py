@@ -122,6 +122,9 @@ def test_replica_side_imports_neither_torch_nor_the_engine(tiny_model_dir):
             f"tok = load_tokenizer(ModelSource('tiny', 'hf', Path({str(tiny_model_dir)!r})))\n"
             "assert tok.encode('hi')\n"
             "pickle.loads(pickle.dumps(StepResult([])))\n"
+            "from fleetserve.replica.engine.engine_args import EngineArgs\n"
+            "EngineArgs(model='tiny', cpu_bind='0-1|2')\n"
+            "import fleetserve.router.replica\n"
             "print(sorted(m for m in ('torch', 'fleetserve.replica.engine.engine_core') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
