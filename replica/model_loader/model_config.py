@@ -43,8 +43,7 @@ class ModelConfig:
         if model_type not in FAMILY_DEFAULTS:
             raise ValueError(f"unsupported model architecture {raw.get('architectures') or model_type!r}; "
                              f"supported model types: {', '.join(FAMILY_DEFAULTS)} (the Llama family)")
-        fields = {**FAMILY_DEFAULTS[model_type], **{k: v for k, v in raw.items() if v is not None or k not in
-                                                      FAMILY_DEFAULTS[model_type]}}
+        fields = {**FAMILY_DEFAULTS[model_type], **raw}  # an explicit null stays None, as in transformers
         for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size"):
             if not isinstance(fields[key], int) or isinstance(fields[key], bool) or fields[key] <= 0:
                 raise ValueError(f"config {key} must be a positive integer, got {fields[key]!r}")

@@ -44,6 +44,7 @@ CASES = [
     {"model_type": "llama", "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 20000.0,
                                                 "original_max_position_embeddings": 512}},
     {"model_type": "mistral", "sliding_window": None, "num_key_value_heads": 4, "pad_token_id": 0},
+    {"model_type": "llama", "bos_token_id": None, "num_key_value_heads": None, "head_dim": None},
     {"model_type": "qwen2", "hidden_size": 128, "num_attention_heads": 8, "num_key_value_heads": 2,
      "tie_word_embeddings": True, "rope_theta": 1000000.0, "bos_token_id": 151643, "eos_token_id": 151645},
 ]
@@ -57,8 +58,7 @@ def test_same_as_autoconfig(raw, tmp_path):
     ours = read_model_config(tmp_path)
     theirs = AutoConfig.from_pretrained(str(tmp_path))
     assert effective(ours) == effective(theirs)
-    if raw.get("sliding_window", 0) is not None:
-        assert getattr(ours, "sliding_window", None) == getattr(theirs, "sliding_window", None)
+    assert getattr(ours, "sliding_window", None) == getattr(theirs, "sliding_window", None)
 
 
 def test_family_defaults_cover_what_the_model_reads():
