@@ -140,7 +140,7 @@ def _gguf_config_fields(meta: dict[str, Any], tensor_names: set[str], path: Path
 # Block layouts (bytes) of the llama.cpp types dequantized here in torch: fp16 scale d, for
 # Q4_1 an fp16 minimum m, then the quants. Each value is computed with gguf.quants' operations
 # in its order (float32, no fused multiply-add), so the results are the same bits; gguf's numpy
-# code, 16 rows at a time, took ~2.3 s of a SmolLM2 (Q4_1) replica's start, this ~0.2 s.
+# code, 16 rows at a time, took 1.5-2.3 s of a SmolLM2 (Q4_1) replica's start, this ~0.5 s.
 _TORCH_QUANTS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 
