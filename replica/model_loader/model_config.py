@@ -58,14 +58,8 @@ class ModelConfig:
         fields.pop("rope_theta", None)
         return cls(fields)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
     def __repr__(self) -> str:
         return f"ModelConfig({self.__dict__!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, ModelConfig) and self.__dict__ == other.__dict__
 
 
 def _rope_parameters(fields: dict[str, Any]) -> dict[str, Any]:
