@@ -39,6 +39,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -207,6 +208,67 @@ template <typename... A> std::string msg(const A&... pieces) {
   return s;
 }
 #define FS_CHECK(cond, ...) TORCH_CHECK(cond, msg(__VA_ARGS__))
+
+// ------------------------------------------------------------------------------------------ work stealing
+
+// steal_for(n, f): f(i, next) for every task i in [0, n), over torch's intra-op threads.
+//
+// at::parallel_for hands each thread one contiguous share up front. When another process takes a
+// core for a while (a serving box's HTTP, Ray and streaming processes; a VM's neighbours), the
+// other threads finish their shares and wait at the region's end for that one: the step loses
+// all of the time taken, not a share of it. Here each thread starts on the same contiguous share,
+// claiming one task at a time from its front; a thread whose share is done claims tasks one at
+// a time from the back of the share with the most left. `next` is the task the thread expects to
+// run next (the front of its share, -1 when none: a prefetch hint only; it may be claimed by
+// another thread meanwhile). Which thread runs a task never changes what the task computes, so
+// results are the same bits as with any other split.
+struct alignas(64) StealShare {
+  std::atomic<uint64_t> lohi{0};  // lo in the low 32 bits, hi in the high: tasks [lo, hi) unclaimed
+};
+inline uint64_t share_pack(uint64_t lo, uint64_t hi) { return lo | (hi << 32); }
+
+template <typename F>
+void steal_for(int64_t n, F&& f) {
+  if (n <= 0) return;
+  const int64_t nt = std::min<int64_t>(at::get_num_threads(), n);
+  if (nt <= 1 || at::in_parallel_region() || n >= (int64_t(1) << 31)) {
+    for (int64_t i = 0; i < n; ++i) f(i, i + 1 < n ? i + 1 : -1);
+    return;
+  }
+  std::vector<StealShare> shares(nt);
+  for (int64_t t = 0; t < nt; ++t)  // the split at::parallel_for would make
+    shares[t].lohi.store(share_pack(std::min(n, t * ((n + nt - 1) / nt)), std::min(n, (t + 1) * ((n + nt - 1) / nt))),
+                         std::memory_order_relaxed);
+  auto run = [&](int64_t tid) {
+    std::atomic<uint64_t>& own = shares[tid].lohi;
+    uint64_t v = own.load(std::memory_order_acquire);
+    for (;;) {  // own share, from the front
+      const uint64_t lo = v & 0xFFFFFFFFu, hi = v >> 32;
+      if (lo >= hi) break;
+      if (!own.compare_exchange_weak(v, share_pack(lo + 1, hi), std::memory_order_acq_rel)) continue;
+      f(static_cast<int64_t>(lo), lo + 1 < hi ? static_cast<int64_t>(lo + 1) : -1);
+      v = own.load(std::memory_order_acquire);
+    }
+    for (;;) {  // others' shares, from the back of the largest
+      int64_t victim = -1;
+      uint64_t most = 0;
+      for (int64_t t = 0; t < nt; ++t) {
+        const uint64_t w = shares[t].lohi.load(std::memory_order_acquire);
+        const uint64_t lo = w & 0xFFFFFFFFu, hi = w >> 32;
+        if (hi > lo && hi - lo > most) most = hi - lo, victim = t;
+      }
+      if (victim < 0) return;
+      std::atomic<uint64_t>& s = shares[victim].lohi;
+      uint64_t w = s.load(std::memory_order_acquire);
+      const uint64_t lo = w & 0xFFFFFFFFu, hi = w >> 32;
+      if (lo < hi && s.compare_exchange_strong(w, share_pack(lo, hi - 1), std::memory_order_acq_rel))
+        f(static_cast<int64_t>(hi - 1), -1);
+    }
+  };
+  at::parallel_for(0, nt, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) run(t);
+  });
+}
 
 void check_cpu(const at::Tensor& t, const char* name) {
   FS_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
@@ -1165,44 +1227,43 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     const scalar_t* vc = v_cache.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     // Take tasks alternately from both ends: causal work grows along a prompt, and the
-    // threads each get a contiguous range of i.
+    // threads each start on a contiguous range of i.
     auto task_of = [&](int64_t i) { return (i % 2 == 0) ? i / 2 : N - 1 - i / 2; };
     const int64_t head_elems = NB * BS * D;
     const int64_t block_bytes = BS * D * static_cast<int64_t>(sizeof(scalar_t));
-    at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    std::vector<NextTaskPrefetch> prefetchers(at::get_num_threads());  // one per thread, fresh each call
+    steal_for(N, [&](int64_t i, int64_t next) {
       static thread_local AttnScratch<scalar_t> scratch;  // grown once per thread, not per call
-      NextTaskPrefetch pf;
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t task = task_of(i);
-        const int64_t k = task / KVH, h = task % KVH;
-        const int64_t t0 = tile[k], t1 = tile[k + 1];
-        const int64_t r = trp ? trp[t0] : t0;
-        int64_t maxlen = 0;
-        for (int64_t t = t0; t < t1; ++t) maxlen = std::max(maxlen, slp[t]);
-        pf.clear();
-        // The next task's rows, unless they are this task's (a prompt's tokens). AVX-512 builds
-        // only: on an AVX2-only Zen 3 the spread prefetches of the next task slowed a batch-64
-        // decode's attention (30 layers, 200 tokens of context) from ~75 to ~90 ms on one thread;
-        // its key pass prefetching this task's own value rows instead did best there.
-        if (FS_AVX512 && i + 1 < end) {
-          pf.mark_read(kc + h * head_elems, btp + r * MB, maxlen, BS, block_bytes);  // fetched: not again
-          const int64_t nk = task_of(i + 1) / KVH, nh = task_of(i + 1) % KVH;
-          const int64_t nt0 = tile[nk];
-          const int64_t nr = trp ? trp[nt0] : nt0;
-          if (nr != r || nh != h)
-            pf.set(kc + nh * head_elems, vc + nh * head_elems, btp + nr * MB, slp[tile[nk + 1] - 1], BS,
-                   block_bytes);
-        }
-        // A chunk's tokens read keys that its request's other tokens, in this thread's tasks
-        // around it, read too: in cache, so the key pass's row prefetches only cost (two
-        // 1000-token prompts ~1.07x faster without). A lone decode token's rows come from
-        // memory and keep them.
-        const bool rows_cached =
-            trp && (t1 - t0 > 1 || (t0 > 0 && trp[t0 - 1] == r) || (t1 < T && trp[t1] == r));
-        attend_tokens(qp + t0 * q.stride(0) + h * G * D, q.stride(0), t1 - t0, slp + t0, maxlen, kc + h * head_elems,
-                      vc + h * head_elems, btp + r * MB, BS, D, G, static_cast<float>(scale),
-                      op + t0 * H * D + h * G * D, H * D, scratch, pf, rows_cached, k_tiled);
+      NextTaskPrefetch& pf = prefetchers[at::get_thread_num()];
+      const int64_t task = task_of(i);
+      const int64_t k = task / KVH, h = task % KVH;
+      const int64_t t0 = tile[k], t1 = tile[k + 1];
+      const int64_t r = trp ? trp[t0] : t0;
+      int64_t maxlen = 0;
+      for (int64_t t = t0; t < t1; ++t) maxlen = std::max(maxlen, slp[t]);
+      pf.clear();
+      // The next task's rows, unless they are this task's (a prompt's tokens). AVX-512 builds
+      // only: on an AVX2-only Zen 3 the spread prefetches of the next task slowed a batch-64
+      // decode's attention (30 layers, 200 tokens of context) from ~75 to ~90 ms on one thread;
+      // its key pass prefetching this task's own value rows instead did best there.
+      if (FS_AVX512 && next >= 0) {
+        pf.mark_read(kc + h * head_elems, btp + r * MB, maxlen, BS, block_bytes);  // fetched: not again
+        const int64_t nk = task_of(next) / KVH, nh = task_of(next) % KVH;
+        const int64_t nt0 = tile[nk];
+        const int64_t nr = trp ? trp[nt0] : nt0;
+        if (nr != r || nh != h)
+          pf.set(kc + nh * head_elems, vc + nh * head_elems, btp + nr * MB, slp[tile[nk + 1] - 1], BS,
+                 block_bytes);
       }
+      // A chunk's tokens read keys that its request's other tokens, in this thread's tasks
+      // around it, read too: in cache, so the key pass's row prefetches only cost (two
+      // 1000-token prompts ~1.07x faster without). A lone decode token's rows come from
+      // memory and keep them.
+      const bool rows_cached =
+          trp && (t1 - t0 > 1 || (t0 > 0 && trp[t0 - 1] == r) || (t1 < T && trp[t1] == r));
+      attend_tokens(qp + t0 * q.stride(0) + h * G * D, q.stride(0), t1 - t0, slp + t0, maxlen, kc + h * head_elems,
+                    vc + h * head_elems, btp + r * MB, BS, D, G, static_cast<float>(scale),
+                    op + t0 * H * D + h * G * D, H * D, scratch, pf, rows_cached, k_tiled);
     });
   });
   return out;
@@ -1233,17 +1294,15 @@ void small_m_linear(int64_t T, int64_t M, int64_t n, int64_t TW, int64_t tile_el
                     const W* wp, const float* bp, O* op, Tile&& tile) {
   constexpr int64_t RB = SMALL_M_ROW_BLOCK / MCMAX * MCMAX;  // row blocks hold whole passes
   const int64_t nrb = (M + RB - 1) / RB;
-  at::parallel_for(0, T * nrb, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t t = task / nrb, rb = task % nrb;
-      const W* wt = wp + t * tile_elems;
-      const int64_t col = t * TW, ncols = std::min<int64_t>(TW, n - col);
-      const float* b = bp ? bp + col : nullptr;
-      const int64_t m_end = std::min<int64_t>(M, (rb + 1) * RB);
-      for (int64_t m0 = rb * RB; m0 < m_end; m0 += MCMAX)
-        with_rows<MCMAX>(std::min<int64_t>(MCMAX, m_end - m0),
-                         [&](auto mc) { tile(mc, wt, xp + m0 * ldx, b, op + m0 * n + col, ncols); });
-    }
+  steal_for(T * nrb, [&](int64_t task, int64_t) {
+    const int64_t t = task / nrb, rb = task % nrb;
+    const W* wt = wp + t * tile_elems;
+    const int64_t col = t * TW, ncols = std::min<int64_t>(TW, n - col);
+    const float* b = bp ? bp + col : nullptr;
+    const int64_t m_end = std::min<int64_t>(M, (rb + 1) * RB);
+    for (int64_t m0 = rb * RB; m0 < m_end; m0 += MCMAX)
+      with_rows<MCMAX>(std::min<int64_t>(MCMAX, m_end - m0),
+                       [&](auto mc) { tile(mc, wt, xp + m0 * ldx, b, op + m0 * n + col, ncols); });
   });
 }
 
@@ -1674,9 +1733,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   int64_t* o = out.data_ptr<int64_t>();
   FS_DISPATCH(xs.scalar_type(), [&] {
     const scalar_t* base = xs.data_ptr<scalar_t>();
-    at::parallel_for(0, R, 1, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) o[r] = argmax_row(base + r * ld, n);
-    });
+    steal_for(R, [&](int64_t r, int64_t) { o[r] = argmax_row(base + r * ld, n); });
   });
   return out;
 }

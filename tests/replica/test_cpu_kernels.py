@@ -533,3 +533,58 @@ def test_kv_cache_layout_follows_the_kernels():
     assert kv_cache_layout(torch.bfloat16, 16, 48) == "rows"
     with kernels.disabled():
         assert kv_cache_layout(torch.bfloat16, 16, 64) == "rows"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_results_do_not_depend_on_how_tasks_are_split_between_threads(dtype):
+    """The linears, attention and argmax hand out their tasks by work stealing (each thread
+    starts on its own share; one that finishes early takes tasks from the back of another's,
+    so a thread that the OS preempts does not hold up the step). Whichever thread runs a task,
+    every task must run exactly once and compute the same bits: with 1, 2 and 7 threads (more
+    than this machine's cores, so threads get preempted and their tasks taken), the outputs are
+    identical and right. Every output stays alive, so no call can find an earlier call's
+    result in reused memory."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(700, 96, generator=g)
+    x = torch.randn(600, 96, generator=g)  # past 256 rows: tiles x row blocks
+    KVH, H, D, BS, NB = 2, 6, 64, 16, 128
+    k_cache = torch.randn(KVH, NB, BS, D, generator=g).to(dtype)
+    v_cache = torch.randn(KVH, NB, BS, D, generator=g).to(dtype)
+    lens = [(i * 37) % 200 + 1 for i in range(40)]
+    perm = (torch.randperm(NB - 1, generator=g) + 1).tolist()
+    tables, pos = [], 0
+    for n in lens:
+        nb = -(-n // BS)
+        tables.append((perm * 4)[pos:pos + nb])  # blocks shared between rows: fine for reading
+        pos += nb
+    table = torch.tensor([t + [0] * (13 - len(t)) for t in tables])
+    q = torch.randn(len(lens), H, D, generator=g).to(dtype)
+    logits = torch.randn(50, 3001, generator=g).to(dtype)
+    vector_f32 = ops.isa() != "scalar"
+
+    def run():
+        out = {"attn": ops.paged_attention(q, k_cache, v_cache, table, torch.tensor(lens), None, 0.125),
+               "argmax": ops.argmax_rows(logits)}
+        if vector_f32:
+            packed = ops.pack_linear_f32(w)
+            out["linear"] = ops.linear_f32(x, packed, None, 700)
+            out["linear_small"] = ops.linear_f32(x[:64], packed, None, 700)
+        return out
+
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 7, 2, 7):
+            torch.set_num_threads(threads)
+            results.append(run())
+    finally:
+        torch.set_num_threads(before)
+    first = results[0]
+    for other in results[1:]:
+        for name, got in other.items():
+            assert torch.equal(got, first[name]), name
+    torch.testing.assert_close(first["attn"].double(), reference_decode(q, k_cache, v_cache, tables, lens, 0.125),
+                               **tol(dtype))
+    assert torch.equal(first["argmax"], logits.argmax(-1))
+    if vector_f32:
+        torch.testing.assert_close(first["linear"].double(), x.double() @ w.double().t(), atol=1e-4, rtol=1e-5)
