@@ -1531,6 +1531,11 @@ inline linf_vec linf_load(const float* p) { return _mm256_loadu_ps(p); }
 inline linf_vec linf_set1(float v) { return _mm256_set1_ps(v); }
 inline linf_vec linf_fma(linf_vec a, linf_vec b, linf_vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline void linf_store(float* p, linf_vec v, const float* bias, int64_t n) {  // n <= 8 lanes
+  if (n == 8) {  // every vector but a weight's last (n not a multiple of 8)
+    if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias));
+    _mm256_storeu_ps(p, v);
+    return;
+  }
   alignas(32) float tmp[8];
   _mm256_store_ps(tmp, v);
   for (int64_t i = 0; i < n; ++i) p[i] = tmp[i] + (bias ? bias[i] : 0.f);
