@@ -1231,10 +1231,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     auto task_of = [&](int64_t i) { return (i % 2 == 0) ? i / 2 : N - 1 - i / 2; };
     const int64_t head_elems = NB * BS * D;
     const int64_t block_bytes = BS * D * static_cast<int64_t>(sizeof(scalar_t));
-    std::vector<NextTaskPrefetch> prefetchers(at::get_num_threads());  // one per thread, fresh each call
+    static std::atomic<uint64_t> calls{0};
+    const uint64_t call = calls.fetch_add(1, std::memory_order_relaxed) + 1;
     steal_for(N, [&](int64_t i, int64_t next) {
       static thread_local AttnScratch<scalar_t> scratch;  // grown once per thread, not per call
-      NextTaskPrefetch& pf = prefetchers[at::get_thread_num()];
+      // A thread's prefetcher starts each call empty (its table of blocks seen is per call).
+      static thread_local NextTaskPrefetch pf;
+      static thread_local uint64_t pf_call = 0;
+      if (pf_call != call) pf = NextTaskPrefetch(), pf_call = call;
       const int64_t task = task_of(i);
       const int64_t k = task / KVH, h = task % KVH;
       const int64_t t0 = tile[k], t1 = tile[k + 1];
