@@ -68,6 +68,20 @@ def kv_geometry(hf_config: Any) -> tuple[int, int, int]:
     return hf_config.num_hidden_layers, kv_heads, head_dim
 
 
+def rope_identity(hf_config: Any) -> str:
+    """The rotary embedding's parameters as one string: keys are cached after rope, so engines
+    whose rope differs (theta, type, scaling) must never share blocks. transformers 5 configs and
+    our ModelConfig keep them all in `rope_parameters`; older configs in `rope_theta` and
+    `rope_scaling`. (Until 2026-11-28 the fingerprint read `rope_theta` alone, which those
+    configs no longer have: every fingerprint had "" there. Fingerprints changed with this, so
+    a shared-storage folder written before misses once; it never hits wrongly.)"""
+    params = getattr(hf_config, "rope_parameters", None)
+    if not params:
+        params = {"rope_theta": getattr(hf_config, "rope_theta", None),
+                  "rope_scaling": getattr(hf_config, "rope_scaling", None)}
+    return json.dumps(params, sort_keys=True, default=str)
+
+
 def kv_fingerprint(model_id: str, hf_config: Any, dtype: torch.dtype | str, block_size: int,
                    key_layout: str = "rows") -> str:
     """Everything two engines must share for one's KV blocks to be valid in the other.
@@ -76,7 +90,7 @@ def kv_fingerprint(model_id: str, hf_config: Any, dtype: torch.dtype | str, bloc
     layers, kv_heads, head_dim = kv_geometry(hf_config)
     dtype = dtype if isinstance(dtype, str) else dtype_name(dtype)
     parts = [model_id, getattr(hf_config, "model_type", ""), str(hf_config.hidden_size),
-             str(hf_config.vocab_size), str(getattr(hf_config, "rope_theta", "")), dtype,
+             str(hf_config.vocab_size), rope_identity(hf_config), dtype,
              f"B{block_size}", f"L{layers}", f"H{kv_heads}", f"D{head_dim}", LAYOUT]
     if key_layout != "rows":  # the fingerprints of row-major engines stay what they were
         parts.append(f"K:{key_layout}")

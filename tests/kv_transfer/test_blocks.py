@@ -65,6 +65,31 @@ def test_chain_keys_depend_on_every_earlier_token_salt_and_fingerprint():
     assert chain_keys(fp, list(range(10)), 4, 3) == base[:2]  # full blocks only
 
 
+def test_fingerprints_differ_with_the_rope():
+    """Keys are cached after rope: engines whose rope theta, type or scaling differ must not
+    share blocks, in transformers 5's `rope_parameters` form (what ModelConfig and AutoConfig
+    give) and in the older `rope_theta` / `rope_scaling` form."""
+    from fleetserve.replica.model_loader.model_config import ModelConfig
+
+    def v5(**rope):
+        return types.SimpleNamespace(**{**vars(CFG), "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, **rope}})
+
+    base = kv_fingerprint("m", v5(), torch.float32, 4)
+    assert kv_fingerprint("m", v5(), torch.float32, 4) == base
+    assert kv_fingerprint("m", v5(rope_theta=5e5), torch.float32, 4) != base
+    assert kv_fingerprint("m", v5(rope_type="linear", factor=2.0), torch.float32, 4) != base
+    old = kv_fingerprint("m", CFG, torch.float32, 4)
+    assert kv_fingerprint("m", types.SimpleNamespace(**{**vars(CFG), "rope_theta": 5e5}), torch.float32, 4) != old
+    assert kv_fingerprint("m", types.SimpleNamespace(**{**vars(CFG), "rope_scaling": {"type": "linear", "factor": 2.0}}),
+                          torch.float32, 4) != old
+    # What an engine fingerprints with: its ModelConfig from config.json.
+    fields = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=384)
+    a = ModelConfig.from_dict({**fields, "rope_theta": 1e4})
+    b = ModelConfig.from_dict({**fields, "rope_theta": 5e5})
+    assert kv_fingerprint("m", a, torch.float32, 4) != kv_fingerprint("m", b, torch.float32, 4)
+
+
 def test_corrupt_truncated_and_foreign_payloads_are_refused():
     fp = kv_fingerprint("m", CFG, torch.float32, 4)
     batch = BlockBatch(fp, chain_keys(fp, list(range(8)), 4, 2),
