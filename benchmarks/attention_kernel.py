@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _vs_baseline import grouped_bars, print_table  # benchmarks/: this script's folder, first on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_CASES = "prefill-2x1000,prefill-16x120,decode-64@200,decode-64@600"
@@ -139,35 +141,14 @@ def main() -> None:
     print(f"paged_attention, {args.dtype}, {args.threads} threads, {isa} build; ms per call "
           f"(median over {args.rounds} rounds of each round's fastest of {args.reps}); key layout: "
           + ", ".join(f"{k} {v}" for k, v in layouts.items()))
-    head = f"{'case':18s} {'this':>9s}" + (f" {args.baseline:>12s} {'ratio':>7s}" if args.baseline else "")
-    print(head)
-    print("-" * len(head))
-    for c in cases:
-        line = f"{c:18s} {med['this'][c]:9.3f}"
-        if args.baseline:
-            line += f" {med[args.baseline][c]:12.3f} {med[args.baseline][c] / med['this'][c]:6.2f}x"
-        print(line + "   rounds: " + " | ".join(", ".join(f"{x * 1e3:.2f}" for x in best[k][c]) for k in kernels))
+    print_table(med, cases, args.baseline, case_width=18, digits=3, extra=lambda c: "   rounds: " + " | ".join(
+        ", ".join(f"{x * 1e3:.2f}" for x in best[k][c]) for k in kernels))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "attention_kernel.json").write_text(json.dumps(
         {"dtype": args.dtype, "threads": args.threads, "isa": isa, "layouts": layouts, "baseline": args.baseline,
          "best_per_round_s": best}, indent=2))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    width = 0.8 / len(kernels)
-    for i, k in enumerate(kernels):
-        ax.bar([j + i * width for j in range(len(cases))], [med[k][c] for c in cases], width,
-               label=k if k != "this" else "this checkout")
-    ax.set_xticks([j + width * (len(kernels) - 1) / 2 for j in range(len(cases))], cases)
-    ax.set_ylabel("ms per call")
-    ax.set_title(f"paged_attention ({args.dtype}, {args.threads} threads, {isa})")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(RESULTS / "attention_kernel.png", dpi=120)
-    print(f"wrote {RESULTS / 'attention_kernel.png'}")
+    grouped_bars(RESULTS / "attention_kernel.png", {k: med[k] for k in kernels}, cases, "ms per call",
+                 f"paged_attention ({args.dtype}, {args.threads} threads, {isa})", figsize=(7, 3.5))
 
 
 if __name__ == "__main__":

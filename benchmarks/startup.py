@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _vs_baseline import grouped_bars, print_table  # benchmarks/: this script's folder, first on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 CASES = ("engine", "core", "serve")
@@ -153,34 +155,12 @@ def main() -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                "unknown CPU") if os.path.exists("/proc/cpuinfo") else "unknown CPU"
     print(f"\nstart-up, seconds (median of {args.rounds} alternated rounds); {cpu}, {os.cpu_count()} CPUs")
-    head = f"{'case':8s} {'this':>8s}" + (f" {args.baseline:>12s} {'ratio':>7s}" if args.baseline else "")
-    print(head)
-    print("-" * len(head))
-    for c in cases:
-        line = f"{c:8s} {med['this'][c]:8.2f}"
-        if args.baseline:
-            line += f" {med[args.baseline][c]:12.2f} {med[args.baseline][c] / med['this'][c]:6.2f}x"
-        print(line)
+    print_table(med, cases, args.baseline, case_width=8, digits=2)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "startup.json").write_text(json.dumps({"cpu": cpu, "baseline": args.baseline, "seconds": times},
                                                      indent=2))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    width = 0.8 / len(checkouts)
-    for i, k in enumerate(checkouts):
-        ax.bar([j + i * width for j in range(len(cases))], [med[k][c] for c in cases], width,
-               label="this checkout" if k == "this" else k)
-    ax.set_xticks([j + width * (len(checkouts) - 1) / 2 for j in range(len(cases))], cases)
-    ax.set_ylabel("seconds to ready")
-    ax.set_title("fleetserve start-up")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(RESULTS / "startup.png", dpi=120)
-    print(f"wrote {RESULTS / 'startup.png'}")
+    grouped_bars(RESULTS / "startup.png", {k: med[k] for k in checkouts}, cases, "seconds to ready",
+                 "fleetserve start-up")
 
 
 if __name__ == "__main__":
