@@ -236,9 +236,9 @@ void steal_for(int64_t n, F&& f) {
     return;
   }
   std::vector<StealShare> shares(nt);
-  for (int64_t t = 0; t < nt; ++t)  // the split at::parallel_for would make
-    shares[t].lohi.store(share_pack(std::min(n, t * ((n + nt - 1) / nt)), std::min(n, (t + 1) * ((n + nt - 1) / nt))),
-                         std::memory_order_relaxed);
+  const int64_t per = (n + nt - 1) / nt;  // the split at::parallel_for would make
+  for (int64_t t = 0; t < nt; ++t)
+    shares[t].lohi.store(share_pack(std::min(n, t * per), std::min(n, (t + 1) * per)), std::memory_order_relaxed);
   auto run = [&](int64_t tid) {
     std::atomic<uint64_t>& own = shares[tid].lohi;
     uint64_t v = own.load(std::memory_order_acquire);
