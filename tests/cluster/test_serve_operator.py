@@ -19,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.cluster.serve_process import ServeProcess, free_port, leave_time_wait
+from tests.cluster.serve_process import ServeProcess, free_port, leave_time_wait, processes_with
 
 # vLLM v1's families that dashboards read (vllm/v1/metrics/loggers.py), with their types.
 # The parser reports a counter's family without its `_total`.
@@ -261,6 +261,34 @@ def test_http_and_grpc_bind_only_the_host(served):
                  if c.status == psutil.CONN_LISTEN and c.laddr.port in (served.port, served.grpc_port)}
     assert listening == {("127.0.0.1", served.port), ("127.0.0.1", served.grpc_port)}, listening
     assert f"gRPC:           127.0.0.1:{served.grpc_port}" in server.log()
+
+
+def test_embedded_ray_housekeeping_runs_at_the_slower_pace(served):
+    """The embedded Ray's controller, GCS and log monitor get EMBEDDED_RAY_ENV_DEFAULTS
+    (they leave the engines ~5% of a core more here), and the server still serves."""
+    from fleetserve.cluster.deploy import EMBEDDED_RAY_ENV_DEFAULTS
+
+    server = served.ensure_running()
+    procs = {" ".join(p.cmdline()): p.environ() for p in processes_with(server.marker)}
+    controller = [env for cmd, env in procs.items() if "ServeController" in cmd]
+    gcs = [env for cmd, env in procs.items() if "gcs_server" in cmd]
+    assert controller and gcs, list(procs)
+    for env in controller + gcs:
+        for key, value in EMBEDDED_RAY_ENV_DEFAULTS.items():
+            assert env.get(key) == value, (key, env.get(key))
+    r = httpx.post(served.url("/v1/completions"), timeout=60,
+                   json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_exported_ray_settings_win_over_the_embedded_defaults(monkeypatch):
+    from fleetserve.cluster import deploy
+
+    monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.1")
+    monkeypatch.delenv("RAY_enable_metrics_collection", raising=False)
+    env = deploy.embedded_ray_env()
+    assert env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.1"
+    assert env["RAY_enable_metrics_collection"] == "0"
 
 
 def test_models_reports_when_the_server_started(served):
