@@ -173,6 +173,45 @@ def test_sigint_during_start_up_stops_and_leaves_no_process(tiny_model, tmp_path
         server.kill()
 
 
+@pytest.mark.slow
+def test_autoscaling_adds_a_replica_under_load(tiny_model, tmp_path):
+    """`autoscaling` in the app config, on the embedded Ray (slower control loop, no Ray
+    metrics: EMBEDDED_RAY_ENV_DEFAULTS): load above target_ongoing_requests brings a second
+    replica, and every request is answered in full meanwhile."""
+    import concurrent.futures
+
+    (tmp_path / "app.yaml").write_text(
+        "autoscaling: {min_replicas: 1, max_replicas: 2, target_ongoing_requests: 1,\n"
+        "              upscale_delay_s: 0, downscale_delay_s: 600}\n")
+    port = free_port()
+    server = ServeProcess(tmp_path / "serve.log",
+                          tiny_args(tiny_model, port, free_port(), "--config", str(tmp_path / "app.yaml"),
+                                    "--num-cpus-per-replica", "0"))
+    server.start()
+    try:
+        server.wait_healthy(port)
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()["num_replicas"] == 1
+
+        def one(i: int) -> int:
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                           json={"prompt": f"load {i}", "max_tokens": 200, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["completion_tokens"]
+
+        deadline, replicas, done = time.time() + 120, 1, []
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            while replicas < 2 and time.time() < deadline:
+                done += pool.map(one, range(6))
+                replicas = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()["num_replicas"]
+        assert replicas == 2, server.log()[-3000:]
+        assert done and all(n == 200 for n in done)
+        assert one(99) == 200
+        assert server.stop() == 0
+        assert not server.leftovers()
+    finally:
+        server.kill()
+
+
 # -- documents itself -----------------------------------------------------------------
 
 
