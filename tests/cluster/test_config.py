@@ -77,17 +77,26 @@ def test_serve_with_invalid_config_exits_2_naming_the_field(capsys):
     assert "num_replicas" in capsys.readouterr().err
 
 
-def test_serve_with_an_unknown_kv_connector_exits_2_before_ray_starts(capsys):
+def test_serve_with_an_unknown_kv_connector_exits_2_before_ray_starts(capsys, monkeypatch):
     """It used to start Ray and Serve, and every engine replica then failed at start-up with a
     stack trace in the logs."""
     import sys
 
+    from fleetserve.cluster import lifecycle
+
+    def must_not_start(config):
+        raise AssertionError("fleetserve serve went on to start Ray and Serve")
+
+    # run_server is what starts Ray; the check below alone depends on no earlier test in this
+    # process having left a Ray up (the router suite's does).
+    monkeypatch.setattr(lifecycle, "run_server", must_not_start)
+    ray_was_up = "ray" in sys.modules and __import__("ray").is_initialized()
     assert main(["serve", "--pd", "--kv-connector", "p2pp"]) == 2
     err = capsys.readouterr().err
     assert "pd.connector" in err and "unknown KV connector 'p2pp'" in err and "'p2p'" in err
     assert main(["serve", "--kv-transfer-config", '{"kv_connector": "Nope"}']) == 2
     assert "unknown KV connector 'Nope'" in capsys.readouterr().err
-    assert "ray" not in sys.modules or not __import__("ray").is_initialized()
+    assert ray_was_up or "ray" not in sys.modules or not __import__("ray").is_initialized()
 
 
 def test_direct_ingress_only_for_an_embedded_ray(monkeypatch):
