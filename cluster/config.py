@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from fleetserve.cluster.placement import (AutoscalingOptions, PDOptions, PDPool,
                                          ReplicaPlacement)
 from fleetserve.kv_transfer.config import KVTransferConfig
-from fleetserve.kv_transfer.registry import check_connector_name
+from fleetserve.kv_transfer.registry import check_connector_name, check_connector_options
 from fleetserve.replica.engine.engine_args import EngineArgs
 
 # prefix_aware routes on the engines' KV events (a cluster-wide index of what each
@@ -110,6 +110,16 @@ class ClusterReuseOptions(BaseModel):
     def _known_connector(cls, v: str) -> str:
         check_connector_name(v)
         return v
+
+    @model_validator(mode="after")
+    def _connector_options(self) -> "ClusterReuseOptions":
+        if self.enabled:
+            try:
+                check_connector_options(self.kv_connector, self.kv_connector_extra_config)
+            except ValueError as e:
+                raise ValueError(f"{e} (cluster_reuse.kv_connector_extra_config; flag "
+                                 "--cluster-reuse-kv-connector-extra-config)") from None
+        return self
 
     def kv_transfer_config(self) -> dict[str, Any]:
         return {"kv_connector": check_connector_name(self.kv_connector),

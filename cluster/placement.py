@@ -24,7 +24,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from fleetserve.kv_transfer.registry import check_connector_name
+from fleetserve.kv_transfer.registry import check_connector_name, check_connector_options
 
 POOL_LABEL = "fleetserve.io/pool"
 
@@ -143,6 +143,16 @@ class PDOptions(BaseModel):
     def _known_connector(cls, v: str) -> str:
         check_connector_name(v)
         return v
+
+    @model_validator(mode="after")
+    def _connector_options(self) -> "PDOptions":
+        if self.enabled:  # (pd.connector has a default: its options are checked once P/D is on)
+            try:
+                check_connector_options(self.connector, self.kv_connector_extra_config)
+            except ValueError as e:
+                raise ValueError(f"{e} (pd.kv_connector_extra_config; flag "
+                                 "--pd-kv-connector-extra-config)") from None
+        return self
 
     @property
     def connector_name(self) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 
@@ -51,6 +51,13 @@ class KVTransferConfig(BaseModel):
         except (TypeError, ValueError) as e:
             raise ValueError(f"kv_connector_extra_config must be plain JSON: {e}") from e
         return v
+
+    @model_validator(mode="after")
+    def _connector_options(self) -> "KVTransferConfig":
+        from fleetserve.kv_transfer.registry import check_connector_options
+
+        check_connector_options(self.kv_connector, self.kv_connector_extra_config)
+        return self
 
     @property
     def is_producer(self) -> bool:

@@ -37,3 +37,51 @@ def check_connector_name(name: str) -> str:
 
     resolve_connector_class(name)
     return name
+
+
+# What each registered connector reads from `kv_connector_extra_config`: (required keys,
+# {key: type}). Checked where a config is parsed, so a missing folder or a mistyped option
+# is a clear error before Ray starts, not a stack trace from every engine replica's start-up
+# (Serve then retries each replica and gives up ~50 s later). Keys not listed are passed on
+# as vLLM does; custom 'module:Class' connectors check their own options.
+_COMMON = {"staging_max_bytes": int, "layerwise_save": bool, "model_id": str}
+_RAY = {"ray_address": str, "owner_name": str, "namespace": str, "durable_owner": bool}
+OPTIONS: dict[str, tuple[frozenset, dict[str, type]]] = {
+    "SharedStorageConnector": (frozenset({"path"}), {"path": str, "max_bytes": int, "fsync": bool}),
+    "RayObjectStoreConnector": (frozenset(), _RAY),
+    "P2PConnector": (frozenset(), {**_RAY, "host": str, "p2p_max_groups": int}),
+    "FaultInjectionConnector": (frozenset({"inner"}), {"inner": str, "inner_extra": dict,
+                                                       "faults": dict, "seed": int}),
+}
+_KINDS = {str: "a string", int: "an integer", bool: "true or false", dict: "a JSON object"}
+_AT_LEAST = {"max_bytes": 1, "p2p_max_groups": 1, "staging_max_bytes": 0}
+_EXAMPLES = {"path": '{"path": "/mnt/kv"}', "inner": '{"inner": "SharedStorageConnector", '
+                                                    '"inner_extra": {"path": "/tmp/kv"}}'}
+
+
+def check_connector_options(name: str, extra: dict) -> None:
+    """ValueError if a registered connector `name` cannot start with `extra` (a required key
+    missing or empty, a known key of the wrong type); nothing imported."""
+    name = canonical_connector_name(name)
+    if name not in OPTIONS:
+        return
+    if not isinstance(extra, dict):
+        raise ValueError(f"kv_connector_extra_config must be a JSON object, not {extra!r}")
+    required, types = OPTIONS[name]
+    for key in sorted(required):
+        value = extra.get(key)
+        if value is None or (isinstance(value, str) and not value.strip()):
+            raise ValueError(f"{name} needs kv_connector_extra_config.{key}, "
+                             f"e.g. {_EXAMPLES.get(key, key)}")
+    for key, want in {**_COMMON, **types}.items():
+        if key not in extra:
+            continue
+        value = extra[key]
+        ok = isinstance(value, want) and not (want is int and isinstance(value, bool))
+        if not ok:
+            raise ValueError(f"kv_connector_extra_config.{key} of {name} must be "
+                             f"{_KINDS[want]}, not {value!r}")
+        if key in _AT_LEAST and value < _AT_LEAST[key]:
+            raise ValueError(f"kv_connector_extra_config.{key} must be >= {_AT_LEAST[key]}, not {value}")
+    if name == "FaultInjectionConnector":
+        check_connector_options(check_connector_name(extra["inner"]), extra.get("inner_extra") or {})

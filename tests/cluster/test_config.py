@@ -96,6 +96,11 @@ def test_serve_with_an_unknown_kv_connector_exits_2_before_ray_starts(capsys, mo
     assert "pd.connector" in err and "unknown KV connector 'p2pp'" in err and "'p2p'" in err
     assert main(["serve", "--kv-transfer-config", '{"kv_connector": "Nope"}']) == 2
     assert "unknown KV connector 'Nope'" in capsys.readouterr().err
+    # A connector without an option it cannot start without, likewise (the shared folder).
+    assert main(["serve", "--pd", "--kv-connector", "shared_storage"]) == 2
+    err = capsys.readouterr().err
+    assert "SharedStorageConnector needs kv_connector_extra_config.path" in err
+    assert "--pd-kv-connector-extra-config" in err and "Traceback" not in err
     assert ray_was_up or "ray" not in sys.modules or not __import__("ray").is_initialized()
 
 

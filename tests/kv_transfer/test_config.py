@@ -51,6 +51,44 @@ def test_bad_config_names_the_field(bad, field):
         EngineArgs(kv_transfer_config=bad)
 
 
+@pytest.mark.parametrize("name,extra,message", [
+    ("shared_storage", {}, "SharedStorageConnector needs kv_connector_extra_config.path"),
+    ("SharedStorageConnector", {"path": "  "}, "needs kv_connector_extra_config.path"),
+    ("shared_storage", {"path": 3}, "path of SharedStorageConnector must be a string, not 3"),
+    ("shared_storage", {"path": "/kv", "max_bytes": 0}, "max_bytes must be >= 1"),
+    ("shared_storage", {"path": "/kv", "fsync": "yes"}, "fsync of SharedStorageConnector must be true or false"),
+    ("p2p", {"p2p_max_groups": "8"}, "p2p_max_groups of P2PConnector must be an integer"),
+    ("p2p", {"p2p_max_groups": True}, "must be an integer, not True"),
+    ("ray_object_store", {"staging_max_bytes": -1}, "staging_max_bytes must be >= 0"),
+    ("FaultInjectionConnector", {}, "FaultInjectionConnector needs kv_connector_extra_config.inner"),
+    ("FaultInjectionConnector", {"inner": "shared_storage"}, "SharedStorageConnector needs"),
+    ("FaultInjectionConnector", {"inner": "nope"}, "unknown KV connector 'nope'"),
+])
+def test_a_connector_missing_or_mistyping_an_option_is_refused_with_the_config(name, extra, message):
+    """Checked where the config is parsed: it used to start Ray and Serve, and every engine
+    replica then failed at start-up with a stack trace (Serve gave up ~50 s later)."""
+    with pytest.raises(ValidationError, match=message):
+        EngineArgs(kv_transfer_config={"kv_connector": name, "kv_connector_extra_config": extra})
+    with pytest.raises(ValidationError, match="--pd-kv-connector-extra-config"):
+        AppConfig(pd={"enabled": True, "connector": name, "kv_connector_extra_config": extra})
+    with pytest.raises(ValidationError, match="--cluster-reuse-kv-connector-extra-config"):
+        AppConfig(routing_policy="prefix_aware",
+                  cluster_reuse={"enabled": True, "kv_connector": name, "kv_connector_extra_config": extra})
+
+
+def test_well_formed_connector_options_pass():
+    ok = [("shared_storage", {"path": "/kv", "max_bytes": 1 << 30, "fsync": True, "layerwise_save": True}),
+          ("p2p", {"host": "127.0.0.1", "p2p_max_groups": 4, "owner_name": "o", "anything_else": 1}),
+          ("ray_object_store", {"durable_owner": True, "staging_max_bytes": 0}),
+          ("FaultInjectionConnector", {"inner": "SharedStorageConnector", "inner_extra": {"path": "/kv"},
+                                       "faults": {"drop": 1.0}, "seed": 3})]
+    for name, extra in ok:
+        EngineArgs(kv_transfer_config={"kv_connector": name, "kv_connector_extra_config": extra})
+    # P/D or cluster reuse switched off: their (default) connector's options are not needed.
+    AppConfig(pd={"enabled": False, "connector": "shared_storage"})
+    AppConfig(cluster_reuse={"enabled": False, "kv_connector": "shared_storage"})
+
+
 def test_cli_flag_that_is_not_json_is_a_clear_error(capsys):
     with pytest.raises(SystemExit):
         parse(["--kv-transfer-config", "{not json"])
