@@ -48,8 +48,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     try:
         from fleetserve.replica.llm import LLM
+        from fleetserve.replica.model_loader.model_info import check_model_files
+        from fleetserve.replica.model_loader.registry import resolve_model
 
-        llm = LLM(**engine_kwargs(args))
+        kwargs = engine_kwargs(args)
+        if kwargs.get("model"):  # (unset: the default model, which the package ships whole)
+            check_model_files(resolve_model(kwargs["model"]))  # before the tokenizer reads it
+        llm = LLM(**kwargs)
         if args.chat:
             outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], sp,
                             use_tqdm=not args.quiet)

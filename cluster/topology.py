@@ -57,6 +57,7 @@ def check_model(config: AppConfig) -> None:
     from fleetserve.replica.model_loader.registry import resolve_model
 
     source = resolve_model(config.engine.model)
+    model_info.check_model_files(source)
     model_info.check_tp_size(source, config.engine.tensor_parallel_size)
     model_info.generation_defaults(source, config.engine.generation_config)
 

@@ -51,12 +51,21 @@ def read_model_shape(source: ModelSource) -> ModelShape:
         return ModelShape(int(heads), int(meta.get(f"{arch}.attention.head_count_kv", heads)),
                           int(meta.get(f"{arch}.feed_forward_length", 0)),
                           int(meta.get(f"{arch}.context_length", 2048)))
-    cfg = _read_json(source.path / "config.json")
+    path = source.path / "config.json"
+    cfg = _read_json(path)
     cfg = cfg.get("text_config", cfg)
-    heads = int(cfg["num_attention_heads"])
-    return ModelShape(heads, int(cfg.get("num_key_value_heads") or heads),
-                      int(cfg.get("intermediate_size", 0)),
-                      int(cfg.get("max_position_embeddings", 2048)))
+    if not isinstance(cfg, dict) or "num_attention_heads" not in cfg:
+        raise ValueError(f"{path}: not a transformer config (no num_attention_heads)")
+    try:
+        heads = int(cfg["num_attention_heads"])
+        shape = ModelShape(heads, int(cfg.get("num_key_value_heads") or heads),
+                           int(cfg.get("intermediate_size") or 0),
+                           int(cfg.get("max_position_embeddings") or 2048))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: a head count or size is not an integer ({e})") from None
+    if shape.num_attention_heads < 1 or shape.num_key_value_heads < 1:
+        raise ValueError(f"{path}: num_attention_heads and num_key_value_heads must be positive")
+    return shape
 
 
 def tp_problems(shape: ModelShape, tp: int) -> list[str]:
@@ -74,6 +83,21 @@ def tp_problems(shape: ModelShape, tp: int) -> list[str]:
 
 def allowed_tp_sizes(shape: ModelShape) -> list[int]:
     return [t for t in range(1, shape.num_attention_heads + 1) if not tp_problems(shape, t)]
+
+
+def check_model_files(source: ModelSource) -> None:
+    """An HF folder's config.json is one our model reads and its weights are there: checked
+    from the files alone (no torch, no transformers), so `fleetserve serve` refuses a broken
+    folder in a second instead of every replica failing to load it (a stack trace from each,
+    and Serve giving up ~50 s later). A GGUF's metadata is read by read_model_shape."""
+    if source.kind != "hf":
+        return
+    from fleetserve.replica.model_loader.model_config import read_model_config
+
+    read_model_config(source.path)
+    if not any(source.path.glob("*.safetensors")):
+        raise ValueError(f"{source.path}: no *.safetensors files (only safetensors checkpoints "
+                         "are supported)")
 
 
 def check_tp_size(source: ModelSource, tp: int) -> None:

@@ -58,3 +58,37 @@ def test_generate_bad_speculative_json_is_a_usage_error(tiny_dir, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--speculative-config: not valid JSON" in err and "Traceback" not in err
+
+
+BROKEN_FOLDERS = [
+    ({"model_type": "llama", "hidden_size": "x"}, True, "config hidden_size must be a positive integer"),
+    ({"model_type": "gpt2"}, True, "unsupported model architecture 'gpt2'"),
+    ({"model_type": "llama", "num_attention_heads": 4, "hidden_size": 64}, False, "no *.safetensors files"),
+    ("{not json", True, "cannot read the model config"),
+]
+
+
+@pytest.mark.parametrize("config, weights, message", BROKEN_FOLDERS)
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_broken_model_folder_is_refused_before_loading(tmp_path, tiny_dir, capsys, monkeypatch,
+                                                         command, config, weights, message):
+    """A folder whose config.json our model cannot read, or without weights: exit 2 with one
+    line naming the file. It used to be a traceback from transformers' tokenizer (generate),
+    or a start of Ray and Serve whose replicas each failed to load it (serve)."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from fleetserve.cluster import lifecycle
+
+    monkeypatch.setattr(lifecycle, "run_server", lambda config: pytest.fail("serve went on to start Ray"))
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_dir, folder)
+    if not weights:
+        for f in folder.glob("*.safetensors"):
+            f.unlink()
+    (folder / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    argv = ["generate", "hi", "--quiet"] if command == "generate" else ["serve"]
+    assert main(argv + ["--model", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and str(Path(folder)) in err and "Traceback" not in err, err
