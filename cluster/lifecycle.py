@@ -50,7 +50,13 @@ class _StartUp(threading.Thread):
             check_fits(self.config)
             self.deploying = True
             start_serve(self.config)
-            deploy(self.config)
+            try:
+                deploy(self.config)
+            except RuntimeError as e:
+                details = deploy_failure_details(self.config.name)
+                if not details:
+                    raise
+                raise DeployFailed(str(e), details) from None
             for line in endpoints(self.config):
                 log.info("%s", line)
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
@@ -166,11 +172,40 @@ class _ConnectWatch:
         os.close(self._w)
 
 
+class DeployFailed(RuntimeError):
+    """Serve gave up on the app: its replicas kept failing to start."""
+
+    def __init__(self, message: str, details: list[str]) -> None:
+        super().__init__(message)
+        self.details = details
+
+
+def deploy_failure_details(app_name: str) -> list[str]:
+    """What each failed deployment of `app_name` died of: the last line of the exception its
+    replicas raised at start-up ("ValueError: ..."), from `serve.status()`. Serve's own
+    RuntimeError says only "Failed to update the deployments [...]"."""
+    try:
+        from ray import serve
+
+        app = serve.status().applications.get(app_name)
+    except Exception:  # noqa: BLE001 - Serve is gone: nothing more to say
+        return []
+    out = []
+    for name, dep in (app.deployments.items() if app is not None else ()):
+        status = str(getattr(dep.status, "value", dep.status))
+        lines = [line.strip() for line in (dep.message or "").splitlines() if line.strip()]
+        if status in ("DEPLOY_FAILED", "UNHEALTHY") and lines:
+            out.append(f"deployment {name!r}: {lines[-1]}")
+    return out
+
+
 def _report_failure(error: BaseException) -> None:
     from fleetserve.cluster.topology import TopologyError
 
     if isinstance(error, (TopologyError, ValueError)):
         log.error("fleetserve serve: %s", error)
+    elif isinstance(error, DeployFailed):  # the replicas' own tracebacks are in the log above
+        log.error("fleetserve serve: the app failed to start: %s\n  %s", error, "\n  ".join(error.details))
     else:
         log.error("fleetserve serve: start-up failed: %s: %s", type(error).__name__, error,
                   exc_info=error)

@@ -18,6 +18,7 @@ request's own values always win over them.
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,9 +96,30 @@ def check_model_files(source: ModelSource) -> None:
     from fleetserve.replica.model_loader.model_config import read_model_config
 
     read_model_config(source.path)
-    if not any(source.path.glob("*.safetensors")):
+    files = sorted(source.path.glob("*.safetensors"))
+    if not files:
         raise ValueError(f"{source.path}: no *.safetensors files (only safetensors checkpoints "
                          "are supported)")
+    for f in files:
+        _check_safetensors(f)
+
+
+def _check_safetensors(path: Path) -> None:
+    """The file is whole: its JSON header parses and its tensors end where the file does (what a
+    truncated download or copy breaks). Reads the header only."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            if n > size - 8:
+                raise ValueError(f"a header of {n} bytes in a file of {size}")
+            header = json.loads(fh.read(n))
+        ends = [int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"]
+    except (OSError, ValueError, struct.error, TypeError, KeyError, IndexError, AttributeError) as e:
+        raise ValueError(f"corrupt or unreadable weight file {path}: {e}") from None
+    if 8 + n + max(ends, default=0) != size:
+        raise ValueError(f"corrupt or truncated weight file {path}: its tensors need "
+                         f"{8 + n + max(ends, default=0)} bytes, the file has {size}")
 
 
 def check_tp_size(source: ModelSource, tp: int) -> None:

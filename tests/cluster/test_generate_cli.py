@@ -61,10 +61,12 @@ def test_generate_bad_speculative_json_is_a_usage_error(tiny_dir, capsys):
 
 
 BROKEN_FOLDERS = [
-    ({"model_type": "llama", "hidden_size": "x"}, True, "config hidden_size must be a positive integer"),
-    ({"model_type": "gpt2"}, True, "unsupported model architecture 'gpt2'"),
-    ({"model_type": "llama", "num_attention_heads": 4, "hidden_size": 64}, False, "no *.safetensors files"),
-    ("{not json", True, "cannot read the model config"),
+    ({"model_type": "llama", "hidden_size": "x"}, "whole", "config hidden_size must be a positive integer"),
+    ({"model_type": "gpt2"}, "whole", "unsupported model architecture 'gpt2'"),
+    (None, "none", "no *.safetensors files"),
+    (None, "truncated", "corrupt or truncated weight file"),
+    (None, "bad header", "corrupt or unreadable weight file"),
+    ("{not json", "whole", "cannot read the model config"),
 ]
 
 
@@ -72,9 +74,10 @@ BROKEN_FOLDERS = [
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_a_broken_model_folder_is_refused_before_loading(tmp_path, tiny_dir, capsys, monkeypatch,
                                                          command, config, weights, message):
-    """A folder whose config.json our model cannot read, or without weights: exit 2 with one
-    line naming the file. It used to be a traceback from transformers' tokenizer (generate),
-    or a start of Ray and Serve whose replicas each failed to load it (serve)."""
+    """A folder whose config.json our model cannot read, without weights or with a truncated
+    weight file: exit 2 with one line naming the file. It used to be a traceback from
+    transformers' tokenizer (generate), or a start of Ray and Serve whose replicas each failed
+    to load it and Serve gave up ~40 s later with its own traceback (serve)."""
     import json
     import shutil
     from pathlib import Path
@@ -84,10 +87,16 @@ def test_a_broken_model_folder_is_refused_before_loading(tmp_path, tiny_dir, cap
     monkeypatch.setattr(lifecycle, "run_server", lambda config: pytest.fail("serve went on to start Ray"))
     folder = tmp_path / "model"
     shutil.copytree(tiny_dir, folder)
-    if not weights:
-        for f in folder.glob("*.safetensors"):
+    for f in folder.glob("*.safetensors"):
+        data = f.read_bytes()
+        if weights == "none":
             f.unlink()
-    (folder / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+        elif weights == "truncated":  # a download or copy cut short
+            f.write_bytes(data[:-100])
+        elif weights == "bad header":
+            f.write_bytes(data[:8] + b"#" + data[9:])  # not JSON
+    if config is not None:
+        (folder / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
     argv = ["generate", "hi", "--quiet"] if command == "generate" else ["serve"]
     assert main(argv + ["--model", str(folder)]) == 2
     err = capsys.readouterr().err
