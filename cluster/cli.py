@@ -65,9 +65,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (ValidationError, ValueError, OSError) as e:
         print(f"fleetserve serve: invalid configuration:\n{e}", file=sys.stderr)
         return 2
-    from fleetserve.cluster.topology import check_model
+    from fleetserve.cluster.topology import check_model, check_ports
 
     try:
+        check_ports(config)
         check_model(config)  # metadata only: seconds, before Ray starts
     except (ModelNotFoundError, ValueError) as e:
         print(f"fleetserve serve: {e}", file=sys.stderr)

@@ -62,6 +62,37 @@ def check_model(config: AppConfig) -> None:
     model_info.generation_defaults(source, config.engine.generation_config)
 
 
+def check_ports(config: AppConfig) -> None:
+    """ValueError when an embedded Ray's HTTP or gRPC port is already taken on this machine
+    (another server, an earlier `fleetserve serve` still running): said in a second, where
+    Serve would start everything, fail to bind and give up ~30 s later. Probed as uvicorn
+    binds (SO_REUSEADDR: a just-stopped server's TIME_WAIT sockets do not count). A joined
+    cluster's ports are on its head node, not here: not checked."""
+    import socket
+
+    if config.address:
+        return
+    wanted = [("HTTP", config.http.port, "--port")]
+    if config.grpc.enabled:
+        wanted.append(("gRPC", config.grpc.port, "--grpc-port"))
+    for what, port, flag in wanted:
+        if not port:
+            continue
+        try:
+            infos = socket.getaddrinfo(config.http.host, port, type=socket.SOCK_STREAM)
+        except OSError:
+            continue  # an unresolvable --host is for the server to report
+        family, _, _, _, addr = infos[0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(addr)
+            except OSError as e:
+                raise ValueError(f"{what} port {port} on {config.http.host} is not free ({e.strerror}): "
+                                 f"another server (or fleetserve serve) is using it; stop it or "
+                                 f"choose another with {flag}") from None
+
+
 def resource_needs(config: AppConfig) -> ResourceNeeds:
     tp = config.engine.tensor_parallel_size
     per_cpu, parts = config.cpus_per_replica, [f"{_num(config.cpus_per_replica)} CPU for the replica"]

@@ -112,3 +112,29 @@ def test_direct_ingress_only_for_an_embedded_ray(monkeypatch):
     assert not direct_ingress(AppConfig(address="auto"))  # a joined cluster keeps its proxy
     monkeypatch.setenv("RAY_SERVE_ENABLE_DIRECT_INGRESS", "0")
     assert not direct_ingress(AppConfig())
+
+
+def test_serve_on_a_port_in_use_exits_2_before_ray_starts(capsys, monkeypatch):
+    """It used to start Ray and Serve, whose ingress then failed to bind ("No available ports
+    on node ...") and Serve gave up ~30 s later."""
+    import socket
+
+    from fleetserve.cluster import lifecycle
+    from fleetserve.cluster.topology import check_ports
+
+    monkeypatch.setattr(lifecycle, "run_server", lambda config: pytest.fail("serve went on to start Ray"))
+    with socket.socket() as busy, socket.socket() as free:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        free.bind(("127.0.0.1", 0))
+        taken, other = busy.getsockname()[1], free.getsockname()[1]
+        free.close()
+        assert main(["serve", "--port", str(taken), "--grpc-port", str(other)]) == 2
+        err = capsys.readouterr().err
+        assert f"HTTP port {taken} on 127.0.0.1 is not free" in err and "--port" in err
+        assert "Traceback" not in err
+        assert main(["serve", "--port", str(other), "--grpc-port", str(taken)]) == 2
+        assert f"gRPC port {taken} on 127.0.0.1 is not free" in capsys.readouterr().err
+        # gRPC off: its port is not needed; a joined cluster's ports are on its head node.
+        check_ports(AppConfig(http={"port": other}, grpc={"enabled": False, "port": taken}))
+        check_ports(AppConfig(address="auto", http={"port": taken}))
