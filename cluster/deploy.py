@@ -21,9 +21,11 @@ the configured ports: its controller and replicas were started without our pins.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+import sys
 import time
 from typing import Optional
 
@@ -157,7 +159,39 @@ def connect_ray(config: AppConfig, **init_kwargs) -> None:
     init_kwargs.setdefault("_node_ip_address", "127.0.0.1")
     # "local": always a new embedded Ray. With no address, ray.init joins the latest cluster
     # that `ray start` left on this machine (its /tmp/ray/ray_current_cluster), or RAY_ADDRESS.
-    ray.init(address="local", **init_kwargs)
+    with ray_processes_in_their_own_session():
+        ray.init(address="local", **init_kwargs)
+
+
+@contextlib.contextmanager
+def ray_processes_in_their_own_session():
+    """While an embedded Ray starts, its processes (GCS, raylet, log monitor, ...; and through
+    the raylet its workers) get a session of their own instead of this process's group.
+
+    A stop signal sent to a whole process group (`timeout`, `kill -- -PGID`, a supervisor's
+    stop-as-group) reached them too: Ray shields them from SIGINT only, so a SIGTERM stopped
+    the GCS under the graceful drain and Serve's delete then waited 60 s for it ("Failed to
+    connect to GCS"). Kept apart, they leave the stop to this process, as a plain SIGTERM to
+    its pid does. They still end with it: Ray starts them with PR_SET_PDEATHSIG. (A
+    cgroup-wide stop, systemd's default KillMode, still reaches every process: lifecycle
+    then stops waiting as soon as the GCS or raylet is gone.)"""
+    from ray._private import services
+
+    base = getattr(services, "ConsolePopen", None)
+    if base is None or sys.platform == "win32":  # Ray's internals moved: start as Ray does
+        yield
+        return
+
+    class OwnSession(base):
+        def __init__(self, *args, **kwargs) -> None:
+            kwargs.setdefault("start_new_session", True)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = OwnSession
+    try:
+        yield
+    finally:
+        services.ConsolePopen = base
 
 
 def start_serve(config: AppConfig) -> None:

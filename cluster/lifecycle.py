@@ -87,6 +87,7 @@ def run_server(config: AppConfig) -> int:
     def install() -> None:
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGHUP, on_signal)  # the terminal closed: stop as for Ctrl-C
 
     install()
     log.info("starting Ray (%s)", config.address or (
@@ -224,13 +225,71 @@ def _teardown(config: AppConfig, delete_app: bool) -> None:
     ray.shutdown()
 
 
+def _ray_head_watch():
+    """A check that says whether the embedded Ray's head has stopped: its GCS refuses
+    connections (on SIGTERM it closes its port at once, while its process lingers for many
+    seconds) or its GCS or raylet process has exited. None for a joined cluster."""
+    import socket
+
+    try:
+        import ray
+
+        node = ray._private.worker._global_node
+        procs = getattr(node, "all_processes", None) or {}
+        host, port = node.gcs_address.rsplit(":", 1)
+    except Exception:  # noqa: BLE001 - Ray's internals moved: no watch, the plain wait
+        return None
+    head = [info.process for kind in ("gcs_server", "raylet") for info in procs.get(kind, [])
+            if getattr(info, "process", None) is not None]
+    if not head:
+        return None
+
+    def gone() -> bool:
+        if any(p.poll() is not None for p in head):
+            return True
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return False
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False  # slow or unreachable for a moment: not proof that it is gone
+
+    return gone
+
+
 def _delete_app(config: AppConfig) -> None:
     from fleetserve.cluster.deploy import delete_and_drain
 
+    # A stop signal sent to every process of a cgroup (systemd's default
+    # KillMode=control-group, a container runtime killing all processes) reaches the embedded
+    # Ray's GCS and raylet too (a process-group signal no longer does: deploy.py starts them
+    # in a session of their own). No drain can happen then, and Serve's delete would wait
+    # 60 s for a GCS that is gone: so it runs on a thread, given up on as soon as the GCS
+    # refuses connections or either process has exited.
+    head_gone = _ray_head_watch()
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            # Also waits for the replicas to finish their in-flight requests (graceful drain,
+            # reliability.graceful_shutdown_timeout_s): serve.delete alone returns before.
+            delete_and_drain(config)
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            outcome.append(e)
+
+    worker = threading.Thread(target=run, name="fleetserve-delete", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(_POLL_S)
+        if worker.is_alive() and head_gone is not None and head_gone():
+            log.warning("Ray's GCS or raylet stopped during the shutdown (the stop signal reached "
+                        "them too, e.g. a cgroup-wide stop): not waiting to drain %r", config.name)
+            return
     try:
-        # Also waits for the replicas to finish their in-flight requests (graceful drain,
-        # reliability.graceful_shutdown_timeout_s): serve.delete alone returns before.
-        delete_and_drain(config)
+        if outcome and outcome[0] is not None:
+            raise outcome[0]
     except Exception as e:  # noqa: BLE001 - Serve never started, or Ray is going away
         # Said out loud: Ray shuts down next, so streams still running are cut (a drain that
         # failed here is the one way a SIGTERM can end them early).

@@ -94,11 +94,16 @@ class ServeProcess:
             time.sleep(0.5)
         raise AssertionError(f"not healthy and ready within {timeout_s} s:\n{self.log()[-4000:]}")
 
-    def stop(self, sig: int = signal.SIGINT, timeout_s: float = 90) -> int:
-        """Send `sig` (Ctrl-C by default) and wait for the exit; kill everything on timeout."""
+    def stop(self, sig: int = signal.SIGINT, timeout_s: float = 90, group: bool = False) -> int:
+        """Send `sig` (Ctrl-C by default) and wait for the exit; kill everything on timeout.
+        `group`: to the CLI's whole process group, as a terminal's Ctrl-C, `timeout` or a
+        supervisor's stop-as-group do."""
         if self.proc is None or self.proc.poll() is not None:
             return self.proc.returncode if self.proc else 0
-        os.kill(self.proc.pid, sig)
+        if group:
+            os.killpg(self.proc.pid, sig)
+        else:
+            os.kill(self.proc.pid, sig)
         try:
             return self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
