@@ -59,6 +59,10 @@ def check_model(config: AppConfig) -> None:
     source = resolve_model(config.engine.model)
     model_info.check_model_files(source)
     model_info.check_tp_size(source, config.engine.tensor_parallel_size)
+    model_info.check_max_model_len(source, config.engine.max_model_len)
+    if config.pd.enabled:  # a pool may set its own (pd.prefill.engine, pd.decode.engine)
+        for pool in (config.pd.prefill, config.pd.decode):
+            model_info.check_max_model_len(source, pool.engine.get("max_model_len"))
     model_info.generation_defaults(source, config.engine.generation_config)
 
 

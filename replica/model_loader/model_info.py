@@ -122,6 +122,23 @@ def _check_safetensors(path: Path) -> None:
                          f"{8 + n + max(ends, default=0)} bytes, the file has {size}")
 
 
+def check_max_model_len(source: ModelSource, max_model_len: int | None) -> None:
+    """ValueError when `max_model_len` is past the model's context (max_position_embeddings, as
+    the engine reads it: engine_core.resolve_max_model_len refuses the same)."""
+    if max_model_len is None:
+        return
+    if source.kind == "gguf":
+        meta = _gguf_metadata(source.path)
+        model_max = int(meta.get(f"{meta.get('general.architecture')}.context_length", 2048))
+    else:
+        from fleetserve.replica.model_loader.model_config import read_model_config
+
+        model_max = int(getattr(read_model_config(source.path), "max_position_embeddings", None) or 2048)
+    if max_model_len > model_max:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                         f"max_position_embeddings={model_max} (--max-model-len)")
+
+
 def check_tp_size(source: ModelSource, tp: int) -> None:
     """ValueError naming the sizes the model allows, when `tp` does not split it."""
     shape = read_model_shape(source)

@@ -138,3 +138,20 @@ def test_serve_on_a_port_in_use_exits_2_before_ray_starts(capsys, monkeypatch):
         # gRPC off: its port is not needed; a joined cluster's ports are on its head node.
         check_ports(AppConfig(http={"port": other}, grpc={"enabled": False, "port": taken}))
         check_ports(AppConfig(address="auto", http={"port": taken}))
+
+
+def test_serve_with_a_max_model_len_past_the_model_s_exits_2_before_ray_starts(capsys, monkeypatch,
+                                                                              tiny_model_dir):
+    """The engine refuses it at start-up: it used to do so in every replica, one after another,
+    until Serve gave up ~50 s later."""
+    from fleetserve.cluster import lifecycle
+
+    monkeypatch.setattr(lifecycle, "run_server", lambda config: pytest.fail("serve went on to start Ray"))
+    model, free = str(tiny_model_dir), ["--port", "0", "--grpc-port", "0"]  # (no port probe)
+    assert main(["serve", "--model", model, "--max-model-len", "100000", *free]) == 2
+    err = capsys.readouterr().err
+    assert "max_model_len=100000 exceeds the model's max_position_embeddings=2048" in err, err
+    # A P/D pool's own setting too.
+    assert main(["serve", "--model", model, "--pd", "--pd-decode-engine", '{"max_model_len": 4096}',
+                 *free]) == 2
+    assert "max_model_len=4096 exceeds" in capsys.readouterr().err

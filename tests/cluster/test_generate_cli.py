@@ -97,7 +97,8 @@ def test_a_broken_model_folder_is_refused_before_loading(tmp_path, tiny_dir, cap
             f.write_bytes(data[:8] + b"#" + data[9:])  # not JSON
     if config is not None:
         (folder / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
-    argv = ["generate", "hi", "--quiet"] if command == "generate" else ["serve"]
+    argv = ["generate", "hi", "--quiet"] if command == "generate" else \
+        ["serve", "--port", "0", "--grpc-port", "0"]  # (port 0: no port probe)
     assert main(argv + ["--model", str(folder)]) == 2
     err = capsys.readouterr().err
     assert message in err and str(Path(folder)) in err and "Traceback" not in err, err
