@@ -32,6 +32,7 @@ log = logging.getLogger("fleetserve")
 
 _POLL_S = 0.2
 _CONNECT_STOP_WAIT_S = 10.0  # longest a stop waits for ray.init to return
+_HEAD_CHECK_S = 0.5  # during a stop's drain, look this often whether Ray's GCS is still there
 
 
 class _StartUp(threading.Thread):
@@ -281,9 +282,13 @@ def _delete_app(config: AppConfig) -> None:
 
     worker = threading.Thread(target=run, name="fleetserve-delete", daemon=True)
     worker.start()
+    looked = time.monotonic()
     while worker.is_alive():
         worker.join(_POLL_S)
-        if worker.is_alive() and head_gone is not None and head_gone():
+        if not worker.is_alive() or head_gone is None or time.monotonic() - looked < _HEAD_CHECK_S:
+            continue
+        looked = time.monotonic()
+        if head_gone():
             log.warning("Ray's GCS or raylet stopped during the shutdown (the stop signal reached "
                         "them too, e.g. a cgroup-wide stop): not waiting to drain %r", config.name)
             return
