@@ -114,11 +114,9 @@ class ClusterReuseOptions(BaseModel):
     @model_validator(mode="after")
     def _connector_options(self) -> "ClusterReuseOptions":
         if self.enabled:
-            try:
-                check_connector_options(self.kv_connector, self.kv_connector_extra_config)
-            except ValueError as e:
-                raise ValueError(f"{e} (cluster_reuse.kv_connector_extra_config; flag "
-                                 "--cluster-reuse-kv-connector-extra-config)") from None
+            check_connector_options(self.kv_connector, self.kv_connector_extra_config,
+                                    "cluster_reuse.kv_connector_extra_config; "
+                                    "flag --cluster-reuse-kv-connector-extra-config")
         return self
 
     def kv_transfer_config(self) -> dict[str, Any]:

@@ -147,11 +147,8 @@ class PDOptions(BaseModel):
     @model_validator(mode="after")
     def _connector_options(self) -> "PDOptions":
         if self.enabled:  # (pd.connector has a default: its options are checked once P/D is on)
-            try:
-                check_connector_options(self.connector, self.kv_connector_extra_config)
-            except ValueError as e:
-                raise ValueError(f"{e} (pd.kv_connector_extra_config; flag "
-                                 "--pd-kv-connector-extra-config)") from None
+            check_connector_options(self.connector, self.kv_connector_extra_config,
+                                    "pd.kv_connector_extra_config; flag --pd-kv-connector-extra-config")
         return self
 
     @property

@@ -59,9 +59,17 @@ _EXAMPLES = {"path": '{"path": "/mnt/kv"}', "inner": '{"inner": "SharedStorageCo
                                                     '"inner_extra": {"path": "/tmp/kv"}}'}
 
 
-def check_connector_options(name: str, extra: dict) -> None:
+def check_connector_options(name: str, extra: dict, where: str = "") -> None:
     """ValueError if a registered connector `name` cannot start with `extra` (a required key
-    missing or empty, a known key of the wrong type); nothing imported."""
+    missing or empty, a known key of the wrong type); nothing imported. `where` (the config
+    section and flag the options came from) is added to the message."""
+    try:
+        _check_options(name, extra)
+    except ValueError as e:
+        raise ValueError(f"{e} ({where})" if where else str(e)) from None
+
+
+def _check_options(name: str, extra: dict) -> None:
     name = canonical_connector_name(name)
     if name not in OPTIONS:
         return
@@ -84,4 +92,4 @@ def check_connector_options(name: str, extra: dict) -> None:
         if key in _AT_LEAST and value < _AT_LEAST[key]:
             raise ValueError(f"kv_connector_extra_config.{key} must be >= {_AT_LEAST[key]}, not {value}")
     if name == "FaultInjectionConnector":
-        check_connector_options(check_connector_name(extra["inner"]), extra.get("inner_extra") or {})
+        _check_options(check_connector_name(extra["inner"]), extra.get("inner_extra") or {})

@@ -52,21 +52,15 @@ def read_model_shape(source: ModelSource) -> ModelShape:
         return ModelShape(int(heads), int(meta.get(f"{arch}.attention.head_count_kv", heads)),
                           int(meta.get(f"{arch}.feed_forward_length", 0)),
                           int(meta.get(f"{arch}.context_length", 2048)))
-    path = source.path / "config.json"
-    cfg = _read_json(path)
-    cfg = cfg.get("text_config", cfg)
-    if not isinstance(cfg, dict) or "num_attention_heads" not in cfg:
-        raise ValueError(f"{path}: not a transformer config (no num_attention_heads)")
-    try:
-        heads = int(cfg["num_attention_heads"])
-        shape = ModelShape(heads, int(cfg.get("num_key_value_heads") or heads),
-                           int(cfg.get("intermediate_size") or 0),
-                           int(cfg.get("max_position_embeddings") or 2048))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{path}: a head count or size is not an integer ({e})") from None
-    if shape.num_attention_heads < 1 or shape.num_key_value_heads < 1:
-        raise ValueError(f"{path}: num_attention_heads and num_key_value_heads must be positive")
-    return shape
+    # The config as the engine reads it (ModelConfig: the family's defaults for absent keys),
+    # so a context length or head count here is the engine's; ValueError naming the file if
+    # unreadable or not a model our engine runs.
+    from fleetserve.replica.model_loader.model_config import read_model_config
+
+    cfg = read_model_config(source.path)
+    return ModelShape(cfg.num_attention_heads, cfg.num_key_value_heads,
+                      int(getattr(cfg, "intermediate_size", None) or 0),
+                      int(getattr(cfg, "max_position_embeddings", None) or 2048))
 
 
 def tp_problems(shape: ModelShape, tp: int) -> list[str]:
@@ -93,9 +87,7 @@ def check_model_files(source: ModelSource) -> None:
     and Serve giving up ~50 s later). A GGUF's metadata is read by read_model_shape."""
     if source.kind != "hf":
         return
-    from fleetserve.replica.model_loader.model_config import read_model_config
-
-    read_model_config(source.path)
+    read_model_shape(source)  # the config
     files = sorted(source.path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{source.path}: no *.safetensors files (only safetensors checkpoints "
@@ -127,13 +119,7 @@ def check_max_model_len(source: ModelSource, max_model_len: int | None) -> None:
     the engine reads it: engine_core.resolve_max_model_len refuses the same)."""
     if max_model_len is None:
         return
-    if source.kind == "gguf":
-        meta = _gguf_metadata(source.path)
-        model_max = int(meta.get(f"{meta.get('general.architecture')}.context_length", 2048))
-    else:
-        from fleetserve.replica.model_loader.model_config import read_model_config
-
-        model_max = int(getattr(read_model_config(source.path), "max_position_embeddings", None) or 2048)
+    model_max = read_model_shape(source).max_position_embeddings
     if max_model_len > model_max:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                          f"max_position_embeddings={model_max} (--max-model-len)")

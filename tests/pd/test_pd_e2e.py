@@ -41,6 +41,20 @@ def check_usage(usage, prompt_len: int) -> None:
     assert remote is not None and remote >= prompt_len - BLOCK - (prompt_len % BLOCK), details
 
 
+def stream_chat(c: openai.OpenAI, model: str, messages: list, n: int):
+    """(text, usage, finish_reason) of a streamed greedy chat of `n` tokens (EOS ignored)."""
+    chunks = c.chat.completions.create(model=model, messages=messages, max_tokens=n, temperature=0,
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    text, usage, finish = "", None, None
+    for ch in chunks:
+        usage = ch.usage or usage
+        for choice in ch.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    return text, usage, finish
+
+
 def test_completions_equal_colocated_and_decode_computes_at_most_a_block(pd_server, colocated):
     health = httpx.get(pd_server.base_url + "/health", timeout=10).json()
     assert health["status"] == "ok" and health["num_replicas"] == 1  # the decode pool
@@ -72,17 +86,7 @@ def test_streaming_chat_equals_colocated(pd_server, colocated):
     messages = [{"role": "system", "content": long_prompt(rng, 30)},
                 {"role": "user", "content": "Say something."}]
     ids = tokenize(pd_server, messages=messages)
-    chunks = c.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS,
-                                       temperature=0, stream=True,
-                                       stream_options={"include_usage": True},
-                                       extra_body={"ignore_eos": True})
-    text, usage, finish = "", None, None
-    for ch in chunks:
-        if ch.usage is not None:
-            usage = ch.usage
-        for choice in ch.choices:
-            text += choice.delta.content or ""
-            finish = choice.finish_reason or finish
+    text, usage, finish = stream_chat(c, "tiny", messages, MAX_TOKENS)
     assert finish == "length"
     assert text == colocated(ids)
     check_usage(usage, len(ids))

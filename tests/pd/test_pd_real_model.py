@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from tests.pd.conftest import BLOCK, PDServer, free_port, stop_server
-from tests.pd.test_pd_e2e import check_usage, client, tokenize
+from tests.pd.test_pd_e2e import check_usage, client, stream_chat, tokenize
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
@@ -111,15 +111,7 @@ def test_smollm2_pd_completions_and_streamed_chat_equal_one_engine(pd_cli_server
     messages = [{"role": "system", "content": SYSTEM},
                 {"role": "user", "content": "How old is the oldest fossil here?"}]
     ids = tokenize(server, messages=messages)
-    chunks = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=N, temperature=0,
-                                       stream=True, stream_options={"include_usage": True},
-                                       extra_body={"ignore_eos": True})
-    text, usage, finish = "", None, None
-    for ch in chunks:
-        usage = ch.usage or usage
-        for choice in ch.choices:
-            text += choice.delta.content or ""
-            finish = choice.finish_reason or finish
+    text, usage, finish = stream_chat(c, MODEL, messages, N)
     assert finish == "length"
     assert text == reference(ids)
     check_usage(usage, len(ids))
