@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 APP = "fleetserve-pd-test"
 BLOCK = 16
+REUSE_BLOCK = 8  # reuse_server's engines: a block size other than the default
 MAX_TOKENS = 8
 
 
@@ -201,9 +202,13 @@ def slow_load_server(tmp_path_factory, pd_model_dir):
 @pytest.fixture(scope="module")
 def reuse_server(tmp_path_factory, pd_model_dir):
     """Colocated: 2 replicas, precise prefix routing, cluster reuse over the object store;
-    a replica one request busier than the other counts as overloaded."""
+    a replica one request busier than the other counts as overloaded. The engines hash
+    their blocks with sha256 in blocks of REUSE_BLOCK tokens (neither is the default): the
+    router must take both from the engines' info to find a holder in its index."""
     tmp = tmp_path_factory.mktemp("reuse-app")
     proc, server = start_server(tmp, pd_model_dir, {"enabled": False}, num_replicas=2,
+                                engine={"prefix_caching_hash_algo": "sha256",
+                                        "block_size": REUSE_BLOCK},
                                 routing={"imbalance_threshold": 1, "stats_period_s": 0.2},
                                 # 60 s: the first transfer of an engine connects its core
                                 # process to Ray (tens of seconds on a loaded 2-core machine)

@@ -1,6 +1,11 @@
 """Cluster-wide prefix reuse: the replica the router picks lacks a long prefix that its busy
 peer caches; it loads the prefix from the peer (the usage body and /metrics count loaded
-tokens) and answers with the same tokens as one engine alone."""
+tokens) and answers with the same tokens as one engine alone.
+
+The same app's engines hash their KV blocks with sha256 and a block size other than the
+default: the router hashes prompts as the engines do (block size and hash function from the
+engines' info), so a prompt whose prefix one replica caches is routed to it by the KV index
+alone, and hits that replica's cache. (One app for both: each app start costs ~25 s here.)"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from tests.pd.conftest import BLOCK
+from tests.pd.conftest import REUSE_BLOCK
 from tests.pd.test_pd_e2e import complete, long_prompt, tokenize
 
 pytestmark = pytest.mark.slow
@@ -56,8 +61,8 @@ def test_replica_without_the_prefix_loads_it_from_its_busy_peer(reuse_server, co
             break
     else:
         pytest.fail("the question never went to the replica lacking the prefix in 3 tries")
-    assert details["remote_tokens"] >= len(tokenize(s, prompt=prefix)) // BLOCK * BLOCK - BLOCK
-    assert len(ids) - details["cached_tokens"] <= 2 * BLOCK  # computed only the new tail
+    assert details["remote_tokens"] >= len(tokenize(s, prompt=prefix)) // REUSE_BLOCK * REUSE_BLOCK - REUSE_BLOCK
+    assert len(ids) - details["cached_tokens"] <= 2 * REUSE_BLOCK  # computed only the new tail
     after = reuse_counts(s)
     assert after.get("exported", 0) == before.get("exported", 0) + 1
     loaded = {x.labels["source"]: x.value for x in s.samples("fleetserve:prefix_reuse_prompt_tokens")
@@ -92,3 +97,41 @@ def _question_while_holder_streams(s, prefix: str, prompt: str, ids: list[int], 
     finally:
         stop.set()
         t.join(120)
+
+
+LINGER_S = 1.0  # PrefixAwarePolicy.linger_s: how long a finished request's hint counts
+
+
+def routed(server) -> dict[str, float]:
+    return {x.labels["prefix_match"]: x.value
+            for x in server.samples("fleetserve:router_prefix_routed_requests")
+            if x.name.endswith("_total")}
+
+
+def index_blocks(server) -> float:
+    return sum(x.value for x in server.samples("fleetserve:router_kv_index_blocks"))
+
+
+def test_precise_routing_hits_with_sha256_block_hashes(reuse_server):
+    """Each second request comes after the router's in-flight hints have lapsed (the router
+    hashes those itself, so they match whatever it hashes with): only a router whose hashes
+    equal the engines' finds the holder in the index."""
+    s = reuse_server
+    rng = random.Random(13)
+    for i in range(4):
+        prefix = f"topic {i}: " + " ".join(f"w{rng.randrange(1000)}" for _ in range(30))
+        settle(s)
+        blocks = index_blocks(s)
+        complete(s, prefix + " warm", n=1)
+        deadline = time.time() + 30
+        while index_blocks(s) <= blocks:  # the holder's KV events reached the router's index
+            assert time.time() < deadline, "the router's index never saw the warm request"
+            time.sleep(0.1)
+        time.sleep(LINGER_S + 0.5)
+        before = routed(s)
+        out = complete(s, prefix + " again", n=1)
+        after = routed(s)
+        assert after.get("true", 0) - before.get("true", 0) == 1, \
+            f"prefix {i}: routed without a match in the index ({before} -> {after})"
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 2 * REUSE_BLOCK, out["usage"]
+    s.wait_all_free()
