@@ -1,7 +1,6 @@
 """`fleetserve serve` as an operator meets it (issue 16): fails fast and says why, stops at
 any moment leaving no process (after draining the streams in flight), restarts at once on
-the same ports, logs a client's
-mistake as one INFO line, and exports vLLM's metrics.
+the same ports, logs a client's mistake as one INFO line, and exports vLLM's metrics.
 
 All on a tiny random model (replica.testing.make_tiny_llama), one replica, a
 subprocess per server; every process a server starts carries a marker in its
