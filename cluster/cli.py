@@ -2,6 +2,7 @@
 
     fleetserve serve [--model M] [--num-replicas 2] [--routing-policy prefix_aware] ...
     fleetserve serve --config app.yaml [--port 8080]      # flags override the file
+    fleetserve chat [--url http://127.0.0.1:8000/v1]       # talk to a running server
 
 Each subcommand is one `add_<name>_parser(subparsers)` + `cmd_<name>(args)` pair
 registered in `SUBCOMMANDS`; adding one is adding a pair.
@@ -17,6 +18,7 @@ from typing import Any, Callable, Optional
 from pydantic import ValidationError
 
 from fleetserve.cluster.build import add_build_parser
+from fleetserve.cluster.client import add_chat_parser, add_complete_parser
 from fleetserve.cluster.cli_engine import (add_engine_flags, add_schema_flags, engine_kwargs,
                                            nested_overrides, schema_fields)
 from fleetserve.cluster.generate import add_generate_parser
@@ -78,11 +80,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(config)
 
 
-SUBCOMMANDS: list[Callable] = [add_serve_parser, add_generate_parser, add_build_parser]
+SUBCOMMANDS: list[Callable] = [add_serve_parser, add_generate_parser, add_build_parser,
+                               add_chat_parser, add_complete_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from fleetserve import __version__
+
     parser = argparse.ArgumentParser(prog="fleetserve", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"fleetserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in SUBCOMMANDS:
         add(sub)
