@@ -198,7 +198,8 @@ def _run(args: argparse.Namespace, command: str, path: str, make_body, remember=
                 if v is not None}
     failed = False
     try:
-        for text in _inputs(args.quick, f"model {client.model} at {client.url}; Ctrl-C cancels a reply, Ctrl-D ends"):
+        banner = f"model {client.model} at {client.url}; Ctrl-C cancels a reply, Ctrl-D ends"
+        for text in _inputs(args.quick, banner):
             reply: list[str] = []
             try:
                 for piece in client.stream(path, {**make_body(text), **sampling}):
