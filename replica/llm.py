@@ -8,7 +8,7 @@ accumulate the deltas into whole outputs.
 from __future__ import annotations
 
 import uuid
-from typing import Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
@@ -28,6 +28,8 @@ class LLM:
         self.args = EngineArgs(model=model, **engine_args)
         source = resolve_model(self.args.model)
         self.tokenizer = load_tokenizer(source)
+        if self.args.chat_template is not None:
+            self.tokenizer.chat_template = self.args.chat_template
         self.core = EngineCore(self.args, self.tokenizer.eos_token_id)
         self.metrics = EngineMetrics(self.args.served_model_name or source.name)
         self.input_processor = InputProcessor(self.tokenizer, self.core.max_model_len,
@@ -88,15 +90,17 @@ class LLM:
 
     def chat(self, messages: Union[list[dict], Sequence[list[dict]]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of them, as vLLM's `LLM.chat`.
-        The rendered template is tokenized without special tokens (the template has them)."""
+        The rendered template is tokenized without special tokens (the template has them);
+        `chat_template_kwargs` are extra template variables."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of messages or of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conv in conversations:
-            text = apply_chat_template(self.tokenizer, conv, add_generation_prompt)
+            text = apply_chat_template(self.tokenizer, conv, add_generation_prompt, chat_template_kwargs)
             prompts.append({"prompt": text,
                             "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -28,6 +28,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fleetserve.replica.engine.chat_template import check_template_kwargs
 from fleetserve.router import auth as _auth
 from fleetserve.router import completions
 from fleetserve.router import openai_format as fmt
@@ -214,11 +215,16 @@ class Ingress(GrpcMethods):
         return list(prompt)
 
     async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool,
-                                  tools: Optional[list[dict]] = None) -> str:
+                                  tools: Optional[list[dict]] = None,
+                                  template_kwargs: Optional[dict] = None) -> str:
         tok = (await self.info())["tokenizer"]
         try:
+            extra = check_template_kwargs(template_kwargs)
+        except ValueError as e:
+            raise APIError(str(e), 400, param="chat_template_kwargs") from None
+        try:
             return tok.apply_chat_template(messages, tools=tools, tokenize=False,
-                                           add_generation_prompt=add_generation_prompt)
+                                           add_generation_prompt=add_generation_prompt, **extra)
         except Exception as e:  # jinja errors, missing template: the messages are at fault
             raise APIError(f"messages could not be rendered with the chat template: {e}", 400,
                            param="messages") from e
@@ -335,7 +341,8 @@ class Ingress(GrpcMethods):
         tools = req.tool_plan()
         text = await self.apply_chat_template([m.flat() for m in req.messages],
                                               req.add_generation_prompt,
-                                              tools.template_tools() if tools else None)
+                                              tools.template_tools() if tools else None,
+                                              req.chat_template_kwargs)
         token_ids = await self.tokenize_prompt(text, False, "messages")
         info = await self.info()
         params = req.sampling_params(default_max_tokens=max(1, info["max_model_len"] - len(token_ids)),
@@ -444,7 +451,8 @@ class Ingress(GrpcMethods):
             raise APIError("give exactly one of prompt or messages", 400, param="prompt")
         if req.messages is not None:
             text = await self.apply_chat_template([m.flat() for m in req.messages],
-                                                  req.add_generation_prompt)
+                                                  req.add_generation_prompt,
+                                                  template_kwargs=req.chat_template_kwargs)
             ids = await self.tokenize_prompt(text, False, "messages")
         else:
             ids = await self.tokenize_prompt(req.prompt, req.add_special_tokens, "prompt")

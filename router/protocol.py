@@ -148,6 +148,7 @@ class ChatCompletionRequest(_SamplingRequest, ToolFields):
     logprobs: StrictBool = False
     top_logprobs: Optional[int] = None
     add_generation_prompt: StrictBool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's: extra template variables
 
     def _max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -167,6 +168,7 @@ class TokenizeRequest(BaseModel):
     messages: Optional[list[ChatMessage]] = Field(None, max_length=MAX_MESSAGES)
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
 class DetokenizeRequest(BaseModel):

@@ -59,6 +59,8 @@ class AsyncEngine:
     def _start(self, args: EngineArgs, spawned: Optional[SpawnedCore]) -> None:
         source = resolve_model(args.model)
         self.tokenizer = load_tokenizer(source)
+        if args.chat_template is not None:  # --chat-template: the ingress gets it with the tokenizer
+            self.tokenizer.chat_template = args.chat_template
         self.model_name = args.served_model_name or source.name
         shape = read_model_shape(source)
         self.metrics = EngineMetrics(self.model_name,
@@ -97,8 +99,9 @@ class AsyncEngine:
         return getattr(self._client, "pid", None)
 
     # ---- public API ----------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return apply_chat_template(self.tokenizer, messages, add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template_kwargs: Optional[dict] = None) -> str:
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt, chat_template_kwargs)
 
     async def generate(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None,
                        request_id: Optional[str] = None, *, priority: int = 0,

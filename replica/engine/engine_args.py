@@ -32,6 +32,9 @@ class EngineArgs(BaseModel):
         "Default sampling parameters: 'auto' takes the model's own (generation_config.json "
         "of an HF folder, general.sampling.* of a GGUF), 'vllm' uses none (temperature 1.0), "
         "or a folder holding a generation_config.json. A request's own values always win."))
+    chat_template: Optional[str] = Field(None, description=(
+        "A Jinja chat template for chat requests, as a file path or the template text itself "
+        "(the file is read where the flag is, and must parse); unset: the model's own."))
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
         "Weights and activations dtype ('auto': bfloat16 on GPUs and on CPUs with bf16 "
         "instructions (AVX512-BF16/AMX), float32 on other CPUs)."))
@@ -113,6 +116,13 @@ class EngineArgs(BaseModel):
         from fleetserve.replica.worker.cpu_list import check_cpu_bind
 
         return check_cpu_bind(value)
+
+    @field_validator("chat_template")
+    @classmethod
+    def _read_chat_template(cls, value):
+        from fleetserve.replica.engine.chat_template import read_chat_template
+
+        return read_chat_template(value)
 
     @field_validator("speculative_config", mode="before")
     @classmethod

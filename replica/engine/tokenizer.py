@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from fleetserve.replica.model_loader.registry import ModelSource
+from fleetserve.replica.engine.chat_template import check_template_kwargs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -140,14 +141,18 @@ def _store(tokenizer: PreTrainedTokenizerFast, target: Path) -> None:
 
 
 def apply_chat_template(tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, Any]],
-                        add_generation_prompt: bool = True) -> str:
-    """The prompt text for a conversation, checked first so that bad input is a ValueError."""
+                        add_generation_prompt: bool = True,
+                        chat_template_kwargs: Optional[dict[str, Any]] = None) -> str:
+    """The prompt text for a conversation, checked first so that bad input is a ValueError.
+    `chat_template_kwargs`: extra template variables (vLLM's, e.g. `enable_thinking`)."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model has no chat template; send a plain prompt instead")
+        raise ValueError("this model has no chat template; send a plain prompt instead, or "
+                         "start the engine with --chat-template")
     normalized = [_check_message(i, m) for i, m in enumerate(_check_list(messages))]
+    extra = check_template_kwargs(chat_template_kwargs)
     try:
         text = tokenizer.apply_chat_template(normalized, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt, **extra)
     except Exception as e:  # jinja2 errors (e.g. `raise_exception` in a template) are the user's input
         if type(e).__module__.startswith("jinja2"):
             raise ValueError(f"the chat template rejected the messages: {e}") from e

@@ -16,7 +16,10 @@ import time
 
 import pytest
 
+from fleetserve.replica.testing import CHATML_TEMPLATE
+
 API_KEY = "test-key"
+NOTE_TEMPLATE = "{% if note is defined %}{{ '<note>' + note + '</note>' + '\n' }}{% endif %}"
 APP = "fleetserve-test"
 
 
@@ -44,7 +47,10 @@ def server(tiny_model_dir):
 
     config = AppConfig.model_validate({
         "name": APP,
+        # --chat-template: the tiny model's own ChatML, plus a line that only a request's
+        # chat_template_kwargs turns on (tests/router/test_chat_template.py)
         "engine": {"model": str(tiny_model_dir), "served_model_name": "tiny", "max_model_len": 2048,
+                   "chat_template": NOTE_TEMPLATE + CHATML_TEMPLATE,
                    "num_gpu_blocks_override": 160, "max_num_seqs": 8, "num_threads": 1,
                    "max_waiting_requests": 64},
         "num_replicas": 2, "routing_policy": "prefix_aware", "num_cpus_per_replica": 0,

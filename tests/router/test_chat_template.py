@@ -1,0 +1,43 @@
+"""`--chat-template` and a request's `chat_template_kwargs`, end to end: the router suite's
+app runs with `engine.chat_template` (the tiny model's ChatML plus a `<note>` line that only
+a request's `note` variable turns on), which travels with the config to the replicas and
+reaches the ingress with the tokenizer."""
+
+from __future__ import annotations
+
+import httpx
+
+MESSAGES = [{"role": "user", "content": "hello there"}]
+
+
+def post(server, path: str, **body) -> httpx.Response:
+    return httpx.post(server.base_url + path, headers=server.headers(), timeout=120,
+                      json={"model": server.model, **body})
+
+
+def test_the_configured_template_renders_and_request_kwargs_reach_it(server):
+    plain = post(server, "/tokenize", messages=MESSAGES)
+    noted = post(server, "/tokenize", messages=MESSAGES, chat_template_kwargs={"note": "be brief"})
+    assert plain.status_code == 200 and noted.status_code == 200, (plain.text, noted.text)
+    text = post(server, "/detokenize", tokens=noted.json()["tokens"]).json()["prompt"]
+    assert text.startswith("<note>be brief</note>\n<|im_start|>user\nhello there<|im_end|>"), text
+    assert post(server, "/detokenize", tokens=plain.json()["tokens"]).json()["prompt"].startswith(
+        "<|im_start|>user\nhello there")
+
+    r = post(server, "/v1/chat/completions", messages=MESSAGES, max_tokens=2,
+             chat_template_kwargs={"note": "be brief"})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == noted.json()["count"]
+    server.wait_idle()
+
+
+def test_kwargs_that_would_replace_the_request_s_own_fields_are_refused(server):
+    for kwargs in ({"messages": []}, {"add_generation_prompt": False, "note": "x"}):
+        r = post(server, "/v1/chat/completions", messages=MESSAGES, max_tokens=2, chat_template_kwargs=kwargs)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "chat_template_kwargs" and "may not set" in error["message"], error
+    r = post(server, "/v1/chat/completions", messages=MESSAGES, max_tokens=2, chat_template_kwargs="note")
+    assert r.status_code == 400 and "chat_template_kwargs" in r.text, r.text
+    assert post(server, "/v1/chat/completions", messages=MESSAGES, max_tokens=2).status_code == 200
+    server.wait_idle()
