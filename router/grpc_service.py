@@ -224,6 +224,8 @@ def chat_request_from_proto(msg: "pb.ChatRequest") -> ChatCompletionRequest:
             data["response_format"]["json_schema"] = schema
     if msg.HasField("add_generation_prompt"):
         data["add_generation_prompt"] = msg.add_generation_prompt
+    if msg.chat_template_kwargs:
+        data["chat_template_kwargs"] = _json_text(msg.chat_template_kwargs, "chat_template_kwargs")
     try:
         return ChatCompletionRequest.model_validate(data)
     except ValidationError as e:

@@ -41,3 +41,30 @@ def test_kwargs_that_would_replace_the_request_s_own_fields_are_refused(server):
     assert r.status_code == 400 and "chat_template_kwargs" in r.text, r.text
     assert post(server, "/v1/chat/completions", messages=MESSAGES, max_tokens=2).status_code == 200
     server.wait_idle()
+
+
+def test_grpc_chat_takes_the_kwargs_as_json_text(server):
+    import grpc
+    import pytest
+
+    from fleetserve.router.proto import fleetserve_pb2 as pb
+    from fleetserve.router.proto import fleetserve_pb2_grpc as pb_grpc
+
+    meta = (("application", server.app), ("authorization", f"Bearer {server.api_key}"))
+    noted = post(server, "/tokenize", messages=MESSAGES, chat_template_kwargs={"note": "be brief"}).json()
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        stub = pb_grpc.FleetServeStub(channel)
+
+        def chat(kwargs: str):
+            return list(stub.Chat(pb.ChatRequest(
+                messages=[pb.ChatMessage(role="user", content="hello there")], chat_template_kwargs=kwargs,
+                sampling_params=pb.SamplingParams(max_tokens=2, temperature=0.0)), metadata=meta, timeout=120))
+
+        assert chat('{"note": "be brief"}')[-1].prompt_tokens == noted["count"]
+        for bad, says in (("{note", "not valid JSON"), ('["note"]', "chat_template_kwargs"),
+                          ('{"tools": []}', "may not set tools")):
+            with pytest.raises(grpc.RpcError) as err:
+                chat(bad)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in err.value.details(), \
+                (bad, err.value.details())
+    server.wait_idle()
