@@ -67,11 +67,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (ValidationError, ValueError, OSError) as e:
         print(f"fleetserve serve: invalid configuration:\n{e}", file=sys.stderr)
         return 2
-    from fleetserve.cluster.topology import check_model, check_ports
+    from fleetserve.cluster.topology import check_kv_memory, check_model, check_ports
 
     try:
         check_ports(config)
         check_model(config)  # metadata only: seconds, before Ray starts
+        check_kv_memory(config)
     except (ModelNotFoundError, ValueError) as e:
         print(f"fleetserve serve: {e}", file=sys.stderr)
         return 2

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from typing import Optional
 from dataclasses import dataclass
 
 from fleetserve.cluster.config import AppConfig
@@ -64,6 +65,67 @@ def check_model(config: AppConfig) -> None:
         for pool in (config.pd.prefill, config.pd.decode):
             model_info.check_max_model_len(source, pool.engine.get("max_model_len"))
     model_info.generation_defaults(source, config.engine.generation_config)
+
+
+def _mem_available() -> Optional[int]:
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+def _may_use_a_gpu(engine) -> bool:
+    if engine.device == "cuda":
+        return True
+    return engine.device == "auto" and any(os.path.exists(f"/dev/nvidia{i}") for i in range(16))
+
+
+def check_kv_memory(config: AppConfig, available: Optional[int] = None) -> None:
+    """ValueError when the KV caches that an embedded Ray's engine replicas allocate at
+    start-up cannot fit in this machine's available memory (--kv-cache-memory-bytes per
+    engine rank, or --num-gpu-blocks-override blocks): said before anything starts, where
+    the replicas would otherwise fault the caches in until the kernel's OOM killer ends one
+    (and Serve restarts it, and it ends again). Block sizes are a lower bound (`auto` dtype
+    counted as 2 bytes), so only what cannot fit is refused. A cache of one block too
+    small is refused too. GPU caches and a joined cluster's machines are not checked here."""
+    from fleetserve.replica.model_loader.model_info import read_model_shape
+    from fleetserve.replica.model_loader.registry import resolve_model
+
+    if config.pd.enabled:
+        pools = [(p, config.pool_engine(p), getattr(config.pd, p).num_replicas) for p in ("prefill", "decode")]
+    else:
+        n = max(1, config.autoscaling.min_replicas) if config.autoscaling else config.num_replicas
+        pools = [("", config.engine, n)]
+    shape = read_model_shape(resolve_model(config.engine.model))
+    total, parts = 0, []
+    for name, engine, replicas in pools:
+        tp = engine.tensor_parallel_size
+        block = shape.kv_bytes_per_block(engine.block_size, 4 if engine.dtype == "float32" else 2, tp)
+        if engine.kv_cache_memory_bytes is not None and engine.num_gpu_blocks_override is None \
+                and block and engine.kv_cache_memory_bytes < block:
+            size = f"{block} bytes" if engine.dtype != "auto" else f"at least {block} bytes (bfloat16)"
+            whose = f"the {name} pool's" if name else "the"
+            raise ValueError(f"{whose} KV cache budget "
+                             f"({engine.kv_cache_memory_bytes} bytes, --kv-cache-memory-bytes) holds no "
+                             f"block of {engine.block_size} tokens: {size}; raise it")
+        if config.address or _may_use_a_gpu(engine):
+            continue
+        if engine.num_gpu_blocks_override is not None:
+            per_rank, flag = engine.num_gpu_blocks_override * block, "--num-gpu-blocks-override"
+        elif engine.kv_cache_memory_bytes is not None:
+            per_rank, flag = engine.kv_cache_memory_bytes, "--kv-cache-memory-bytes"
+        else:
+            continue  # the default budget is a share of what is available
+        total += per_rank * tp * replicas
+        ranks = f" x {tp} ranks" if tp > 1 else ""
+        parts.append(f"{replicas} {name + ' ' if name else ''}replica{'s' * (replicas != 1)}{ranks} "
+                     f"x {per_rank / 2**30:.2f} GiB ({flag})")
+    available = _mem_available() if available is None else available
+    if parts and available is not None and total > available:
+        raise ValueError(f"the KV caches need {' + '.join(parts)} = {total / 2**30:.2f} GiB, and this "
+                         f"machine has {available / 2**30:.2f} GiB of memory available; lower "
+                         "--kv-cache-memory-bytes or --num-gpu-blocks-override, or run fewer replicas")
 
 
 def check_ports(config: AppConfig) -> None:

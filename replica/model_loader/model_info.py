@@ -40,6 +40,14 @@ class ModelShape:
     num_key_value_heads: int
     intermediate_size: int
     max_position_embeddings: int
+    num_hidden_layers: int = 0  # 0: unknown
+    head_dim: int = 0  # 0: unknown
+
+    def kv_bytes_per_block(self, block_size: int, element_size: int, tp: int = 1) -> int:
+        """Bytes of one KV cache block on one rank (K and V, every layer), as the engine
+        allocates it (replica.model_loader.weights.kv_cache_bytes_per_block); 0 if unknown."""
+        local_kv_heads = max(1, self.num_key_value_heads // tp)
+        return 2 * local_kv_heads * block_size * self.head_dim * self.num_hidden_layers * element_size
 
 
 def read_model_shape(source: ModelSource) -> ModelShape:
@@ -49,9 +57,12 @@ def read_model_shape(source: ModelSource) -> ModelShape:
         heads = meta.get(f"{arch}.attention.head_count")
         if heads is None:
             raise ValueError(f"{source.path}: GGUF metadata lacks {arch}.attention.head_count")
+        hidden = int(meta.get(f"{arch}.embedding_length", 0))
         return ModelShape(int(heads), int(meta.get(f"{arch}.attention.head_count_kv", heads)),
                           int(meta.get(f"{arch}.feed_forward_length", 0)),
-                          int(meta.get(f"{arch}.context_length", 2048)))
+                          int(meta.get(f"{arch}.context_length", 2048)),
+                          int(meta.get(f"{arch}.block_count", 0)),
+                          int(meta.get(f"{arch}.attention.key_length", 0)) or hidden // int(heads))
     # The config as the engine reads it (ModelConfig: the family's defaults for absent keys),
     # so a context length or head count here is the engine's; ValueError naming the file if
     # unreadable or not a model our engine runs.
@@ -60,7 +71,8 @@ def read_model_shape(source: ModelSource) -> ModelShape:
     cfg = read_model_config(source.path)
     return ModelShape(cfg.num_attention_heads, cfg.num_key_value_heads,
                       int(getattr(cfg, "intermediate_size", None) or 0),
-                      int(getattr(cfg, "max_position_embeddings", None) or 2048))
+                      int(getattr(cfg, "max_position_embeddings", None) or 2048),
+                      int(cfg.num_hidden_layers), int(cfg.head_dim))
 
 
 def tp_problems(shape: ModelShape, tp: int) -> list[str]:

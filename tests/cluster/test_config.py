@@ -155,3 +155,50 @@ def test_serve_with_a_max_model_len_past_the_model_s_exits_2_before_ray_starts(c
     assert main(["serve", "--model", model, "--pd", "--pd-decode-engine", '{"max_model_len": 4096}',
                  *free]) == 2
     assert "max_model_len=4096 exceeds" in capsys.readouterr().err
+
+
+def test_kv_caches_that_cannot_fit_in_memory_are_refused_before_ray_starts(capsys, monkeypatch, tiny_model_dir):
+    """Replicas would fault their caches in until the OOM killer ended one, again and again."""
+    from fleetserve.cluster import lifecycle, topology
+    from fleetserve.replica.model_loader.model_info import read_model_shape
+    from fleetserve.replica.model_loader.registry import resolve_model
+
+    model = str(tiny_model_dir)
+    shape = read_model_shape(resolve_model(model))
+    block32 = shape.kv_bytes_per_block(16, 4)  # float32, as the engine allocates it
+    gib = 2 ** 30
+
+    def check(available: int, **fields) -> None:
+        topology.check_kv_memory(AppConfig.model_validate({"engine": {"model": model}, **fields}), available)
+
+    check(3 * gib, num_replicas=2, engine={"model": model, "kv_cache_memory_bytes": gib})
+    with pytest.raises(ValueError, match=r"2 replicas x 1\.00 GiB \(--kv-cache-memory-bytes\) = 2\.00 GiB, "
+                                         r"and this machine has 1\.50 GiB"):
+        check(int(1.5 * gib), num_replicas=2, engine={"model": model, "kv_cache_memory_bytes": gib})
+    # --num-gpu-blocks-override: blocks x the block's bytes (float32 here: exact), every TP rank
+    over = {"model": model, "dtype": "float32", "num_gpu_blocks_override": 1000, "tensor_parallel_size": 2}
+    need = 1000 * shape.kv_bytes_per_block(16, 4, tp=2) * 2
+    check(need, num_replicas=1, engine=over)
+    with pytest.raises(ValueError, match=r"1 replica x 2 ranks x .* \(--num-gpu-blocks-override\)"):
+        check(need - 1, num_replicas=1, engine=over)
+    # P/D: both pools, each with its own engine settings
+    pd = {"enabled": True, "connector": "ray_object_store",
+          "prefill": {"engine": {"kv_cache_memory_bytes": gib}}, "decode": {"num_replicas": 2}}
+    with pytest.raises(ValueError, match=r"1 prefill replica x 1\.00 GiB .* \+ 2 decode replicas x 1\.00 GiB"):
+        check(2 * gib, engine={"model": model, "kv_cache_memory_bytes": gib}, pd=pd)
+    # Not checked: the default budget (a share of what is available), a joined cluster, a GPU.
+    check(1, num_replicas=8)
+    check(1, address="auto", engine={"model": model, "kv_cache_memory_bytes": gib})
+    check(1, engine={"model": model, "kv_cache_memory_bytes": gib, "device": "cuda"})
+    # A budget below one block, with the bytes a block takes (a lower bound for dtype auto).
+    with pytest.raises(ValueError, match=rf"holds no block of 16 tokens: {block32} bytes; raise it"):
+        check(64 * gib, engine={"model": model, "kv_cache_memory_bytes": 10, "dtype": "float32"})
+    with pytest.raises(ValueError, match=rf"the decode pool's .* at least {block32 // 2} bytes \(bfloat16\)"):
+        check(64 * gib, pd={**pd, "decode": {"engine": {"kv_cache_memory_bytes": 10}}})
+
+    monkeypatch.setattr(lifecycle, "run_server", lambda config: pytest.fail("serve went on to start Ray"))
+    huge = str(64 * (topology._mem_available() or 2 ** 40))
+    assert main(["serve", "--model", model, "--kv-cache-memory-bytes", huge, "--port", "0",
+                 "--grpc-port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "fleetserve serve: the KV caches need 2 replicas x" in err and "memory available" in err, err
