@@ -85,8 +85,8 @@ def check_kv_memory(config: AppConfig, available: Optional[int] = None) -> None:
     """ValueError when the KV caches that an embedded Ray's engine replicas allocate at
     start-up cannot fit in this machine's available memory (--kv-cache-memory-bytes per
     engine rank, or --num-gpu-blocks-override blocks): said before anything starts, where
-    the replicas would otherwise fault the caches in until the kernel's OOM killer ends one
-    (and Serve restarts it, and it ends again). Block sizes are a lower bound (`auto` dtype
+    the replicas would otherwise zero (fault in) their whole caches at start-up, past what
+    the machine has: into swap or the kernel's OOM killer. Block sizes are a lower bound (`auto` dtype
     counted as 2 bytes), so only what cannot fit is refused. A cache of one block too
     small is refused too. GPU caches and a joined cluster's machines are not checked here."""
     from fleetserve.replica.model_loader.model_info import read_model_shape
