@@ -24,6 +24,8 @@ from fleetserve.replica.engine.engine_args import EngineArgs
 
 # Nested application fields that keep vLLM's / the README's short spelling.
 FLAG_NAMES = {"http.host": "--host", "http.port": "--port", "grpc.port": "--grpc-port",
+              "http.allowed_origins": "--allowed-origins", "http.allow_credentials": "--allow-credentials",
+              "http.allowed_methods": "--allowed-methods", "http.allowed_headers": "--allowed-headers",
               "grpc.enabled": "--grpc",
               # A nested model given whole, as vLLM's JSON flag (not walked field by field).
               "speculative_config": "--speculative-config",

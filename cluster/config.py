@@ -43,6 +43,7 @@ from fleetserve.cluster.placement import (AutoscalingOptions, PDOptions, PDPool,
 from fleetserve.kv_transfer.config import KVTransferConfig
 from fleetserve.kv_transfer.registry import check_connector_name, check_connector_options
 from fleetserve.replica.engine.engine_args import EngineArgs
+from fleetserve.router.cors import LOCAL_ORIGINS, origin_pattern
 
 # prefix_aware routes on the engines' KV events (a cluster-wide index of what each
 # replica caches); prefix_aware_approx guesses from where prompts were sent.
@@ -58,6 +59,25 @@ class HTTPOptions(BaseModel):
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (OpenAI API, /metrics, /health).")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description=(
         "Largest request body; a larger one is refused with 413 before parsing."))
+    allowed_origins: tuple[str, ...] = Field(LOCAL_ORIGINS, description=(
+        "Web pages whose scripts may call the API from a browser (CORS), a JSON list: exact "
+        "origins, 'http://localhost:*' (any port), 'https://*.example.com', or '*' (any; "
+        "vLLM's default). Default: pages served from this machine; [] turns CORS off."))
+    allow_credentials: bool = Field(False, description=(
+        "CORS: let those pages send cookies and HTTP authentication."))
+    allowed_methods: tuple[str, ...] = Field(("*",), description="CORS: allowed methods (JSON list).")
+    allowed_headers: tuple[str, ...] = Field(("*",), description="CORS: allowed request headers (JSON list).")
+
+    @field_validator("allowed_origins")
+    @classmethod
+    def _check_origins(cls, value):
+        for origin in value:
+            origin_pattern(origin)  # ValueError naming the entry
+        return value
+
+    def cors(self) -> dict:
+        return {"allowed_origins": self.allowed_origins, "allow_credentials": self.allow_credentials,
+                "allowed_methods": self.allowed_methods, "allowed_headers": self.allowed_headers}
 
 
 class GRPCOptions(BaseModel):

@@ -224,6 +224,7 @@ def build_app(config: AppConfig):
     common = dict(served_model_name=config.served_model_name, api_key=resolve_api_key(config),
                   max_body_bytes=config.http.max_body_bytes, model_aliases=aliases,
                   bind_host=config.http.host, log_requests=config.enable_log_requests,
+                  cors=config.http.cors(),
                   reliability={**config.reliability.model_dump(),
                                "open_paths": list(config.api_key_open_paths)})
     if not config.pd.enabled:

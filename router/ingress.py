@@ -30,11 +30,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fleetserve.replica.engine.chat_template import check_template_kwargs
 from fleetserve.router import auth as _auth
+from fleetserve.router import cors as _cors
 from fleetserve.router import completions
 from fleetserve.router import openai_format as fmt
 from fleetserve.router import serve_patches
 from fleetserve.router.access_log import AccessLog
 from fleetserve.router.auth import ApiKeyAuth, RequireApiKey
+from fleetserve.router.cors import Cors, CorsSettings
 from fleetserve.router.errors import (APIError, error_body, field_path, from_validation_error, is_error,
                                       to_response)
 from fleetserve.router.feed import FEED_FLAG, FeedHub, Inbox
@@ -57,7 +59,8 @@ logger = logging.getLogger("ray.serve")
 
 app = FastAPI(title="fleetserve", docs_url=None, redoc_url=None)
 app.add_middleware(RequireApiKey)  # router/auth.py: every path but the open ones
-app.add_middleware(AccessLog)  # added last: outermost, so it logs the 401s too
+app.add_middleware(AccessLog)  # outside the key check, so it logs the 401s too
+app.add_middleware(Cors)  # router/cors.py: outermost, so preflights need no key
 
 # How long a request waits for the first engine replica to answer (the model may
 # still be loading) before it gets a 503 instead of hanging.
@@ -95,7 +98,8 @@ class Ingress(GrpcMethods):
                  model_aliases: tuple[str, ...] = (), bind_host: Optional[str] = None,
                  log_requests: bool = False, reliability: Optional[dict] = None,
                  prefill: Optional[DeploymentHandle] = None,
-                 pd: Optional[dict] = None, reuse: Optional[dict] = None) -> None:
+                 pd: Optional[dict] = None, reuse: Optional[dict] = None,
+                 cors: Optional[dict] = None) -> None:
         """`engine` is the engine pool requests stream from; with P/D (`prefill` and `pd`
         given: router.pd) it is the decode pool, and `prefill` the prefill pool."""
         # Before Serve starts this replica's own HTTP/gRPC servers (after the constructor).
@@ -129,6 +133,7 @@ class Ingress(GrpcMethods):
         self._model_names = {served_model_name, *model_aliases}
         self._auth = ApiKeyAuth(api_key, tuple((reliability or {}).get("open_paths", ("/health", "/metrics"))))
         _auth.install(self._auth)
+        _cors.install(CorsSettings(**cors) if cors is not None else CorsSettings())
         self._max_body_bytes = max_body_bytes
         self._reliability = reliability or {}
         self._info: Optional[dict] = None
