@@ -19,6 +19,7 @@ ray, so it also runs on a laptop against a remote cluster. Every network wait is
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import socket
@@ -102,6 +103,8 @@ class Client:
         except (socket.timeout, TimeoutError):
             raise ClientError(f"{self.url}{path} did not answer within {self.timeout:g} s "
                               "(--timeout)", fatal=True) from None
+        except (http.client.HTTPException, OSError) as e:  # e.g. the server closed the connection
+            raise ClientError(f"{self.url}{path} failed: {e or type(e).__name__}", fatal=True) from None
 
     def _http_error(self, e: urllib.error.HTTPError) -> str:
         try:
@@ -136,6 +139,8 @@ class Client:
                     raw = r.readline()
                 except (socket.timeout, TimeoutError):
                     raise ClientError(f"no reply for {self.timeout:g} s (--timeout); gave up") from None
+                except (http.client.HTTPException, OSError) as e:
+                    raise ClientError(f"the connection broke mid-reply: {e or type(e).__name__}") from None
                 if not raw:
                     raise ClientError("the server closed the stream before it ended")
                 line = raw.decode("utf-8", "replace").strip()
