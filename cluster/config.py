@@ -199,7 +199,7 @@ class AppConfig(BaseModel):
         "built (on Kubernetes a Secret exposed as env keeps the key out of the RayService)."))
     api_key_file: Optional[str] = Field(None, description=(
         "Or: a file holding the API key (else $FLEETSERVE_API_KEY); keeps it out of `ps`."))
-    api_key_open_paths: tuple[str, ...] = Field(("/health", "/metrics"), description=(
+    api_key_open_paths: tuple[str, ...] = Field(("/health", "/ping", "/metrics"), description=(
         "HTTP paths that need no API key (a JSON list); [\"/health\"] protects /metrics too."))
     reliability: ReliabilityOptions = ReliabilityOptions()
     address: Optional[str] = Field(None, description=(

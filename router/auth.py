@@ -4,8 +4,8 @@
   and vLLM do); the scheme name is case-insensitive (RFC 7235).
 - Keys are compared as SHA-256 digests with `hmac.compare_digest`: constant time, and
   the comparison does not even reveal the key's length.
-- Every HTTP path needs the key except the configured open ones (`/health` and
-  `/metrics` by default, as in vLLM; `api_key_open_paths: ["/health"]` closes /metrics).
+- Every HTTP path needs the key except the configured open ones (`/health`, `/ping` and
+  `/metrics` by default, as in vLLM; `api_key_open_paths: ["/health"]` closes the others).
   That includes FastAPI's `/openapi.json` and anything else the app serves: the check is
   a middleware in front of all routes, not a call each endpoint must remember. Serve's
   own `/-/routes` and `/-/healthz` are answered before the app sees the request (they
@@ -53,7 +53,7 @@ def _digest(value: str) -> bytes:
 
 class ApiKeyAuth:
     def __init__(self, api_key: Optional[str],
-                 open_paths: tuple[str, ...] = ("/health", "/metrics")) -> None:
+                 open_paths: tuple[str, ...] = ("/health", "/ping", "/metrics")) -> None:
         self._digest = _digest(api_key) if api_key else None
         self.open_paths = frozenset(open_paths)
 

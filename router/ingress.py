@@ -131,7 +131,7 @@ class Ingress(GrpcMethods):
                        if os.environ.get("FLEETSERVE_STREAM_FEED", "1") != "0" else None)
         self.served_model_name = served_model_name
         self._model_names = {served_model_name, *model_aliases}
-        self._auth = ApiKeyAuth(api_key, tuple((reliability or {}).get("open_paths", ("/health", "/metrics"))))
+        self._auth = ApiKeyAuth(api_key, tuple((reliability or {}).get("open_paths", ("/health", "/ping", "/metrics"))))
         _auth.install(self._auth)
         _cors.install(CorsSettings(**cors) if cors is not None else CorsSettings())
         self._max_body_bytes = max_body_bytes
@@ -431,6 +431,17 @@ class Ingress(GrpcMethods):
             "id": self.served_model_name, "object": "model", "created": self._created,
             "owned_by": "fleetserve", "root": info["model_name"],
             "max_model_len": info["max_model_len"]}]}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping(self):
+        """vLLM's (and SageMaker's) liveness path: /health's answer, open like it."""
+        return await self.health()
+
+    @app.get("/version")
+    async def version(self):
+        from fleetserve import __version__
+
+        return {"version": __version__}
 
     @app.get("/health")
     async def health(self):
