@@ -16,11 +16,17 @@ through untouched); it acts only on requests that carry an `Origin` header.
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from typing import Optional
 
+from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
+
+logger = logging.getLogger("ray.serve")  # the ingress replica's log, as router/access_log.py
+
+_LOGGED_ORIGINS = 100  # refused origins logged per process, at most (each once)
 
 LOCAL_ORIGINS = ("http://localhost:*", "http://127.0.0.1:*", "http://[::1]:*")
 
@@ -69,12 +75,16 @@ def install(settings: Optional[CorsSettings]) -> None:
 
 
 class Cors:
-    """ASGI middleware: Starlette's CORSMiddleware with the installed settings."""
+    """ASGI middleware: Starlette's CORSMiddleware with the installed settings. The first
+    request from each origin it refuses is logged (a browser shows the page a CORS error;
+    the operator sees which origin to allow)."""
 
     def __init__(self, app) -> None:
         self.app = app
         self._for: Optional[CorsSettings] = None
         self._cors: Optional[CORSMiddleware] = None
+        self._allowed: Optional[re.Pattern] = None
+        self._refused: set[str] = set()
 
     async def __call__(self, scope, receive, send) -> None:
         settings = _installed
@@ -82,6 +92,7 @@ class Cors:
             await self.app(scope, receive, send)
             return
         if self._for is not settings:
+            self._allowed = re.compile(settings.origin_regex())
             self._cors = CORSMiddleware(
                 self.app, allow_origin_regex=settings.origin_regex(),
                 # "*" with credentials: Starlette answers with the request's origin, as browsers require
@@ -89,4 +100,10 @@ class Cors:
                 allow_credentials=settings.allow_credentials,
                 allow_methods=settings.allowed_methods, allow_headers=settings.allowed_headers)
             self._for = settings
+        origin = Headers(scope=scope).get("origin")
+        if origin and origin not in self._refused and not self._allowed.fullmatch(origin) \
+                and len(self._refused) < _LOGGED_ORIGINS:
+            self._refused.add(origin)
+            logger.info("CORS: refused a request from the web page origin %r (allowed: %s); "
+                        "--allowed-origins admits it", origin, ", ".join(settings.allowed_origins))
         await self._cors(scope, receive, send)

@@ -57,6 +57,32 @@ def app_with(monkeypatch):
     return make
 
 
+def test_the_first_request_from_a_refused_origin_is_logged(app_with):
+    import logging
+
+    class Keep(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.INFO)
+            self.messages: list[str] = []
+
+        def emit(self, record) -> None:
+            self.messages.append(record.getMessage())
+
+    client, keep = app_with(), Keep()
+    cors.logger.addHandler(keep)  # ("ray.serve" does not propagate once Serve has set it up)
+    level = cors.logger.level
+    cors.logger.setLevel(logging.INFO)
+    try:
+        for _ in range(3):
+            client.options("/v1/completions", headers={"Origin": "https://ui.example", **PREFLIGHT})
+        client.post("/v1/completions", headers={"Origin": "http://localhost:3000"})
+    finally:
+        cors.logger.removeHandler(keep)
+        cors.logger.setLevel(level)
+    lines = [m for m in keep.messages if "CORS" in m]
+    assert len(lines) == 1 and "'https://ui.example'" in lines[0] and "--allowed-origins" in lines[0], lines
+
+
 def test_any_origin_credentials_and_subdomains(app_with):
     client = app_with(allowed_origins=("*",))
     r = client.post("/v1/completions", headers={"Origin": "https://anywhere.example"})
