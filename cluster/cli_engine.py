@@ -91,6 +91,9 @@ def add_schema_flags(group, model: type[BaseModel], prefix: str = "",
                                   "help": _help(field, path)}
         if ann is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(ann) in (Union, types.UnionType) and \
+                set(typing.get_args(ann)) - {type(None)} == {str, tuple[str, ...]}:
+            kwargs.update(nargs="+", type=str, metavar="NAME")  # one name or several, as vLLM's
         elif typing.get_origin(ann) is Literal:
             choices = typing.get_args(ann)
             kwargs.update(choices=choices, type=type(choices[0]))

@@ -252,7 +252,7 @@ class AppConfig(BaseModel):
 
     @property
     def served_model_name(self) -> str:
-        return self.engine.served_model_name or self.engine.model
+        return self.engine.served_name or self.engine.model
 
     @property
     def max_ongoing_requests(self) -> int:

@@ -216,13 +216,17 @@ def build_app(config: AppConfig):
     """The Serve application: one ingress in front of `num_replicas` engine replicas, or,
     with `pd.enabled`, in front of a decode pool and a prefill pool (router/pd.py)."""
     engine = config.engine
-    aliases = tuple({engine.model} - {config.served_model_name})
+    # Accepted in `model`: every served name, and the --model value itself; listed in
+    # /v1/models: the served names.
+    others = tuple(n for n in engine.served_model_names if n != config.served_model_name)
+    aliases = tuple({engine.model} - {config.served_model_name, *others})
     ingress = serve.deployment(
         IngressDeployment, name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=100_000,
         ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": serve_env()}},
         logging_config=_NO_ACCESS_LOG, **_lifecycle_options(config, health=False))
     common = dict(served_model_name=config.served_model_name, api_key=resolve_api_key(config),
                   max_body_bytes=config.http.max_body_bytes, model_aliases=aliases,
+                  listed_names=others,
                   bind_host=config.http.host, log_requests=config.enable_log_requests,
                   cors=config.http.cors(),
                   reliability={**config.reliability.model_dump(),

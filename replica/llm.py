@@ -31,7 +31,7 @@ class LLM:
         if self.args.chat_template is not None:
             self.tokenizer.chat_template = self.args.chat_template
         self.core = EngineCore(self.args, self.tokenizer.eos_token_id)
-        self.metrics = EngineMetrics(self.args.served_model_name or source.name)
+        self.metrics = EngineMetrics(self.args.served_name or source.name)
         self.input_processor = InputProcessor(self.tokenizer, self.core.max_model_len,
                                               self.core.hf_config.vocab_size)
         # --generation-config, as the server applies it: the model's own sampling defaults.

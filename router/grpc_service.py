@@ -337,8 +337,8 @@ class GrpcMethods:
             info = await self.info()
         except APIError as e:
             _fail(grpc_context, e.status, e.body["error"]["message"])
-        return pb.ListModelsResponse(models=[pb.ModelInfo(
-            id=self.served_model_name, max_model_len=info["max_model_len"])])
+        return pb.ListModelsResponse(models=[pb.ModelInfo(id=name, max_model_len=info["max_model_len"])
+                                             for name in self._listed_names])
 
     def _grpc_auth(self, ctx: RayServegRPCContext) -> None:
         metadata = dict(ctx.invocation_metadata() or [])

@@ -99,7 +99,7 @@ class Ingress(GrpcMethods):
                  log_requests: bool = False, reliability: Optional[dict] = None,
                  prefill: Optional[DeploymentHandle] = None,
                  pd: Optional[dict] = None, reuse: Optional[dict] = None,
-                 cors: Optional[dict] = None) -> None:
+                 cors: Optional[dict] = None, listed_names: tuple[str, ...] = ()) -> None:
         """`engine` is the engine pool requests stream from; with P/D (`prefill` and `pd`
         given: router.pd) it is the decode pool, and `prefill` the prefill pool."""
         # Before Serve starts this replica's own HTTP/gRPC servers (after the constructor).
@@ -130,7 +130,8 @@ class Ingress(GrpcMethods):
         self._feeds = (FeedHub(self._stream)
                        if os.environ.get("FLEETSERVE_STREAM_FEED", "1") != "0" else None)
         self.served_model_name = served_model_name
-        self._model_names = {served_model_name, *model_aliases}
+        self._model_names = {served_model_name, *model_aliases, *listed_names}
+        self._listed_names = (served_model_name, *listed_names)  # /v1/models, in order
         self._auth = ApiKeyAuth(api_key, tuple((reliability or {}).get("open_paths", ("/health", "/ping", "/metrics"))))
         _auth.install(self._auth)
         _cors.install(CorsSettings(**cors) if cors is not None else CorsSettings())
@@ -200,7 +201,8 @@ class Ingress(GrpcMethods):
     def check_model(self, model: Optional[str]) -> None:
         if model and model not in self._model_names:
             raise APIError(f"The model `{model}` does not exist; this server serves "
-                           f"`{self.served_model_name}`", 404, param="model", code="model_not_found")
+                           + ", ".join(f"`{n}`" for n in self._listed_names), 404, param="model",
+                           code="model_not_found")
 
     def check_api_key(self, presented: Optional[str]) -> None:
         self._auth.check(presented)
@@ -428,9 +430,9 @@ class Ingress(GrpcMethods):
         self.check_api_key(request.headers.get("authorization"))
         info = await self.info()
         return {"object": "list", "data": [{
-            "id": self.served_model_name, "object": "model", "created": self._created,
+            "id": name, "object": "model", "created": self._created,
             "owned_by": "fleetserve", "root": info["model_name"],
-            "max_model_len": info["max_model_len"]}]}
+            "max_model_len": info["max_model_len"]} for name in self._listed_names]}
 
     @app.api_route("/ping", methods=["GET", "POST"])
     async def ping(self):

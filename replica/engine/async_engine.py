@@ -61,7 +61,7 @@ class AsyncEngine:
         self.tokenizer = load_tokenizer(source)
         if args.chat_template is not None:  # --chat-template: the ingress gets it with the tokenizer
             self.tokenizer.chat_template = args.chat_template
-        self.model_name = args.served_model_name or source.name
+        self.model_name = args.served_name or source.name
         shape = read_model_shape(source)
         self.metrics = EngineMetrics(self.model_name,
                                      args.max_model_len or shape.max_position_embeddings)

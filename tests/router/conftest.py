@@ -21,6 +21,7 @@ from fleetserve.replica.testing import CHATML_TEMPLATE
 API_KEY = "test-key"
 NOTE_TEMPLATE = "{% if note is defined %}{{ '<note>' + note + '</note>' + '\n' }}{% endif %}"
 APP = "fleetserve-test"
+SECOND_NAME = "tiny-chat"  # --served-model-name tiny tiny-chat (tests/router/test_served_names.py)
 
 
 def free_port() -> int:
@@ -49,7 +50,7 @@ def server(tiny_model_dir):
         "name": APP,
         # --chat-template: the tiny model's own ChatML, plus a line that only a request's
         # chat_template_kwargs turns on (tests/router/test_chat_template.py)
-        "engine": {"model": str(tiny_model_dir), "served_model_name": "tiny", "max_model_len": 2048,
+        "engine": {"model": str(tiny_model_dir), "served_model_name": ["tiny", SECOND_NAME], "max_model_len": 2048,
                    "chat_template": NOTE_TEMPLATE + CHATML_TEMPLATE,
                    "num_gpu_blocks_override": 160, "max_num_seqs": 8, "num_threads": 1,
                    "max_waiting_requests": 64},
