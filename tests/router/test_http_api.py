@@ -15,7 +15,7 @@ def client(server):
 
 def test_models(client, server):
     models = client.models.list()
-    assert [m.id for m in models.data] == [server.model]
+    assert [m.id for m in models.data] == [server.model, "tiny-chat"]  # both --served-model-names
 
 
 def test_completion_non_stream_usage(client, server):
