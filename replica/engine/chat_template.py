@@ -57,6 +57,8 @@ def check_template_kwargs(kwargs: Optional[dict]) -> dict:
     `enable_thinking`); ValueError naming any that would replace the template's own."""
     if not kwargs:
         return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError("chat_template_kwargs must be an object of template variables")
     clash = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
     if clash:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}: the request's own "

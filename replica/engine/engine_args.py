@@ -124,7 +124,7 @@ class EngineArgs(BaseModel):
     def _check_served_names(cls, value):
         if value is None:
             return None
-        names = [value] if isinstance(value, str) else list(value)
+        names = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else None
         if not names or not all(isinstance(n, str) and n.strip() for n in names):
             raise ValueError("served_model_name: one or more non-empty names")
         names = list(dict.fromkeys(names))  # (repeats dropped, order kept)

@@ -202,3 +202,10 @@ def test_kv_caches_that_cannot_fit_in_memory_are_refused_before_ray_starts(capsy
                  "--grpc-port", "0"]) == 2
     err = capsys.readouterr().err
     assert "fleetserve serve: the KV caches need 2 replicas x" in err and "memory available" in err, err
+
+
+@pytest.mark.parametrize("value", [123, "", [], ["a", ""], [1]])
+def test_served_model_names_must_be_names(value):
+    with pytest.raises(ValidationError, match="one or more non-empty names"):
+        AppConfig.model_validate({"engine": {"served_model_name": value}})
+    assert from_cli("serve", "--served-model-name", "a", "b", "a").engine.served_model_names == ("a", "b")
