@@ -18,6 +18,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.router.conftest import RAY_FIXED_PORTS
+
 APP = "fleetserve-pd-test"
 BLOCK = 16
 REUSE_BLOCK = 8  # reuse_server's engines: a block size other than the default
@@ -25,9 +27,14 @@ MAX_TOKENS = 8
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port, none of those Ray binds by default (the app's embedded Ray starts
+    after the port is picked: tests/router/conftest.py)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in RAY_FIXED_PORTS:
+            return port
 
 
 @pytest.fixture(scope="session")

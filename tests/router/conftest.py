@@ -24,10 +24,19 @@ APP = "fleetserve-test"
 SECOND_NAME = "tiny-chat"  # --served-model-name tiny tiny-chat (tests/router/test_served_names.py)
 
 
+# Ports Ray binds by default once it starts (GCS, dashboard, client server, dashboard
+# agent): a port picked before ray.init can be taken by Ray itself (a run failed so: the
+# gRPC port drawn was 52365, the dashboard agent's).
+RAY_FIXED_PORTS = frozenset({6379, 8265, 10001, 52365, 52366})
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in RAY_FIXED_PORTS:
+            return port
 
 
 @pytest.fixture(scope="session")
