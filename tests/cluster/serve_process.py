@@ -19,20 +19,9 @@ from pathlib import Path
 import httpx
 import psutil
 
-from tests.router.conftest import RAY_FIXED_PORTS
+from tests.router.conftest import free_port  # noqa: F401 (one for all suites; tests import it from here)
 
 MARKER = "FLEETSERVE_TEST_MARKER"
-
-
-def free_port() -> int:
-    """A free loopback port, none of those Ray binds by default (the app's embedded Ray starts
-    after the port is picked: tests/router/conftest.py)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in RAY_FIXED_PORTS:
-            return port
 
 
 def leave_time_wait(port: int) -> None:

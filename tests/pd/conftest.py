@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,23 +17,12 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.router.conftest import RAY_FIXED_PORTS
+from tests.router.conftest import free_port  # noqa: F401 (one for all suites; tests import it from here)
 
 APP = "fleetserve-pd-test"
 BLOCK = 16
 REUSE_BLOCK = 8  # reuse_server's engines: a block size other than the default
 MAX_TOKENS = 8
-
-
-def free_port() -> int:
-    """A free loopback port, none of those Ray binds by default (the app's embedded Ray starts
-    after the port is picked: tests/router/conftest.py)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in RAY_FIXED_PORTS:
-            return port
 
 
 @pytest.fixture(scope="session")
