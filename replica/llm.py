@@ -91,16 +91,19 @@ class LLM:
     def chat(self, messages: Union[list[dict], Sequence[list[dict]]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
+             chat_template_kwargs: Optional[dict[str, Any]] = None,
+             continue_final_message: bool = False) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of them, as vLLM's `LLM.chat`.
         The rendered template is tokenized without special tokens (the template has them);
-        `chat_template_kwargs` are extra template variables."""
+        `chat_template_kwargs` are extra template variables; `continue_final_message` (with
+        `add_generation_prompt=False`) goes on with the last message instead of answering it."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of messages or of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conv in conversations:
-            text = apply_chat_template(self.tokenizer, conv, add_generation_prompt, chat_template_kwargs)
+            text = apply_chat_template(self.tokenizer, conv, add_generation_prompt, chat_template_kwargs,
+                                       continue_final_message)
             prompts.append({"prompt": text,
                             "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)

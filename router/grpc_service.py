@@ -36,7 +36,7 @@ _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENT
            429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                     "presence_penalty", "frequency_penalty", "repetition_penalty",
-                    "logprobs", "n", "min_tokens")
+                    "logprobs", "n", "min_tokens", "truncate_prompt_tokens")
 
 
 MAX_CLIENT_REQUEST_ID_CHARS = 256
@@ -130,6 +130,10 @@ def sampling_from_proto(msg: "pb.SamplingParams", defaults: Optional[dict] = Non
                   ignore_eos=msg.ignore_eos)
     if msg.logit_bias:
         fields["logit_bias"] = dict(msg.logit_bias)
+    if msg.allowed_token_ids:
+        fields["allowed_token_ids"] = list(msg.allowed_token_ids)
+    if msg.bad_words:
+        fields["bad_words"] = list(msg.bad_words)
     try:
         if msg.HasField("structured_outputs"):
             fields["structured_outputs"] = _structured_from_proto(msg.structured_outputs)
@@ -184,6 +188,10 @@ def chat_request_from_proto(msg: "pb.ChatRequest") -> ChatCompletionRequest:
     data.update(stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos)
     if sp.logit_bias:
         data["logit_bias"] = {str(k): v for k, v in sp.logit_bias.items()}
+    if sp.allowed_token_ids:
+        data["allowed_token_ids"] = list(sp.allowed_token_ids)
+    if sp.bad_words:
+        data["bad_words"] = list(sp.bad_words)
     if sp.HasField("structured_outputs"):
         so = sp.structured_outputs
         kind = so.WhichOneof("constraint")
@@ -224,6 +232,8 @@ def chat_request_from_proto(msg: "pb.ChatRequest") -> ChatCompletionRequest:
             data["response_format"]["json_schema"] = schema
     if msg.HasField("add_generation_prompt"):
         data["add_generation_prompt"] = msg.add_generation_prompt
+    if msg.continue_final_message:
+        data["continue_final_message"] = True
     if msg.chat_template_kwargs:
         data["chat_template_kwargs"] = _json_text(msg.chat_template_kwargs, "chat_template_kwargs")
     try:
@@ -347,8 +357,9 @@ class GrpcMethods:
     async def _grpc_body(self, request: "pb.GenerateRequest") -> dict:
         self.check_model(request.model)
         which = request.WhichOneof("input")
+        truncating = request.sampling_params.HasField("truncate_prompt_tokens")
         if which == "prompt":
-            token_ids = await self.tokenize_prompt(request.prompt, True, "prompt")
+            token_ids = await self.tokenize_prompt(request.prompt, True, "prompt", truncating=truncating)
         elif which == "prompt_token_ids":
             token_ids = await self.tokenize_prompt(list(request.prompt_token_ids.ids), False,
                                                    "prompt_token_ids")
@@ -358,6 +369,7 @@ class GrpcMethods:
                                      (await self.info()).get("generation_defaults"))
         explicit = (request.sampling_params.max_tokens
                     if request.sampling_params.HasField("max_tokens") else None)
+        token_ids = await self.truncate(token_ids, params.truncate_prompt_tokens, params.max_tokens)
         if len(request.request_id) > MAX_CLIENT_REQUEST_ID_CHARS:
             raise APIError(f"request_id must be at most {MAX_CLIENT_REQUEST_ID_CHARS} characters",
                            400, param="request_id")

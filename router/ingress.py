@@ -28,7 +28,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fleetserve.replica.engine.chat_template import check_template_kwargs
+from fleetserve.replica.engine.chat_template import check_continue_final_message, check_template_kwargs
 from fleetserve.router import auth as _auth
 from fleetserve.router import cors as _cors
 from fleetserve.router import completions
@@ -54,6 +54,7 @@ from fleetserve.router.protocol import (ChatCompletionRequest, CompletionRequest
                                         TokenizeRequest, sampling_dict)
 from fleetserve.router.registry import get_router, release_request
 from fleetserve.router.request_router import TARGET_KWARG
+from fleetserve.scheduler.sampling_params import truncate_prompt
 
 logger = logging.getLogger("ray.serve")
 
@@ -208,11 +209,13 @@ class Ingress(GrpcMethods):
         self._auth.check(presented)
 
     async def tokenize_prompt(self, prompt: Union[str, list[int]], add_special_tokens: bool,
-                              param: str) -> list[int]:
+                              param: str, truncating: bool = False) -> list[int]:
+        """`truncating`: the request keeps only the prompt's last tokens, so a prompt longer
+        than the context is fine (the body size limit still bounds the work)."""
         info = await self.info()
         tok = info["tokenizer"]
         if isinstance(prompt, str):
-            if "max_token_chars" in info:
+            if "max_token_chars" in info and not truncating:
                 check_prompt_chars(prompt, info["max_model_len"], info["max_token_chars"], param)
             return tok(prompt, add_special_tokens=add_special_tokens).input_ids
         vocab = len(tok)
@@ -221,14 +224,31 @@ class Ingress(GrpcMethods):
                            400, param=param)
         return list(prompt)
 
+    async def truncate(self, token_ids: list[int], k: Optional[int],
+                       max_tokens: Optional[int]) -> list[int]:
+        """The prompt as `truncate_prompt_tokens` keeps it (vLLM's: its last tokens)."""
+        if k is None:
+            return token_ids
+        try:
+            return truncate_prompt(token_ids, k, (await self.info())["max_model_len"], max_tokens)
+        except ValueError as e:
+            raise APIError(str(e), 400, param="truncate_prompt_tokens") from None
+
     async def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool,
                                   tools: Optional[list[dict]] = None,
-                                  template_kwargs: Optional[dict] = None) -> str:
+                                  template_kwargs: Optional[dict] = None,
+                                  continue_final_message: bool = False) -> str:
         tok = (await self.info())["tokenizer"]
         try:
             extra = check_template_kwargs(template_kwargs)
         except ValueError as e:
             raise APIError(str(e), 400, param="chat_template_kwargs") from None
+        try:
+            check_continue_final_message(add_generation_prompt, continue_final_message)
+        except ValueError as e:
+            raise APIError(str(e), 400, param="continue_final_message") from None
+        if continue_final_message:
+            extra["continue_final_message"] = True
         try:
             return tok.apply_chat_template(messages, tools=tools, tokenize=False,
                                            add_generation_prompt=add_generation_prompt, **extra)
@@ -252,8 +272,11 @@ class Ingress(GrpcMethods):
                            f"({len(token_ids)} in the prompt, {explicit_max_tokens} for the "
                            "completion); reduce max_tokens or the prompt.",
                            400, param="max_tokens", code="context_length_exceeded")
+        # Truncated here, once: a migrated or handed-off request resends its prompt plus
+        # what it generated, which the engine must not cut again.
+        sampling = dict(sampling_dict(params), truncate_prompt_tokens=None)
         return {"request_id": request_id, "prompt_token_ids": token_ids,
-                "sampling_params": sampling_dict(params), "priority": priority,
+                "sampling_params": sampling, "priority": priority,
                 "cache_salt": cache_salt}
 
     async def open_stream(self, body: dict):
@@ -320,7 +343,9 @@ class Ingress(GrpcMethods):
         rid = f"cmpl-{uuid.uuid4().hex}"
         bodies = []
         for i, prompt in enumerate(prompts):
-            token_ids = await self.tokenize_prompt(prompt, True, "prompt")
+            token_ids = await self.tokenize_prompt(prompt, True, "prompt",
+                                                   truncating=req.truncate_prompt_tokens is not None)
+            token_ids = await self.truncate(token_ids, req.truncate_prompt_tokens, req.max_tokens)
             bodies.append(await self.build_body(rid if len(prompts) == 1 else f"{rid}-{i}", token_ids,
                                                 params, req.priority, req.cache_salt, req.max_tokens,
                                                 "prompt"))
@@ -329,7 +354,8 @@ class Ingress(GrpcMethods):
         echo = None
         if req.echo:
             tok = (await self.info())["tokenizer"]
-            echo = [completions.Echo(p if isinstance(p, str) else tok.decode(b["prompt_token_ids"]),
+            echo = [completions.Echo(p if isinstance(p, str) and req.truncate_prompt_tokens is None
+                                     else tok.decode(b["prompt_token_ids"]),
                                      b["prompt_token_ids"]) for p, b in zip(prompts, bodies)]
         gen, first = await completions.MergedStream.open(self.open_stream, bodies, params.n, echo)
         return await self._respond_with(gen, first, rid, req, chat=False, logprobs_n=req.logprobs)
@@ -349,8 +375,10 @@ class Ingress(GrpcMethods):
         text = await self.apply_chat_template([m.flat() for m in req.messages],
                                               req.add_generation_prompt,
                                               tools.template_tools() if tools else None,
-                                              req.chat_template_kwargs)
-        token_ids = await self.tokenize_prompt(text, False, "messages")
+                                              req.chat_template_kwargs, req.continue_final_message)
+        token_ids = await self.tokenize_prompt(text, False, "messages",
+                                               truncating=req.truncate_prompt_tokens is not None)
+        token_ids = await self.truncate(token_ids, req.truncate_prompt_tokens, req._max_tokens())
         info = await self.info()
         params = req.sampling_params(default_max_tokens=max(1, info["max_model_len"] - len(token_ids)),
                                      defaults=info.get("generation_defaults"))
@@ -470,7 +498,8 @@ class Ingress(GrpcMethods):
         if req.messages is not None:
             text = await self.apply_chat_template([m.flat() for m in req.messages],
                                                   req.add_generation_prompt,
-                                                  template_kwargs=req.chat_template_kwargs)
+                                                  template_kwargs=req.chat_template_kwargs,
+                                                  continue_final_message=req.continue_final_message)
             ids = await self.tokenize_prompt(text, False, "messages")
         else:
             ids = await self.tokenize_prompt(req.prompt, req.add_special_tokens, "prompt")

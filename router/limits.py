@@ -11,6 +11,7 @@ bound is generous for real use and far below what hurts:
 | `n` | 128 | OpenAI's own limit |
 | stop strings | 32, each <= 256 characters | vLLM has none; OpenAI allows 4 |
 | `stop_token_ids` | 256 ids | |
+| `bad_words` | 32, each <= 256 characters | as stop strings: checked at every step |
 | chat messages | 4096 | |
 | JSON nesting | 64 levels | a chat body nests ~5; Python's parser recurses |
 | float fields | finite | NaN passes every `< 0` check; inf is no temperature |
@@ -65,6 +66,12 @@ def check_sampling(params, prefix: str = "") -> None:
                   f"got {len(params.stop_token_ids)}")
     if any(t >= 1 << 31 for t in params.stop_token_ids):
         raise bad("stop_token_ids", "must be token ids")
+    if len(params.bad_words or ()) > MAX_STOP_STRINGS:
+        raise bad("bad_words", f"may hold at most {MAX_STOP_STRINGS} words, got {len(params.bad_words)}")
+    if any(len(w) > MAX_STOP_STRING_CHARS for w in params.bad_words or ()):
+        raise bad("bad_words", f"must be at most {MAX_STOP_STRING_CHARS} characters long each")
+    if any(t >= 1 << 31 for t in params.allowed_token_ids or ()):
+        raise bad("allowed_token_ids", "must be token ids")
     if params.seed is not None and not SEED_RANGE[0] <= params.seed <= SEED_RANGE[1]:
         raise bad("seed", "must fit in 64 bits")
     if params.top_k >= 1 << 31:

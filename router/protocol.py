@@ -52,6 +52,11 @@ class _SamplingRequest(StructuredOutputFields):
     logit_bias: Optional[dict[str, float]] = None
     # vLLM's: tokens per streamed chunk after the first; raises the server's --stream-interval.
     stream_interval: Optional[int] = None
+    # vLLM's: only these tokens may be sampled; words never generated; keep the prompt's
+    # last k tokens (-1: as many as leave room for max_tokens).
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    truncate_prompt_tokens: Optional[int] = None
 
     def _max_tokens(self) -> Optional[int]:
         return self.max_tokens
@@ -78,6 +83,8 @@ class _SamplingRequest(StructuredOutputFields):
             "logit_bias": self.logit_bias,
             "structured_outputs": self.structured_outputs_params(),
             "stream_interval": self.stream_interval,
+            "allowed_token_ids": self.allowed_token_ids, "bad_words": self.bad_words,
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
@@ -148,6 +155,8 @@ class ChatCompletionRequest(_SamplingRequest, ToolFields):
     logprobs: StrictBool = False
     top_logprobs: Optional[int] = None
     add_generation_prompt: StrictBool = True
+    # vLLM's: the last message is left open and the reply goes on with it (a prefilled answer).
+    continue_final_message: StrictBool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's: extra template variables
 
     def _max_tokens(self) -> Optional[int]:
@@ -168,6 +177,7 @@ class TokenizeRequest(BaseModel):
     messages: Optional[list[ChatMessage]] = Field(None, max_length=MAX_MESSAGES)
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
 

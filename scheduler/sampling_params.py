@@ -45,6 +45,16 @@ class SamplingParams:
     # Streaming: tokens per streamed output after the first (vLLM's `stream_interval`;
     # raises the engine's `--stream-interval` for this request, never lowers it).
     stream_interval: Optional[int] = None
+    # vLLM's: only these token ids may be sampled.
+    allowed_token_ids: Optional[list[int]] = None
+    # vLLM's: words the output never contains. The engine's input processor fills
+    # `bad_words_token_ids` (each word tokenized without and with a leading space); a token
+    # that would complete one of them, after the output's last tokens, is never sampled.
+    bad_words: Optional[list[str]] = None
+    bad_words_token_ids: Optional[list[list[int]]] = None
+    # vLLM's: keep only the prompt's last k tokens; -1: the last tokens that fit
+    # (max_model_len minus max_tokens, or minus 1 when max_tokens is unset).
+    truncate_prompt_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +65,16 @@ class SamplingParams:
             self.top_k = 0
         if self.logit_bias is not None:
             self.logit_bias = _logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str) or not all(isinstance(w, str) for w in self.bad_words):
+                raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
+            self.bad_words = list(self.bad_words)
+            if any(not w.strip() for w in self.bad_words):
+                raise ValueError("bad_words must be non-empty words")
+        if self.bad_words_token_ids is not None:
+            self.bad_words_token_ids = [_token_ids("bad_words_token_ids", w) for w in self.bad_words_token_ids]
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
@@ -106,6 +126,10 @@ class SamplingParams:
                                                  or not isinstance(self.stream_interval, int)
                                                  or self.stream_interval < 1):
             raise bad("stream_interval", "must be a positive integer")
+        if self.truncate_prompt_tokens is not None and (
+                isinstance(self.truncate_prompt_tokens, bool) or not isinstance(self.truncate_prompt_tokens, int)
+                or not (self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)):
+            raise bad("truncate_prompt_tokens", "must be -1 (as many as fit) or a positive integer")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
@@ -117,6 +141,18 @@ class SamplingParams:
 
     def replace(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
+
+
+def _token_ids(name: str, ids) -> list[int]:
+    """A non-empty list of non-negative token ids (vLLM refuses an empty allowed_token_ids)."""
+    if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__iter__"):
+        raise ValueError(f"{name} must be a list of token ids, got {ids!r}")
+    ids = list(ids)
+    if not ids:
+        raise ValueError(f"{name} must not be empty")
+    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+        raise ValueError(f"{name} must be a list of non-negative token ids, got {ids!r}"[:200])
+    return ids
 
 
 def _logit_bias(bias) -> dict[int, float]:
@@ -136,3 +172,32 @@ def _logit_bias(bias) -> dict[int, float]:
             raise ValueError(f"logit_bias: the bias of token {token} must be in [-100, 100], got {value}")
         out[token] = value
     return out
+
+
+# Output tokens kept free by `truncate_prompt_tokens=-1` when a request sets no max_tokens
+# (vLLM's default max_tokens of a completion).
+TRUNCATE_DEFAULT_ROOM = 16
+
+
+def truncate_prompt(token_ids: list[int], k: Optional[int], max_model_len: int,
+                    max_tokens: Optional[int] = None) -> list[int]:
+    """The prompt's last tokens as `truncate_prompt_tokens=k` asks (vLLM's left truncation):
+    k >= 1 keeps the last k; -1 keeps the last ones that leave `max_tokens` (else
+    `TRUNCATE_DEFAULT_ROOM`) tokens of the context for the output. ValueError naming the
+    field when k cannot be honoured."""
+    if k is None:
+        return token_ids
+    if isinstance(k, bool) or not isinstance(k, int) or not (k == -1 or k >= 1):
+        raise ValueError(f"truncate_prompt_tokens must be -1 (as many as fit) or a positive integer, got {k!r}")
+    if k == -1:
+        room = max_tokens if max_tokens is not None else TRUNCATE_DEFAULT_ROOM
+        keep = max_model_len - room
+        if keep < 1:
+            raise ValueError(f"truncate_prompt_tokens: max_tokens={room} leaves no room for a prompt in "
+                             f"this model's maximum context length of {max_model_len} tokens")
+    else:
+        if k > max_model_len:
+            raise ValueError(f"truncate_prompt_tokens must be at most this model's maximum context "
+                             f"length ({max_model_len}), got {k}")
+        keep = k
+    return list(token_ids[-keep:]) if len(token_ids) > keep else token_ids

@@ -18,6 +18,13 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_gen
                                       "chat_template", "tokenizer"})
 
 
+def check_continue_final_message(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """vLLM's rule: a reply is either started (the generation prompt) or continued, not both."""
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("continue_final_message cannot be combined with add_generation_prompt=true "
+                         "(the default): set add_generation_prompt to false to continue the last message")
+
+
 def read_chat_template(value: Optional[str]) -> Optional[str]:
     """The template text of `value` (a path to a file, or the template itself); ValueError
     with the reason when it is neither or does not parse."""

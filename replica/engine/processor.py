@@ -20,6 +20,7 @@ from fleetserve.replica.engine.detokenizer import IncrementalDetokenizer
 from fleetserve.replica.engine.metrics import EngineMetrics
 from fleetserve.replica.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from fleetserve.scheduler import EngineCoreOutput, Request, SamplingParams
+from fleetserve.scheduler.sampling_params import truncate_prompt
 
 # vLLM's prompt forms: a string, token ids, {"prompt": str} (TextPrompt) or
 # {"prompt_token_ids": [...]} (TokensPrompt; a "prompt" beside it is only its text).
@@ -67,6 +68,12 @@ class InputProcessor:
         text, token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
+        if sampling_params.truncate_prompt_tokens is not None:
+            kept = truncate_prompt(token_ids, sampling_params.truncate_prompt_tokens, self.max_model_len,
+                                   sampling_params.max_tokens)
+            if len(kept) < len(token_ids):
+                text = None  # the text no longer matches the tokens
+            token_ids = kept
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens, but this model's maximum context length "
@@ -80,6 +87,13 @@ class InputProcessor:
         bad = next((t for t in (sampling_params.logit_bias or {}) if t >= self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"logit_bias: token id {bad} is out of the vocabulary (size {self.vocab_size})")
+        for name in ("allowed_token_ids",):
+            bad = next((t for t in (getattr(sampling_params, name) or ()) if t >= self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{name}: token id {bad} is out of the vocabulary (size {self.vocab_size})")
+        if sampling_params.bad_words and sampling_params.bad_words_token_ids is None:
+            sampling_params = sampling_params.replace(
+                bad_words_token_ids=bad_words_token_ids(self.tokenizer, sampling_params.bad_words))
         if sampling_params.structured_outputs is not None:
             from fleetserve.replica.structured_output.backend import check
 
@@ -98,6 +112,21 @@ class InputProcessor:
             requests.append(Request(rid, token_ids, sp, self.eos_token_id, arrival, priority,
                                     cache_salt, kv_transfer_params))
         return text, requests
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's: each bad word as token ids, as it would start the text and, when a leading space
+    makes it other tokens of the same count, as it would follow a word."""
+    out: list[list[int]] = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not bare:
+            continue
+        out.append(bare)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return out
 
 
 @dataclass

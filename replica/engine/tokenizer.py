@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from fleetserve.replica.model_loader.registry import ModelSource
-from fleetserve.replica.engine.chat_template import check_template_kwargs
+from fleetserve.replica.engine.chat_template import check_continue_final_message, check_template_kwargs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -142,20 +142,28 @@ def _store(tokenizer: PreTrainedTokenizerFast, target: Path) -> None:
 
 def apply_chat_template(tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, Any]],
                         add_generation_prompt: bool = True,
-                        chat_template_kwargs: Optional[dict[str, Any]] = None) -> str:
+                        chat_template_kwargs: Optional[dict[str, Any]] = None,
+                        continue_final_message: bool = False) -> str:
     """The prompt text for a conversation, checked first so that bad input is a ValueError.
-    `chat_template_kwargs`: extra template variables (vLLM's, e.g. `enable_thinking`)."""
+    `chat_template_kwargs`: extra template variables (vLLM's, e.g. `enable_thinking`);
+    `continue_final_message` (vLLM's): the last message is left open, for the model to go on
+    with (a prefilled assistant reply)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; send a plain prompt instead, or "
                          "start the engine with --chat-template")
     normalized = [_check_message(i, m) for i, m in enumerate(_check_list(messages))]
     extra = check_template_kwargs(chat_template_kwargs)
+    check_continue_final_message(add_generation_prompt, continue_final_message)
+    if continue_final_message:
+        extra["continue_final_message"] = True
     try:
         text = tokenizer.apply_chat_template(normalized, tokenize=False,
                                              add_generation_prompt=add_generation_prompt, **extra)
     except Exception as e:  # jinja2 errors (e.g. `raise_exception` in a template) are the user's input
         if type(e).__module__.startswith("jinja2"):
             raise ValueError(f"the chat template rejected the messages: {e}") from e
+        if continue_final_message and isinstance(e, ValueError):  # transformers: no final message to continue
+            raise ValueError(f"continue_final_message: {e}") from e
         raise
     if not isinstance(text, str):
         raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected str")

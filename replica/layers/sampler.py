@@ -122,6 +122,11 @@ class SamplingBatch:
     # (rows, packed bitmask [C, ceil(V/32)] int32) of grammar-constrained rows: a token
     # whose bit is 0 is not allowed. Set by the model runner from the step's grammar output.
     token_bitmask: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    # (rows, [rows, V] bool, True where the token is not allowed): vLLM's allowed_token_ids.
+    disallowed: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    # (rows, token ids) to set to -inf: the last token of each bad word whose other tokens
+    # end the output (vLLM's bad_words).
+    bad_words_mask: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
@@ -142,7 +147,9 @@ class SamplingBatch:
             min_tokens_mask=_build_min_tokens(params, output_token_ids, eos_token_id, vocab_size, device),
             logprobs_rows=_long(lp_rows, device) if lp_rows else None,
             logprobs_k=[params[i].logprobs for i in lp_rows],
-            logit_bias=_build_logit_bias(params, vocab_size, device))
+            logit_bias=_build_logit_bias(params, vocab_size, device),
+            disallowed=_build_disallowed(params, vocab_size, device),
+            bad_words_mask=_build_bad_words(params, output_token_ids, vocab_size, device))
 
 
 def _build_random(params, rows, generators, vocab_size, n, device) -> _RandomRows:
@@ -206,6 +213,32 @@ def _build_logit_bias(params, vocab_size, device):
     return (_long(rows, device), _long(tokens, device), _float(values, device)) if rows else None
 
 
+def _build_disallowed(params, vocab_size, device):
+    rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
+    if not rows:
+        return None
+    mask = torch.ones(len(rows), vocab_size, dtype=torch.bool)
+    for j, i in enumerate(rows):
+        mask[j, [t for t in params[i].allowed_token_ids if t < vocab_size]] = False
+    return _long(rows, device), mask.to(device)
+
+
+def _build_bad_words(params, output_token_ids, vocab_size, device):
+    rows: list[int] = []
+    tokens: list[int] = []
+    for i, p in enumerate(params):
+        if not p.bad_words_token_ids:
+            continue
+        out = output_token_ids[i]
+        for word in p.bad_words_token_ids:
+            before = len(word) - 1
+            if word[-1] < vocab_size and (before == 0 or (
+                    len(out) >= before and list(out[len(out) - before:]) == word[:-1])):
+                rows.append(i)
+                tokens.append(word[-1])
+    return (_long(rows, device), _long(tokens, device)) if rows else None
+
+
 def _build_min_tokens(params, output_token_ids, eos_token_id, vocab_size, device):
     rows: list[int] = []
     tokens: list[int] = []
@@ -251,6 +284,11 @@ class Sampler:
             apply_token_bitmask(logits, *batch.token_bitmask)
         if batch.min_tokens_mask is not None:
             logits.index_put_(batch.min_tokens_mask, torch.tensor(float("-inf"), device=logits.device))
+        if batch.disallowed is not None:
+            rows, mask = batch.disallowed
+            logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(mask, float("-inf")))
+        if batch.bad_words_mask is not None:
+            logits.index_put_(batch.bad_words_mask, torch.tensor(float("-inf"), device=logits.device))
         if batch.penalties is not None:
             _apply_penalties(logits, batch.penalties)
 

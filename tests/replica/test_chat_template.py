@@ -63,3 +63,9 @@ def test_llm_chat_renders_with_the_configured_template_and_kwargs(tmp_path):
     assert out.prompt == "[user] hi\n[assistant] (calm)"
     with pytest.raises(ValueError, match="may not set"):
         llm.chat(conv, sp, use_tqdm=False, chat_template_kwargs={"messages": []})
+    # continue_final_message: the last message is left open (and needs no generation prompt).
+    prefilled = conv + [{"role": "assistant", "content": "Hello"}]
+    out = llm.chat(prefilled, sp, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt.endswith("[assistant] Hello") and not out.prompt.endswith("\n"), out.prompt
+    with pytest.raises(ValueError, match="continue_final_message cannot be combined"):
+        llm.chat(prefilled, sp, use_tqdm=False, continue_final_message=True)

@@ -54,6 +54,28 @@ def test_per_prompt_sampling_params(llm, plain):
         llm.generate(PROMPTS, [GREEDY, short], use_tqdm=False)
 
 
+def test_vllm_sampling_extras_in_the_engine(llm, plain):
+    """truncate_prompt_tokens, bad_words (tokenized by the engine) and allowed_token_ids,
+    through `LLM` as vLLM's users call them."""
+    p = PROMPTS[0]
+    ids, expected = plain[p]
+    long = ids * 4
+    out = llm.generate(long, GREEDY.replace(truncate_prompt_tokens=len(ids)), use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids and out.outputs[0].token_ids == expected
+    # A bad word the plain output holds as one token: gone, and the output changed.
+    token, word = next((t, llm.tokenizer.decode([t])) for t in expected
+                       if llm.tokenizer.encode(llm.tokenizer.decode([t]).strip()) == [t])
+    banned = llm.generate(p, GREEDY.replace(bad_words=[word]), use_tqdm=False)[0].outputs[0].token_ids
+    assert token not in banned and banned != expected
+    allowed = llm.generate(p, GREEDY.replace(allowed_token_ids=[expected[-1]]), use_tqdm=False)
+    assert allowed[0].outputs[0].token_ids == [expected[-1]] * 6
+    with pytest.raises(ValueError, match="allowed_token_ids: token id"):
+        llm.generate(p, GREEDY.replace(allowed_token_ids=[10 ** 6]), use_tqdm=False)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be at most"):
+        llm.generate(p, GREEDY.replace(truncate_prompt_tokens=10 ** 6), use_tqdm=False)
+    assert tokens(llm.generate(p, GREEDY, use_tqdm=False)) == [expected]
+
+
 def test_bad_prompt_forms_are_value_errors(llm):
     for bad, match in (({"text": "x"}, "unsupported keys"), ({"prompt": 3}, "needs 'prompt'"),
                        ({"prompt_token_ids": ["a"]}, "list of token ids"), ([], "empty")):

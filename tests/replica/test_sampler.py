@@ -302,6 +302,48 @@ def test_min_tokens_with_sampling_never_draws_eos():
     assert EOS not in out.sampled_token_ids
 
 
+# ---- allowed_token_ids, bad_words (vLLM's) -------------------------------------------------------
+
+
+def test_allowed_token_ids_limit_greedy_and_random_rows_and_leave_other_rows_alone():
+    logits = torch.tensor([[9.0, 1.0, 2.0, 3.0, 0.5, 8.0]] * 3)
+    allow = SamplingParams(temperature=0.0, allowed_token_ids=[1, 4, 99])  # 99: beyond the vocab
+    assert run(logits, [allow, SamplingParams(temperature=0.0), allow]).sampled_token_ids == [1, 0, 1]
+    torch.manual_seed(0)
+    rows = 3000
+    sp = SamplingParams(temperature=1.0, allowed_token_ids=[3, 4])
+    out = torch.tensor(run(logits[:1].repeat(rows, 1), [sp] * rows).sampled_token_ids)
+    expected = torch.zeros(6)
+    expected[[3, 4]] = torch.tensor([3.0, 0.5]).softmax(-1)
+    assert set(out.tolist()) <= {3, 4} and chi_square_ok(out, expected)
+
+
+def test_bad_words_ban_the_token_that_would_complete_a_word():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 9.0, 8.0, 7.0]])
+    # Word [4]: always banned. Word [6, 5]: 5 banned only right after 6.
+    sp = SamplingParams(temperature=0.0, bad_words=["x"], bad_words_token_ids=[[4], [6, 5]])
+    assert run(logits, [sp], outputs=[[]]).sampled_token_ids == [5]
+    assert run(logits, [sp], outputs=[[1, 6]]).sampled_token_ids == [6]
+    assert run(logits, [sp], outputs=[[6, 1]]).sampled_token_ids == [5]
+    # A three-token word: only its last token, only after the first two.
+    sp3 = sp.replace(bad_words_token_ids=[[1, 2, 4]])
+    assert run(logits, [sp3], outputs=[[1, 2]]).sampled_token_ids == [5]
+    assert run(logits, [sp3], outputs=[[2, 2]]).sampled_token_ids == [4]
+    # With a logit_bias pushing the banned token, the ban still wins; other rows untouched.
+    pushed = sp.replace(logit_bias={4: 100})
+    assert run(logits.repeat(2, 1), [pushed, SamplingParams(temperature=0.0)]).sampled_token_ids == [5, 4]
+
+
+def test_sampling_params_check_the_vllm_extras():
+    for bad in ({"allowed_token_ids": []}, {"allowed_token_ids": [-1]}, {"allowed_token_ids": "12"},
+                {"bad_words": "word"}, {"bad_words": [""]}, {"bad_words": [3]},
+                {"truncate_prompt_tokens": 0}, {"truncate_prompt_tokens": -2},
+                {"truncate_prompt_tokens": True}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+    assert SamplingParams(allowed_token_ids=(3, 1)).allowed_token_ids == [3, 1]
+
+
 # ---- logprobs ------------------------------------------------------------------------------------
 
 

@@ -68,3 +68,46 @@ def test_grpc_chat_takes_the_kwargs_as_json_text(server):
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in err.value.details(), \
                 (bad, err.value.details())
     server.wait_idle()
+
+
+def test_continue_final_message_goes_on_with_the_prefilled_reply(server):
+    """vLLM's continue_final_message: the assistant's last message is left open (no end of
+    turn), the reply continues it; over HTTP chat, /tokenize and gRPC Chat."""
+    import grpc
+
+    from fleetserve.router.proto import fleetserve_pb2 as pb
+    from fleetserve.router.proto import fleetserve_pb2_grpc as pb_grpc
+
+    prefilled = MESSAGES + [{"role": "assistant", "content": "Sure, here it"}]
+    opened = post(server, "/tokenize", messages=prefilled, add_generation_prompt=False,
+                  continue_final_message=True)
+    assert opened.status_code == 200, opened.text
+    text = post(server, "/detokenize", tokens=opened.json()["tokens"]).json()["prompt"]
+    assert text.endswith("<|im_start|>assistant\nSure, here it"), text
+    # The prompt is the asked-for reply's start plus the prefill: the model continues it.
+    asked = post(server, "/tokenize", messages=MESSAGES).json()["tokens"]
+    assert opened.json()["tokens"][:len(asked)] == asked
+    r = post(server, "/v1/chat/completions", messages=prefilled, add_generation_prompt=False,
+             continue_final_message=True, max_tokens=4, temperature=0, ignore_eos=True)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == opened.json()["count"]
+    plain = post(server, "/v1/completions", prompt=opened.json()["tokens"], max_tokens=4, temperature=0,
+                 ignore_eos=True).json()["choices"][0]["text"]
+    assert r.json()["choices"][0]["message"]["content"] == plain
+
+    # With the generation prompt (the default) it cannot be: 400, then the app serves on.
+    refused = post(server, "/v1/chat/completions", messages=prefilled, continue_final_message=True,
+                   max_tokens=2)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "continue_final_message", \
+        refused.text
+    meta = (("application", server.app), ("authorization", f"Bearer {server.api_key}"))
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        stub = pb_grpc.FleetServeStub(channel)
+        msgs = list(stub.Chat(pb.ChatRequest(
+            messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in prefilled],
+            add_generation_prompt=False, continue_final_message=True,
+            sampling_params=pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)),
+            metadata=meta, timeout=120))
+    assert "".join(m.content for m in msgs) == plain
+    assert msgs[-1].prompt_tokens == opened.json()["count"]
+    server.wait_idle()

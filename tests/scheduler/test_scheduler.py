@@ -412,3 +412,21 @@ def test_unknown_config_field_rejected():
     from fleetserve.scheduler import SchedulerConfig
     with pytest.raises(ValidationError, match="max_num_seq"):
         SchedulerConfig(max_num_seq=4)
+
+
+def test_truncate_prompt_keeps_the_last_tokens():
+    from fleetserve.scheduler.sampling_params import TRUNCATE_DEFAULT_ROOM, truncate_prompt
+
+    ids = list(range(100))
+    assert truncate_prompt(ids, None, 64) is ids
+    assert truncate_prompt(ids, 10, 64) == list(range(90, 100))
+    assert truncate_prompt(ids[:5], 10, 64) == ids[:5]
+    # -1: as many as leave room for max_tokens (else the default room).
+    assert truncate_prompt(ids, -1, 64, max_tokens=4) == list(range(40, 100))
+    assert len(truncate_prompt(ids, -1, 64)) == 64 - TRUNCATE_DEFAULT_ROOM
+    with pytest.raises(ValueError, match="at most this model's maximum context length"):
+        truncate_prompt(ids, 65, 64)
+    with pytest.raises(ValueError, match="leaves no room"):
+        truncate_prompt(ids, -1, 64, max_tokens=64)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        truncate_prompt(ids, 0, 64)

@@ -1,0 +1,113 @@
+"""vLLM's extra request fields `allowed_token_ids`, `bad_words` and `truncate_prompt_tokens`,
+over HTTP (completions and chat) and gRPC, against the router suite's app; every refusal is a
+400 naming the field, and the app serves afterwards with every block free."""
+
+from __future__ import annotations
+
+import grpc
+import httpx
+import pytest
+
+from fleetserve.router.proto import fleetserve_pb2 as pb
+from fleetserve.router.proto import fleetserve_pb2_grpc as pb_grpc
+
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
+
+
+def post(server, path, body, timeout=60):
+    return httpx.post(server.base_url + path, headers=server.headers(), json=body, timeout=timeout)
+
+
+def complete(server, prompt, **kw):
+    body = {"model": server.model, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True, **kw}
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def tokenize(server, text):
+    return post(server, "/tokenize", {"prompt": text}).json()["tokens"]
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        yield pb_grpc.FleetServeStub(channel)
+
+
+def grpc_tokens(stub, server, prompt, **kw) -> list[int]:
+    req = pb.GenerateRequest(prompt=prompt, sampling_params=pb.SamplingParams(
+        max_tokens=8, temperature=0.0, ignore_eos=True, **kw))
+    meta = (("application", server.app), ("authorization", f"Bearer {server.api_key}"))
+    return [t for m in stub.Generate(req, metadata=meta, timeout=60) for t in m.token_ids]
+
+
+def test_allowed_token_ids_limit_what_is_sampled(server):
+    (a,) = tokenize(server, "a")
+    (b,) = tokenize(server, "b")
+    assert complete(server, PROMPT, allowed_token_ids=[a])["choices"][0]["text"] == "a" * 8
+    sampled = complete(server, PROMPT, allowed_token_ids=[a, b], temperature=1.0, seed=3,
+                       max_tokens=16)["choices"][0]["text"]
+    assert len(sampled) == 16 and set(sampled) <= {"a", "b"}
+    chat = post(server, "/v1/chat/completions", {
+        "model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+        "temperature": 0, "ignore_eos": True, "allowed_token_ids": [b]}).json()
+    assert chat["choices"][0]["message"]["content"] == "bbbb"
+
+
+def test_bad_words_never_appear_and_grpc_agrees(server, stub):
+    free = grpc_tokens(stub, server, PROMPT)
+    # A word the greedy output contains that is one token however it is written: banning it
+    # must change the output, which then never holds that token.
+    word, token = next((w, t) for t in free for w in [post(server, "/detokenize", {"tokens": [t]})
+                                                      .json()["prompt"]]
+                       if w.strip().isalpha() and tokenize(server, w.strip()) == [t])
+    banned = grpc_tokens(stub, server, PROMPT, bad_words=[word])
+    assert token not in banned and banned != free
+    http = complete(server, PROMPT, bad_words=[word])["choices"][0]["text"]
+    assert http == post(server, "/detokenize", {"tokens": banned}).json()["prompt"]
+    assert grpc_tokens(stub, server, PROMPT, allowed_token_ids=[free[0]]) == [free[0]] * 8
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(server, stub):
+    ids = tokenize(server, PROMPT)
+    assert len(ids) > 12
+    r = complete(server, PROMPT, truncate_prompt_tokens=12)
+    assert r["usage"]["prompt_tokens"] == 12
+    assert r["choices"][0]["text"] == complete(server, ids[-12:])["choices"][0]["text"]
+    # A prompt far longer than the context (refused without the field): -1 keeps what
+    # leaves room for max_tokens.
+    max_len = server.config.engine.max_model_len
+    long = "ab " * 15000
+    refused = post(server, "/v1/completions", {"model": server.model, "prompt": long, "max_tokens": 4})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+    r = complete(server, long, truncate_prompt_tokens=-1, max_tokens=4)
+    assert r["usage"]["prompt_tokens"] == max_len - 4 and r["choices"][0]["finish_reason"] == "length"
+    chat = post(server, "/v1/chat/completions", {
+        "model": server.model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2,
+        "truncate_prompt_tokens": 10}).json()
+    assert chat["usage"]["prompt_tokens"] == 10
+    assert sum(1 for _ in grpc_tokens(stub, server, PROMPT, truncate_prompt_tokens=12)) == 8
+    echoed = complete(server, PROMPT, truncate_prompt_tokens=12, echo=True, max_tokens=1)
+    assert echoed["choices"][0]["text"].startswith(
+        post(server, "/detokenize", {"tokens": ids[-12:]}).json()["prompt"])
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"truncate_prompt_tokens": 100000}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": -1, "max_tokens": 4096}, "truncate_prompt_tokens"),
+    ({"allowed_token_ids": [10 ** 6]}, "allowed_token_ids"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"bad_words": ["w"] * 33}, "bad_words"),
+    ({"bad_words": [""]}, "bad_words"),
+])
+def test_bad_values_are_refused_naming_the_field_and_the_app_still_serves(server, fields, param):
+    body = {"model": server.model, "prompt": PROMPT, "max_tokens": 4, **fields}
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and param in error["message"], error
+    assert complete(server, PROMPT)["choices"][0]["finish_reason"] == "length"
+    server.wait_idle()
