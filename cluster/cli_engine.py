@@ -27,6 +27,7 @@ FLAG_NAMES = {"http.host": "--host", "http.port": "--port", "grpc.port": "--grpc
               "http.allowed_origins": "--allowed-origins", "http.allow_credentials": "--allow-credentials",
               "http.allowed_methods": "--allowed-methods", "http.allowed_headers": "--allowed-headers",
               "grpc.enabled": "--grpc",
+              "http.return_tokens_as_token_ids": "--return-tokens-as-token-ids",
               # A nested model given whole, as vLLM's JSON flag (not walked field by field).
               "speculative_config": "--speculative-config",
               # P/D: `fleetserve serve --pd --num-prefill-replicas 1 --num-decode-replicas 1

@@ -67,6 +67,10 @@ class HTTPOptions(BaseModel):
         "CORS: let those pages send cookies and HTTP authentication."))
     allowed_methods: tuple[str, ...] = Field(("*",), description="CORS: allowed methods (JSON list).")
     allowed_headers: tuple[str, ...] = Field(("*",), description="CORS: allowed request headers (JSON list).")
+    return_tokens_as_token_ids: bool = Field(False, description=(
+        "Logprobs name tokens 'token_id:<id>' instead of their text (vLLM's flag; a request "
+        "can ask with its own return_tokens_as_token_ids), so tokens that are not whole "
+        "UTF-8 text can be told apart."))
 
     @field_validator("allowed_origins")
     @classmethod

@@ -229,6 +229,7 @@ def build_app(config: AppConfig):
                   listed_names=others,
                   bind_host=config.http.host, log_requests=config.enable_log_requests,
                   cors=config.http.cors(),
+                  return_tokens_as_token_ids=config.http.return_tokens_as_token_ids,
                   reliability={**config.reliability.model_dump(),
                                "open_paths": list(config.api_key_open_paths)})
     if not config.pd.enabled:

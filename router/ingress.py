@@ -100,7 +100,8 @@ class Ingress(GrpcMethods):
                  log_requests: bool = False, reliability: Optional[dict] = None,
                  prefill: Optional[DeploymentHandle] = None,
                  pd: Optional[dict] = None, reuse: Optional[dict] = None,
-                 cors: Optional[dict] = None, listed_names: tuple[str, ...] = ()) -> None:
+                 cors: Optional[dict] = None, listed_names: tuple[str, ...] = (),
+                 return_tokens_as_token_ids: bool = False) -> None:
         """`engine` is the engine pool requests stream from; with P/D (`prefill` and `pd`
         given: router.pd) it is the decode pool, and `prefill` the prefill pool."""
         # Before Serve starts this replica's own HTTP/gRPC servers (after the constructor).
@@ -137,6 +138,7 @@ class Ingress(GrpcMethods):
         _auth.install(self._auth)
         _cors.install(CorsSettings(**cors) if cors is not None else CorsSettings())
         self._max_body_bytes = max_body_bytes
+        self._tokens_as_ids = return_tokens_as_token_ids
         self._reliability = reliability or {}
         self._info: Optional[dict] = None
         self._info_lock = asyncio.Lock()
@@ -198,6 +200,13 @@ class Ingress(GrpcMethods):
 
     def decode_one(self, token_id: int) -> str:
         return self._info["tokenizer"].decode([token_id])
+
+    def token_label(self, req) -> Optional[fmt.Decode]:
+        """How logprobs name tokens: vLLM's `token_id:<id>` when the server or the request
+        asks (`return_tokens_as_token_ids`), else None (their text)."""
+        if self._tokens_as_ids or getattr(req, "return_tokens_as_token_ids", False):
+            return fmt.token_id_label
+        return None
 
     def check_model(self, model: Optional[str]) -> None:
         if model and model not in self._model_names:
@@ -401,7 +410,8 @@ class Ingress(GrpcMethods):
             return to_response(first)
         model = req.model or self.served_model_name
         if req.stream:
-            writer = fmt.ChunkWriter(rid, model, chat, logprobs_n, self.decode_one, tools)
+            writer = fmt.ChunkWriter(rid, model, chat, logprobs_n, self.decode_one, tools,
+                                     label=self.token_label(req))
             return StreamingResponse(self._sse(gen, first, writer, req.include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -420,9 +430,12 @@ class Ingress(GrpcMethods):
                     break
         finally:
             gen.cancel()  # no-op when finished; aborts the request if we were cancelled
+        label = self.token_label(req)
         if chat:
-            return JSONResponse(fmt.chat_body(rid, model, choices, usage, logprobs_n, self.decode_one, tools))
-        return JSONResponse(fmt.completion_body(rid, model, choices, usage, logprobs_n, self.decode_one))
+            return JSONResponse(fmt.chat_body(rid, model, choices, usage, logprobs_n, self.decode_one, tools,
+                                              label=label))
+        return JSONResponse(fmt.completion_body(rid, model, choices, usage, logprobs_n, self.decode_one,
+                                                label=label))
 
     async def _sse(self, gen, first: dict, writer: fmt.ChunkWriter,
                    include_usage: bool) -> AsyncIterator[str]:

@@ -19,6 +19,11 @@ from fleetserve.router.tool_calls import finish_reason as tool_finish_reason
 Decode = Callable[[int], str]
 
 
+def token_id_label(token_id: int) -> str:
+    """vLLM's name of a token under return_tokens_as_token_ids."""
+    return f"token_id:{token_id}"
+
+
 @dataclass
 class Choice:
     index: int
@@ -78,31 +83,36 @@ def _top(entry: dict, n: int) -> list[tuple[int, float]]:
 
 
 def completion_logprobs(token_ids: list[int], entries: list[dict], n: int, decode: Decode,
-                        offset: int = 0) -> dict:
+                        offset: int = 0, label: Optional[Decode] = None) -> dict:
+    """`label`: how tokens are named (default: their text); offsets always count text."""
+    label = label or decode
     tokens, token_lps, tops, offsets = [], [], [], []
     for tid, entry in zip(token_ids, entries):
         text = decode(tid)
-        tokens.append(text)
+        tokens.append(label(tid))
         if entry is None:  # the first token of an echoed prompt: nothing predicts it
             token_lps.append(None)
             tops.append(None)
         else:
             token_lps.append(float(entry.get(tid, entry.get(str(tid), float("-inf")))))
-            tops.append({decode(t): lp for t, lp in _top(entry, n)} if n else None)
+            tops.append({label(t): lp for t, lp in _top(entry, n)} if n else None)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}
 
 
-def chat_logprobs(token_ids: list[int], entries: list[dict], n: int, decode: Decode) -> dict:
+def chat_logprobs(token_ids: list[int], entries: list[dict], n: int, decode: Decode,
+                  label: Optional[Decode] = None) -> dict:
+    """`label`: how tokens are named (default: their text); `bytes` are always the text's."""
+    label = label or decode
     content = []
     for tid, entry in zip(token_ids, entries):
         text = decode(tid)
         content.append({
-            "token": text, "logprob": float(entry.get(tid, entry.get(str(tid), float("-inf")))),
+            "token": label(tid), "logprob": float(entry.get(tid, entry.get(str(tid), float("-inf")))),
             "bytes": list(text.encode()),
-            "top_logprobs": [{"token": decode(t), "logprob": lp, "bytes": list(decode(t).encode())}
+            "top_logprobs": [{"token": label(t), "logprob": lp, "bytes": list(decode(t).encode())}
                              for t, lp in _top(entry, n)]})
     return {"content": content}
 
@@ -114,11 +124,12 @@ def _base(rid: str, obj: str, model: str, created: int) -> dict:
 
 
 def completion_body(rid: str, model: str, choices: dict[int, Choice], usage: Usage,
-                    logprobs_n: Optional[int], decode: Decode) -> dict:
+                    logprobs_n: Optional[int], decode: Decode, label: Optional[Decode] = None) -> dict:
     body = _base(rid, "text_completion", model, int(time.time()))
     body["choices"] = [{
         "index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-        "logprobs": (completion_logprobs(*_with_echo(c.echo, c.token_ids, c.logprobs), logprobs_n, decode)
+        "logprobs": (completion_logprobs(*_with_echo(c.echo, c.token_ids, c.logprobs), logprobs_n, decode,
+                                         label=label)
                      if logprobs_n is not None else None)}
         for c in sorted(choices.values(), key=lambda c: c.index)]
     body["usage"] = usage.as_dict()
@@ -132,7 +143,8 @@ def _with_echo(echo: Optional[dict], token_ids: list[int], entries: list) -> tup
 
 
 def chat_body(rid: str, model: str, choices: dict[int, Choice], usage: Usage,
-              logprobs_n: Optional[int], decode: Decode, tools: Optional[ToolPlan] = None) -> dict:
+              logprobs_n: Optional[int], decode: Decode, tools: Optional[ToolPlan] = None,
+              label: Optional[Decode] = None) -> dict:
     body = _base(rid, "chat.completion", model, int(time.time()))
     body["choices"] = []
     for c in sorted(choices.values(), key=lambda c: c.index):
@@ -145,7 +157,7 @@ def chat_body(rid: str, model: str, choices: dict[int, Choice], usage: Usage,
             finish = tool_finish_reason(finish, calls)
         body["choices"].append({
             "index": c.index, "message": message, "finish_reason": finish,
-            "logprobs": (chat_logprobs(c.token_ids, c.logprobs, logprobs_n, decode)
+            "logprobs": (chat_logprobs(c.token_ids, c.logprobs, logprobs_n, decode, label)
                          if logprobs_n is not None else None)})
     body["usage"] = usage.as_dict()
     return body
@@ -155,10 +167,10 @@ class ChunkWriter:
     """SSE chunks for one streaming request, completions or chat."""
 
     def __init__(self, rid: str, model: str, chat: bool, logprobs_n: Optional[int],
-                 decode: Decode, tools: Optional[ToolPlan] = None) -> None:
+                 decode: Decode, tools: Optional[ToolPlan] = None, label: Optional[Decode] = None) -> None:
         self.tool_deltas = ToolDeltas(tools) if tools is not None else None
         self.rid, self.model, self.chat = rid, model, chat
-        self.logprobs_n, self.decode = logprobs_n, decode
+        self.logprobs_n, self.decode, self.label = logprobs_n, decode, label
         self.created = int(time.time())
         self.obj = "chat.completion.chunk" if chat else "text_completion"
         self._started: set[int] = set()
@@ -188,11 +200,11 @@ class ChunkWriter:
         logprobs = None
         if self.logprobs_n is not None and (o.get("logprobs") or o.get("echo")):
             if self.chat:
-                logprobs = chat_logprobs(o["token_ids"], o["logprobs"], self.logprobs_n, self.decode)
+                logprobs = chat_logprobs(o["token_ids"], o["logprobs"], self.logprobs_n, self.decode, self.label)
             else:
                 off = self._offsets.get(idx, 0)
                 logprobs = completion_logprobs(*_with_echo(o.get("echo"), o["token_ids"], o["logprobs"] or []),
-                                               self.logprobs_n, self.decode, off)
+                                               self.logprobs_n, self.decode, off, self.label)
         self._offsets[idx] = self._offsets.get(idx, 0) + len(o["text"])
         if not self.chat:
             return {"index": idx, "text": o["text"], "logprobs": logprobs,

@@ -57,6 +57,9 @@ class _SamplingRequest(StructuredOutputFields):
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
     truncate_prompt_tokens: Optional[int] = None
+    # vLLM's: logprobs name tokens "token_id:<id>" (the server's --return-tokens-as-token-ids
+    # turns it on for every request).
+    return_tokens_as_token_ids: StrictBool = False
 
     def _max_tokens(self) -> Optional[int]:
         return self.max_tokens

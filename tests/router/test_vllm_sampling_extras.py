@@ -111,3 +111,27 @@ def test_bad_values_are_refused_naming_the_field_and_the_app_still_serves(server
     assert error["param"] == param and param in error["message"], error
     assert complete(server, PROMPT)["choices"][0]["finish_reason"] == "length"
     server.wait_idle()
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server, stub):
+    import json
+    import re
+
+    ids = grpc_tokens(stub, server, PROMPT)
+    plain = complete(server, PROMPT, logprobs=2)["choices"][0]["logprobs"]
+    named = complete(server, PROMPT, logprobs=2, return_tokens_as_token_ids=True)["choices"][0]["logprobs"]
+    assert named["tokens"] == [f"token_id:{t}" for t in ids]
+    assert named["token_logprobs"] == plain["token_logprobs"] and named["text_offset"] == plain["text_offset"]
+    assert all(re.fullmatch(r"token_id:\d+", k) for top in named["top_logprobs"] for k in top)
+    # Chat, streamed: content tokens and top_logprobs by id; bytes stay the text's.
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", headers=server.headers(), timeout=60,
+                      json={"model": server.model, "messages": [{"role": "user", "content": "hi"}],
+                            "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": True,
+                            "top_logprobs": 1, "stream": True, "return_tokens_as_token_ids": True}) as r:
+        entries = [e for line in r.iter_lines() if line.startswith("data: {")
+                   for c in json.loads(line[6:])["choices"] if c.get("logprobs")
+                   for e in c["logprobs"]["content"]]
+    assert len(entries) == 4 and all(re.fullmatch(r"token_id:\d+", e["token"]) for e in entries)
+    assert all(re.fullmatch(r"token_id:\d+", t["token"]) for e in entries for t in e["top_logprobs"])
+    text = post(server, "/detokenize", {"tokens": [int(entries[0]["token"][9:])]}).json()["prompt"]
+    assert entries[0]["bytes"] == list(text.encode())
