@@ -33,6 +33,7 @@ from fleetserve.router import auth as _auth
 from fleetserve.router import cors as _cors
 from fleetserve.router import completions
 from fleetserve.router import openai_format as fmt
+from fleetserve.router import responses as resp_api
 from fleetserve.router import serve_patches
 from fleetserve.router.access_log import AccessLog
 from fleetserve.router.auth import ApiKeyAuth, RequireApiKey
@@ -139,6 +140,7 @@ class Ingress(GrpcMethods):
         _cors.install(CorsSettings(**cors) if cors is not None else CorsSettings())
         self._max_body_bytes = max_body_bytes
         self._tokens_as_ids = return_tokens_as_token_ids
+        self._responses = resp_api.ResponseStore()  # /v1/responses with store (router/responses.py)
         self._reliability = reliability or {}
         self._info: Optional[dict] = None
         self._info_lock = asyncio.Lock()
@@ -464,6 +466,50 @@ class Ingress(GrpcMethods):
             # request in the engine and frees its KV blocks.
             gen.cancel()
 
+    # -- HTTP: OpenAI's Responses API (router/responses.py) ----------------------
+
+    @app.post("/v1/responses")
+    async def responses(self, request: Request):
+        req = await self._parse(request, resp_api.ResponsesRequest)
+        self.check_model(req.model)
+        history: list[dict] = []
+        if req.previous_response_id is not None:
+            _, history = self._responses.get(req.previous_response_id, param="previous_response_id")
+        chat = req.to_chat(history)
+        rid, msg_id = resp_api.new_ids()
+        body, _, _ = await self.chat_body(chat, rid)
+        gen, first = await self.open_stream(body)
+        if is_error(first):
+            return to_response(first)
+        run = _ResponseRun(self, req, rid, msg_id, history + req.input_messages())
+        if req.stream:
+            return StreamingResponse(run.events(gen, first), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            item = first
+            while True:
+                if is_error(item):
+                    return to_response(item)
+                run.observe(item)
+                try:
+                    item = await gen.__anext__()
+                except StopAsyncIteration:
+                    break
+        finally:
+            gen.cancel()  # no-op when finished; aborts the request if we were cancelled
+        return JSONResponse(run.result())
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(self, response_id: str, request: Request):
+        self.check_api_key(request.headers.get("authorization"))
+        return self._responses.get(response_id)[0]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(self, response_id: str, request: Request):
+        self.check_api_key(request.headers.get("authorization"))
+        self._responses.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
     # -- HTTP: the rest --------------------------------------------------------
 
     @app.get("/v1/models")
@@ -625,6 +671,73 @@ class Ingress(GrpcMethods):
         return b"".join(chunks)
 
 
+class _ResponseRun:
+    """One /v1/responses request's output: text, usage, finish, and its stored conversation."""
+
+    def __init__(self, ingress: "Ingress", req, rid: str, msg_id: str, conversation: list[dict]) -> None:
+        self.ingress, self.req, self.rid, self.msg_id = ingress, req, rid, msg_id
+        self.model = req.model or ingress.served_model_name
+        self.created = resp_api.now()
+        self.conversation = conversation
+        self.usage = fmt.Usage()
+        self.parts: list[str] = []
+        self.finish: Optional[str] = None
+
+    def observe(self, item: dict) -> list[str]:
+        """Count one replica item; its new text pieces."""
+        fmt.observe(item, self.usage)
+        new = []
+        for out in item["outputs"]:
+            if out["text"]:
+                new.append(out["text"])
+            if out.get("finish_reason"):
+                self.finish = out["finish_reason"]
+        self.parts.extend(new)
+        return new
+
+    def result(self) -> dict:
+        text = "".join(self.parts)
+        u = self.usage
+        response = resp_api.response_object(
+            self.rid, self.msg_id, self.req, self.model, self.created, text, self.finish,
+            resp_api.usage_of(u.prompt_tokens, u.completion_tokens, u.cached_tokens))
+        if self.req.store:
+            self.ingress._responses.put(response, self.conversation + [{"role": "assistant", "content": text}])
+        return response
+
+    async def events(self, gen, first: dict) -> AsyncIterator[str]:
+        writer = resp_api.EventWriter(self.rid, self.msg_id)
+        try:
+            started = resp_api.response_object(self.rid, self.msg_id, self.req, self.model, self.created,
+                                               None, None, None, status="in_progress")
+            for event in writer.start(started):
+                yield event
+            item = first
+            while True:
+                if is_error(item):
+                    error = item["error"]
+                    code = "rate_limit_exceeded" if item.get("status") == 429 else "server_error"
+                    failed = resp_api.response_object(
+                        self.rid, self.msg_id, self.req, self.model, self.created, None, None, None,
+                        status="failed", error={"code": code, "message": error["message"]})
+                    for event in writer.fail(failed, error):
+                        yield event
+                    return
+                for piece in self.observe(item):
+                    yield writer.delta(piece)
+                try:
+                    item = await gen.__anext__()
+                except StopAsyncIteration:
+                    break
+                except Exception as e:  # the replica failed mid-stream: tell the client
+                    item = error_body(f"internal error: {type(e).__name__}: {e}", 500)
+            response = self.result()
+            for event in writer.finish(response, "".join(self.parts)):
+                yield event
+        finally:
+            gen.cancel()  # client gone or done: aborts the request in the engine if it runs
+
+
 class ReplicaStream:
     """A replica's `generate` stream, one delta at a time. The replica sends a list
     when several deltas were ready at once (router.replica.ready_batches); they are
@@ -730,5 +843,6 @@ class ReplicaStream:
 # /openapi.json describes the bodies the routes parse themselves (router/openapi.py).
 add_request_bodies(app, {"/v1/completions": CompletionRequest,
                          "/v1/chat/completions": ChatCompletionRequest,
+                         "/v1/responses": resp_api.ResponsesRequest,
                          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
 IngressDeployment = serve.ingress(app)(Ingress)

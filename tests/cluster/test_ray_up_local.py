@@ -31,6 +31,8 @@ import yaml
 
 from tests.cluster.k8s_tools import REPO
 
+from tests.router.conftest import free_port  # below the ephemeral range: Ray binds there
+
 PROXY = """import socket, sys, threading
 s = socket.create_connection((sys.argv[1], int(sys.argv[2])))
 def up():
@@ -67,10 +69,6 @@ print(f"stopped {len(mine)} processes of this cluster")
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ensure_sshd() -> str:

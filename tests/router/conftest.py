@@ -24,19 +24,33 @@ APP = "fleetserve-test"
 SECOND_NAME = "tiny-chat"  # --served-model-name tiny tiny-chat (tests/router/test_served_names.py)
 
 
-# Ports Ray binds by default once it starts (GCS, dashboard, client server, dashboard
-# agent): a port picked before ray.init can be taken by Ray itself (a run failed so: the
-# gRPC port drawn was 52365, the dashboard agent's).
+# Ports are drawn below the kernel's ephemeral range (/proc/sys/net/ipv4/ip_local_port_range,
+# 32768-60999 here), where bind(0) picks: an embedded Ray started after the draw binds its
+# agents, metrics exporters and workers' servers on such ports and on fixed ones (GCS,
+# dashboard, client server, dashboard agent), and took a drawn port twice (the dashboard
+# agent's 52365; a random one the ingress then could not bind). Ray's worker ports are
+# 10002-19999 and Serve's default direct-ingress ports 30000-31000, so the draw is from
+# 20000-29999, each port checked free and handed out once per process.
 RAY_FIXED_PORTS = frozenset({6379, 8265, 10001, 52365, 52366})
+PORT_RANGE = (20000, 30000)
+_issued: set[int] = set()
 
 
 def free_port() -> int:
-    while True:
+    import random
+
+    for _ in range(1000):
+        port = random.randrange(*PORT_RANGE)
+        if port in _issued:
+            continue
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in RAY_FIXED_PORTS:
-            return port
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _issued.add(port)
+        return port
+    raise RuntimeError(f"no free port in {PORT_RANGE}")
 
 
 @pytest.fixture(scope="session")

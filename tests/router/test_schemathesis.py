@@ -40,7 +40,7 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 
 def test_schema_describes_every_request_body(api_schema):
     raw = api_schema.raw_schema
-    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"):
         body = raw["paths"][path]["post"]["requestBody"]
         assert body["required"] and "$ref" in body["content"]["application/json"]["schema"], path
     assert "prompt" in raw["components"]["schemas"]["CompletionRequest"]["required"]
@@ -58,11 +58,12 @@ def test_no_server_error_and_no_hang(case, server):
     # an unset (or null) length means the rest of the context (test_completions_api.py tests
     # that default); here it would be ~90% of the chat run's time.
     if isinstance(case.body, dict):
-        for key in ("max_tokens", "max_completion_tokens"):
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             if isinstance(case.body.get(key), int) and case.body[key] > 8:
                 case.body[key] = 8
-        if (case.path in ("/v1/completions", "/v1/chat/completions") and case.body.get("max_tokens") is None
-                and case.body.get("max_completion_tokens") is None):
+        if (case.path in ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+                and all(case.body.get(k) is None for k in ("max_tokens", "max_completion_tokens",
+                                                          "max_output_tokens"))):
             case.body["max_tokens"] = 8
         if isinstance(case.body.get("n"), int) and case.body["n"] > 2:
             case.body["n"] = 2
@@ -77,7 +78,7 @@ def test_no_server_error_and_no_hang(case, server):
 
 def test_serves_after_fuzzing(server):
     # The fuzzing reached the handlers: generated bodies were both accepted and refused.
-    for op in ("POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize",
+    for op in ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "POST /tokenize",
                "POST /detokenize"):
         assert 200 in SEEN.get(op, ()) and any(400 <= s < 500 for s in SEEN.get(op, ())), SEEN
     r = httpx.post(server.base_url + "/v1/completions", headers=server.headers(), timeout=60,
