@@ -102,6 +102,7 @@ class MergedStream:
         self._tasks: dict[asyncio.Future, int] = {}
         self._seen: set[int] = set()
         self._prompt_logprobs: dict[int, list] = {}
+        self._prompt_ranks: dict[int, Optional[list]] = {}
         self._cached: dict[int, int] = {}
         self._num_prompt_tokens: Optional[int] = num_prompt_tokens
         for i, (_, first) in enumerate(opened):
@@ -152,9 +153,11 @@ class MergedStream:
         self._ready.append(item)
 
     def _renumber(self, i: int, item: dict) -> dict:
-        out = {k: v for k, v in item.items() if k not in ("prompt_tokens", "outputs", "prompt_logprobs")}
+        out = {k: v for k, v in item.items()
+               if k not in ("prompt_tokens", "outputs", "prompt_logprobs", "prompt_logprob_ranks")}
         if item.get("prompt_logprobs") is not None:
             self._prompt_logprobs[i] = item["prompt_logprobs"]
+            self._prompt_ranks[i] = item.get("prompt_logprob_ranks")
         self._cached[i] = max(self._cached.get(i, 0), item.get("num_cached_tokens") or 0)
         out["num_cached_tokens"] = sum(self._cached.values())
         if self._num_prompt_tokens is not None:  # the usage counts every prompt, once
@@ -162,6 +165,8 @@ class MergedStream:
         outputs = []
         for o in item["outputs"]:
             o = dict(o, index=i * self._n + o["index"])
+            if i in self._prompt_logprobs:  # each choice carries its own prompt's
+                o["prompt_logprobs"] = {"logprobs": self._prompt_logprobs[i], "ranks": self._prompt_ranks[i]}
             if self._echo is not None and o["index"] not in self._seen:
                 self._seen.add(o["index"])
                 echo = self._echo[i]

@@ -419,6 +419,7 @@ class Ingress(GrpcMethods):
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         choices: dict[int, fmt.Choice] = {}
         usage = fmt.Usage()
+        prompt_lp = None  # one prompt's, on the item (a merged stream puts them on each choice)
         try:
             item = first
             while True:
@@ -426,6 +427,7 @@ class Ingress(GrpcMethods):
                     return to_response(item)
                 fmt.accumulate(choices, item)
                 fmt.observe(item, usage)
+                prompt_lp = fmt.prompt_logprobs_of(item) or prompt_lp
                 try:
                     item = await gen.__anext__()
                 except StopAsyncIteration:
@@ -433,11 +435,15 @@ class Ingress(GrpcMethods):
         finally:
             gen.cancel()  # no-op when finished; aborts the request if we were cancelled
         label = self.token_label(req)
+        prompt_n = getattr(req, "prompt_logprobs", None)
+        if prompt_lp is not None:
+            for c in choices.values():
+                c.prompt_logprobs = c.prompt_logprobs or prompt_lp
         if chat:
             return JSONResponse(fmt.chat_body(rid, model, choices, usage, logprobs_n, self.decode_one, tools,
-                                              label=label))
+                                              label=label, prompt_logprobs_n=prompt_n))
         return JSONResponse(fmt.completion_body(rid, model, choices, usage, logprobs_n, self.decode_one,
-                                                label=label))
+                                                label=label, prompt_logprobs_n=prompt_n))
 
     async def _sse(self, gen, first: dict, writer: fmt.ChunkWriter,
                    include_usage: bool) -> AsyncIterator[str]:

@@ -84,6 +84,8 @@ def continuation_body(body: dict, generated: list[int], attempt: int,
     sp["min_tokens"] = max(0, sp.get("min_tokens", 0) - done)
     if sp.get("seed") is not None:
         sp["seed"] = continued_seed(sp["seed"], done)
+    if done:  # the prompt's logprobs came before its first token: not again, for a longer prompt
+        sp["prompt_logprobs"] = None
     return {**body, "request_id": f"{body['request_id']}-m{attempt}",
             "prompt_token_ids": list(body["prompt_token_ids"]) + list(generated),
             "sampling_params": sp, AVOID_KEY: list(avoid), MIGRATED_KEY: attempt}

@@ -32,6 +32,7 @@ class Choice:
     logprobs: list[dict] = field(default_factory=list)
     finish_reason: Optional[str] = None
     echo: Optional[dict] = None  # {"token_ids", "logprobs"} of the echoed prompt (completions)
+    prompt_logprobs: Optional[dict] = None  # {"logprobs", "ranks"} of its prompt, when asked
 
 
 @dataclass
@@ -73,6 +74,39 @@ def accumulate(choices: dict[int, Choice], item: dict) -> None:
             c.finish_reason = out["finish_reason"]
         if out.get("echo"):
             c.echo = out["echo"]
+        if out.get("prompt_logprobs"):
+            c.prompt_logprobs = out["prompt_logprobs"]
+
+
+def prompt_logprobs_of(item: dict) -> Optional[dict]:
+    """An engine item's prompt logprobs, as `Choice.prompt_logprobs` holds them."""
+    if item.get("prompt_logprobs") is None:
+        return None
+    return {"logprobs": item["prompt_logprobs"], "ranks": item.get("prompt_logprob_ranks")}
+
+
+def prompt_logprobs_body(prompt: Optional[dict], n: int, decode: Decode,
+                         label: Optional[Decode] = None) -> Optional[list]:
+    """vLLM's `prompt_logprobs`: per prompt position None (the first: nothing predicts it) or
+    {token id: {"logprob", "rank", "decoded_token"}}, the prompt's own token first, then the
+    `n` likeliest (ranks 1..n)."""
+    if prompt is None:
+        return None
+    label = label or decode
+    ranks = prompt.get("ranks") or []
+    out: list = []
+    for i, entry in enumerate(prompt["logprobs"]):
+        if entry is None:
+            out.append(None)
+            continue
+        own = int(next(iter(entry)))  # the engine puts the prompt's token first
+        rank = ranks[i] if i < len(ranks) else None
+        position = {str(own): {"logprob": float(entry[next(iter(entry))]), "rank": rank,
+                               "decoded_token": label(own)}}
+        for r, (t, lp) in enumerate(_top(entry, n), 1):
+            position.setdefault(str(t), {"logprob": lp, "rank": r, "decoded_token": label(t)})
+        out.append(position)
+    return out
 
 
 # -- logprobs ------------------------------------------------------------------
@@ -124,14 +158,18 @@ def _base(rid: str, obj: str, model: str, created: int) -> dict:
 
 
 def completion_body(rid: str, model: str, choices: dict[int, Choice], usage: Usage,
-                    logprobs_n: Optional[int], decode: Decode, label: Optional[Decode] = None) -> dict:
+                    logprobs_n: Optional[int], decode: Decode, label: Optional[Decode] = None,
+                    prompt_logprobs_n: Optional[int] = None) -> dict:
     body = _base(rid, "text_completion", model, int(time.time()))
-    body["choices"] = [{
-        "index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-        "logprobs": (completion_logprobs(*_with_echo(c.echo, c.token_ids, c.logprobs), logprobs_n, decode,
-                                         label=label)
-                     if logprobs_n is not None else None)}
-        for c in sorted(choices.values(), key=lambda c: c.index)]
+    body["choices"] = []
+    for c in sorted(choices.values(), key=lambda c: c.index):
+        choice = {"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
+                  "logprobs": (completion_logprobs(*_with_echo(c.echo, c.token_ids, c.logprobs), logprobs_n,
+                                                   decode, label=label)
+                               if logprobs_n is not None else None)}
+        if prompt_logprobs_n is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_body(c.prompt_logprobs, prompt_logprobs_n, decode, label)
+        body["choices"].append(choice)
     body["usage"] = usage.as_dict()
     return body
 
@@ -144,7 +182,7 @@ def _with_echo(echo: Optional[dict], token_ids: list[int], entries: list) -> tup
 
 def chat_body(rid: str, model: str, choices: dict[int, Choice], usage: Usage,
               logprobs_n: Optional[int], decode: Decode, tools: Optional[ToolPlan] = None,
-              label: Optional[Decode] = None) -> dict:
+              label: Optional[Decode] = None, prompt_logprobs_n: Optional[int] = None) -> dict:
     body = _base(rid, "chat.completion", model, int(time.time()))
     body["choices"] = []
     for c in sorted(choices.values(), key=lambda c: c.index):
@@ -159,6 +197,9 @@ def chat_body(rid: str, model: str, choices: dict[int, Choice], usage: Usage,
             "index": c.index, "message": message, "finish_reason": finish,
             "logprobs": (chat_logprobs(c.token_ids, c.logprobs, logprobs_n, decode, label)
                          if logprobs_n is not None else None)})
+    if prompt_logprobs_n is not None:  # vLLM's: beside the choices (one prompt)
+        first = next((c.prompt_logprobs for c in choices.values() if c.prompt_logprobs), None)
+        body["prompt_logprobs"] = prompt_logprobs_body(first, prompt_logprobs_n, decode, label)
     body["usage"] = usage.as_dict()
     return body
 

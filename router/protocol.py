@@ -60,6 +60,9 @@ class _SamplingRequest(StructuredOutputFields):
     # vLLM's: logprobs name tokens "token_id:<id>" (the server's --return-tokens-as-token-ids
     # turns it on for every request).
     return_tokens_as_token_ids: StrictBool = False
+    # vLLM's: the logprobs of the prompt's tokens (and this many likeliest others at each
+    # position), in the response body; not with stream (as vLLM).
+    prompt_logprobs: Optional[int] = None
 
     def _max_tokens(self) -> Optional[int]:
         return self.max_tokens
@@ -74,6 +77,8 @@ class _SamplingRequest(StructuredOutputFields):
         `defaults`: the model's generation defaults (`--generation-config`), used for
         the fields this request leaves unset; `max_tokens` among them caps the default."""
         defaults = defaults or {}
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError("prompt_logprobs is not available with stream=true", 400, param="prompt_logprobs")
         max_tokens = self._max_tokens()
         if max_tokens is None and defaults.get("max_tokens"):
             default_max_tokens = min(default_max_tokens, int(defaults["max_tokens"]))
@@ -88,6 +93,7 @@ class _SamplingRequest(StructuredOutputFields):
             "stream_interval": self.stream_interval,
             "allowed_token_ids": self.allowed_token_ids, "bad_words": self.bad_words,
             "truncate_prompt_tokens": self.truncate_prompt_tokens,
+            "prompt_logprobs": self.prompt_logprobs,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
@@ -124,8 +130,8 @@ class CompletionRequest(_SamplingRequest):
         if self.best_of not in (None, self.n):
             raise APIError("best_of different from n is not supported; use n", 400, param="best_of")
         params = super().sampling_params(default_max_tokens, defaults)
-        if self.echo and self.logprobs is not None:
-            params = params.replace(prompt_logprobs=self.logprobs)  # echoed with the prompt
+        if self.echo and self.logprobs is not None:  # echoed with the prompt
+            params = params.replace(prompt_logprobs=max(self.logprobs, params.prompt_logprobs or 0))
         return params
 
 

@@ -136,6 +136,7 @@ class EngineReplica:
                         first = False
                         if out.prompt_logprobs is not None and not prompt_logprobs_sent:
                             items[-1]["prompt_logprobs"] = out.prompt_logprobs  # once (echo)
+                            items[-1]["prompt_logprob_ranks"] = out.prompt_logprob_ranks
                             prompt_logprobs_sent = True
                     yield items[0] if len(items) == 1 else items
         except QueueFullError as e:

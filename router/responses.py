@@ -80,7 +80,7 @@ class ResponsesRequest(_SamplingRequest):
             + history + self.input_messages()
         data = self.model_dump(exclude={"input", "instructions", "max_output_tokens", "previous_response_id",
                                         "store", "text", "tools", "tool_choice", "metadata", "stream",
-                                        "stream_options", "max_tokens"}, exclude_none=True)
+                                        "stream_options", "max_tokens", "prompt_logprobs"}, exclude_none=True)
         data["messages"] = messages
         data["max_completion_tokens"] = self._max_tokens()
         fmt = self.text.format if self.text is not None else None

@@ -72,6 +72,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
+    # Per prompt position, the rank of the prompt's own token among the vocabulary (1: the
+    # likeliest); its logprob is the first entry of that position's prompt_logprobs.
+    prompt_logprob_ranks: Optional[list[Optional[int]]] = None
     metrics: Optional[RequestMetrics] = None
     kv_transfer_params: Optional[dict[str, Any]] = None
     # Of num_cached_tokens, the prompt tokens whose KV a KV connector loaded.
@@ -105,6 +108,7 @@ def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     first.num_remote_tokens = max(first.num_remote_tokens, then.num_remote_tokens)
     if first.prompt_logprobs is None:
         first.prompt_logprobs = then.prompt_logprobs
+        first.prompt_logprob_ranks = then.prompt_logprob_ranks
     first.metrics = then.metrics if then.metrics is not None else first.metrics
     first.kv_transfer_params = then.kv_transfer_params or first.kv_transfer_params
     first.itl = then.itl or first.itl

@@ -147,6 +147,7 @@ class _ParentState:
     num_children: int
     num_finished: int = 0
     prompt_logprobs: Optional[list] = None
+    prompt_logprob_ranks: Optional[list] = None
     prompt_logprobs_sent: bool = False
     itl: list[float] = field(default_factory=list)
     child_ids: list[str] = field(default_factory=list)
@@ -167,6 +168,7 @@ class OutputProcessor:
                               max_tokens=first.max_tokens)
         if first.sampling_params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
+            parent.prompt_logprob_ranks = [None]
         self.parents[request_id] = parent
         for i, r in enumerate(requests):
             detok = IncrementalDetokenizer(self.tokenizer, r.prompt_token_ids, r.sampling_params)
@@ -201,6 +203,7 @@ class OutputProcessor:
             # Every child of an n > 1 request computes the prompt's logprobs: keep the first's.
             if out.new_prompt_logprobs and parent.prompt_logprobs is not None and child.index == 0:
                 parent.prompt_logprobs.extend(_to_dicts(out.new_prompt_logprobs))
+                parent.prompt_logprob_ranks.extend(rank for _ids, _lps, rank in out.new_prompt_logprobs)
             completion = self._completion(child, out, stopped)
             if completion is None:
                 continue
@@ -222,6 +225,7 @@ class OutputProcessor:
                     len(parent.prompt_logprobs) >= len(parent.prompt_token_ids):
                 # Complete once the prompt is: streams can show them (echo) before the end.
                 ro.prompt_logprobs = parent.prompt_logprobs
+                ro.prompt_logprob_ranks = parent.prompt_logprob_ranks
                 parent.prompt_logprobs_sent = True
             if finished:
                 parent.metrics.finished_time = now
@@ -229,6 +233,7 @@ class OutputProcessor:
                     self.metrics.kv_transfer.observe_request(
                         len(parent.prompt_token_ids), info.get("cached", 0), info.get("remote", 0))
                 ro.prompt_logprobs = parent.prompt_logprobs
+                ro.prompt_logprob_ranks = parent.prompt_logprob_ranks
                 ro.itl = parent.itl
                 self._finish_parent(parent, completions)
             results.append(ro)

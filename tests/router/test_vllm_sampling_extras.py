@@ -135,3 +135,34 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server, stub):
     assert all(re.fullmatch(r"token_id:\d+", t["token"]) for e in entries for t in e["top_logprobs"])
     text = post(server, "/detokenize", {"tokens": [int(entries[0]["token"][9:])]}).json()["prompt"]
     assert entries[0]["bytes"] == list(text.encode())
+
+
+def test_prompt_logprobs_are_vllm_s_shape_with_true_ranks(server):
+    ids = tokenize(server, PROMPT)
+    r = complete(server, PROMPT, prompt_logprobs=2, max_tokens=1)
+    plp = r["choices"][0]["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    echoed = complete(server, PROMPT, echo=True, logprobs=2, max_tokens=1)["choices"][0]["logprobs"]
+    for i, position in enumerate(plp[1:], 1):
+        own = position[str(ids[i])]
+        assert own["logprob"] == pytest.approx(echoed["token_logprobs"][i], abs=1e-4)
+        assert list(position)[0] == str(ids[i]) and own["rank"] >= 1
+        assert own["decoded_token"] == post(server, "/detokenize", {"tokens": [ids[i]]}).json()["prompt"]
+        # The two likeliest are ranks 1 and 2; the prompt's token keeps its true rank.
+        assert sorted(e["rank"] for e in position.values()) == ([1, 2] if own["rank"] <= 2 else [1, 2, own["rank"]])
+        if own["rank"] > 2:
+            assert own["logprob"] < min(e["logprob"] for e in position.values() if e is not own)
+    # Several prompts: each choice carries its own; chat: beside the choices.
+    two = complete(server, [PROMPT, "Hello there, friend"], prompt_logprobs=0, max_tokens=1)["choices"]
+    assert [len(c["prompt_logprobs"]) for c in two] == [len(ids), len(tokenize(server, "Hello there, friend"))]
+    for mine, theirs, token in zip(two[0]["prompt_logprobs"][1:], plp[1:], ids[1:]):
+        assert list(mine) == [str(token)] and mine[str(token)]["rank"] == theirs[str(token)]["rank"]
+        assert mine[str(token)]["logprob"] == pytest.approx(theirs[str(token)]["logprob"], abs=1e-4)
+    chat = post(server, "/v1/chat/completions", {
+        "model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+        "prompt_logprobs": 1}).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
+    refused = post(server, "/v1/completions", {"model": server.model, "prompt": PROMPT, "stream": True,
+                                                "prompt_logprobs": 1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+    server.wait_idle()
