@@ -214,6 +214,10 @@ class AppConfig(BaseModel):
         "replicas (1 thread each). Tensor-parallel ranks take 1 CPU each on top. Unset: "
         "`fleetserve serve` with its embedded local Ray splits this machine's cores between "
         "the engine replicas (one replica uses them all, as `vllm serve` does); 1 otherwise."))
+    reasoning_parser: Optional[Literal["deepseek_r1", "qwen3"]] = Field(None, description=(
+        "Chat: put a thinking model's <think>...</think> text in the message's reasoning_content "
+        "(and reasoning), the rest in content (vLLM's flag). deepseek_r1: the output starts "
+        "inside the block (the template opened it); qwen3: it thinks when it opens with <think>."))
     enable_log_requests: bool = Field(False, description=(
         "Log one INFO line per request at the ingress: client, method, path, status, time."))
     engine_cls: str = Field("fleetserve.replica.engine.async_engine:AsyncEngine", description=(

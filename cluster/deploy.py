@@ -230,6 +230,7 @@ def build_app(config: AppConfig):
                   bind_host=config.http.host, log_requests=config.enable_log_requests,
                   cors=config.http.cors(),
                   return_tokens_as_token_ids=config.http.return_tokens_as_token_ids,
+                  reasoning_parser=config.reasoning_parser,
                   reliability={**config.reliability.model_dump(),
                                "open_paths": list(config.api_key_open_paths)})
     if not config.pd.enabled:

@@ -251,6 +251,7 @@ def _chat_response(choice: dict, rid: str, prompt_tokens: int, completion_tokens
              for c in delta.get("tool_calls", ())]
     return pb.ChatResponse(request_id=rid, index=choice["index"], role=delta.get("role", ""),
                            content=delta.get("content") or "", tool_calls=calls,
+                           reasoning_content=delta.get("reasoning_content") or "",
                            finish_reason=choice["finish_reason"] or "", token_ids=token_ids,
                            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
 
@@ -310,7 +311,7 @@ class GrpcMethods:
         if is_error(first):
             _fail(grpc_context, first["status"], first["error"]["message"])
         writer = fmt.ChunkWriter(rid, req.model or self.served_model_name, True, None,
-                                 self.decode_one, tools)
+                                 self.decode_one, tools, reasoning=self._reasoning)
         client_id = request.request_id or rid
         prompt_tokens = len(body["prompt_token_ids"])
         completion_tokens: dict[int, int] = {}

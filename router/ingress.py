@@ -53,6 +53,7 @@ from fleetserve.router.migration import metrics_text as migration_metrics
 from fleetserve.router.openapi import add_request_bodies
 from fleetserve.router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest, sampling_dict)
+from fleetserve.router.reasoning import get_parser as get_reasoning_parser
 from fleetserve.router.registry import get_router, release_request
 from fleetserve.router.request_router import TARGET_KWARG
 from fleetserve.scheduler.sampling_params import truncate_prompt
@@ -102,7 +103,8 @@ class Ingress(GrpcMethods):
                  prefill: Optional[DeploymentHandle] = None,
                  pd: Optional[dict] = None, reuse: Optional[dict] = None,
                  cors: Optional[dict] = None, listed_names: tuple[str, ...] = (),
-                 return_tokens_as_token_ids: bool = False) -> None:
+                 return_tokens_as_token_ids: bool = False,
+                 reasoning_parser: Optional[str] = None) -> None:
         """`engine` is the engine pool requests stream from; with P/D (`prefill` and `pd`
         given: router.pd) it is the decode pool, and `prefill` the prefill pool."""
         # Before Serve starts this replica's own HTTP/gRPC servers (after the constructor).
@@ -140,6 +142,7 @@ class Ingress(GrpcMethods):
         _cors.install(CorsSettings(**cors) if cors is not None else CorsSettings())
         self._max_body_bytes = max_body_bytes
         self._tokens_as_ids = return_tokens_as_token_ids
+        self._reasoning = get_reasoning_parser(reasoning_parser)  # router/reasoning.py
         self._responses = resp_api.ResponseStore()  # /v1/responses with store (router/responses.py)
         self._reliability = reliability or {}
         self._info: Optional[dict] = None
@@ -413,7 +416,7 @@ class Ingress(GrpcMethods):
         model = req.model or self.served_model_name
         if req.stream:
             writer = fmt.ChunkWriter(rid, model, chat, logprobs_n, self.decode_one, tools,
-                                     label=self.token_label(req))
+                                     label=self.token_label(req), reasoning=self._reasoning)
             return StreamingResponse(self._sse(gen, first, writer, req.include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -441,7 +444,8 @@ class Ingress(GrpcMethods):
                 c.prompt_logprobs = c.prompt_logprobs or prompt_lp
         if chat:
             return JSONResponse(fmt.chat_body(rid, model, choices, usage, logprobs_n, self.decode_one, tools,
-                                              label=label, prompt_logprobs_n=prompt_n))
+                                              label=label, prompt_logprobs_n=prompt_n,
+                                              reasoning=self._reasoning))
         return JSONResponse(fmt.completion_body(rid, model, choices, usage, logprobs_n, self.decode_one,
                                                 label=label, prompt_logprobs_n=prompt_n))
 
@@ -449,20 +453,13 @@ class Ingress(GrpcMethods):
                    include_usage: bool) -> AsyncIterator[str]:
         usage = fmt.Usage()
         try:
-            item = first
-            while True:
+            async for item in stream_items(gen, first):
                 if is_error(item):
                     yield fmt.sse({"error": item["error"]})
                     break
                 fmt.observe(item, usage)
                 for chunk in writer.chunks(item):
                     yield chunk
-                try:
-                    item = await gen.__anext__()
-                except StopAsyncIteration:
-                    break
-                except Exception as e:  # the replica failed mid-stream: tell the client
-                    item = error_body(f"internal error: {type(e).__name__}: {e}", 500)
             if include_usage:
                 yield writer.usage_chunk(usage)
             yield fmt.SSE_DONE
@@ -482,12 +479,12 @@ class Ingress(GrpcMethods):
         if req.previous_response_id is not None:
             _, history = self._responses.get(req.previous_response_id, param="previous_response_id")
         chat = req.to_chat(history)
-        rid, msg_id = resp_api.new_ids()
+        rid, stem = resp_api.new_ids()
         body, _, _ = await self.chat_body(chat, rid)
         gen, first = await self.open_stream(body)
         if is_error(first):
             return to_response(first)
-        run = _ResponseRun(self, req, rid, msg_id, history + req.input_messages())
+        run = _ResponseRun(self, req, rid, stem, history + req.input_messages())
         if req.stream:
             return StreamingResponse(run.events(gen, first), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -677,11 +674,27 @@ class Ingress(GrpcMethods):
         return b"".join(chunks)
 
 
+async def stream_items(gen, first: dict) -> AsyncIterator[dict]:
+    """`first`, then the stream's items up to its end or an error item; a replica that fails
+    mid-stream ends it with a 500 error item (the client is told, not cut off)."""
+    item = first
+    while True:
+        yield item
+        if is_error(item):
+            return
+        try:
+            item = await gen.__anext__()
+        except StopAsyncIteration:
+            return
+        except Exception as e:  # noqa: BLE001 - reported to the client as the stream's end
+            item = error_body(f"internal error: {type(e).__name__}: {e}", 500)
+
+
 class _ResponseRun:
     """One /v1/responses request's output: text, usage, finish, and its stored conversation."""
 
-    def __init__(self, ingress: "Ingress", req, rid: str, msg_id: str, conversation: list[dict]) -> None:
-        self.ingress, self.req, self.rid, self.msg_id = ingress, req, rid, msg_id
+    def __init__(self, ingress: "Ingress", req, rid: str, stem: str, conversation: list[dict]) -> None:
+        self.ingress, self.req, self.rid, self.stem = ingress, req, rid, stem
         self.model = req.model or ingress.served_model_name
         self.created = resp_api.now()
         self.conversation = conversation
@@ -701,44 +714,57 @@ class _ResponseRun:
         self.parts.extend(new)
         return new
 
-    def result(self) -> dict:
-        text = "".join(self.parts)
+    def result(self, split: Optional[tuple[str, str]] = None) -> dict:
+        """The response (stored when asked); `split`: (thinking, text) as streamed, else the
+        reasoning parser's reading of the whole output."""
+        whole = "".join(self.parts)
+        parser = self.ingress._reasoning
+        thought, text = split if split is not None else (parser.split(whole) if parser else (None, whole))
         u = self.usage
         response = resp_api.response_object(
-            self.rid, self.msg_id, self.req, self.model, self.created, text, self.finish,
+            self.rid, self.stem, self.req, self.model, self.created, (thought, text), self.finish,
             resp_api.usage_of(u.prompt_tokens, u.completion_tokens, u.cached_tokens))
         if self.req.store:
-            self.ingress._responses.put(response, self.conversation + [{"role": "assistant", "content": text}])
+            self.ingress._responses.put(response, self.conversation + [{"role": "assistant", "content": text or ""}])
         return response
 
     async def events(self, gen, first: dict) -> AsyncIterator[str]:
-        writer = resp_api.EventWriter(self.rid, self.msg_id)
+        writer = resp_api.EventWriter(self.rid, self.stem)
+        parser = self.ingress._reasoning
+        splitter = parser.streamer() if parser is not None else None
+        thought, text = "", ""
+
+        def pieces(piece: str, final: bool) -> list[str]:
+            nonlocal thought, text
+            if splitter is None:
+                text += piece
+                return writer.delta(piece) if piece else []
+            r, c = splitter.feed(piece, final)
+            thought, text = thought + r, text + c
+            return (writer.reasoning_delta(r) if r else []) + (writer.delta(c) if c else [])
+
         try:
-            started = resp_api.response_object(self.rid, self.msg_id, self.req, self.model, self.created,
+            started = resp_api.response_object(self.rid, self.stem, self.req, self.model, self.created,
                                                None, None, None, status="in_progress")
             for event in writer.start(started):
                 yield event
-            item = first
-            while True:
+            async for item in stream_items(gen, first):
                 if is_error(item):
                     error = item["error"]
                     code = "rate_limit_exceeded" if item.get("status") == 429 else "server_error"
                     failed = resp_api.response_object(
-                        self.rid, self.msg_id, self.req, self.model, self.created, None, None, None,
+                        self.rid, self.stem, self.req, self.model, self.created, None, None, None,
                         status="failed", error={"code": code, "message": error["message"]})
                     for event in writer.fail(failed, error):
                         yield event
                     return
                 for piece in self.observe(item):
-                    yield writer.delta(piece)
-                try:
-                    item = await gen.__anext__()
-                except StopAsyncIteration:
-                    break
-                except Exception as e:  # the replica failed mid-stream: tell the client
-                    item = error_body(f"internal error: {type(e).__name__}: {e}", 500)
-            response = self.result()
-            for event in writer.finish(response, "".join(self.parts)):
+                    for event in pieces(piece, False):
+                        yield event
+            for event in pieces("", True):  # what the splitter held back
+                yield event
+            response = self.result((thought or None, text or None) if splitter is not None else None)
+            for event in writer.finish(response):
                 yield event
         finally:
             gen.cancel()  # client gone or done: aborts the request in the engine if it runs

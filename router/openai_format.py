@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from fleetserve.router.reasoning import ReasoningParser
 from fleetserve.router.tool_calls import ToolDeltas, ToolPlan
 from fleetserve.router.tool_calls import finish_reason as tool_finish_reason
 
@@ -182,14 +183,21 @@ def _with_echo(echo: Optional[dict], token_ids: list[int], entries: list) -> tup
 
 def chat_body(rid: str, model: str, choices: dict[int, Choice], usage: Usage,
               logprobs_n: Optional[int], decode: Decode, tools: Optional[ToolPlan] = None,
-              label: Optional[Decode] = None, prompt_logprobs_n: Optional[int] = None) -> dict:
+              label: Optional[Decode] = None, prompt_logprobs_n: Optional[int] = None,
+              reasoning: Optional[ReasoningParser] = None) -> dict:
+    """`reasoning`: the server's reasoning parser; the message's `reasoning_content` (and its
+    newer name `reasoning`) hold the thinking, `content` (and tool calls) the rest."""
     body = _base(rid, "chat.completion", model, int(time.time()))
     body["choices"] = []
     for c in sorted(choices.values(), key=lambda c: c.index):
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        text = c.text
+        if reasoning is not None:
+            thought, text = reasoning.split(c.text)
+            message.update(content=text, reasoning_content=thought, reasoning=thought)
         finish = c.finish_reason
         if tools is not None:
-            message["content"], calls = tools.parse(c.text)
+            message["content"], calls = tools.parse(text or "")
             if calls:
                 message["tool_calls"] = calls
             finish = tool_finish_reason(finish, calls)
@@ -208,8 +216,11 @@ class ChunkWriter:
     """SSE chunks for one streaming request, completions or chat."""
 
     def __init__(self, rid: str, model: str, chat: bool, logprobs_n: Optional[int],
-                 decode: Decode, tools: Optional[ToolPlan] = None, label: Optional[Decode] = None) -> None:
+                 decode: Decode, tools: Optional[ToolPlan] = None, label: Optional[Decode] = None,
+                 reasoning: Optional[ReasoningParser] = None) -> None:
         self.tool_deltas = ToolDeltas(tools) if tools is not None else None
+        self.reasoning = reasoning if chat else None
+        self._splitters: dict = {}
         self.rid, self.model, self.chat = rid, model, chat
         self.logprobs_n, self.decode, self.label = logprobs_n, decode, label
         self.created = int(time.time())
@@ -250,11 +261,21 @@ class ChunkWriter:
         if not self.chat:
             return {"index": idx, "text": o["text"], "logprobs": logprobs,
                     "finish_reason": o.get("finish_reason")}
-        delta: dict[str, Any] = {"content": o["text"]}
         finish = o.get("finish_reason")
+        text, thought = o["text"], ""
+        if self.reasoning is not None:
+            splitter = self._splitters.get(idx)
+            if splitter is None:
+                splitter = self._splitters[idx] = self.reasoning.streamer()
+            thought, text = splitter.feed(o["text"], final=finish is not None)
+        delta: dict[str, Any] = {"content": text}
         if self.tool_deltas is not None:
-            delta, called = self.tool_deltas.delta(idx, o["text"], finish is not None)
+            delta, called = self.tool_deltas.delta(idx, text, finish is not None)
             finish = tool_finish_reason(finish, [True] if called else [])
+        if thought:
+            delta.update(reasoning_content=thought, reasoning=thought)
+            if not delta.get("content"):
+                delta.pop("content", None)
         if idx not in self._started:
             self._started.add(idx)
             delta["role"] = "assistant"

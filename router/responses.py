@@ -160,25 +160,37 @@ class ResponseStore:
 
 
 def new_ids() -> tuple[str, str]:
-    """(response id, output message id)."""
-    return f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
+    """(response id, id stem of its output items: msg_<stem>, rs_<stem>)."""
+    stem = uuid.uuid4().hex
+    return f"resp_{stem}", stem
 
 
-def response_object(rid: str, msg_id: str, req: ResponsesRequest, model: str, created: float,
-                    text: Optional[str], finish_reason: Optional[str], usage: Optional[dict],
-                    status: Optional[str] = None, error: Optional[dict] = None) -> dict:
-    """The `response` object; `text` None: no output yet (an in-progress response)."""
+def output_items(stem: str, thought: Optional[str], text: Optional[str], status: str) -> list[dict]:
+    """A reasoning item when there was thinking (a reasoning parser split it off), then the
+    message, which is left out only when the output never got past its thinking."""
+    items = []
+    if thought:
+        items.append(reasoning_item(stem, thought, status))
+    if text or not thought:
+        items.append(message_item(stem, text or "", status))
+    return items
+
+
+def response_object(rid: str, stem: str, req: ResponsesRequest, model: str, created: float,
+                    output: Optional[tuple[Optional[str], Optional[str]]], finish_reason: Optional[str],
+                    usage: Optional[dict], status: Optional[str] = None, error: Optional[dict] = None) -> dict:
+    """The `response` object; `output`: (thinking, text), None before there is any."""
     if status is None:
         status = "incomplete" if finish_reason == "length" else "completed"
-    output = [] if text is None else [message_item(msg_id, text, "completed" if status == "completed"
-                                                   else "incomplete")]
+    items = [] if output is None else output_items(stem, output[0], output[1],
+                                                  "completed" if status == "completed" else "incomplete")
     fmt = req.text.format if req.text is not None and req.text.format is not None else TextFormat()
     return {
         "id": rid, "object": "response", "created_at": created, "model": model, "status": status,
         "error": error,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-        "metadata": req.metadata or {}, "output": output, "parallel_tool_calls": True,
+        "metadata": req.metadata or {}, "output": items, "parallel_tool_calls": True,
         "previous_response_id": req.previous_response_id, "store": req.store,
         "temperature": req.temperature, "top_p": req.top_p,
         "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
@@ -187,9 +199,14 @@ def response_object(rid: str, msg_id: str, req: ResponsesRequest, model: str, cr
     }
 
 
-def message_item(msg_id: str, text: str, status: str) -> dict:
-    return {"type": "message", "id": msg_id, "status": status, "role": "assistant",
+def message_item(stem: str, text: str, status: str) -> dict:
+    return {"type": "message", "id": f"msg_{stem}", "status": status, "role": "assistant",
             "content": [output_text(text)]}
+
+
+def reasoning_item(stem: str, thought: str, status: str) -> dict:
+    return {"type": "reasoning", "id": f"rs_{stem}", "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": thought}]}
 
 
 def output_text(text: str) -> dict:
@@ -204,11 +221,17 @@ def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> 
 
 
 class EventWriter:
-    """The stream's server-sent events, numbered (`sequence_number`) as the client expects."""
+    """The stream's server-sent events, numbered (`sequence_number`) as the client expects.
+    Output items open as their text comes: a reasoning item while the model thinks (with a
+    reasoning parser), then the message; each is closed (its `.done` events) before the next
+    opens, and the last at the end."""
 
-    def __init__(self, rid: str, msg_id: str) -> None:
-        self.rid, self.msg_id = rid, msg_id
+    def __init__(self, rid: str, stem: str) -> None:
+        self.rid, self.stem = rid, stem
         self._seq = 0
+        self._index = -1  # output_index of the open item
+        self._open: Optional[str] = None  # "reasoning" | "message"
+        self._texts = {"reasoning": "", "message": ""}
 
     def event(self, kind: str, **fields) -> str:
         body = {"type": kind, "sequence_number": self._seq, **fields}
@@ -216,32 +239,68 @@ class EventWriter:
         return f"event: {kind}\ndata: {json.dumps(body, separators=(',', ':'))}\n\n"
 
     def start(self, response: dict) -> list[str]:
-        item = {"type": "message", "id": self.msg_id, "status": "in_progress", "role": "assistant",
-                "content": []}
         return [self.event("response.created", response=response),
-                self.event("response.in_progress", response=response),
-                self.event("response.output_item.added", output_index=0, item=item),
-                self.event("response.content_part.added", item_id=self.msg_id, output_index=0,
-                           content_index=0, part=output_text(""))]
+                self.event("response.in_progress", response=response)]
 
-    def delta(self, text: str) -> str:
-        return self.event("response.output_text.delta", item_id=self.msg_id, output_index=0,
-                          content_index=0, delta=text, logprobs=[])
+    def reasoning_delta(self, text: str) -> list[str]:
+        out = [] if self._open == "reasoning" else self._close() + self._start("reasoning")
+        self._texts["reasoning"] += text
+        out.append(self.event("response.reasoning_text.delta", item_id=f"rs_{self.stem}",
+                              output_index=self._index, content_index=0, delta=text))
+        return out
 
-    def finish(self, response: dict, text: str) -> list[str]:
-        item = response["output"][0]
-        return [self.event("response.output_text.done", item_id=self.msg_id, output_index=0,
-                           content_index=0, text=text, logprobs=[]),
-                self.event("response.content_part.done", item_id=self.msg_id, output_index=0,
-                           content_index=0, part=output_text(text)),
-                self.event("response.output_item.done", output_index=0, item=item),
-                self.event("response.completed" if response["status"] == "completed" else "response.incomplete",
-                           response=response)]
+    def delta(self, text: str) -> list[str]:
+        out = [] if self._open == "message" else self._close() + self._start("message")
+        self._texts["message"] += text
+        out.append(self.event("response.output_text.delta", item_id=f"msg_{self.stem}",
+                              output_index=self._index, content_index=0, delta=text, logprobs=[]))
+        return out
+
+    def finish(self, response: dict) -> list[str]:
+        out = []
+        if self._open != "message" and any(item["type"] == "message" for item in response["output"]):
+            out += self._close() + self._start("message")
+        out += self._close(response["status"])
+        out.append(self.event("response.completed" if response["status"] == "completed"
+                              else "response.incomplete", response=response))
+        return out
 
     def fail(self, response: dict, error: dict) -> list[str]:
         return [self.event("error", code=error.get("code") or error.get("type"), message=error["message"],
                            param=error.get("param")),
                 self.event("response.failed", response=response)]
+
+    def _start(self, kind: str) -> list[str]:
+        self._open, self._index = kind, self._index + 1
+        if kind == "reasoning":
+            item = {"type": "reasoning", "id": f"rs_{self.stem}", "status": "in_progress", "summary": [],
+                    "content": []}
+            return [self.event("response.output_item.added", output_index=self._index, item=item)]
+        item = {"type": "message", "id": f"msg_{self.stem}", "status": "in_progress", "role": "assistant",
+                "content": []}
+        return [self.event("response.output_item.added", output_index=self._index, item=item),
+                self.event("response.content_part.added", item_id=f"msg_{self.stem}",
+                           output_index=self._index, content_index=0, part=output_text(""))]
+
+    def _close(self, status: str = "completed") -> list[str]:
+        kind, self._open = self._open, None
+        if kind is None:
+            return []
+        text = self._texts[kind]
+        done = "completed" if status == "completed" else "incomplete"
+        if kind == "reasoning":
+            item_id = f"rs_{self.stem}"
+            return [self.event("response.reasoning_text.done", item_id=item_id, output_index=self._index,
+                               content_index=0, text=text),
+                    self.event("response.output_item.done", output_index=self._index,
+                               item=reasoning_item(self.stem, text, done))]
+        item_id = f"msg_{self.stem}"
+        return [self.event("response.output_text.done", item_id=item_id, output_index=self._index,
+                           content_index=0, text=text, logprobs=[]),
+                self.event("response.content_part.done", item_id=item_id, output_index=self._index,
+                           content_index=0, part=output_text(text)),
+                self.event("response.output_item.done", output_index=self._index,
+                           item=message_item(self.stem, text, done))]
 
 
 def now() -> float:

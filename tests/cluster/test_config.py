@@ -26,13 +26,15 @@ def test_cli_flags_use_vllm_names():
                  "--dtype", "float32", "--block-size", "32", "--num-gpu-blocks-override", "100",
                  "--kv-cache-memory-bytes", "1000000", "--num-replicas", "3",
                  "--routing-policy", "prefix_aware", "--api-key", "k", "--port", "8100",
-                 "--grpc-port", "9100", "--address", "auto", "--return-tokens-as-token-ids")
+                 "--grpc-port", "9100", "--address", "auto", "--return-tokens-as-token-ids",
+                 "--reasoning-parser", "deepseek_r1")
     e = c.engine
     assert (e.model, e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len) == ("/m", 4, 512, 1024)
     assert (e.tensor_parallel_size, e.enable_prefix_caching, e.dtype, e.block_size) == (2, False, "float32", 32)
     assert (e.num_gpu_blocks_override, e.kv_cache_memory_bytes) == (100, 1000000)
     assert (c.num_replicas, c.routing_policy, c.api_key) == (3, "prefix_aware", "k")
     assert (c.http.port, c.grpc.port, c.address) == (8100, 9100, "auto")
+    assert c.reasoning_parser == "deepseek_r1"
     assert c.http.return_tokens_as_token_ids and not from_cli("--model", "/m").http.return_tokens_as_token_ids
 
 

@@ -82,6 +82,9 @@ def server(tiny_model_dir):
         "http": {"port": free_port(), "max_body_bytes": 64 * 1024},
         "grpc": {"port": free_port()},
         "api_key": API_KEY,
+        # Every chat test runs through the reasoning splitter (a no-op for output that does not
+        # open with <think>); tests/router/test_reasoning.py forces some that does.
+        "reasoning_parser": "qwen3",
         "reliability": {"body_timeout_s": 3},
     })
     connect_ray(config, num_cpus=2, log_to_driver=False)
