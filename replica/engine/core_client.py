@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 from fleetserve.replica.engine.engine_args import EngineArgs
 from fleetserve.replica.engine.step_result import StepResult
 from fleetserve.replica.engine.framing import ChannelBroken, FrameChannel
+from fleetserve.replica.engine.progress import ProgressCounter
 from fleetserve.replica.executor import ExecutorError
 from fleetserve.scheduler import Request, RequestStatus
 
@@ -136,6 +137,17 @@ class _CoreClient:
 
     # -- liveness: dead is not the only way to fail; a core can also stop moving --------
     _last_progress = 0.0  # monotonic time of the core's latest step or state report
+    # () -> the core's layer counter (replica.engine.progress), which moves inside long steps;
+    # None when the model has no layers to hook (then steps alone count).
+    _progress: Optional[Callable[[], int]] = None
+    _progress_seen = -1
+
+    def _note_progress(self) -> None:
+        if self._progress is not None:
+            value = self._progress()
+            if value != self._progress_seen:
+                self._progress_seen = value
+                self._last_progress = max(self._last_progress, time.monotonic())
 
     def _has_work(self) -> bool:
         load = self.load
@@ -143,12 +155,20 @@ class _CoreClient:
 
     def stall_reason(self, timeout_s: float) -> Optional[str]:
         """Why the core counts as wedged, or None: it holds work (or has adds it has not
-        taken) but made no step for `timeout_s`."""
+        taken) but made no progress for `timeout_s`: no step, and no layer of a long step."""
+        self._note_progress()
         idle_s = time.monotonic() - self._last_progress
         if self._has_work() and idle_s > timeout_s:
-            return (f"the engine core holds work but has made no step for {idle_s:.0f} s "
+            return (f"the engine core holds work but has made no progress for {idle_s:.0f} s "
                     f"(limit {timeout_s:g} s)")
         return None
+
+
+class _LayerCount:
+    value = 0
+
+    def bump(self) -> None:
+        self.value += 1
 
 
 class ThreadCoreClient(_CoreClient):
@@ -167,6 +187,9 @@ class ThreadCoreClient(_CoreClient):
         self._stopping = False
         self.load, self.stats = load_of(self.core)
         self._last_progress = time.monotonic()
+        layers = _LayerCount()
+        if self.core.add_progress_hook(layers.bump):
+            self._progress = lambda: layers.value
         self._thread = threading.Thread(target=self._run, name="fleetserve-engine", daemon=True)
         self._thread.start()
 
@@ -301,6 +324,7 @@ class ProcessCoreClient(_CoreClient):
         self._stopping = False
         self._failed = False
         spawned = spawned or SpawnedCore()
+        layers = ProgressCounter()  # the core maps it by path; unlinked once it has
         self._proc = spawned.proc
         self._chan = FrameChannel(spawned.take_socket())
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -308,12 +332,14 @@ class ProcessCoreClient(_CoreClient):
                                                daemon=True)
         self._writer_thread.start()
         try:
-            self._send(("init", args.model_dump(), eos_token_id))
+            self._send(("init", args.model_dump(), eos_token_id, layers.path))
             reply = self._recv_startup(start_timeout_s)
         except BaseException:
             self._kill()
             self._outbox.put(None)
             raise
+        finally:
+            layers.unlink()
         if reply[0] == "init_failed":
             self._kill()
             self._outbox.put(None)
@@ -324,6 +350,8 @@ class ProcessCoreClient(_CoreClient):
         self.pid = self._proc.pid
         self.load, self.stats = info["load"], info["stats"]
         self._last_progress = time.monotonic()
+        if info.get("progress"):
+            self._progress = layers.read
         self._ping_seq = 0
         self._ping_sent: Optional[float] = None  # when the unanswered ping left, if any
 
@@ -334,7 +362,9 @@ class ProcessCoreClient(_CoreClient):
             self.poll()
         reason = super().stall_reason(timeout_s)
         now = time.monotonic()
-        if reason is None and self._ping_sent is not None and now - self._ping_sent > timeout_s:
+        # A core inside a long step answers the ping after it; its layers moving will do.
+        if reason is None and self._ping_sent is not None and \
+                now - max(self._ping_sent, self._last_progress) > timeout_s:
             reason = f"the engine core did not answer a ping within {timeout_s:g} s"
         if self._ping_sent is None and not self._failed:
             self._ping_seq += 1

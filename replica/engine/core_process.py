@@ -103,7 +103,7 @@ def main(fd: int) -> int:
                         format="%(asctime)s %(levelname)s engine-core[%(process)d] %(name)s: %(message)s")
     chan = FrameChannel(fd)
     try:
-        _, args_dict, eos_token_id = pickle.loads(chan.recv())
+        _, args_dict, eos_token_id, *extra = pickle.loads(chan.recv())
     except (EOFError, OSError):
         return 0  # the parent went away before sending anything
     try:
@@ -115,9 +115,18 @@ def main(fd: int) -> int:
         logger.exception("engine core failed to start")
         chan.send(pickle.dumps(("init_failed", f"{type(e).__name__}: {e}")))
         return 1
+    progress = False
+    if extra and extra[0]:  # the parent's layer counter (replica.engine.progress)
+        from fleetserve.replica.engine.progress import ProgressCounter
+
+        try:
+            progress = core.add_progress_hook(ProgressCounter(extra[0]).bump)
+        except OSError:  # gone already (the parent timed out): steps alone will count
+            logger.warning("no layer progress counter: %s", extra[0])
     try:
         chan.send(pickle.dumps(("ready", {
             "max_model_len": core.max_model_len, "vocab_size": core.hf_config.vocab_size,
+            "progress": progress,
             "load": core.get_load(), "stats": core.scheduler.get_stats()})))
         EngineCoreLoop(core, chan).run()
     except ChannelBroken:

@@ -222,6 +222,11 @@ class EngineCore:
                     out.finish_reason = "stop"
         self.structured.remove([o.request_id for o in outputs if o.finished])
 
+    def add_progress_hook(self, bump) -> bool:
+        """Call `bump` as each decoder layer starts (replica.engine.progress); False when the
+        executor runs no model in this process."""
+        return self.executor.add_progress_hook(bump)
+
     def get_load(self) -> dict:
         s = self.scheduler
         queued = sum(r.num_tokens - r.num_computed_tokens for r in s.running)

@@ -23,5 +23,10 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    def add_progress_hook(self, bump) -> bool:
+        """`bump` at each decoder layer of the model this process runs (replica.engine.progress);
+        False when there is none here (ranks in other processes: steps alone count)."""
+        return False
+
     def shutdown(self) -> None:
         return None

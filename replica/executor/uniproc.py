@@ -25,5 +25,10 @@ class UniProcExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
+    def add_progress_hook(self, bump) -> bool:
+        from fleetserve.replica.engine.progress import hook_layers
+
+        return hook_layers(self.worker.runner.model, bump)
+
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -13,7 +13,7 @@ context; the runner's max_model_len should stay within it).
 
 from __future__ import annotations
 
-from typing import Any, Iterable, NamedTuple, Optional
+from typing import Any, Callable, Iterable, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -143,7 +143,15 @@ def _plan_holds(plan: _KernelPlan) -> bool:
     return True
 
 
+# A step of at least this many tokens runs the layers kernel one layer per call when someone
+# follows progress (replica.engine.progress): a full-context prefill is one long call otherwise.
+PROGRESS_SPLIT_ROWS = 256
+
+
 class LlamaModel(nn.Module):
+    # Called as each decoder layer starts, when set (replica.engine.progress.hook_layers).
+    progress: Optional[Callable[[], None]] = None
+
     def __init__(self, config: Any, tp: TPGroup, max_position: int):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group=tp)
@@ -234,17 +242,34 @@ class LlamaModel(nn.Module):
             plan = self._kernel_plan(hidden, kv_caches)
             if plan is not None and hidden.shape[0] > plan.max_rows:
                 plan = None
-        if plan is not None:  # the layers in one kernel call (_kernel_plan)
-            hidden, residual = ops_for(hidden).llama_layers(
+        progress = self.progress
+        if plan is not None and (progress is None or hidden.shape[0] < PROGRESS_SPLIT_ROWS):
+            if progress is not None:
+                progress()
+            hidden, residual = ops_for(hidden).llama_layers(  # the layers in one kernel call (_kernel_plan)
                 hidden, positions, plan.cos_sin, kv_caches, md.slot_mapping, md.block_table, md.token_seq_lens,
                 md.token_req, plan.weights, plan.biases, plan.sizes, plan.eps, *plan.dims, plan.scale,
                 plan.k_tiled, plan.fused)
+        elif plan is not None:  # a long step, followed: one layer per call, progress between
+            ops = ops_for(hidden)
+            for i, kv_cache in enumerate(kv_caches):
+                progress()
+                x = hidden if residual is None else hidden + residual  # the layer's input stream
+                hidden, residual = ops.llama_layers(
+                    x, positions, plan.cos_sin, [kv_cache], md.slot_mapping, md.block_table, md.token_seq_lens,
+                    md.token_req, plan.weights[6 * i:6 * i + 6], plan.biases[4 * i:4 * i + 4],
+                    plan.sizes[4 * i:4 * i + 4], plan.eps[2 * i:2 * i + 2], *plan.dims, plan.scale,
+                    plan.k_tiled, plan.fused)
         elif kv_hooks is None:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                if progress is not None:
+                    progress()
                 hidden, residual = layer(hidden, residual, rope, kv_cache, md)
         else:  # a KV connector moves KV layer by layer (kv_transfer.base: layer-wise hooks)
             for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
                 kv_hooks.wait_for_layer_load(i)
+                if progress is not None:
+                    progress()
                 hidden, residual = layer(hidden, residual, rope, kv_cache, md)
                 kv_hooks.save_kv_layer(i, kv_cache, md)
         hidden, _ = self.norm(hidden, residual)

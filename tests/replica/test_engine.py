@@ -383,3 +383,26 @@ def test_a_request_computes_the_same_numbers_alone_and_in_a_batch(tiny_model_dir
     for a, b in zip(alone, together):
         assert a.token_ids == b.token_ids
         assert a.logprobs == b.logprobs  # exact floats, not approximately
+
+
+def test_a_followed_long_step_computes_what_the_one_call_kernel_does(tiny_model_dir):
+    """With progress followed (replica.engine.progress), a step of PROGRESS_SPLIT_ROWS tokens or
+    more runs the layers one kernel call each: the same logprobs as the one-call path."""
+    from fleetserve.replica.engine.progress import hook_layers
+    from fleetserve.replica.llm import LLM
+    from fleetserve.replica.models.llama import PROGRESS_SPLIT_ROWS
+
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=128, enable_prefix_caching=False)
+    prompt = [(7 * i) % 300 + 5 for i in range(PROGRESS_SPLIT_ROWS + 100)]
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=3)
+    before = llm.generate(prompt, sp, use_tqdm=False)[0]
+    bumps = []
+    model = llm.core.executor.worker.runner.model
+    assert hook_layers(model, lambda: bumps.append(1))
+    after = llm.generate(prompt, sp, use_tqdm=False)[0]
+    assert after.outputs[0].token_ids == before.outputs[0].token_ids
+    for a, b in zip(after.prompt_logprobs[1:] + after.outputs[0].logprobs,
+                    before.prompt_logprobs[1:] + before.outputs[0].logprobs):
+        assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-4 for k in a)
+    num_layers = len(model.model.layers) if hasattr(model, "model") else len(model.layers)
+    assert len(bumps) >= num_layers  # the prefill step bumped at every layer
