@@ -324,22 +324,27 @@ class ProcessCoreClient(_CoreClient):
         self._stopping = False
         self._failed = False
         spawned = spawned or SpawnedCore()
-        layers = ProgressCounter()  # the core maps it by path; unlinked once it has
         self._proc = spawned.proc
         self._chan = FrameChannel(spawned.take_socket())
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._writer_thread = threading.Thread(target=self._writer, name="fleetserve-core-writer",
                                                daemon=True)
         self._writer_thread.start()
+        try:  # the core maps it by path, and it is unlinked once the core is up
+            layers: Optional[ProgressCounter] = ProgressCounter()
+        except OSError as e:  # no shared file (a full /dev/shm): steps alone count
+            logger.warning("no layer progress counter for the engine core: %s", e)
+            layers = None
         try:
-            self._send(("init", args.model_dump(), eos_token_id, layers.path))
+            self._send(("init", args.model_dump(), eos_token_id, layers and layers.path))
             reply = self._recv_startup(start_timeout_s)
         except BaseException:
             self._kill()
             self._outbox.put(None)
             raise
         finally:
-            layers.unlink()
+            if layers is not None:
+                layers.unlink()
         if reply[0] == "init_failed":
             self._kill()
             self._outbox.put(None)
@@ -350,7 +355,7 @@ class ProcessCoreClient(_CoreClient):
         self.pid = self._proc.pid
         self.load, self.stats = info["load"], info["stats"]
         self._last_progress = time.monotonic()
-        if info.get("progress"):
+        if layers is not None and info.get("progress"):
             self._progress = layers.read
         self._ping_seq = 0
         self._ping_sent: Optional[float] = None  # when the unanswered ping left, if any
