@@ -423,20 +423,16 @@ class Ingress(GrpcMethods):
         choices: dict[int, fmt.Choice] = {}
         usage = fmt.Usage()
         prompt_lp = None  # one prompt's, on the item (a merged stream puts them on each choice)
-        try:
-            item = first
-            while True:
-                if is_error(item):
-                    return to_response(item)
-                fmt.accumulate(choices, item)
-                fmt.observe(item, usage)
-                prompt_lp = fmt.prompt_logprobs_of(item) or prompt_lp
-                try:
-                    item = await gen.__anext__()
-                except StopAsyncIteration:
-                    break
-        finally:
-            gen.cancel()  # no-op when finished; aborts the request if we were cancelled
+
+        def take(item: dict) -> None:
+            nonlocal prompt_lp
+            fmt.accumulate(choices, item)
+            fmt.observe(item, usage)
+            prompt_lp = fmt.prompt_logprobs_of(item) or prompt_lp
+
+        error = await drain(gen, first, take)
+        if error is not None:
+            return to_response(error)
         label = self.token_label(req)
         prompt_n = getattr(req, "prompt_logprobs", None)
         if prompt_lp is not None:
@@ -488,19 +484,8 @@ class Ingress(GrpcMethods):
         if req.stream:
             return StreamingResponse(run.events(gen, first), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        try:
-            item = first
-            while True:
-                if is_error(item):
-                    return to_response(item)
-                run.observe(item)
-                try:
-                    item = await gen.__anext__()
-                except StopAsyncIteration:
-                    break
-        finally:
-            gen.cancel()  # no-op when finished; aborts the request if we were cancelled
-        return JSONResponse(run.result())
+        error = await drain(gen, first, run.observe)
+        return to_response(error) if error is not None else JSONResponse(run.result())
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(self, response_id: str, request: Request):
@@ -672,6 +657,23 @@ class Ingress(GrpcMethods):
                 raise APIError(f"the request body is larger than {limit} bytes", 413)
             chunks.append(chunk)
         return b"".join(chunks)
+
+
+async def drain(gen, first: dict, take) -> Optional[dict]:
+    """`take` each item, `first` on, to the stream's end; the error item that ended it, if one
+    did. The stream is cancelled on the way out (a no-op when it finished; an abort in the
+    engine when this request was cancelled)."""
+    try:
+        item = first
+        while not is_error(item):
+            take(item)
+            try:
+                item = await gen.__anext__()
+            except StopAsyncIteration:
+                return None
+        return item
+    finally:
+        gen.cancel()
 
 
 async def stream_items(gen, first: dict) -> AsyncIterator[dict]:

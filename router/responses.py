@@ -24,9 +24,9 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
-from fleetserve.router.errors import APIError
+from fleetserve.router.errors import APIError, from_validation_error
 from fleetserve.router.limits import MAX_MESSAGES
 from fleetserve.router.protocol import ChatCompletionRequest, _SamplingRequest
 
@@ -94,13 +94,8 @@ class ResponsesRequest(_SamplingRequest):
                 **({"strict": fmt.strict} if fmt.strict is not None else {})}}
         try:
             return ChatCompletionRequest.model_validate(data)
-        except Exception as e:  # pydantic: the mapped request names a chat field
-            from pydantic import ValidationError
-
-            from fleetserve.router.errors import from_validation_error
-            if isinstance(e, ValidationError):
-                raise from_validation_error(e) from e
-            raise
+        except ValidationError as e:  # the mapped request names a chat field
+            raise from_validation_error(e) from e
 
 
 def _message(i: int, item: Any) -> dict:
