@@ -6,7 +6,9 @@
     echo "The capital of France is" | fleetserve complete --max-tokens 8
     fleetserve chat --url http://10.0.0.5:8000/v1 --api-key $KEY --system-prompt "Be brief."
 
-Replies stream as they are generated. `chat` keeps the conversation (each turn resends it,
+Replies stream as they are generated; a reasoning model's thinking (a server started with
+--reasoning-parser) streams to stderr, dimmed on a terminal, so stdout holds only the
+answers. `--extra-body` adds any other request field. `chat` keeps the conversation (each turn resends it,
 as OpenAI's API wants); `complete` sends every line as a prompt of its own. Ctrl-C while a
 reply streams cancels that reply (the server aborts the request when the connection
 closes) and returns to the prompt; Ctrl-C or Ctrl-D at the prompt ends the session.
@@ -54,6 +56,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="most tokens per reply [default: the server's (chat: to the context's end)]")
     p.add_argument("--temperature", type=float, default=None,
                    help="sampling temperature [default: the model's own, as the server applies it]")
+    p.add_argument("--extra-body", metavar="JSON", default=None,
+                   help="a JSON object merged into every request body, for fields the flags do not "
+                        "name (e.g. '{\"chat_template_kwargs\": {\"enable_thinking\": false}}') "
+                        "[default: none]")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="seconds to wait to connect, and for each next piece of a reply "
                         "[default: %(default)s]")
@@ -130,8 +136,10 @@ class Client:
             raise ClientError(f"{self.url}/models lists no model", fatal=True)
         return models[0]
 
-    def stream(self, path: str, body: dict) -> Iterator[str]:
-        """POST with `stream: true`; yields the text of each delta as it arrives."""
+    def stream(self, path: str, body: dict) -> Iterator[tuple[bool, str]]:
+        """POST with `stream: true`; yields `(is_reasoning, text)` for each delta as it
+        arrives: a reasoning model's thinking (`reasoning_content`, or `reasoning`, with the
+        server's --reasoning-parser) apart from its answer."""
         body = {**body, "model": self.model, "stream": True}
         with self._request("POST", path, body) as r:
             while True:
@@ -158,11 +166,15 @@ class Client:
                     raise ClientError("the server ended the reply with an error: "
                                       + (err.get("message", str(err)) if isinstance(err, dict) else str(err)))
                 for choice in event.get("choices") or []:
+                    delta = choice.get("delta") or {}
+                    thought = delta.get("reasoning_content") or delta.get("reasoning")
+                    if thought:
+                        yield True, thought
                     text = choice.get("text")
                     if text is None:
-                        text = (choice.get("delta") or {}).get("content")
+                        text = delta.get("content")
                     if text:
-                        yield text
+                        yield False, text
 
 
 def _inputs(quick: Optional[str], banner: str) -> Iterator[str]:
@@ -191,6 +203,16 @@ def _run(args: argparse.Namespace, command: str, path: str, make_body, remember=
         if bad:
             print(f"fleetserve {command}: {message}", file=sys.stderr)
             return 2
+    extra = {}
+    if args.extra_body is not None:
+        try:
+            extra = json.loads(args.extra_body)
+        except ValueError:
+            extra = None
+        if not isinstance(extra, dict):
+            print(f"fleetserve {command}: --extra-body must be a JSON object, got {args.extra_body!r}",
+                  file=sys.stderr)
+            return 2
     try:
         client = Client(args, command)
     except ClientError as e:
@@ -199,23 +221,38 @@ def _run(args: argparse.Namespace, command: str, path: str, make_body, remember=
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
-    sampling = {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature))
-                if v is not None}
+    sampling = {**extra, **{k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature))
+                            if v is not None}}
+    # Thinking goes to stderr (dimmed on a terminal): stdout holds the answers alone.
+    dim, plain = ("\033[2m", "\033[0m") if sys.stderr.isatty() else ("", "")
     failed = False
     try:
         banner = f"model {client.model} at {client.url}; Ctrl-C cancels a reply, Ctrl-D ends"
         for text in _inputs(args.quick, banner):
             reply: list[str] = []
+            thinking = False
             try:
-                for piece in client.stream(path, {**make_body(text), **sampling}):
+                for is_thought, piece in client.stream(path, {**make_body(text), **sampling}):
+                    if is_thought:
+                        sys.stderr.write(("" if thinking else dim) + piece)
+                        sys.stderr.flush()
+                        thinking = True
+                        continue
+                    if thinking:
+                        sys.stderr.write(plain + "\n")
+                        thinking = False
                     reply.append(piece)
                     out.write(piece)
                     out.flush()
+                if thinking:
+                    sys.stderr.write(plain + "\n")
                 out.write("\n")
                 out.flush()
                 if remember is not None:
                     remember(text, "".join(reply))
             except ClientError as e:
+                if thinking:
+                    sys.stderr.write(plain + "\n")
                 if reply:
                     out.write("\n")
                 print(f"fleetserve {command}: {e}", file=sys.stderr)
@@ -223,6 +260,8 @@ def _run(args: argparse.Namespace, command: str, path: str, make_body, remember=
                 if e.fatal or args.quick is not None:
                     return 1
             except KeyboardInterrupt:  # cancel this reply; the closed connection aborts it
+                if thinking:
+                    sys.stderr.write(plain)
                 out.write("\n")
                 print("[cancelled]", file=sys.stderr)
                 if args.quick is not None:

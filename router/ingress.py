@@ -476,10 +476,13 @@ class Ingress(GrpcMethods):
             _, history = self._responses.get(req.previous_response_id, param="previous_response_id")
         chat = req.to_chat(history)
         rid, stem = resp_api.new_ids()
-        body, _, _ = await self.chat_body(chat, rid)
+        try:
+            body, _, _ = await self.chat_body(chat, rid)
+        except APIError as e:
+            return to_response(resp_api.in_responses_terms(e.body))
         gen, first = await self.open_stream(body)
         if is_error(first):
-            return to_response(first)
+            return to_response(resp_api.in_responses_terms(first))
         run = _ResponseRun(self, req, rid, stem, history + req.input_messages())
         if req.stream:
             return StreamingResponse(run.events(gen, first), media_type="text/event-stream",

@@ -154,6 +154,21 @@ class ResponseStore:
         del self._items[response_id]
 
 
+_CHAT_NAMES = ("max_completion_tokens", "max_tokens")
+
+
+def in_responses_terms(body: dict) -> dict:
+    """An error body from the chat path, naming the Responses API's field: the length
+    limit is `max_output_tokens` here, not chat's `max_tokens`."""
+    error = body["error"]
+    if error.get("param") not in _CHAT_NAMES:
+        return body
+    message = error["message"]
+    for name in _CHAT_NAMES:
+        message = message.replace(name, "max_output_tokens")
+    return {**body, "error": {**error, "param": "max_output_tokens", "message": message}}
+
+
 def new_ids() -> tuple[str, str]:
     """(response id, id stem of its output items: msg_<stem>, rs_<stem>)."""
     stem = uuid.uuid4().hex

@@ -52,6 +52,30 @@ def test_chat_streams_what_the_api_answers_and_resends_the_conversation(server):
     server.wait_idle()
 
 
+def test_thinking_goes_to_stderr_and_is_not_resent(server):
+    """With the suite's --reasoning-parser qwen3, a regex (sent with --extra-body) makes the
+    tiny model think first: the thinking streams to stderr, stdout holds the answer alone, and
+    the next turn resends only the answer, as the chat API's message content."""
+    regex = "<think>[a-z]{3,6}</think>[a-z]{3,6}"
+    extra = f'{{"structured_outputs": {{"regex": "{regex}"}}}}'
+    out = run_cli(server, "chat", "--extra-body", extra, "--temperature", "0", "--max-tokens", "40",
+                  stdin="Think, then answer.\nAgain.\n")
+    assert out.returncode == 0, out.stderr
+    first = [{"role": "user", "content": "Think, then answer."}]
+    body = {"max_tokens": 40, "temperature": 0, "structured_outputs": {"regex": regex}}
+    r = httpx.post(server.base_url + "/v1/chat/completions", headers=server.headers(), timeout=120,
+                   json={"model": server.model, "messages": first, **body}).json()["choices"][0]["message"]
+    assert r["reasoning_content"] and r["content"]
+    second = first + [{"role": "assistant", "content": r["content"]}, {"role": "user", "content": "Again."}]
+    r2 = httpx.post(server.base_url + "/v1/chat/completions", headers=server.headers(), timeout=120,
+                    json={"model": server.model, "messages": second, **body}).json()["choices"][0]["message"]
+    assert out.stdout == r["content"] + "\n" + r2["content"] + "\n"
+    assert out.stderr == r["reasoning_content"] + "\n" + r2["reasoning_content"] + "\n"
+    bad = run_cli(server, "chat", "-q", "hi", "--extra-body", "[1]")
+    assert bad.returncode == 2 and "--extra-body must be a JSON object" in bad.stderr, bad.stderr
+    server.wait_idle()
+
+
 def test_complete_sends_each_line_as_a_prompt(server):
     out = run_cli(server, "complete", "--temperature", "0", "--max-tokens", "7", "--model-name", server.model,
                   stdin="The capital of France is\nOnce upon a time\n")

@@ -126,7 +126,8 @@ def test_text_format_json_schema_is_chat_s_response_format(server):
     ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
     ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "r"}}}, "text.format.schema"),
-    ({"input": "hi", "max_output_tokens": 0}, "max_tokens"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "hi", "max_output_tokens": 100_000_000}, "max_output_tokens"),
     ({"input": 5}, "input"),
     ({"input": "hi", "previous_response_id": "resp_nope"}, "previous_response_id"),
 ])
@@ -134,5 +135,7 @@ def test_what_cannot_be_answered_is_refused_naming_the_field(server, body, param
     r = post(server, "/v1/responses", {"model": server.model, **body})
     assert r.status_code in (400, 404), r.text
     assert r.json()["error"]["param"] == param, r.json()
+    if param == "max_output_tokens":  # the message names the field this API has
+        assert "max_output_tokens" in r.json()["error"]["message"] and "max_tokens" not in r.json()["error"]["message"]
     assert text_of(respond(server, input="hi", max_output_tokens=2))
     server.wait_idle()
