@@ -22,9 +22,11 @@ What is guaranteed:
   generator before every sampled token from `seed * SEED_STRIDE + position` (mod 2**63;
   replica/worker/model_runner.py), so a continuation whose output restarts at position 0
   gets the seed `seed + k * SEED_STRIDE**-1` (mod 2**63) and draws what position k drew;
-- presence and frequency penalties count only output tokens, and the tokens made before
-  the failure are prompt tokens of the continuation: with those penalties on, the
-  continuation is a valid sample but not the one the first replica would have drawn;
+- the tokens made before the failure are prompt tokens of the continuation, marked as
+  output already (`continued_output_tokens`): presence and frequency penalties and
+  `bad_words` count them as output, and a structured-output grammar (JSON schema, regex,
+  choice, EBNF) resumes after them, so the continuation is what the first replica would
+  have produced (a bad word or a JSON object split by the failure stays whole);
 - text: what the first replica's detokenizer still held back (the start of a possible
   stop string) is sent when the stream moves (`_catch_up`); a failure inside a multi-byte
   character loses that character's text (its tokens are not lost); a stop string that
@@ -86,6 +88,8 @@ def continuation_body(body: dict, generated: list[int], attempt: int,
         sp["seed"] = continued_seed(sp["seed"], done)
     if done:  # the prompt's logprobs came before its first token: not again, for a longer prompt
         sp["prompt_logprobs"] = None
+    # Penalties, bad words and the grammar count the generated tokens as output, not prompt.
+    sp["continued_output_tokens"] = sp.get("continued_output_tokens", 0) + done
     return {**body, "request_id": f"{body['request_id']}-m{attempt}",
             "prompt_token_ids": list(body["prompt_token_ids"]) + list(generated),
             "sampling_params": sp, AVOID_KEY: list(avoid), MIGRATED_KEY: attempt}

@@ -55,6 +55,11 @@ class SamplingParams:
     # vLLM's: keep only the prompt's last k tokens; -1: the last tokens that fit
     # (max_model_len minus max_tokens, or minus 1 when max_tokens is unset).
     truncate_prompt_tokens: Optional[int] = None
+    # The prompt's last k tokens are output this request already produced elsewhere (a
+    # migration continuation, router/migration.py): frequency and presence penalties, bad
+    # words and a structured-output grammar count them as output, so the continuation goes
+    # on exactly where the failed replica stopped. max_tokens and min_tokens do not.
+    continued_output_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -130,6 +135,9 @@ class SamplingParams:
                 isinstance(self.truncate_prompt_tokens, bool) or not isinstance(self.truncate_prompt_tokens, int)
                 or not (self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)):
             raise bad("truncate_prompt_tokens", "must be -1 (as many as fit) or a positive integer")
+        if isinstance(self.continued_output_tokens, bool) or not isinstance(self.continued_output_tokens, int) \
+                or self.continued_output_tokens < 0:
+            raise bad("continued_output_tokens", "must be a non-negative integer")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):

@@ -74,6 +74,9 @@ class InputProcessor:
             if len(kept) < len(token_ids):
                 text = None  # the text no longer matches the tokens
             token_ids = kept
+        if sampling_params.continued_output_tokens >= len(token_ids):
+            raise ValueError(f"continued_output_tokens ({sampling_params.continued_output_tokens}) must be "
+                             f"smaller than the prompt ({len(token_ids)} tokens)")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens, but this model's maximum context length "

@@ -139,17 +139,25 @@ class SamplingBatch:
         greedy = [i for i, p in enumerate(params) if p.greedy]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        # Output so far as penalties and bad words see it: a migration continuation's
+        # output began on the failed replica (the prompt's last continued_output_tokens).
+        seen = [_seen(p, prompt, out) for p, prompt, out in zip(params, prompt_token_ids, output_token_ids)]
         return cls(
             num_rows=n, vocab_size=vocab_size, device=device,
             greedy_rows=_long(greedy, device) if greedy else None,
             random=_build_random(params, random_rows, generators, vocab_size, n, device) if random_rows else None,
-            penalties=_build_penalties(params, prompt_token_ids, output_token_ids, device),
+            penalties=_build_penalties(params, prompt_token_ids, output_token_ids, seen, device),
             min_tokens_mask=_build_min_tokens(params, output_token_ids, eos_token_id, vocab_size, device),
             logprobs_rows=_long(lp_rows, device) if lp_rows else None,
             logprobs_k=[params[i].logprobs for i in lp_rows],
             logit_bias=_build_logit_bias(params, vocab_size, device),
             disallowed=_build_disallowed(params, vocab_size, device),
-            bad_words_mask=_build_bad_words(params, output_token_ids, vocab_size, device))
+            bad_words_mask=_build_bad_words(params, seen, vocab_size, device))
+
+
+def _seen(p: SamplingParams, prompt: list[int], out: list[int]) -> list[int]:
+    k = p.continued_output_tokens
+    return out if not k else list(prompt[len(prompt) - k:]) + list(out)
 
 
 def _build_random(params, rows, generators, vocab_size, n, device) -> _RandomRows:
@@ -176,11 +184,13 @@ def _build_random(params, rows, generators, vocab_size, n, device) -> _RandomRow
         generators=[(j, generators[i]) for j, i in enumerate(rows) if generators[i] is not None])
 
 
-def _build_penalties(params, prompt_token_ids, output_token_ids, device) -> Optional[_Penalties]:
+def _build_penalties(params, prompt_token_ids, output_token_ids, seen, device) -> Optional[_Penalties]:
+    """Repetition counts prompt and output (the prompt already holds continued output);
+    frequency and presence count the output as `seen` (continued output included)."""
     rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     out = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
     rep = [i for i in rep if prompt_token_ids[i] or output_token_ids[i]]
-    out = [i for i in out if output_token_ids[i]]
+    out = [i for i in out if seen[i]]
     if not rep and not out:
         return None
     pen = _Penalties(None, None, None, None, None, None, None)
@@ -192,9 +202,9 @@ def _build_penalties(params, prompt_token_ids, output_token_ids, device) -> Opti
             chain(prompt_token_ids[i], output_token_ids[i]) for i in rep)), device)
         pen.rep_values = torch.repeat_interleave(_float([params[i].repetition_penalty for i in rep], device), counts)
     if out:
-        counts = _long([len(output_token_ids[i]) for i in out], device)
+        counts = _long([len(seen[i]) for i in out], device)
         pen.out_rows = torch.repeat_interleave(_long(out, device), counts)
-        pen.out_tokens = _long(list(chain.from_iterable(output_token_ids[i] for i in out)), device)
+        pen.out_tokens = _long(list(chain.from_iterable(seen[i] for i in out)), device)
         pen.frequency = _float([p.frequency_penalty for p in params], device)
         pen.presence = _float([p.presence_penalty for p in params], device)
     return pen
@@ -223,13 +233,13 @@ def _build_disallowed(params, vocab_size, device):
     return _long(rows, device), mask.to(device)
 
 
-def _build_bad_words(params, output_token_ids, vocab_size, device):
+def _build_bad_words(params, seen, vocab_size, device):
     rows: list[int] = []
     tokens: list[int] = []
     for i, p in enumerate(params):
         if not p.bad_words_token_ids:
             continue
-        out = output_token_ids[i]
+        out = seen[i]
         for word in p.bad_words_token_ids:
             before = len(word) - 1
             if word[-1] < vocab_size and (before == 0 or (

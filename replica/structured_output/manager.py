@@ -120,7 +120,15 @@ class StructuredOutputManager:
                 logger.error("grammar compilation failed for %s: %s", rid, error)
                 failed.append(EngineCoreOutput(rid, [], "abort", f"grammar compilation failed: {error}"))
                 continue
-            self._matchers[rid] = Matcher(future.result())
+            matcher = Matcher(future.result())
+            k = request.sampling_params.continued_output_tokens
+            if k:  # a migration continuation: the grammar resumes after the output so far
+                prompt = request.prompt_token_ids
+                if not all(matcher.accept(t) for t in prompt[len(prompt) - k:]) or matcher.terminated:
+                    failed.append(EngineCoreOutput(
+                        rid, [], "abort", "the continued output does not follow the request's grammar"))
+                    continue
+            self._matchers[rid] = matcher
             ready.append(request)
         return ready, failed
 

@@ -36,7 +36,9 @@ def _tokens(engine, prompt_ids, sp_dict, rid):
     {"temperature": 0.0},
     {"temperature": 1.0, "seed": 1234},
     {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 7, "repetition_penalty": 1.2},
-], ids=["greedy", "seeded", "seeded-top-p-k-repetition"])
+    {"temperature": 0.0, "frequency_penalty": 2.0, "presence_penalty": 1.5},
+    {"temperature": 1.0, "seed": 99, "frequency_penalty": -2.0},
+], ids=["greedy", "seeded", "seeded-top-p-k-repetition", "greedy-frequency-presence", "seeded-frequency"])
 def test_continuation_equals_uninterrupted_run(engine, sampling):
     prompt = [5, 17, 42, 99, 3, 250, 77]
     sp = {"max_tokens": 24, "ignore_eos": True, "min_tokens": 10, **sampling}
@@ -52,6 +54,39 @@ def test_continuation_equals_uninterrupted_run(engine, sampling):
         rest = _tokens(engine, cont["prompt_token_ids"], cont["sampling_params"],
                        f"{cont['request_id']}-{cut}")
         assert full[:cut] + rest == full, (cut, full, rest)
+    load = engine.get_load()
+    assert load["num_running"] == 0 and load["num_free_blocks"] == load["num_blocks"]
+
+
+def test_bad_words_and_grammars_split_by_the_failure_stay_whole(engine):
+    """A bad word whose first token came before the failure, and a grammar the failure cut in
+    the middle: the continuation goes on as the uninterrupted run (which the fields change)."""
+    prompt = [5, 17, 42, 99, 3, 250, 77]
+    plain = {"max_tokens": 16, "ignore_eos": True, "temperature": 0.0}
+    free = _tokens(engine, prompt, plain, "bw-free")
+    # Ban the two tokens around the cut (their first occurrence): the run must avoid the second.
+    cut = next(c for c in range(2, len(free)) if (free[c - 1], free[c]) not in set(zip(free[:c - 1], free[1:c])))
+    banned = {**plain, "bad_words_token_ids": [[free[cut - 1], free[cut]]]}
+    regex = {**plain, "max_tokens": 30, "structured_outputs": {"regex": r"\((a|b|c)+, (d|e)+\)"}}
+    for i, sp in enumerate((banned, regex)):
+        body = {"request_id": f"split-{i}", "prompt_token_ids": prompt, "sampling_params": sp}
+        full = _tokens(engine, prompt, sp, body["request_id"])
+        if sp is banned:
+            assert full[:cut] == free[:cut] and full[cut] != free[cut]
+        for at in (cut, cut - 1) if sp is banned else (2, 5):
+            cont = continuation_body(body, full[:at], attempt=1, avoid=[])
+            assert cont["sampling_params"]["continued_output_tokens"] == at
+            rest = _tokens(engine, cont["prompt_token_ids"], cont["sampling_params"], f"split-{i}-{at}")
+            assert full[:at] + rest == full, (sp, at, full, rest)
+    # Continued output that the grammar cannot have produced: the request ends, with a reason.
+    wrong = {**regex, "continued_output_tokens": 2}
+
+    async def one():
+        return [o async for o in engine.generate(prompt, SamplingParams(**wrong), "split-wrong")][-1]
+    last = asyncio.run(one())
+    assert last.finished and last.outputs[0].finish_reason == "abort"
+    with pytest.raises(ValueError, match="continued_output_tokens"):
+        _tokens(engine, prompt, {**plain, "continued_output_tokens": len(prompt)}, "split-long")
     load = engine.get_load()
     assert load["num_running"] == 0 and load["num_free_blocks"] == load["num_blocks"]
 
