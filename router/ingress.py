@@ -309,11 +309,8 @@ class Ingress(GrpcMethods):
         return ReplicaStream.open(generate, body, self._feeds, **kwargs)
 
     async def _open_plain(self, body: dict):
-        skip = body["sampling_params"].get("skip_special_tokens", True)
-        tok = self._info["tokenizer"] if self._info else None
         gen = MigratingStream(lambda b: self._open_call(self._generate, b), body,
-                              max_migrations=self._reliability.get("max_migrations", 2),
-                              decode=tok and (lambda ids: tok.decode(ids, skip_special_tokens=skip)))
+                              max_migrations=self._reliability.get("max_migrations", 2))
         try:
             first = await gen.__anext__()
         except BackPressureError:  # Serve's bounded queue in front of the replicas is full

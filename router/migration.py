@@ -27,10 +27,11 @@ What is guaranteed:
   `bad_words` count them as output, and a structured-output grammar (JSON schema, regex,
   choice, EBNF) resumes after them, so the continuation is what the first replica would
   have produced (a bad word or a JSON object split by the failure stays whole);
-- text: what the first replica's detokenizer still held back (the start of a possible
-  stop string) is sent when the stream moves (`_catch_up`); a failure inside a multi-byte
-  character loses that character's text (its tokens are not lost); a stop string that
-  straddles the failure point is not matched;
+- text: the new replica's detokenizer replays the continued tokens as the first one decoded
+  them and takes what it handed out as sent (replica/engine/detokenizer.py), so text held
+  back as the possible start of a stop string, or a character whose bytes the failure
+  split, comes from the new replica, and a stop string that straddles the failure is
+  matched (and cut) as without one;
 - `n > 1` requests are not continued once any choice has produced tokens (their choices
   share one stream): they fail as before. One whose replica fails before its first token is
   sent again whole (nothing reached the client; the same seeds give the same draws).
@@ -99,12 +100,8 @@ class MigratingStream:
     """A replica stream (ReplicaStream's interface) that survives its replica."""
 
     def __init__(self, open_stream: Callable[[dict], Any], body: dict, max_migrations: int,
-                 decode: Optional[Callable[[list[int]], str]] = None,
                  backoff_s: float = 0.25) -> None:
         self._open = open_stream
-        self._decode = decode
-        self._text: dict[int, list[str]] = {}
-        self._ready: list[dict] = []  # items to hand out before reading the stream again
         self._body = body
         self._stream = open_stream(body)
         self._max = max_migrations
@@ -118,8 +115,6 @@ class MigratingStream:
         return self
 
     async def __anext__(self):
-        if self._ready:
-            return self._ready.pop(0)
         while True:
             try:
                 item = await self._stream.__anext__()
@@ -157,7 +152,6 @@ class MigratingStream:
             item.pop("prompt_tokens", None)  # the client's prompt is the original one
         for out in item.get("outputs", ()):
             self._generated.setdefault(out["index"], []).extend(out["token_ids"])
-            self._text.setdefault(out["index"], []).append(out.get("text") or "")
             if out.get("finish_reason"):
                 self._finished.add(out["index"])
 
@@ -186,26 +180,3 @@ class MigratingStream:
         await asyncio.sleep(self._backoff_s * self.migrations)  # let Serve notice the failure
         body = continuation_body(self._body, generated, self.migrations, self._replicas)
         self._stream = self._open(body)
-        missing = self._catch_up(generated)
-        if missing:
-            self._text.setdefault(0, []).append(missing)
-            self._ready.append({"replica": "", "finished": False, "num_cached_tokens": 0,
-                                "outputs": [{"index": 0, "text": missing, "token_ids": [],
-                                             "logprobs": None, "finish_reason": None,
-                                             "stop_reason": None}]})
-
-    def _catch_up(self, generated: list[int]) -> str:
-        """Text of `generated` that the failed replica had not sent yet (held back as the
-        possible start of a stop string): decoded here as its detokenizer would (the last
-        few prompt ids as left context), minus what was sent. The continuation's replica
-        decodes only tokens after these."""
-        if self._decode is None or not generated:
-            return ""
-        context = list(self._body["prompt_token_ids"][-5:])
-        try:
-            expected = self._decode(context + generated)[len(self._decode(context)):]
-        except Exception:  # noqa: BLE001 - text is best effort; the tokens are exact
-            return ""
-        expected = expected.rstrip("\ufffd")  # an incomplete character: its bytes are gone
-        sent = "".join(self._text.get(0, ()))
-        return expected[len(sent):] if expected.startswith(sent) else ""

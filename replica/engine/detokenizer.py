@@ -39,14 +39,19 @@ _REPLACEMENT = "\ufffd"
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: Sequence[int], sampling_params: SamplingParams) -> None:
         self._decode_fn = _decoder(tokenizer, sampling_params.skip_special_tokens)
-        self._ids: list[int] = list(prompt_token_ids[-_INITIAL_CONTEXT:])
+        # A migration continuation: the prompt's last k ids are output another replica made.
+        k = sampling_params.continued_output_tokens
+        prompt = list(prompt_token_ids)
+        head, continued = (prompt[:len(prompt) - k], prompt[len(prompt) - k:]) if k else (prompt, [])
+        self._ids: list[int] = head[-_INITIAL_CONTEXT:]
         self._prefix = 0
         self._read = len(self._ids)
         self._num_output = 0
         self._stops = [s for s in sampling_params.stop if s]
         self._max_stop = max((len(s) for s in self._stops), default=0)
         self._include_stop = sampling_params.include_stop_str_in_output
-        self._min_tokens = sampling_params.min_tokens
+        # (min_tokens of a continuation is what is left of the original's)
+        self._min_tokens = sampling_params.min_tokens + k if sampling_params.min_tokens else 0
         # A window of the decoded output: what was not handed out yet, plus
         # enough handed-out text before it for a stop string to span both.
         self._text = ""
@@ -54,6 +59,20 @@ class IncrementalDetokenizer:
         self._parts: list[str] = []  # everything handed out
         self._search_from = 0  # stop strings may only start at or after this index
         self.stop_string: Optional[str] = None  # the stop string that ended the request
+        if continued:
+            self._replay(continued)
+
+    def _replay(self, continued: list[int]) -> None:
+        """Decode the continued output as the failed replica did, and take as handed out
+        what it handed out: the text it held back (the possible start of a stop string, a
+        character still incomplete) comes from here, and a stop string that straddles the
+        failure is matched."""
+        for token_id in continued:
+            self._text += self._decode_next(token_id)
+            self._num_output += 1
+        if self._num_output <= self._min_tokens:
+            self._search_from = len(self._text)
+        self._emitted = len(self._text) - self._held_back()
 
     @property
     def output_text(self) -> str:

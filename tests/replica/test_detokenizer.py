@@ -191,3 +191,29 @@ def test_each_update_decodes_a_short_window(tok):
     text = "".join(detok.update([i])[0] for i in ids) + detok.flush()
     assert text == tok.decode(ids)
     assert counting.backend_tokenizer.longest <= 12  # a few ids, however long the output
+
+
+@pytest.mark.parametrize("text,stops,min_tokens", [
+    ("Hello world, how are you today?", ["o wor"], 0),
+    ("Hello world, how are you today?", ["wonder", "you t"], 0),
+    ("héllo 🎉 世界 naïve café", ["🎉 世"], 0),
+    ("héllo 🎉 世界 naïve café", [], 0),
+    ("ab ab ab ab", ["ab"], 4),
+])
+def test_a_continuation_replays_the_cut_output_and_goes_on_as_without_the_cut(tok, text, stops, min_tokens):
+    """A migration continuation (continued_output_tokens=c) cut at every point: what the first
+    detokenizer handed out before the cut plus what the continuation's hands out equals the
+    uninterrupted text, the same stop matches (one straddling the cut too), and a character
+    whose bytes the cut split is not lost."""
+    prompt = tok.encode("user: say something\n")
+    ids = tok.encode(text)
+    whole, whole_stop = stream(tok, prompt, ids, stop=stops, min_tokens=min_tokens)
+    for cut in range(1, len(ids)):
+        first = IncrementalDetokenizer(tok, prompt, SamplingParams(stop=stops, min_tokens=min_tokens))
+        sent, stop = first.update(ids[:cut])
+        if stop is not None:
+            break  # ended before the cut: nothing to continue
+        rest, rest_stop = stream(tok, prompt + ids[:cut], ids[cut:], stop=stops,
+                                 min_tokens=max(0, min_tokens - cut), continued_output_tokens=cut)
+        assert sent + "".join(rest) == "".join(whole), (cut, sent, rest)
+        assert rest_stop == whole_stop, cut
