@@ -46,6 +46,7 @@ from fleetserve.router.kv_subscriber import KVEventSubscriber
 from fleetserve.router.pd import PDRouter, PDSettings
 from fleetserve.router.prefix_reuse import PrefixReuse, ReuseSettings
 from fleetserve.router.health import replica_health
+from fleetserve.router.tool_calls import ToolDeltas
 from fleetserve.router.limits import check_internal_fields, check_prompt_chars, max_token_chars, parse_json
 from fleetserve.router.metrics import merge_metrics
 from fleetserve.router.migration import MigratingStream
@@ -474,13 +475,13 @@ class Ingress(GrpcMethods):
         chat = req.to_chat(history)
         rid, stem = resp_api.new_ids()
         try:
-            body, _, _ = await self.chat_body(chat, rid)
+            body, _, tools = await self.chat_body(chat, rid)
         except APIError as e:
             return to_response(resp_api.in_responses_terms(e.body))
         gen, first = await self.open_stream(body)
         if is_error(first):
             return to_response(resp_api.in_responses_terms(first))
-        run = _ResponseRun(self, req, rid, stem, history + req.input_messages())
+        run = _ResponseRun(self, req, rid, stem, history + req.input_messages(), tools)
         if req.stream:
             return StreamingResponse(run.events(gen, first), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -693,10 +694,13 @@ async def stream_items(gen, first: dict) -> AsyncIterator[dict]:
 
 
 class _ResponseRun:
-    """One /v1/responses request's output: text, usage, finish, and its stored conversation."""
+    """One /v1/responses request's output: text, tool calls, usage, finish, and its stored
+    conversation."""
 
-    def __init__(self, ingress: "Ingress", req, rid: str, stem: str, conversation: list[dict]) -> None:
+    def __init__(self, ingress: "Ingress", req, rid: str, stem: str, conversation: list[dict],
+                 tools=None) -> None:
         self.ingress, self.req, self.rid, self.stem = ingress, req, rid, stem
+        self.tools = tools  # the chat request's ToolPlan, or None
         self.model = req.model or ingress.served_model_name
         self.created = resp_api.now()
         self.conversation = conversation
@@ -716,34 +720,55 @@ class _ResponseRun:
         self.parts.extend(new)
         return new
 
-    def result(self, split: Optional[tuple[str, str]] = None) -> dict:
-        """The response (stored when asked); `split`: (thinking, text) as streamed, else the
-        reasoning parser's reading of the whole output."""
-        whole = "".join(self.parts)
-        parser = self.ingress._reasoning
-        thought, text = split if split is not None else (parser.split(whole) if parser else (None, whole))
+    def result(self, streamed: Optional[resp_api.Output] = None) -> dict:
+        """The response (stored when asked). `streamed`: the output as the stream sent it;
+        else the reasoning parser's and the tool plan's reading of the whole output."""
+        out = streamed
+        if out is None:
+            whole = "".join(self.parts)
+            parser = self.ingress._reasoning
+            thought, text = parser.split(whole) if parser else (None, whole)
+            calls: list[dict] = []
+            if self.tools is not None and text is not None:
+                text, calls = self.tools.parse(text)
+            out = resp_api.Output(thought, text, tuple(calls))
         u = self.usage
         response = resp_api.response_object(
-            self.rid, self.stem, self.req, self.model, self.created, (thought, text), self.finish,
+            self.rid, self.stem, self.req, self.model, self.created, out, self.finish,
             resp_api.usage_of(u.prompt_tokens, u.completion_tokens, u.cached_tokens))
         if self.req.store:
-            self.ingress._responses.put(response, self.conversation + [{"role": "assistant", "content": text or ""}])
+            answer = {"role": "assistant", "content": out.text or ""}
+            if out.calls:
+                answer["tool_calls"] = [dict(c) for c in out.calls]
+            self.ingress._responses.put(response, self.conversation + [answer])
         return response
 
     async def events(self, gen, first: dict) -> AsyncIterator[str]:
         writer = resp_api.EventWriter(self.rid, self.stem)
         parser = self.ingress._reasoning
         splitter = parser.streamer() if parser is not None else None
-        thought, text = "", ""
+        tool_deltas = ToolDeltas(self.tools) if self.tools is not None else None
+        thought = ""
+
+        def content(piece: str, final: bool) -> list[str]:
+            if tool_deltas is None:
+                return writer.delta(piece) if piece else []
+            delta, _ = tool_deltas.delta(0, piece, final)
+            events = writer.delta(delta["content"]) if delta.get("content") else []
+            for call in delta.get("tool_calls", ()):
+                if "id" in call:
+                    events += writer.call_start(call["id"], call["function"]["name"])
+                if call["function"].get("arguments"):
+                    events += writer.call_arguments(call["function"]["arguments"])
+            return events
 
         def pieces(piece: str, final: bool) -> list[str]:
-            nonlocal thought, text
+            nonlocal thought
             if splitter is None:
-                text += piece
-                return writer.delta(piece) if piece else []
+                return content(piece, final)
             r, c = splitter.feed(piece, final)
-            thought, text = thought + r, text + c
-            return (writer.reasoning_delta(r) if r else []) + (writer.delta(c) if c else [])
+            thought += r
+            return (writer.reasoning_delta(r) if r else []) + content(c, final)
 
         try:
             started = resp_api.response_object(self.rid, self.stem, self.req, self.model, self.created,
@@ -763,9 +788,10 @@ class _ResponseRun:
                 for piece in self.observe(item):
                     for event in pieces(piece, False):
                         yield event
-            for event in pieces("", True):  # what the splitter held back
+            for event in pieces("", True):  # what the splitter and the tool parser held back
                 yield event
-            response = self.result((thought or None, text or None) if splitter is not None else None)
+            response = self.result(resp_api.Output(thought or None, writer.message_text or None,
+                                                   tuple(writer.calls)))
             for event in writer.finish(response):
                 yield event
         finally:

@@ -1,8 +1,10 @@
-"""OpenAI's Responses API (`POST /v1/responses`, `GET`/`DELETE /v1/responses/{id}`), text only.
+"""OpenAI's Responses API (`POST /v1/responses`, `GET`/`DELETE /v1/responses/{id}`): text and
+function calling.
 
 A Responses request is a chat request in other words: `input` (a string, or message items
-whose content is text) after `instructions` (a system message), plus, with
-`previous_response_id`, the stored conversation of that response. `ResponsesRequest.to_chat`
+whose content is text, and the `function_call` / `function_call_output` items of a tool
+loop) after `instructions` (a system message), with function `tools` as the chat API's, plus,
+with `previous_response_id`, the stored conversation of that response. `ResponsesRequest.to_chat`
 turns it into the `ChatCompletionRequest` the chat endpoint runs (same chat template,
 sampling, structured outputs, routing), and this module turns the engine's deltas back into
 a `response` object or its stream of typed events (`response.created` ...
@@ -11,9 +13,9 @@ them.
 
 Stored responses (`store`, true by default as OpenAI's) live in the ingress's memory, the
 newest `MAX_STORED` of them: enough to chain a conversation with `previous_response_id` or
-fetch a result again, gone when the ingress restarts (as vLLM's in-memory store). Function
-tools, images, files and reasoning items are refused with a 400 naming the field: with them
-the answer could not be what the client asked for.
+fetch a result again, gone when the ingress restarts (as vLLM's in-memory store). Hosted
+tools (web search, file search, MCP...), images, files and reasoning items are refused with
+a 400 naming the field: with them the answer could not be what the client asked for.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import collections
 import json
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, NamedTuple, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
@@ -57,31 +59,74 @@ class ResponsesRequest(_SamplingRequest):
     text: Optional[TextConfig] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
     metadata: Optional[dict[str, str]] = None
 
     def _max_tokens(self) -> Optional[int]:
         return self.max_output_tokens if self.max_output_tokens is not None else self.max_tokens
 
     def input_messages(self) -> list[dict]:
-        """`input` as chat messages (`{"role", "content"}` with text content)."""
+        """`input` as chat messages: message items as `{"role", "content"}` with text content;
+        `function_call` items as the assistant's `tool_calls` (those of one turn in one
+        message), `function_call_output` items as `tool` messages."""
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
         if len(self.input) > MAX_MESSAGES:
             raise APIError(f"input may hold at most {MAX_MESSAGES} items", 400, param="input")
-        return [_message(i, item) for i, item in enumerate(self.input)]
+        messages: list[dict] = []
+        for i, item in enumerate(self.input):
+            kind = item.get("type", "message") if isinstance(item, dict) else None
+            if kind == "function_call":
+                call = _function_call(i, item)
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant":
+                    last.setdefault("tool_calls", []).append(call)
+                else:
+                    messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            elif kind == "function_call_output":
+                messages.append(_function_output(i, item))
+            else:
+                messages.append(_message(i, item))
+        return messages
+
+    def chat_tools(self) -> dict:
+        """`tools`, `tool_choice`, `parallel_tool_calls` in the chat API's shapes: a Responses
+        function tool is flat (`{"type": "function", "name", "parameters"}`), a chat one nests
+        it under `function`. Other tool types (web search, files, MCP...) run at OpenAI, not
+        in a model server: refused."""
+        out: dict[str, Any] = {}
+        if self.tools:
+            tools = []
+            for i, tool in enumerate(self.tools):
+                if tool.get("type") != "function":
+                    raise APIError(f"tools[{i}]: only function tools are supported, got type "
+                                   f"{tool.get('type')!r}", 400, param=f"tools[{i}].type")
+                fields = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+                tools.append({"type": "function", "function": fields})
+            out["tools"] = tools
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+                raise APIError("tool_choice must be none, auto, required or {\"type\": \"function\", "
+                               "\"name\": ...}", 400, param="tool_choice")
+            choice = {"type": "function", "function": {"name": choice["name"]}}
+        if choice is not None:
+            out["tool_choice"] = choice
+        if self.parallel_tool_calls is not None:
+            out["parallel_tool_calls"] = self.parallel_tool_calls
+        return out
 
     def to_chat(self, history: list[dict]) -> ChatCompletionRequest:
-        if self.tools:
-            raise APIError("tools are not supported on /v1/responses yet; use /v1/chat/completions "
-                           "for function calling", 400, param="tools")
         if self.n != 1:
             raise APIError("n must be 1 on /v1/responses", 400, param="n")
         messages = ([{"role": "system", "content": self.instructions}] if self.instructions else []) \
             + history + self.input_messages()
         data = self.model_dump(exclude={"input", "instructions", "max_output_tokens", "previous_response_id",
-                                        "store", "text", "tools", "tool_choice", "metadata", "stream",
-                                        "stream_options", "max_tokens", "prompt_logprobs"}, exclude_none=True)
+                                        "store", "text", "tools", "tool_choice", "parallel_tool_calls",
+                                        "metadata", "stream", "stream_options", "max_tokens",
+                                        "prompt_logprobs"}, exclude_none=True)
         data["messages"] = messages
+        data.update(self.chat_tools())
         data["max_completion_tokens"] = self._max_tokens()
         fmt = self.text.format if self.text is not None else None
         if fmt is not None and fmt.type == "json_object":
@@ -125,6 +170,33 @@ def _message(i: int, item: Any) -> dict:
         raise APIError(f"{param}.content must be a string or a list of text parts", 400,
                        param=f"{param}.content")
     return {"role": "system" if role == "developer" else role, "content": text}
+
+
+def _function_call(i: int, item: dict) -> dict:
+    """A `function_call` input item (a call the model made earlier) as a chat tool call."""
+    param = f"input[{i}]"
+    for key in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(key), str):
+            raise APIError(f"{param}.{key} must be a string", 400, param=f"{param}.{key}")
+    return {"id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]}}
+
+
+def _function_output(i: int, item: dict) -> dict:
+    """A `function_call_output` input item (the result of a call) as a chat `tool` message."""
+    param = f"input[{i}]"
+    if not isinstance(item.get("call_id"), str):
+        raise APIError(f"{param}.call_id must be a string", 400, param=f"{param}.call_id")
+    output = item.get("output")
+    if isinstance(output, list):  # text parts
+        if not all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text")
+                   and isinstance(p.get("text"), str) for p in output):
+            raise APIError(f"{param}.output: only text parts are supported", 400, param=f"{param}.output")
+        output = "".join(p["text"] for p in output)
+    if not isinstance(output, str):
+        raise APIError(f"{param}.output must be a string or a list of text parts", 400,
+                       param=f"{param}.output")
+    return {"role": "tool", "tool_call_id": item["call_id"], "content": output}
 
 
 class ResponseStore:
@@ -175,24 +247,32 @@ def new_ids() -> tuple[str, str]:
     return f"resp_{stem}", stem
 
 
-def output_items(stem: str, thought: Optional[str], text: Optional[str], status: str) -> list[dict]:
+class Output(NamedTuple):
+    thought: Optional[str] = None  # what a reasoning parser split off
+    text: Optional[str] = None  # the answer (outside tool calls)
+    calls: tuple = ()  # tool calls in the chat API's shape ({"id", "function": {"name", "arguments"}})
+
+
+def output_items(stem: str, out: Output, status: str) -> list[dict]:
     """A reasoning item when there was thinking (a reasoning parser split it off), then the
-    message, which is left out only when the output never got past its thinking."""
+    message, then a `function_call` item per tool call. The message is left out when the
+    output never got past its thinking, or was calls alone."""
     items = []
-    if thought:
-        items.append(reasoning_item(stem, thought, status))
-    if text or not thought:
-        items.append(message_item(stem, text or "", status))
+    if out.thought:
+        items.append(reasoning_item(stem, out.thought, status))
+    if out.text or not (out.thought or out.calls):
+        items.append(message_item(stem, out.text or "", status))
+    items += [function_call_item(stem, j, call, status) for j, call in enumerate(out.calls)]
     return items
 
 
 def response_object(rid: str, stem: str, req: ResponsesRequest, model: str, created: float,
-                    output: Optional[tuple[Optional[str], Optional[str]]], finish_reason: Optional[str],
+                    output: Optional[Output], finish_reason: Optional[str],
                     usage: Optional[dict], status: Optional[str] = None, error: Optional[dict] = None) -> dict:
-    """The `response` object; `output`: (thinking, text), None before there is any."""
+    """The `response` object; `output` None before there is any."""
     if status is None:
         status = "incomplete" if finish_reason == "length" else "completed"
-    items = [] if output is None else output_items(stem, output[0], output[1],
+    items = [] if output is None else output_items(stem, output,
                                                   "completed" if status == "completed" else "incomplete")
     fmt = req.text.format if req.text is not None and req.text.format is not None else TextFormat()
     return {
@@ -200,11 +280,13 @@ def response_object(rid: str, stem: str, req: ResponsesRequest, model: str, crea
         "error": error,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-        "metadata": req.metadata or {}, "output": items, "parallel_tool_calls": True,
+        "metadata": req.metadata or {}, "output": items,
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": req.previous_response_id, "store": req.store,
         "temperature": req.temperature, "top_p": req.top_p,
         "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
-        "tool_choice": "auto", "tools": [], "truncation": "disabled", "user": req.user,
+        "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "truncation": "disabled",
+        "user": req.user,
         "usage": usage,
     }
 
@@ -212,6 +294,12 @@ def response_object(rid: str, stem: str, req: ResponsesRequest, model: str, crea
 def message_item(stem: str, text: str, status: str) -> dict:
     return {"type": "message", "id": f"msg_{stem}", "status": status, "role": "assistant",
             "content": [output_text(text)]}
+
+
+def function_call_item(stem: str, j: int, call: dict, status: str) -> dict:
+    return {"type": "function_call", "id": f"fc_{stem}_{j}", "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+            "status": status}
 
 
 def reasoning_item(stem: str, thought: str, status: str) -> dict:
@@ -240,8 +328,9 @@ class EventWriter:
         self.rid, self.stem = rid, stem
         self._seq = 0
         self._index = -1  # output_index of the open item
-        self._open: Optional[str] = None  # "reasoning" | "message"
+        self._open: Optional[str] = None  # "reasoning" | "message" | "function_call"
         self._texts = {"reasoning": "", "message": ""}
+        self.calls: list[dict] = []  # tool calls so far (the last one open while streaming)
 
     def event(self, kind: str, **fields) -> str:
         body = {"type": kind, "sequence_number": self._seq, **fields}
@@ -266,6 +355,25 @@ class EventWriter:
                               output_index=self._index, content_index=0, delta=text, logprobs=[]))
         return out
 
+    @property
+    def message_text(self) -> str:
+        return self._texts["message"]
+
+    def call_start(self, call_id: str, name: str) -> list[str]:
+        """A tool call opens: its `function_call` item, arguments to come."""
+        out = self._close() + self._start("function_call")
+        self.calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": ""}})
+        item = function_call_item(self.stem, len(self.calls) - 1, self.calls[-1], "in_progress")
+        return out + [self.event("response.output_item.added", output_index=self._index, item=item)]
+
+    def call_arguments(self, delta: str) -> list[str]:
+        self.calls[-1]["function"]["arguments"] += delta
+        return [self.event("response.function_call_arguments.delta", item_id=self._call_id(),
+                           output_index=self._index, delta=delta)]
+
+    def _call_id(self) -> str:
+        return f"fc_{self.stem}_{len(self.calls) - 1}"
+
     def finish(self, response: dict) -> list[str]:
         out = []
         if self._open != "message" and any(item["type"] == "message" for item in response["output"]):
@@ -282,6 +390,8 @@ class EventWriter:
 
     def _start(self, kind: str) -> list[str]:
         self._open, self._index = kind, self._index + 1
+        if kind == "function_call":
+            return []  # call_start adds the item, which needs the call
         if kind == "reasoning":
             item = {"type": "reasoning", "id": f"rs_{self.stem}", "status": "in_progress", "summary": [],
                     "content": []}
@@ -296,8 +406,15 @@ class EventWriter:
         kind, self._open = self._open, None
         if kind is None:
             return []
-        text = self._texts[kind]
         done = "completed" if status == "completed" else "incomplete"
+        if kind == "function_call":
+            call = self.calls[-1]
+            return [self.event("response.function_call_arguments.done", item_id=self._call_id(),
+                               output_index=self._index, name=call["function"]["name"],
+                               arguments=call["function"]["arguments"]),
+                    self.event("response.output_item.done", output_index=self._index,
+                               item=function_call_item(self.stem, len(self.calls) - 1, call, done))]
+        text = self._texts[kind]
         if kind == "reasoning":
             item_id = f"rs_{self.stem}"
             return [self.event("response.reasoning_text.done", item_id=item_id, output_index=self._index,

@@ -33,7 +33,8 @@ def chat(server, messages, **body) -> dict:
 
 
 def text_of(response: dict) -> str:
-    return "".join(part["text"] for item in response["output"] for part in item["content"])
+    return "".join(part["text"] for item in response["output"] if item["type"] != "function_call"
+                   for part in item["content"])
 
 
 def test_a_response_is_the_chat_answer_to_the_same_conversation(server):
@@ -119,12 +120,85 @@ def test_text_format_json_schema_is_chat_s_response_format(server):
         assert isinstance(json.loads(text_of(r))["ok"], bool)
 
 
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
+           "parameters": {"type": "object", "properties": {
+               "city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["C", "F"]}},
+               "required": ["city", "unit"]}}
+TIME = {"type": "function", "name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}
+ASK = "What is the weather in Paris?"
+
+
+def test_function_tools_call_stream_and_loop_as_chat_does(server):
+    """Function tools: a forced call is a function_call item whose arguments fit the schema,
+    the call chat makes for the same conversation; streamed, the typed events add up to it; the
+    call's output sent back (as input items, or after previous_response_id) is answered as chat
+    answers the same tool turn."""
+    import jsonschema
+
+    sampling = {"temperature": 1.0, "seed": 11, "max_output_tokens": 60, "ignore_eos": False}
+    forced = {"tools": [WEATHER, TIME], "tool_choice": {"type": "function", "name": "get_weather"}}
+    r = respond(server, input=ASK, **forced, **sampling)
+    assert r["status"] == "completed" and [i["type"] for i in r["output"]] == ["function_call"], r
+    call = r["output"][0]
+    assert call["name"] == "get_weather" and call["call_id"].startswith("call_")
+    jsonschema.validate(json.loads(call["arguments"]), WEATHER["parameters"])
+    assert r["tools"] == [WEATHER, TIME] and r["tool_choice"] == forced["tool_choice"]
+    chat_tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+                  for t in (WEATHER, TIME)]
+    c = chat(server, [{"role": "user", "content": ASK}], tools=chat_tools, temperature=1.0, seed=11, max_tokens=60,
+             tool_choice={"type": "function", "function": {"name": "get_weather"}}, ignore_eos=False)
+    assert c["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == call["arguments"]
+
+    adapter = TypeAdapter(ResponseStreamEvent)
+    with httpx.stream("POST", server.base_url + "/v1/responses", headers=server.headers(), timeout=60,
+                      json={"model": server.model, "input": ASK, "stream": True, **forced, **sampling}) as s:
+        assert s.status_code == 200
+        events = [adapter.validate_python(json.loads(line[6:])) for line in s.iter_lines()
+                  if line.startswith("data: ")]
+    kinds = [e.type for e in events]
+    assert kinds[2] == "response.output_item.added" and events[2].item.type == "function_call"
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done",
+                          "response.completed"]
+    streamed = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert streamed == events[-3].arguments == call["arguments"] == events[-1].response.output[0].arguments
+
+    # The loop: the call's result goes back; the answer equals chat's for the same turns.
+    result = {"type": "function_call_output", "call_id": call["call_id"], "output": "18 C, sunny"}
+    items = [{"role": "user", "content": ASK},
+             {k: call[k] for k in ("type", "call_id", "name", "arguments")}, result]
+    answer = respond(server, input=items, tools=[WEATHER, TIME], max_output_tokens=6)
+    turns = [{"role": "user", "content": ASK},
+             {"role": "assistant", "content": "", "tool_calls": [
+                 {"id": call["call_id"], "type": "function",
+                  "function": {"name": "get_weather", "arguments": call["arguments"]}}]},
+             {"role": "tool", "tool_call_id": call["call_id"], "content": "18 C, sunny"}]
+    expected = chat(server, turns, tools=chat_tools, max_tokens=6)["choices"][0]["message"]["content"]
+    assert text_of(answer) == expected
+    chained = respond(server, input=[result], previous_response_id=r["id"], tools=[WEATHER, TIME],
+                      max_output_tokens=6)
+    assert text_of(chained) == expected
+    # The official client reads the call.
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key=server.api_key, max_retries=0, timeout=60)
+    got = client.responses.create(model=server.model, input=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                  parallel_tool_calls=False, temperature=1.0, max_output_tokens=160,
+                                  extra_body={"seed": 5})
+    calls = [o for o in got.output if o.type == "function_call"]
+    if got.status == "completed":  # (160 tokens may not close the array)
+        assert len(calls) == 1 and calls[0].name in ("get_weather", "get_time")
+    server.wait_idle()
+
+
 @pytest.mark.parametrize("body,param", [
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].type"),
+    ({"input": [{"type": "computer_call_output", "call_id": "c", "output": "x"}]}, "input[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
      "input[0].content"),
     ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
-    ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "web_search"}}, "tool_choice"),
+    ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input[0].output"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "r"}}}, "text.format.schema"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "hi", "max_output_tokens": 100_000_000}, "max_output_tokens"),
