@@ -176,6 +176,9 @@ class ChatCompletionRequest(_SamplingRequest, ToolFields):
             if self.top_logprobs:
                 raise APIError("top_logprobs requires logprobs=true", 400, param="top_logprobs")
             return None
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise APIError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", 400,
+                           param="top_logprobs")
         return self.top_logprobs or 0
 
 

@@ -56,6 +56,9 @@ CASES = [
      400, "logit_bias", None),
     ("top_logprobs without logprobs", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, None, 400, "top_logprobs", None),
+    ("top_logprobs above 20", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 25}, None, 400,
+     "top_logprobs", None),
     ("unknown route", "/v1/embeddings", GOOD_PROMPT, None, 404, None, None),
 ]
 
