@@ -415,7 +415,7 @@ class Ingress(GrpcMethods):
         if req.stream:
             writer = fmt.ChunkWriter(rid, model, chat, logprobs_n, self.decode_one, tools,
                                      label=self.token_label(req), reasoning=self._reasoning)
-            return StreamingResponse(self._sse(gen, first, writer, req.include_usage),
+            return StreamingResponse(self._sse(gen, first, writer, req.include_usage, req.continuous_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         choices: dict[int, fmt.Choice] = {}
@@ -444,7 +444,7 @@ class Ingress(GrpcMethods):
                                                 label=label, prompt_logprobs_n=prompt_n))
 
     async def _sse(self, gen, first: dict, writer: fmt.ChunkWriter,
-                   include_usage: bool) -> AsyncIterator[str]:
+                   include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[str]:
         usage = fmt.Usage()
         try:
             async for item in stream_items(gen, first):
@@ -452,7 +452,7 @@ class Ingress(GrpcMethods):
                     yield fmt.sse({"error": item["error"]})
                     break
                 fmt.observe(item, usage)
-                for chunk in writer.chunks(item):
+                for chunk in writer.chunks(item, usage if continuous_usage else None):
                     yield chunk
             if include_usage:
                 yield writer.usage_chunk(usage)

@@ -228,8 +228,16 @@ class ChunkWriter:
         self._started: set[int] = set()
         self._offsets: dict[int, int] = {}
 
-    def chunks(self, item: dict) -> list[str]:
-        return [sse(self._chunk([choice])) for choice in self.choices(item)]
+    def chunks(self, item: dict, usage: Optional[Usage] = None) -> list[str]:
+        """SSE chunks of one replica item; with `usage` (vLLM's continuous_usage_stats) each
+        carries the usage so far."""
+        out = []
+        for choice in self.choices(item):
+            body = self._chunk([choice])
+            if usage is not None:
+                body["usage"] = usage.as_dict()
+            out.append(sse(body))
+        return out
 
     def choices(self, item: dict) -> list[dict]:
         """The chunk choices (`{"index", "delta" or "text", "logprobs", "finish_reason"}`) of

@@ -22,6 +22,8 @@ from fleetserve.scheduler import SamplingParams
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far too.
+    continuous_usage_stats: StrictBool = False
 
 
 class _SamplingRequest(StructuredOutputFields):
@@ -113,6 +115,10 @@ class _SamplingRequest(StructuredOutputFields):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_SamplingRequest):

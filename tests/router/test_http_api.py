@@ -48,6 +48,24 @@ def test_completion_stream_include_usage(client, server):
     assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
 
 
+def test_continuous_usage_stats_count_up_in_every_chunk(client, server):
+    """vLLM's stream_options.continuous_usage_stats: each chunk carries the usage so far
+    (with include_usage; without it, none do)."""
+    kw = dict(model=server.model, max_tokens=6, stream=True, extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(
+        prompt="Once upon a time", stream_options={"include_usage": True, "continuous_usage_stats": True}, **kw))
+    counted = [c.usage.completion_tokens for c in chunks[:-1]]
+    assert counted == sorted(counted) and counted[-1] == 6 and chunks[-1].usage.completion_tokens == 6
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+    chat = list(client.chat.completions.create(
+        messages=[{"role": "user", "content": "Hi"}], stream_options={"include_usage": True,
+                                                                      "continuous_usage_stats": True}, **kw))
+    assert all(c.usage is not None for c in chat) and chat[-2].usage.completion_tokens == 6
+    alone = list(client.completions.create(prompt="Once upon a time",
+                                           stream_options={"continuous_usage_stats": True}, **kw))
+    assert all(c.usage is None for c in alone)
+
+
 def test_stream_interval_per_request(client, server):
     """vLLM's `stream_interval` in the body: the first chunk at once, then chunks of 3 tokens,
     the same text as a request without it; 0 is a 400 naming the field, and the server then
