@@ -8,6 +8,7 @@ accumulate the deltas into whole outputs.
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
@@ -107,6 +108,35 @@ class LLM:
             prompts.append({"prompt": text,
                             "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+
+    def embed(self, prompts: Union[PromptType, Sequence[PromptType]], use_tqdm: bool = True,
+              truncate_prompt_tokens: Optional[int] = None) -> list["EmbeddingRequestOutput"]:
+        """vLLM's `LLM.embed`: each prompt's embedding, the normalized hidden state of its
+        last token after the final norm (vLLM's LAST pooling; router/embeddings.py), in
+        prompt order; `out.outputs.embedding` is a list of floats."""
+        params = SamplingParams(max_tokens=1, temperature=0.0, embed=True,
+                                truncate_prompt_tokens=truncate_prompt_tokens)
+        outs = self.generate(prompts, params, use_tqdm)
+        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding))
+                for o in outs]
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
 
 
 def _is_single_prompt(prompts) -> bool:

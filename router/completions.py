@@ -24,7 +24,7 @@ PromptInput = Union[str, list[int]]
 FIM_TOKENS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
 
 
-def prompt_list(prompt: Any) -> list[PromptInput]:
+def prompt_list(prompt: Any, param: str = "prompt") -> list[PromptInput]:
     """OpenAI's four prompt shapes as a list of single prompts (string or token ids)."""
     if isinstance(prompt, str):
         prompts = [prompt]
@@ -33,11 +33,11 @@ def prompt_list(prompt: Any) -> list[PromptInput]:
     elif isinstance(prompt, list) and prompt:
         prompts = list(prompt)
     else:
-        raise APIError("prompt must not be empty", 400, param="prompt")
+        raise APIError(f"{param} must not be empty", 400, param=param)
     for i, p in enumerate(prompts):
         if p == "" or p == []:
-            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-            raise APIError(f"{where} must not be empty", 400, param="prompt")
+            where = param if len(prompts) == 1 else f"{param}[{i}]"
+            raise APIError(f"{where} must not be empty", 400, param=param)
     return prompts
 
 
@@ -63,7 +63,7 @@ class Echo:
 StreamOpener = Callable[[dict], Awaitable[tuple[Any, dict]]]
 
 
-async def _open_as_own_request(open_stream: StreamOpener, body: dict) -> tuple[Any, dict]:
+async def open_as_own_request(open_stream: StreamOpener, body: dict) -> tuple[Any, dict]:
     """Serve gives every call made while handling one HTTP request that request's internal
     id, and its router confuses concurrent calls that share one (they hang: seen here with
     two prompts). This task's context is its own copy, so a fresh id here names this call
@@ -79,7 +79,7 @@ async def open_streams(open_stream: StreamOpener, bodies: list[dict]) -> list[tu
     """Open every body's stream at once; on any failure, close the others and re-raise."""
     if len(bodies) == 1:
         return [await open_stream(bodies[0])]
-    tasks = [asyncio.ensure_future(_open_as_own_request(open_stream, b)) for b in bodies]
+    tasks = [asyncio.ensure_future(open_as_own_request(open_stream, b)) for b in bodies]
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException:

@@ -33,6 +33,7 @@ from fleetserve.router import auth as _auth
 from fleetserve.router import cors as _cors
 from fleetserve.router import completions
 from fleetserve.router import openai_format as fmt
+from fleetserve.router import embeddings as emb_api
 from fleetserve.router import responses as resp_api
 from fleetserve.router import serve_patches
 from fleetserve.router.access_log import AccessLog
@@ -57,7 +58,7 @@ from fleetserve.router.protocol import (ChatCompletionRequest, CompletionRequest
 from fleetserve.router.reasoning import get_parser as get_reasoning_parser
 from fleetserve.router.registry import get_router, release_request
 from fleetserve.router.request_router import TARGET_KWARG
-from fleetserve.scheduler.sampling_params import truncate_prompt
+from fleetserve.scheduler.sampling_params import SamplingParams, truncate_prompt
 
 logger = logging.getLogger("ray.serve")
 
@@ -499,6 +500,51 @@ class Ingress(GrpcMethods):
         self._responses.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
+    # -- HTTP: OpenAI's embeddings API (router/embeddings.py) ---------------------
+
+    @app.post("/v1/embeddings")
+    async def embeddings(self, request: Request):
+        req = await self._parse(request, emb_api.EmbeddingRequest)
+        self.check_model(req.model)
+        inputs = completions.prompt_list(req.input, "input")
+        if len(inputs) > emb_api.MAX_INPUTS:
+            raise APIError(f"input may hold at most {emb_api.MAX_INPUTS} items, got {len(inputs)}",
+                           400, param="input")
+        if req.dimensions is not None and req.dimensions < 1:
+            raise APIError(f"dimensions must be positive, got {req.dimensions}", 400, param="dimensions")
+        params = SamplingParams(max_tokens=1, temperature=0.0, embed=True)
+        rid = f"embd-{uuid.uuid4().hex}"
+        bodies = []
+        for i, prompt in enumerate(inputs):
+            token_ids = await self.tokenize_prompt(prompt, req.add_special_tokens, "input",
+                                                   truncating=req.truncate_prompt_tokens is not None)
+            token_ids = await self.truncate(token_ids, req.truncate_prompt_tokens, 1)
+            bodies.append(await self.build_body(f"{rid}-{i}", token_ids, params, req.priority, None, None,
+                                                "input"))
+        gate = asyncio.Semaphore(emb_api.CONCURRENCY)
+
+        async def one(body: dict) -> tuple[Optional[dict], Optional[list[float]]]:
+            async with gate:  # (each input its own Serve request: concurrent calls sharing one hang)
+                gen, first = await completions.open_as_own_request(self.open_stream, body)
+                got: list = []
+                error = await drain(gen, first, lambda item: got.append(item["embedding"])
+                                    if "embedding" in item else None)
+                return error, (got[0] if got else None)
+
+        results = await asyncio.gather(*(one(b) for b in bodies))
+        error = next((e for e, _ in results if e is not None), None)
+        if error is not None:
+            return to_response(error)
+        vectors = [v for _, v in results]
+        if any(v is None for v in vectors):
+            return to_response(error_body("the engine finished an input without its embedding", 500))
+        if req.dimensions is not None and req.dimensions != len(vectors[0]):
+            raise APIError(f"this model's embeddings have {len(vectors[0])} dimensions; reducing them "
+                           "(dimensions) is not supported", 400, param="dimensions")
+        return JSONResponse(emb_api.response_body(req.model or self.served_model_name, vectors,
+                                                  req.encoding_format,
+                                                  sum(len(b["prompt_token_ids"]) for b in bodies)))
+
     # -- HTTP: the rest --------------------------------------------------------
 
     @app.get("/v1/models")
@@ -904,5 +950,6 @@ class ReplicaStream:
 add_request_bodies(app, {"/v1/completions": CompletionRequest,
                          "/v1/chat/completions": ChatCompletionRequest,
                          "/v1/responses": resp_api.ResponsesRequest,
+                         "/v1/embeddings": emb_api.EmbeddingRequest,
                          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
 IngressDeployment = serve.ingress(app)(Ingress)

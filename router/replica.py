@@ -138,6 +138,8 @@ class EngineReplica:
                             items[-1]["prompt_logprobs"] = out.prompt_logprobs  # once (echo)
                             items[-1]["prompt_logprob_ranks"] = out.prompt_logprob_ranks
                             prompt_logprobs_sent = True
+                        if out.embedding is not None:
+                            items[-1]["embedding"] = out.embedding
                     yield items[0] if len(items) == 1 else items
         except QueueFullError as e:
             yield error_body(str(e) or "the replica's waiting queue is full; retry later",

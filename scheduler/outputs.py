@@ -92,6 +92,8 @@ class ModelRunnerOutput:
     spec_token_ids: Optional[dict[str, list[int]]] = None
     # What the connector moved this step (kv_transfer.metrics), for the engine's metrics.
     kv_connector_stats: Optional[dict[str, Any]] = None
+    # Requests with SamplingParams.embed whose prompt ended this step: their embedding.
+    pooler_output: Optional[dict[str, list[float]]] = None
 
     @staticmethod
     def empty() -> "ModelRunnerOutput":
@@ -112,6 +114,7 @@ class EngineCoreOutput:
     kv_transfer_params: Optional[dict[str, Any]] = None
     # Of num_cached_tokens, the prompt tokens whose KV a connector loaded.
     num_remote_tokens: int = 0
+    embedding: Optional[list[float]] = None  # SamplingParams.embed: the prompt's
 
     @property
     def finished(self) -> bool:

@@ -60,6 +60,10 @@ class SamplingParams:
     # words and a structured-output grammar count them as output, so the continuation goes
     # on exactly where the failed replica stopped. max_tokens and min_tokens do not.
     continued_output_tokens: int = 0
+    # The output also carries the prompt's embedding: the final hidden state (after the last
+    # norm) of its last token, L2-normalized (vLLM's LAST pooling with normalize=True); what
+    # /v1/embeddings and `LLM.embed` ask for, with max_tokens=1.
+    embed: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -138,6 +142,8 @@ class SamplingParams:
         if isinstance(self.continued_output_tokens, bool) or not isinstance(self.continued_output_tokens, int) \
                 or self.continued_output_tokens < 0:
             raise bad("continued_output_tokens", "must be a non-negative integer")
+        if self.embed and self.n != 1:
+            raise ValueError(f"embed needs n=1, got {self.n}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):

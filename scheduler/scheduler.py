@@ -411,6 +411,7 @@ class Scheduler:
         spec = scheduler_output.scheduled_spec_decode_tokens
         logprobs = runner_output.logprobs
         prompt_logprobs = runner_output.prompt_logprobs
+        pooled = runner_output.pooler_output
         stopped: list[Request] = []
         requests = self.requests
         running = RequestStatus.RUNNING
@@ -439,7 +440,8 @@ class Scheduler:
             outputs.append(EngineCoreOutput(
                 rid, new_tokens, reason, request.stop_reason,
                 logprobs.get(rid) if logprobs else None, plp, request.num_cached_tokens, params,
-                num_remote_tokens=request.num_external_computed_tokens))
+                num_remote_tokens=request.num_external_computed_tokens,
+                embedding=pooled.get(rid) if pooled else None))
         if stopped:
             drop = {id(r) for r in stopped}
             self.running = [r for r in self.running if id(r) not in drop]

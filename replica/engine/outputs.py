@@ -81,6 +81,8 @@ class RequestOutput:
     num_remote_tokens: int = 0
     # Inter-token latencies (seconds) observed for this request, on the final item.
     itl: list[float] = field(default_factory=list)
+    # SamplingParams.embed: the prompt's embedding (L2-normalized last-token hidden state).
+    embedding: Optional[list[float]] = None
 
 
 def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
@@ -112,6 +114,7 @@ def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     first.metrics = then.metrics if then.metrics is not None else first.metrics
     first.kv_transfer_params = then.kv_transfer_params or first.kv_transfer_params
     first.itl = then.itl or first.itl
+    first.embedding = first.embedding or then.embedding
     return first
 
 

@@ -212,9 +212,9 @@ class OutputProcessor:
                 continue
             self._observe(parent, len(out.new_token_ids), now)
             by_parent.setdefault(parent.request_id, []).append(completion)
-            if out.kv_transfer_params is not None or out.num_cached_tokens:
+            if out.kv_transfer_params is not None or out.num_cached_tokens or out.embedding is not None:
                 extra[parent.request_id] = {"kv": out.kv_transfer_params, "cached": out.num_cached_tokens,
-                                            "remote": out.num_remote_tokens}
+                                            "remote": out.num_remote_tokens, "embedding": out.embedding}
         results = []
         for rid, completions in by_parent.items():
             parent = self.parents[rid]
@@ -223,7 +223,7 @@ class OutputProcessor:
             ro = RequestOutput(rid, parent.prompt, parent.prompt_token_ids, completions, finished,
                                num_cached_tokens=info.get("cached", 0), metrics=parent.metrics,
                                kv_transfer_params=info.get("kv"),
-                               num_remote_tokens=info.get("remote", 0))
+                               num_remote_tokens=info.get("remote", 0), embedding=info.get("embedding"))
             if parent.prompt_logprobs is not None and not parent.prompt_logprobs_sent and \
                     len(parent.prompt_logprobs) >= len(parent.prompt_token_ids):
                 # Complete once the prompt is: streams can show them (echo) before the end.

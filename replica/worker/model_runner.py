@@ -177,6 +177,8 @@ class ModelRunner:
 
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: dict = {}
+        pooled = self._embeddings(req_ids, states, sample_rows, sample_drafts, logits_index, hidden) \
+            if sample_rows and self.is_driver else None
         if sample_rows:
             logits = self.model.compute_logits(
                 hidden[torch.tensor(logits_index, dtype=torch.long, device=device)])
@@ -198,7 +200,21 @@ class ModelRunner:
                 input_t, positions_t, attn_metadata, [req_ids[i] for i in got],
                 [states[i].token_ids + sampled[i] for i in got], [states[i].block_ids for i in got]))
         return ModelRunnerOutput(req_ids, sampled, logprobs or None, prompt_logprobs or None,
-                                 spec_token_ids=drafts_out)
+                                 spec_token_ids=drafts_out, pooler_output=pooled)
+
+    @staticmethod
+    def _embeddings(req_ids, states, sample_rows, sample_drafts, logits_index, hidden) -> Optional[dict]:
+        """SamplingParams.embed: the L2-normalized hidden state (after the final norm) of the
+        prompt's last token, for requests whose prompt ends in this step."""
+        out = {}
+        at = 0  # into logits_index: each sampled row's positions, drafts after the known token
+        for i, drafts in zip(sample_rows, sample_drafts):
+            state = states[i]
+            if state.sampling_params.embed and not state.output_token_ids:
+                vector = torch.nn.functional.normalize(hidden[logits_index[at]].float(), dim=-1)
+                out[req_ids[i]] = vector.tolist()
+            at += len(drafts) + 1
+        return out or None
 
     def _sample_and_verify(self, logits: torch.Tensor, rows: list[CachedRequestState], drafts: list,
                            row_ids: list[str], structured_output=None) -> tuple[list[list[int]], list]:

@@ -119,3 +119,25 @@ def test_generation_config_gives_the_default_sampling_params(tiny_model_dir, tmp
     assert out.token_ids == explicit.token_ids and len(out.token_ids) <= 5
     plain = LLM(str(folder), dtype="float32", num_gpu_blocks_override=64, generation_config="vllm")
     assert plain.get_default_sampling_params() == SamplingParams()
+
+
+def test_embed_is_the_normalized_last_token_state_batched_or_alone(llm, tiny_model_dir):
+    """`LLM.embed` (vLLM's): per prompt, transformers' last hidden state at the last token,
+    normalized; batched with other prompts (and a token-id form) the same as alone; no block
+    stays held."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), torch_dtype=torch.float32)
+    outs = llm.embed(PROMPTS + [{"prompt_token_ids": llm.tokenizer.encode(PROMPTS[1])}], use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs][:3] == [llm.tokenizer.encode(p) for p in PROMPTS]
+    for o in outs:
+        with torch.no_grad():
+            last = hf(torch.tensor([o.prompt_token_ids]), output_hidden_states=True).hidden_states[-1][0, -1]
+        torch.testing.assert_close(torch.tensor(o.outputs.embedding), torch.nn.functional.normalize(last, dim=-1),
+                                   atol=2e-4, rtol=1e-3)
+    alone = llm.embed(PROMPTS[2], use_tqdm=False)[0].outputs.embedding
+    torch.testing.assert_close(torch.tensor(alone), torch.tensor(outs[2].outputs.embedding), atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="embed needs n=1"):
+        SamplingParams(embed=True, n=2)
+    assert llm.core.scheduler.kv.num_free_blocks == llm.core.scheduler.kv.num_blocks

@@ -59,7 +59,7 @@ CASES = [
     ("top_logprobs above 20", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 25}, None, 400,
      "top_logprobs", None),
-    ("unknown route", "/v1/embeddings", GOOD_PROMPT, None, 404, None, None),
+    ("unknown route", "/v1/embedding", GOOD_PROMPT, None, 404, None, None),
 ]
 
 

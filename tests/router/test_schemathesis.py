@@ -40,7 +40,8 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 
 def test_schema_describes_every_request_body(api_schema):
     raw = api_schema.raw_schema
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/tokenize",
+                 "/detokenize"):
         body = raw["paths"][path]["post"]["requestBody"]
         assert body["required"] and "$ref" in body["content"]["application/json"]["schema"], path
     assert "prompt" in raw["components"]["schemas"]["CompletionRequest"]["required"]
@@ -78,8 +79,8 @@ def test_no_server_error_and_no_hang(case, server):
 
 def test_serves_after_fuzzing(server):
     # The fuzzing reached the handlers: generated bodies were both accepted and refused.
-    for op in ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "POST /tokenize",
-               "POST /detokenize"):
+    for op in ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "POST /v1/embeddings",
+               "POST /tokenize", "POST /detokenize"):
         assert 200 in SEEN.get(op, ()) and any(400 <= s < 500 for s in SEEN.get(op, ())), SEEN
     r = httpx.post(server.base_url + "/v1/completions", headers=server.headers(), timeout=60,
                    json={"prompt": "after the fuzzing", "max_tokens": 4, "ignore_eos": True})

@@ -1,0 +1,84 @@
+"""`/v1/embeddings` on the router suite's app (the generative tiny model): read with the official
+client; each vector is the model's normalized last-token hidden state, as transformers computes
+it; batched, base64, prefix-cached inputs agree; bad input is a 400 naming the field and the app
+serves on with every KV block free."""
+
+from __future__ import annotations
+
+import base64
+import struct
+
+import httpx
+import openai
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=server.api_key, max_retries=0, timeout=120)
+
+
+def ids_of(server, text: str) -> list[int]:
+    r = httpx.post(server.base_url + "/tokenize", headers=server.headers(), json={"prompt": text}, timeout=60)
+    return r.json()["tokens"]
+
+
+def test_embeddings_are_the_last_token_hidden_state_normalized(client, server, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    texts = ["The quick brown fox", "jumps over the lazy dog, " * 6 + "again"]
+    r = client.embeddings.create(model=server.model, input=texts)
+    assert [d.index for d in r.data] == [0, 1] and r.object == "list"
+    ids = [ids_of(server, t) for t in texts]
+    assert r.usage.prompt_tokens == r.usage.total_tokens == sum(map(len, ids))
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), torch_dtype=torch.float32)
+    for d, tokens in zip(r.data, ids):
+        with torch.no_grad():
+            last = hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states[-1][0, -1]
+        expected = torch.nn.functional.normalize(last, dim=-1)
+        got = torch.tensor(d.embedding)
+        assert got.shape == expected.shape and abs(got.norm().item() - 1) < 1e-5
+        torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-3)
+    # Token ids in, base64 out (little-endian float32): the same vectors.
+    raw = httpx.post(server.base_url + "/v1/embeddings", headers=server.headers(), timeout=60,
+                     json={"model": server.model, "input": ids, "encoding_format": "base64"}).json()
+    for d, want in zip(raw["data"], r.data):
+        data = base64.b64decode(d["embedding"])
+        torch.testing.assert_close(torch.tensor(struct.unpack(f"<{len(data) // 4}f", data)),
+                                   torch.tensor(want.embedding))
+    server.wait_idle()
+
+
+def test_many_inputs_come_back_in_order_and_a_cached_prefix_changes_nothing(client, server):
+    texts = [f"input number {i} says {'hello ' * (i % 5)}" for i in range(40)]
+    many = client.embeddings.create(model=server.model, input=texts).data
+    assert [d.index for d in many] == list(range(40))
+    for i in (0, 17, 39):  # alone: the same vector (batched with others or not)
+        alone = client.embeddings.create(model=server.model, input=texts[i]).data[0].embedding
+        torch.testing.assert_close(torch.tensor(alone), torch.tensor(many[i].embedding), atol=1e-5, rtol=1e-4)
+    long = "a shared system prompt that fills a few KV blocks " * 8
+    first = client.embeddings.create(model=server.model, input=long).data[0].embedding
+    again = client.embeddings.create(model=server.model, input=long).data[0].embedding  # prefix-cache hits
+    torch.testing.assert_close(torch.tensor(again), torch.tensor(first), atol=1e-5, rtol=1e-4)
+    server.wait_idle()
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"input": ""}, "input"),
+    ({"input": []}, "input"),
+    ({"input": ["ok", ""]}, "input"),
+    ({"input": [[1, 2, 99_999_999]]}, "input"),
+    ({"input": "x " * 3000}, "input"),
+    ({"input": "hi", "dimensions": 7}, "dimensions"),
+    ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
+    ({"input": "hi", "truncate_prompt_tokens": 5000}, "truncate_prompt_tokens"),
+    ({"input": ["a"] * 2049}, "input"),
+])
+def test_bad_input_is_refused_naming_the_field_and_the_app_still_serves(client, server, body, param):
+    r = httpx.post(server.base_url + "/v1/embeddings", headers=server.headers(), timeout=60,
+                   json={"model": server.model, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+    assert len(client.embeddings.create(model=server.model, input="still here").data[0].embedding) > 0
+    server.wait_idle()
