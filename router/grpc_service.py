@@ -64,6 +64,7 @@ def add_servicer(servicer, server) -> None:
     an undecodable message into `UndecodableRequest` (Serve's gRPCOptions names this)."""
     kinds = {"Generate": (grpc.unary_stream_rpc_method_handler, pb.GenerateRequest, pb.GenerateResponse),
              "Chat": (grpc.unary_stream_rpc_method_handler, pb.ChatRequest, pb.ChatResponse),
+             "Embed": (grpc.unary_unary_rpc_method_handler, pb.EmbedRequest, pb.EmbedResponse),
              "Health": (grpc.unary_unary_rpc_method_handler, pb.HealthRequest, pb.HealthResponse),
              "ListModels": (grpc.unary_unary_rpc_method_handler, pb.ListModelsRequest,
                             pb.ListModelsResponse)}
@@ -332,6 +333,24 @@ class GrpcMethods:
                     break
         finally:
             gen.cancel()  # a cancelled call aborts the request in the engine
+
+    async def Embed(self, request: "pb.EmbedRequest",
+                    grpc_context: RayServegRPCContext) -> "pb.EmbedResponse":
+        """`/v1/embeddings` (the ingress's `embed`): texts or token ids, never both."""
+        try:
+            self._grpc_auth(grpc_context)
+            _check_decoded(request)
+            self.check_model(request.model)
+            if request.texts and request.token_ids:
+                raise APIError("send texts or token_ids, not both", 400, param="texts")
+            inputs = list(request.texts) or [list(t.ids) for t in request.token_ids]
+            if not inputs or any(not i for i in inputs):
+                raise APIError("every input must be non-empty, and there must be one", 400, param="texts")
+            truncate = request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None
+            vectors, prompt_tokens = await self.embed(inputs, True, truncate, request.priority)
+        except APIError as e:
+            _fail(grpc_context, e.status, e.body["error"]["message"])
+        return pb.EmbedResponse(embeddings=[pb.Embedding(values=v) for v in vectors], prompt_tokens=prompt_tokens)
 
     async def Health(self, request: "pb.HealthRequest",
                      grpc_context: RayServegRPCContext) -> "pb.HealthResponse":

@@ -506,21 +506,33 @@ class Ingress(GrpcMethods):
     async def embeddings(self, request: Request):
         req = await self._parse(request, emb_api.EmbeddingRequest)
         self.check_model(req.model)
-        inputs = completions.prompt_list(req.input, "input")
+        if req.dimensions is not None and req.dimensions < 1:
+            raise APIError(f"dimensions must be positive, got {req.dimensions}", 400, param="dimensions")
+        vectors, prompt_tokens = await self.embed(completions.prompt_list(req.input, "input"),
+                                                  req.add_special_tokens, req.truncate_prompt_tokens,
+                                                  req.priority)
+        if req.dimensions is not None and req.dimensions != len(vectors[0]):
+            raise APIError(f"this model's embeddings have {len(vectors[0])} dimensions; reducing them "
+                           "(dimensions) is not supported", 400, param="dimensions")
+        return JSONResponse(emb_api.response_body(req.model or self.served_model_name, vectors,
+                                                  req.encoding_format, prompt_tokens))
+
+    async def embed(self, inputs: list, add_special_tokens: bool, truncate_prompt_tokens: Optional[int],
+                    priority: int) -> tuple[list[list[float]], int]:
+        """(one vector per input, the inputs' tokens) for `/v1/embeddings` and gRPC's Embed:
+        each input a request of its own (max_tokens=1, embed), at most `CONCURRENCY` of them
+        in flight; the first error, as an APIError."""
         if len(inputs) > emb_api.MAX_INPUTS:
             raise APIError(f"input may hold at most {emb_api.MAX_INPUTS} items, got {len(inputs)}",
                            400, param="input")
-        if req.dimensions is not None and req.dimensions < 1:
-            raise APIError(f"dimensions must be positive, got {req.dimensions}", 400, param="dimensions")
         params = SamplingParams(max_tokens=1, temperature=0.0, embed=True)
         rid = f"embd-{uuid.uuid4().hex}"
         bodies = []
         for i, prompt in enumerate(inputs):
-            token_ids = await self.tokenize_prompt(prompt, req.add_special_tokens, "input",
-                                                   truncating=req.truncate_prompt_tokens is not None)
-            token_ids = await self.truncate(token_ids, req.truncate_prompt_tokens, 1)
-            bodies.append(await self.build_body(f"{rid}-{i}", token_ids, params, req.priority, None, None,
-                                                "input"))
+            token_ids = await self.tokenize_prompt(prompt, add_special_tokens, "input",
+                                                   truncating=truncate_prompt_tokens is not None)
+            token_ids = await self.truncate(token_ids, truncate_prompt_tokens, 1)
+            bodies.append(await self.build_body(f"{rid}-{i}", token_ids, params, priority, None, None, "input"))
         gate = asyncio.Semaphore(emb_api.CONCURRENCY)
 
         async def one(body: dict) -> tuple[Optional[dict], Optional[list[float]]]:
@@ -534,16 +546,12 @@ class Ingress(GrpcMethods):
         results = await asyncio.gather(*(one(b) for b in bodies))
         error = next((e for e, _ in results if e is not None), None)
         if error is not None:
-            return to_response(error)
+            e = error["error"]
+            raise APIError(e["message"], error.get("status", 500), param=e.get("param"), code=e.get("code"))
         vectors = [v for _, v in results]
         if any(v is None for v in vectors):
-            return to_response(error_body("the engine finished an input without its embedding", 500))
-        if req.dimensions is not None and req.dimensions != len(vectors[0]):
-            raise APIError(f"this model's embeddings have {len(vectors[0])} dimensions; reducing them "
-                           "(dimensions) is not supported", 400, param="dimensions")
-        return JSONResponse(emb_api.response_body(req.model or self.served_model_name, vectors,
-                                                  req.encoding_format,
-                                                  sum(len(b["prompt_token_ids"]) for b in bodies)))
+            raise APIError("the engine finished an input without its embedding", 500)
+        return vectors, sum(len(b["prompt_token_ids"]) for b in bodies)
 
     # -- HTTP: the rest --------------------------------------------------------
 

@@ -44,6 +44,11 @@ class FleetServeStub:
                 request_serializer=router_dot_proto_dot_fleetserve__pb2.ChatRequest.SerializeToString,
                 response_deserializer=router_dot_proto_dot_fleetserve__pb2.ChatResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/fleetserve.v1.FleetServe/Embed',
+                request_serializer=router_dot_proto_dot_fleetserve__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=router_dot_proto_dot_fleetserve__pb2.EmbedResponse.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/fleetserve.v1.FleetServe/Health',
                 request_serializer=router_dot_proto_dot_fleetserve__pb2.HealthRequest.SerializeToString,
@@ -77,6 +82,14 @@ class FleetServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeddings, as POST /v1/embeddings: per input, the model's final hidden state at its last
+        token, L2-normalized (vLLM's LAST pooling), in input order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Health(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -101,6 +114,11 @@ def add_FleetServeServicer_to_server(servicer, server):
                     servicer.Chat,
                     request_deserializer=router_dot_proto_dot_fleetserve__pb2.ChatRequest.FromString,
                     response_serializer=router_dot_proto_dot_fleetserve__pb2.ChatResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=router_dot_proto_dot_fleetserve__pb2.EmbedRequest.FromString,
+                    response_serializer=router_dot_proto_dot_fleetserve__pb2.EmbedResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -167,6 +185,33 @@ class FleetServe:
             '/fleetserve.v1.FleetServe/Chat',
             router_dot_proto_dot_fleetserve__pb2.ChatRequest.SerializeToString,
             router_dot_proto_dot_fleetserve__pb2.ChatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleetserve.v1.FleetServe/Embed',
+            router_dot_proto_dot_fleetserve__pb2.EmbedRequest.SerializeToString,
+            router_dot_proto_dot_fleetserve__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

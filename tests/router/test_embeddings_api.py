@@ -82,3 +82,34 @@ def test_bad_input_is_refused_naming_the_field_and_the_app_still_serves(client, 
     assert r.json()["error"]["param"] == param, r.json()
     assert len(client.embeddings.create(model=server.model, input="still here").data[0].embedding) > 0
     server.wait_idle()
+
+
+def test_grpc_embed_gives_the_http_vectors_and_refuses_bad_input(client, server):
+    import grpc
+
+    from fleetserve.router.proto import fleetserve_pb2 as pb
+    from fleetserve.router.proto import fleetserve_pb2_grpc as pb_grpc
+
+    texts = ["over gRPC", "the same vectors"]
+    http = client.embeddings.create(model=server.model, input=texts).data
+    meta = (("application", server.app), ("authorization", f"Bearer {server.api_key}"))
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        stub = pb_grpc.FleetServeStub(channel)
+        r = stub.Embed(pb.EmbedRequest(texts=texts), metadata=meta, timeout=60)
+        assert r.prompt_tokens == sum(len(ids_of(server, t)) for t in texts)
+        for got, want in zip(r.embeddings, http):
+            torch.testing.assert_close(torch.tensor(list(got.values)), torch.tensor(want.embedding),
+                                       atol=1e-5, rtol=1e-4)
+        by_ids = stub.Embed(pb.EmbedRequest(token_ids=[pb.TokenIds(ids=ids_of(server, texts[0]))]),
+                            metadata=meta, timeout=60)
+        torch.testing.assert_close(torch.tensor(list(by_ids.embeddings[0].values)), torch.tensor(http[0].embedding),
+                                   atol=1e-5, rtol=1e-4)
+        for bad in (pb.EmbedRequest(), pb.EmbedRequest(texts=["a"], token_ids=[pb.TokenIds(ids=[1])]),
+                    pb.EmbedRequest(texts=["a", ""]), pb.EmbedRequest(texts=["a"], truncate_prompt_tokens=0)):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Embed(bad, metadata=meta, timeout=60)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (bad, e.value.details())
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Embed(pb.EmbedRequest(texts=["a"]), metadata=(("application", server.app),), timeout=60)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    server.wait_idle()
