@@ -109,7 +109,6 @@ class LLM:
                             "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-
     def embed(self, prompts: Union[PromptType, Sequence[PromptType]], use_tqdm: bool = True,
               truncate_prompt_tokens: Optional[int] = None) -> list["EmbeddingRequestOutput"]:
         """vLLM's `LLM.embed`: each prompt's embedding, the normalized hidden state of its
