@@ -535,22 +535,30 @@ class Ingress(GrpcMethods):
             bodies.append(await self.build_body(f"{rid}-{i}", token_ids, params, priority, None, None, "input"))
         gate = asyncio.Semaphore(emb_api.CONCURRENCY)
 
-        async def one(body: dict) -> tuple[Optional[dict], Optional[list[float]]]:
+        async def one(body: dict) -> list[float]:
             async with gate:  # (each input its own Serve request: concurrent calls sharing one hang)
                 gen, first = await completions.open_as_own_request(self.open_stream, body)
                 got: list = []
                 error = await drain(gen, first, lambda item: got.append(item["embedding"])
                                     if "embedding" in item else None)
-                return error, (got[0] if got else None)
+            if error is not None:
+                e = error["error"]
+                raise APIError(e["message"], error.get("status", 500), param=e.get("param"), code=e.get("code"))
+            if not got:
+                raise APIError("the engine finished an input without its embedding", 500)
+            return got[0]
 
-        results = await asyncio.gather(*(one(b) for b in bodies))
-        error = next((e for e, _ in results if e is not None), None)
-        if error is not None:
-            e = error["error"]
-            raise APIError(e["message"], error.get("status", 500), param=e.get("param"), code=e.get("code"))
-        vectors = [v for _, v in results]
-        if any(v is None for v in vectors):
-            raise APIError("the engine finished an input without its embedding", 500)
+        tasks = [asyncio.ensure_future(one(b)) for b in bodies]
+        try:
+            # The first failure ends the request: the other inputs are aborted, not finished.
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            failed = [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception()]
+            if failed:
+                raise failed[0]
+            vectors = [t.result() for t in tasks]
+        finally:
+            for t in tasks:
+                t.cancel()
         return vectors, sum(len(b["prompt_token_ids"]) for b in bodies)
 
     # -- HTTP: the rest --------------------------------------------------------

@@ -21,4 +21,4 @@ def test_messages_belong_to_the_package():
 
     assert pb.ChatRequest.__module__ == "fleetserve.router.proto.fleetserve_pb2"
     assert [m.name for m in pb.DESCRIPTOR.services_by_name["FleetServe"].methods] == [
-        "Generate", "Chat", "Health", "ListModels"]
+        "Generate", "Chat", "Embed", "Health", "ListModels"]
