@@ -40,7 +40,7 @@ from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from fleetserve.router.errors import is_error
+from fleetserve.router.errors import error_body, is_error
 from fleetserve.router.policies import RouteRequest
 from fleetserve.router.registry import get_router
 from fleetserve.router.request_router import TARGET_KWARG
@@ -71,7 +71,8 @@ class PDMetrics:
         self.requests = Counter(
             "fleetserve:pd_requests", "Requests by P/D path: pd (prefill, then load on decode), "
             "decode_only (decode's cache covered the prompt or it was short), prefill_failed "
-            "(the decode replica recomputed after failed prefill calls)", ["path"],
+            "(the decode replica recomputed after failed prefill calls), prefill_only (an "
+            "embedding: prompt work alone, answered by the prefill pool)", ["path"],
             registry=self.registry)
         self.retries = Counter(
             "fleetserve:pd_retries", "Calls tried again: a prefill call, or a decode call after "
@@ -109,6 +110,18 @@ class PDRouter:
         """Like `Ingress.open_stream`: (stream, first item) from the decode replica.
         `open_call(generate, body, **kwargs)` makes the call and returns its stream (the
         ingress's `ReplicaStream.open`: the decode stream rides the per-step feed)."""
+        if body["sampling_params"].get("embed"):
+            # An embedding is prompt work alone: the prefill pool answers it, and the decode
+            # pool's steps stay free of it (no KV to hand over).
+            self.metrics.requests.labels("prefill_only").inc()
+            try:
+                final = await asyncio.wait_for(run_to_final(self._prefill_generate.remote(body)),
+                                               self.settings.prefill_timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a dead or stuck prefill replica: the client is told
+                final = error_body(f"the prefill pool failed the request: {type(e).__name__}: {e}", 503)
+            return _Answered(), final
         prompt = body["prompt_token_ids"]
         decode_id, cached = self._pick_decode(body)
         params, path = None, "decode_only"
@@ -226,6 +239,19 @@ def failed_load(item: dict) -> bool:
     outs = item.get("outputs") or []
     return any(o.get("finish_reason") == "error" for o in outs) and \
         not any(o.get("token_ids") for o in outs)
+
+
+class _Answered:
+    """The stream of a request whose one (final) item came already."""
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        pass
 
 
 class PDStream:

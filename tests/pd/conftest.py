@@ -230,5 +230,6 @@ def colocated(pd_model_dir):
             cache[key] = out[0].outputs[0].text
         return cache[key]
 
+    text.llm = llm  # (embeddings: tests/pd/test_pd_e2e.py)
     yield text
 

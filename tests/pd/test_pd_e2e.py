@@ -113,6 +113,24 @@ def test_short_prompt_skips_the_prefill_pool(pd_server, colocated):
 
 
 
+def test_embeddings_run_on_the_prefill_pool_and_equal_one_engine(pd_server, colocated):
+    """An embedding is prompt work alone: the prefill pool answers it (path prefill_only),
+    with one engine's vectors."""
+    import torch
+
+    texts = [long_prompt(random.Random(7)), "a short one"]
+    before = pd_server.pd_paths().get("prefill_only", 0)
+    r = client(pd_server).embeddings.create(model="tiny", input=texts)
+    ids = [tokenize(pd_server, prompt=t) for t in texts]
+    want = colocated.llm.embed([{"prompt_token_ids": i} for i in ids], use_tqdm=False)
+    for got, w in zip(r.data, want):
+        torch.testing.assert_close(torch.tensor(got.embedding), torch.tensor(w.outputs.embedding),
+                                   atol=1e-5, rtol=1e-4)
+    assert r.usage.prompt_tokens == sum(map(len, ids))
+    assert pd_server.pd_paths().get("prefill_only", 0) == before + 2
+    pd_server.wait_all_free()
+
+
 def test_grpc_generate_goes_through_pd_too(pd_server, colocated):
     import grpc
 
