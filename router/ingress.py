@@ -567,10 +567,19 @@ class Ingress(GrpcMethods):
     async def models(self, request: Request):
         self.check_api_key(request.headers.get("authorization"))
         info = await self.info()
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": self._created,
-            "owned_by": "fleetserve", "root": info["model_name"],
-            "max_model_len": info["max_model_len"]} for name in self._listed_names]}
+        return {"object": "list", "data": [self._model_card(name, info) for name in self._listed_names]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(self, model: str, request: Request):
+        """OpenAI's retrieve-model (`client.models.retrieve(name)`): the card, or a 404."""
+        self.check_api_key(request.headers.get("authorization"))
+        if model not in self._model_names:
+            self.check_model(model)
+        return self._model_card(model, await self.info())
+
+    def _model_card(self, name: str, info: dict) -> dict:
+        return {"id": name, "object": "model", "created": self._created, "owned_by": "fleetserve",
+                "root": info["model_name"], "max_model_len": info["max_model_len"]}
 
     @app.api_route("/ping", methods=["GET", "POST"])
     async def ping(self):

@@ -16,6 +16,13 @@ def client(server):
 def test_models(client, server):
     models = client.models.list()
     assert [m.id for m in models.data] == [server.model, "tiny-chat"]  # both --served-model-names
+    for m in models.data:  # retrieve: the same card
+        assert client.models.retrieve(m.id).model_dump() == m.model_dump()
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("org/no-such-model")
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.AuthenticationError):
+        client.with_options(api_key="wrong").models.retrieve(server.model)
 
 
 def test_completion_non_stream_usage(client, server):
