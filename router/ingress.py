@@ -839,7 +839,8 @@ class _ResponseRun:
                 return content(piece, final)
             r, c = splitter.feed(piece, final)
             thought += r
-            return (writer.reasoning_delta(r) if r else []) + content(c, final)
+            # (no content yet: a named call's header waits for its first argument text)
+            return (writer.reasoning_delta(r) if r else []) + (content(c, final) if c or final else [])
 
         try:
             started = resp_api.response_object(self.rid, self.stem, self.req, self.model, self.created,
