@@ -40,6 +40,11 @@ FLAG_NAMES = {"http.host": "--host", "http.port": "--port", "grpc.port": "--grpc
               "engine.kv_transfer_config": "--kv-transfer-config"}
 
 
+# Fields given as several words, as vLLM's flags (`--lora-modules a=/p b=/q`); the schema's
+# validator parses each word.
+NARGS_FIELDS = {"lora_modules": "NAME=PATH"}
+
+
 def _json_value(text: str) -> Any:
     try:
         return json.loads(text)
@@ -95,6 +100,8 @@ def add_schema_flags(group, model: type[BaseModel], prefix: str = "",
         elif typing.get_origin(ann) in (Union, types.UnionType) and \
                 set(typing.get_args(ann)) - {type(None)} == {str, tuple[str, ...]}:
             kwargs.update(nargs="+", type=str, metavar="NAME")  # one name or several, as vLLM's
+        elif path.rsplit(".", 1)[-1] in NARGS_FIELDS:
+            kwargs.update(nargs="+", type=str, metavar=NARGS_FIELDS[path.rsplit(".", 1)[-1]])
         elif typing.get_origin(ann) is Literal:
             choices = typing.get_args(ann)
             kwargs.update(choices=choices, type=type(choices[0]))

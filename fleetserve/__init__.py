@@ -34,6 +34,7 @@ _LAZY = {
     "RequestOutput": "fleetserve.replica.engine.outputs",
     "CompletionOutput": "fleetserve.replica.engine.outputs",
     "StructuredOutputsParams": "fleetserve.scheduler.structured_outputs",
+    "LoRARequest": "fleetserve.replica.lora.request",
 }
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from fleetserve.replica.engine.engine_args import EngineArgs
     from fleetserve.replica.engine.outputs import CompletionOutput, RequestOutput
     from fleetserve.replica.llm import LLM
+    from fleetserve.replica.lora.request import LoRARequest
     from fleetserve.scheduler.sampling_params import SamplingParams
     from fleetserve.scheduler.structured_outputs import StructuredOutputsParams
 
@@ -59,4 +61,4 @@ def __dir__() -> list[str]:
 
 
 __all__ = ["LLM", "SamplingParams", "AsyncEngine", "EngineArgs", "RequestOutput", "CompletionOutput",
-           "StructuredOutputsParams"]
+           "StructuredOutputsParams", "LoRARequest"]

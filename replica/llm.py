@@ -17,6 +17,7 @@ from fleetserve.replica.engine.engine_args import DEFAULT_MODEL, EngineArgs
 from fleetserve.replica.engine.engine_core import EngineCore
 from fleetserve.replica.engine.metrics import EngineMetrics
 from fleetserve.replica.model_loader.model_info import generation_defaults
+from fleetserve.replica.lora.request import LoRARequest
 from fleetserve.replica.model_loader.registry import resolve_model
 from fleetserve.replica.engine.outputs import RequestOutput, merge_deltas
 from fleetserve.replica.engine.processor import InputProcessor, OutputProcessor, PromptType
@@ -34,7 +35,7 @@ class LLM:
         self.core = EngineCore(self.args, self.tokenizer.eos_token_id)
         self.metrics = EngineMetrics(self.args.served_name or source.name)
         self.input_processor = InputProcessor(self.tokenizer, self.core.max_model_len,
-                                              self.core.hf_config.vocab_size)
+                                              self.core.hf_config.vocab_size, self.args.lora_ids)
         # --generation-config, as the server applies it: the model's own sampling defaults.
         self.generation_defaults = generation_defaults(source, self.args.generation_config)
 
@@ -46,21 +47,25 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
+                 ) -> list[RequestOutput]:
         """vLLM's forms: a prompt or a list of prompts, each a string, token ids,
         `{"prompt": str}` or `{"prompt_token_ids": [...]}`, mixed freely; one
         `SamplingParams` for all or a list with one per prompt. Outputs come back in
-        prompt order."""
+        prompt order. `lora_request` (with `LLM(..., enable_lora=True)`): one adapter for
+        all prompts or one (or None) per prompt; an adapter is loaded on first use."""
         prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = _params_list(sampling_params, len(prompts))
+        loras = self._lora_names(lora_request, len(prompts))
         op = OutputProcessor(self.tokenizer, self.metrics)
         # Validate everything before adding anything: a bad prompt fails the call whole.
         batch = []
-        for prompt, sp in zip(prompts, params):
+        for prompt, sp, lora in zip(prompts, params, loras):
             rid = uuid.uuid4().hex
-            batch.append((rid, *self.input_processor.process(prompt, sp, rid)))
+            batch.append((rid, *self.input_processor.process(prompt, sp, rid, lora_name=lora)))
         order = [rid for rid, _, _ in batch]
         results: dict[str, RequestOutput] = {}
         for rid, text, requests in batch:
@@ -89,11 +94,37 @@ class LLM:
             bar.close()
         return [results[rid] for rid in order]
 
+    def _lora_names(self, lora_request, num_prompts: int) -> list[Optional[str]]:
+        """Each prompt's adapter name (None: the base model), loading adapters not held yet."""
+        if lora_request is None:
+            return [None] * num_prompts
+        requests = [lora_request] * num_prompts if isinstance(lora_request, LoRARequest) else list(lora_request)
+        if len(requests) != num_prompts:
+            raise ValueError(f"{len(requests)} LoRA requests for {num_prompts} prompts")
+        held = self.input_processor.lora_ids
+        for r in requests:
+            if r is None:
+                continue
+            if not isinstance(r, LoRARequest):
+                raise ValueError(f"lora_request must be LoRARequest or None, got {type(r).__name__}")
+            if not self.args.enable_lora:
+                raise ValueError("LoRA adapters need LLM(..., enable_lora=True)")
+            if held.get(r.lora_name) == r.lora_int_id:
+                continue
+            if r.lora_name in held or r.lora_int_id in held.values():
+                raise ValueError(f"LoRARequest({r.lora_name!r}, {r.lora_int_id}): that name or id is "
+                                 "another adapter's here")
+            self.core.executor.add_lora(r.lora_int_id, r.lora_name, r.lora_path)
+            held[r.lora_name] = r.lora_int_id
+        return [None if r is None else r.lora_name for r in requests]
+
     def chat(self, messages: Union[list[dict], Sequence[list[dict]]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template_kwargs: Optional[dict[str, Any]] = None,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False,
+             lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
+             ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of them, as vLLM's `LLM.chat`.
         The rendered template is tokenized without special tokens (the template has them);
         `chat_template_kwargs` are extra template variables; `continue_final_message` (with
@@ -107,16 +138,18 @@ class LLM:
                                        continue_final_message)
             prompts.append({"prompt": text,
                             "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def embed(self, prompts: Union[PromptType, Sequence[PromptType]], use_tqdm: bool = True,
-              truncate_prompt_tokens: Optional[int] = None) -> list["EmbeddingRequestOutput"]:
+              truncate_prompt_tokens: Optional[int] = None,
+              lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
+              ) -> list["EmbeddingRequestOutput"]:
         """vLLM's `LLM.embed`: each prompt's embedding, the normalized hidden state of its
         last token after the final norm (vLLM's LAST pooling; router/embeddings.py), in
         prompt order; `out.outputs.embedding` is a list of floats."""
         params = SamplingParams(max_tokens=1, temperature=0.0, embed=True,
                                 truncate_prompt_tokens=truncate_prompt_tokens)
-        outs = self.generate(prompts, params, use_tqdm)
+        outs = self.generate(prompts, params, use_tqdm, lora_request)
         return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding))
                 for o in outs]
 

@@ -143,3 +143,28 @@ def make_tiny_llama(path: str | Path, *, vocab_size: Optional[int] = None, hidde
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def make_tiny_lora(model_dir: str | Path, path: str | Path, *, r: int = 8, lora_alpha: int = 16,
+                   target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                      "up_proj", "down_proj"),
+                   use_rslora: bool = False, init_std: float = 0.2, seed: int = 0) -> Path:
+    """Write a PEFT LoRA adapter folder for the tiny model at `model_dir` (written by `peft`
+    itself: its adapter_config.json and its key names), with random A and B (PEFT starts B
+    at zero, which would make the adapter a no-op) large enough to change greedy outputs."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    path = Path(path)
+    base = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    cfg = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(target_modules), lora_dropout=0.0,
+                     bias="none", use_rslora=use_rslora, task_type="CAUSAL_LM")
+    peft_model = get_peft_model(base, cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(init_std * torch.randn(p.shape, generator=gen))
+    peft_model.save_pretrained(path)
+    return path

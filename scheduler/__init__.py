@@ -13,7 +13,7 @@ from fleetserve.scheduler.kv_events import (AllBlocksCleared, BlockRemoved, Bloc
 from fleetserve.scheduler.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                                           NewRequestData, SchedulerOutput)
 from fleetserve.scheduler.policies import resolve_obj_by_qualname
-from fleetserve.scheduler.request import Request, RequestStatus
+from fleetserve.scheduler.request import Request, RequestStatus, prefix_salt
 from fleetserve.scheduler.sampling_params import SamplingParams
 from fleetserve.scheduler.scheduler import Scheduler, SchedulerStats
 from fleetserve.scheduler.structured_outputs import StructuredOutputsParams
@@ -33,5 +33,5 @@ __all__ = [
     "KVCacheManager", "KVCacheMirror", "KVConnectorScheduler", "KVEventBatch", "KVEventLog", "ModelRunnerOutput", "NewRequestData",
     "Request", "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig",
     "SchedulerOutput", "SchedulerStats", "SequenceGap", "StructuredOutputsParams", "create_scheduler",
-    "hash_token_blocks",
+    "hash_token_blocks", "prefix_salt",
 ]

@@ -40,6 +40,8 @@ class SchedulerConfig(BaseModel):
     # as extra drafts, up to num_spec_tokens each (a step that small costs about what a
     # one-token step costs). 0: off.
     free_draft_tokens: int = Field(0, ge=0)
+    # LoRA: at most this many distinct adapters in one step (vLLM's --max-loras; 0: no LoRA).
+    max_loras: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> "SchedulerConfig":

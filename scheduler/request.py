@@ -54,6 +54,17 @@ _FINISH_REASONS = {
 }
 
 
+def prefix_salt(cache_salt: Optional[str], lora_name: Optional[str] = None) -> Optional[str]:
+    """What a request's prefix-cache block hashes are salted with: its `cache_salt` and,
+    for a request that runs with a LoRA adapter, the adapter's name (the adapter changes
+    every layer's keys and values, so its blocks must never match the base model's or
+    another adapter's). The engine's hashes, the router's prefix index and the KV
+    connectors' keys all take it from here."""
+    if not lora_name:
+        return cache_salt
+    return f"{cache_salt or ''}\x00lora:{lora_name}"
+
+
 class Request:
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling_params", "eos_token_id",
@@ -61,6 +72,7 @@ class Request:
         "status", "num_computed_tokens", "output_token_ids", "_all_token_ids",
         "num_cached_tokens", "num_preemptions", "stop_reason", "block_hashes",
         "max_tokens", "num_external_computed_tokens", "spec_token_ids",
+        "lora_id", "lora_name",
     )
 
     def __init__(
@@ -73,6 +85,8 @@ class Request:
         priority: int = 0,
         cache_salt: Optional[str] = None,
         kv_transfer_params: Optional[dict[str, Any]] = None,
+        lora_name: Optional[str] = None,
+        lora_id: int = 0,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
@@ -84,7 +98,11 @@ class Request:
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
-        self.cache_salt = cache_salt
+        # The LoRA adapter the request runs with (id 0, name None: the base model). Its
+        # KV differs from the base model's, so the adapter is part of the prefix-cache salt.
+        self.lora_id = lora_id
+        self.lora_name = lora_name
+        self.cache_salt = prefix_salt(cache_salt, lora_name)
         self.kv_transfer_params = kv_transfer_params
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

@@ -287,10 +287,19 @@ class Scheduler:
         self.capacity.begin_step(self._block_holders, kv)
         skipped: list[Request] = []
         holders_only = False
+        # --max-loras: the distinct LoRA adapters one step may run (those of running requests
+        # and remote loads first); a request with yet another adapter waits its turn.
+        loras = ({r.lora_id for r in self.running if r.lora_id}
+                 | {r.lora_id for r in self.waiting_for_remote_kvs.values() if r.lora_id}
+                 if cfg.max_loras else None)
         # In-flight remote loads hold a seat (and their blocks) like running requests.
         while self.waiting and budget > 0 and \
                 len(self.running) + len(self.waiting_for_remote_kvs) < cfg.max_num_seqs:
             request = self.waiting.peek()
+            if (loras is not None and request.lora_id and request.lora_id not in loras
+                    and len(loras) >= cfg.max_loras):
+                skipped.append(self.waiting.pop())
+                continue
             fresh = request.request_id not in kv.req_to_blocks
             lookup = None if holders_only and fresh else self._lookup(request)
             if lookup is None:
@@ -323,6 +332,8 @@ class Scheduler:
                     self._release_waiting_holders(request)
                 break
             self.waiting.pop()
+            if loras is not None and request.lora_id:
+                loras.add(request.lora_id)
             request.num_computed_tokens = computed + num_external
             if fresh:
                 self._admitted_fresh(request, len(hits) * kv.block_size, num_external)
@@ -360,7 +371,7 @@ class Scheduler:
         for r in new_reqs:
             new_data.append(NewRequestData(
                 r.request_id, r.prompt_token_ids, list(r.output_token_ids), r.sampling_params,
-                self.kv.get_block_ids(r.request_id), r.num_computed_tokens))
+                self.kv.get_block_ids(r.request_id), r.num_computed_tokens, r.lora_id))
             self._num_tokens_sent[r.request_id] = r.num_tokens
         cached_data = []
         sent = self._num_tokens_sent

@@ -83,7 +83,7 @@ class AsyncEngine:
                                             self._on_failure)
         self.max_model_len = self._client.max_model_len
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len,
-                                              self._client.vocab_size)
+                                              self._client.vocab_size, args.lora_ids)
         self._refresh_stats()
         self.metrics.cache_config(args.block_size, self._client.stats.num_blocks,
                                   args.enable_prefix_caching)
@@ -107,7 +107,8 @@ class AsyncEngine:
                        request_id: Optional[str] = None, *, priority: int = 0,
                        kv_transfer_params: Optional[dict] = None,
                        cache_salt: Optional[str] = None,
-                       admitted: bool = False) -> AsyncIterator[RequestOutput]:
+                       admitted: bool = False,
+                       lora_name: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """Stream `prompt`'s outputs. `admitted=True` skips the waiting-queue bound: for work
         the cluster accepted already (a migrated request's continuation), which refusing
         would turn into a failed stream rather than back-pressure on a new request."""
@@ -120,7 +121,7 @@ class AsyncEngine:
         kv_transfer_params = self._check_kv_transfer_params(kv_transfer_params)
         text, requests = self.input_processor.process(
             prompt, sp, request_id, priority=priority, cache_salt=cache_salt,
-            kv_transfer_params=kv_transfer_params)
+            kv_transfer_params=kv_transfer_params, lora_name=lora_name)
         load = self._client.load
         if (not admitted
                 and load["num_waiting"] + self._client.num_pending_adds >= self.args.max_waiting_requests):

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from fleetserve.replica.spec_decode.config import SpeculativeConfig
 from fleetserve.kv_transfer.config import KVTransferConfig
+from fleetserve.replica.lora.request import LoRAModulePath, read_adapter_config
 from fleetserve.scheduler import CacheConfig, SchedulerConfig
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -112,6 +113,50 @@ class EngineArgs(BaseModel):
         "kv_role (kv_producer|kv_consumer|kv_both), kv_connector_extra_config, "
         "kv_load_failure_policy (recompute|fail), kv_lease_s, kv_load_timeout_s."))
 
+    enable_lora: bool = Field(False, description=(
+        "Serve LoRA adapters beside the base model (on by itself with --lora-modules)."))
+    lora_modules: Optional[tuple[LoRAModulePath, ...]] = Field(None, description=(
+        "LoRA adapters (PEFT folders) clients pick by name in `model`, as vLLM's: name=path ... "
+        "or JSON objects {\"name\": ..., \"path\": ..., \"base_model_name\": ...}. Every replica "
+        "loads them at start; /v1/models lists them."))
+    max_loras: int = Field(1, ge=1, description=(
+        "Most distinct LoRA adapters in one engine step (vLLM's --max-loras); requests for "
+        "another adapter wait for a step with room."))
+    max_lora_rank: int = Field(16, ge=1, description=(
+        "Highest LoRA rank an adapter may have (vLLM's --max-lora-rank)."))
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _parse_lora_modules(cls, value):
+        if value is None:
+            return None
+        items = [value] if isinstance(value, (str, dict, LoRAModulePath)) else list(value)
+        return tuple(LoRAModulePath.parse(v) for v in items) or None
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> "EngineArgs":
+        modules = self.lora_modules or ()
+        if modules and not self.enable_lora:
+            object.__setattr__(self, "enable_lora", True)  # --lora-modules alone turns LoRA on
+        names = [m.name for m in modules]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"lora_modules: the name {repeated[0]!r} is given twice")
+        clash = set(names) & {self.model, *self.served_model_names}
+        if clash:
+            raise ValueError(f"lora_modules: {sorted(clash)[0]!r} is the base model's name; name the adapter otherwise")
+        for m in modules:
+            cfg = read_adapter_config(m.path)
+            if cfg["r"] > self.max_lora_rank:
+                raise ValueError(f"lora_modules: {m.name!r} has rank {cfg['r']}, above --max-lora-rank "
+                                 f"({self.max_lora_rank}); raise it")
+        return self
+
+    @property
+    def lora_ids(self) -> dict[str, int]:
+        """Each --lora-modules adapter's engine-wide id (1, 2, ... in the order given)."""
+        return {m.name: i for i, m in enumerate(self.lora_modules or (), start=1)}
+
     @field_validator("cpu_bind")
     @classmethod
     def _check_cpu_bind(cls, value):
@@ -181,6 +226,7 @@ class EngineArgs(BaseModel):
             if self.speculative_config else True,
             free_draft_tokens=self.speculative_config.resolve_free_draft_tokens(self.device)
             if self.speculative_config else 0,
+            max_loras=self.max_loras if self.enable_lora else 0,
         )
 
     def cache_config(self, num_blocks: int) -> CacheConfig:

@@ -23,6 +23,10 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    def add_lora(self, lora_id: int, name: str, path: str) -> None:
+        """Load a LoRA adapter on every rank as `lora_id` (ValueError when it does not fit)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot load LoRA adapters")
+
     def add_progress_hook(self, bump) -> bool:
         """`bump` at each decoder layer of the model this process runs (replica.engine.progress);
         False when there is none here (ranks in other processes: steps alone count)."""

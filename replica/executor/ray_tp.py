@@ -67,6 +67,9 @@ class TPWorkerActor:
     def get_hf_config(self):
         return self.worker.hf_config
 
+    def add_lora(self, lora_id: int, name: str, path: str) -> None:
+        self.worker.add_lora(lora_id, name, path)
+
     def determine_num_blocks(self) -> int:
         return self.worker.determine_num_blocks()
 
@@ -184,6 +187,9 @@ class RayTPExecutor(Executor):
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self._get([w.initialize_kv_cache.remote(num_blocks) for w in self.workers], 120)
+
+    def add_lora(self, lora_id: int, name: str, path: str) -> None:
+        self._get([w.add_lora.remote(lora_id, name, path) for w in self.workers], 120)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()

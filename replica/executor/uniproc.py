@@ -25,6 +25,9 @@ class UniProcExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
+    def add_lora(self, lora_id: int, name: str, path: str) -> None:
+        self.worker.add_lora(lora_id, name, path)
+
     def add_progress_hook(self, bump) -> bool:
         from fleetserve.replica.engine.progress import hook_layers
 

@@ -29,6 +29,7 @@ from torch import nn
 
 from fleetserve.replica.distributed.parallel import TPGroup, get_tp_group
 from fleetserve.replica.kernels import isa as kernels_isa, ops_for
+from fleetserve.replica.lora.layers import add_lora, touches as lora_touches
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -268,7 +269,12 @@ class ParallelLMHead(PackedWeightMixin, VocabParallelEmbedding):
 
 
 class LinearBase(PackedWeightMixin, nn.Module):
-    """A linear layer whose weight is [output_size_per_partition, input_size_per_partition]."""
+    """A linear layer whose weight is [output_size_per_partition, input_size_per_partition].
+
+    `lora`: LoRA adapters' slots (lora_id -> replica.lora.adapter.LoRASlot), None without;
+    column- and row-parallel linears add the step's adapters' deltas (replica.lora.layers)."""
+
+    lora: Optional[dict] = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_group: Optional[TPGroup]):
         super().__init__()
@@ -316,6 +322,8 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._linear(x, self.bias)
+        if self.lora is not None:
+            y = add_lora(self.lora, x, y)
         return self.tp.all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -370,6 +378,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         """silu(x G^T) * (x U^T) from the fused kernel, or None where it does not run (then: the
         matmul and SiluAndMul)."""
         g = self.current_gated()
+        if self.lora is not None and lora_touches(self.lora):
+            return None  # the adapters' deltas go on gate and up before the activation
         if g is None or x.dim() != 2 or x.shape[0] > g.max_rows or x.dtype != self.weight.dtype:
             return None
         ops = ops_for(x)  # None on a GPU tensor or inside kernels.disabled()
@@ -447,4 +457,6 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp.rank == 0 else None
         y = self._linear(x, bias)
+        if self.lora is not None:  # this rank's columns of A: the partial deltas add up in the reduce
+            y = add_lora(self.lora, x, y)
         return self.tp.all_reduce(y)

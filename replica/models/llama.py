@@ -24,6 +24,7 @@ from fleetserve.replica.layers import linear as linear_module
 from fleetserve.replica.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
                                        RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabParallelEmbedding)
 from fleetserve.replica.distributed.parallel import TPGroup, get_tp_group
+from fleetserve.replica.lora import layers as lora_layers
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -238,7 +239,7 @@ class LlamaModel(nn.Module):
             rope = self.rotary_emb.cos_sin(positions, hidden.dtype)
         residual = None
         plan = None
-        if kv_hooks is None and isinstance(rope, torch.Tensor) and hidden.shape[0]:
+        if kv_hooks is None and isinstance(rope, torch.Tensor) and hidden.shape[0] and lora_layers.current() is None:
             plan = self._kernel_plan(hidden, kv_caches)
             if plan is not None and hidden.shape[0] > plan.max_rows:
                 plan = None

@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from fleetserve.replica.layers.attention import AttentionMetadata
+from fleetserve.replica.lora import layers as lora_layers
 from fleetserve.replica.layers.sampler import Sampler, SamplingBatch, compute_prompt_logprobs, make_generator
 from fleetserve.replica.model_loader.weights import allocate_kv_caches, kv_cache_bytes_per_block, load_model
 from fleetserve.replica.spec_decode.proposer import ProposeInput, Proposer
@@ -43,6 +44,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: Optional[torch.Generator]
+    lora_id: int = 0  # the LoRA adapter it runs with (0: the base model)
 
 
 class ModelRunner:
@@ -70,6 +72,8 @@ class ModelRunner:
         self.kv_hooks = None
         # CUDA graphs of decode steps (worker/cuda_graph.py); None: every step runs eagerly.
         self.decode_graphs = None
+        # LoRA adapters attached to the model's linears: lora_id -> name (add_lora_adapter).
+        self.lora_adapters: dict[int, str] = {}
 
     @classmethod
     def load(cls, source, *, device: torch.device, dtype: torch.dtype, block_size: int,
@@ -77,6 +81,26 @@ class ModelRunner:
         model, hf_config = load_model(source, dtype, device)
         return cls(model, hf_config, device=device, dtype=dtype, block_size=block_size,
                    eos_token_id=eos_token_id, tp_size=tp_size, tp_rank=tp_rank)
+
+    # ---- LoRA ------------------------------------------------------------------
+    def add_lora_adapter(self, lora_id: int, name: str, path: str, max_lora_rank: int) -> None:
+        """Load a PEFT adapter and attach this rank's shard of it as `lora_id` (ValueError when
+        the adapter does not fit the model or --max-lora-rank)."""
+        from fleetserve.replica.lora.adapter import attach, load_lora
+
+        if lora_id < 1:
+            raise ValueError(f"LoRA adapter ids start at 1, got {lora_id}")
+        adapter = load_lora(name, path, self.hf_config, max_lora_rank)
+        attach(self.model, lora_id, adapter, self.dtype, self.device)
+        self.lora_adapters[lora_id] = name
+        logger.info("LoRA adapter %r (id %d, rank %d, %s) from %s", name, lora_id, adapter.rank,
+                    "/".join(adapter.targets), path)
+
+    def remove_lora_adapter(self, lora_id: int) -> None:
+        from fleetserve.replica.lora.adapter import detach
+
+        detach(self.model, lora_id)
+        self.lora_adapters.pop(lora_id, None)
 
     # ---- KV cache ------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -112,7 +136,7 @@ class ModelRunner:
             output = list(new.output_token_ids)
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, new.prompt_token_ids, output, new.prompt_token_ids + output,
-                sp, list(new.block_ids), new.num_computed_tokens, gen)
+                sp, list(new.block_ids), new.num_computed_tokens, gen, new.lora_id)
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             if cached.new_token_ids:
@@ -161,9 +185,11 @@ class ModelRunner:
             state.num_computed_tokens = start + n
 
         device = self.device
+        lora_batch = (lora_layers.LoRABatch.build([s.lora_id for s in states], query_lens, device)
+                      if self.lora_adapters else None)
         graph_key = None
         if (self.decode_graphs is not None and offset == len(req_ids)  # one token per request
-                and self.kv_hooks is None and self.proposer is None):
+                and self.kv_hooks is None and self.proposer is None and lora_batch is None):
             graph_key = self.decode_graphs.bucket(len(req_ids), -(-(max(positions) + 1) // self.block_size))
         if graph_key is not None:
             hidden = self.decode_graphs.run(graph_key, input_ids, positions, [s.block_ids for s in states])
@@ -173,7 +199,8 @@ class ModelRunner:
                 request_ids=req_ids)
             input_t = torch.tensor(input_ids, dtype=torch.long, device=device)
             positions_t = torch.tensor(positions, dtype=torch.long, device=device)
-            hidden = self.model(input_t, positions_t, self.kv_caches, attn_metadata, self.kv_hooks)
+            with lora_layers.active(lora_batch):
+                hidden = self.model(input_t, positions_t, self.kv_caches, attn_metadata, self.kv_hooks)
 
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: dict = {}

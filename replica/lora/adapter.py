@@ -1,0 +1,168 @@
+"""A PEFT LoRA adapter folder -> the (A, B, scaling) of each projection, sharded into the
+model's tensor-parallel linears.
+
+PEFT saves `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight` ([r, in]) and
+`...lora_B.weight` ([out, r]); the adapted projection is W x + s B A x with
+s = lora_alpha / r (lora_alpha / sqrt(r) with use_rslora). Our q/k/v and gate/up are merged
+linears, so an adapter's q, k and v become slices of the qkv output; each rank keeps the
+rows of B its shard of the output holds (column-parallel), or the columns of A its shard
+of the input holds (row-parallel: the partial deltas add up in the layer's all-reduce).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from fleetserve.replica.lora.request import SUPPORTED_TARGETS, read_adapter_config
+
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+
+# target -> (our module's attribute path in a decoder layer, shard id)
+_MODULES = {"q_proj": ("self_attn.qkv_proj", "q"), "k_proj": ("self_attn.qkv_proj", "k"),
+            "v_proj": ("self_attn.qkv_proj", "v"), "o_proj": ("self_attn.o_proj", None),
+            "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
+            "down_proj": ("mlp.down_proj", None)}
+
+
+@dataclass
+class LoRAWeights:
+    """One adapter, full size (unsharded): (layer, target) -> (A [r, in], B [out, r], scaling)."""
+
+    name: str
+    path: str
+    rank: int
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=dict)
+
+    @property
+    def targets(self) -> list[str]:
+        return sorted({t for _, t in self.weights}, key=SUPPORTED_TARGETS.index)
+
+
+def _read_tensors(path: str) -> dict[str, torch.Tensor]:
+    st = os.path.join(path, "adapter_model.safetensors")
+    if os.path.exists(st):
+        from safetensors.torch import load_file
+
+        return load_file(st)
+    pt = os.path.join(path, "adapter_model.bin")
+    if os.path.exists(pt):
+        return torch.load(pt, map_location="cpu", weights_only=True)
+    raise ValueError(f"LoRA adapter {path!r}: no adapter_model.safetensors (or adapter_model.bin)")
+
+
+def load_lora(name: str, path: str, hf_config, max_lora_rank: int) -> LoRAWeights:
+    """Read and check an adapter for a model of `hf_config`: ValueError naming what is wrong
+    (a missing file, a module we cannot adapt, a rank above --max-lora-rank, a shape that
+    is not this model's)."""
+    cfg = read_adapter_config(path)
+    tensors = _read_tensors(path)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        m = _KEY.search(key)
+        if m is None:
+            raise ValueError(f"LoRA adapter {path!r}: {key!r} is not a LoRA weight of an attention or MLP "
+                             f"projection (adaptable: {', '.join(SUPPORTED_TARGETS)})")
+        layer, target, ab = int(m.group(1)), m.group(2), m.group(3)
+        if target not in _MODULES:
+            raise ValueError(f"LoRA adapter {path!r}: module {target!r} cannot be adapted "
+                             f"(adaptable: {', '.join(SUPPORTED_TARGETS)})")
+        pairs.setdefault((layer, target), {})[ab] = tensor
+    if not pairs:
+        raise ValueError(f"LoRA adapter {path!r}: holds no LoRA weights")
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
+    shapes = {"q_proj": (hidden, hf_config.num_attention_heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
+              "v_proj": (hidden, kv_heads * head_dim), "o_proj": (hf_config.num_attention_heads * head_dim, hidden),
+              "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    out = LoRAWeights(name, path, 0)
+    for (layer, target), ab in sorted(pairs.items()):
+        where = f"LoRA adapter {path!r}, layer {layer} {target}"
+        if not 0 <= layer < hf_config.num_hidden_layers:
+            raise ValueError(f"{where}: the model has {hf_config.num_hidden_layers} layers")
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"{where}: lora_{'B' if 'A' in ab else 'A'} is missing")
+        a, b = ab["A"], ab["B"]
+        r = a.shape[0]
+        n_in, n_out = shapes[target]
+        if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != (r, n_in) or tuple(b.shape) != (n_out, r):
+            raise ValueError(f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit this "
+                             f"model's projection ({n_in} -> {n_out}); is the adapter for another base model?")
+        if r > max_lora_rank:
+            raise ValueError(f"{where}: rank {r} is above --max-lora-rank ({max_lora_rank}); raise it")
+        alpha = float(cfg["lora_alpha"])
+        scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+        out.weights[(layer, target)] = (a.float(), b.float(), scaling)
+        out.rank = max(out.rank, r)
+    return out
+
+
+@dataclass
+class LoRASlot:
+    """One adapter in one linear, this rank's part: t = x A^T ([rows, R], R the ranks of the
+    adapter's targets in this linear, side by side), then for each target
+    y[:, offset:offset + size] += t[:, r0:r1] B^T (B scaled)."""
+
+    a: torch.Tensor  # [R, in (this rank's input)]
+    parts: list[tuple[int, int, int, int, torch.Tensor]]  # (offset, size, r0, r1, B [size, r1 - r0])
+
+
+def _column_part(module, shard_id, b: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """(offset, size, this rank's rows of B) of a column-parallel shard, as its weight_loader cuts it."""
+    tp = module.tp
+    if shard_id in ("q", "k", "v"):
+        if shard_id == "q":
+            offset, size, rank = 0, module.q_size, tp.rank
+        else:
+            offset = module.q_size + (module.kv_size if shard_id == "v" else 0)
+            size, rank = module.kv_size, tp.rank // module.num_kv_head_replicas
+        return offset, size, b.narrow(0, rank * size, size)
+    offset = sum(module.output_sizes[:shard_id]) // tp.world_size
+    size = module.output_sizes[shard_id] // tp.world_size
+    return offset, size, b.narrow(0, tp.rank * size, size)
+
+
+def attach(model: nn.Module, lora_id: int, adapter: LoRAWeights, dtype: torch.dtype,
+           device: torch.device) -> None:
+    """Give each adapted linear of `model` (a LlamaForCausalLM) this rank's slot for `lora_id`."""
+    layers = model.model.layers
+    grouped: dict[tuple[int, str], list[tuple[object, torch.Tensor, torch.Tensor, float]]] = {}
+    for (layer, target), (a, b, scaling) in adapter.weights.items():
+        attr, shard_id = _MODULES[target]
+        grouped.setdefault((layer, attr), []).append((shard_id, a, b, scaling))
+    for (layer, attr), items in grouped.items():
+        module = layers[layer].get_submodule(attr)
+        a_parts, parts, r0 = [], [], 0
+        for shard_id, a, b, scaling in items:
+            if shard_id is None:  # o_proj, down_proj
+                size_in = module.input_size  # row-parallel: this rank's columns of A, all of B
+                a = a.narrow(1, module.tp.rank * size_in, size_in)
+                offset, size = 0, module.output_size
+            else:
+                offset, size, b = _column_part(module, shard_id, b)
+            r = a.shape[0]
+            a_parts.append(a)
+            parts.append((offset, size, r0, r0 + r, (b * scaling).to(dtype=dtype, device=device).contiguous()))
+            r0 += r
+        slot = LoRASlot(torch.cat(a_parts).to(dtype=dtype, device=device).contiguous(), parts)
+        if module.lora is None:
+            module.lora = {}
+        module.lora[lora_id] = slot
+
+
+def detach(model: nn.Module, lora_id: int) -> None:
+    """Drop adapter `lora_id` from every linear of `model`."""
+    for m in model.modules():
+        slots = getattr(m, "lora", None)
+        if isinstance(slots, dict):
+            slots.pop(lora_id, None)
+
+
+__all__ = ["LoRASlot", "LoRAWeights", "attach", "detach", "load_lora"]

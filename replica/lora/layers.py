@@ -1,0 +1,99 @@
+"""Which rows of a step run with which adapter, and the delta an adapted linear adds.
+
+The model runner sets the step's `LoRABatch` around the forward (`active(batch)`); every
+linear with adapter slots (`module.lora`, see adapter.attach) then adds, per adapter in the
+batch, y[rows] += (x[rows] A^T) B^T for each of its targets. Rows of one request are
+contiguous, so an adapter whose requests sit side by side is a slice (no gather); others
+gather and scatter by index. Rows of the base model are untouched: a batch that mixes
+adapters and the base model gives each request what it would get alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional, Union
+
+import torch
+
+Rows = Union[slice, torch.Tensor]
+
+
+class LoRABatch:
+    """(lora_id, rows) for each adapter in the step; rows index the step's flattened tokens."""
+
+    __slots__ = ("groups",)
+
+    def __init__(self, groups: list[tuple[int, Rows]]) -> None:
+        self.groups = groups
+
+    @classmethod
+    def build(cls, lora_ids: list[int], query_lens: list[int], device: torch.device) -> Optional["LoRABatch"]:
+        """From each request's adapter id (0: none) and its number of rows in the step."""
+        ranges: dict[int, list[tuple[int, int]]] = {}
+        offset = 0
+        for lid, n in zip(lora_ids, query_lens, strict=True):
+            if lid and n:
+                spans = ranges.setdefault(lid, [])
+                if spans and spans[-1][1] == offset:
+                    spans[-1] = (spans[-1][0], offset + n)
+                else:
+                    spans.append((offset, offset + n))
+            offset += n
+        if not ranges:
+            return None
+        groups: list[tuple[int, Rows]] = []
+        for lid, spans in ranges.items():
+            if len(spans) == 1:
+                groups.append((lid, slice(*spans[0])))
+            else:
+                idx = torch.cat([torch.arange(a, b) for a, b in spans]).to(device)
+                groups.append((lid, idx))
+        return cls(groups)
+
+
+_current: Optional[LoRABatch] = None
+
+
+def current() -> Optional[LoRABatch]:
+    """The step's adapters while a forward runs with some, else None."""
+    return _current
+
+
+@contextlib.contextmanager
+def active(batch: Optional[LoRABatch]) -> Iterator[None]:
+    global _current
+    previous, _current = _current, batch
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def add_lora(slots: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y (the base linear's output for x) plus each adapter's delta on its rows, in place."""
+    batch = _current
+    if batch is None:
+        return y
+    for lid, rows in batch.groups:
+        slot = slots.get(lid)
+        if slot is None:
+            continue
+        if isinstance(rows, slice):
+            t = x[rows] @ slot.a.t()
+            out = y[rows]
+            for offset, size, r0, r1, b in slot.parts:
+                out[:, offset:offset + size] += t[:, r0:r1] @ b.t()
+        else:
+            t = x.index_select(0, rows) @ slot.a.t()
+            for offset, size, r0, r1, b in slot.parts:
+                y[:, offset:offset + size].index_add_(0, rows, t[:, r0:r1] @ b.t())
+    return y
+
+
+def touches(slots: Optional[dict]) -> bool:
+    """Whether a linear with these slots adds anything in the current step."""
+    batch = _current
+    return bool(slots) and batch is not None and any(lid in slots for lid, _ in batch.groups)
+
+
+__all__ = ["LoRABatch", "active", "add_lora", "current", "touches"]
