@@ -32,6 +32,7 @@ configs are derived from `connector` (prefill: `kv_producer`, decode:
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -214,6 +215,12 @@ class AppConfig(BaseModel):
         "replicas (1 thread each). Tensor-parallel ranks take 1 CPU each on top. Unset: "
         "`fleetserve serve` with its embedded local Ray splits this machine's cores between "
         "the engine replicas (one replica uses them all, as `vllm serve` does); 1 otherwise."))
+    allow_runtime_lora_updating: bool = Field(
+        default_factory=lambda: os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+        description=(
+            "Serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which load a PEFT "
+            "folder from the replicas' disks on every engine replica (needs --enable-lora; "
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True sets it too). Off: those paths are a 404."))
     reasoning_parser: Optional[Literal["deepseek_r1", "qwen3"]] = Field(None, description=(
         "Chat: put a thinking model's <think>...</think> text in the message's reasoning_content "
         "(and reasoning), the rest in content (vLLM's flag). deepseek_r1: the output starts "
@@ -242,7 +249,21 @@ class AppConfig(BaseModel):
             if self.routing_policy != "prefix_aware":
                 raise ValueError("cluster_reuse needs routing_policy prefix_aware (the KV index "
                                  "says which replica holds a prefix)")
+        if self.allow_runtime_lora_updating and not self.engine.enable_lora:
+            raise ValueError("allow_runtime_lora_updating needs enable_lora (--enable-lora)")
+        if self.pd.enabled:  # a request's adapter runs on both sides of the hand-off
+            held = {pool: tuple(m.name for m in self.pool_engine(pool).lora_modules or ())
+                    for pool in ("prefill", "decode")}
+            if held["prefill"] != held["decode"]:
+                raise ValueError(f"pd: the prefill pool's LoRA adapters {list(held['prefill'])} differ "
+                                 f"from the decode pool's {list(held['decode'])}; give both the same lora_modules")
         return self
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """The adapters clients may name in `model`: name -> path (the decode pool's with P/D)."""
+        engine = self.pool_engine("decode") if self.pd.enabled else self.engine
+        return {m.name: m.path for m in engine.lora_modules or ()}
 
     def reuse_engine(self) -> EngineArgs:
         """The app's engine with the kv_both connector cluster reuse needs."""

@@ -17,7 +17,7 @@ from fleetserve.replica.engine.engine_args import DEFAULT_MODEL, EngineArgs
 from fleetserve.replica.engine.engine_core import EngineCore
 from fleetserve.replica.engine.metrics import EngineMetrics
 from fleetserve.replica.model_loader.model_info import generation_defaults
-from fleetserve.replica.lora.request import LoRARequest
+from fleetserve.replica.lora.request import LoRARequest, adapter_digest, read_adapter_config
 from fleetserve.replica.model_loader.registry import resolve_model
 from fleetserve.replica.engine.outputs import RequestOutput, merge_deltas
 from fleetserve.replica.engine.processor import InputProcessor, OutputProcessor, PromptType
@@ -35,7 +35,7 @@ class LLM:
         self.core = EngineCore(self.args, self.tokenizer.eos_token_id)
         self.metrics = EngineMetrics(self.args.served_name or source.name)
         self.input_processor = InputProcessor(self.tokenizer, self.core.max_model_len,
-                                              self.core.hf_config.vocab_size, self.args.lora_ids)
+                                              self.core.hf_config.vocab_size, self.args.lora_table())
         # --generation-config, as the server applies it: the model's own sampling defaults.
         self.generation_defaults = generation_defaults(source, self.args.generation_config)
 
@@ -101,7 +101,7 @@ class LLM:
         requests = [lora_request] * num_prompts if isinstance(lora_request, LoRARequest) else list(lora_request)
         if len(requests) != num_prompts:
             raise ValueError(f"{len(requests)} LoRA requests for {num_prompts} prompts")
-        held = self.input_processor.lora_ids
+        held = {name: lid for name, (lid, _) in self.input_processor.loras.items()}
         for r in requests:
             if r is None:
                 continue
@@ -114,8 +114,10 @@ class LLM:
             if r.lora_name in held or r.lora_int_id in held.values():
                 raise ValueError(f"LoRARequest({r.lora_name!r}, {r.lora_int_id}): that name or id is "
                                  "another adapter's here")
+            read_adapter_config(r.lora_path)
             self.core.executor.add_lora(r.lora_int_id, r.lora_name, r.lora_path)
             held[r.lora_name] = r.lora_int_id
+            self.input_processor.loras[r.lora_name] = (r.lora_int_id, f"{r.lora_name}@{adapter_digest(r.lora_path)}")
         return [None if r is None else r.lora_name for r in requests]
 
     def chat(self, messages: Union[list[dict], Sequence[list[dict]]],

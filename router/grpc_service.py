@@ -347,7 +347,8 @@ class GrpcMethods:
             if not inputs or any(not i for i in inputs):
                 raise APIError("every input must be non-empty, and there must be one", 400, param="texts")
             truncate = request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None
-            vectors, prompt_tokens = await self.embed(inputs, True, truncate, request.priority)
+            vectors, prompt_tokens = await self.embed(inputs, True, truncate, request.priority,
+                                                      request.model or None)
         except APIError as e:
             _fail(grpc_context, e.status, e.body["error"]["message"])
         return pb.EmbedResponse(embeddings=[pb.Embedding(values=v) for v in vectors], prompt_tokens=prompt_tokens)
@@ -368,7 +369,7 @@ class GrpcMethods:
         except APIError as e:
             _fail(grpc_context, e.status, e.body["error"]["message"])
         return pb.ListModelsResponse(models=[pb.ModelInfo(id=name, max_model_len=info["max_model_len"])
-                                             for name in self._listed_names])
+                                             for name in (*self._listed_names, *self._loras)])
 
     def _grpc_auth(self, ctx: RayServegRPCContext) -> None:
         metadata = dict(ctx.invocation_metadata() or [])
@@ -397,4 +398,4 @@ class GrpcMethods:
         # abort, or be refused as a duplicate of) another client's request.
         rid = f"grpc-{uuid.uuid4().hex}"
         return await self.build_body(rid, token_ids, params, request.priority, None, explicit,
-                                     which)
+                                     which, request.model or None)

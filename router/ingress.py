@@ -53,8 +53,10 @@ from fleetserve.router.metrics import merge_metrics
 from fleetserve.router.migration import MigratingStream
 from fleetserve.router.migration import metrics_text as migration_metrics
 from fleetserve.router.openapi import add_request_bodies
+from fleetserve.replica.lora.request import LORA_LOAD_TIMEOUT_S
 from fleetserve.router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                        TokenizeRequest, sampling_dict)
+                                        LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest,
+                                        sampling_dict)
 from fleetserve.router.reasoning import get_parser as get_reasoning_parser
 from fleetserve.router.registry import get_router, release_request
 from fleetserve.router.request_router import TARGET_KWARG
@@ -106,7 +108,9 @@ class Ingress(GrpcMethods):
                  pd: Optional[dict] = None, reuse: Optional[dict] = None,
                  cors: Optional[dict] = None, listed_names: tuple[str, ...] = (),
                  return_tokens_as_token_ids: bool = False,
-                 reasoning_parser: Optional[str] = None) -> None:
+                 reasoning_parser: Optional[str] = None,
+                 lora_adapters: Optional[dict[str, str]] = None,
+                 allow_runtime_lora_updating: bool = False) -> None:
         """`engine` is the engine pool requests stream from; with P/D (`prefill` and `pd`
         given: router.pd) it is the decode pool, and `prefill` the prefill pool."""
         # Before Serve starts this replica's own HTTP/gRPC servers (after the constructor).
@@ -137,7 +141,15 @@ class Ingress(GrpcMethods):
         self._feeds = (FeedHub(self._stream)
                        if os.environ.get("FLEETSERVE_STREAM_FEED", "1") != "0" else None)
         self.served_model_name = served_model_name
-        self._model_names = {served_model_name, *model_aliases, *listed_names}
+        # LoRA adapters (--lora-modules, and /v1/load_lora_adapter's): a request names one in
+        # `model` (name -> path); their KV salt keys (`name@digest`, the engines' own, for
+        # prefix routing); those loaded at run time, which a replica that lacks them loads.
+        self._loras = dict(lora_adapters or {})
+        self._lora_keys: dict[str, str] = {}
+        self._runtime_loras: set[str] = set()
+        self._allow_lora_updates = allow_runtime_lora_updating
+        self._lora_admin = asyncio.Lock()
+        self._model_names = {served_model_name, *model_aliases, *listed_names, *self._loras}
         self._listed_names = (served_model_name, *listed_names)  # /v1/models, in order
         self._auth = ApiKeyAuth(api_key, tuple((reliability or {}).get("open_paths", ("/health", "/ping", "/metrics"))))
         _auth.install(self._auth)
@@ -175,6 +187,8 @@ class Ingress(GrpcMethods):
                             part.block_size = int(info["block_size"])
                     if info.get("tokenizer") is not None:  # every real engine has one
                         info["max_token_chars"] = max_token_chars(info["tokenizer"])
+                    for name, key in (info.get("lora_keys") or {}).items():
+                        self._lora_keys.setdefault(name, key)
                     self._info = info
                     self._start_kv_subscribers()
         return self._info
@@ -218,7 +232,9 @@ class Ingress(GrpcMethods):
     def check_model(self, model: Optional[str]) -> None:
         if model and model not in self._model_names:
             raise APIError(f"The model `{model}` does not exist; this server serves "
-                           + ", ".join(f"`{n}`" for n in self._listed_names), 404, param="model",
+                           + ", ".join(f"`{n}`" for n in self._listed_names)
+                           + (" and the LoRA adapters " + ", ".join(f"`{n}`" for n in self._loras)
+                              if self._loras else ""), 404, param="model",
                            code="model_not_found")
 
     def check_api_key(self, presented: Optional[str]) -> None:
@@ -274,7 +290,9 @@ class Ingress(GrpcMethods):
 
     async def build_body(self, request_id: str, token_ids: list[int], params, priority: int,
                          cache_salt: Optional[str], explicit_max_tokens: Optional[int],
-                         param: str) -> dict:
+                         param: str, model: Optional[str] = None) -> dict:
+        """The engine body of one prompt; `model` (the request's) picks a LoRA adapter when it
+        names one."""
         max_len = (await self.info())["max_model_len"]
         if not token_ids:
             raise APIError(f"{param} must not be empty", 400, param=param)
@@ -291,9 +309,16 @@ class Ingress(GrpcMethods):
         # Truncated here, once: a migrated or handed-off request resends its prompt plus
         # what it generated, which the engine must not cut again.
         sampling = dict(sampling_dict(params), truncate_prompt_tokens=None)
-        return {"request_id": request_id, "prompt_token_ids": token_ids,
+        body = {"request_id": request_id, "prompt_token_ids": token_ids,
                 "sampling_params": sampling, "priority": priority,
                 "cache_salt": cache_salt}
+        if model in self._loras:
+            body["lora_name"] = model
+            if model in self._lora_keys:  # what the routers salt prefix hashes with, as the engine
+                body["lora_key"] = self._lora_keys[model]
+            if model in self._runtime_loras:  # a replica without it loads it first
+                body["lora_path"] = self._loras[model]
+        return body
 
     async def open_stream(self, body: dict):
         """Send to a replica; return (generator, first item). The first item may be an error."""
@@ -324,7 +349,7 @@ class Ingress(GrpcMethods):
             gen.cancel()
         return gen, first
 
-    async def replica_calls(self, op: str, timeout_s: float = 10.0) -> dict[str, dict]:
+    async def replica_calls(self, op: str, timeout_s: float = 10.0, **kwargs) -> dict[str, dict]:
         """`op` on every replica this ingress routes to: replica id -> result.
 
         One at a time on purpose: Serve gives every child call of one incoming
@@ -336,7 +361,7 @@ class Ingress(GrpcMethods):
         for pool in self._pools:  # the engine pool; with P/D, the prefill pool too
             router = get_router(pool.app_name, pool.deployment_name)
             for rid in (router.replica_ids() if router else []):
-                call = pool.control.remote(op, **{TARGET_KWARG: rid})
+                call = pool.control.remote(op, **kwargs, **{TARGET_KWARG: rid})
                 r = await asyncio.wait_for(call, timeout_s)
                 results[r["replica"]] = r
         return results
@@ -361,7 +386,7 @@ class Ingress(GrpcMethods):
             token_ids = await self.truncate(token_ids, req.truncate_prompt_tokens, req.max_tokens)
             bodies.append(await self.build_body(rid if len(prompts) == 1 else f"{rid}-{i}", token_ids,
                                                 params, req.priority, req.cache_salt, req.max_tokens,
-                                                "prompt"))
+                                                "prompt", req.model))
         if len(bodies) == 1 and not req.echo:
             return await self._respond(bodies[0], req, chat=False, logprobs_n=req.logprobs)
         echo = None
@@ -401,7 +426,7 @@ class Ingress(GrpcMethods):
                                "output constraint", 400, param="tool_choice")
             params = params.replace(structured_outputs=tools.structured_outputs())
         body = await self.build_body(rid, token_ids, params, req.priority, req.cache_salt,
-                                     req._max_tokens(), "messages")
+                                     req._max_tokens(), "messages", req.model)
         return body, params, tools
 
     async def _respond(self, body: dict, req, chat: bool, logprobs_n: Optional[int], tools=None):
@@ -510,7 +535,7 @@ class Ingress(GrpcMethods):
             raise APIError(f"dimensions must be positive, got {req.dimensions}", 400, param="dimensions")
         vectors, prompt_tokens = await self.embed(completions.prompt_list(req.input, "input"),
                                                   req.add_special_tokens, req.truncate_prompt_tokens,
-                                                  req.priority)
+                                                  req.priority, req.model)
         if req.dimensions is not None and req.dimensions != len(vectors[0]):
             raise APIError(f"this model's embeddings have {len(vectors[0])} dimensions; reducing them "
                            "(dimensions) is not supported", 400, param="dimensions")
@@ -518,7 +543,7 @@ class Ingress(GrpcMethods):
                                                   req.encoding_format, prompt_tokens))
 
     async def embed(self, inputs: list, add_special_tokens: bool, truncate_prompt_tokens: Optional[int],
-                    priority: int) -> tuple[list[list[float]], int]:
+                    priority: int, model: Optional[str] = None) -> tuple[list[list[float]], int]:
         """(one vector per input, the inputs' tokens) for `/v1/embeddings` and gRPC's Embed:
         each input a request of its own (max_tokens=1, embed), at most `CONCURRENCY` of them
         in flight; the first error, as an APIError."""
@@ -532,7 +557,8 @@ class Ingress(GrpcMethods):
             token_ids = await self.tokenize_prompt(prompt, add_special_tokens, "input",
                                                    truncating=truncate_prompt_tokens is not None)
             token_ids = await self.truncate(token_ids, truncate_prompt_tokens, 1)
-            bodies.append(await self.build_body(f"{rid}-{i}", token_ids, params, priority, None, None, "input"))
+            bodies.append(await self.build_body(f"{rid}-{i}", token_ids, params, priority, None, None, "input",
+                                                model))
         gate = asyncio.Semaphore(emb_api.CONCURRENCY)
 
         async def one(body: dict) -> list[float]:
@@ -563,11 +589,68 @@ class Ingress(GrpcMethods):
 
     # -- HTTP: the rest --------------------------------------------------------
 
+    # -- HTTP: LoRA adapters at run time (vLLM's endpoints) ----------------------------
+
+    def _check_lora_updates(self) -> None:
+        if not self._allow_lora_updates:
+            raise APIError("loading and unloading LoRA adapters at run time is off; start the server "
+                           "with --enable-lora --allow-runtime-lora-updating", 404)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request):
+        """Load an adapter on every engine replica (both pools with P/D); a replica that starts
+        later loads it with the first request for it. 400 naming the problem, after unloading
+        it from the replicas that had taken it, when any replica cannot load it."""
+        req = await self._parse(request, LoadLoRAAdapterRequest)
+        self._check_lora_updates()
+        name, path = req.lora_name, req.lora_path
+        async with self._lora_admin:
+            if name in self._model_names:
+                what = "LoRA adapter" if name in self._loras else "model name"
+                raise APIError(f"The {what} '{name}' is already in use; unload it first or pick "
+                               "another name", 400, param="lora_name")
+            results = await self.replica_calls("load_lora", timeout_s=LORA_LOAD_TIMEOUT_S + 10, name=name, path=path)
+            if not results:
+                raise APIError("no engine replica is running to load the adapter on", 503)
+            failed = [r for r in results.values() if "error" in r]
+            if failed:
+                await self.replica_calls("unload_lora", name=name)
+                raise APIError(f"LoRA adapter '{name}' could not be loaded: {failed[0]['error']}", 400,
+                               param="lora_path")
+            keys = {r["key"] for r in results.values()}
+            if len(keys) > 1:
+                logger.warning("LoRA adapter %r: the replicas read different files at %s (%s)", name, path, keys)
+            self._loras[name] = path
+            self._lora_keys[name] = min(keys)
+            self._runtime_loras.add(name)
+            self._model_names.add(name)
+        logger.info("LoRA adapter %r loaded from %s on %d replicas", name, path, len(results))
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request):
+        """Stop serving an adapter: new requests naming it get a 404 at once; requests running
+        with it finish with it, then each replica frees its weights."""
+        req = await self._parse(request, UnloadLoRAAdapterRequest)
+        self._check_lora_updates()
+        name = req.lora_name
+        async with self._lora_admin:
+            if name not in self._loras:
+                raise APIError(f"The LoRA adapter '{name}' cannot be found.", 404, param="lora_name",
+                               code="model_not_found")
+            del self._loras[name]
+            self._lora_keys.pop(name, None)
+            self._runtime_loras.discard(name)
+            self._model_names.discard(name)
+            await self.replica_calls("unload_lora", name=name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
     @app.get("/v1/models")
     async def models(self, request: Request):
         self.check_api_key(request.headers.get("authorization"))
         info = await self.info()
-        return {"object": "list", "data": [self._model_card(name, info) for name in self._listed_names]}
+        return {"object": "list", "data": [self._model_card(name, info)
+                                           for name in (*self._listed_names, *self._loras)]}
 
     @app.get("/v1/models/{model:path}")
     async def model(self, model: str, request: Request):
@@ -578,6 +661,10 @@ class Ingress(GrpcMethods):
         return self._model_card(model, await self.info())
 
     def _model_card(self, name: str, info: dict) -> dict:
+        if name in self._loras:  # vLLM's card of an adapter: its path, and the base model as parent
+            return {"id": name, "object": "model", "created": self._created, "owned_by": "fleetserve",
+                    "root": self._loras[name], "parent": self.served_model_name,
+                    "max_model_len": info["max_model_len"]}
         return {"id": name, "object": "model", "created": self._created, "owned_by": "fleetserve",
                 "root": info["model_name"], "max_model_len": info["max_model_len"]}
 

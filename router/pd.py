@@ -41,6 +41,7 @@ from typing import Any, Optional
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from fleetserve.router.errors import error_body, is_error
+from fleetserve.scheduler import prefix_salt
 from fleetserve.router.policies import RouteRequest
 from fleetserve.router.registry import get_router
 from fleetserve.router.request_router import TARGET_KWARG
@@ -168,7 +169,8 @@ class PDRouter:
         router = get_router(self._decode.app_name, self._decode.deployment_name)
         if router is None:
             return None, 0
-        request = RouteRequest(str(body["request_id"]), body["prompt_token_ids"], body.get("cache_salt"))
+        request = RouteRequest(str(body["request_id"]), body["prompt_token_ids"],
+                               prefix_salt(body.get("cache_salt"), body.get("lora_key")))
         ranked = router.rank(request)
         if not ranked:
             return None, 0

@@ -36,6 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from fleetserve.router.errors import is_error
 from fleetserve.router.pd import (_BUCKETS, PDStream, decode_token_counter, export_body, failed_load,
                                   run_to_final)
+from fleetserve.scheduler import prefix_salt
 from fleetserve.router.policies import RouteRequest
 from fleetserve.router.registry import get_router
 from fleetserve.router.request_router import TARGET_KWARG
@@ -86,7 +87,8 @@ class PrefixReuse:
         if router is None:
             return None
         prompt = body["prompt_token_ids"]
-        ranked = router.rank(RouteRequest(str(body["request_id"]), prompt, body.get("cache_salt")))
+        ranked = router.rank(RouteRequest(str(body["request_id"]), prompt,
+                                          prefix_salt(body.get("cache_salt"), body.get("lora_key"))))
         if len(ranked) < 2:
             return None
         chosen, chosen_blocks = ranked[0]

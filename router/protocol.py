@@ -199,6 +199,22 @@ class TokenizeRequest(BaseModel):
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's /v1/load_lora_adapter body."""
+
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's /v1/unload_lora_adapter body (its lora_int_id is accepted and not needed)."""
+
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: Optional[int] = None
+
+
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: Optional[str] = None

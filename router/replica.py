@@ -119,6 +119,15 @@ class EngineReplica:
         if refusal is not None:
             yield error_body(refusal, status=429)
             return
+        lora, lora_path = body.get("lora_name"), body.get("lora_path")
+        if lora and lora_path and lora not in self.engine.lora_keys:
+            # An adapter loaded at run time (/v1/load_lora_adapter) before this replica started,
+            # or while it restarted: load it here now, as Ray Serve's multiplexed models are.
+            try:
+                await self.engine.add_lora(lora, lora_path)
+            except ValueError as e:
+                yield error_body(f"LoRA adapter {lora!r}: {e}", param="model")
+                return
         first = True
         kv_params = body.get("kv_transfer_params")
         prompt_logprobs_sent = False
@@ -126,6 +135,7 @@ class EngineReplica:
             body["prompt_token_ids"], params, body["request_id"],
             priority=int(body.get("priority", 0)), cache_salt=body.get("cache_salt"),
             **({"admitted": True} if admitted else {}),
+            **({"lora_name": body["lora_name"]} if body.get("lora_name") else {}),
             **({"kv_transfer_params": kv_params} if kv_params is not None else {}))
         try:
             async with contextlib.aclosing(ready_batches(outputs, batching)) as batches:
@@ -171,8 +181,16 @@ class EngineReplica:
 
     # -- control ---------------------------------------------------------------
 
-    async def control(self, op: str, _fleetserve_target: Optional[str] = None) -> dict:
+    async def control(self, op: str, _fleetserve_target: Optional[str] = None, **kwargs: Any) -> dict:
         """Calls the ingress pins to this replica (see router.request_router)."""
+        if op == "load_lora":
+            try:
+                key = await self.engine.add_lora(kwargs["name"], kwargs["path"])
+            except ValueError as e:
+                return {"replica": self.replica_id, "error": str(e)}
+            return {"replica": self.replica_id, "key": key}
+        if op == "unload_lora":
+            return {"replica": self.replica_id, "removed": await self.engine.remove_lora(kwargs["name"])}
         if op == "metrics_text":
             return {"replica": self.replica_id, "text": self.engine.metrics_text()}
         if op == "get_load":
@@ -208,7 +226,8 @@ class EngineReplica:
                 "max_model_len": self.engine.max_model_len, "block_size": self.block_size,
                 "hash_algo": self.hash_algo,
                 "generation_defaults": dict(getattr(self.engine, "generation_defaults", {})),
-                "kv_events": getattr(self.engine, "kv_events", None) is not None}
+                "kv_events": getattr(self.engine, "kv_events", None) is not None,
+                "lora_keys": dict(getattr(self.engine, "lora_keys", {}))}
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve calls this every `request_routing_stats_period_s`; routers read it."""

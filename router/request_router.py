@@ -26,6 +26,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from fleetserve.router import registry
 from fleetserve.router.migration import AVOID_KEY
+from fleetserve.scheduler import prefix_salt
 from fleetserve.router.policies import ReplicaLoad, RouteRequest, RoutingPolicy, make_policy
 
 TARGET_KWARG = "_fleetserve_target"
@@ -166,4 +167,5 @@ def _route_request(pending: Optional[PendingRequest]) -> Optional[RouteRequest]:
     if not isinstance(token_ids, list):
         return None
     return RouteRequest(request_id=str(body.get("request_id", "")),
-                        prompt_token_ids=token_ids, cache_salt=body.get("cache_salt"))
+                        prompt_token_ids=token_ids,
+                        cache_salt=prefix_salt(body.get("cache_salt"), body.get("lora_key")))

@@ -39,6 +39,8 @@ from fleetserve.kv_transfer.params import validate_kv_transfer_params
 from fleetserve.scheduler import KVEventLog, SamplingParams
 from fleetserve.replica.engine.errors import EngineDeadError, QueueFullError  # noqa: F401 (re-exported)
 
+from fleetserve.replica.lora.request import LORA_LOAD_TIMEOUT_S
+
 logger = logging.getLogger(__name__)
 
 
@@ -83,7 +85,10 @@ class AsyncEngine:
                                             self._on_failure)
         self.max_model_len = self._client.max_model_len
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len,
-                                              self._client.vocab_size, args.lora_ids)
+                                              self._client.vocab_size, args.lora_table())
+        # Adapters loaded at run time take ids after --lora-modules' (one load per name at once).
+        self._next_lora_id = len(args.lora_modules or ()) + 1
+        self._lora_loading: dict[str, asyncio.Future] = {}
         self._refresh_stats()
         self.metrics.cache_config(args.block_size, self._client.stats.num_blocks,
                                   args.enable_prefix_caching)
@@ -175,6 +180,68 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)
+
+    # ---- LoRA adapters at run time ----------------------------------------------------
+    async def add_lora(self, name: str, path: str, timeout_s: float = LORA_LOAD_TIMEOUT_S) -> str:
+        """Load a PEFT adapter on every rank as `name` (vLLM's /v1/load_lora_adapter on one
+        engine) and return its key (`name@digest`). Loading a name already held from the same
+        folder is a no-op; ValueError when the adapter does not fit, the name is taken by
+        another folder, or the core did not answer within `timeout_s`."""
+        if not self.args.enable_lora:
+            raise ValueError("LoRA adapters need --enable-lora")
+        loading = self._lora_loading.get(name)
+        if loading is not None:  # one load per name at a time; the others wait for it
+            return await asyncio.shield(loading)
+        task = asyncio.ensure_future(self._load_lora(name, path, timeout_s))
+        self._lora_loading[name] = task
+        try:
+            return await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._lora_loading.pop(name, None)
+            else:
+                task.add_done_callback(lambda _: self._lora_loading.pop(name, None))
+
+    async def _load_lora(self, name: str, path: str, timeout_s: float) -> str:
+        from fleetserve.replica.lora.request import adapter_digest, read_adapter_config
+
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, read_adapter_config, path)  # a bad folder: no id spent
+        key = f"{name}@{await loop.run_in_executor(None, adapter_digest, path)}"
+        held = self.input_processor.loras.get(name)
+        if held is not None:
+            if held[1] == key:
+                return key
+            raise ValueError(f"a LoRA adapter named {name!r} is loaded already (other weights); unload it first")
+        lora_id = self._next_lora_id
+        self._next_lora_id += 1
+        self._client.attach(loop)  # a core process's answers are read on this loop
+        future = self._client.lora("add", (lora_id, name, path))
+        try:
+            error = await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+        except asyncio.TimeoutError:
+            self._client.lora("remove", (lora_id,))  # whenever it lands, it goes again
+            raise ValueError(f"loading LoRA adapter {name!r} took over {timeout_s:.0f} s; gave up") from None
+        if error is not None:
+            raise ValueError(error)
+        self.input_processor.loras[name] = (lora_id, key)
+        logger.info("LoRA adapter %r loaded from %s (id %d)", name, path, lora_id)
+        return key
+
+    async def remove_lora(self, name: str) -> bool:
+        """Unload adapter `name`: new requests for it are refused at once; its weights go when
+        the requests running with it end. False when no such adapter is loaded."""
+        held = self.input_processor.loras.pop(name, None)
+        if held is None:
+            return False
+        self._client.lora("remove", (held[0],))
+        logger.info("LoRA adapter %r unloaded", name)
+        return True
+
+    @property
+    def lora_keys(self) -> dict[str, str]:
+        """The adapters requests may name: name -> the key their KV blocks are salted with."""
+        return {name: key for name, (_, key) in self.input_processor.loras.items()}
 
     def get_load(self) -> dict:
         self._client.poll()  # what a core process has reported and no loop has read yet

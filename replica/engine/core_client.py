@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures as cf
 import logging
 import os
 import pickle
@@ -134,6 +135,29 @@ class _CoreClient:
 
     def _command(self, command: tuple) -> None:
         raise NotImplementedError
+
+    # -- LoRA adapters at run time: a command the core answers (EngineCore.lora_command) --
+    _lora_seq = 0
+    _lora_waiters: Optional[dict] = None
+
+    def lora(self, op: str, args: tuple) -> cf.Future:
+        """Send a LoRA command; the future gets the core's answer (an error's text, or None)."""
+        if self._lora_waiters is None:
+            self._lora_waiters = {}
+        self._lora_seq += 1
+        future: cf.Future = cf.Future()
+        self._lora_waiters[self._lora_seq] = future
+        self._command(("lora", (self._lora_seq, op, args)))
+        return future
+
+    def _lora_done(self, seq: int, error: Optional[str]) -> None:
+        future = (self._lora_waiters or {}).pop(seq, None)
+        if future is not None and not future.done():
+            future.set_result(error)
+
+    def _fail_lora_waiters(self, why: str) -> None:
+        for seq in list(self._lora_waiters or ()):
+            self._lora_done(seq, why)
 
     # -- liveness: dead is not the only way to fail; a core can also stop moving --------
     _last_progress = 0.0  # monotonic time of the core's latest step or state report
@@ -250,6 +274,10 @@ class ThreadCoreClient(_CoreClient):
             kind, payload = self._commands.popleft()
             if kind == "add":
                 self._adds_seen += 1
+            if kind == "lora":
+                seq, op, args = payload
+                self._lora_done(seq, self.core.lora_command(op, args))
+                continue
             apply_command(self.core, kind, payload)
         self.load, self.stats = load_of(self.core)
         self._flush_kv_events()
@@ -444,6 +472,8 @@ class ProcessCoreClient(_CoreClient):
             self._ping_sent = None
         elif kind in ("failed", "dead"):
             self._on_failure(message[1], kind == "dead")
+        elif kind == "lora_done":
+            self._lora_done(message[1], message[2])
 
     def _core_gone(self, why: Optional[str] = None) -> None:
         """The child exited (end of the pipe) or the pipe is torn (`why`): fail everything,
@@ -465,6 +495,7 @@ class ProcessCoreClient(_CoreClient):
         if why is not None:
             message = f"the pipe to the engine core broke ({why}); the core was stopped"
         logger.error("%s; failing all requests", message)
+        self._fail_lora_waiters(message)
         self._on_failure(message, True)
 
     def _detach(self) -> None:

@@ -89,6 +89,10 @@ class EngineCoreLoop:
             if kind == "ping":  # liveness: answered between steps (the parent's health check)
                 self.send(("pong", rest[0]))
                 continue
+            if kind == "lora":  # a LoRA adapter loaded or unloaded at run time: answered
+                seq, op, args = rest[0]
+                self.send(("lora_done", seq, self.core.lora_command(op, args)))
+                continue
             if kind == "add":
                 self.adds_seen += 1
                 if self.dead:

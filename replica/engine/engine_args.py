@@ -157,6 +157,13 @@ class EngineArgs(BaseModel):
         """Each --lora-modules adapter's engine-wide id (1, 2, ... in the order given)."""
         return {m.name: i for i, m in enumerate(self.lora_modules or (), start=1)}
 
+    def lora_table(self) -> dict[str, tuple[int, str]]:
+        """--lora-modules as the input processor holds them: name -> (id, `name@digest`)."""
+        from fleetserve.replica.lora.request import adapter_digest
+
+        return {m.name: (i, f"{m.name}@{adapter_digest(m.path)}")
+                for i, m in enumerate(self.lora_modules or (), start=1)}
+
     @field_validator("cpu_bind")
     @classmethod
     def _check_cpu_bind(cls, value):

@@ -136,6 +136,40 @@ class EngineCore:
         self.structured = StructuredOutputManager(
             functools.partial(_grammar_backend, args.model, self.hf_config.vocab_size, eos_token_id))
         self._trace = StepTrace.from_env()
+        # LoRA adapters unloaded while requests still ran with them: detached once none does.
+        self._unloading_loras: set[int] = set()
+
+    # ---- LoRA adapters at run time -------------------------------------------------
+    def lora_command(self, op: str, args: tuple) -> Optional[str]:
+        """"add" (lora_id, name, path) or "remove" (lora_id,) between steps; the error's text,
+        or None. A removed adapter stays attached until the requests running with it end
+        (the caller already refuses new ones), so none of them switches weights midway."""
+        try:
+            if op == "add":
+                lora_id, name, path = args
+                self._unloading_loras.discard(lora_id)
+                try:
+                    self.executor.add_lora(lora_id, name, path)
+                except BaseException:
+                    self.executor.remove_lora(lora_id)  # ranks that loaded it before one failed
+                    raise
+            elif op == "remove":
+                self._unloading_loras.add(args[0])
+                self._detach_unused_loras()
+            else:
+                return f"unknown LoRA command {op!r}"
+        except Exception as e:  # noqa: BLE001 - the caller reports it (a 400 naming the problem)
+            return str(e) or type(e).__name__
+        return None
+
+    def _detach_unused_loras(self) -> None:
+        if not self._unloading_loras:
+            return
+        in_use = {r.lora_id for r in self.scheduler.requests.values()}
+        in_use.update(r.lora_id for r, _ in self.structured._pending.values())
+        for lora_id in self._unloading_loras - in_use:
+            self.executor.remove_lora(lora_id)
+            self._unloading_loras.discard(lora_id)
 
     # ---- requests -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -180,6 +214,7 @@ class EngineCore:
                               len(scheduler_output.num_scheduled_tokens), len(self.scheduler.waiting))
         self._advance_grammars(outputs)
         outputs.extend(failed)
+        self._detach_unused_loras()
         if self.kv_connector is not None and not outputs and scheduler_output.is_empty:
             # Only transfers are pending (loads, leases): poll them without spinning a core.
             time.sleep(KV_IDLE_POLL_S)

@@ -30,13 +30,14 @@ _PROMPT_KEYS = {"prompt", "prompt_token_ids"}
 
 class InputProcessor:
     def __init__(self, tokenizer, max_model_len: int, vocab_size: int,
-                 lora_ids: Optional[dict[str, int]] = None) -> None:
+                 loras: Optional[dict[str, tuple[int, str]]] = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_id = tokenizer.eos_token_id
-        # The LoRA adapters the engine holds: name -> id (the engine adds to it).
-        self.lora_ids: dict[str, int] = dict(lora_ids or {})
+        # The LoRA adapters requests may name: name -> (engine id, `name@digest`, the key
+        # their KV blocks are salted with); the engine adds and removes them.
+        self.loras: dict[str, tuple[int, str]] = dict(loras or {})
 
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
@@ -69,12 +70,12 @@ class InputProcessor:
                 cache_salt: Optional[str] = None,
                 kv_transfer_params: Optional[dict[str, Any]] = None,
                 lora_name: Optional[str] = None) -> tuple[Optional[str], list[Request]]:
-        lora_id = 0
+        lora_id, lora_key = 0, None
         if lora_name is not None:
-            lora_id = self.lora_ids.get(lora_name, 0)
-            if not lora_id:
-                held = ", ".join(map(repr, self.lora_ids)) or "none (start it with --lora-modules)"
+            if lora_name not in self.loras:
+                held = ", ".join(map(repr, self.loras)) or "none (start it with --lora-modules)"
                 raise ValueError(f"LoRA adapter {lora_name!r} is not loaded; adapters: {held}")
+            lora_id, lora_key = self.loras[lora_name]
         text, token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
@@ -123,7 +124,7 @@ class InputProcessor:
                 sp = sp.replace(n=1, best_of=None, seed=seed)
             rid = request_id if n == 1 else f"{request_id}#{i}"
             requests.append(Request(rid, token_ids, sp, self.eos_token_id, arrival, priority,
-                                    cache_salt, kv_transfer_params, lora_name, lora_id))
+                                    cache_salt, kv_transfer_params, lora_key, lora_id))
         return text, requests
 
 

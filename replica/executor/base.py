@@ -27,6 +27,9 @@ class Executor(abc.ABC):
         """Load a LoRA adapter on every rank as `lora_id` (ValueError when it does not fit)."""
         raise NotImplementedError(f"{type(self).__name__} cannot load LoRA adapters")
 
+    def remove_lora(self, lora_id: int) -> None:
+        """Drop adapter `lora_id` from every rank (nothing where it is not loaded)."""
+
     def add_progress_hook(self, bump) -> bool:
         """`bump` at each decoder layer of the model this process runs (replica.engine.progress);
         False when there is none here (ranks in other processes: steps alone count)."""

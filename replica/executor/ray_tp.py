@@ -70,6 +70,9 @@ class TPWorkerActor:
     def add_lora(self, lora_id: int, name: str, path: str) -> None:
         self.worker.add_lora(lora_id, name, path)
 
+    def remove_lora(self, lora_id: int) -> None:
+        self.worker.runner.remove_lora_adapter(lora_id)
+
     def determine_num_blocks(self) -> int:
         return self.worker.determine_num_blocks()
 
@@ -190,6 +193,9 @@ class RayTPExecutor(Executor):
 
     def add_lora(self, lora_id: int, name: str, path: str) -> None:
         self._get([w.add_lora.remote(lora_id, name, path) for w in self.workers], 120)
+
+    def remove_lora(self, lora_id: int) -> None:
+        self._get([w.remove_lora.remote(lora_id) for w in self.workers], 120)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()

@@ -28,6 +28,9 @@ class UniProcExecutor(Executor):
     def add_lora(self, lora_id: int, name: str, path: str) -> None:
         self.worker.add_lora(lora_id, name, path)
 
+    def remove_lora(self, lora_id: int) -> None:
+        self.worker.runner.remove_lora_adapter(lora_id)
+
     def add_progress_hook(self, bump) -> bool:
         from fleetserve.replica.engine.progress import hook_layers
 

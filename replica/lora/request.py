@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
+
+# How long an engine may take to load a LoRA adapter at run time (between two steps).
+LORA_LOAD_TIMEOUT_S = 120.0
 
 # The linear layers an adapter may target (the Llama family's names in HF and PEFT).
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -62,6 +66,22 @@ class LoRARequest:
             raise ValueError(f"LoRARequest: lora_int_id must be a positive integer, got {self.lora_int_id!r}")
 
 
+def adapter_digest(path: str) -> str:
+    """A short digest of an adapter folder's config and weights. An adapter's KV blocks are
+    salted with `name@digest`, so blocks cached for an adapter never serve another one that
+    reuses its name (an unload and a load of new weights, a restart on a persistent KV store)."""
+    h = hashlib.blake2b(digest_size=8)
+    for fname in ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"):
+        try:
+            with open(os.path.join(path, fname), "rb") as f:
+                h.update(fname.encode())
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+        except FileNotFoundError:
+            continue
+    return h.hexdigest()
+
+
 def read_adapter_config(path: str) -> dict:
     """A PEFT adapter folder's adapter_config.json, checked for what fleetserve can apply;
     ValueError naming the problem otherwise. (The weights are checked when loaded.)"""
@@ -98,4 +118,4 @@ def read_adapter_config(path: str) -> dict:
     return cfg
 
 
-__all__ = ["LoRAModulePath", "LoRARequest", "SUPPORTED_TARGETS", "read_adapter_config"]
+__all__ = ["LORA_LOAD_TIMEOUT_S", "LoRAModulePath", "LoRARequest", "SUPPORTED_TARGETS", "adapter_digest", "read_adapter_config"]

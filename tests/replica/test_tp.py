@@ -53,6 +53,32 @@ def test_tp2_matches_tp1(local_ray, tiny_model_dir):
 
 
 @pytest.mark.slow
+def test_tp2_lora_matches_tp1(local_ray, tiny_model_dir, tmp_path):
+    """LoRA adapters sharded over two ranks (B's rows on q/k/v and gate/up, A's columns on o and
+    down, whose partial deltas add up in the all-reduce) give TP=1's tokens."""
+    from fleetserve.replica.lora import LoRARequest
+    from fleetserve.replica.testing import make_tiny_lora
+
+    a = make_tiny_lora(tiny_model_dir, tmp_path / "a", seed=1)
+    b = make_tiny_lora(tiny_model_dir, tmp_path / "b", r=4, target_modules=("k_proj", "up_proj", "down_proj"), seed=2)
+    loras = [LoRARequest("a", 1, str(a)), None, LoRARequest("b", 2, str(b))]
+    outs = {}
+    for tp in (1, 2):
+        from fleetserve.replica.llm import LLM
+
+        llm = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64, block_size=4,
+                  tensor_parallel_size=tp, num_threads=1, enable_lora=True, max_loras=2)
+        try:
+            outs[tp] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False,
+                                                                     lora_request=loras)]
+        finally:
+            llm.core.shutdown()
+    assert outs[1] == outs[2]
+    base = [o.outputs[0].token_ids for o in _run(tiny_model_dir, 1)]
+    assert outs[1][0] != base[0] and outs[1][1] == base[1] and outs[1][2] != base[2]
+
+
+@pytest.mark.slow
 def test_tp2_with_preemption(local_ray, tiny_model_dir):
     ref = _run(tiny_model_dir, 1)
     from fleetserve.replica.llm import LLM

@@ -60,8 +60,24 @@ def tiny_model_dir(tmp_path_factory):
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
+# LoRA adapters every test server holds (tests/router/test_lora_api.py): a and b of ranks 8
+# and 4, b on q/v only; --max-loras 1, so requests for both take turns.
+LORA_A, LORA_B = "tiny-lora-a", "tiny-lora-b"
+
+
 @pytest.fixture(scope="session")
-def server(tiny_model_dir):
+def lora_dirs(tiny_model_dir, tmp_path_factory):
+    from fleetserve.replica.testing import make_tiny_lora
+
+    root = tmp_path_factory.mktemp("loras")
+    return {LORA_A: make_tiny_lora(tiny_model_dir, root / "a", seed=1),
+            LORA_B: make_tiny_lora(tiny_model_dir, root / "b", r=4, target_modules=("q_proj", "v_proj"), seed=2),
+            # loaded at run time by the tests (/v1/load_lora_adapter)
+            "c": make_tiny_lora(tiny_model_dir, root / "c", r=2, target_modules=("gate_proj", "o_proj"), seed=3)}
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_dir, lora_dirs):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
     from ray import serve
@@ -76,7 +92,10 @@ def server(tiny_model_dir):
         "engine": {"model": str(tiny_model_dir), "served_model_name": ["tiny", SECOND_NAME], "max_model_len": 2048,
                    "chat_template": NOTE_TEMPLATE + CHATML_TEMPLATE,
                    "num_gpu_blocks_override": 160, "max_num_seqs": 8, "num_threads": 1,
-                   "max_waiting_requests": 64},
+                   "max_waiting_requests": 64,
+                   "enable_lora": True,
+                   "lora_modules": [f"{LORA_A}={lora_dirs[LORA_A]}",
+                                    {"name": LORA_B, "path": str(lora_dirs[LORA_B])}], "max_loras": 1},
         "num_replicas": 2, "routing_policy": "prefix_aware", "num_cpus_per_replica": 0,
         "routing": {"imbalance_threshold": 3},
         "http": {"port": free_port(), "max_body_bytes": 64 * 1024},
@@ -85,6 +104,7 @@ def server(tiny_model_dir):
         # Every chat test runs through the reasoning splitter (a no-op for output that does not
         # open with <think>); tests/router/test_reasoning.py forces some that does.
         "reasoning_parser": "qwen3",
+        "allow_runtime_lora_updating": True,
         "reliability": {"body_timeout_s": 3},
     })
     connect_ray(config, num_cpus=2, log_to_driver=False)

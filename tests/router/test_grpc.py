@@ -46,7 +46,8 @@ def test_generate_token_ids_matches_http_greedy(stub, server):
 def test_health_and_list_models(stub, server):
     assert stub.Health(pb.HealthRequest(), metadata=meta(server), timeout=30).ok
     models = stub.ListModels(pb.ListModelsRequest(), metadata=meta(server), timeout=30).models
-    assert [m.id for m in models] == [server.model, "tiny-chat"]  # every --served-model-name, in order
+    # every --served-model-name, in order, then the LoRA adapters
+    assert [m.id for m in models] == [server.model, "tiny-chat", "tiny-lora-a", "tiny-lora-b"]
     assert models[0].max_model_len == server.config.engine.max_model_len
 
 

@@ -15,7 +15,8 @@ def client(server):
 
 def test_models(client, server):
     models = client.models.list()
-    assert [m.id for m in models.data] == [server.model, "tiny-chat"]  # both --served-model-names
+    # both --served-model-names, then the LoRA adapters (tests/router/test_lora_api.py)
+    assert [m.id for m in models.data] == [server.model, "tiny-chat", "tiny-lora-a", "tiny-lora-b"]
     for m in models.data:  # retrieve: the same card
         assert client.models.retrieve(m.id).model_dump() == m.model_dump()
     with pytest.raises(openai.NotFoundError) as e:
