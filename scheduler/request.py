@@ -87,6 +87,7 @@ class Request:
         kv_transfer_params: Optional[dict[str, Any]] = None,
         lora_name: Optional[str] = None,
         lora_id: int = 0,
+        lora_key: Optional[str] = None,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
@@ -99,10 +100,11 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         # The LoRA adapter the request runs with (id 0, name None: the base model). Its
-        # KV differs from the base model's, so the adapter is part of the prefix-cache salt.
+        # KV differs from the base model's, so the adapter is part of the prefix-cache salt:
+        # `lora_key` (the engine's `name@digest` of its files) or else its name.
         self.lora_id = lora_id
         self.lora_name = lora_name
-        self.cache_salt = prefix_salt(cache_salt, lora_name)
+        self.cache_salt = prefix_salt(cache_salt, lora_key or lora_name)
         self.kv_transfer_params = kv_transfer_params
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

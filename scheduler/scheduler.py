@@ -55,6 +55,10 @@ class SchedulerStats:
     prefix_cache_hits: int
     num_preemptions: int
     spec_decoding: Optional[SpecDecodingStats] = None
+    # With LoRA (max_loras > 0): requests per adapter name, running and waiting.
+    max_loras: int = 0
+    lora_running: Optional[dict[str, int]] = None
+    lora_waiting: Optional[dict[str, int]] = None
 
 
 class Scheduler:
@@ -606,7 +610,18 @@ class Scheduler:
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
             spec_decoding=self.spec_stats.snapshot() if self.config.num_spec_tokens else None,
+            **(self._lora_stats() if self.config.max_loras else {}),
         )
+
+    def _lora_stats(self) -> dict:
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for reqs, counts in ((self.running, running), (self.waiting, waiting),
+                             (self.waiting_for_remote_kvs.values(), waiting)):
+            for r in reqs:
+                if r.lora_name:
+                    counts[r.lora_name] = counts.get(r.lora_name, 0) + 1
+        return {"max_loras": self.config.max_loras, "lora_running": running, "lora_waiting": waiting}
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

@@ -52,6 +52,9 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
 
 
 class EngineMetrics:
+    _lora_info = None  # vllm:lora_requests_info, made with the first LoRA stats
+    _lora_labels = None
+
     def __init__(self, model_name: str, max_model_len: int = 8192) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
         labels = ["model_name", "engine"]
@@ -132,6 +135,22 @@ class EngineMetrics:
         self._last_spec = None
         self.kv_transfer = KVTransferMetrics(r, labels, values)
 
+    def _update_lora_info(self, stats) -> None:
+        """vllm:lora_requests_info, vLLM's: one series whose labels name the adapters of the
+        running and the waiting requests and --max-loras, set to the time it was last true
+        (what LoRA-aware gateways, e.g. the Gateway API inference extension, read). The
+        previous series goes when the labels change."""
+        if self._lora_info is None:
+            self._lora_info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                                    ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                                    registry=self.registry)
+        labels = (str(stats.max_loras), ",".join(sorted(stats.lora_waiting or ())),
+                  ",".join(sorted(stats.lora_running or ())))
+        if self._lora_labels is not None and self._lora_labels != labels:
+            self._lora_info.remove(*self._lora_labels)
+        self._lora_labels = labels
+        self._lora_info.labels(*labels).set_to_current_time()
+
     def cache_config(self, block_size: int, num_blocks: int, enable_prefix_caching: bool) -> None:
         """vllm:cache_config_info: an info gauge (always 1) whose labels carry the settings."""
         self._cache_info.labels(ENGINE_INDEX, str(block_size), str(num_blocks),
@@ -195,6 +214,8 @@ class EngineMetrics:
         self._last_preemptions = stats.num_preemptions
         if getattr(stats, "spec_decoding", None) is not None:
             self._update_spec_decoding(stats.spec_decoding)
+        if getattr(stats, "max_loras", 0):
+            self._update_lora_info(stats)
 
     def _update_spec_decoding(self, spec) -> None:
         """Counters advance by the delta since the last snapshot; acceptance

@@ -124,7 +124,7 @@ class InputProcessor:
                 sp = sp.replace(n=1, best_of=None, seed=seed)
             rid = request_id if n == 1 else f"{request_id}#{i}"
             requests.append(Request(rid, token_ids, sp, self.eos_token_id, arrival, priority,
-                                    cache_salt, kv_transfer_params, lora_key, lora_id))
+                                    cache_salt, kv_transfer_params, lora_name, lora_id, lora_key))
         return text, requests
 
 

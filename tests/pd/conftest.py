@@ -32,6 +32,14 @@ def pd_model_dir(tmp_path_factory):
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-pd"))
 
 
+@pytest.fixture(scope="session")
+def pd_lora_dir(pd_model_dir, tmp_path_factory):
+    """A LoRA adapter of the P/D model, which pd_server's pools both hold as `tiny-lora`."""
+    from fleetserve.replica.testing import make_tiny_lora
+
+    return make_tiny_lora(pd_model_dir, tmp_path_factory.mktemp("pd-lora") / "lora", seed=5)
+
+
 class PDServer:
     def __init__(self, port: int, log_path, grpc_port: int = 0, app: str = APP) -> None:
         self.base_url = f"http://127.0.0.1:{port}"
@@ -110,7 +118,8 @@ class PDServer:
 
 
 def start_server(tmp_path, model_dir, pd: dict, name: str = APP, **top):
-    """Start the app; once more if its embedded Ray timed out starting (a loaded machine)."""
+    """Start the app; once more if its embedded Ray timed out starting (a loaded machine).
+    `engine`: fields over the tiny engine's; any other keyword: a top-level app field."""
     try:
         return _start_server(tmp_path, model_dir, pd, name, **top)
     except AssertionError as e:
@@ -168,9 +177,9 @@ def stop_server(proc) -> None:
 
 
 @pytest.fixture(scope="module")
-def pd_server(tmp_path_factory, pd_model_dir):
+def pd_server(tmp_path_factory, pd_model_dir, pd_lora_dir):
     tmp = tmp_path_factory.mktemp("pd-app")
-    proc, server = start_server(tmp, pd_model_dir, {
+    proc, server = start_server(tmp, pd_model_dir, engine={"lora_modules": [f"tiny-lora={pd_lora_dir}"]}, pd={
         "enabled": True, "connector": "ray_object_store",
         # 60 s: an engine's first transfer also connects its engine-core process to Ray and
         # starts the KV owner actor (tens of seconds on a loaded 2-core machine).
@@ -214,19 +223,21 @@ def reuse_server(tmp_path_factory, pd_model_dir):
 
 
 @pytest.fixture(scope="session")
-def colocated(pd_model_dir):
-    """Greedy text of one engine doing prefill and decode itself (same detokenizer)."""
-    from fleetserve import LLM, SamplingParams
+def colocated(pd_model_dir, pd_lora_dir):
+    """Greedy text of one engine doing prefill and decode itself (same detokenizer);
+    `lora=True`: with pd_server's adapter."""
+    from fleetserve import LLM, LoRARequest, SamplingParams
 
     llm = LLM(str(pd_model_dir), dtype="float32", block_size=BLOCK, max_model_len=256,
-              num_gpu_blocks_override=96, num_threads=1)
+              num_gpu_blocks_override=96, num_threads=1, enable_lora=True)
     cache: dict[tuple, str] = {}
 
-    def text(prompt_ids: list[int], n: int = MAX_TOKENS) -> str:
-        key = (tuple(prompt_ids), n)
+    def text(prompt_ids: list[int], n: int = MAX_TOKENS, lora: bool = False) -> str:
+        key = (tuple(prompt_ids), n, lora)
         if key not in cache:
             out = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=n,
-                                                          ignore_eos=True), use_tqdm=False)
+                                                          ignore_eos=True), use_tqdm=False,
+                               lora_request=LoRARequest("tiny-lora", 1, str(pd_lora_dir)) if lora else None)
             cache[key] = out[0].outputs[0].text
         return cache[key]
 

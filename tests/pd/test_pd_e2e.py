@@ -97,6 +97,24 @@ def test_streaming_chat_equals_colocated(pd_server, colocated):
     pd_server.wait_all_free()
 
 
+def test_a_lora_adapter_runs_on_both_sides_of_the_hand_off(pd_server, colocated):
+    """`model` names the pools' LoRA adapter: the prefill replica computes the prompt's KV with
+    it, the decode replica loads that KV (its blocks salted with the adapter) and decodes with
+    it: the adapter's colocated answer. The base model's answer to the same prompt never takes
+    the adapter's blocks."""
+    c = client(pd_server)
+    prompt = long_prompt(random.Random(7))
+    ids = tokenize(pd_server, prompt=prompt)
+    kw = dict(prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+    r = c.completions.create(model="tiny-lora", **kw)
+    assert r.choices[0].text == colocated(ids, lora=True) != colocated(ids)
+    check_usage(r.usage, len(ids))
+    base = c.completions.create(model="tiny", **kw)
+    assert base.choices[0].text == colocated(ids)
+    check_usage(base.usage, len(ids))  # prefilled again for the base model, and handed over
+    pd_server.wait_all_free()
+
+
 def test_short_prompt_skips_the_prefill_pool(pd_server, colocated):
     c = client(pd_server)
     before = pd_server.pd_paths()

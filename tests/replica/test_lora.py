@@ -110,13 +110,14 @@ def test_max_loras_bounds_a_step(tiny_model_dir, adapters):
               lora_modules=[f"a={adapters['a']}", f"b={adapters['b']}"], max_loras=1)
     assert llm.args.enable_lora  # --lora-modules turns it on
     core = llm.core
-    seen = []
+    seen, stats = [], []
     step = core.step
 
     def watched():
         result = step()
         running = {r.lora_id for r in core.scheduler.running if r.lora_id}
         seen.append(running)
+        stats.append(core.scheduler.get_stats())
         return result
 
     core.step = watched
@@ -124,6 +125,18 @@ def test_max_loras_bounds_a_step(tiny_model_dir, adapters):
     reqs = [None if n is None else LoRARequest(n, {"a": 1, "b": 2}[n], str(adapters[n])) for n in names]
     outs = llm.generate(PROMPTS[:1] * len(names), GREEDY, use_tqdm=False, lora_request=reqs)
     assert all(len(s) <= 1 for s in seen) and {1} in seen and {2} in seen
+    # The first step ran a's two requests (and the base model's); b's two waited. vLLM's
+    # vllm:lora_requests_info says so.
+    first = stats[0]
+    assert (first.max_loras, first.lora_running, first.lora_waiting) == (1, {"a": 2}, {"b": 2})
+    from fleetserve.replica.engine.metrics import EngineMetrics
+
+    metrics = EngineMetrics("tiny")
+    metrics.update_scheduler_stats(first)
+    metrics.update_scheduler_stats(stats[-1])  # the series of the first step's labels is gone
+    text = metrics.text()
+    assert 'max_lora="1",running_lora_adapters="",waiting_lora_adapters=""' in text
+    assert text.count("vllm:lora_requests_info{") == 1
     assert outs[0].outputs[0].token_ids == outs[4].outputs[0].token_ids
     assert outs[1].outputs[0].token_ids == outs[3].outputs[0].token_ids != outs[0].outputs[0].token_ids
     assert core.scheduler.kv.num_free_blocks == core.scheduler.kv.num_blocks

@@ -137,6 +137,13 @@ def test_an_unknown_adapter_is_a_404_and_the_app_serves_on(server, peft_greedy):
     ids = ids_of(server, PROMPT)
     assert token_ids(complete(server, LORA_A, ids)) == peft_greedy(LORA_A, ids, 8)
     server.wait_idle()
+    # vLLM's LoRA info gauge, one series per replica, through the router's /metrics.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    info = [s for f in text_string_to_metric_families(text) if f.name == "vllm:lora_requests_info" for s in f.samples]
+    assert len(info) == 2 and {s.labels["max_lora"] for s in info} == {"1"}, info
+    assert len({s.labels["replica"] for s in info}) == 2
 
 
 def post(server, path: str, body: dict) -> httpx.Response:
