@@ -106,12 +106,14 @@ def load_lora(name: str, path: str, hf_config, max_lora_rank: int) -> LoRAWeight
 
 @dataclass
 class LoRASlot:
-    """One adapter in one linear, this rank's part: t = x A^T ([rows, R], R the ranks of the
-    adapter's targets in this linear, side by side), then for each target
-    y[:, offset:offset + size] += t[:, r0:r1] B^T (B scaled)."""
+    """One adapter in one linear, this rank's part: y += (x A^T) B^T, A [R, in] with the ranks
+    of the adapter's targets in this linear stacked (q, k and v of a qkv linear: R = their
+    ranks together), B [out, R] block-diagonal and scaled (each target's rows of the output
+    take its own columns; outputs it does not adapt are zero rows). One shrink and one expand
+    matmul per adapter and linear, whatever it targets."""
 
     a: torch.Tensor  # [R, in (this rank's input)]
-    parts: list[tuple[int, int, int, int, torch.Tensor]]  # (offset, size, r0, r1, B [size, r1 - r0])
+    b: torch.Tensor  # [out (this rank's output), R]
 
 
 def _column_part(module, shard_id, b: torch.Tensor) -> tuple[int, int, torch.Tensor]:
@@ -149,9 +151,13 @@ def attach(model: nn.Module, lora_id: int, adapter: LoRAWeights, dtype: torch.dt
                 offset, size, b = _column_part(module, shard_id, b)
             r = a.shape[0]
             a_parts.append(a)
-            parts.append((offset, size, r0, r0 + r, (b * scaling).to(dtype=dtype, device=device).contiguous()))
+            parts.append((offset, size, r0, r0 + r, b * scaling))
             r0 += r
-        slot = LoRASlot(torch.cat(a_parts).to(dtype=dtype, device=device).contiguous(), parts)
+        b_full = torch.zeros(module.weight.shape[0], r0)
+        for offset, size, c0, c1, b in parts:
+            b_full[offset:offset + size, c0:c1] = b
+        slot = LoRASlot(torch.cat(a_parts).to(dtype=dtype, device=device).contiguous(),
+                        b_full.to(dtype=dtype, device=device).contiguous())
         if module.lora is None:
             module.lora = {}
         module.lora[lora_id] = slot

@@ -3,8 +3,8 @@
 The model runner sets the step's `LoRABatch` around the forward (`active(batch)`); every
 linear with adapter slots (`module.lora`, see adapter.attach) then adds, per adapter in the
 batch, y[rows] += (x[rows] A^T) B^T for each of its targets. Rows of one request are
-contiguous, so an adapter whose requests sit side by side is a slice (no gather); others
-gather and scatter by index. Rows of the base model are untouched: a batch that mixes
+contiguous, and the model runner orders a step's requests by adapter, so each adapter's rows
+are one slice (no gather); rows given in another order gather and scatter by index. Rows of the base model are untouched: a batch that mixes
 adapters and the base model gives each request what it would get alone.
 """
 
@@ -79,14 +79,9 @@ def add_lora(slots: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if slot is None:
             continue
         if isinstance(rows, slice):
-            t = x[rows] @ slot.a.t()
-            out = y[rows]
-            for offset, size, r0, r1, b in slot.parts:
-                out[:, offset:offset + size] += t[:, r0:r1] @ b.t()
+            y[rows].addmm_(x[rows] @ slot.a.t(), slot.b.t())  # in place on the rows' view
         else:
-            t = x.index_select(0, rows) @ slot.a.t()
-            for offset, size, r0, r1, b in slot.parts:
-                y[:, offset:offset + size].index_add_(0, rows, t[:, r0:r1] @ b.t())
+            y.index_add_(0, rows, (x.index_select(0, rows) @ slot.a.t()) @ slot.b.t())
     return y
 
 

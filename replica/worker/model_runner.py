@@ -153,6 +153,8 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty()
         req_ids = list(so.num_scheduled_tokens)
+        if self.lora_adapters:  # each adapter's rows side by side: one slice per adapter
+            req_ids.sort(key=lambda rid: self.requests[rid].lora_id)
         states = [self.requests[rid] for rid in req_ids]
         spec = so.scheduled_spec_decode_tokens
 

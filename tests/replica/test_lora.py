@@ -66,7 +66,7 @@ def lora(adapters, name):
 
 
 def test_mixed_batches_equal_peft(llm, adapters, peft):
-    # Adapter a's requests are apart in the batch (gathered rows), b's side by side (a slice).
+    # Adapters' requests apart in the scheduler's order (the runner puts each adapter's side by side).
     names = [None, "a", "b", "b", "a", "rs", None, "rs"]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
     outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=[lora(adapters, n) for n in names])
@@ -228,3 +228,32 @@ def test_async_engine_loads_and_unloads_while_serving(tiny_model_dir, adapters, 
         assert engine.get_load()["num_free_blocks"] == engine.get_load()["num_blocks"]
     finally:
         engine.shutdown()
+
+
+def test_adapter_rows_by_slice_or_by_index_add_the_same_delta():
+    """LoRABatch: an adapter's rows as one slice, or gathered by index when they are apart;
+    rows of no adapter (or of one this linear does not adapt) are untouched."""
+    from fleetserve.replica.lora.adapter import LoRASlot
+    from fleetserve.replica.lora.layers import LoRABatch, active, add_lora
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(7, 5, generator=g), torch.randn(7, 6, generator=g)
+    slots = {1: LoRASlot(torch.randn(3, 5, generator=g), torch.randn(6, 3, generator=g)),
+             2: LoRASlot(torch.randn(2, 5, generator=g), torch.randn(6, 2, generator=g))}
+    lens, ids = [2, 1, 3, 1], [1, 0, 1, 3]  # adapter 1 apart: rows 0-1 and 3-5; 3: not here
+    batch = LoRABatch.build(ids, lens, torch.device("cpu"))
+    assert [(lid, type(rows).__name__) for lid, rows in batch.groups] == [(1, "Tensor"), (3, "slice")]
+    want = y.clone()
+    for r in (0, 1, 3, 4, 5):
+        want[r] += (x[r] @ slots[1].a.t()) @ slots[1].b.t()
+    with active(batch):
+        got = add_lora(slots, x, y.clone())
+    torch.testing.assert_close(got, want)
+    side_by_side = LoRABatch.build([0, 1, 1], [1, 4, 2], torch.device("cpu"))
+    assert side_by_side.groups[0][1] == slice(1, 7)
+    with active(side_by_side):
+        got = add_lora(slots, x, y.clone())
+    want = y.clone()
+    want[1:] += (x[1:] @ slots[1].a.t()) @ slots[1].b.t()
+    torch.testing.assert_close(got, want)
+    assert add_lora(slots, x, y) is y  # no batch active: nothing added
