@@ -166,7 +166,7 @@ class EngineCore:
         if not self._unloading_loras:
             return
         in_use = {r.lora_id for r in self.scheduler.requests.values()}
-        in_use.update(r.lora_id for r, _ in self.structured._pending.values())
+        in_use.update(r.lora_id for r in self.structured.pending_requests())
         for lora_id in self._unloading_loras - in_use:
             self.executor.remove_lora(lora_id)
             self._unloading_loras.discard(lora_id)

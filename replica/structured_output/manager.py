@@ -87,6 +87,10 @@ class StructuredOutputManager:
     def has_pending(self) -> bool:
         return bool(self._pending)
 
+    def pending_requests(self) -> list[Request]:
+        """The requests still waiting for their grammar."""
+        return [r for r, _ in self._pending.values()]
+
     def pending_ids(self) -> list[str]:
         """Requests still waiting for their grammar (not in the scheduler yet)."""
         return list(self._pending)

@@ -125,7 +125,10 @@ def test_ctrl_c_cancels_the_reply_and_the_server_aborts_it(server):
     env = {**os.environ, "FLEETSERVE_API_KEY": server.api_key}
     proc = subprocess.Popen([sys.executable, "-m", "fleetserve.cluster.cli", "complete", "--temperature", "0",
                              "--max-tokens", "1500", "--url", server.base_url + "/v1"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            # Ctrl-C as in a terminal, even when this run started with SIGINT ignored
+                            # (a shell's background job), which the child would inherit
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         proc.stdin.write(prompt.encode() + b"\n")
         proc.stdin.flush()
