@@ -53,7 +53,8 @@ def _num(x: float) -> str:
 
 
 def check_model(config: AppConfig) -> None:
-    """The model resolves and the TP size divides it; reads only metadata (about a second)."""
+    """The model resolves and the TP size divides it, the LoRA adapters' folders are adapters;
+    reads only metadata (about a second)."""
     from fleetserve.replica.model_loader import model_info
     from fleetserve.replica.model_loader.registry import resolve_model
 
@@ -65,6 +66,10 @@ def check_model(config: AppConfig) -> None:
         for pool in (config.pd.prefill, config.pd.decode):
             model_info.check_max_model_len(source, pool.engine.get("max_model_len"))
     model_info.generation_defaults(source, config.engine.generation_config)
+    config.engine.check_lora_files()
+    if config.pd.enabled:
+        for pool in ("prefill", "decode"):
+            config.pool_engine(pool).check_lora_files()
 
 
 def _mem_available() -> Optional[int]:

@@ -145,12 +145,18 @@ class EngineArgs(BaseModel):
         clash = set(names) & {self.model, *self.served_model_names}
         if clash:
             raise ValueError(f"lora_modules: {sorted(clash)[0]!r} is the base model's name; name the adapter otherwise")
-        for m in modules:
+        return self
+
+    def check_lora_files(self) -> None:
+        """The --lora-modules folders, read here (ValueError naming what is wrong): what
+        `fleetserve serve` checks before starting anything. Not a validator: the config is
+        also built on machines without the adapters (a cluster's head node); every engine
+        checks them again as it loads them."""
+        for m in self.lora_modules or ():
             cfg = read_adapter_config(m.path)
             if cfg["r"] > self.max_lora_rank:
                 raise ValueError(f"lora_modules: {m.name!r} has rank {cfg['r']}, above --max-lora-rank "
                                  f"({self.max_lora_rank}); raise it")
-        return self
 
     @property
     def lora_ids(self) -> dict[str, int]:

@@ -119,6 +119,17 @@ def test_tp_size_the_model_cannot_split_is_refused_when_arguments_are_read(tiny_
     assert "starting Ray" not in out
 
 
+def test_a_lora_folder_that_is_no_adapter_is_refused_before_ray_starts(tiny_model, tmp_path):
+    (tmp_path / "empty").mkdir()
+    for value, says in ((f"sql={tmp_path / 'missing'}", "no such folder"),
+                        (f"sql={tmp_path / 'empty'}", "no adapter_config.json"),
+                        ("sql", "expected name=path")):
+        r = _cli("serve", "--model", tiny_model, "--lora-modules", value)
+        out = r.stdout + r.stderr
+        assert r.returncode == 2 and says in out and "Traceback" not in out, out
+        assert "starting Ray" not in out
+
+
 @pytest.mark.real_model
 def test_default_model_tp_2_names_the_sizes_it_allows():
     pytest.importorskip("gguf")

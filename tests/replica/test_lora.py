@@ -146,10 +146,10 @@ def test_adapters_that_cannot_apply_are_refused(tiny_model_dir, adapters, tmp_pa
     from fleetserve.replica.engine.engine_args import EngineArgs
     from fleetserve.replica.testing import make_tiny_llama, make_tiny_lora
 
-    with pytest.raises(ValueError, match="no such folder"):
-        EngineArgs(model=str(tiny_model_dir), lora_modules=[f"x={tmp_path / 'none'}"])
+    with pytest.raises(ValueError, match="no such folder"):  # what `fleetserve serve` checks first
+        EngineArgs(model=str(tiny_model_dir), lora_modules=[f"x={tmp_path / 'none'}"]).check_lora_files()
     with pytest.raises(ValueError, match="rank 16, above --max-lora-rank"):
-        EngineArgs(model=str(tiny_model_dir), lora_modules=[f"x={adapters['rs']}"], max_lora_rank=8)
+        EngineArgs(model=str(tiny_model_dir), lora_modules=[f"x={adapters['rs']}"], max_lora_rank=8).check_lora_files()
     with pytest.raises(ValueError, match="expected name=path"):
         EngineArgs(model=str(tiny_model_dir), lora_modules=["just-a-name"])
     with pytest.raises(ValueError, match="given twice"):
@@ -159,7 +159,9 @@ def test_adapters_that_cannot_apply_are_refused(tiny_model_dir, adapters, tmp_pa
     cfg = json.loads((adapters["a"] / "adapter_config.json").read_text())
     (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
     with pytest.raises(ValueError, match="DoRA"):
-        EngineArgs(model=str(tiny_model_dir), lora_modules=[f"x={dora}"])
+        EngineArgs(model=str(tiny_model_dir), lora_modules=[f"x={dora}"]).check_lora_files()
+    with pytest.raises(ValueError, match="DoRA"):  # an engine checks them as it loads them
+        llm.generate("hi", GREEDY, use_tqdm=False, lora_request=LoRARequest("dora", 6, str(dora)))
     # An adapter of the embeddings, and one made for another base model: refused at load,
     # naming the weight; the engine serves on.
     emb = make_tiny_lora(tiny_model_dir, tmp_path / "emb", target_modules=("embed_tokens", "q_proj"))
