@@ -188,6 +188,19 @@ def test_cpu_values_serve_config_matches_fleetserve_build(helm, tmp_path):
     assert build_document(str(app)) == chart_doc
 
 
+def test_lora_values_reach_the_app_config(helm):
+    """LoRA adapters from the values: engine.lora_modules (folders on the engine pods) and
+    app.allowRuntimeLoraUpdating; the app config the head builds from them validates."""
+    from fleetserve.cluster.config import AppConfig
+
+    rs = only(render(helm, [CHART / "ci" / "cpu-small-values.yaml"],
+                     ["engine.lora_modules[0]=sql=/models/adapters/sql", "engine.max_loras=2",
+                      "app.allowRuntimeLoraUpdating=true"]), "RayService")
+    config = AppConfig.model_validate(serve_config(rs)["applications"][0]["args"])
+    assert config.allow_runtime_lora_updating and config.engine.enable_lora
+    assert config.lora_adapters == {"sql": "/models/adapters/sql"} and config.engine.max_loras == 2
+
+
 BAD = [
     # (--set arguments, what the error must name)
     (["workers.engine.replicass=2"], "replicass"),
