@@ -265,6 +265,13 @@ class AppConfig(BaseModel):
         engine = self.pool_engine("decode") if self.pd.enabled else self.engine
         return {m.name: m.path for m in engine.lora_modules or ()}
 
+    @property
+    def lora_parents(self) -> dict[str, str]:
+        """The `base_model_name` the --lora-modules entries that give one name (their /v1/models
+        card's parent; the others': the served model name)."""
+        engine = self.pool_engine("decode") if self.pd.enabled else self.engine
+        return {m.name: m.base_model_name for m in engine.lora_modules or () if m.base_model_name}
+
     def reuse_engine(self) -> EngineArgs:
         """The app's engine with the kv_both connector cluster reuse needs."""
         return self.engine.model_copy(update={"kv_transfer_config": KVTransferConfig.model_validate(

@@ -226,7 +226,7 @@ def build_app(config: AppConfig):
         logging_config=_NO_ACCESS_LOG, **_lifecycle_options(config, health=False))
     common = dict(served_model_name=config.served_model_name, api_key=resolve_api_key(config),
                   max_body_bytes=config.http.max_body_bytes, model_aliases=aliases,
-                  listed_names=others, lora_adapters=config.lora_adapters,
+                  listed_names=others, lora_adapters=config.lora_adapters, lora_parents=config.lora_parents,
                   allow_runtime_lora_updating=config.allow_runtime_lora_updating,
                   bind_host=config.http.host, log_requests=config.enable_log_requests,
                   cors=config.http.cors(),

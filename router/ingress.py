@@ -110,7 +110,8 @@ class Ingress(GrpcMethods):
                  return_tokens_as_token_ids: bool = False,
                  reasoning_parser: Optional[str] = None,
                  lora_adapters: Optional[dict[str, str]] = None,
-                 allow_runtime_lora_updating: bool = False) -> None:
+                 allow_runtime_lora_updating: bool = False,
+                 lora_parents: Optional[dict[str, str]] = None) -> None:
         """`engine` is the engine pool requests stream from; with P/D (`prefill` and `pd`
         given: router.pd) it is the decode pool, and `prefill` the prefill pool."""
         # Before Serve starts this replica's own HTTP/gRPC servers (after the constructor).
@@ -145,6 +146,7 @@ class Ingress(GrpcMethods):
         # `model` (name -> path); their KV salt keys (`name@digest`, the engines' own, for
         # prefix routing); those loaded at run time, which a replica that lacks them loads.
         self._loras = dict(lora_adapters or {})
+        self._lora_parents = dict(lora_parents or {})  # --lora-modules' base_model_name, where given
         self._lora_keys: dict[str, str] = {}
         self._runtime_loras: set[str] = set()
         self._allow_lora_updates = allow_runtime_lora_updating
@@ -639,6 +641,7 @@ class Ingress(GrpcMethods):
                 raise APIError(f"The LoRA adapter '{name}' cannot be found.", 404, param="lora_name",
                                code="model_not_found")
             del self._loras[name]
+            self._lora_parents.pop(name, None)
             self._lora_keys.pop(name, None)
             self._runtime_loras.discard(name)
             self._model_names.discard(name)
@@ -663,7 +666,7 @@ class Ingress(GrpcMethods):
     def _model_card(self, name: str, info: dict) -> dict:
         if name in self._loras:  # vLLM's card of an adapter: its path, and the base model as parent
             return {"id": name, "object": "model", "created": self._created, "owned_by": "fleetserve",
-                    "root": self._loras[name], "parent": self.served_model_name,
+                    "root": self._loras[name], "parent": self._lora_parents.get(name, self.served_model_name),
                     "max_model_len": info["max_model_len"]}
         return {"id": name, "object": "model", "created": self._created, "owned_by": "fleetserve",
                 "root": info["model_name"], "max_model_len": info["max_model_len"]}

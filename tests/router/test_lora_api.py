@@ -15,7 +15,7 @@ import torch
 
 from fleetserve.router.proto import fleetserve_pb2 as pb
 from fleetserve.router.proto import fleetserve_pb2_grpc as pb_grpc
-from tests.router.conftest import LORA_A, LORA_B
+from tests.router.conftest import LORA_A, LORA_B, SECOND_NAME
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time there was a little robot"
 
@@ -60,8 +60,9 @@ def peft_greedy(tiny_model_dir, lora_dirs):
 def test_models_list_the_adapters_with_their_base(server, lora_dirs):
     models = httpx.get(server.base_url + "/v1/models", headers=server.headers(), timeout=30).json()["data"]
     cards = {m["id"]: m for m in models}
-    for name in (LORA_A, LORA_B):
-        assert cards[name]["parent"] == server.model and cards[name]["root"] == str(lora_dirs[name])
+    # (b's --lora-modules entry names its base model: the card's parent)
+    for name, parent in ((LORA_A, server.model), (LORA_B, SECOND_NAME)):
+        assert cards[name]["parent"] == parent and cards[name]["root"] == str(lora_dirs[name])
         one = httpx.get(f"{server.base_url}/v1/models/{name}", headers=server.headers(), timeout=30).json()
         assert one == cards[name]
     assert "parent" not in cards[server.model]
