@@ -143,12 +143,11 @@ class Ingress(GrpcMethods):
                        if os.environ.get("FLEETSERVE_STREAM_FEED", "1") != "0" else None)
         self.served_model_name = served_model_name
         # LoRA adapters (--lora-modules, and /v1/load_lora_adapter's): a request names one in
-        # `model` (name -> path); their KV salt keys (`name@digest`, the engines' own, for
-        # prefix routing); those loaded at run time, which a replica that lacks them loads.
+        # `model` (name -> path; a replica that lacks it loads it from there); their KV salt
+        # keys (`name@digest`, the engines' own, for prefix routing).
         self._loras = dict(lora_adapters or {})
         self._lora_parents = dict(lora_parents or {})  # --lora-modules' base_model_name, where given
         self._lora_keys: dict[str, str] = {}
-        self._runtime_loras: set[str] = set()
         self._allow_lora_updates = allow_runtime_lora_updating
         self._lora_admin = asyncio.Lock()
         self._model_names = {served_model_name, *model_aliases, *listed_names, *self._loras}
@@ -318,8 +317,9 @@ class Ingress(GrpcMethods):
             body["lora_name"] = model
             if model in self._lora_keys:  # what the routers salt prefix hashes with, as the engine
                 body["lora_key"] = self._lora_keys[model]
-            if model in self._runtime_loras:  # a replica without it loads it first
-                body["lora_path"] = self._loras[model]
+            # A replica without it (started after a run-time load, or it evicted the adapter:
+            # --max-cpu-loras) loads it from there first.
+            body["lora_path"] = self._loras[model]
         return body
 
     async def open_stream(self, body: dict):
@@ -624,7 +624,6 @@ class Ingress(GrpcMethods):
                 logger.warning("LoRA adapter %r: the replicas read different files at %s (%s)", name, path, keys)
             self._loras[name] = path
             self._lora_keys[name] = min(keys)
-            self._runtime_loras.add(name)
             self._model_names.add(name)
         logger.info("LoRA adapter %r loaded from %s on %d replicas", name, path, len(results))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
@@ -643,7 +642,6 @@ class Ingress(GrpcMethods):
             del self._loras[name]
             self._lora_parents.pop(name, None)
             self._lora_keys.pop(name, None)
-            self._runtime_loras.discard(name)
             self._model_names.discard(name)
             await self.replica_calls("unload_lora", name=name)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

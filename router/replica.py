@@ -119,15 +119,6 @@ class EngineReplica:
         if refusal is not None:
             yield error_body(refusal, status=429)
             return
-        lora, lora_path = body.get("lora_name"), body.get("lora_path")
-        if lora and lora_path and lora not in self.engine.lora_keys:
-            # An adapter loaded at run time (/v1/load_lora_adapter) before this replica started,
-            # or while it restarted: load it here now, as Ray Serve's multiplexed models are.
-            try:
-                await self.engine.add_lora(lora, lora_path)
-            except ValueError as e:
-                yield error_body(f"LoRA adapter {lora!r}: {e}", param="model")
-                return
         first = True
         kv_params = body.get("kv_transfer_params")
         prompt_logprobs_sent = False
@@ -135,7 +126,11 @@ class EngineReplica:
             body["prompt_token_ids"], params, body["request_id"],
             priority=int(body.get("priority", 0)), cache_salt=body.get("cache_salt"),
             **({"admitted": True} if admitted else {}),
-            **({"lora_name": body["lora_name"]} if body.get("lora_name") else {}),
+            # The adapter's folder too: a replica that lacks it (one loaded at run time before this
+            # replica started, or evicted here by --max-cpu-loras) loads it first, as Ray Serve's
+            # multiplexed models are.
+            **({"lora_name": body["lora_name"], "lora_path": body.get("lora_path")}
+               if body.get("lora_name") else {}),
             **({"kv_transfer_params": kv_params} if kv_params is not None else {}))
         try:
             async with contextlib.aclosing(ready_batches(outputs, batching)) as batches:

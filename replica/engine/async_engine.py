@@ -19,8 +19,10 @@ that disconnected) aborts its request, and its KV blocks return to the pool.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
+import time
 import uuid
 from typing import Any, AsyncIterator, Optional
 
@@ -37,7 +39,8 @@ from fleetserve.replica.engine.processor import InputProcessor, OutputProcessor,
 from fleetserve.replica.engine.tokenizer import apply_chat_template, load_tokenizer
 from fleetserve.kv_transfer.params import validate_kv_transfer_params
 from fleetserve.scheduler import KVEventLog, SamplingParams
-from fleetserve.replica.engine.errors import EngineDeadError, QueueFullError  # noqa: F401 (re-exported)
+from fleetserve.replica.engine.errors import (EngineDeadError, LoRACapacityError,  # noqa: F401 (re-exported)
+                                              QueueFullError)
 
 from fleetserve.replica.lora.request import LORA_LOAD_TIMEOUT_S
 
@@ -89,6 +92,10 @@ class AsyncEngine:
         # Adapters loaded at run time take ids after --lora-modules' (one load per name at once).
         self._next_lora_id = len(args.lora_modules or ()) + 1
         self._lora_loading: dict[str, asyncio.Future] = {}
+        # --max-cpu-loras: the adapters' in-flight requests and last use, to evict the least
+        # recently used idle one when a load needs room.
+        self._lora_active: collections.Counter = collections.Counter()
+        self._lora_used: dict[str, float] = {}
         self._refresh_stats()
         self.metrics.cache_config(args.block_size, self._client.stats.num_blocks,
                                   args.enable_prefix_caching)
@@ -108,21 +115,47 @@ class AsyncEngine:
                             chat_template_kwargs: Optional[dict] = None) -> str:
         return apply_chat_template(self.tokenizer, messages, add_generation_prompt, chat_template_kwargs)
 
-    async def generate(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None,
-                       request_id: Optional[str] = None, *, priority: int = 0,
-                       kv_transfer_params: Optional[dict] = None,
-                       cache_salt: Optional[str] = None,
-                       admitted: bool = False,
-                       lora_name: Optional[str] = None) -> AsyncIterator[RequestOutput]:
-        """Stream `prompt`'s outputs. `admitted=True` skips the waiting-queue bound: for work
-        the cluster accepted already (a migrated request's continuation), which refusing
-        would turn into a failed stream rather than back-pressure on a new request."""
+    def generate(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None,
+                 request_id: Optional[str] = None, *, priority: int = 0,
+                 kv_transfer_params: Optional[dict] = None,
+                 cache_salt: Optional[str] = None,
+                 admitted: bool = False,
+                 lora_name: Optional[str] = None,
+                 lora_path: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+        """Stream `prompt`'s outputs (an async generator: nothing runs, and nothing is raised,
+        until it is iterated). `admitted=True` skips the waiting-queue bound: for work the
+        cluster accepted already (a migrated request's continuation), which refusing would
+        turn into a failed stream rather than back-pressure on a new request. `lora_name`:
+        the LoRA adapter to run with; with `lora_path`, one this engine does not hold (loaded
+        at run time elsewhere, or evicted here by --max-cpu-loras) is loaded first."""
+        if lora_name is None:
+            return self._stream(prompt, sampling_params, request_id, priority, kv_transfer_params,
+                                cache_salt, admitted, None)
+        return self._lora_stream(prompt, sampling_params, request_id, priority, kv_transfer_params,
+                                 cache_salt, admitted, lora_name, lora_path)
+
+    async def _lora_stream(self, prompt, sp, request_id, priority, kv_transfer_params, cache_salt,
+                           admitted, lora_name: str, lora_path: Optional[str]) -> AsyncIterator[RequestOutput]:
+        self._lora_active[lora_name] += 1  # in use from here: never the one evicted to make room
+        self._lora_used[lora_name] = time.monotonic()
+        try:
+            if lora_path and lora_name not in self.input_processor.loras:
+                await self.add_lora(lora_name, lora_path)
+            async for item in self._stream(prompt, sp, request_id, priority, kv_transfer_params,
+                                           cache_salt, admitted, lora_name):
+                yield item
+        finally:
+            self._lora_active[lora_name] -= 1
+
+    async def _stream(self, prompt, sp: Optional[SamplingParams], request_id: Optional[str], priority: int,
+                      kv_transfer_params: Optional[dict], cache_salt: Optional[str], admitted: bool,
+                      lora_name: Optional[str]) -> AsyncIterator[RequestOutput]:
         if self._dead is not None:
             raise EngineDeadError(f"the engine is dead: {self._dead}")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
-        sp = sampling_params or SamplingParams()
+        sp = sp or SamplingParams()
         kv_transfer_params = self._check_kv_transfer_params(kv_transfer_params)
         text, requests = self.input_processor.process(
             prompt, sp, request_id, priority=priority, cache_salt=cache_salt,
@@ -213,6 +246,15 @@ class AsyncEngine:
             if held[1] == key:
                 return key
             raise ValueError(f"a LoRA adapter named {name!r} is loaded already (other weights); unload it first")
+        cap = self.args.max_cpu_loras
+        if cap is not None and len(self.input_processor.loras) >= cap:
+            idle = [n for n in self.input_processor.loras if n != name and not self._lora_active[n]]
+            if not idle:
+                raise LoRACapacityError(f"the {cap} LoRA adapters this replica may hold (--max-cpu-loras) "
+                                        f"are all in use; {name!r} cannot be loaded now, retry shortly")
+            victim = min(idle, key=lambda n: self._lora_used.get(n, 0.0))
+            logger.info("LoRA adapter %r evicted (least recently used) to make room for %r", victim, name)
+            await self.remove_lora(victim)
         lora_id = self._next_lora_id
         self._next_lora_id += 1
         self._client.attach(loop)  # a core process's answers are read on this loop

@@ -124,6 +124,10 @@ class EngineArgs(BaseModel):
         "another adapter wait for a step with room."))
     max_lora_rank: int = Field(16, ge=1, description=(
         "Highest LoRA rank an adapter may have (vLLM's --max-lora-rank)."))
+    max_cpu_loras: Optional[int] = Field(None, ge=1, description=(
+        "Most LoRA adapters one engine holds in memory (vLLM's --max-cpu-loras; unset: every one "
+        "loaded). Loading one more evicts the least recently used idle one, which the engine "
+        "loads again from its folder when a request names it."))
 
     @field_validator("lora_modules", mode="before")
     @classmethod
@@ -138,6 +142,8 @@ class EngineArgs(BaseModel):
         modules = self.lora_modules or ()
         if modules and not self.enable_lora:
             object.__setattr__(self, "enable_lora", True)  # --lora-modules alone turns LoRA on
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         names = [m.name for m in modules]
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:

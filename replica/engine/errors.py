@@ -8,3 +8,8 @@ class QueueFullError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine hit an unrecoverable error (e.g. a worker died); restart the replica."""
+
+
+class LoRACapacityError(QueueFullError):
+    """Every LoRA adapter the engine may hold (--max-cpu-loras) is in use by running requests,
+    so another cannot be loaded now; try again later (HTTP 429)."""

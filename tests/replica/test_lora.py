@@ -259,3 +259,50 @@ def test_adapter_rows_by_slice_or_by_index_add_the_same_delta():
     want[1:] += (x[1:] @ slots[1].a.t()) @ slots[1].b.t()
     torch.testing.assert_close(got, want)
     assert add_lora(slots, x, y) is y  # no batch active: nothing added
+
+
+def test_max_cpu_loras_evicts_the_least_recently_used_idle_adapter(tiny_model_dir, adapters):
+    """--max-cpu-loras 2: a third adapter evicts the least recently used idle one, which a later
+    request reloads from its folder (same tokens as before); one with running requests is
+    never evicted; with every held adapter in use, a load is refused as retry-later (429)."""
+    import asyncio
+
+    from fleetserve.replica.engine.async_engine import AsyncEngine, LoRACapacityError
+
+    engine = AsyncEngine(model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64, num_threads=1,
+                         enable_lora=True, max_cpu_loras=2, core_process=False)
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+    def start(name, rid, sp=GREEDY):
+        return engine.generate(PROMPTS[1], sp, rid, lora_name=name, lora_path=str(adapters[name]))
+
+    async def run(name, rid):
+        return [t async for out in start(name, rid) for t in out.outputs[0].token_ids]
+
+    async def main():
+        first = {"a": await run("a", "1"), "b": await run("b", "2")}
+        assert set(engine.lora_keys) == {"a", "b"}
+        assert await run("a", "3") == first["a"]  # a: used after b
+        first["rs"] = await run("rs", "4")
+        assert set(engine.lora_keys) == {"a", "rs"}  # b went (least recently used)
+        assert await run("b", "5") == first["b"]  # loaded again; a went
+        assert set(engine.lora_keys) == {"rs", "b"}
+        busy = start("rs", "6", long)
+        await busy.__anext__()  # rs runs now
+        assert await run("a", "7") == first["a"]  # b went, not the busy rs
+        assert set(engine.lora_keys) == {"rs", "a"}
+        busy2 = start("a", "8", long)
+        await busy2.__anext__()
+        with pytest.raises(LoRACapacityError, match="all in use"):
+            await run("b", "9")
+        await busy.aclose()
+        await busy2.aclose()
+        assert await run("b", "10") == first["b"]
+
+    try:
+        asyncio.run(main())
+        assert len(engine.core.executor.worker.runner.lora_adapters) == 2  # evicted weights freed
+        load = engine.get_load()
+        assert load["num_free_blocks"] == load["num_blocks"] and load["num_running"] == 0
+    finally:
+        engine.shutdown()
