@@ -306,3 +306,22 @@ def test_max_cpu_loras_evicts_the_least_recently_used_idle_adapter(tiny_model_di
         assert load["num_free_blocks"] == load["num_blocks"] and load["num_running"] == 0
     finally:
         engine.shutdown()
+
+
+def test_speculative_decoding_with_an_adapter_gives_its_tokens(tiny_model_dir, adapters, llm):
+    """N-gram drafts are verified by the target with the request's adapter (the drafts' rows
+    are the request's rows): the same greedy tokens as without speculation."""
+    from fleetserve.replica.llm import LLM
+
+    prompt = "one two three four one two three four one two three four one two"
+    spec = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64, block_size=4, num_threads=1,
+               enable_lora=True, max_loras=2,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                   "prompt_lookup_max": 3})
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    loras = [lora(adapters, "a"), None, lora(adapters, "b")]
+    got = [o.outputs[0].token_ids for o in spec.generate([prompt] * 3, sp, use_tqdm=False, lora_request=loras)]
+    want = [o.outputs[0].token_ids for o in llm.generate([prompt] * 3, sp, use_tqdm=False, lora_request=loras)]
+    assert got == want and got[0] != got[1]
+    stats = spec.core.scheduler.get_stats().spec_decoding
+    assert stats is not None and stats.num_draft_tokens > 0, stats
