@@ -92,6 +92,7 @@ class AsyncEngine:
         # Adapters loaded at run time take ids after --lora-modules' (one load per name at once).
         self._next_lora_id = len(args.lora_modules or ()) + 1
         self._lora_loading: dict[str, asyncio.Future] = {}
+        self._lora_admin = asyncio.Lock()
         # --max-cpu-loras: the adapters' in-flight requests and last use, to evict the least
         # recently used idle one when a load needs room.
         self._lora_active: collections.Counter = collections.Counter()
@@ -241,6 +242,10 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, read_adapter_config, path)  # a bad folder: no id spent
         key = f"{name}@{await loop.run_in_executor(None, adapter_digest, path)}"
+        async with self._lora_admin:  # one eviction and load at a time: the cap holds
+            return await self._attach_lora(name, path, key, timeout_s, loop)
+
+    async def _attach_lora(self, name: str, path: str, key: str, timeout_s: float, loop) -> str:
         held = self.input_processor.loras.get(name)
         if held is not None:
             if held[1] == key:
