@@ -617,8 +617,9 @@ class Ingress(GrpcMethods):
             failed = [r for r in results.values() if "error" in r]
             if failed:
                 await self.replica_calls("unload_lora", name=name)
-                raise APIError(f"LoRA adapter '{name}' could not be loaded: {failed[0]['error']}", 400,
-                               param="lora_path")
+                busy = [r for r in failed if r.get("status") == 429]
+                raise APIError(f"LoRA adapter '{name}' could not be loaded: {(busy or failed)[0]['error']}",
+                               429 if busy else 400, param="lora_path")
             keys = {r["key"] for r in results.values()}
             if len(keys) > 1:
                 logger.warning("LoRA adapter %r: the replicas read different files at %s (%s)", name, path, keys)

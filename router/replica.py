@@ -181,8 +181,10 @@ class EngineReplica:
         if op == "load_lora":
             try:
                 key = await self.engine.add_lora(kwargs["name"], kwargs["path"])
+            except QueueFullError as e:  # every adapter it may hold is busy (--max-cpu-loras)
+                return {"replica": self.replica_id, "error": str(e), "status": 429}
             except ValueError as e:
-                return {"replica": self.replica_id, "error": str(e)}
+                return {"replica": self.replica_id, "error": str(e), "status": 400}
             return {"replica": self.replica_id, "key": key}
         if op == "unload_lora":
             return {"replica": self.replica_id, "removed": await self.engine.remove_lora(kwargs["name"])}

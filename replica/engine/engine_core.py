@@ -182,12 +182,16 @@ class EngineCore:
         request_ids = list(request_ids)
         pending = [rid for rid in request_ids if self.structured.is_pending(rid)]
         self.structured.remove(request_ids)
-        return pending + self.scheduler.abort_requests(request_ids)
+        aborted = pending + self.scheduler.abort_requests(request_ids)
+        self._detach_unused_loras()  # an unloaded adapter's last request may be one of them
+        return aborted
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[str]:
         request_ids = list(request_ids)
         self.structured.remove(request_ids)
-        return self.scheduler.finish_requests(request_ids, status)
+        finished = self.scheduler.finish_requests(request_ids, status)
+        self._detach_unused_loras()
+        return finished
 
     def has_work(self) -> bool:
         return self.scheduler.has_requests() or self.structured.has_pending()
