@@ -56,10 +56,11 @@ _FINISH_REASONS = {
 
 def prefix_salt(cache_salt: Optional[str], lora_name: Optional[str] = None) -> Optional[str]:
     """What a request's prefix-cache block hashes are salted with: its `cache_salt` and,
-    for a request that runs with a LoRA adapter, the adapter's name (the adapter changes
-    every layer's keys and values, so its blocks must never match the base model's or
-    another adapter's). The engine's hashes, the router's prefix index and the KV
-    connectors' keys all take it from here."""
+    for a request that runs with a LoRA adapter, the adapter's key (`name@digest` of its
+    files, or its name: the adapter changes every layer's keys and values, so its blocks
+    must never match the base model's or another adapter's). The engine's hashes, the
+    router's prefix index and the KV connectors' keys all take it from here (it is only
+    ever hashed)."""
     if not lora_name:
         return cache_salt
     return f"{cache_salt or ''}\x00lora:{lora_name}"
