@@ -164,13 +164,9 @@ class EngineArgs(BaseModel):
                 raise ValueError(f"lora_modules: {m.name!r} has rank {cfg['r']}, above --max-lora-rank "
                                  f"({self.max_lora_rank}); raise it")
 
-    @property
-    def lora_ids(self) -> dict[str, int]:
-        """Each --lora-modules adapter's engine-wide id (1, 2, ... in the order given)."""
-        return {m.name: i for i, m in enumerate(self.lora_modules or (), start=1)}
-
     def lora_table(self) -> dict[str, tuple[int, str]]:
-        """--lora-modules as the input processor holds them: name -> (id, `name@digest`)."""
+        """--lora-modules as the input processor holds them: name -> (id, `name@digest`); ids
+        are 1, 2, ... in the order given (the workers attach them under the same ids)."""
         from fleetserve.replica.lora.request import adapter_digest
 
         return {m.name: (i, f"{m.name}@{adapter_digest(m.path)}")

@@ -71,7 +71,7 @@ class TPWorkerActor:
         self.worker.add_lora(lora_id, name, path)
 
     def remove_lora(self, lora_id: int) -> None:
-        self.worker.runner.remove_lora_adapter(lora_id)
+        self.worker.remove_lora(lora_id)
 
     def determine_num_blocks(self) -> int:
         return self.worker.determine_num_blocks()

@@ -29,7 +29,7 @@ class UniProcExecutor(Executor):
         self.worker.add_lora(lora_id, name, path)
 
     def remove_lora(self, lora_id: int) -> None:
-        self.worker.runner.remove_lora_adapter(lora_id)
+        self.worker.remove_lora(lora_id)
 
     def add_progress_hook(self, bump) -> bool:
         from fleetserve.replica.engine.progress import hook_layers

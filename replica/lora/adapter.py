@@ -169,6 +169,8 @@ def detach(model: nn.Module, lora_id: int) -> None:
         slots = getattr(m, "lora", None)
         if isinstance(slots, dict):
             slots.pop(lora_id, None)
+            if not slots:
+                m.lora = None  # no adapter left: its forward skips the LoRA call again
 
 
 __all__ = ["LoRASlot", "LoRAWeights", "attach", "detach", "load_lora"]

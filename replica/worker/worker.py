@@ -58,13 +58,16 @@ class Worker:
             self.runner.proposer = make_proposer(
                 args.speculative_config, device=self.device, dtype=self.dtype,
                 block_size=args.block_size, target_hf_config=self.runner.hf_config)
-        for name, lora_id in args.lora_ids.items():  # --lora-modules: every rank its shard
-            path = next(m.path for m in args.lora_modules if m.name == name)
-            self.runner.add_lora_adapter(lora_id, name, path, args.max_lora_rank)
+        # --lora-modules, every rank its shard, ids as EngineArgs.lora_table numbers them
+        for lora_id, m in enumerate(args.lora_modules or (), start=1):
+            self.add_lora(lora_id, m.name, m.path)
         self.kv_connector = self._make_kv_connector()
 
     def add_lora(self, lora_id: int, name: str, path: str) -> None:
         self.runner.add_lora_adapter(lora_id, name, path, self.args.max_lora_rank)
+
+    def remove_lora(self, lora_id: int) -> None:
+        self.runner.remove_lora_adapter(lora_id)
 
     def _make_kv_connector(self):
         """The worker half of the KV connector: this rank moves its own KV heads."""
