@@ -272,9 +272,11 @@ class LinearBase(PackedWeightMixin, nn.Module):
     """A linear layer whose weight is [output_size_per_partition, input_size_per_partition].
 
     `lora`: LoRA adapters' slots (lora_id -> replica.lora.adapter.LoRASlot), None without;
-    column- and row-parallel linears add the step's adapters' deltas (replica.lora.layers)."""
+    column- and row-parallel linears add the step's adapters' deltas (replica.lora.layers).
+    `lora_stack`: the same adapters in fixed buffers for CUDA graphs (replica.lora.stack)."""
 
     lora: Optional[dict] = None
+    lora_stack: Optional[Any] = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_group: Optional[TPGroup]):
         super().__init__()
@@ -322,8 +324,8 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._linear(x, self.bias)
-        if self.lora is not None:
-            y = add_lora(self.lora, x, y)
+        if self.lora is not None or self.lora_stack is not None:
+            y = add_lora(self.lora, x, y, self.lora_stack)
         return self.tp.all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -378,7 +380,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         """silu(x G^T) * (x U^T) from the fused kernel, or None where it does not run (then: the
         matmul and SiluAndMul)."""
         g = self.current_gated()
-        if self.lora is not None and lora_touches(self.lora):
+        if (self.lora is not None or self.lora_stack is not None) and lora_touches(self.lora, self.lora_stack):
             return None  # the adapters' deltas go on gate and up before the activation
         if g is None or x.dim() != 2 or x.shape[0] > g.max_rows or x.dtype != self.weight.dtype:
             return None
@@ -457,6 +459,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp.rank == 0 else None
         y = self._linear(x, bias)
-        if self.lora is not None:  # this rank's columns of A: the partial deltas add up in the reduce
-            y = add_lora(self.lora, x, y)
+        if self.lora is not None or self.lora_stack is not None:
+            # this rank's columns of A: the partial deltas add up in the reduce
+            y = add_lora(self.lora, x, y, self.lora_stack)
         return self.tp.all_reduce(y)

@@ -21,10 +21,17 @@ Rows = Union[slice, torch.Tensor]
 class LoRABatch:
     """(lora_id, rows) for each adapter in the step; rows index the step's flattened tokens."""
 
-    __slots__ = ("groups",)
+    __slots__ = ("groups", "onehot")
 
-    def __init__(self, groups: list[tuple[int, Rows]]) -> None:
+    def __init__(self, groups: list[tuple[int, Rows]], onehot: Optional[torch.Tensor] = None) -> None:
         self.groups = groups
+        # Instead of groups: each row's one-hot over the stacked slots ([rows, capacity]), for
+        # steps whose kernels must not depend on the adapters they hold (CUDA graphs, stack.py).
+        self.onehot = onehot
+
+    @classmethod
+    def stacked(cls, onehot: torch.Tensor) -> "LoRABatch":
+        return cls([], onehot)
 
     @classmethod
     def build(cls, lora_ids: list[int], query_lens: list[int], device: torch.device) -> Optional["LoRABatch"]:
@@ -69,13 +76,20 @@ def active(batch: Optional[LoRABatch]) -> Iterator[None]:
         _current = previous
 
 
-def add_lora(slots: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """y (the base linear's output for x) plus each adapter's delta on its rows, in place."""
+def add_lora(slots: Optional[dict], x: torch.Tensor, y: torch.Tensor, stack=None) -> torch.Tensor:
+    """y (the base linear's output for x) plus each adapter's delta on its rows, in place.
+    `stack`: the linear's stack.StackedLoRA, which a stacked batch (one-hot rows) reads."""
     batch = _current
     if batch is None:
         return y
+    if batch.onehot is not None:
+        if stack is None:
+            return y
+        n, k = x.shape[0], batch.onehot.shape[1]
+        h = (x @ stack.a.t()).view(n, k, stack.rc) * batch.onehot[:, :, None]
+        return y.addmm_(h.view(n, k * stack.rc), stack.b.t())
     for lid, rows in batch.groups:
-        slot = slots.get(lid)
+        slot = slots.get(lid) if slots else None
         if slot is None:
             continue
         if isinstance(rows, slice):
@@ -85,10 +99,14 @@ def add_lora(slots: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def touches(slots: Optional[dict]) -> bool:
-    """Whether a linear with these slots adds anything in the current step."""
+def touches(slots: Optional[dict], stack=None) -> bool:
+    """Whether a linear with these slots (or this stack) adds anything in the current step."""
     batch = _current
-    return bool(slots) and batch is not None and any(lid in slots for lid, _ in batch.groups)
+    if batch is None:
+        return False
+    if batch.onehot is not None:
+        return stack is not None
+    return bool(slots) and any(lid in slots for lid, _ in batch.groups)
 
 
 __all__ = ["LoRABatch", "active", "add_lora", "current", "touches"]

@@ -27,6 +27,11 @@ graph's output lives in that pool and is read (logits computed) before the next 
 Steps that prefill, carry draft tokens, need a KV connector, or run tensor-parallel
 collectives run eagerly (see `Worker._decode_graph_config`).
 
+With LoRA (`lora_slots`), the linears hold every loaded adapter in fixed buffers
+(replica/lora/stack.py) and a step's rows pick theirs through a one-hot buffer: each shape is
+captured twice, with the adapters' kernels (steps where some row has an adapter) and without
+(base-model steps pay nothing for LoRA being on).
+
 `capture=False` runs the very same padded, static-buffer forward without a graph: how
 the CPU test suite checks the padding and the buffer bookkeeping where no GPU is.
 """
@@ -42,6 +47,7 @@ from typing import Optional
 import torch
 
 from fleetserve.replica.layers.attention import AttentionMetadata
+from fleetserve.replica.lora import layers as lora_layers
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +68,9 @@ class DecodeGraphConfig:
     # wider shapes are captured on first use.
     capture_at_start: bool = True
     start_width_tokens: int = 2048
+    # LoRA adapters stacked for the graphs (0: no LoRA; steps with adapters run eagerly).
+    lora_slots: int = 0
+    max_lora_rank: int = 16
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -80,8 +89,9 @@ class DecodeGraphs:
     """Captured decode forwards of one model over one set of KV caches."""
 
     def __init__(self, model, kv_caches: list[torch.Tensor], *, scratch_block: int, block_size: int,
-                 config: DecodeGraphConfig, device: torch.device) -> None:
+                 config: DecodeGraphConfig, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
         self.model = model
+        self.config = config
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.scratch_block = scratch_block
@@ -94,17 +104,42 @@ class DecodeGraphs:
         # Rows: token id, position, cache slot, sequence length (incl. the new token).
         self._rows = torch.zeros(4, self.max_batch, dtype=torch.long, device=device)
         self._table = torch.zeros(self.max_batch, self.max_blocks, dtype=torch.long, device=device)
-        self._graphs: dict[tuple[int, int], tuple[Optional[torch.cuda.CUDAGraph], Optional[torch.Tensor]]] = {}
+        # Rows' one-hot over the LoRA slots (None without LoRA).
+        self._onehot = (torch.zeros(self.max_batch, config.lora_slots, dtype=dtype, device=device)
+                        if config.lora_slots else None)
+        # (rows, width, with adapters) -> (graph, its output)
+        self._graphs: dict[tuple[int, int, bool], tuple[Optional[torch.cuda.CUDAGraph], Optional[torch.Tensor]]] = {}
         self._pool = None
         self.num_steps = 0  # steps run through here (graph replays, or static eager steps)
         self.num_replays = 0
+        self.num_lora_steps = 0  # of which with adapters
         self.capture_seconds = 0.0
-        if self.capture and config.capture_at_start:
-            shapes = self.start_shapes(config.start_width_tokens)
-            for key in shapes:
-                self._graphs[key] = self._capture(*key)
-            logger.info("captured %d decode CUDA graphs (1..%d rows, up to %d tokens per row) in %.1f s",
-                        len(shapes), self.max_batch, shapes[0][1] * block_size, self.capture_seconds)
+        self._capture_at_start()
+
+    def _capture_at_start(self) -> None:
+        if not (self.capture and self.config.capture_at_start):
+            return
+        t0 = self.capture_seconds
+        shapes = self.start_shapes(self.config.start_width_tokens)
+        variants = (False, True) if self._onehot is not None else (False,)
+        for lora in variants:
+            for rows, width in shapes:
+                self._graphs[(rows, width, lora)] = self._capture(rows, width, lora)
+        logger.info("captured %d decode CUDA graphs (1..%d rows, up to %d tokens per row%s) in %.1f s",
+                    len(shapes) * len(variants), self.max_batch, shapes[0][1] * self.block_size,
+                    ", each with and without LoRA" if len(variants) == 2 else "", self.capture_seconds - t0)
+
+    @property
+    def lora_slots(self) -> int:
+        return 0 if self._onehot is None else self._onehot.shape[1]
+
+    def set_lora_slots(self, slots: int) -> None:
+        """The LoRA stacks grew to `slots` (new buffers, new addresses): every graph is dropped
+        and those of the start-up shapes captured again."""
+        self._onehot = torch.zeros(self.max_batch, slots, dtype=self._onehot.dtype, device=self.device)
+        self._graphs.clear()
+        self._pool = None
+        self._capture_at_start()
 
     def start_shapes(self, max_tokens: int) -> list[tuple[int, int]]:
         """(rows, width) of every shape captured at start: each batch size at each width bucket
@@ -127,16 +162,24 @@ class DecodeGraphs:
                 width_bucket(max_blocks, self.max_blocks, self.min_blocks))
 
     def run(self, key: tuple[int, int], token_ids: list[int], positions: list[int],
-            block_tables: list[list[int]]) -> torch.Tensor:
-        """Final hidden states [len(token_ids), hidden] of one decode token per row."""
+            block_tables: list[list[int]], lora_onehot: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Final hidden states [len(token_ids), hidden] of one decode token per row.
+        `lora_onehot` ([rows, lora_slots], LoRAStacks.onehot): the rows' adapters, None: none."""
         rows, width = key
-        if key not in self._graphs:
-            self._graphs[key] = self._capture(rows, width)
+        lora = lora_onehot is not None
+        if lora and self._onehot is None:
+            raise RuntimeError("a decode step with LoRA adapters, but the graphs hold no LoRA slots")
+        gkey = (rows, width, lora)
+        if gkey not in self._graphs:
+            self._graphs[gkey] = self._capture(rows, width, lora)
         self._fill(rows, width, token_ids, positions, block_tables)
-        graph, out = self._graphs[key]
+        if lora:  # rows past len(token_ids) keep stale picks: they read and write the scratch block only
+            self._onehot[:len(token_ids)].copy_(lora_onehot, non_blocking=True)
+            self.num_lora_steps += 1
+        graph, out = self._graphs[gkey]
         self.num_steps += 1
         if graph is None:
-            out = self._forward(rows, width)
+            out = self._forward(rows, width, lora)
         else:
             graph.replay()
             self.num_replays += 1
@@ -162,28 +205,31 @@ class DecodeGraphs:
                                             dtype=torch.long, device=self.device)[:, None]
         self._table[:rows, :width] = self.scratch_block
 
-    def _forward(self, rows: int, width: int) -> torch.Tensor:
+    def _forward(self, rows: int, width: int, lora: bool = False) -> torch.Tensor:
         md = AttentionMetadata.static_decode(self._rows[:, :rows], self._table[:rows, :width], self.block_size)
-        return self.model(self._rows[0, :rows], self._rows[1, :rows], self.kv_caches, md)
+        with lora_layers.active(lora_layers.LoRABatch.stacked(self._onehot[:rows]) if lora else None):
+            return self.model(self._rows[0, :rows], self._rows[1, :rows], self.kv_caches, md)
 
-    def _capture(self, rows: int, width: int):
+    def _capture(self, rows: int, width: int, lora: bool = False):
         if not self.capture:
             return None, None
         t0 = time.perf_counter()
         self._fill_dummy(rows, width)
+        if lora:
+            self._onehot[:rows].zero_()
         # Warm up on a side stream first (cuBLAS handles and workspaces, lazy inits), as
         # torch.cuda.graph's documentation asks; then capture into the shared pool.
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self._forward(rows, width)
+            self._forward(rows, width, lora)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self._forward(rows, width)
+            out = self._forward(rows, width, lora)
         if self._pool is None:
             self._pool = graph.pool()
         self.capture_seconds += time.perf_counter() - t0
-        logger.debug("captured a decode CUDA graph for %d rows x %d blocks in %.0f ms",
-                     rows, width, 1e3 * (time.perf_counter() - t0))
+        logger.debug("captured a decode CUDA graph for %d rows x %d blocks%s in %.0f ms",
+                     rows, width, " with LoRA" if lora else "", 1e3 * (time.perf_counter() - t0))
         return graph, out

@@ -74,6 +74,9 @@ class ModelRunner:
         self.decode_graphs = None
         # LoRA adapters attached to the model's linears: lora_id -> name (add_lora_adapter).
         self.lora_adapters: dict[int, str] = {}
+        # The same adapters in fixed buffers, for decode steps replayed from CUDA graphs
+        # (lora/stack.py); None: steps with adapters run eagerly.
+        self.lora_stacks = None
 
     @classmethod
     def load(cls, source, *, device: torch.device, dtype: torch.dtype, block_size: int,
@@ -93,12 +96,16 @@ class ModelRunner:
         adapter = load_lora(name, path, self.hf_config, max_lora_rank)
         attach(self.model, lora_id, adapter, self.dtype, self.device)
         self.lora_adapters[lora_id] = name
+        if self.lora_stacks is not None and self.lora_stacks.put(lora_id) and self.decode_graphs is not None:
+            self.decode_graphs.set_lora_slots(self.lora_stacks.capacity)  # the buffers moved
         logger.info("LoRA adapter %r (id %d, rank %d, %s) from %s", name, lora_id, adapter.rank,
                     "/".join(adapter.targets), path)
 
     def remove_lora_adapter(self, lora_id: int) -> None:
         from fleetserve.replica.lora.adapter import detach
 
+        if self.lora_stacks is not None:
+            self.lora_stacks.drop(lora_id)
         detach(self.model, lora_id)
         self.lora_adapters.pop(lora_id, None)
 
@@ -112,17 +119,30 @@ class ModelRunner:
         the cache then holds one scratch block past `num_blocks` for the graphs' padded rows."""
         extra = 1 if decode_graphs is not None else 0
         self.decode_graphs = None
+        if self.lora_stacks is not None:
+            self.lora_stacks.release()
+            self.lora_stacks = None
         self.kv_caches = allocate_kv_caches(self.hf_config, num_blocks + extra, self.block_size,
                                             self.dtype, self.device, self.tp_size)
         if self.proposer is not None:
             self.proposer.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
         if decode_graphs is not None:
+            from dataclasses import replace
+
             from fleetserve.replica.worker.cuda_graph import DecodeGraphs
 
+            if decode_graphs.lora_slots:
+                from fleetserve.replica.lora.stack import LoRAStacks
+
+                self.lora_stacks = LoRAStacks(self.model, max(decode_graphs.lora_slots, len(self.lora_adapters)),
+                                              decode_graphs.max_lora_rank, self.dtype, self.device)
+                for lora_id in sorted(self.lora_adapters):
+                    self.lora_stacks.put(lora_id)
+                decode_graphs = replace(decode_graphs, lora_slots=self.lora_stacks.capacity)
             self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, scratch_block=num_blocks,
                                               block_size=self.block_size, config=decode_graphs,
-                                              device=self.device)
+                                              device=self.device, dtype=self.dtype)
 
     # ---- persistent batch -------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -190,11 +210,14 @@ class ModelRunner:
         lora_batch = (lora_layers.LoRABatch.build([s.lora_id for s in states], query_lens, device)
                       if self.lora_adapters else None)
         graph_key = None
+        lora_ids = [s.lora_id for s in states] if lora_batch is not None else None
         if (self.decode_graphs is not None and offset == len(req_ids)  # one token per request
-                and self.kv_hooks is None and self.proposer is None and lora_batch is None):
+                and self.kv_hooks is None and self.proposer is None
+                and (lora_ids is None or (self.lora_stacks is not None and self.lora_stacks.holds(lora_ids)))):
             graph_key = self.decode_graphs.bucket(len(req_ids), -(-(max(positions) + 1) // self.block_size))
         if graph_key is not None:
-            hidden = self.decode_graphs.run(graph_key, input_ids, positions, [s.block_ids for s in states])
+            hidden = self.decode_graphs.run(graph_key, input_ids, positions, [s.block_ids for s in states],
+                                            self.lora_stacks.onehot(lora_ids) if lora_ids else None)
         else:
             attn_metadata = AttentionMetadata.build(
                 query_lens, context_lens, [s.block_ids for s in states], self.block_size, device,

@@ -123,7 +123,11 @@ class Worker:
         from fleetserve.replica.worker.cuda_graph import DecodeGraphConfig
 
         max_len = min(self.args.max_seq_len_to_capture, self.args.max_model_len or self.runner.model.max_position)
-        return DecodeGraphConfig(max_batch=self.args.max_num_seqs, max_len=max_len)
+        lora_slots = 0
+        if self.args.enable_lora:  # slots for every adapter held (more: the stacks grow, graphs are recaptured)
+            lora_slots = self.args.max_cpu_loras or max(4, self.args.max_loras, len(self.args.lora_modules or ()))
+        return DecodeGraphConfig(max_batch=self.args.max_num_seqs, max_len=max_len, lora_slots=lora_slots,
+                                 max_lora_rank=self.args.max_lora_rank)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         graphs = self._decode_graph_config()

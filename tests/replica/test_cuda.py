@@ -245,3 +245,55 @@ def test_default_kv_budget_on_cuda():
     free, _ = torch.cuda.mem_get_info()
     budget = default_kv_cache_bytes(torch.device("cuda"))
     assert 0 < budget <= free
+
+
+@pytest.fixture(scope="module")
+def cuda_loras(model_dir, tmp_path_factory):
+    from fleetserve.replica.testing import make_tiny_lora
+
+    root = tmp_path_factory.mktemp("cuda-loras")
+    return {"a": make_tiny_lora(model_dir, root / "a", seed=1),
+            "b": make_tiny_lora(model_dir, root / "b", r=4, lora_alpha=8, target_modules=("q_proj", "v_proj"), seed=2),
+            "rs": make_tiny_lora(model_dir, root / "rs", r=16, lora_alpha=4, use_rslora=True,
+                                 target_modules=("o_proj", "gate_proj", "down_proj"), seed=3)}
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
+def test_lora_adapters_on_cuda_match_peft(model_dir, cuda_loras, enforce_eager):
+    """LoRA on the GPU, fp32: batches that mix the base model and three adapters (two a step; one loaded
+    at start, two when a request names them, which grows the graphs' LoRA stacks and
+    recaptures) give PEFT's greedy tokens on the CPU, with decode steps replayed from CUDA
+    graphs that hold the adapters (lora/stack.py) and without; no block leaks."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    from fleetserve.replica.llm import LLM
+    from fleetserve.replica.lora import LoRARequest
+    from fleetserve.scheduler import SamplingParams
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", num_gpu_blocks_override=64, block_size=BLOCK,
+              max_num_seqs=8, enforce_eager=enforce_eager, enable_lora=True, max_loras=2, max_cpu_loras=2,
+              lora_modules=[f"a={cuda_loras['a']}"])
+    runner = llm.core.executor.worker.runner
+    if not enforce_eager:
+        assert runner.lora_stacks.capacity == 2 and runner.decode_graphs.num_graphs == 2 * 16
+    requests = {n: LoRARequest(n, i, str(cuda_loras[n])) for i, n in enumerate(("a", "b", "rs"), start=1)}
+    names = [None, "a", "b", "rs", "a", None, "rs", "b"]
+    prompts = [_prompt(3 + 5 * i, 40 + i, 380) for i in range(len(names))]
+    outs = llm.generate([list(p) for p in prompts], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                        use_tqdm=False, lora_request=[requests.get(n) for n in names])
+    want = []
+    for name, ids in zip(names, prompts):
+        base = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model = base if name is None else PeftModel.from_pretrained(base, str(cuda_loras[name])).eval()
+        want.append(_hf_greedy(model, [ids], 12)[0])
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    assert len({tuple(w) for w in want}) == len(want)
+    stats = llm.core.scheduler.get_stats()
+    assert stats.num_free_blocks == stats.num_blocks
+    if not enforce_eager:
+        graphs = runner.decode_graphs
+        assert runner.lora_stacks.capacity == 4 and graphs.lora_slots == 4  # grew for the third
+        assert graphs.num_lora_steps > 5 and graphs.num_replays >= graphs.num_lora_steps
+    llm.core.shutdown()

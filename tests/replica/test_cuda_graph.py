@@ -98,6 +98,76 @@ def test_static_decode_path_matches_eager_with_pytorch_attention(tiny_model_dir,
     assert [o.token_ids for o in static] == [o.token_ids for o in eager]
 
 
+@pytest.fixture(scope="module")
+def loras(tiny_model_dir, tmp_path_factory):
+    from fleetserve.replica.testing import make_tiny_lora
+
+    root = tmp_path_factory.mktemp("graph-loras")
+    return {"a": make_tiny_lora(tiny_model_dir, root / "a", seed=1),
+            "b": make_tiny_lora(tiny_model_dir, root / "b", r=4, lora_alpha=8, target_modules=("q_proj", "v_proj"),
+                                seed=2),
+            "rs": make_tiny_lora(tiny_model_dir, root / "rs", r=16, lora_alpha=4, use_rslora=True,
+                                 target_modules=("o_proj", "gate_proj", "down_proj"), seed=3)}
+
+
+def _run_lora(model_dir, loras, static: bool):
+    from fleetserve.replica.lora import LoRARequest
+
+    llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=NUM_BLOCKS, block_size=BLOCK, max_num_seqs=6,
+              device="cpu", enable_lora=True, max_loras=3, lora_modules=[f"a={loras['a']}", f"b={loras['b']}"])
+    runner = llm.core.executor.worker.runner
+    if static:
+        # Two slots for the two adapters loaded at start; the third (loaded when a request
+        # names it) doubles the stacks, and the graphs start over with the new buffers.
+        runner.initialize_kv_cache(NUM_BLOCKS, decode_graphs=DecodeGraphConfig(
+            max_batch=6, max_len=32, capture=False, min_width_tokens=1, lora_slots=2))
+        assert runner.lora_stacks.capacity == runner.decode_graphs.lora_slots == 2
+        assert runner.lora_stacks.slot_of == {1: 0, 2: 1}
+    requests = {"a": LoRARequest("a", 1, str(loras["a"])), "b": LoRARequest("b", 2, str(loras["b"])),
+                "rs": LoRARequest("rs", 3, str(loras["rs"]))}
+    names = [None, "a", "b", "rs", "a", None, "rs", "b", None, "a"]
+    prompts = _prompts(len(names))
+    params = [SamplingParams(temperature=0, max_tokens=5 + 3 * i, ignore_eos=True, logprobs=2)
+              for i in range(len(prompts))]
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=[requests.get(n) for n in names])
+    stats = llm.core.scheduler.get_stats()
+    assert stats.num_free_blocks == stats.num_blocks  # nothing leaked
+    return llm, runner, [o.outputs[0] for o in outs]
+
+
+def test_static_decode_path_with_lora_adapters_matches_eager(tiny_model_dir, loras):
+    """Decode steps with adapters through the stacked LoRA buffers (what a CUDA graph replays:
+    lora/stack.py) give the tokens of the eager, per-adapter path, in batches that mix the
+    base model and three adapters; the stacks grow when a third adapter is loaded, and an
+    unloaded adapter's slot is zeroed and handed to the next one."""
+    llm, _, eager = _run_lora(tiny_model_dir, loras, static=False)
+    llm.core.shutdown()
+    llm, runner, static = _run_lora(tiny_model_dir, loras, static=True)
+    graphs, stacks = runner.decode_graphs, runner.lora_stacks
+    assert stacks.capacity == graphs.lora_slots == 4 and stacks.slot_of == {1: 0, 2: 1, 3: 2}
+    assert graphs.num_lora_steps > 5
+    assert [o.token_ids for o in static] == [o.token_ids for o in eager]
+    for a, b in zip(static, eager):
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
+    # Every adapter differs from the base model somewhere (the one-hot picked real slots).
+    assert len({tuple(o.token_ids) for o in static}) > 3
+    qkv = runner.model.model.layers[0].self_attn.qkv_proj.lora_stack
+    rc = qkv.rc
+    assert qkv.a[rc:2 * rc].abs().sum() > 0  # b's q and v
+    # Base-model steps take the graphs without the adapters' kernels, and give the same tokens.
+    steps, lora_steps = graphs.num_steps, graphs.num_lora_steps
+    again = llm.generate(_prompts(1), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert again[0].outputs[0].token_ids == static[0].token_ids
+    assert graphs.num_steps > steps and graphs.num_lora_steps == lora_steps
+    assert {lora for _, _, lora in graphs._graphs} == {False, True}
+    llm.core.executor.remove_lora(2)
+    assert 2 not in stacks.slot_of and qkv.a[rc:2 * rc].abs().sum() == 0 and qkv.b[:, rc:2 * rc].abs().sum() == 0
+    llm.core.executor.add_lora(4, "b2", str(loras["b"]))
+    assert stacks.slot_of[4] == 1 and qkv.a[rc:2 * rc].abs().sum() > 0 and stacks.capacity == 4
+    llm.core.shutdown()
+
+
 def test_no_graphs_on_cpu_or_when_eager(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), num_gpu_blocks_override=16, device="cpu")
     worker = llm.core.executor.worker
@@ -114,7 +184,12 @@ def test_which_workers_would_capture(tiny_model_dir, monkeypatch, caplog):
     worker = llm.core.executor.worker
     monkeypatch.setattr(worker, "device", torch.device("cuda"))
     cfg = worker._decode_graph_config()
-    assert (cfg.max_batch, cfg.max_len, cfg.capture) == (24, 300, True)
+    assert (cfg.max_batch, cfg.max_len, cfg.capture, cfg.lora_slots) == (24, 300, True, 0)
+    # With LoRA: slots for every adapter held (--max-cpu-loras), else at least 4 (they grow).
+    monkeypatch.setattr(worker, "args", worker.args.model_copy(update={"enable_lora": True, "max_loras": 2}))
+    assert (worker._decode_graph_config().lora_slots, worker._decode_graph_config().max_lora_rank) == (4, 16)
+    monkeypatch.setattr(worker, "args", worker.args.model_copy(update={"max_cpu_loras": 6, "max_lora_rank": 8}))
+    assert (worker._decode_graph_config().lora_slots, worker._decode_graph_config().max_lora_rank) == (6, 8)
     monkeypatch.setattr(worker, "args", worker.args.model_copy(update={"max_seq_len_to_capture": 128}))
     assert worker._decode_graph_config().max_len == 128
     monkeypatch.setattr(worker, "args", worker.args.model_copy(update={"enforce_eager": True}))
