@@ -16,7 +16,8 @@ zeros for the base model), and every linear adds
 
 The same kernels whatever the mix of adapters: only the one-hot changes between replays.
 The price is the shrink for every slot, capacity * Rc columns (a few hundred), and three
-small kernels per linear. Loading an adapter writes its slot in place, which graphs
+small kernels per linear (eager steps with several adapters take this path too on a GPU:
+two kernels per adapter and linear otherwise). Loading an adapter writes its slot in place, which graphs
 replayed afterwards read; past the capacity the buffers double (new addresses: the runner
 captures its graphs again).
 """

@@ -215,6 +215,12 @@ class ModelRunner:
                 and self.kv_hooks is None and self.proposer is None
                 and (lora_ids is None or (self.lora_stacks is not None and self.lora_stacks.holds(lora_ids)))):
             graph_key = self.decode_graphs.bucket(len(req_ids), -(-(max(positions) + 1) // self.block_size))
+        if (graph_key is None and lora_ids is not None and len(lora_batch.groups) > 1
+                and self.lora_stacks is not None and self.lora_stacks.holds(lora_ids)):
+            # An eager step with several adapters, on a GPU (stacks exist only with graphs): the
+            # stacked buffers take them all in three kernels per linear, not two per adapter.
+            onehot = self.lora_stacks.onehot(lora_ids).repeat_interleave(torch.tensor(query_lens), dim=0)
+            lora_batch = lora_layers.LoRABatch.stacked(onehot.to(device))
         if graph_key is not None:
             hidden = self.decode_graphs.run(graph_key, input_ids, positions, [s.block_ids for s in states],
                                             self.lora_stacks.onehot(lora_ids) if lora_ids else None)

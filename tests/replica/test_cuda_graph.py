@@ -138,7 +138,8 @@ def _run_lora(model_dir, loras, static: bool):
 def test_static_decode_path_with_lora_adapters_matches_eager(tiny_model_dir, loras):
     """Decode steps with adapters through the stacked LoRA buffers (what a CUDA graph replays:
     lora/stack.py) give the tokens of the eager, per-adapter path, in batches that mix the
-    base model and three adapters; the stacks grow when a third adapter is loaded, and an
+    base model and three adapters (eager steps with several adapters take the stacks too); the
+    stacks grow when a third adapter is loaded, and an
     unloaded adapter's slot is zeroed and handed to the next one."""
     llm, _, eager = _run_lora(tiny_model_dir, loras, static=False)
     llm.core.shutdown()
