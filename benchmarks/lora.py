@@ -168,7 +168,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    bars = ax.bar([r["setup"] for r in rows], [r["output_tokens_s"] for r in rows],
+    bars = ax.bar([r["setup"].replace(", ", ",\n") for r in rows], [r["output_tokens_s"] for r in rows],
                   color=(["#888", "#8ac", "#8ac", "#48c", "#48c"] + ["#c84"] * 2)[:len(rows)])
     for bar, r in zip(bars, rows):
         ax.annotate(f"{r['output_tokens_s']:.0f}\n({r['vs_merged']:.2f}x)", (bar.get_x() + bar.get_width() / 2,
