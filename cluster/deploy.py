@@ -22,6 +22,8 @@ the configured ports: its controller and replicas were started without our pins.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import socket
@@ -34,7 +36,7 @@ from ray import serve
 from ray.serve.config import HTTPOptions, RequestRouterConfig, gRPCOptions
 
 from fleetserve.cluster.config import AppConfig
-from fleetserve.cluster.serve_app import GRPC_SERVICER, resolve_api_key
+from fleetserve.cluster.serve_app import GRPC_SERVICER, app_args, resolve_api_key
 from fleetserve.router.auth import API_KEY_ENV
 from fleetserve.router.ingress import IngressDeployment
 from fleetserve.router.policies import POLICIES
@@ -228,6 +230,10 @@ def build_app(config: AppConfig):
                   max_body_bytes=config.http.max_body_bytes, model_aliases=aliases,
                   listed_names=others, lora_adapters=config.lora_adapters, lora_parents=config.lora_parents,
                   allow_runtime_lora_updating=config.allow_runtime_lora_updating,
+                  # the app as configured: an ingress that Serve restarts after a crash (same
+                  # config) takes back the adapters loaded at run time (router/runtime_loras.py)
+                  app_name=config.name, instance_id=hashlib.sha256(
+                      json.dumps(app_args(config), sort_keys=True).encode()).hexdigest()[:16],
                   bind_host=config.http.host, log_requests=config.enable_log_requests,
                   cors=config.http.cors(),
                   return_tokens_as_token_ids=config.http.return_tokens_as_token_ids,

@@ -54,6 +54,7 @@ from fleetserve.router.migration import MigratingStream
 from fleetserve.router.migration import metrics_text as migration_metrics
 from fleetserve.router.openapi import add_request_bodies
 from fleetserve.replica.lora.request import LORA_LOAD_TIMEOUT_S
+from fleetserve.router.runtime_loras import RuntimeLoRAs
 from fleetserve.router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest,
                                         sampling_dict)
@@ -111,7 +112,8 @@ class Ingress(GrpcMethods):
                  reasoning_parser: Optional[str] = None,
                  lora_adapters: Optional[dict[str, str]] = None,
                  allow_runtime_lora_updating: bool = False,
-                 lora_parents: Optional[dict[str, str]] = None) -> None:
+                 lora_parents: Optional[dict[str, str]] = None,
+                 app_name: Optional[str] = None, instance_id: Optional[str] = None) -> None:
         """`engine` is the engine pool requests stream from; with P/D (`prefill` and `pd`
         given: router.pd) it is the decode pool, and `prefill` the prefill pool."""
         # Before Serve starts this replica's own HTTP/gRPC servers (after the constructor).
@@ -151,6 +153,22 @@ class Ingress(GrpcMethods):
         self._allow_lora_updates = allow_runtime_lora_updating
         self._lora_admin = asyncio.Lock()
         self._model_names = {served_model_name, *model_aliases, *listed_names, *self._loras}
+        # Those loaded at run time, also kept in Ray's GCS for a restarted ingress (runtime_loras.py).
+        self._runtime_loras: dict[str, dict] = {}
+        self._lora_registry = (RuntimeLoRAs(app_name, instance_id)
+                               if allow_runtime_lora_updating and app_name and instance_id else None)
+        if self._lora_registry is not None:
+            for name, entry in self._lora_registry.restore().items():
+                if name in self._model_names:
+                    continue  # a name the (same) config gives otherwise
+                self._loras[name] = entry["path"]
+                if entry.get("key"):
+                    self._lora_keys[name] = entry["key"]
+                self._model_names.add(name)
+                self._runtime_loras[name] = entry
+            if self._runtime_loras:
+                logger.info("ingress restarted: LoRA adapters loaded at run time before, served again: %s",
+                            ", ".join(sorted(self._runtime_loras)))
         self._listed_names = (served_model_name, *listed_names)  # /v1/models, in order
         self._auth = ApiKeyAuth(api_key, tuple((reliability or {}).get("open_paths", ("/health", "/ping", "/metrics"))))
         _auth.install(self._auth)
@@ -544,6 +562,43 @@ class Ingress(GrpcMethods):
         return JSONResponse(emb_api.response_body(req.model or self.served_model_name, vectors,
                                                   req.encoding_format, prompt_tokens))
 
+    # -- HTTP: vLLM's score and rerank APIs, by embedding similarity (router/embeddings.py) --
+
+    @app.post("/v1/score")
+    @app.post("/score")
+    async def score(self, request: Request):
+        req = await self._parse(request, emb_api.ScoreRequest)
+        self.check_model(req.model)
+        try:
+            pairs = req.pairs()
+        except ValueError as e:
+            raise APIError(str(e), 400, param="text_2") from None
+        scores, tokens = await self._similarities(pairs, req)
+        return JSONResponse(emb_api.score_body(f"score-{uuid.uuid4().hex}", int(time.time()),
+                                               req.model or self.served_model_name, scores, tokens))
+
+    @app.post("/v1/rerank")
+    @app.post("/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(self, request: Request):
+        req = await self._parse(request, emb_api.RerankRequest)
+        self.check_model(req.model)
+        if not req.documents:
+            raise APIError("documents must hold at least one document", 400, param="documents")
+        if req.top_n < 0:
+            raise APIError(f"top_n must be 0 (every document) or more, got {req.top_n}", 400, param="top_n")
+        scores, tokens = await self._similarities([(req.query, d) for d in req.documents], req)
+        return JSONResponse(emb_api.rerank_body(f"rerank-{uuid.uuid4().hex}", req.model or self.served_model_name,
+                                                req, scores, tokens))
+
+    async def _similarities(self, pairs: list[tuple[str, str]], req) -> tuple[list[float], int]:
+        """Each pair's cosine similarity, every distinct text embedded once; and the tokens read."""
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        vectors, tokens = await self.embed(texts, req.add_special_tokens, req.truncate_prompt_tokens,
+                                           req.priority, req.model)
+        by_text = dict(zip(texts, vectors))
+        return [emb_api.cosine(by_text[a], by_text[b]) for a, b in pairs], tokens
+
     async def embed(self, inputs: list, add_special_tokens: bool, truncate_prompt_tokens: Optional[int],
                     priority: int, model: Optional[str] = None) -> tuple[list[list[float]], int]:
         """(one vector per input, the inputs' tokens) for `/v1/embeddings` and gRPC's Embed:
@@ -626,8 +681,22 @@ class Ingress(GrpcMethods):
             self._loras[name] = path
             self._lora_keys[name] = min(keys)
             self._model_names.add(name)
+            self._runtime_loras[name] = {"path": path, "key": min(keys)}
+            await self._save_runtime_loras()
         logger.info("LoRA adapter %r loaded from %s on %d replicas", name, path, len(results))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    def __del__(self) -> None:
+        """Serve's graceful stop of this replica (app deleted or redeployed, `fleetserve serve`
+        ending): the adapters loaded at run time go with it. A crash runs no destructor, and
+        the ingress Serve starts in its place takes them back."""
+        registry = getattr(self, "_lora_registry", None)
+        if registry is not None and self._runtime_loras:
+            registry.drop()
+
+    async def _save_runtime_loras(self) -> None:
+        if self._lora_registry is not None:  # (under _lora_admin: saves land in order)
+            await asyncio.to_thread(self._lora_registry.save, dict(self._runtime_loras))
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, request: Request):
@@ -644,6 +713,8 @@ class Ingress(GrpcMethods):
             self._lora_parents.pop(name, None)
             self._lora_keys.pop(name, None)
             self._model_names.discard(name)
+            if self._runtime_loras.pop(name, None) is not None:
+                await self._save_runtime_loras()
             await self.replica_calls("unload_lora", name=name)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
@@ -1066,5 +1137,8 @@ add_request_bodies(app, {"/v1/completions": CompletionRequest,
                          "/v1/chat/completions": ChatCompletionRequest,
                          "/v1/responses": resp_api.ResponsesRequest,
                          "/v1/embeddings": emb_api.EmbeddingRequest,
+                         "/v1/score": emb_api.ScoreRequest, "/score": emb_api.ScoreRequest,
+                         "/v1/rerank": emb_api.RerankRequest, "/rerank": emb_api.RerankRequest,
+                         "/v2/rerank": emb_api.RerankRequest,
                          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
 IngressDeployment = serve.ingress(app)(Ingress)

@@ -7,6 +7,9 @@ and embeddings take the adapter too; and the app ends every test with all KV blo
 from __future__ import annotations
 
 import concurrent.futures as cf
+import hashlib
+import json
+import time
 
 import grpc
 import httpx
@@ -208,4 +211,57 @@ def test_a_replica_without_a_runtime_adapter_loads_it_on_first_use(server, lora_
         got = list(pool.map(lambda _: token_ids(complete(server, "tiny-lora-c2", ids)), range(4)))
     assert got == [want] * 4
     assert post(server, "/v1/unload_lora_adapter", {"lora_name": "tiny-lora-c2"}).status_code == 200
+    server.wait_idle()
+
+
+def test_runtime_adapters_survive_an_ingress_restart(server, lora_dirs, peft_greedy):
+    """The ingress is the app's list of adapter names. Killed (Serve starts a new one with the
+    same arguments), it takes back the adapters loaded at run time from Ray's GCS
+    (router/runtime_loras.py): still listed and served with their own tokens; one unloaded
+    before the restart stays gone. The list is tagged with a hash of the app's config: an app
+    of another config reads none, and only this one's graceful stop drops it."""
+    import ray
+    import ray.experimental.internal_kv
+
+    from fleetserve.cluster.deploy import INGRESS_DEPLOYMENT
+    from fleetserve.cluster.serve_app import app_args
+    from fleetserve.router.runtime_loras import RuntimeLoRAs
+
+    for name in ("tiny-lora-c3", "tiny-lora-c4"):
+        assert post(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(lora_dirs["c"])}).status_code == 200
+    assert post(server, "/v1/unload_lora_adapter", {"lora_name": "tiny-lora-c4"}).status_code == 200
+    prefix = f"SERVE_REPLICA::{server.app}#{INGRESS_DEPLOYMENT}#"
+    [old] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+    ray.kill(ray.get_actor(old, namespace="serve"), no_restart=True)
+    deadline = time.time() + 120
+    while True:  # until the new ingress answers
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+        try:
+            r = httpx.get(server.base_url + "/v1/models", headers=server.headers(), timeout=10)
+        except httpx.HTTPError:
+            r = None
+        if names and old not in names and r is not None and r.status_code == 200:
+            break
+        assert time.time() < deadline, "the killed ingress was not replaced"
+        time.sleep(0.5)
+    cards = {m["id"]: m for m in r.json()["data"]}
+    assert "tiny-lora-c3" in cards and "tiny-lora-c4" not in cards
+    assert cards["tiny-lora-c3"]["root"] == str(lora_dirs["c"]) and LORA_A in cards  # and the configured ones
+    ids = ids_of(server, PROMPT)
+    assert token_ids(complete(server, "tiny-lora-c3", ids)) == peft_greedy("c", ids, 8)
+    r = post(server, "/v1/completions", {"model": "tiny-lora-c4", "prompt": ids, "max_tokens": 2})
+    assert r.status_code == 404, r.text
+    # What the new ingress reads is this deployment's list; another deployment's id reads none.
+    key = RuntimeLoRAs(server.app, "x").key
+    stored = json.loads(ray.experimental.internal_kv._internal_kv_get(key, namespace="fleetserve"))
+    assert set(stored["adapters"]) == {"tiny-lora-c3"}
+    assert stored["instance"] == hashlib.sha256(json.dumps(app_args(server.config), sort_keys=True).encode()).hexdigest()[:16]
+    assert RuntimeLoRAs(server.app, stored["instance"]).restore().keys() == {"tiny-lora-c3"}
+    assert RuntimeLoRAs(server.app, "another-config").restore() == {}
+    assert post(server, "/v1/unload_lora_adapter", {"lora_name": "tiny-lora-c3"}).status_code == 200
+    assert RuntimeLoRAs(server.app, stored["instance"]).restore() == {}
+    RuntimeLoRAs(server.app, "another-config").drop()  # not its list: kept
+    assert ray.experimental.internal_kv._internal_kv_get(key, namespace="fleetserve") is not None
+    RuntimeLoRAs(server.app, stored["instance"]).drop()
+    assert ray.experimental.internal_kv._internal_kv_get(key, namespace="fleetserve") is None
     server.wait_idle()
