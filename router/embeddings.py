@@ -14,6 +14,11 @@ vectors.
 most `MAX_INPUTS`; `encoding_format` "float" or "base64" (little-endian float32, as OpenAI's);
 `dimensions` only when it is the model's own width (no Matryoshka truncation); vLLM's
 `truncate_prompt_tokens` and `add_special_tokens`.
+
+vLLM's score and rerank APIs for embedding models ride on the same vectors: `POST /v1/score`
+(`text_1` against `text_2`: 1:1, 1:N or N:N) and `POST /v1/rerank` (Jina's and Cohere's shape:
+`query`, `documents`, `top_n`; also at `/rerank` and `/v2/rerank`) score a pair by the cosine
+similarity of the two texts' embeddings, each distinct text embedded once.
 """
 
 from __future__ import annotations
@@ -40,6 +45,69 @@ class EmbeddingRequest(BaseModel):
     truncate_prompt_tokens: Optional[int] = None
     add_special_tokens: StrictBool = True
     priority: int = 0
+
+
+class ScoreRequest(BaseModel):
+    """vLLM's /v1/score body."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    text_1: Union[str, list[str]]
+    text_2: Union[str, list[str]]
+    truncate_prompt_tokens: Optional[int] = None
+    add_special_tokens: StrictBool = True
+    priority: int = 0
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """(text_1, text_2) of each score: one text_1 against every text_2, or item by item;
+        ValueError (naming the rule, as vLLM's) for anything else."""
+        left = [self.text_1] if isinstance(self.text_1, str) else list(self.text_1)
+        right = [self.text_2] if isinstance(self.text_2, str) else list(self.text_2)
+        if not left or not right:
+            raise ValueError("text_1 and text_2 must each hold at least one text")
+        if len(left) == 1:
+            return [(left[0], r) for r in right]
+        if len(left) != len(right):
+            raise ValueError(f"input lengths must be either 1:1, 1:N or N:N; got {len(left)} text_1 and "
+                             f"{len(right)} text_2")
+        return list(zip(left, right))
+
+
+class RerankRequest(BaseModel):
+    """Jina's / Cohere's rerank body, as vLLM's /v1/rerank takes it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    query: str
+    documents: list[str]
+    top_n: int = 0  # 0 (or none): every document
+    return_documents: StrictBool = True
+    truncate_prompt_tokens: Optional[int] = None
+    add_special_tokens: StrictBool = True
+    priority: int = 0
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    """Of two embeddings (normalized already: their dot product, clamped to [-1, 1])."""
+    return max(-1.0, min(1.0, sum(x * y for x, y in zip(a, b, strict=True))))
+
+
+def score_body(request_id: str, created: int, model: str, scores: list[float], prompt_tokens: int) -> dict:
+    return {"id": request_id, "object": "list", "created": created, "model": model,
+            "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0}}
+
+
+def rerank_body(request_id: str, model: str, req: RerankRequest, scores: list[float], prompt_tokens: int) -> dict:
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+    if req.top_n > 0:
+        order = order[:req.top_n]
+    return {"id": request_id, "model": model, "usage": {"total_tokens": prompt_tokens},
+            "results": [{"index": i, "relevance_score": scores[i],
+                         **({"document": {"text": req.documents[i]}} if req.return_documents else {})}
+                        for i in order]}
 
 
 def encode(vector: list[float], encoding_format: str) -> Union[list[float], str]:

@@ -113,3 +113,62 @@ def test_grpc_embed_gives_the_http_vectors_and_refuses_bad_input(client, server)
             stub.Embed(pb.EmbedRequest(texts=["a"]), metadata=(("application", server.app),), timeout=60)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     server.wait_idle()
+
+
+def _dot(a, b) -> float:
+    return sum(x * y for x, y in zip(a, b))
+
+
+def test_score_and_rerank_are_the_cosine_of_the_embeddings(client, server):
+    """vLLM's /v1/score (1:N and N:N) and /v1/rerank (Jina's / Cohere's shape, also at /rerank
+    and /v2/rerank): each score is the cosine similarity of the two texts' /v1/embeddings
+    vectors; rerank orders the documents by it and keeps top_n."""
+    query = "Where is the Eiffel tower?"
+    docs = ["The Eiffel tower is in Paris.", "Bananas are yellow.", "Paris is the capital of France.",
+            "The Eiffel tower is in Paris."]  # a repeat: embedded once, scored twice
+    vec = {t: d.embedding for t, d in zip([query, *docs[:3]],
+                                          client.embeddings.create(model=server.model, input=[query, *docs[:3]]).data)}
+    want = [_dot(vec[query], vec[d]) for d in docs]
+    r = httpx.post(server.base_url + "/v1/score", headers=server.headers(), timeout=60,
+                   json={"model": server.model, "text_1": query, "text_2": docs})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and body["model"] == server.model and body["id"].startswith("score-")
+    assert [d["index"] for d in body["data"]] == [0, 1, 2, 3] and {d["object"] for d in body["data"]} == {"score"}
+    assert all(abs(d["score"] - w) < 1e-4 for d, w in zip(body["data"], want)), (body["data"], want)
+    tokens = sum(len(ids_of(server, t)) for t in [query, *docs[:3]])
+    assert body["usage"]["prompt_tokens"] == tokens
+    r = httpx.post(server.base_url + "/score", headers=server.headers(), timeout=60,  # N:N
+                   json={"text_1": [query, docs[1]], "text_2": [docs[2], docs[1]]})
+    got = [d["score"] for d in r.json()["data"]]
+    assert abs(got[0] - _dot(vec[query], vec[docs[2]])) < 1e-4 and abs(got[1] - 1.0) < 1e-4
+    order = sorted(range(4), key=lambda i: (-want[i], i))
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        r = httpx.post(server.base_url + path, headers=server.headers(), timeout=60,
+                       json={"model": server.model, "query": query, "documents": docs, "top_n": 3})
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert [x["index"] for x in results] == order[:3]
+        assert all(abs(x["relevance_score"] - want[x["index"]]) < 1e-4 for x in results)
+        assert [x["document"]["text"] for x in results] == [docs[i] for i in order[:3]]
+    r = httpx.post(server.base_url + "/v1/rerank", headers=server.headers(), timeout=60,
+                   json={"query": query, "documents": docs[:2], "return_documents": False})
+    assert len(r.json()["results"]) == 2 and "document" not in r.json()["results"][0]
+    server.wait_idle()
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
+    ("/v1/score", {"text_1": [], "text_2": "c"}, "text_2"),
+    ("/v1/score", {"text_1": "a"}, "text_2"),
+    ("/v1/score", {"text_1": "a", "text_2": "b", "model": "no-such-model"}, "model"),
+    ("/v1/rerank", {"query": "q", "documents": []}, "documents"),
+    ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
+    ("/v1/rerank", {"query": 3, "documents": ["a"]}, "query"),
+])
+def test_bad_score_and_rerank_input_is_a_400_and_the_app_serves_on(client, server, path, body, param):
+    r = httpx.post(server.base_url + path, headers=server.headers(), timeout=60, json=body)
+    assert r.status_code in (400, 404), r.text
+    assert r.json()["error"]["param"] == param, r.json()
+    assert len(client.embeddings.create(model=server.model, input="still here").data[0].embedding) > 0
+    server.wait_idle()
