@@ -170,7 +170,8 @@ class PDRouter:
         if router is None:
             return None, 0
         request = RouteRequest(str(body["request_id"]), body["prompt_token_ids"],
-                               prefix_salt(body.get("cache_salt"), body.get("lora_key")))
+                               prefix_salt(body.get("cache_salt"), body.get("lora_key")),
+                               body.get("lora_name") or None)
         ranked = router.rank(request)
         if not ranked:
             return None, 0

@@ -88,7 +88,8 @@ class PrefixReuse:
             return None
         prompt = body["prompt_token_ids"]
         ranked = router.rank(RouteRequest(str(body["request_id"]), prompt,
-                                          prefix_salt(body.get("cache_salt"), body.get("lora_key"))))
+                                          prefix_salt(body.get("cache_salt"), body.get("lora_key")),
+                                          body.get("lora_name") or None))
         if len(ranked) < 2:
             return None
         chosen, chosen_blocks = ranked[0]

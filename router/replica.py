@@ -227,8 +227,11 @@ class EngineReplica:
                 "lora_keys": dict(getattr(self.engine, "lora_keys", {}))}
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """Serve calls this every `request_routing_stats_period_s`; routers read it."""
-        return self.engine.get_load()
+        """Serve calls this every `request_routing_stats_period_s`; routers read it (with the
+        LoRA adapters the engine holds: routers prefer a replica that has a request's)."""
+        stats = dict(self.engine.get_load())
+        stats["loras"] = sorted(getattr(self.engine, "lora_keys", None) or ())
+        return stats
 
     def check_health(self) -> None:
         """Serve calls this periodically; a dead or wedged engine (work held, no steps, or

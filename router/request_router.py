@@ -27,7 +27,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from fleetserve.router import registry
 from fleetserve.router.migration import AVOID_KEY
 from fleetserve.scheduler import prefix_salt
-from fleetserve.router.policies import ReplicaLoad, RouteRequest, RoutingPolicy, make_policy
+from fleetserve.router.policies import ReplicaLoad, RouteRequest, RoutingPolicy, make_policy, prefer_adapter_holders
 
 TARGET_KWARG = "_fleetserve_target"
 
@@ -35,6 +35,9 @@ TARGET_KWARG = "_fleetserve_target"
 class FleetRequestRouter(RequestRouter):
     def initialize_state(self, policy: str = "power_of_two", **policy_kwargs: Any) -> None:
         self.policy: RoutingPolicy = make_policy(policy, **policy_kwargs)
+        # How many more requests a replica holding a request's LoRA adapter may have than the
+        # policy's pick that lacks it, and still be preferred (prefer_adapter_holders).
+        self._lora_slack = int(policy_kwargs.get("imbalance_threshold", 4))
         # internal request id -> (replica id, prompt tokens, request id) for requests in flight.
         self._inflight: dict[str, tuple[str, int, str]] = {}
         self._ongoing: dict[str, list[int]] = {}  # replica id -> [requests, tokens]
@@ -59,8 +62,8 @@ class FleetRequestRouter(RequestRouter):
         """The policy's order for `request` over the current replicas, each with the leading
         prompt blocks it caches (0 for policies that do not know): what the P/D flow asks
         to pick the decode replica before it decides on a prefill."""
-        replicas = list(self.curr_replicas.values())
-        ranked = [t[0] for t in self.policy.rank([self._load(r) for r in replicas], request)]
+        loads = {r.replica_id.unique_id: self._load(r) for r in self.curr_replicas.values()}
+        ranked = [t[0] for t in self._rank(loads, request)]
         match = getattr(self.policy, "match_lengths", None)
         if match is None or not ranked:
             return [(rid, 0) for rid in ranked]
@@ -90,7 +93,7 @@ class FleetRequestRouter(RequestRouter):
             if request is not None:
                 self._record(target, request, pending_request)
             return [[by_id[target]]]
-        ranked = self.policy.rank([self._load(r) for r in by_id.values()], request)
+        ranked = self._rank({rid: self._load(r) for rid, r in by_id.items()}, request)
         ranked = _avoiding(ranked, pending_request)
         if request is not None and ranked:
             self._record(ranked[0][0], request, pending_request)
@@ -115,6 +118,12 @@ class FleetRequestRouter(RequestRouter):
 
     # -- bookkeeping -----------------------------------------------------------
 
+    def _rank(self, loads: dict[str, ReplicaLoad], request: Optional[RouteRequest]) -> list[list[str]]:
+        ranked = self.policy.rank(list(loads.values()), request)
+        if request is not None and request.lora_name:
+            ranked = prefer_adapter_holders(ranked, loads, request.lora_name, self._lora_slack)
+        return ranked
+
     def _load(self, r: RunningReplica) -> ReplicaLoad:
         rid = r.replica_id.unique_id
         stats = r.routing_stats or {}
@@ -124,7 +133,8 @@ class FleetRequestRouter(RequestRouter):
             replica_id=rid, num_ongoing=requests, ongoing_tokens=tokens,
             num_running=int(stats.get("num_running", 0)),
             num_waiting=int(stats.get("num_waiting", 0)),
-            kv_cache_usage=float(stats.get("kv_cache_usage", 0.0)))
+            kv_cache_usage=float(stats.get("kv_cache_usage", 0.0)),
+            loras=frozenset(stats.get("loras") or ()))
 
     def _record(self, replica_id: str, request: RouteRequest, pending: PendingRequest) -> None:
         internal_id = pending.metadata.internal_request_id
@@ -168,4 +178,5 @@ def _route_request(pending: Optional[PendingRequest]) -> Optional[RouteRequest]:
         return None
     return RouteRequest(request_id=str(body.get("request_id", "")),
                         prompt_token_ids=token_ids,
-                        cache_salt=prefix_salt(body.get("cache_salt"), body.get("lora_key")))
+                        cache_salt=prefix_salt(body.get("cache_salt"), body.get("lora_key")),
+                        lora_name=body.get("lora_name") or None)

@@ -4,7 +4,7 @@ Each is a small class behind `RoutingPolicy.rank(replicas, request) -> tiers`;
 `router.request_router.FleetRequestRouter` plugs the chosen one into Ray Serve.
 """
 
-from fleetserve.router.policies.base import ReplicaLoad, RouteRequest, RoutingPolicy
+from fleetserve.router.policies.base import ReplicaLoad, RouteRequest, RoutingPolicy, prefer_adapter_holders
 from fleetserve.router.policies.least_loaded import LeastLoadedPolicy
 from fleetserve.router.policies.power_of_two import PowerOfTwoPolicy
 from fleetserve.router.policies.prefix_approx import ApproxPrefixPolicy
@@ -27,4 +27,4 @@ def make_policy(name: str, **kwargs) -> RoutingPolicy:
 
 
 __all__ = ["POLICIES", "ApproxPrefixPolicy", "LeastLoadedPolicy", "PowerOfTwoPolicy", "PrefixAwarePolicy",
-           "ReplicaLoad", "RouteRequest", "RoutingPolicy", "make_policy"]
+           "ReplicaLoad", "RouteRequest", "RoutingPolicy", "make_policy", "prefer_adapter_holders"]

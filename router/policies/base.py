@@ -10,7 +10,11 @@ Load a router can know:
   and instant for this router; another ingress replica's traffic shows up only
   through the replica's reported stats).
 - `num_running` / `num_waiting` / `kv_cache_usage`: what the engine reported in
-  its last routing-stats snapshot (about a second old).
+  its last routing-stats snapshot (about a second old); `loras`, the LoRA adapters it
+  held then.
+
+Every policy's order then goes through `prefer_adapter_holders` for a request that
+names a LoRA adapter.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class ReplicaLoad:
     num_running: int = 0  # engine-reported (stale by up to one stats period)
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    loras: frozenset = frozenset()  # LoRA adapters the engine holds (engine-reported)
 
     @property
     def score(self) -> tuple:
@@ -41,6 +46,7 @@ class RouteRequest:
     request_id: str
     prompt_token_ids: list[int] = field(default_factory=list)
     cache_salt: Optional[str] = None
+    lora_name: Optional[str] = None  # the LoRA adapter it runs with
 
 
 class RoutingPolicy(ABC):
@@ -74,3 +80,26 @@ def by_load(replicas: list[ReplicaLoad]) -> list[ReplicaLoad]:
 def tiers(ordered: list[ReplicaLoad]) -> list[list[str]]:
     """One replica per tier, in order: Serve then tries exactly this order."""
     return [[r.replica_id] for r in ordered]
+
+
+def prefer_adapter_holders(ranked: list[list[str]], loads: dict[str, ReplicaLoad], lora_name: Optional[str],
+                           slack: int) -> list[list[str]]:
+    """A request for a LoRA adapter goes to a replica that holds it rather than to the
+    policy's pick that does not, unless the holder has more than `slack` requests more than
+    that pick: with `--max-cpu-loras`, replicas hold different adapters, and a replica that
+    lacks one must read it from disk first (and may evict another that requests then miss).
+    The least loaded holder moves to the front; the rest keep the policy's order. Unchanged
+    when the pick holds the adapter, when no replica does, and for the base model."""
+    if not lora_name or not ranked:
+        return ranked
+    first = loads.get(ranked[0][0])
+    if first is None or lora_name in first.loras:
+        return ranked
+    holders = [loads[rid] for tier in ranked for rid in tier if rid in loads and lora_name in loads[rid].loras]
+    if not holders:
+        return ranked
+    best = min(holders, key=lambda r: r.score)
+    if best.score[0] > first.score[0] + slack:
+        return ranked
+    rest = [[rid for rid in tier if rid != best.replica_id] for tier in ranked]
+    return [[best.replica_id]] + [tier for tier in rest if tier]

@@ -265,3 +265,45 @@ def test_runtime_adapters_survive_an_ingress_restart(server, lora_dirs, peft_gre
     RuntimeLoRAs(server.app, stored["instance"]).drop()
     assert ray.experimental.internal_kv._internal_kv_get(key, namespace="fleetserve") is None
     server.wait_idle()
+
+
+def test_requests_for_an_adapter_go_to_a_replica_that_holds_it(server, lora_dirs, peft_greedy):
+    """With replicas that hold different adapters (here: one drops a run-time adapter behind the
+    router's back, as --max-cpu-loras evicts), requests naming the adapter go to the replica
+    that has it (the engines report theirs with their load) instead of making the other read
+    it from disk: after six of them, the other replica still lacks it."""
+    import asyncio
+
+    from ray import serve
+
+    from fleetserve.router.registry import get_router
+    from fleetserve.router.request_router import TARGET_KWARG
+
+    name = "tiny-lora-c5"
+    assert post(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(lora_dirs["c"])}).status_code == 200
+    handle = serve.get_deployment_handle("engine", server.app)
+
+    async def on_each(op: str) -> dict[str, dict]:
+        await handle.get_info.remote()
+        router = get_router(server.app, "engine")
+        return {rid: await handle.control.remote(op, name=name, **{TARGET_KWARG: rid})
+                for rid in sorted(router.replica_ids())}
+
+    replicas = sorted(asyncio.run(on_each("unload_lora")))
+    assert len(replicas) == 2
+    holder, victim = replicas
+    async def load_on_holder():
+        return await handle.control.remote("load_lora", name=name, path=str(lora_dirs["c"]), **{TARGET_KWARG: holder})
+
+    assert "key" in asyncio.run(load_on_holder())
+    time.sleep(3 * server.config.routing.stats_period_s)  # the routers see who holds it now
+    ids = ids_of(server, PROMPT)
+    want = peft_greedy("c", ids, 8)
+    for i in range(6):  # distinct prompts: no prefix match to follow; sequential: equal loads
+        body = complete(server, name, [ids[0] + 1 + i] + ids[1:])
+        assert len(token_ids(body)) == 8
+    assert token_ids(complete(server, name, ids)) == want
+    removed = {rid: r["removed"] for rid, r in asyncio.run(on_each("unload_lora")).items()}
+    assert removed == {holder: True, victim: False}, removed
+    assert post(server, "/v1/unload_lora_adapter", {"lora_name": name}).status_code == 200
+    server.wait_idle()

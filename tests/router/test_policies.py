@@ -142,3 +142,24 @@ def test_block_hashes_match_the_engine_cache_hashes():
     tokens = list(range(50))
     assert p.block_hashes(req(tokens)) == hash_token_blocks(tokens, 16)
     assert len(p.block_hashes(req(tokens))) == 3  # full blocks only
+
+
+def test_a_lora_request_prefers_a_replica_that_holds_its_adapter():
+    from fleetserve.router.policies import prefer_adapter_holders
+
+    loads = {"r0": ReplicaLoad("r0", num_ongoing=1), "r1": ReplicaLoad("r1", num_ongoing=3, loras=frozenset({"sql"})),
+             "r2": ReplicaLoad("r2", num_ongoing=2, loras=frozenset({"sql", "chat"})),
+             "r3": ReplicaLoad("r3", num_ongoing=9, loras=frozenset({"chat"}))}
+    ranked = [["r0"], ["r2"], ["r1"], ["r3"]]  # the policy's order
+    # r0 lacks sql: the least loaded holder (r2) goes first, the rest keep their order.
+    assert prefer_adapter_holders(ranked, loads, "sql", slack=4) == [["r2"], ["r0"], ["r1"], ["r3"]]
+    # Unchanged: the base model, a pick that holds it, an adapter no replica holds, and a
+    # holder loaded beyond the slack (r3 has 8 more requests than r0).
+    assert prefer_adapter_holders(ranked, loads, None, slack=4) == ranked
+    assert prefer_adapter_holders([["r2"], ["r0"]], loads, "sql", slack=4) == [["r2"], ["r0"]]
+    assert prefer_adapter_holders(ranked, loads, "new", slack=4) == ranked
+    assert prefer_adapter_holders(ranked, loads, "chat", slack=4) == [["r2"], ["r0"], ["r1"], ["r3"]]
+    assert prefer_adapter_holders([["r0"], ["r3"]], loads, "chat", slack=4) == [["r0"], ["r3"]]
+    assert prefer_adapter_holders([["r0"], ["r3"]], loads, "chat", slack=8) == [["r3"], ["r0"]]
+    # Tiers of several replicas keep their members; an emptied tier goes.
+    assert prefer_adapter_holders([["r0", "r1"], ["r2"]], loads, "sql", slack=4) == [["r2"], ["r0", "r1"]]
