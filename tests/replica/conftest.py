@@ -2,6 +2,20 @@ import pytest
 import torch
 
 
+@pytest.fixture(scope="session")
+def tiny_loras(tiny_model_dir, tmp_path_factory):
+    """Three PEFT adapters of the tiny model (written by `peft`): a (rank 8, all seven
+    projections), b (rank 4, q and v), rs (rank 16, rslora, o/gate/down)."""
+    from fleetserve.replica.testing import make_tiny_lora
+
+    root = tmp_path_factory.mktemp("loras")
+    return {"a": make_tiny_lora(tiny_model_dir, root / "a", seed=1),
+            "b": make_tiny_lora(tiny_model_dir, root / "b", r=4, lora_alpha=8, target_modules=("q_proj", "v_proj"),
+                                seed=2),
+            "rs": make_tiny_lora(tiny_model_dir, root / "rs", r=16, lora_alpha=4, use_rslora=True,
+                                 target_modules=("o_proj", "gate_proj", "down_proj"), seed=3)}
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread():
     # Two cores shared by everything: tests take one thread each.

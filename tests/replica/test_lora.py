@@ -20,15 +20,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_model_dir, tmp_path_factory):
-    from fleetserve.replica.testing import make_tiny_lora
-
-    root = tmp_path_factory.mktemp("loras")
-    return {"a": make_tiny_lora(tiny_model_dir, root / "a", seed=1),
-            "b": make_tiny_lora(tiny_model_dir, root / "b", r=4, lora_alpha=8, target_modules=("q_proj", "v_proj"),
-                                seed=2),
-            "rs": make_tiny_lora(tiny_model_dir, root / "rs", r=16, lora_alpha=4, use_rslora=True,
-                                 target_modules=("o_proj", "gate_proj", "down_proj"), seed=3)}
+def adapters(tiny_loras):
+    return tiny_loras  # (tests/replica/conftest.py)
 
 
 @pytest.fixture(scope="module")
