@@ -565,7 +565,7 @@ class Ingress(GrpcMethods):
     # -- HTTP: vLLM's score and rerank APIs, by embedding similarity (router/embeddings.py) --
 
     @app.post("/v1/score")
-    @app.post("/score")
+    @app.post("/score", include_in_schema=False)  # (aliases, as vLLM serves them)
     async def score(self, request: Request):
         req = await self._parse(request, emb_api.ScoreRequest)
         self.check_model(req.model)
@@ -578,8 +578,8 @@ class Ingress(GrpcMethods):
                                                req.model or self.served_model_name, scores, tokens))
 
     @app.post("/v1/rerank")
-    @app.post("/rerank")
-    @app.post("/v2/rerank")
+    @app.post("/rerank", include_in_schema=False)
+    @app.post("/v2/rerank", include_in_schema=False)
     async def rerank(self, request: Request):
         req = await self._parse(request, emb_api.RerankRequest)
         self.check_model(req.model)
@@ -666,7 +666,10 @@ class Ingress(GrpcMethods):
                 what = "LoRA adapter" if name in self._loras else "model name"
                 raise APIError(f"The {what} '{name}' is already in use; unload it first or pick "
                                "another name", 400, param="lora_name")
-            results = await self.replica_calls("load_lora", timeout_s=LORA_LOAD_TIMEOUT_S + 10, name=name, path=path)
+            # replace: a replica's copy under a name this ingress does not serve is left over
+            # (from an ingress of an earlier config, which forgot it): the new weights win.
+            results = await self.replica_calls("load_lora", timeout_s=LORA_LOAD_TIMEOUT_S + 10, name=name, path=path,
+                                               replace=True)
             if not results:
                 raise APIError("no engine replica is running to load the adapter on", 503)
             failed = [r for r in results.values() if "error" in r]
@@ -1137,8 +1140,6 @@ add_request_bodies(app, {"/v1/completions": CompletionRequest,
                          "/v1/chat/completions": ChatCompletionRequest,
                          "/v1/responses": resp_api.ResponsesRequest,
                          "/v1/embeddings": emb_api.EmbeddingRequest,
-                         "/v1/score": emb_api.ScoreRequest, "/score": emb_api.ScoreRequest,
-                         "/v1/rerank": emb_api.RerankRequest, "/rerank": emb_api.RerankRequest,
-                         "/v2/rerank": emb_api.RerankRequest,
+                         "/v1/score": emb_api.ScoreRequest, "/v1/rerank": emb_api.RerankRequest,
                          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
 IngressDeployment = serve.ingress(app)(Ingress)

@@ -180,7 +180,8 @@ class EngineReplica:
         """Calls the ingress pins to this replica (see router.request_router)."""
         if op == "load_lora":
             try:
-                key = await self.engine.add_lora(kwargs["name"], kwargs["path"])
+                key = await self.engine.add_lora(kwargs["name"], kwargs["path"],
+                                                 replace=bool(kwargs.get("replace", False)))
             except QueueFullError as e:  # every adapter it may hold is busy (--max-cpu-loras)
                 return {"replica": self.replica_id, "error": str(e), "status": 429}
             except ValueError as e:

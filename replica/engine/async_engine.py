@@ -216,17 +216,19 @@ class AsyncEngine:
         self._abort(request_id)
 
     # ---- LoRA adapters at run time ----------------------------------------------------
-    async def add_lora(self, name: str, path: str, timeout_s: float = LORA_LOAD_TIMEOUT_S) -> str:
+    async def add_lora(self, name: str, path: str, timeout_s: float = LORA_LOAD_TIMEOUT_S,
+                       replace: bool = False) -> str:
         """Load a PEFT adapter on every rank as `name` (vLLM's /v1/load_lora_adapter on one
         engine) and return its key (`name@digest`). Loading a name already held from the same
         folder is a no-op; ValueError when the adapter does not fit, the name is taken by
-        another folder, or the core did not answer within `timeout_s`."""
+        other weights (unless `replace`: those are unloaded first, running requests finishing
+        with them), or the core did not answer within `timeout_s`."""
         if not self.args.enable_lora:
             raise ValueError("LoRA adapters need --enable-lora")
         loading = self._lora_loading.get(name)
         if loading is not None:  # one load per name at a time; the others wait for it
             return await asyncio.shield(loading)
-        task = asyncio.ensure_future(self._load_lora(name, path, timeout_s))
+        task = asyncio.ensure_future(self._load_lora(name, path, timeout_s, replace))
         self._lora_loading[name] = task
         try:
             return await asyncio.shield(task)
@@ -236,21 +238,25 @@ class AsyncEngine:
             else:
                 task.add_done_callback(lambda _: self._lora_loading.pop(name, None))
 
-    async def _load_lora(self, name: str, path: str, timeout_s: float) -> str:
+    async def _load_lora(self, name: str, path: str, timeout_s: float, replace: bool = False) -> str:
         from fleetserve.replica.lora.request import adapter_digest, read_adapter_config
 
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, read_adapter_config, path)  # a bad folder: no id spent
         key = f"{name}@{await loop.run_in_executor(None, adapter_digest, path)}"
         async with self._lora_admin:  # one eviction and load at a time: the cap holds
-            return await self._attach_lora(name, path, key, timeout_s, loop)
+            return await self._attach_lora(name, path, key, timeout_s, loop, replace)
 
-    async def _attach_lora(self, name: str, path: str, key: str, timeout_s: float, loop) -> str:
+    async def _attach_lora(self, name: str, path: str, key: str, timeout_s: float, loop,
+                           replace: bool = False) -> str:
         held = self.input_processor.loras.get(name)
         if held is not None:
             if held[1] == key:
                 return key
-            raise ValueError(f"a LoRA adapter named {name!r} is loaded already (other weights); unload it first")
+            if not replace:
+                raise ValueError(f"a LoRA adapter named {name!r} is loaded already (other weights); unload it first")
+            logger.info("LoRA adapter %r: the weights held (%s) give way to %s", name, held[1], key)
+            await self.remove_lora(name)
         cap = self.args.max_cpu_loras
         if cap is not None and len(self.input_processor.loras) >= cap:
             idle = [n for n in self.input_processor.loras if n != name and not self._lora_active[n]]

@@ -307,3 +307,33 @@ def test_requests_for_an_adapter_go_to_a_replica_that_holds_it(server, lora_dirs
     assert removed == {holder: True, victim: False}, removed
     assert post(server, "/v1/unload_lora_adapter", {"lora_name": name}).status_code == 200
     server.wait_idle()
+
+
+def test_a_load_replaces_weights_a_replica_kept_under_a_name_the_app_forgot(server, lora_dirs, peft_greedy):
+    """An ingress of another config forgets the adapters loaded at run time while unchanged
+    replicas keep their weights: loading the name again (other weights) replaces that copy
+    instead of failing with 'loaded already'."""
+    import asyncio
+
+    from ray import serve
+
+    from fleetserve.router.registry import get_router
+    from fleetserve.router.request_router import TARGET_KWARG
+
+    name = "tiny-lora-c6"
+    handle = serve.get_deployment_handle("engine", server.app)
+
+    async def stale_copy():  # one replica holds adapter a's weights under the name
+        await handle.get_info.remote()
+        rid = sorted(get_router(server.app, "engine").replica_ids())[0]
+        return await handle.control.remote("load_lora", name=name, path=str(lora_dirs[LORA_A]), **{TARGET_KWARG: rid})
+
+    assert "key" in asyncio.run(stale_copy())
+    r = post(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(lora_dirs["c"])})
+    assert r.status_code == 200, r.text
+    ids = ids_of(server, PROMPT)
+    want = peft_greedy("c", ids, 8)
+    for _ in range(4):  # whichever replica serves it: c's tokens
+        assert token_ids(complete(server, name, ids)) == want
+    assert post(server, "/v1/unload_lora_adapter", {"lora_name": name}).status_code == 200
+    server.wait_idle()

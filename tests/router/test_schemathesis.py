@@ -40,8 +40,8 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 
 def test_schema_describes_every_request_body(api_schema):
     raw = api_schema.raw_schema
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/tokenize",
-                 "/detokenize"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v1/score",
+                 "/v1/rerank", "/tokenize", "/detokenize"):
         body = raw["paths"][path]["post"]["requestBody"]
         assert body["required"] and "$ref" in body["content"]["application/json"]["schema"], path
     assert "prompt" in raw["components"]["schemas"]["CompletionRequest"]["required"]
@@ -68,6 +68,9 @@ def test_no_server_error_and_no_hang(case, server):
             case.body["max_tokens"] = 8
         if isinstance(case.body.get("n"), int) and case.body["n"] > 2:
             case.body["n"] = 2
+        for key in ("documents", "text_1", "text_2"):  # score / rerank: a few texts to embed
+            if isinstance(case.body.get(key), list) and len(case.body[key]) > 3:
+                case.body[key] = case.body[key][:3]
     response = case.call(base_url=server.base_url, headers=server.headers(),
                          timeout=REQUEST_TIMEOUT_S)
     SEEN.setdefault(f"{case.method.upper()} {case.path}", set()).add(response.status_code)
