@@ -207,10 +207,11 @@ class ModelRunner:
             state.num_computed_tokens = start + n
 
         device = self.device
-        lora_batch = (lora_layers.LoRABatch.build([s.lora_id for s in states], query_lens, device)
-                      if self.lora_adapters else None)
+        lora_ids = [s.lora_id for s in states] if self.lora_adapters else None
+        lora_batch = lora_layers.LoRABatch.build(lora_ids, query_lens, device) if lora_ids else None
+        if lora_batch is None:
+            lora_ids = None  # no request of this step has an adapter
         graph_key = None
-        lora_ids = [s.lora_id for s in states] if lora_batch is not None else None
         if (self.decode_graphs is not None and offset == len(req_ids)  # one token per request
                 and self.kv_hooks is None and self.proposer is None
                 and (lora_ids is None or (self.lora_stacks is not None and self.lora_stacks.holds(lora_ids)))):
