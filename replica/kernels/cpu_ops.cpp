@@ -227,12 +227,20 @@ struct alignas(64) StealShare {
 };
 inline uint64_t share_pack(uint64_t lo, uint64_t hi) { return lo | (hi << 32); }
 
-template <typename F>
-void steal_for(int64_t n, F&& f) {
+//
+// steal_for_ctx(n, init, f): the same with per-thread state: each thread taking part calls
+// `init()` once and passes what it returned to every task it runs, f(i, next, ctx). A kernel's
+// per-thread buffers are `static thread_local`, and in this shared library each access to one
+// is a call to __tls_get_addr: inside a task's vector loops such a call made the compiler spill
+// every accumulator around it (it clobbers the vector registers), so a task gets its buffers'
+// addresses once, through `init`, and its loops see plain pointers.
+template <typename Init, typename F>
+void steal_for_ctx(int64_t n, Init&& init, F&& f) {
   if (n <= 0) return;
   const int64_t nt = std::min<int64_t>(at::get_num_threads(), n);
   if (nt <= 1 || at::in_parallel_region() || n >= (int64_t(1) << 31)) {
-    for (int64_t i = 0; i < n; ++i) f(i, i + 1 < n ? i + 1 : -1);
+    auto ctx = init();
+    for (int64_t i = 0; i < n; ++i) f(i, i + 1 < n ? i + 1 : -1, ctx);
     return;
   }
   std::vector<StealShare> shares(nt);
@@ -240,13 +248,14 @@ void steal_for(int64_t n, F&& f) {
   for (int64_t t = 0; t < nt; ++t)
     shares[t].lohi.store(share_pack(std::min(n, t * per), std::min(n, (t + 1) * per)), std::memory_order_relaxed);
   auto run = [&](int64_t tid) {
+    auto ctx = init();
     std::atomic<uint64_t>& own = shares[tid].lohi;
     uint64_t v = own.load(std::memory_order_acquire);
     for (;;) {  // own share, from the front
       const uint64_t lo = v & 0xFFFFFFFFu, hi = v >> 32;
       if (lo >= hi) break;
       if (!own.compare_exchange_weak(v, share_pack(lo + 1, hi), std::memory_order_acq_rel)) continue;
-      f(static_cast<int64_t>(lo), lo + 1 < hi ? static_cast<int64_t>(lo + 1) : -1);
+      f(static_cast<int64_t>(lo), lo + 1 < hi ? static_cast<int64_t>(lo + 1) : -1, ctx);
       v = own.load(std::memory_order_acquire);
     }
     for (;;) {  // others' shares, from the back of the largest
@@ -262,12 +271,17 @@ void steal_for(int64_t n, F&& f) {
       uint64_t w = s.load(std::memory_order_acquire);
       const uint64_t lo = w & 0xFFFFFFFFu, hi = w >> 32;
       if (lo < hi && s.compare_exchange_strong(w, share_pack(lo, hi - 1), std::memory_order_acq_rel))
-        f(static_cast<int64_t>(hi - 1), -1);
+        f(static_cast<int64_t>(hi - 1), -1, ctx);
     }
   };
   at::parallel_for(0, nt, 1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) run(t);
   });
+}
+
+template <typename F>
+void steal_for(int64_t n, F&& f) {
+  steal_for_ctx(n, [] { return 0; }, [&](int64_t i, int64_t next, int) { f(i, next); });
 }
 
 void check_cpu(const at::Tensor& t, const char* name) {
@@ -1233,12 +1247,22 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     const int64_t block_bytes = BS * D * static_cast<int64_t>(sizeof(scalar_t));
     static std::atomic<uint64_t> calls{0};
     const uint64_t call = calls.fetch_add(1, std::memory_order_relaxed) + 1;
-    steal_for(N, [&](int64_t i, int64_t next) {
-      static thread_local AttnScratch<scalar_t> scratch;  // grown once per thread, not per call
-      // A thread's prefetcher starts each call empty (its table of blocks seen is per call).
+    // A thread's buffers (grown once per thread, not per call) and prefetcher, which starts each
+    // call empty (its table of blocks seen is per call): looked up once per thread and call.
+    struct Ctx {
+      AttnScratch<scalar_t>* scratch;
+      NextTaskPrefetch* pf;
+    };
+    auto init = [call]() __attribute__((noinline)) {
+      static thread_local AttnScratch<scalar_t> scratch;
       static thread_local NextTaskPrefetch pf;
       static thread_local uint64_t pf_call = 0;
       if (pf_call != call) pf = NextTaskPrefetch(), pf_call = call;
+      return Ctx{&scratch, &pf};
+    };
+    steal_for_ctx(N, init, [&](int64_t i, int64_t next, Ctx ctx) {
+      AttnScratch<scalar_t>& scratch = *ctx.scratch;
+      NextTaskPrefetch& pf = *ctx.pf;
       const int64_t task = task_of(i);
       const int64_t k = task / KVH, h = task % KVH;
       const int64_t t0 = tile[k], t1 = tile[k + 1];
