@@ -1,13 +1,20 @@
 """fleetserve's CPU paged-attention kernel alone, at SmolLM2-135M's head shape (9 query heads,
 3 KV heads, head_dim 64, 16-token blocks scattered through the cache), against another
-commit's kernel when asked.
+commit's kernel when asked; the small-M linears too (`linear-NxK@M` cases).
 
     python benchmarks/attention_kernel.py                          # this checkout's kernel
     python benchmarks/attention_kernel.py --baseline HEAD~1        # and HEAD~1's, alternated
     python benchmarks/attention_kernel.py --baseline HEAD --rows-only   # both with row-major keys
 
 Cases: `prefill-PxL` (P prompts of L tokens, each token attending causally to its prompt, as
-a prefill step of one layer), `decode-B@C` (B sequences with C tokens of context). Each round
+a prefill step of one layer), `decode-B@C` (B sequences with C tokens of context),
+`linear-NxK@M` (the small-M linear, `linear_bf16` or `linear_f32`, of an [N, K] weight at M
+rows; the LM head's float32 logits when N is SmolLM2's vocabulary, 49152; the weight is read
+from memory each call, as in a model's step: a call walks 8 copies of it in turn):
+
+    python benchmarks/attention_kernel.py --cases linear-49152x576@64,linear-49152x576@16,linear-1536x576@64 --baseline HEAD~1
+
+Each round
 runs every case `--reps` times in a fresh process per kernel (the baseline's source is built
 in its own cache folder, the kernels' usual hash-keyed build); rounds alternate the kernels.
 Per case it reports the median over rounds of each round's fastest run (this project's
@@ -51,8 +58,23 @@ def worker(args) -> None:
     gen = torch.Generator().manual_seed(0)
     times: dict[str, list[float]] = {}
     calls = {}
+    linears = {}
     for case in args.cases.split(","):
         kind, shape = case.split("-", 1)
+        if kind == "linear":
+            nk, m = shape.split("@")
+            n, k = (int(x) for x in nk.split("x"))
+            copies = []
+            for _ in range(8):  # more than the caches hold: each call reads its weight from memory
+                w = (torch.randn(n, k, generator=gen) * 0.02).to(dtype)
+                copies.append(ops.pack_linear_bf16(w) if dtype == torch.bfloat16 else ops.pack_linear_f32(w))
+            x = torch.randn(int(m), k, generator=gen).to(dtype)
+            if dtype == torch.bfloat16:
+                run = lambda p, x=x, n=n: ops.linear_bf16(x, p, None, n, n == 49152)  # noqa: E731
+            else:
+                run = lambda p, x=x, n=n: ops.linear_f32(x, p, None, n)  # noqa: E731
+            linears[case] = (run, copies)
+            continue
         if kind == "prefill":
             prompts, length = (int(x) for x in shape.split("x"))
             context, tokens = length, prompts * length
@@ -64,7 +86,7 @@ def worker(args) -> None:
             seq_lens = torch.full((prompts,), context)
             rows = torch.arange(prompts)
         else:
-            raise SystemExit(f"unknown case {case!r}: prefill-PxL or decode-B@C")
+            raise SystemExit(f"unknown case {case!r}: prefill-PxL, decode-B@C or linear-NxK@M")
         per = (context + BLOCK - 1) // BLOCK
         num_blocks = prompts * per + 1
         k_cache = torch.randn(KV_HEADS, num_blocks, BLOCK, HEAD_DIM, generator=gen).to(dtype)
@@ -81,10 +103,17 @@ def worker(args) -> None:
     for case, a in calls.items():
         ops.paged_attention(*a, HEAD_DIM ** -0.5, *extra)  # warm-up
         times[case] = []
-    for _ in range(args.reps):
+    for case, (run, copies) in linears.items():
+        run(copies[0])
+        times[case] = []
+    for i in range(args.reps):
         for case, a in calls.items():
             t0 = time.perf_counter()
             ops.paged_attention(*a, HEAD_DIM ** -0.5, *extra)
+            times[case].append(time.perf_counter() - t0)
+        for case, (run, copies) in linears.items():
+            t0 = time.perf_counter()
+            run(copies[(i + 1) % len(copies)])
             times[case].append(time.perf_counter() - t0)
     print(json.dumps({"isa": kernels.isa(), "layout": "k_tiled" if tiled else "rows", "times": times}))
 
@@ -138,7 +167,7 @@ def main() -> None:
                 best[name].setdefault(case, []).append(min(ts))
     cases = args.cases.split(",")
     med = {k: {c: statistics.median(best[k][c]) * 1e3 for c in cases} for k in kernels}
-    print(f"paged_attention, {args.dtype}, {args.threads} threads, {isa} build; ms per call "
+    print(f"paged_attention and small-M linears, {args.dtype}, {args.threads} threads, {isa} build; ms per call "
           f"(median over {args.rounds} rounds of each round's fastest of {args.reps}); key layout: "
           + ", ".join(f"{k} {v}" for k, v in layouts.items()))
     print_table(med, cases, args.baseline, case_width=18, digits=3, extra=lambda c: "   rounds: " + " | ".join(
