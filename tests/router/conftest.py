@@ -89,7 +89,10 @@ def server(tiny_model_dir, lora_dirs):
         "name": APP,
         # --chat-template: the tiny model's own ChatML, plus a line that only a request's
         # chat_template_kwargs turns on (tests/router/test_chat_template.py)
-        "engine": {"model": str(tiny_model_dir), "served_model_name": ["tiny", SECOND_NAME], "max_model_len": 2048,
+        # float32 on every CPU: the embeddings and LoRA tests compare with HF and PEFT in float32,
+        # and `auto` is bfloat16 on a CPU with AVX-512 BF16
+        "engine": {"model": str(tiny_model_dir), "dtype": "float32",
+                   "served_model_name": ["tiny", SECOND_NAME], "max_model_len": 2048,
                    "chat_template": NOTE_TEMPLATE + CHATML_TEMPLATE,
                    "num_gpu_blocks_override": 160, "max_num_seqs": 8, "num_threads": 1,
                    "max_waiting_requests": 64,
