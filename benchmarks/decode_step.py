@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fleetserve.replica.kernels import isa as kernels_isa  # noqa: E402
 from fleetserve.replica.layers.attention import AttentionMetadata  # noqa: E402
 from fleetserve.replica.layers.linear import small_m_rows  # noqa: E402
+from fleetserve.replica.layers.sampler import greedy  # noqa: E402
 from fleetserve.replica.model_loader.registry import resolve_model  # noqa: E402
 from fleetserve.replica.model_loader.weights import allocate_kv_caches, load_model  # noqa: E402
 
@@ -95,7 +96,7 @@ def make_step(model, kv_caches, case, block_size):
         md = AttentionMetadata.build(q_lens, ctx_lens, tables, block_size, request_ids=rids)
         hidden = model(torch.tensor(ids), torch.tensor(positions), kv_caches, md)
         logits = model.compute_logits(hidden[md.last_token_indices])
-        return logits.argmax(-1)
+        return greedy(logits)  # the engine's greedy sampling: the argmax kernel where it runs
     return step
 
 
@@ -127,7 +128,8 @@ def breakdown(step) -> dict[str, float]:
         head = lm[-1]
         parts["weight matmul"] -= head
         parts["lm head + sample"] += head
-    argmax = [ev.cpu_time_total / 1e6 for ev in prof.events() if ev.cpu_parent is None and ev.name == "aten::argmax"]
+    argmax = [ev.cpu_time_total / 1e6 for ev in prof.events()
+              if ev.cpu_parent is None and ev.name in ("aten::argmax", "fleetserve::argmax_rows")]
     parts["lm head + sample"] += sum(argmax)
     parts["other"] = max(0.0, total - sum(parts.values()))
     return {k: v / total for k, v in parts.items()}
