@@ -1245,19 +1245,17 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     auto task_of = [&](int64_t i) { return (i % 2 == 0) ? i / 2 : N - 1 - i / 2; };
     const int64_t head_elems = NB * BS * D;
     const int64_t block_bytes = BS * D * static_cast<int64_t>(sizeof(scalar_t));
-    static std::atomic<uint64_t> calls{0};
-    const uint64_t call = calls.fetch_add(1, std::memory_order_relaxed) + 1;
     // A thread's buffers (grown once per thread, not per call) and prefetcher, which starts each
-    // call empty (its table of blocks seen is per call): looked up once per thread and call.
+    // call empty (its table of blocks seen is per call): steal_for_ctx runs `init` once per
+    // thread and call.
     struct Ctx {
       AttnScratch<scalar_t>* scratch;
       NextTaskPrefetch* pf;
     };
-    auto init = [call]() __attribute__((noinline)) {
+    auto init = []() __attribute__((noinline)) {
       static thread_local AttnScratch<scalar_t> scratch;
       static thread_local NextTaskPrefetch pf;
-      static thread_local uint64_t pf_call = 0;
-      if (pf_call != call) pf = NextTaskPrefetch(), pf_call = call;
+      pf = NextTaskPrefetch();
       return Ctx{&scratch, &pf};
     };
     steal_for_ctx(N, init, [&](int64_t i, int64_t next, Ctx ctx) {
