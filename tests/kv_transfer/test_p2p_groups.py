@@ -224,3 +224,81 @@ def test_a_dead_or_silent_producer_fails_the_connect_in_time():
         assert time.monotonic() - t0 < 0.5
     finally:
         silent.close()
+
+
+def test_pulls_reuse_one_store_client_and_a_broken_idle_one_is_replaced(pair, monkeypatch):
+    """A consumer keeps its store client of a producer between pulls (a new one costs a TCP
+    connect and torch's handshake, 1-5 ms a pull); an idle client that no longer works (its
+    producer restarted at that address, or the connection broke) is replaced in the same pull."""
+    prod, cons, _ = pair
+    connects = []
+    real = p2p.connect_store
+    monkeypatch.setattr(p2p, "connect_store", lambda *a: connects.append(a) or real(*a))
+    for n in range(3):
+        assert hand_off(prod, cons, [f"reuse-{n}"]) == set()
+        assert same_blocks(prod, cons, [0, 1, 2])
+    assert len(connects) == 1
+    assert hand_off(prod, cons, [f"many-{i}" for i in range(4)]) == set()  # concurrent pulls
+    assert same_blocks(prod, cons, list(range(12)))
+    idle = cons.half.transport._clients
+    assert 1 <= sum(len(v) for v in idle.values()) <= p2p.MAX_IDLE_CLIENTS
+
+    class Broken:
+        def set_timeout(self, _):
+            pass
+
+        def add(self, *_):
+            raise ConnectionResetError("connection reset by peer")
+
+    for clients in idle.values():
+        clients[:] = [Broken()]
+    before = len(connects)
+    for c in cons.half.kv_caches:
+        c[:, :, :3] = -1.0
+    assert hand_off(prod, cons, ["after-break"]) == set()
+    assert same_blocks(prod, cons, [0, 1, 2])
+    assert len(connects) == before + 1
+    assert not any(isinstance(c, Broken) for v in idle.values() for c in v)
+
+
+def test_an_unclaimed_export_ends_with_its_lease_while_the_server_idles(pair):
+    """The server blocks waiting for the next pull; leases still end on their own thread:
+    an export nobody pulls goes (its staging buffer back to the pool), and a late pull of it
+    is a clear "no" at once. Shutdown wakes the waiting server thread and ends it."""
+    import threading
+
+    prod, cons, _ = pair
+    keys = chain_keys(prod.ctx.fingerprint, list(range(1, 1 + 3 * BS)), BS, 3)
+    prod.bind_connector_metadata(ConnectorMetadata(saves=[SaveSpec("r0", "unclaimed", [0, 1, 2], keys, 0.5)]))
+    prod.start_load_kv()
+    prod.half.wait_for_exports(30)
+    prod.clear_connector_metadata()
+    assert prod.half.transport.held() == 1 and prod.half.staging.cached_bytes == 0
+    t0 = time.monotonic()
+    while prod.half.transport.held() and time.monotonic() - t0 < 5:
+        time.sleep(0.02)
+    assert prod.half.transport.held() == 0 and time.monotonic() - t0 >= 0.3
+    assert prod.half.staging.cached_bytes > 0  # the buffer went back
+    t0 = time.monotonic()
+    cons.bind_connector_metadata(ConnectorMetadata(loads=[LoadSpec(
+        "r0", "unclaimed", [3, 4, 5], keys, time.time() + 20,
+        {"remote_tp_size": 1, "remote_engine_id": prod.ctx.engine_id})]))
+    cons.start_load_kv()
+    cons.clear_connector_metadata()
+    while "r0" not in cons.get_finished(set())[1]:
+        time.sleep(0.005)
+    assert time.monotonic() - t0 < 3
+    assert cons.get_block_ids_with_load_errors() == {3, 4, 5}
+    assert hand_off(prod, cons, ["still-serves"]) == set()  # and the server still serves
+
+    def server_threads():
+        return [t for t in threading.enumerate() if t.name in ("kv-p2p-server", "kv-p2p-leases")
+                and t.is_alive()]
+
+    before = len(server_threads())
+    assert before >= 2
+    prod.shutdown()
+    t0 = time.monotonic()
+    while len(server_threads()) > before - 2 and time.monotonic() - t0 < 5:
+        time.sleep(0.02)
+    assert len(server_threads()) == before - 2
