@@ -9,10 +9,13 @@ load whose notice never came (`update_connector_output`, deadline + grace).
 
 Worker half (`TransferWorker`): copies saved blocks out on its own thread (so the
 scheduler may free them after this step) and exports them in the background;
-fetches loads in the background into staging memory; in `get_finished`, checks
-every fetched block's chain key against the consumer's own, writes the good
-ones into the cache, and reports the rest as failed blocks. A load past its
-deadline is failed whole and its late bytes are dropped.
+fetches loads in the background into staging memory, checks every fetched
+block's chain key against the consumer's own and writes the good ones into the
+cache there too (a CPU cache: the engine's thread never stalls on a big load's
+copy; a GPU cache is written from `get_finished`, in its stream's order);
+`get_finished` reports them and the rest as failed blocks. A load past its
+deadline or cancelled is given up under its lock (a write under way finishes
+first), so none of its late bytes land once the scheduler hears of it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import abc
 import concurrent.futures as cf
 import logging
 import math
+import threading
 import time
 from typing import Any, Optional
 
@@ -301,6 +305,35 @@ class TransferScheduler(KVConnectorScheduler):
         self.transport.shutdown()
 
 
+class _Load:
+    """One load in flight on the worker: fetched, checked and (CPU caches) written into its
+    blocks on a transfer thread. `lock` orders that write against giving the load up (its
+    deadline passed, or the scheduler cancelled it): once `abandoned` is set under the lock,
+    no byte of it lands in the cache any more, so the scheduler may reuse its blocks."""
+
+    __slots__ = ("spec", "t0", "lock", "abandoned", "future")
+
+    def __init__(self, spec: LoadSpec, t0: float) -> None:
+        self.spec, self.t0 = spec, t0
+        self.lock = threading.Lock()
+        self.abandoned = False
+        self.future: Optional[cf.Future] = None
+
+    def abandon(self) -> None:
+        """Waits for a write in progress (a few ms) and forbids the rest."""
+        with self.lock:
+            self.abandoned = True
+
+
+class _Fetched:
+    """What a load's transfer thread hands to `get_finished`."""
+
+    __slots__ = ("batch", "offset", "good", "written")
+
+    def __init__(self, batch: Optional[BlockBatch], offset: int, good: int, written: int) -> None:
+        self.batch, self.offset, self.good, self.written = batch, offset, good, written
+
+
 class TransferWorker(KVConnectorWorker):
     def __init__(self, config: KVTransferConfig, ctx: ConnectorContext, transport: Transport,
                  max_workers: int = 4) -> None:
@@ -315,7 +348,11 @@ class TransferWorker(KVConnectorWorker):
         self._payload_device = torch.device("cpu")
         self._metadata: Optional[ConnectorMetadata] = None
         self._pool = cf.ThreadPoolExecutor(max_workers, thread_name_prefix="kv-transfer")
-        self._loads: dict[str, tuple[LoadSpec, cf.Future, float]] = {}
+        self._loads: dict[str, _Load] = {}
+        # CPU caches: a load's blocks are written on its transfer thread, not in get_finished
+        # on the engine's thread (a 2k-token SmolLM2 prompt is 90 MiB: ~7 ms a step stalled).
+        # A GPU cache is written from the engine's thread, in its stream's order.
+        self._write_on_transfer_thread = False
         self._exports: list[cf.Future] = []
         # Layer-wise saves of this step: (spec, batch being filled, block index, layers done, t0).
         self._layer_saves: list[tuple[SaveSpec, BlockBatch, torch.Tensor, set[int], float]] = []
@@ -329,6 +366,7 @@ class TransferWorker(KVConnectorWorker):
         device = kv_caches[0].device
         self.staging.pin_memory = device.type == "cuda"
         self._payload_device = torch.device(self.transport.payload_device(device))
+        self._write_on_transfer_thread = device.type == "cpu"
         self.transport.register_kv_caches(kv_caches, self.staging)
 
     def _empty_batch(self, spec: SaveSpec) -> BlockBatch:
@@ -354,7 +392,9 @@ class TransferWorker(KVConnectorWorker):
         if not meta:
             return
         for rid in meta.cancels:
-            self._loads.pop(rid, None)  # its bytes, if they still come, are dropped
+            load = self._loads.pop(rid, None)
+            if load is not None:
+                load.abandon()  # its bytes, if they still come, are dropped
             self._sending_done.add(rid)
         for spec in meta.saves:
             t0 = time.perf_counter()
@@ -370,8 +410,9 @@ class TransferWorker(KVConnectorWorker):
             self._sending_done.add(spec.req_id)
             self._exports.append(self._pool.submit(self._export, spec, batch, t0))
         for spec in meta.loads:
-            self._loads[spec.req_id] = (spec, self._pool.submit(self.transport.fetch, spec),
-                                        time.perf_counter())
+            load = _Load(spec, time.perf_counter())
+            load.future = self._pool.submit(self._fetch, load)
+            self._loads[spec.req_id] = load
 
     def save_kv_layer(self, layer: int, kv_layer, attn_metadata) -> None:
         for _, batch, idx, done, _ in self._layer_saves:
@@ -405,46 +446,77 @@ class TransferWorker(KVConnectorWorker):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         recving: set[str] = set()
         now = time.time()
-        for rid, (spec, fut, t0) in list(self._loads.items()):
-            if fut.done():
+        for rid, load in list(self._loads.items()):
+            if load.future.done():
                 del self._loads[rid]
                 recving.add(rid)
-                self._promote(spec, fut, t0)
-            elif now > spec.deadline:
+                self._promote(load)
+            elif now > load.spec.deadline:
+                # Failed whole, even if its write was under way (abandon() waits for it): the
+                # scheduler recomputes into these blocks.
+                load.abandon()
                 del self._loads[rid]
                 recving.add(rid)
-                self._invalid.update(spec.block_ids)
+                self._invalid.update(load.spec.block_ids)
                 self.stats["expired_loads"] += 1
-                logger.warning("KV load of %s (transfer %s) missed its deadline", rid, spec.transfer_id)
+                logger.warning("KV load of %s (transfer %s) missed its deadline", rid, load.spec.transfer_id)
         self._reap_exports()
         sending, self._sending_done = self._sending_done, set()
         return sending, recving
 
-    def _promote(self, spec: LoadSpec, fut: cf.Future, t0: float) -> None:
-        """Verify a fetched batch against the consumer's own keys; write the good prefix."""
-        batch = None
-        offset = 0
+    def _fetch(self, load: _Load) -> _Fetched:
+        """On a transfer thread: fetch the blocks, check them against the consumer's own keys
+        and, for a CPU cache, write the good prefix into the blocks unless the load was given
+        up meanwhile."""
+        spec = load.spec
+        batch = self.transport.fetch(spec)
         try:
-            batch = fut.result()
             offset, good = self._check(spec, batch)
+        except BaseException:
+            batch.release()
+            self._confirm(spec)
+            raise
+        if not (good and self._write_on_transfer_thread):
+            return _Fetched(batch, offset, good, 0)  # written (or refused) in get_finished
+        with load.lock:
+            written = 0 if load.abandoned else self._write(spec, batch, offset, good)
+        batch.release()  # its bytes are in the cache (or dropped)
+        self._confirm(spec)
+        return _Fetched(None, offset, good, written)
+
+    def _write(self, spec: LoadSpec, batch: BlockBatch, offset: int, good: int) -> int:
+        """Blocks offset..offset+good-1 of `batch` (this rank's heads) into the spec's first
+        `good` blocks; returns the bytes written."""
+        h0 = self.heads[0] - batch.heads[0]
+        data = batch.data[offset:offset + good, :, :, h0:h0 + self.heads[1] - self.heads[0]]
+        scatter_blocks(self.kv_caches, spec.block_ids[:good], data)
+        return data.numel() * data.element_size()
+
+    def _promote(self, load: _Load) -> None:
+        """Account for a finished load (and write it, where the transfer thread did not)."""
+        spec = load.spec
+        fetched = None
+        try:
+            fetched = load.future.result()
+            good = fetched.good
         except (TransferError, KVFormatError, OSError, ValueError) as e:
             logger.warning("KV load of %s (transfer %s) failed: %s", spec.req_id, spec.transfer_id, e)
             good = 0
         except Exception:  # noqa: BLE001 - a transport bug must fail the load, not the engine
             logger.exception("KV load of %s failed unexpectedly", spec.req_id)
             good = 0
+        if fetched is not None and fetched.batch is not None:  # not written on the transfer thread
+            nbytes = self._write(spec, fetched.batch, fetched.offset, good) if good else 0
+            fetched.batch.release()  # its bytes are in the cache (or refused)
+            self._pool.submit(self._confirm, spec)
+        else:
+            nbytes = fetched.written if fetched is not None else 0
         if good:
-            h0 = self.heads[0] - batch.heads[0]
-            data = batch.data[offset:offset + good, :, :, h0:h0 + self.heads[1] - self.heads[0]]
-            scatter_blocks(self.kv_caches, spec.block_ids[:good], data)
-            self.stats["bytes_recv"].append(data.numel() * data.element_size())
-            self.stats["seconds_recv"].append(time.perf_counter() - t0)
+            self.stats["bytes_recv"].append(nbytes)
+            self.stats["seconds_recv"].append(time.perf_counter() - load.t0)
         if good < len(spec.block_ids):
             self._invalid.update(spec.block_ids[good:])
             self.stats["failed_loads"] += 1
-        if batch is not None:
-            batch.release()  # its bytes are in the cache (or refused)
-            self._pool.submit(self._confirm, spec)
 
     def _confirm(self, spec: LoadSpec) -> None:
         try:

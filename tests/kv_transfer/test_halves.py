@@ -140,3 +140,60 @@ def test_a_lost_notice_is_failed_by_the_scheduler_after_deadline_and_grace(monke
     assert outs["r0"].finish_reason == "error"
     step(sched, runner)  # the workers hear of the finish
     assert sched.kv.num_free_blocks == NUM_BLOCKS and not sched.has_requests()
+
+
+def test_a_cpu_cache_is_written_on_the_transfer_thread_not_the_engines(monkeypatch):
+    """A load's copy into a CPU cache (7 ms for a 2k-token SmolLM2 prompt) runs on its transfer
+    thread: the engine's steps never wait for it."""
+    from fleetserve.kv_transfer import transfer
+
+    writers = []
+    real = transfer.scatter_blocks
+    monkeypatch.setattr(transfer, "scatter_blocks",
+                        lambda *a: writers.append(threading.current_thread()) or real(*a))
+    sched, runner, worker, caches, req = build(timeout_s=10)
+    GatedTransport.gate.set()
+    sched.add_request(req)
+    for _ in range(200):
+        step(sched, runner)
+        if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            break
+        time.sleep(0.005)
+    assert req.num_external_computed_tokens == 16
+    assert len(writers) == 1 and writers[0] is not threading.main_thread()
+    blocks = sched.kv.get_block_ids("r0")[:4]
+    assert all(c[:, :, blocks].eq(1).all() for c in caches)
+    run_to_completion(sched, runner)
+    assert sched.kv.num_free_blocks == NUM_BLOCKS
+
+
+def test_abort_during_a_write_waits_for_it_and_nothing_lands_after(monkeypatch):
+    """The scheduler hears that a cancelled load is dropped only once no byte of it can land:
+    a write under way on the transfer thread finishes first (the cancel waits for it), and the
+    blocks, once freed, are never written again."""
+    from fleetserve.kv_transfer import transfer
+
+    started, events = threading.Event(), []
+    real = transfer.scatter_blocks
+
+    def slow(*a):
+        started.set()
+        time.sleep(0.3)
+        real(*a)
+        events.append("written")
+
+    monkeypatch.setattr(transfer, "scatter_blocks", slow)
+    sched, runner, worker, caches, req = build(timeout_s=10)
+    GatedTransport.gate.set()
+    sched.add_request(req)
+    step(sched, runner)
+    assert started.wait(5)
+    assert sched.abort_requests(["r0"]) == ["r0"]
+    step(sched, runner)  # the worker's cancel waits for the write under way
+    assert events == ["written"]
+    step(sched, runner)
+    assert sched.kv.num_free_blocks == NUM_BLOCKS and not sched.has_requests()
+    for c in caches:
+        c.zero_()
+    time.sleep(0.1)
+    assert all(not c.any() for c in caches) and events == ["written"]
