@@ -85,9 +85,10 @@ def make_pair(kind: str, num_blocks: int, tmp: str, device: str = "cpu", dtype=t
     return halves[0].ctx, halves[0], halves[1]
 
 
-def hand_off(ctx, prod, cons, num_tokens: int, tid: str) -> tuple[float, float, float]:
-    """(export seconds, load seconds, seconds the consumer's engine thread spent in the load's
-    `start_load_kv` and `get_finished` calls) of one transfer of `num_tokens` tokens."""
+def hand_off(ctx, prod, cons, num_tokens: int, tid: str) -> tuple[float, float, float, float]:
+    """(export seconds, load seconds, and the seconds the producer's and the consumer's engine
+    threads spent in the transfer's `start_load_kv` and `get_finished` calls) of one transfer
+    of `num_tokens` tokens."""
     from fleetserve.kv_transfer.base import ConnectorMetadata, LoadSpec, SaveSpec
     from fleetserve.kv_transfer.blocks import chain_keys
 
@@ -98,6 +99,7 @@ def hand_off(ctx, prod, cons, num_tokens: int, tid: str) -> tuple[float, float, 
     t0 = time.perf_counter()
     prod.bind_connector_metadata(ConnectorMetadata(saves=[SaveSpec("r", tid, blocks, keys, 600)]))
     prod.start_load_kv()
+    prod_engine = time.perf_counter() - t0
     prod.half.wait_for_exports(600)
     t1 = time.perf_counter()
     spec = LoadSpec("r", tid, blocks, keys, time.time() + 600,
@@ -114,8 +116,9 @@ def hand_off(ctx, prod, cons, num_tokens: int, tid: str) -> tuple[float, float, 
         time.sleep(0.0005)
     t2 = time.perf_counter()
     assert not cons.get_block_ids_with_load_errors(), "a benchmark load failed"
+    c0 = time.perf_counter()
     prod.get_finished(set())
-    return t1 - t0, t2 - t1, engine
+    return t1 - t0, t2 - t1, prod_engine + time.perf_counter() - c0, engine
 
 
 def raw_file(buf: np.ndarray, tmp: str) -> float:
@@ -282,7 +285,7 @@ def main() -> int:
                      "raw_gloo": lambda: raw_gloo(data.view(torch.uint8), recv),
                      "d2h_h2d": lambda: d2h_h2d(dev, pinned)}
             paths = {k: f for k, f in paths.items() if k == "memcpy" or k in raws}
-            t = {k: [] for k in (*paths, *[f"{k}_{p}" for k in kinds for p in ("export", "load", "engine")])}
+            t = {k: [] for k in (*paths, *[f"{k}_{p}" for k in kinds for p in ("export", "load", "prod_engine", "engine")])}
             for r in range(-1, repeats):  # interleaved: every path once per round; round -1 untimed
                 for name, fn in paths.items():
                     dt = fn()
@@ -290,10 +293,11 @@ def main() -> int:
                         t[name].append(dt)
                 for k in kinds:
                     ctx, prod, cons = pairs[k]
-                    e, l, g = hand_off(ctx, prod, cons, n, f"bench-{n}-{r}-{k[:4]}")
+                    e, l, pg, g = hand_off(ctx, prod, cons, n, f"bench-{n}-{r}-{k[:4]}")
                     if r >= 0:
                         t[f"{k}_export"].append(e)
                         t[f"{k}_load"].append(l)
+                        t[f"{k}_prod_engine"].append(pg)
                         t[f"{k}_engine"].append(g)
             med = {k: statistics.median(v) for k, v in t.items()}
             gbs = lambda s: nbytes / s / 1e9  # noqa: E731
@@ -307,6 +311,7 @@ def main() -> int:
                 row[f"{c}_export_s"] = med[f"{k}_export"]
                 row[f"{c}_load_s"] = med[f"{k}_load"]
                 row[f"{c}_engine_thread_s"] = med[f"{k}_engine"]
+                row[f"{c}_producer_engine_thread_s"] = med[f"{k}_prod_engine"]
                 row[f"{c}_vs_raw"] = row[f"{c}_gbs"] / row[f"{raw}_gbs"]
                 if cuda:
                     row[f"{c}_vs_d2h_h2d"] = row[f"{c}_gbs"] / row["d2h_h2d_gbs"]
@@ -342,9 +347,10 @@ def report(rows, recompute, two_k, shorts, cuda) -> None:
               + " ".join(f"{r[k]:>{max(8, len(h))}.2f}" for h, k in cols))
     loads = ", ".join(f"{c} load {two_k[f'{c}_load_s'] * 1e3:.1f} ms"
                       + (f" ({recompute / two_k[f'{c}_load_s']:.0f}x)" if recompute else "") for c in shorts)
-    print("consumer engine thread per load (start_load_kv + get_finished calls), ms: "
-          + "; ".join(f"{r['tokens']} tokens " + ", ".join(f"{c} {r[f'{c}_engine_thread_s'] * 1e3:.2f}"
-                                                          for c in shorts) for r in rows))
+    for side, key in (("producer", "producer_engine_thread_s"), ("consumer", "engine_thread_s")):
+        print(f"{side} engine thread per hand-off (start_load_kv + get_finished calls), ms: "
+              + "; ".join(f"{r['tokens']} tokens " + ", ".join(f"{c} {r[f'{c}_{key}'] * 1e3:.2f}"
+                                                              for c in shorts) for r in rows))
     print(f"\nload vs recompute, 2048 tokens: "
           + (f"prefill {recompute * 1e3:.0f} ms; " if recompute else "prefill not run; ") + loads)
     RESULTS.mkdir(parents=True, exist_ok=True)

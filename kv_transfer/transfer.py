@@ -7,8 +7,9 @@ cancels (`build_connector_meta`), keeps a finished request's blocks until the
 worker copied them out (`request_finished` -> delay_free), and gives up on a
 load whose notice never came (`update_connector_output`, deadline + grace).
 
-Worker half (`TransferWorker`): copies saved blocks out on its own thread (so the
-scheduler may free them after this step) and exports them in the background;
+Worker half (`TransferWorker`): copies saved blocks out (a CPU cache on its copy-out
+thread, the blocks kept allocated until it reports them in `finished_sending`; a GPU
+cache from the engine's thread, freed after this step) and exports them in the background;
 fetches loads in the background into staging memory, checks every fetched
 block's chain key against the consumer's own and writes the good ones into the
 cache there too (a CPU cache: the engine's thread never stalls on a big load's
@@ -24,6 +25,7 @@ import abc
 import concurrent.futures as cf
 import logging
 import math
+import queue
 import threading
 import time
 from typing import Any, Optional
@@ -353,7 +355,13 @@ class TransferWorker(KVConnectorWorker):
         # on the engine's thread (a 2k-token SmolLM2 prompt is 90 MiB: ~7 ms a step stalled).
         # A GPU cache is written from the engine's thread, in its stream's order.
         self._write_on_transfer_thread = False
+        # CPU caches too: a finished request's blocks are copied out on `_copy_pool` (its
+        # blocks stay allocated until the copy is done: reported then in finished_sending),
+        # then exported on `_pool`; a GPU cache is copied from the engine's thread.
+        self._copy_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kv-copy-out")
+        self._copied_out: "queue.SimpleQueue[str]" = queue.SimpleQueue()
         self._exports: list[cf.Future] = []
+        self._exports_lock = threading.Lock()
         # Layer-wise saves of this step: (spec, batch being filled, block index, layers done, t0).
         self._layer_saves: list[tuple[SaveSpec, BlockBatch, torch.Tensor, set[int], float]] = []
         self._sending_done: set[str] = set()
@@ -403,12 +411,15 @@ class TransferWorker(KVConnectorWorker):
             if spec.layerwise:  # filled by save_kv_layer as this step's forward goes
                 self._layer_saves.append((spec, batch, idx, set(), t0))
                 continue
+            if self._write_on_transfer_thread:
+                self._track_export(self._copy_pool.submit(self._copy_out, spec, batch, idx, t0))
+                continue
             for layer, kv in enumerate(self.kv_caches):
                 gather_layer(kv, idx, batch.data, layer)
             self._copied()
             # Copied out: the scheduler may reuse the blocks after this step.
             self._sending_done.add(spec.req_id)
-            self._exports.append(self._pool.submit(self._export, spec, batch, t0))
+            self._track_export(self._pool.submit(self._export, spec, batch, t0))
         for spec in meta.loads:
             load = _Load(spec, time.perf_counter())
             load.future = self._pool.submit(self._fetch, load)
@@ -431,7 +442,25 @@ class TransferWorker(KVConnectorWorker):
                     gather_layer(kv, idx, batch.data, layer)
         self._copied()
         for spec, batch, _, _, t0 in saves:
-            self._exports.append(self._pool.submit(self._export, spec, batch, t0))
+            self._track_export(self._pool.submit(self._export, spec, batch, t0))
+
+    def _copy_out(self, spec: SaveSpec, batch: BlockBatch, idx: torch.Tensor, t0: float) -> None:
+        """On the copy-out thread: the request's blocks into `batch` (nobody writes them: the
+        request has finished and its blocks stay allocated until reported), then the export
+        goes to the transfer pool. The blocks are reported free whatever happens."""
+        try:
+            for layer, kv in enumerate(self.kv_caches):
+                gather_layer(kv, idx, batch.data, layer)
+        except BaseException:
+            batch.release()
+            raise
+        finally:
+            self._copied_out.put(spec.req_id)
+        self._track_export(self._pool.submit(self._export, spec, batch, t0))
+
+    def _track_export(self, fut: cf.Future) -> None:
+        with self._exports_lock:
+            self._exports.append(fut)
 
     def _export(self, spec: SaveSpec, batch: BlockBatch, t0: float) -> None:
         nbytes = batch.nbytes
@@ -461,6 +490,11 @@ class TransferWorker(KVConnectorWorker):
                 self.stats["expired_loads"] += 1
                 logger.warning("KV load of %s (transfer %s) missed its deadline", rid, load.spec.transfer_id)
         self._reap_exports()
+        while True:
+            try:
+                self._sending_done.add(self._copied_out.get_nowait())
+            except queue.Empty:
+                break
         sending, self._sending_done = self._sending_done, set()
         return sending, recving
 
@@ -552,13 +586,14 @@ class TransferWorker(KVConnectorWorker):
         return offset, good
 
     def _reap_exports(self) -> None:
-        still = []
-        for fut in self._exports:
-            if not fut.done():
-                still.append(fut)
-            elif fut.exception() is not None:
+        with self._exports_lock:
+            done, still = [], []
+            for f in self._exports:
+                (done if f.done() else still).append(f)
+            self._exports = still
+        for fut in done:
+            if fut.exception() is not None:
                 logger.warning("KV export failed: %s", fut.exception())
-        self._exports = still
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._invalid = self._invalid, set()
@@ -574,11 +609,19 @@ class TransferWorker(KVConnectorWorker):
 
     def wait_for_exports(self, timeout: float = 30.0) -> None:
         """Block until every queued export finished (tests, shutdown)."""
-        cf.wait(self._exports, timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while True:  # a copy-out queues its export when it is done: wait for that one too
+            with self._exports_lock:
+                pending = [f for f in self._exports if not f.done()]
+            left = deadline - time.monotonic()
+            if not pending or left <= 0:
+                break
+            cf.wait(pending, timeout=left)
         self._reap_exports()
 
     def shutdown(self) -> None:
         self.wait_for_exports(10.0)
+        self._copy_pool.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.transport.shutdown()
 

@@ -197,3 +197,50 @@ def test_abort_during_a_write_waits_for_it_and_nothing_lands_after(monkeypatch):
         c.zero_()
     time.sleep(0.1)
     assert all(not c.any() for c in caches) and events == ["written"]
+
+
+def test_a_cpu_cache_is_copied_out_off_the_engines_thread_and_its_blocks_kept_until_done(monkeypatch):
+    """A finished request's blocks are copied out on the worker's copy-out thread (a shared-
+    storage connector exports every finished request: the engine's step must not wait for
+    that copy); the request is reported in finished_sending, which lets the scheduler reuse
+    its blocks, only once every layer is copied; the export then holds the cache's bytes."""
+    from fleetserve.kv_transfer import transfer
+    from fleetserve.kv_transfer.base import ConnectorMetadata, SaveSpec
+
+    started, copied = threading.Event(), []
+    real = transfer.gather_layer
+
+    def slow(kv, idx, out, layer):
+        if layer == 0:
+            started.set()
+            time.sleep(0.3)
+        real(kv, idx, out, layer)
+        copied.append(threading.current_thread())
+
+    monkeypatch.setattr(transfer, "gather_layer", slow)
+    cfg = KVTransferConfig(kv_connector="tests.kv_transfer.test_halves:GatedConnector", kv_role="kv_both")
+    worker = GatedConnector(cfg, KVConnectorRole.WORKER, CTX)
+    caches = [torch.randn((2, HEADS, NUM_BLOCKS, BS, HD)) for _ in range(LAYERS)]
+    worker.register_kv_caches(caches)
+    GatedTransport.batch = None
+    blocks = [5, 6, 7, 8]
+    keys = chain_keys(FP, list(range(1, 1 + 4 * BS)), BS, 4)
+    worker.bind_connector_metadata(ConnectorMetadata(saves=[SaveSpec("r0", "t-out", blocks, keys, 60)]))
+    t0 = time.monotonic()
+    worker.start_load_kv()
+    assert time.monotonic() - t0 < 0.2  # the engine's thread did not copy
+    worker.clear_connector_metadata()
+    assert started.wait(5)
+    assert "r0" not in worker.get_finished(set())[0]  # still copying: its blocks stay taken
+    sending: set[str] = set()
+    while "r0" not in sending:
+        assert time.monotonic() - t0 < 5
+        sending |= worker.get_finished(set())[0]
+        time.sleep(0.01)
+    assert len(copied) == LAYERS and all(t is not threading.main_thread() for t in copied)
+    worker.half.wait_for_exports(10)
+    exported = GatedTransport.batch
+    assert exported is not None and exported.keys == keys
+    for layer, c in enumerate(caches):
+        assert torch.equal(exported.data[:, layer], c[:, :, blocks].permute(2, 0, 1, 3, 4))
+    worker.shutdown()
