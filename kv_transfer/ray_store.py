@@ -47,18 +47,27 @@ from fleetserve.kv_transfer.transfer import TransferConnector, TransferError, Tr
 
 logger = logging.getLogger(__name__)
 
-POLL_S = 0.005
+POLL_S = 0.005  # an export not held yet is asked for again this often (owners without wait_lookup)
+WAIT_S = 5.0  # a wait_lookup call waits this long at most (then the consumer asks again)
 
 
 class KVObjectOwner:
-    """Owns exported KV objects and drops each when its consumer confirms or its lease ends."""
+    """Owns exported KV objects and drops each when its consumer confirms or its lease ends.
+
+    An async actor: a consumer that asks for an export before it has landed (`wait_lookup`)
+    is answered the moment the producer's `hold` arrives, instead of asking again every few
+    ms (each ask an actor call on this one actor the whole cluster shares). The other
+    methods are quick and run on the actor's event loop; `adopt`'s copy runs beside it."""
 
     def __init__(self, sweep_s: float = 0.5) -> None:
         self._held: dict[str, tuple[list, float, int]] = {}  # tid -> ([ref], expiry, nbytes)
         self._readers: dict[str, set[int]] = {}  # tid -> consumer ranks that confirmed
         self._names: dict[str, str] = {}
+        self._waiters: dict[str, list] = {}  # tid -> asyncio futures of consumers waiting for it
         self._lock = threading.Lock()
         self.num_expired = 0
+        self.num_waits = 0  # wait_lookup calls that found nothing yet and waited
+        self.num_woken = 0  # ... of which a hold answered
         threading.Thread(target=self._sweep_loop, args=(sweep_s,), daemon=True).start()
 
     def hold(self, transfer_id: str, refs: list, nbytes: int, lease_s: float) -> None:
@@ -66,19 +75,48 @@ class KVObjectOwner:
         consumer confirms or the lease ends."""
         with self._lock:
             self._held[transfer_id] = (refs, time.time() + lease_s, nbytes)
+        for fut in self._waiters.pop(transfer_id, ()):  # on the event loop: no lock needed
+            if not fut.done():
+                fut.set_result(None)
 
-    def adopt(self, transfer_id: str, header: bytes, payload, lease_s: float) -> None:
+    async def adopt(self, transfer_id: str, header: bytes, payload, lease_s: float) -> None:
         """Take a copy of the blocks into an object this actor owns, so the export outlives
         its producer (Ray >= 2.56 has no `ray.put(_owner=...)`: only the putting process
-        can own an object)."""
+        can own an object). The copy runs off the event loop."""
+        import asyncio
+
         import ray
 
-        self.hold(transfer_id, [ray.put((header, payload))], len(payload), lease_s)
+        ref = await asyncio.get_running_loop().run_in_executor(None, ray.put, (header, payload))
+        self.hold(transfer_id, [ref], len(payload), lease_s)
 
     def lookup(self, transfer_id: str):
         with self._lock:
             entry = self._held.get(transfer_id)
         return None if entry is None else entry[0]
+
+    async def wait_lookup(self, transfer_id: str, timeout_s: float):
+        """`lookup`, waiting up to `timeout_s` for the export to be held if it is not yet."""
+        import asyncio
+
+        refs = self.lookup(transfer_id)
+        if refs is not None or timeout_s <= 0:
+            return refs
+        self.num_waits += 1
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(transfer_id, []).append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout_s)
+            self.num_woken += 1
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            waiting = self._waiters.get(transfer_id)
+            if waiting is not None and fut in waiting:
+                waiting.remove(fut)
+                if not waiting:
+                    del self._waiters[transfer_id]
+        return self.lookup(transfer_id)
 
     def release(self, transfer_id: str, reader: int = 0, num_readers: int = 1) -> bool:
         """Reader `reader` is done; the object goes once all `num_readers` consumer ranks
@@ -103,7 +141,7 @@ class KVObjectOwner:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"held": len(self._held), "bytes": sum(e[2] for e in self._held.values()),
-                    "expired": self.num_expired}
+                    "expired": self.num_expired, "waits": self.num_waits, "woken": self.num_woken}
 
     def _sweep_loop(self, sweep_s: float) -> None:
         while True:
@@ -132,7 +170,7 @@ def get_owner(ray, name: str, namespace: str):
     """The cluster's owner actor, created by whoever asks first (detached: it outlives us)."""
     cls = ray.remote(KVObjectOwner)
     return cls.options(name=name, namespace=namespace, lifetime="detached", get_if_exists=True,
-                       num_cpus=0, max_concurrency=16).remote()
+                       num_cpus=0, max_concurrency=1000).remote()
 
 
 class RayObjectStoreTransport(Transport):
@@ -201,10 +239,16 @@ class RayObjectStoreTransport(Transport):
 
     def _fetch_one(self, ray, owner, spec: LoadSpec, oid: str) -> BlockBatch:
         refs = None
+        # An owner actor started by an older fleetserve (detached: it outlives upgrades) may
+        # lack wait_lookup: then ask every POLL_S.
+        wait = getattr(owner, "wait_lookup", None)
         while refs is None:
             left = spec.deadline - time.time()
             if left <= 0:
                 raise TransferError(f"transfer {oid} not exported before the deadline")
+            if wait is not None:
+                refs = ray.get(wait.remote(oid, min(left, WAIT_S)), timeout=left + 1.0)
+                continue
             refs = ray.get(owner.lookup.remote(oid), timeout=left)
             if refs is None:
                 time.sleep(POLL_S)

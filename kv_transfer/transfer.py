@@ -512,10 +512,12 @@ class TransferWorker(KVConnectorWorker):
             raise
         if not (good and self._write_on_transfer_thread):
             return _Fetched(batch, offset, good, 0)  # written (or refused) in get_finished
-        with load.lock:
-            written = 0 if load.abandoned else self._write(spec, batch, offset, good)
-        batch.release()  # its bytes are in the cache (or dropped)
-        self._confirm(spec)
+        try:
+            with load.lock:
+                written = 0 if load.abandoned else self._write(spec, batch, offset, good)
+        finally:
+            batch.release()  # its bytes are in the cache (or dropped)
+            self._confirm(spec)
         return _Fetched(None, offset, good, written)
 
     def _write(self, spec: LoadSpec, batch: BlockBatch, offset: int, good: int) -> int:
