@@ -266,9 +266,13 @@ class P2PTransport(Transport):
         # it by writing the key itself; leases end on their own thread (_sweep_loop).
         while not self._stop.is_set():
             key = f"pull/{self._served + 1}"
+            t0 = time.monotonic()
             try:
                 self._store.wait([key], datetime.timedelta(seconds=IDLE_WAIT_S))
-            except Exception:  # noqa: BLE001 - DistStoreError: idle for IDLE_WAIT_S; wait again
+            except Exception as e:  # noqa: BLE001 - DistStoreError: idle for IDLE_WAIT_S; wait again
+                if time.monotonic() - t0 < 1.0:  # not a timeout: never spin on a broken store
+                    logger.warning("P2P server's wait failed: %s", e)
+                    self._stop.wait(1.0)
                 continue
             if self._stop.is_set():
                 return
