@@ -70,6 +70,16 @@ def step(sched, runner):
     return {o.request_id: o for o in outs}
 
 
+def load_in_time(sched, runner, req) -> None:
+    """Step until the request's load (its bytes already there) is reported."""
+    sched.add_request(req)
+    for _ in range(200):
+        step(sched, runner)
+        if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            break
+        time.sleep(0.005)
+
+
 def test_a_load_past_its_deadline_recomputes_and_its_late_bytes_never_land():
     sched, runner, worker, caches, req = build(timeout_s=0.3)
     sched.add_request(req)
@@ -91,12 +101,7 @@ def test_a_load_past_its_deadline_recomputes_and_its_late_bytes_never_land():
 def test_the_same_load_in_time_is_written_and_counted():
     sched, runner, worker, caches, req = build(timeout_s=10)
     GatedTransport.gate.set()
-    sched.add_request(req)
-    for _ in range(200):
-        step(sched, runner)
-        if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
-            break
-        time.sleep(0.005)
+    load_in_time(sched, runner, req)
     assert req.status == RequestStatus.WAITING and req.num_external_computed_tokens == 16
     # A hand-off is read once: after a preemption the request recomputes.
     assert sched.connector.get_num_new_matched_tokens(req, 0) == (0, False)
@@ -153,12 +158,7 @@ def test_a_cpu_cache_is_written_on_the_transfer_thread_not_the_engines(monkeypat
                         lambda *a: writers.append(threading.current_thread()) or real(*a))
     sched, runner, worker, caches, req = build(timeout_s=10)
     GatedTransport.gate.set()
-    sched.add_request(req)
-    for _ in range(200):
-        step(sched, runner)
-        if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
-            break
-        time.sleep(0.005)
+    load_in_time(sched, runner, req)
     assert req.num_external_computed_tokens == 16
     assert len(writers) == 1 and writers[0] is not threading.main_thread()
     blocks = sched.kv.get_block_ids("r0")[:4]
