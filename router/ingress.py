@@ -553,6 +553,10 @@ class Ingress(GrpcMethods):
         self.check_model(req.model)
         if req.dimensions is not None and req.dimensions < 1:
             raise APIError(f"dimensions must be positive, got {req.dimensions}", 400, param="dimensions")
+        width = (await self.info()).get("hidden_size") if req.dimensions is not None else None
+        if width and req.dimensions != width:  # refused before any input is computed
+            raise APIError(f"this model's embeddings have {width} dimensions; reducing them "
+                           "(dimensions) is not supported", 400, param="dimensions")
         vectors, prompt_tokens = await self.embed(completions.prompt_list(req.input, "input"),
                                                   req.add_special_tokens, req.truncate_prompt_tokens,
                                                   req.priority, req.model)

@@ -222,6 +222,7 @@ class EngineReplica:
         return {"replica": self.replica_id, "tokenizer": self.engine.tokenizer,
                 "model_name": self.engine.model_name,
                 "max_model_len": self.engine.max_model_len, "block_size": self.block_size,
+                "hidden_size": getattr(self.engine, "hidden_size", None),
                 "hash_algo": self.hash_algo,
                 "generation_defaults": dict(getattr(self.engine, "generation_defaults", {})),
                 "kv_events": getattr(self.engine, "kv_events", None) is not None,

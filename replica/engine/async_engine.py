@@ -87,6 +87,7 @@ class AsyncEngine:
             self._client = ThreadCoreClient(args, self.tokenizer.eos_token_id, self._on_step,
                                             self._on_failure)
         self.max_model_len = self._client.max_model_len
+        self.hidden_size = getattr(self._client, "hidden_size", None)  # an embedding's width
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len,
                                               self._client.vocab_size, args.lora_table())
         # Adapters loaded at run time take ids after --lora-modules' (one load per name at once).

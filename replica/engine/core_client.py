@@ -205,6 +205,7 @@ class ThreadCoreClient(_CoreClient):
         self.core = EngineCore(args, eos_token_id)
         self.max_model_len = self.core.max_model_len
         self.vocab_size = self.core.hf_config.vocab_size
+        self.hidden_size = getattr(self.core.hf_config, "hidden_size", None)
         self._on_step, self._on_failure = on_step, on_failure
         self._commands: collections.deque = collections.deque()
         self._wake = threading.Event()
@@ -380,6 +381,7 @@ class ProcessCoreClient(_CoreClient):
         info = reply[1]
         self.max_model_len = info["max_model_len"]
         self.vocab_size = info["vocab_size"]
+        self.hidden_size = info.get("hidden_size")
         self.pid = self._proc.pid
         self.load, self.stats = info["load"], info["stats"]
         self._last_progress = time.monotonic()

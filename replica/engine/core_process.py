@@ -130,6 +130,7 @@ def main(fd: int) -> int:
     try:
         chan.send(pickle.dumps(("ready", {
             "max_model_len": core.max_model_len, "vocab_size": core.hf_config.vocab_size,
+            "hidden_size": getattr(core.hf_config, "hidden_size", None),
             "progress": progress,
             "load": core.get_load(), "stats": core.scheduler.get_stats()})))
         EngineCoreLoop(core, chan).run()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import struct
+import time
 
 import httpx
 import openai
@@ -171,4 +172,32 @@ def test_bad_score_and_rerank_input_is_a_400_and_the_app_serves_on(client, serve
     assert r.status_code in (400, 404), r.text
     assert r.json()["error"]["param"] == param, r.json()
     assert len(client.embeddings.create(model=server.model, input="still here").data[0].embedding) > 0
+    server.wait_idle()
+
+
+def test_a_dimensions_other_than_the_models_is_refused_before_any_input_is_computed(client, server):
+    """The width is known from the engines' info: 64 inputs with a `dimensions` the model cannot
+    give are refused at once, not after embedding all of them (no prompt token is computed)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def prompt_tokens() -> float:
+        text = httpx.get(server.base_url + "/metrics", headers=server.headers(), timeout=30).text
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "vllm:prompt_tokens_total")
+
+    width = len(client.embeddings.create(model=server.model, input="how wide").data[0].embedding)
+    server.wait_idle()
+    before, t0 = prompt_tokens(), time.monotonic()
+    while (now := prompt_tokens()) != before and time.monotonic() - t0 < 10:  # settled
+        before = now
+        time.sleep(0.5)
+    r = httpx.post(server.base_url + "/v1/embeddings", headers=server.headers(), timeout=60,
+                   json={"model": server.model, "dimensions": width // 2,
+                         "input": [f"input number {i} of many" for i in range(64)]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "dimensions" and str(width) in r.json()["error"]["message"]
+    time.sleep(1.0)
+    assert prompt_tokens() == before
+    assert len(client.embeddings.create(model=server.model, input="still here", dimensions=width)
+               .data[0].embedding) == width
     server.wait_idle()
