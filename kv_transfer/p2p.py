@@ -437,11 +437,12 @@ class P2PTransport(Transport):
             else:
                 buf, release = self.staging.take((nbytes,), torch.uint8)
             store.set(f"go/{pid}", b"1")
-            clean = gid is not None  # NCCL forms its group through this client: clean once formed
+            # NCCL forms this pull's group through this client, and the group may still use
+            # it (its monitor) after the pull: that client is not kept.
+            clean = gid is not None
             try:
                 if gid is None:  # NCCL: a group for this pull only
                     pg = _group(store, pid, 1, spec.deadline - time.time(), backend.decode())
-                    clean = True
                     pg.recv([buf], 0, 0).wait()
                     del pg
                 else:
