@@ -47,6 +47,11 @@ logger = logging.getLogger(__name__)
 # never reported it (a lost notice): the worker drops late bytes at the deadline.
 NOTICE_GRACE_S = 2.0
 
+# Set when a load or a copy-out ends on a transfer thread: an engine core that idles on
+# transfers alone (replica.engine.engine_core; the worker in its process: TP=1) wakes for
+# it at once instead of at its next poll.
+TRANSFER_PROGRESS = threading.Event()
+
 
 class TransferError(RuntimeError):
     """A fetch or export failed (missing, late, refused)."""
@@ -423,6 +428,8 @@ class TransferWorker(KVConnectorWorker):
         for spec in meta.loads:
             load = _Load(spec, time.perf_counter())
             load.future = self._pool.submit(self._fetch, load)
+            # (once the future is done, so that get_finished, woken by it, sees it done)
+            load.future.add_done_callback(lambda _: TRANSFER_PROGRESS.set())
             self._loads[spec.req_id] = load
 
     def save_kv_layer(self, layer: int, kv_layer, attn_metadata) -> None:
@@ -456,6 +463,7 @@ class TransferWorker(KVConnectorWorker):
             raise
         finally:
             self._copied_out.put(spec.req_id)
+            TRANSFER_PROGRESS.set()
         self._track_export(self._pool.submit(self._export, spec, batch, t0))
 
     def _track_export(self, fut: cf.Future) -> None:

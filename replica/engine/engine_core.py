@@ -219,9 +219,16 @@ class EngineCore:
         self._advance_grammars(outputs)
         outputs.extend(failed)
         self._detach_unused_loras()
-        if self.kv_connector is not None and not outputs and scheduler_output.is_empty:
-            # Only transfers are pending (loads, leases): poll them without spinning a core.
-            time.sleep(KV_IDLE_POLL_S)
+        if self.kv_connector is not None and not outputs and scheduler_output.is_empty \
+                and not (runner_output.finished_recving or runner_output.finished_sending
+                         or runner_output.invalid_block_ids):
+            # Only transfers are pending (loads, leases): poll them without spinning a core,
+            # woken early when one ends on a transfer thread of this process (TP=1). (Not
+            # after a step that finished some: a loaded request is scheduled at once.)
+            from fleetserve.kv_transfer.transfer import TRANSFER_PROGRESS
+
+            if TRANSFER_PROGRESS.wait(KV_IDLE_POLL_S):
+                TRANSFER_PROGRESS.clear()  # before this step's get_finished: no wake is lost
         # Resumed (preempted) requests are sent as new again; the output
         # processor keeps only the first schedule time of each request.
         scheduled = [n.req_id for n in scheduler_output.scheduled_new_reqs]

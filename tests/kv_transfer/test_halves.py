@@ -244,3 +244,22 @@ def test_a_cpu_cache_is_copied_out_off_the_engines_thread_and_its_blocks_kept_un
     for layer, c in enumerate(caches):
         assert torch.equal(exported.data[:, layer], c[:, :, blocks].permute(2, 0, 1, 3, 4))
     worker.shutdown()
+
+
+def test_a_load_ending_wakes_an_idle_engine_and_the_next_step_sees_it():
+    """An engine idling on transfers alone waits on TRANSFER_PROGRESS (not a fixed poll); it is
+    set once the load's future is done, so the step right after the wake reports the load."""
+    from fleetserve.kv_transfer.transfer import TRANSFER_PROGRESS
+
+    sched, runner, worker, caches, req = build(timeout_s=10)
+    sched.add_request(req)
+    step(sched, runner)
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    TRANSFER_PROGRESS.clear()
+    GatedTransport.gate.set()
+    assert TRANSFER_PROGRESS.wait(5)
+    TRANSFER_PROGRESS.clear()
+    step(sched, runner)
+    assert req.status == RequestStatus.WAITING and req.num_external_computed_tokens == 16
+    run_to_completion(sched, runner)
+    assert sched.kv.num_free_blocks == NUM_BLOCKS
