@@ -79,9 +79,12 @@ def owner_name(local_ray):
 
 
 def test_a_consumer_early_for_its_export_is_answered_when_it_lands(local_ray, owner_name):
+    # The owner up first: calls made while its process starts are run in any order (seen in
+    # CI: the hold before the consumer's ask, which then had nothing to wait for).
+    local_ray.get(ray_store.get_owner(local_ray, owner_name, "fleetserve").stats.remote(), timeout=60)
     prod, cons = make_pair(owner_name)
     try:
-        assert load_before_export(prod, cons, "early-1", 0.5) == set()
+        assert load_before_export(prod, cons, "early-1", 1.0) == set()
         assert same_blocks(prod, cons)
         stats = local_ray.get(ray_store.get_owner(local_ray, owner_name, "fleetserve").stats.remote())
         assert stats["waits"] == 1 and stats["woken"] == 1  # one call waited; the hold answered it
