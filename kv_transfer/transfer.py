@@ -373,6 +373,8 @@ class TransferWorker(KVConnectorWorker):
         self._invalid: set[int] = set()
         self.stats = {"bytes_sent": [], "seconds_sent": [], "bytes_recv": [], "seconds_recv": [],
                       "failed_loads": 0, "expired_loads": 0}
+        # Exports record their sends from transfer threads; the engine's thread takes the dict.
+        self._stats_lock = threading.Lock()
 
     def register_kv_caches(self, kv_caches: list) -> None:
         self.kv_caches = kv_caches
@@ -477,8 +479,9 @@ class TransferWorker(KVConnectorWorker):
         finally:
             if not self.transport.keeps_batch:
                 batch.release()
-        self.stats["bytes_sent"].append(nbytes)
-        self.stats["seconds_sent"].append(time.perf_counter() - t0)
+        with self._stats_lock:  # a transfer thread: take_stats may be swapping the dict
+            self.stats["bytes_sent"].append(nbytes)
+            self.stats["seconds_sent"].append(time.perf_counter() - t0)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         recving: set[str] = set()
@@ -610,11 +613,12 @@ class TransferWorker(KVConnectorWorker):
         return out
 
     def take_stats(self) -> Optional[dict]:
-        out = self.stats
-        if not any(out.values()):
-            return None
-        self.stats = {"bytes_sent": [], "seconds_sent": [], "bytes_recv": [], "seconds_recv": [],
-                      "failed_loads": 0, "expired_loads": 0}
+        with self._stats_lock:
+            out = self.stats
+            if not any(out.values()):
+                return None
+            self.stats = {"bytes_sent": [], "seconds_sent": [], "bytes_recv": [], "seconds_recv": [],
+                          "failed_loads": 0, "expired_loads": 0}
         return out
 
     def wait_for_exports(self, timeout: float = 30.0) -> None:
