@@ -356,13 +356,12 @@ class TransferWorker(KVConnectorWorker):
         self._metadata: Optional[ConnectorMetadata] = None
         self._pool = cf.ThreadPoolExecutor(max_workers, thread_name_prefix="kv-transfer")
         self._loads: dict[str, _Load] = {}
-        # CPU caches: a load's blocks are written on its transfer thread, not in get_finished
-        # on the engine's thread (a 2k-token SmolLM2 prompt is 90 MiB: ~7 ms a step stalled).
-        # A GPU cache is written from the engine's thread, in its stream's order.
-        self._write_on_transfer_thread = False
-        # CPU caches too: a finished request's blocks are copied out on `_copy_pool` (its
-        # blocks stay allocated until the copy is done: reported then in finished_sending),
-        # then exported on `_pool`; a GPU cache is copied from the engine's thread.
+        # A CPU cache is copied off the engine's thread (a 2k-token SmolLM2 prompt is 90 MiB:
+        # ~7 ms a step stalled): a load's blocks are written on its transfer thread, not in
+        # get_finished; a finished request's blocks are copied out on `_copy_pool` (they stay
+        # allocated until the copy is done: reported then in finished_sending), then exported
+        # on `_pool`. A GPU cache is copied from the engine's thread, in its stream's order.
+        self._copy_off_engine_thread = False
         self._copy_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kv-copy-out")
         self._copied_out: "queue.SimpleQueue[str]" = queue.SimpleQueue()
         self._exports: list[cf.Future] = []
@@ -381,7 +380,7 @@ class TransferWorker(KVConnectorWorker):
         device = kv_caches[0].device
         self.staging.pin_memory = device.type == "cuda"
         self._payload_device = torch.device(self.transport.payload_device(device))
-        self._write_on_transfer_thread = device.type == "cpu"
+        self._copy_off_engine_thread = device.type == "cpu"
         self.transport.register_kv_caches(kv_caches, self.staging)
 
     def _empty_batch(self, spec: SaveSpec) -> BlockBatch:
@@ -418,7 +417,7 @@ class TransferWorker(KVConnectorWorker):
             if spec.layerwise:  # filled by save_kv_layer as this step's forward goes
                 self._layer_saves.append((spec, batch, idx, set(), t0))
                 continue
-            if self._write_on_transfer_thread:
+            if self._copy_off_engine_thread:
                 self._track_export(self._copy_pool.submit(self._copy_out, spec, batch, idx, t0))
                 continue
             for layer, kv in enumerate(self.kv_caches):
@@ -521,7 +520,7 @@ class TransferWorker(KVConnectorWorker):
             batch.release()
             self._confirm(spec)
             raise
-        if not (good and self._write_on_transfer_thread):
+        if not (good and self._copy_off_engine_thread):
             return _Fetched(batch, offset, good, 0)  # written (or refused) in get_finished
         try:
             with load.lock:

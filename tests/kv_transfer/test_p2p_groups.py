@@ -17,6 +17,7 @@ from fleetserve.kv_transfer.base import ConnectorMetadata, KVConnectorRole, Load
 from fleetserve.kv_transfer.blocks import chain_keys
 from fleetserve.kv_transfer.config import KVTransferConfig
 from fleetserve.kv_transfer.factory import build_context
+from tests.kv_transfer.utils import load_before_export
 
 BS, LAYERS, HEADS, HD, NUM_BLOCKS = 4, 2, 2, 8, 64
 CFG = types.SimpleNamespace(num_attention_heads=4, num_key_value_heads=HEADS, hidden_size=32,
@@ -156,29 +157,10 @@ def test_a_pull_that_overtakes_its_export_waits_for_it(pair):
     producer's reply overtakes its own export thread): the producer answers "not yet" and the
     consumer asks again until it is there, within the load's deadline. A transfer already
     taken is a clear "no" at once."""
-    import threading
-
     prod, cons, _ = pair
     keys = chain_keys(prod.ctx.fingerprint, list(range(1, 1 + 3 * BS)), BS, 3)
-    deadline = time.time() + 20
-    cons.bind_connector_metadata(ConnectorMetadata(loads=[LoadSpec(
-        "r0", "late", [0, 1, 2], keys, deadline,
-        {"remote_tp_size": 1, "remote_engine_id": prod.ctx.engine_id})]))
-    cons.start_load_kv()
-    cons.clear_connector_metadata()
-
-    def export_later():
-        time.sleep(0.5)
-        prod.bind_connector_metadata(ConnectorMetadata(saves=[SaveSpec("r0", "late", [0, 1, 2], keys, 60)]))
-        prod.start_load_kv()
-        prod.clear_connector_metadata()
-
-    threading.Thread(target=export_later).start()
-    t0 = time.monotonic()
-    while "r0" not in cons.get_finished(set())[1]:
-        assert time.time() < deadline, "the load never finished"
-        time.sleep(0.005)
-    assert time.monotonic() - t0 >= 0.4
+    assert load_before_export(prod, cons, "late", keys, [0, 1, 2], 0.5,
+                              {"remote_tp_size": 1, "remote_engine_id": prod.ctx.engine_id}) >= 0.4
     assert not cons.get_block_ids_with_load_errors()
     assert same_blocks(prod, cons, [0, 1, 2])
     # Asked again, the same transfer is gone: the load fails at once, not at its deadline.

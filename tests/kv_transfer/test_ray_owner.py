@@ -6,7 +6,6 @@ upgrades). Both real worker halves, a real local Ray."""
 
 from __future__ import annotations
 
-import threading
 import time
 import types
 
@@ -14,10 +13,11 @@ import pytest
 import torch
 
 from fleetserve.kv_transfer import ray_store
-from fleetserve.kv_transfer.base import ConnectorMetadata, KVConnectorRole, LoadSpec, SaveSpec
+from fleetserve.kv_transfer.base import KVConnectorRole
 from fleetserve.kv_transfer.blocks import chain_keys
 from fleetserve.kv_transfer.config import KVTransferConfig
 from fleetserve.kv_transfer.factory import build_context
+from tests.kv_transfer.utils import load_before_export
 
 BS, LAYERS, HEADS, HD, NUM_BLOCKS = 4, 2, 2, 8, 16
 CFG = types.SimpleNamespace(num_attention_heads=4, num_key_value_heads=HEADS, hidden_size=32,
@@ -39,26 +39,11 @@ def make_pair(owner_name: str):
     return halves
 
 
-def load_before_export(prod, cons, tid: str, delay_s: float) -> set[int]:
-    """The consumer asks for `tid` first; the producer exports it `delay_s` later."""
+def early_load(prod, cons, tid: str, delay_s: float) -> set[int]:
+    """The consumer asks for `tid` first, the producer exports it `delay_s` later; the
+    consumer's failed blocks."""
     keys = chain_keys(prod.ctx.fingerprint, list(range(1, 1 + 3 * BS)), BS, 3)
-    deadline = time.time() + 20
-    cons.bind_connector_metadata(ConnectorMetadata(loads=[LoadSpec("r0", tid, [0, 1, 2], keys, deadline, {})]))
-    cons.start_load_kv()
-    cons.clear_connector_metadata()
-
-    def export_later():
-        time.sleep(delay_s)
-        prod.bind_connector_metadata(ConnectorMetadata(saves=[SaveSpec("r0", tid, [0, 1, 2], keys, 60)]))
-        prod.start_load_kv()
-        prod.clear_connector_metadata()
-
-    threading.Thread(target=export_later).start()
-    t0 = time.monotonic()
-    while "r0" not in cons.get_finished(set())[1]:
-        assert time.time() < deadline, "the load never finished"
-        time.sleep(0.005)
-    assert time.monotonic() - t0 >= delay_s * 0.8
+    assert load_before_export(prod, cons, tid, keys, [0, 1, 2], delay_s) >= delay_s * 0.8
     prod.half.wait_for_exports(10)
     prod.get_finished(set())
     return cons.get_block_ids_with_load_errors()
@@ -84,7 +69,7 @@ def test_a_consumer_early_for_its_export_is_answered_when_it_lands(local_ray, ow
     local_ray.get(ray_store.get_owner(local_ray, owner_name, "fleetserve").stats.remote(), timeout=60)
     prod, cons = make_pair(owner_name)
     try:
-        assert load_before_export(prod, cons, "early-1", 1.0) == set()
+        assert early_load(prod, cons, "early-1", 1.0) == set()
         assert same_blocks(prod, cons)
         stats = local_ray.get(ray_store.get_owner(local_ray, owner_name, "fleetserve").stats.remote())
         assert stats["waits"] == 1 and stats["woken"] == 1  # one call waited; the hold answered it
@@ -100,7 +85,7 @@ def test_an_owner_without_wait_lookup_still_serves_by_polling(local_ray, owner_n
     local_ray.get(handle.stats.remote())
     prod, cons = make_pair(owner_name)
     try:
-        assert load_before_export(prod, cons, "early-2", 0.3) == set()
+        assert early_load(prod, cons, "early-2", 0.3) == set()
         assert same_blocks(prod, cons)
         assert local_ray.get(handle.stats.remote())["waits"] == 0
     finally:

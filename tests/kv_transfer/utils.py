@@ -61,3 +61,32 @@ def wait_all_free(eng: AsyncEngine, timeout_s: float = 10.0) -> dict:
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def load_before_export(prod, cons, tid: str, keys: list[str], blocks: list[int], delay_s: float,
+                       source: Optional[dict] = None, timeout_s: float = 20.0) -> float:
+    """Worker halves: the consumer asks for `tid` into `blocks` first, the producer exports its
+    same blocks `delay_s` later (on a thread). Returns the seconds the load took; fails the
+    test if it does not finish within `timeout_s`."""
+    import threading
+
+    from fleetserve.kv_transfer.base import ConnectorMetadata, LoadSpec, SaveSpec
+
+    deadline = time.time() + timeout_s
+    cons.bind_connector_metadata(ConnectorMetadata(loads=[LoadSpec("r0", tid, blocks, keys, deadline,
+                                                                   source or {})]))
+    cons.start_load_kv()
+    cons.clear_connector_metadata()
+
+    def export_later():
+        time.sleep(delay_s)
+        prod.bind_connector_metadata(ConnectorMetadata(saves=[SaveSpec("r0", tid, blocks, keys, 60)]))
+        prod.start_load_kv()
+        prod.clear_connector_metadata()
+
+    threading.Thread(target=export_later).start()
+    t0 = time.monotonic()
+    while "r0" not in cons.get_finished(set())[1]:
+        assert time.time() < deadline, "the load never finished"
+        time.sleep(0.005)
+    return time.monotonic() - t0
