@@ -85,10 +85,14 @@ def make_pair(kind: str, num_blocks: int, tmp: str, device: str = "cpu", dtype=t
     return halves[0].ctx, halves[0], halves[1]
 
 
-def hand_off(ctx, prod, cons, num_tokens: int, tid: str) -> tuple[float, float, float, float]:
+def hand_off(ctx, prod, cons, num_tokens: int, tid: str,
+             overlap: bool = True) -> tuple[float, float, float, float]:
     """(export seconds, load seconds, and the seconds the producer's and the consumer's engine
     threads spent in the transfer's `start_load_kv` and `get_finished` calls) of one transfer
-    of `num_tokens` tokens."""
+    of `num_tokens` tokens. With `overlap` the consumer starts as soon as the producer's
+    engine thread handed the export over (as in P/D: the prefill's reply reaches the decode
+    engine while its blocks are still being copied out), so "export" is that hand-over and
+    "load" the rest; without, the export completes first."""
     from fleetserve.kv_transfer.base import ConnectorMetadata, LoadSpec, SaveSpec
     from fleetserve.kv_transfer.blocks import chain_keys
 
@@ -100,7 +104,8 @@ def hand_off(ctx, prod, cons, num_tokens: int, tid: str) -> tuple[float, float, 
     prod.bind_connector_metadata(ConnectorMetadata(saves=[SaveSpec("r", tid, blocks, keys, 600)]))
     prod.start_load_kv()
     prod_engine = time.perf_counter() - t0
-    prod.half.wait_for_exports(600)
+    if not overlap:
+        prod.half.wait_for_exports(600)
     t1 = time.perf_counter()
     spec = LoadSpec("r", tid, blocks, keys, time.time() + 600,
                     {"remote_tp_size": 1, "remote_engine_id": ctx.engine_id})
@@ -118,6 +123,11 @@ def hand_off(ctx, prod, cons, num_tokens: int, tid: str) -> tuple[float, float, 
     assert not cons.get_block_ids_with_load_errors(), "a benchmark load failed"
     c0 = time.perf_counter()
     prod.get_finished(set())
+    if overlap:
+        prod_engine += time.perf_counter() - c0
+        prod.half.wait_for_exports(600)  # (done by now; not timed)
+        c0 = time.perf_counter()
+        prod.get_finished(set())
     return t1 - t0, t2 - t1, prod_engine + time.perf_counter() - c0, engine
 
 
@@ -250,6 +260,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--connectors", default="storage,ray,p2p", help="comma list of storage, ray, p2p")
     ap.add_argument("--no-recompute", action="store_true", help="skip the real model's 2k-token prefill")
+    ap.add_argument("--serial", action="store_true",
+                    help="export completely before the consumer starts (the default overlaps them, as P/D does)")
     args = ap.parse_args()
     shorts = [c for c in args.connectors.split(",") if c]
     if not shorts or any(c not in KINDS for c in shorts):
@@ -293,7 +305,7 @@ def main() -> int:
                         t[name].append(dt)
                 for k in kinds:
                     ctx, prod, cons = pairs[k]
-                    e, l, pg, g = hand_off(ctx, prod, cons, n, f"bench-{n}-{r}-{k[:4]}")
+                    e, l, pg, g = hand_off(ctx, prod, cons, n, f"bench-{n}-{r}-{k[:4]}", not args.serial)
                     if r >= 0:
                         t[f"{k}_export"].append(e)
                         t[f"{k}_load"].append(l)

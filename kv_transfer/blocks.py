@@ -288,6 +288,83 @@ def device_digests(data: torch.Tensor) -> list[int]:
 DIGESTS = ("xxh3_64", "wsum64")
 
 
+# ---- streamed exports ---------------------------------------------------------------------
+STREAM_CHUNK_BYTES = 8 << 20  # a streamed batch moves in chunks of about this many bytes
+MAX_CHUNKS = 256
+
+
+def plan_chunks(num_blocks: int, block_bytes: int, chunk_bytes: int = STREAM_CHUNK_BYTES) -> list[tuple[int, int]]:
+    """[start, end) block ranges of about `chunk_bytes` each (at least one block; at most
+    MAX_CHUNKS ranges)."""
+    per = max(1, chunk_bytes // max(1, block_bytes), -(-num_blocks // MAX_CHUNKS))
+    return [(s, min(s + per, num_blocks)) for s in range(0, num_blocks, per)]
+
+
+class StreamAborted(RuntimeError):
+    """A streamed batch's gathering failed: the rest of its chunks never come."""
+
+
+class ExportProgress:
+    """A batch that is exported while its blocks are still being copied out of the cache,
+    chunk by chunk (each chunk's digests computed as it lands), so a transport can send the
+    first chunks while the later ones are gathered (P2P). The gatherer calls `advance` per
+    chunk (or `fail`); senders wait for the chunk they need. The batch's buffer goes back
+    to its pool only once the gatherer is done with it (`when_done`)."""
+
+    def __init__(self, chunks: list[tuple[int, int]]) -> None:
+        self.chunks = chunks
+        self._cond = threading.Condition()
+        self._ready = 0
+        self._error: Optional[BaseException] = None
+        self._on_done: list[Callable[[], None]] = []
+
+    @property
+    def done(self) -> bool:
+        with self._cond:
+            return self._ready == len(self.chunks) or self._error is not None
+
+    def advance(self) -> None:
+        """The next chunk is gathered and its digests are set."""
+        with self._cond:
+            self._ready += 1
+            self._cond.notify_all()
+            last = self._ready == len(self.chunks)
+        if last:
+            self._finish()
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
+        self._finish()
+
+    def _finish(self) -> None:
+        with self._cond:
+            callbacks, self._on_done = self._on_done, []
+        for cb in callbacks:
+            cb()
+
+    def wait_chunk(self, c: int, timeout: float) -> None:
+        """Until chunk `c` is ready; raises StreamAborted if gathering failed or took longer
+        than `timeout` seconds."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._ready > c or self._error is not None, timeout):
+                raise StreamAborted(f"chunk {c} not gathered within {timeout:.1f} s")
+            if self._ready <= c:
+                raise StreamAborted(f"gathering the blocks failed: {self._error}")
+
+    def wait_all(self, timeout: float) -> None:
+        self.wait_chunk(len(self.chunks) - 1, timeout)
+
+    def when_done(self, cb: Callable[[], None]) -> None:
+        """`cb` once the gatherer no longer writes the buffer (now, if it is done)."""
+        with self._cond:
+            if not (self._ready == len(self.chunks) or self._error is not None):
+                self._on_done.append(cb)
+                return
+        cb()
+
+
 # ---- the wire format ------------------------------------------------------------------
 @dataclass(slots=True)
 class BlockBatch:
@@ -303,6 +380,8 @@ class BlockBatch:
     digest: str = "xxh3_64"  # or "wsum64" for bytes that stay on a GPU
     # Gives `data`'s staging buffer back (StagingPool) once nobody reads it any more.
     on_release: Optional[Callable[[], None]] = field(default=None, repr=False)
+    # Set while the blocks are still being gathered (a streamed export; see ExportProgress).
+    progress: Optional[ExportProgress] = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -317,10 +396,15 @@ class BlockBatch:
         return BlockBatch(self.fingerprint, [self.keys[i]], self.data[i:i + 1], self.heads,
                           [self.checksums()[i]], self.digest)
 
-    def header(self) -> bytes:
+    def header(self, chunks: Optional[list[int]] = None) -> bytes:
+        """The JSON header; with `chunks` (blocks per chunk, in order) the digests are left
+        out: they travel with each chunk (a streamed batch)."""
         meta = {"v": VERSION, "fingerprint": self.fingerprint, "keys": self.keys,
                 "dtype": dtype_name(self.data.dtype), "shape": list(self.data.shape),
-                "heads": list(self.heads), "digest": self.digest, "digests": self.checksums()}
+                "heads": list(self.heads), "digest": self.digest,
+                "digests": None if chunks else self.checksums()}
+        if chunks:
+            meta["chunks"] = chunks
         body = json.dumps(meta, separators=(",", ":")).encode()
         return MAGIC + struct.pack("<I", len(body)) + body
 
@@ -332,7 +416,10 @@ class BlockBatch:
         """The bytes are no longer needed (sent, written, or copied into the cache)."""
         cb, self.on_release = self.on_release, None
         if cb is not None:
-            cb()
+            if self.progress is not None:  # not while the gatherer may still write it
+                self.progress.when_done(cb)
+            else:
+                cb()
 
 
 def compute_digests(data: torch.Tensor, digest: str) -> list[int]:
@@ -367,10 +454,16 @@ def check_header(meta: dict, fingerprint: str) -> tuple[torch.dtype, list[int], 
         raise KVFormatError("KV from another model or format (fingerprint mismatch)")
     dtype = _DTYPES.get(meta.get("dtype"))
     shape, keys, sums = meta.get("shape"), meta.get("keys"), meta.get("digests")
+    chunks = meta.get("chunks")
     if dtype is None or not isinstance(shape, list) or len(shape) != 6 \
-            or not isinstance(keys, list) or not isinstance(sums, list) \
-            or len(keys) != shape[0] or len(sums) != shape[0] or meta.get("digest") not in DIGESTS:
+            or not isinstance(keys, list) or len(keys) != shape[0] or meta.get("digest") not in DIGESTS:
         raise KVFormatError("malformed KV header")
+    if chunks is None:
+        if not isinstance(sums, list) or len(sums) != shape[0]:
+            raise KVFormatError("malformed KV header (digests)")
+    elif sums is not None or not isinstance(chunks, list) or not chunks \
+            or not all(isinstance(c, int) and c > 0 for c in chunks) or sum(chunks) != shape[0]:
+        raise KVFormatError("malformed KV header (chunks)")
     nbytes = torch.empty((), dtype=dtype).element_size()
     for s in shape:
         if not isinstance(s, int) or s < 0:
@@ -386,6 +479,8 @@ def batch_from_tensor(meta: dict, data: torch.Tensor, fingerprint: str,
     """Build a batch over received bytes (`data`: uint8, on any device) and verify every
     block's digest. Raises KVFormatError on any mismatch."""
     dtype, shape, nbytes = check_header(meta, fingerprint)
+    if meta.get("chunks") is not None:
+        raise KVFormatError("a streamed batch's digests travel with its chunks, not in its header")
     if data.numel() != nbytes:
         raise KVFormatError(f"payload has {data.numel()} bytes, header says {nbytes} (truncated?)")
     tensor = data.view(dtype).view(shape)

@@ -55,6 +55,7 @@ import datetime
 import json
 import logging
 import socket
+import struct
 import threading
 import time
 import uuid
@@ -63,9 +64,9 @@ from typing import Any, Optional
 import torch
 
 from fleetserve.kv_transfer.base import ConnectorContext, KVConnectorRole, LoadSpec, SaveSpec
-from fleetserve.kv_transfer.blocks import (BlockBatch, KVFormatError, batch_from_tensor, check_header,
-                                           join_shards, local_head_range, parse_header,
-                                           producer_shards)
+from fleetserve.kv_transfer.blocks import (BlockBatch, KVFormatError, StreamAborted, batch_from_tensor,
+                                           check_header, host_digests, join_shards, local_head_range,
+                                           parse_header, plan_chunks, producer_shards)
 from fleetserve.kv_transfer.config import KVTransferConfig
 from fleetserve.kv_transfer.ray_store import connect_ray, get_owner
 from fleetserve.kv_transfer.transfer import TransferConnector, TransferError, Transport
@@ -91,6 +92,11 @@ def nccl_usable(device: torch.device) -> bool:
 
 def _tag(pid: int) -> int:
     return pid % (1 << 30)
+
+
+def _stag(pid: int, m: int) -> int:
+    """Tag of message `m` of streamed pull `pid` (never a `_tag`: those stay below 2**30)."""
+    return (1 << 30) | ((pid % (1 << 20)) << 10) | m
 
 
 _CONNECTING: dict[str, threading.Thread] = {}  # connects given up on, still running (see connect_store)
@@ -201,6 +207,7 @@ def _group(store, name, rank: int, timeout_s: float, backend: str):
 
 class P2PTransport(Transport):
     keeps_batch = True  # the outbox holds it until it is pulled or its lease ends
+    streams = True  # gloo pulls move in chunks, overlapping the copies out of and into the caches
 
     def __init__(self, config: KVTransferConfig, ctx: ConnectorContext, role: KVConnectorRole) -> None:
         super().__init__(config, ctx, role)
@@ -308,9 +315,24 @@ class P2PTransport(Transport):
         batch = entry[0]
         try:
             backend = "nccl" if pull.get("backend") == "nccl" and batch.data.is_cuda else "gloo"
+            # Streamed (chunk by chunk, each as soon as it is gathered) when the consumer asks
+            # for it on a kept gloo group; else whole, once every chunk is gathered.
+            stream = bool(pull.get("stream")) and backend == "gloo" and gid is not None
+            prog = batch.progress
+            if prog is not None and not stream:
+                try:
+                    prog.wait_all(STORE_TIMEOUT_S)
+                except StreamAborted:
+                    self._store.set(f"hdr/{pid}", b"")  # nothing to hand over: the load fails at once
+                    raise
             if backend == "gloo" and batch.data.device.type != "cpu":  # a CPU consumer: via the host
                 batch = BlockBatch(batch.fingerprint, batch.keys, batch.data.cpu(), batch.heads)
-            self._store.set(f"hdr/{pid}", backend.encode() + b"\n" + batch.header())
+            chunks = None
+            if stream:
+                n = batch.data.shape[0]
+                chunks = prog.chunks if prog is not None else plan_chunks(n, batch.nbytes // n)
+            self._store.set(f"hdr/{pid}", backend.encode() + b"\n"
+                            + batch.header([e - s for s, e in chunks] if chunks else None))
             if self._store.get(f"go/{pid}") != b"1":
                 return  # the consumer refused the header: it never joins the group
             payload = [batch.data.reshape(-1).view(torch.uint8)]
@@ -322,12 +344,41 @@ class P2PTransport(Transport):
                 pg = _group(self._store, f"g/{gid}", 0, STORE_TIMEOUT_S, "gloo")
                 self._served_groups.put(gid, pg)
             try:
-                pg.send(payload, 1, _tag(pid)).wait()
+                if chunks:
+                    self._send_chunks(pg, pid, batch, chunks, payload[0])
+                else:
+                    pg.send(payload, 1, _tag(pid)).wait()
             except BaseException:
                 self._served_groups.drop(gid, pg)  # the consumer went away or timed out
                 raise
         finally:
             entry[0].release()
+
+    def _send_chunks(self, pg, pid: int, batch: BlockBatch, chunks: list[tuple[int, int]], flat) -> None:
+        """Each chunk as two messages: its status and blocks' digests (8 bytes each), then its
+        bytes, sent once it is gathered. A chunk that never gets gathered (the copy-out
+        failed) goes out as status 0 and nothing after it: both sides drop the group."""
+        per = batch.nbytes // batch.data.shape[0]
+        works, heads = [], []
+        for c, (s, e) in enumerate(chunks):
+            ok = True
+            if batch.progress is not None:
+                try:
+                    batch.progress.wait_chunk(c, STORE_TIMEOUT_S)
+                except StreamAborted as err:
+                    ok = False
+                    logger.warning("KV pull %d: %s", pid, err)
+            sums = batch.checksums()[s:e] if ok else [0] * (e - s)
+            head = torch.frombuffer(bytearray(struct.pack(f"<{e - s + 1}Q", int(ok), *sums)), dtype=torch.uint8)
+            heads.append(head)
+            works.append(pg.send([head], 1, _stag(pid, 2 * c)))
+            if not ok:
+                break
+            works.append(pg.send([flat[s * per:e * per]], 1, _stag(pid, 2 * c + 1)))
+        for w in works:
+            w.wait()
+        if not ok:
+            raise TransferError(f"pull {pid}: the export's blocks could not be gathered")
 
     def _sweep(self) -> None:
         now = time.time()
@@ -346,7 +397,8 @@ class P2PTransport(Transport):
             self._gone.popitem(last=False)
 
     def export(self, spec: SaveSpec, batch: BlockBatch) -> None:
-        batch.checksums()  # here, on the export thread, not in the server's send
+        if batch.progress is None:  # (a streamed batch's digests are set as it is gathered)
+            batch.checksums()  # here, on the export thread, not in the server's send
         with self._lock:
             old = self._outbox.pop(f"{spec.transfer_id}/r{self.ctx.tp_rank}", None)
             self._outbox[f"{spec.transfer_id}/r{self.ctx.tp_rank}"] = (batch, time.time() + spec.lease_s)
@@ -358,13 +410,16 @@ class P2PTransport(Transport):
             return len(self._outbox)
 
     # ---- consumer ---------------------------------------------------------------
-    def fetch(self, spec: LoadSpec) -> BlockBatch:
+    def fetch(self, spec: LoadSpec, sink=None) -> BlockBatch:
+        """The blocks of `spec`; with a `sink` (transfer._Sink) and one producer shard, streamed
+        into it chunk by chunk as they arrive (the returned batch holds the same bytes)."""
         heads = local_head_range(self.ctx.num_kv_heads, self.ctx.tp_size, self.ctx.tp_rank)
         shards = producer_shards(heads, self.ctx.num_kv_heads,
                                  int(spec.source.get("remote_tp_size", self.ctx.tp_size)))
-        return join_shards([self._pull(spec, rank, rng) for rank, rng in shards])
+        sink = sink if len(shards) == 1 else None  # shards are joined first: whole pulls
+        return join_shards([self._pull(spec, rank, rng, sink) for rank, rng in shards])
 
-    def _pull(self, spec: LoadSpec, rank: int, heads: tuple[int, int]) -> BlockBatch:
+    def _pull(self, spec: LoadSpec, rank: int, heads: tuple[int, int], sink=None) -> BlockBatch:
         import torch.distributed as dist
 
         engine = spec.source.get("remote_engine_id")
@@ -397,7 +452,8 @@ class P2PTransport(Transport):
                 if pid is None:
                     pid = store.add("pull_ids", 1)
                 store.set(f"pull/{pid}", json.dumps({"oid": f"{spec.transfer_id}/r{rank}", "backend": backend,
-                                                     "group": gid, "new": pg is None}))
+                                                     "group": gid, "new": pg is None,
+                                                     "stream": sink is not None and backend == "gloo"}))
                 reply = store.get(f"hdr/{pid}")  # waits for the server (the store's timeout: the deadline)
                 if reply == REGROUP:
                     self._pull_groups.drop(addr)
@@ -422,11 +478,16 @@ class P2PTransport(Transport):
                 meta, off = parse_header(header)
                 if off != len(header):
                     raise KVFormatError("trailing bytes after the KV header")
-                _, shape, nbytes = check_header(meta, self.ctx.fingerprint)
+                dtype, shape, nbytes = check_header(meta, self.ctx.fingerprint)
                 if tuple(shape[1:]) != self.block_shape(shape[0], heads)[1:] \
                         or shape[0] > spec.first_block + len(spec.keys):
                     raise KVFormatError(f"blocks of shape {shape} do not fit this request's {len(spec.keys)} "
                                         f"blocks of heads {heads}")
+                chunks = meta.get("chunks")
+                if chunks is not None:
+                    if sink is None or backend != b"gloo" or gid is None or meta.get("digest") != "xxh3_64":
+                        raise KVFormatError("a streamed batch this pull did not ask for")
+                    sink.begin(meta["fingerprint"], [str(k) for k in meta["keys"]], heads, shape, dtype)
             except KVFormatError:
                 store.set(f"go/{pid}", b"0")
                 clean = True
@@ -452,6 +513,19 @@ class P2PTransport(Transport):
                                                     timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
                         pg = _group(group_store, f"g/{gid}", 1, STORE_TIMEOUT_S, "gloo")
                         self._pull_groups.put(addr, (gid, pg))
+                    if chunks is not None:
+                        works = []
+                        views = self._post_chunks(pg, pid, buf, chunks, nbytes // shape[0], works)
+                        try:
+                            tensor = buf.view(dtype).view(shape)
+                            digests = self._take_chunks(works, views, tensor, chunks, sink, spec)
+                        except BaseException:
+                            self._drop_pull_group(addr, gid)
+                            self._quarantine.append((pg, works, buf))  # as below: receives still posted
+                            release = None
+                            raise
+                        return BlockBatch(self.ctx.fingerprint, [str(k) for k in meta["keys"]], tensor, heads,
+                                          digests, "xxh3_64", release)
                     work = pg.recv([buf], 0, _tag(pid))
                     try:
                         work.wait(datetime.timedelta(seconds=max(0.001, spec.deadline - time.time())))
@@ -471,6 +545,43 @@ class P2PTransport(Transport):
         finally:
             if clean:
                 self._idle(addr, store)
+
+    @staticmethod
+    def _post_chunks(pg, pid: int, buf: torch.Tensor, chunks: list[int], per: int, works: list) -> list:
+        """Post every receive of a streamed pull at once (status+digests, then bytes, per
+        chunk, the bytes straight into their place in `buf`); returns the digest buffers."""
+        views, pos = [], 0
+        for c, k in enumerate(chunks):
+            head = torch.empty(8 * (k + 1), dtype=torch.uint8)
+            views.append(head)
+            works.append(pg.recv([head], 0, _stag(pid, 2 * c)))
+            works.append(pg.recv([buf[pos * per:(pos + k) * per]], 0, _stag(pid, 2 * c + 1)))
+            pos += k
+        return views
+
+    @staticmethod
+    def _take_chunks(works: list, heads: list, tensor: torch.Tensor, chunks: list[int], sink,
+                     spec: LoadSpec) -> list[int]:
+        """Chunks in order as they land: each one's blocks checked against their digests and
+        handed to `sink` (writing chunk c overlaps receiving the next). Returns the digests."""
+        digests: list[int] = []
+        pos = 0
+        for c, k in enumerate(chunks):
+            works[2 * c].wait(datetime.timedelta(seconds=max(0.001, spec.deadline - time.time())))
+            status, *sums = struct.unpack(f"<{k + 1}Q", heads[c].numpy().tobytes())
+            if status != 1:
+                raise TransferError(f"transfer {spec.transfer_id}: the producer could not gather its blocks")
+            works[2 * c + 1].wait(datetime.timedelta(seconds=max(0.001, spec.deadline - time.time())))
+            part = tensor[pos:pos + k]
+            got = host_digests(part.view(torch.uint8).numpy(), k)
+            ok = next((i for i, (a, b) in enumerate(zip(got, sums)) if a != b), k)
+            if ok < k:
+                logger.warning("KV load of %s: block %d fails its xxh3_64 digest (corrupt); refused from there",
+                               spec.req_id, pos + ok)
+            sink.write(pos, part, ok)
+            digests += got
+            pos += k
+        return digests
 
     def _client(self, addr: str, host: str, port: int, deadline: float) -> tuple[Any, Optional[int]]:
         """(a store client of the producer at `addr`, this pull's id when already taken).

@@ -34,9 +34,10 @@ import torch
 
 from fleetserve.kv_transfer.base import (ConnectorContext, ConnectorMetadata, KVConnectorBase,
                                          KVConnectorRole, KVConnectorWorker, LoadSpec, SaveSpec)
-from fleetserve.kv_transfer.blocks import (BlockBatch, KVFormatError, StagingPool, block_index,
-                                           chain_keys, gather_layer, local_head_range,
-                                           scatter_blocks)
+from fleetserve.kv_transfer.blocks import (STREAM_CHUNK_BYTES, BlockBatch, ExportProgress,
+                                           KVFormatError, StagingPool, block_index, chain_keys,
+                                           gather_layer, host_digests, local_head_range,
+                                           plan_chunks, scatter_blocks)
 from fleetserve.kv_transfer.config import KVTransferConfig
 from fleetserve.scheduler import ModelRunnerOutput, Request, RequestStatus, SchedulerOutput
 from fleetserve.scheduler.connector import KVConnectorScheduler
@@ -53,6 +54,36 @@ NOTICE_GRACE_S = 2.0
 TRANSFER_PROGRESS = threading.Event()
 
 
+def _omp_set_num_threads():
+    """OpenMP's omp_set_num_threads as torch loaded it (libgomp, or Intel's/LLVM's), or None."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None).omp_set_num_threads
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/self/maps") as f:
+            libs = {line.split()[-1] for line in f if any(n in line for n in ("libgomp", "libiomp", "libomp"))}
+        for lib in libs:
+            return ctypes.CDLL(lib).omp_set_num_threads
+    except (OSError, AttributeError):
+        pass
+    return None
+
+
+def one_core_per_thread() -> None:
+    """Thread initializer of the transfer pools: this thread's torch ops (gathers, scatters)
+    run on one core. With the engine's intra-op threads (2 here) a copy beside a forward or
+    a gloo transfer oversubscribed the cores: a streamed 2k-token P2P hand-off took 52-57 ms
+    with two threads per copy, 34-35 ms with one. OpenMP keeps the thread count per thread;
+    torch.set_num_threads would change the process-wide default too."""
+    torch.get_num_threads()  # torch's own per-thread set-up first: it would undo what follows
+    setter = _omp_set_num_threads()
+    if setter is not None:
+        setter(1)
+
+
 class TransferError(RuntimeError):
     """A fetch or export failed (missing, late, refused)."""
 
@@ -66,6 +97,11 @@ class Transport(abc.ABC):
     saves_all = False
     # export() keeps the batch after it returns and releases it itself (BlockBatch.release).
     keeps_batch = False
+    # Streams (CPU caches): export() is called before the batch is gathered (its `progress`
+    # says which chunks are ready; their digests are set as they are), and fetch(spec, sink)
+    # hands each chunk to `sink` as it arrives and is verified (see _Sink), so copies out of
+    # and into the caches overlap the transport.
+    streams = False
 
     def __init__(self, config: KVTransferConfig, ctx: ConnectorContext, role: KVConnectorRole) -> None:
         self.config = config
@@ -98,7 +134,8 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def fetch(self, spec: LoadSpec) -> BlockBatch:
-        """The blocks of `spec` (keys in order; fewer is fine), by spec.deadline or raise."""
+        """The blocks of `spec` (keys in order; fewer is fine), by spec.deadline or raise.
+        A streaming transport takes a second argument, the load's `_Sink` (or None)."""
 
     def confirm(self, spec: LoadSpec) -> None:
         """The consumer has what it needs: the producer may release it."""
@@ -341,6 +378,39 @@ class _Fetched:
         self.batch, self.offset, self.good, self.written = batch, offset, good, written
 
 
+class _Sink:
+    """Where a streaming transport delivers a load's chunks as they arrive (CPU caches, on the
+    load's transfer thread): `begin` checks the batch's header against the request (as
+    `TransferWorker._check` does a whole batch), `write` puts a chunk's verified blocks into
+    the cache under the load's lock (nothing once the load was given up). Blocks are written
+    in order; a block that failed its digest ends the good prefix there."""
+
+    def __init__(self, worker: "TransferWorker", load: _Load) -> None:
+        self.worker, self.load = worker, load
+        self.used = False
+        self.offset = self.good = self.written = 0
+        self.heads = (0, 0)
+
+    def begin(self, fingerprint: str, keys: list[str], heads: tuple[int, int], shape, dtype) -> None:
+        """Raises KVFormatError if the batch cannot be this load's."""
+        self.offset, self.good = self.worker._check_meta(self.load.spec, fingerprint, keys, heads, shape, dtype)
+        self.heads = heads
+        self.used = True
+
+    def write(self, start: int, data: torch.Tensor, n_ok: int) -> None:
+        """Blocks start.. of the batch (`data`: [k, layers, 2, heads, bs, hd]), the first
+        `n_ok` of them verified."""
+        if n_ok < data.shape[0]:
+            self.good = max(0, min(self.good, start + n_ok - self.offset))
+        lo, hi = max(start, self.offset), min(start + n_ok, self.offset + self.good)
+        if lo >= hi:
+            return
+        ids = self.load.spec.block_ids[lo - self.offset:hi - self.offset]
+        with self.load.lock:
+            if not self.load.abandoned:
+                self.written += self.worker._write_blocks(ids, data[lo - start:hi - start], self.heads)
+
+
 class TransferWorker(KVConnectorWorker):
     def __init__(self, config: KVTransferConfig, ctx: ConnectorContext, transport: Transport,
                  max_workers: int = 4) -> None:
@@ -354,7 +424,8 @@ class TransferWorker(KVConnectorWorker):
         self.staging = StagingPool(int(config.kv_connector_extra_config.get("staging_max_bytes", 1 << 30)))
         self._payload_device = torch.device("cpu")
         self._metadata: Optional[ConnectorMetadata] = None
-        self._pool = cf.ThreadPoolExecutor(max_workers, thread_name_prefix="kv-transfer")
+        self._pool = cf.ThreadPoolExecutor(max_workers, thread_name_prefix="kv-transfer",
+                                           initializer=one_core_per_thread)
         self._loads: dict[str, _Load] = {}
         # A CPU cache is copied off the engine's thread (a 2k-token SmolLM2 prompt is 90 MiB:
         # ~7 ms a step stalled): a load's blocks are written on its transfer thread, not in
@@ -362,7 +433,9 @@ class TransferWorker(KVConnectorWorker):
         # allocated until the copy is done: reported then in finished_sending), then exported
         # on `_pool`. A GPU cache is copied from the engine's thread, in its stream's order.
         self._copy_off_engine_thread = False
-        self._copy_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kv-copy-out")
+        self._chunk_bytes = int(config.kv_connector_extra_config.get("stream_chunk_bytes", STREAM_CHUNK_BYTES))
+        self._copy_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kv-copy-out",
+                                                initializer=one_core_per_thread)
         self._copied_out: "queue.SimpleQueue[str]" = queue.SimpleQueue()
         self._exports: list[cf.Future] = []
         self._exports_lock = threading.Lock()
@@ -456,6 +529,8 @@ class TransferWorker(KVConnectorWorker):
         """On the copy-out thread: the request's blocks into `batch` (nobody writes them: the
         request has finished and its blocks stay allocated until reported), then the export
         goes to the transfer pool. The blocks are reported free whatever happens."""
+        if self.transport.streams:
+            return self._stream_out(spec, batch, idx, t0)
         try:
             for layer, kv in enumerate(self.kv_caches):
                 gather_layer(kv, idx, batch.data, layer)
@@ -466,6 +541,37 @@ class TransferWorker(KVConnectorWorker):
             self._copied_out.put(spec.req_id)
             TRANSFER_PROGRESS.set()
         self._track_export(self._pool.submit(self._export, spec, batch, t0))
+
+    def _stream_out(self, spec: SaveSpec, batch: BlockBatch, idx: torch.Tensor, t0: float) -> None:
+        """`_copy_out` for a streaming transport: exported first, then gathered chunk by chunk
+        (each chunk's digests computed while its bytes are still in the CPU's caches), so a
+        consumer already pulling gets each chunk as soon as it is ready."""
+        n = len(spec.block_ids)
+        batch.progress = progress = ExportProgress(plan_chunks(n, batch.nbytes // max(1, n), self._chunk_bytes))
+        batch.digests = [0] * n
+        try:
+            try:
+                self.transport.export(spec, batch)
+            except BaseException as e:
+                progress.fail(e)
+                batch.release()
+                raise
+            try:
+                for s, e in progress.chunks:
+                    out = batch.data[s:e]
+                    for layer, kv in enumerate(self.kv_caches):
+                        gather_layer(kv, idx[s:e], out, layer)
+                    batch.digests[s:e] = host_digests(out.view(torch.uint8).numpy(), e - s)
+                    progress.advance()
+            except BaseException as e:
+                progress.fail(e)  # a sender stops at the failed chunk; the transport releases the batch
+                raise
+        finally:
+            self._copied_out.put(spec.req_id)
+            TRANSFER_PROGRESS.set()
+        with self._stats_lock:
+            self.stats["bytes_sent"].append(batch.nbytes)
+            self.stats["seconds_sent"].append(time.perf_counter() - t0)
 
     def _track_export(self, fut: cf.Future) -> None:
         with self._exports_lock:
@@ -513,7 +619,15 @@ class TransferWorker(KVConnectorWorker):
         and, for a CPU cache, write the good prefix into the blocks unless the load was given
         up meanwhile."""
         spec = load.spec
-        batch = self.transport.fetch(spec)
+        if self.transport.streams and self._copy_off_engine_thread:
+            sink = _Sink(self, load)
+            batch = self.transport.fetch(spec, sink)
+            if sink.used:  # checked and written chunk by chunk as it came
+                batch.release()
+                self._confirm(spec)
+                return _Fetched(None, sink.offset, sink.good, sink.written)
+        else:
+            batch = self.transport.fetch(spec)
         try:
             offset, good = self._check(spec, batch)
         except BaseException:
@@ -533,9 +647,13 @@ class TransferWorker(KVConnectorWorker):
     def _write(self, spec: LoadSpec, batch: BlockBatch, offset: int, good: int) -> int:
         """Blocks offset..offset+good-1 of `batch` (this rank's heads) into the spec's first
         `good` blocks; returns the bytes written."""
-        h0 = self.heads[0] - batch.heads[0]
-        data = batch.data[offset:offset + good, :, :, h0:h0 + self.heads[1] - self.heads[0]]
-        scatter_blocks(self.kv_caches, spec.block_ids[:good], data)
+        return self._write_blocks(spec.block_ids[:good], batch.data[offset:offset + good], batch.heads)
+
+    def _write_blocks(self, block_ids: list[int], data: torch.Tensor, heads: tuple[int, int]) -> int:
+        """`data` (blocks of KV heads `heads`) into `block_ids`, this rank's heads only."""
+        h0 = self.heads[0] - heads[0]
+        data = data[:, :, :, h0:h0 + self.heads[1] - self.heads[0]]
+        scatter_blocks(self.kv_caches, block_ids, data)
         return data.numel() * data.element_size()
 
     def _promote(self, load: _Load) -> None:
@@ -574,25 +692,31 @@ class TransferWorker(KVConnectorWorker):
         """(offset, n): blocks offset..offset+n-1 of `batch` are exactly the first n that `spec`
         asked for. A hand-off's batch holds the prompt from block 0 and the spec may start
         later (this engine caches a prefix of the prompt): then offset is spec.first_block."""
-        if batch.fingerprint != self.ctx.fingerprint:
+        return self._check_meta(spec, batch.fingerprint, batch.keys, batch.heads, batch.data.shape,
+                                batch.data.dtype)
+
+    def _check_meta(self, spec: LoadSpec, fingerprint: str, keys: list[str], heads: tuple[int, int],
+                    shape, dtype: torch.dtype) -> tuple[int, int]:
+        """`_check` from what a batch's header says (a streamed batch, before its bytes)."""
+        if fingerprint != self.ctx.fingerprint:
             raise KVFormatError("fingerprint mismatch")
-        if not (batch.heads[0] <= self.heads[0] and self.heads[1] <= batch.heads[1]):
-            raise KVFormatError(f"blocks hold KV heads {batch.heads}, this rank needs {self.heads}")
+        if not (heads[0] <= self.heads[0] and self.heads[1] <= heads[1]):
+            raise KVFormatError(f"blocks hold KV heads {heads}, this rank needs {self.heads}")
         want = self.kv_caches[0].shape
-        _, layers, two, _, bs, hd = batch.data.shape
+        _, layers, two, _, bs, hd = shape
         if (layers, two, bs, hd) != (len(self.kv_caches), want[0], want[3], want[4]) \
-                or batch.data.dtype != self.kv_caches[0].dtype:
-            raise KVFormatError(f"block shape {tuple(batch.data.shape)} does not fit this cache")
+                or dtype != self.kv_caches[0].dtype:
+            raise KVFormatError(f"block shape {tuple(shape)} does not fit this cache")
         offset = 0
-        if spec.keys and spec.first_block and len(batch.keys) > spec.first_block \
-                and batch.keys[spec.first_block] == spec.keys[0]:
+        if spec.keys and spec.first_block and len(keys) > spec.first_block \
+                and keys[spec.first_block] == spec.keys[0]:
             offset = spec.first_block  # chain keys: a match there vouches for every block before
         good = 0
-        for got, expected in zip(batch.keys[offset:], spec.keys):
+        for got, expected in zip(keys[offset:], spec.keys):
             if got != expected:
                 break
             good += 1
-        if good < min(len(batch.keys) - offset, len(spec.keys)):
+        if good < min(len(keys) - offset, len(spec.keys)):
             logger.warning("KV load of %s: block %d's chain key differs from the prompt's "
                            "(stale or foreign KV); refused from there", spec.req_id, offset + good)
         return offset, good
