@@ -203,7 +203,21 @@ def test_staging_pool_reuses_buffers_and_keeps_under_its_cap():
     c, give_c = pool.take((300,), torch.float32)  # 1200 bytes: over the cap
     give_b()
     give_c()
-    assert pool.cached_bytes == 400  # the big one was dropped, not kept
+    assert pool.cached_bytes == 400  # the big one was dropped, not kept (over the cap alone)
+
+
+def test_staging_pool_drops_the_least_recently_given_back_first():
+    pool = StagingPool(max_bytes=1000)
+    bufs = [pool.take((n,), torch.uint8) for n in (400, 500, 300)]
+    ptrs = [t.data_ptr() for t, _ in bufs]
+    for _, give in bufs:
+        give()
+    assert pool.cached_bytes == 800  # 400 + 500 + 300 is over the cap: the 400 went
+    big, give = pool.take((450,), torch.uint8)  # the smallest that fits: the 500
+    assert big.data_ptr() == ptrs[1]
+    give()
+    small, _ = pool.take((100,), torch.uint8)
+    assert small.data_ptr() == ptrs[2] and pool.cached_bytes == 500
 
 
 def test_store_reads_blocks_straight_into_a_given_buffer(tmp_path):
