@@ -43,9 +43,17 @@ are formed per pull and dropped after it. Header and verdict travel through the
 store, so a consumer that refuses a header (another model, a malformed shape) never
 joins a group op and the producer's server moves on at once.
 
+Gloo pulls of a CPU cache stream: the producer exports a batch before copying it out
+and sends each chunk (`stream_chunk_bytes`, default 8 MiB: its blocks' digests, then
+its bytes) once it is gathered; the consumer checks each chunk as it lands and writes
+it into its blocks while the next one arrives (transfer._Sink). A chunk whose copy-out
+failed goes out as status 0 and nothing after it (both sides drop the group); a pull
+that does not ask for a stream (several head shards to join, an older consumer) gets
+the whole batch once it is gathered.
+
 `kv_connector_extra_config`: `host` (the address peers reach this rank at;
 default Ray's node IP, else 127.0.0.1), `p2p_max_groups` (kept gloo groups per
-side, default 16), plus the Ray options of ray_store.
+side, default 16), `stream_chunk_bytes`, plus the Ray options of ray_store.
 """
 
 from __future__ import annotations

@@ -49,12 +49,12 @@ _RAY = {"ray_address": str, "owner_name": str, "namespace": str, "durable_owner"
 OPTIONS: dict[str, tuple[frozenset, dict[str, type]]] = {
     "SharedStorageConnector": (frozenset({"path"}), {"path": str, "max_bytes": int, "fsync": bool}),
     "RayObjectStoreConnector": (frozenset(), _RAY),
-    "P2PConnector": (frozenset(), {**_RAY, "host": str, "p2p_max_groups": int}),
+    "P2PConnector": (frozenset(), {**_RAY, "host": str, "p2p_max_groups": int, "stream_chunk_bytes": int}),
     "FaultInjectionConnector": (frozenset({"inner"}), {"inner": str, "inner_extra": dict,
                                                        "faults": dict, "seed": int}),
 }
 _KINDS = {str: "a string", int: "an integer", bool: "true or false", dict: "a JSON object"}
-_AT_LEAST = {"max_bytes": 1, "p2p_max_groups": 1, "staging_max_bytes": 0}
+_AT_LEAST = {"max_bytes": 1, "p2p_max_groups": 1, "staging_max_bytes": 0, "stream_chunk_bytes": 1}
 _EXAMPLES = {"path": '{"path": "/mnt/kv"}', "inner": '{"inner": "SharedStorageConnector", '
                                                     '"inner_extra": {"path": "/tmp/kv"}}'}
 

@@ -59,6 +59,7 @@ def test_bad_config_names_the_field(bad, field):
     ("shared_storage", {"path": "/kv", "fsync": "yes"}, "fsync of SharedStorageConnector must be true or false"),
     ("p2p", {"p2p_max_groups": "8"}, "p2p_max_groups of P2PConnector must be an integer"),
     ("p2p", {"p2p_max_groups": True}, "must be an integer, not True"),
+    ("p2p", {"stream_chunk_bytes": 0}, "stream_chunk_bytes must be >= 1"),
     ("ray_object_store", {"staging_max_bytes": -1}, "staging_max_bytes must be >= 0"),
     ("FaultInjectionConnector", {}, "FaultInjectionConnector needs kv_connector_extra_config.inner"),
     ("FaultInjectionConnector", {"inner": "shared_storage"}, "SharedStorageConnector needs"),
@@ -78,7 +79,8 @@ def test_a_connector_missing_or_mistyping_an_option_is_refused_with_the_config(n
 
 def test_well_formed_connector_options_pass():
     ok = [("shared_storage", {"path": "/kv", "max_bytes": 1 << 30, "fsync": True, "layerwise_save": True}),
-          ("p2p", {"host": "127.0.0.1", "p2p_max_groups": 4, "owner_name": "o", "anything_else": 1}),
+          ("p2p", {"host": "127.0.0.1", "p2p_max_groups": 4, "owner_name": "o", "anything_else": 1,
+                   "stream_chunk_bytes": 1 << 20}),
           ("ray_object_store", {"durable_owner": True, "staging_max_bytes": 0}),
           ("FaultInjectionConnector", {"inner": "SharedStorageConnector", "inner_extra": {"path": "/kv"},
                                        "faults": {"drop": 1.0}, "seed": 3})]
