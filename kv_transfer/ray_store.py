@@ -33,30 +33,22 @@ connected to, else RAY_ADDRESS), `owner_name` (default "fleetserve-kv-owner"),
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
 import os
-import struct
 import threading
 import time
-import warnings
 from typing import Any, Optional
 
-import torch
-
 from fleetserve.kv_transfer.base import ConnectorContext, KVConnectorRole, LoadSpec, SaveSpec
-from fleetserve.kv_transfer.blocks import (BlockBatch, KVFormatError, StreamAborted, check_header,
-                                           decode_batch, host_digests, join_shards, local_head_range,
+from fleetserve.kv_transfer.blocks import (BlockBatch, decode_batch, join_shards, local_head_range,
                                            parse_header, producer_shards, readers_of)
 from fleetserve.kv_transfer.config import KVTransferConfig
-from fleetserve.kv_transfer.transfer import (TransferConnector, TransferError, Transport,
-                                             one_core_per_thread)
+from fleetserve.kv_transfer.transfer import TransferConnector, TransferError, Transport
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.005  # an export not held yet is asked for again this often (owners without wait_lookup)
 WAIT_S = 5.0  # a wait_lookup call waits this long at most (then the consumer asks again)
-STREAM_WAIT_S = 30.0  # a put thread waits this long at most for the next chunk to be gathered
 
 
 class KVObjectOwner:
@@ -69,8 +61,6 @@ class KVObjectOwner:
 
     def __init__(self, sweep_s: float = 0.5) -> None:
         self._held: dict[str, tuple[list, float, int]] = {}  # tid -> ([ref], expiry, nbytes)
-        self._streams: dict[str, int] = {}  # tid -> chunks of a streamed export (its refs: one per chunk)
-        self._failed: dict[str, float] = {}  # tid -> until when a stream that broke off is reported so
         self._readers: dict[str, set[int]] = {}  # tid -> consumer ranks that confirmed
         self._names: dict[str, str] = {}
         self._waiters: dict[str, list] = {}  # tid -> asyncio futures of consumers waiting for it
@@ -85,79 +75,9 @@ class KVObjectOwner:
         consumer confirms or the lease ends."""
         with self._lock:
             self._held[transfer_id] = (refs, time.time() + lease_s, nbytes)
-            self._streams.pop(transfer_id, None)
-        self._wake(transfer_id)
-
-    def _wake(self, transfer_id: str) -> None:
         for fut in self._waiters.pop(transfer_id, ()):  # on the event loop: no lock needed
             if not fut.done():
                 fut.set_result(None)
-
-    def hold_chunk(self, transfer_id: str, index: int, count: int, refs: list, nbytes: int,
-                   lease_s: float) -> None:
-        """Chunk `index` of `count` of a streamed export (its ref inside `refs`), put by the
-        producer as soon as it was copied out; a consumer waiting for it is answered now.
-        (An async actor runs one caller's calls in any order: a chunk may come after its
-        stream's fail_stream, and is then dropped.)"""
-        with self._lock:
-            if transfer_id in self._failed:
-                return
-            entry = self._held.get(transfer_id)
-            if entry is None or self._streams.get(transfer_id) != count:
-                entry = ([None] * count, time.time() + lease_s, nbytes)
-                self._held[transfer_id] = entry
-                self._streams[transfer_id] = count
-            if 0 <= index < count:
-                entry[0][index] = refs[0]
-        self._wake(transfer_id)
-
-    def fail_stream(self, transfer_id: str, lease_s: float) -> None:
-        """The producer could not copy the rest out: consumers hear so at once."""
-        with self._lock:
-            self._held.pop(transfer_id, None)
-            self._streams.pop(transfer_id, None)
-            self._failed[transfer_id] = time.time() + lease_s
-        self._wake(transfer_id)
-
-    def _chunks(self, transfer_id: str, have: int) -> tuple[Optional[int], list, bool]:
-        with self._lock:
-            if transfer_id in self._failed:
-                return None, [], True
-            entry = self._held.get(transfer_id)
-            if entry is None:
-                return None, [], False
-            count = self._streams.get(transfer_id)
-            if count is None:  # a whole export: its one ref
-                return None, (list(entry[0]) if have == 0 else []), False
-            refs = []
-            for ref in entry[0][have:]:
-                if ref is None:
-                    break
-                refs.append(ref)
-            return count, refs, False
-
-    async def wait_chunks(self, transfer_id: str, have: int, timeout_s: float):
-        """(chunks in all, or None for a whole export; the refs of chunks `have`.. that are
-        here, in order; whether the stream broke off), waiting up to `timeout_s` for news if
-        there is none yet. A whole export answers (None, [its ref], False)."""
-        import asyncio
-
-        got = self._chunks(transfer_id, have)
-        if got[1] or got[2] or timeout_s <= 0:
-            return got
-        self.num_waits += 1
-        fut = asyncio.get_running_loop().create_future()
-        self._waiters.setdefault(transfer_id, []).append(fut)
-        try:
-            done, _ = await asyncio.wait({fut}, timeout=timeout_s)
-            self.num_woken += len(done)
-        finally:
-            waiting = self._waiters.get(transfer_id)
-            if waiting is not None and fut in waiting:
-                waiting.remove(fut)
-                if not waiting:
-                    del self._waiters[transfer_id]
-        return self._chunks(transfer_id, have)
 
     async def adopt(self, transfer_id: str, header: bytes, payload, lease_s: float) -> None:
         """Take a copy of the blocks into an object this actor owns, so the export outlives
@@ -171,12 +91,9 @@ class KVObjectOwner:
         self.hold(transfer_id, [ref], len(payload), lease_s)
 
     def lookup(self, transfer_id: str):
-        """The refs of a whole export (a streamed one is only found through wait_chunks)."""
         with self._lock:
             entry = self._held.get(transfer_id)
-            if entry is None or transfer_id in self._streams:
-                return None
-        return entry[0]
+        return None if entry is None else entry[0]
 
     async def wait_lookup(self, transfer_id: str, timeout_s: float):
         """`lookup`, waiting up to `timeout_s` for the export to be held if it is not yet."""
@@ -208,7 +125,6 @@ class KVObjectOwner:
             if len(done) < num_readers:
                 return False
             del self._readers[transfer_id]
-            self._streams.pop(transfer_id, None)
             return self._held.pop(transfer_id, None) is not None
 
     # A directory too: where each engine rank's point-to-point server listens (kv_transfer.p2p).
@@ -233,10 +149,7 @@ class KVObjectOwner:
                 for tid in [t for t, e in self._held.items() if e[1] < now]:
                     del self._held[tid]
                     self._readers.pop(tid, None)
-                    self._streams.pop(tid, None)
                     self.num_expired += 1
-                for tid in [t for t, until in self._failed.items() if until < now]:
-                    del self._failed[tid]
 
 
 def connect_ray(extra: dict):
@@ -268,10 +181,6 @@ class RayObjectStoreTransport(Transport):
         self._extra = extra
         self._ray = None
         self._owners: dict[tuple[str, str], Any] = {}  # (name, namespace) -> actor handle
-        # A CPU cache's exports stream (see the module's doc); a durable owner copies whole exports.
-        self.streams = not self.durable
-        self._putters: Optional[cf.ThreadPoolExecutor] = None
-        self._putters_lock = threading.Lock()
 
     def register_kv_caches(self, kv_caches: list, staging) -> None:
         super().register_kv_caches(kv_caches, staging)
@@ -305,51 +214,9 @@ class RayObjectStoreTransport(Transport):
         # One object per rank: a TP consumer finds the ranks' shards by head range.
         return f"{transfer_id}/r{self.ctx.tp_rank}"
 
-    def export(self, spec: SaveSpec, batch: BlockBatch) -> Optional[cf.Future]:
+    def export(self, spec: SaveSpec, batch: BlockBatch) -> None:
         ray, owner = self._owner()
         oid = self._object_id(spec.transfer_id)
-        if batch.progress is not None:  # streamed: put chunk by chunk on a put thread
-            with self._putters_lock:
-                if self._putters is None:
-                    self._putters = cf.ThreadPoolExecutor(2, thread_name_prefix="kv-ray-put",
-                                                          initializer=one_core_per_thread)
-            return self._putters.submit(self._put_stream, ray, owner, spec, batch, oid)
-        self._export_whole(ray, owner, spec, batch, oid)
-        return None
-
-    def _put_stream(self, ray, owner, spec: SaveSpec, batch: BlockBatch, oid: str) -> None:
-        """Each chunk into the store as soon as it is copied out (its header on the first; its
-        blocks' digests with each), held by the owner at once, so a consumer already waiting
-        reads chunk c while chunk c+1 is gathered and put. A copy-out that fails midway is
-        reported to the owner (its consumers fail at once). Releases the batch."""
-        prog = batch.progress
-        try:
-            if getattr(owner, "hold_chunk", None) is None:  # an owner from an older fleetserve
-                prog.wait_all(STREAM_WAIT_S)
-                self._export_whole(ray, owner, spec, batch, oid)
-                return
-            sizes = [e - s for s, e in prog.chunks]
-            calls = []
-            for c, (s, e) in enumerate(prog.chunks):
-                try:
-                    prog.wait_chunk(c, STREAM_WAIT_S)
-                except StreamAborted as err:
-                    logger.warning("Ray KV export %s: %s", oid, err)
-                    calls.append(owner.fail_stream.remote(oid, spec.lease_s))
-                    break
-                ref = self._put_chunk(ray, batch.header(sizes) if c == 0 else b"",
-                                      struct.pack(f"<{e - s}Q", *batch.digests[s:e]),
-                                      batch.data[s:e].reshape(-1).view(torch.uint8).numpy())
-                calls.append(owner.hold_chunk.remote(oid, c, len(sizes), [ref], batch.nbytes, spec.lease_s))
-            ray.get(calls, timeout=60)
-        finally:
-            batch.release()
-
-    @staticmethod
-    def _put_chunk(ray, header: bytes, digests: bytes, payload):
-        return ray.put((header, digests, payload))
-
-    def _export_whole(self, ray, owner, spec: SaveSpec, batch: BlockBatch, oid: str) -> None:
         if self.durable:  # the actor puts (and owns) its own copy
             call = owner.adopt.remote(oid, batch.header(), batch.payload(), spec.lease_s)
         else:  # put once from here; the actor borrows it (Ray counts its reference)
@@ -357,58 +224,18 @@ class RayObjectStoreTransport(Transport):
             call = owner.hold.remote(oid, [ref], batch.nbytes, spec.lease_s)
         ray.get(call, timeout=60)
 
-    def fetch(self, spec: LoadSpec, sink=None) -> Optional[BlockBatch]:
-        """The blocks of `spec`; a streamed export read with a `sink` (one producer shard) goes
-        into it chunk by chunk as each lands (then None)."""
+    def fetch(self, spec: LoadSpec) -> BlockBatch:
         ray, owner = self._owner(spec)
-        shards = self._shards(spec)
-        sink = sink if len(shards) == 1 else None  # shards are joined first: whole batches
-        got = [self._fetch_one(ray, owner, spec, f"{spec.transfer_id}/r{rank}", sink) for rank, _ in shards]
-        if sink is not None and sink.used:
-            return None
-        return join_shards(got)
+        shards = [self._fetch_one(ray, owner, spec, f"{spec.transfer_id}/r{rank}")
+                  for rank, _ in self._shards(spec)]
+        return join_shards(shards)
 
     def _shards(self, spec: LoadSpec):
         heads = local_head_range(self.ctx.num_kv_heads, self.ctx.tp_size, self.ctx.tp_rank)
         return producer_shards(heads, self.ctx.num_kv_heads,
                                int(spec.source.get("remote_tp_size", self.ctx.tp_size)))
 
-    def _fetch_one(self, ray, owner, spec: LoadSpec, oid: str, sink=None) -> Optional[BlockBatch]:
-        wait_chunks = getattr(owner, "wait_chunks", None)
-        if wait_chunks is None:  # an owner from an older fleetserve: whole exports only
-            return self._fetch_whole(ray, owner, spec, oid)
-        reader: Optional[_ChunkReader] = None
-        have = 0
-        try:
-            while True:
-                left = spec.deadline - time.time()
-                if left <= 0:
-                    raise TransferError(f"transfer {oid} not exported before the deadline" if not have
-                                        else f"transfer {oid}: chunk {have} not there before the deadline")
-                count, refs, failed = ray.get(wait_chunks.remote(oid, have, min(left, WAIT_S)), timeout=left + 1.0)
-                if failed:
-                    raise TransferError(f"transfer {oid}: the producer could not copy its blocks out")
-                if count is None:
-                    if refs:  # a whole export (a GPU cache's, a durable owner's)
-                        return self._decode(ray, spec, oid, refs)
-                    continue
-                for ref in refs:
-                    try:
-                        header, digests, payload = ray.get(ref, timeout=max(0.001, spec.deadline - time.time()))
-                    except ray.exceptions.RayError as e:  # e.g. the producer (the object's owner) died
-                        raise TransferError(f"transfer {oid} is gone: {type(e).__name__}") from e
-                    if reader is None:
-                        reader = _ChunkReader(header, count, self.ctx.fingerprint, sink, self.staging)
-                    reader.take(digests, payload, spec.req_id)
-                have += len(refs)
-                if have == count:
-                    return reader.finish()
-        except BaseException:
-            if reader is not None:
-                reader.abandon()
-            raise
-
-    def _fetch_whole(self, ray, owner, spec: LoadSpec, oid: str) -> BlockBatch:
+    def _fetch_one(self, ray, owner, spec: LoadSpec, oid: str) -> BlockBatch:
         refs = None
         # An owner actor started by an older fleetserve (detached: it outlives upgrades) may
         # lack wait_lookup: then ask every POLL_S.
@@ -423,9 +250,6 @@ class RayObjectStoreTransport(Transport):
             refs = ray.get(owner.lookup.remote(oid), timeout=left)
             if refs is None:
                 time.sleep(POLL_S)
-        return self._decode(ray, spec, oid, refs)
-
-    def _decode(self, ray, spec: LoadSpec, oid: str, refs: list) -> BlockBatch:
         try:
             header, payload = ray.get(refs[0], timeout=max(0.001, spec.deadline - time.time()))
         except ray.exceptions.RayError as e:  # e.g. the producer (the object's owner) died
@@ -442,73 +266,6 @@ class RayObjectStoreTransport(Transport):
         for rank, rng in self._shards(spec):
             readers = readers_of(rng, self.ctx.num_kv_heads, self.ctx.tp_size)
             owner.release.remote(f"{spec.transfer_id}/r{rank}", self.ctx.tp_rank, readers)
-
-
-class _ChunkReader:
-    """A streamed export's chunks, in order, as the consumer reads them from the store: the
-    first carries the batch's header (checked as any other); each chunk's blocks are checked
-    against their digests and handed to the load's sink (written into its blocks), or, with
-    no sink (head shards to join), copied into one staging buffer that becomes the batch,
-    cut at the first block that failed its digest."""
-
-    def __init__(self, header: bytes, count: int, fingerprint: str, sink, staging) -> None:
-        meta, off = parse_header(header)
-        if off != len(header):
-            raise KVFormatError("trailing bytes after the KV header")
-        self.dtype, self.shape, nbytes = check_header(meta, fingerprint)
-        chunks = meta.get("chunks")
-        if chunks is None or len(chunks) != count or meta.get("digest") != "xxh3_64":
-            raise KVFormatError("a streamed export's header does not say its chunks")
-        self.fingerprint = fingerprint
-        self.keys = [str(k) for k in meta["keys"]]
-        heads = meta.get("heads") or (0, self.shape[3])
-        self.heads = (int(heads[0]), int(heads[1]))
-        self.per = nbytes // self.shape[0]
-        self.sink = sink
-        self.pos = 0
-        self.good = self.shape[0]
-        self.digests: list[int] = []
-        self.data = self.release = None
-        if sink is not None:
-            sink.begin(fingerprint, self.keys, self.heads, self.shape, self.dtype)
-        else:
-            self.data, self.release = staging.take(self.shape, self.dtype)
-
-    def take(self, digests: bytes, payload, req_id: str) -> None:
-        k = len(digests) // 8
-        mv = memoryview(payload).cast("B")
-        if k == 0 or len(digests) != 8 * k or len(mv) != k * self.per or self.pos + k > self.shape[0]:
-            raise KVFormatError(f"chunk at block {self.pos} is malformed ({k} blocks, {len(mv)} bytes)")
-        with warnings.catch_warnings():  # a read-only view of the store: only read
-            warnings.simplefilter("ignore", UserWarning)
-            part = torch.frombuffer(mv, dtype=torch.uint8).view(self.dtype).view(k, *self.shape[1:])
-        got = host_digests(mv, k)
-        want = struct.unpack(f"<{k}Q", digests)
-        ok = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), k)
-        if ok < k:
-            logger.warning("KV load of %s: block %d fails its xxh3_64 digest (corrupt); refused from there",
-                           req_id, self.pos + ok)
-            self.good = min(self.good, self.pos + ok)
-        if self.sink is not None:
-            self.sink.write(self.pos, part, ok)
-        else:
-            self.data[self.pos:self.pos + k].copy_(part)
-        self.digests += got
-        self.pos += k
-
-    def finish(self) -> Optional[BlockBatch]:
-        if self.pos != self.shape[0]:
-            raise KVFormatError(f"stream ended at block {self.pos} of {self.shape[0]}")
-        if self.sink is not None:
-            return None
-        n = self.good
-        return BlockBatch(self.fingerprint, self.keys[:n], self.data[:n], self.heads, self.digests[:n],
-                          "xxh3_64", self.release)
-
-    def abandon(self) -> None:
-        if self.release is not None:
-            self.release()
-            self.release = None
 
 
 class RayObjectStoreConnector(TransferConnector):

@@ -98,11 +98,9 @@ class Transport(abc.ABC):
     # export() keeps the batch after it returns and releases it itself (BlockBatch.release).
     keeps_batch = False
     # Streams (CPU caches): export() is called before the batch is gathered (its `progress`
-    # says which chunks are ready; their digests are set as they are) and takes the batch
-    # over (releases it itself; it may return a Future of the export's end, which
-    # wait_for_exports waits for), and fetch(spec, sink) hands each chunk to `sink` as it
-    # arrives and is verified (see _Sink; it may then return None), so copies out of and into
-    # the caches overlap the transport.
+    # says which chunks are ready; their digests are set as they are), and fetch(spec, sink)
+    # hands each chunk to `sink` as it arrives and is verified (see _Sink), so copies out of
+    # and into the caches overlap the transport.
     streams = False
 
     def __init__(self, config: KVTransferConfig, ctx: ConnectorContext, role: KVConnectorRole) -> None:
@@ -553,13 +551,11 @@ class TransferWorker(KVConnectorWorker):
         batch.digests = [0] * n
         try:
             try:
-                done = self.transport.export(spec, batch)
+                self.transport.export(spec, batch)
             except BaseException as e:
                 progress.fail(e)
                 batch.release()
                 raise
-            if isinstance(done, cf.Future):  # the transport's own thread finishes the export
-                self._track_export(done)
             try:
                 for s, e in progress.chunks:
                     out = batch.data[s:e]
@@ -627,8 +623,7 @@ class TransferWorker(KVConnectorWorker):
             sink = _Sink(self, load)
             batch = self.transport.fetch(spec, sink)
             if sink.used:  # checked and written chunk by chunk as it came
-                if batch is not None:
-                    batch.release()
+                batch.release()
                 self._confirm(spec)
                 return _Fetched(None, sink.offset, sink.good, sink.written)
         else:

@@ -79,10 +79,7 @@ def test_a_consumer_early_for_its_export_is_answered_when_it_lands(local_ray, ow
 
 
 def test_an_owner_without_wait_lookup_still_serves_by_polling(local_ray, owner_name):
-    """An owner from before wait_lookup (and before streamed exports): the producer puts the
-    whole batch once it is gathered, the consumer polls for it."""
-    old = type("OldKVObjectOwner", (ray_store.KVObjectOwner,),  # none of the later calls
-               {"wait_lookup": None, "hold_chunk": None, "wait_chunks": None, "fail_stream": None})
+    old = type("OldKVObjectOwner", (ray_store.KVObjectOwner,), {"wait_lookup": None})
     handle = local_ray.remote(old).options(name=owner_name, namespace="fleetserve", lifetime="detached",
                                            num_cpus=0, max_concurrency=16).remote()
     local_ray.get(handle.stats.remote())

@@ -1,10 +1,9 @@
-"""Streamed hand-offs (P2P and the Ray object store): the producer exports a batch before it
-is gathered and moves each chunk (its blocks' digests, then its bytes) as soon as it is
-copied out (P2P: sent over gloo; Ray: put into the store and held by the owner actor); the
-consumer checks each chunk as it lands and writes it into its blocks while the next one
-arrives. Real worker halves, real gloo between two threads of this process, a local Ray.
+"""Streamed P2P hand-offs: the producer exports a batch before it is gathered and sends each
+chunk (its blocks' digests, then its bytes) as soon as it is copied out; the consumer checks
+each chunk as it lands and writes it into its blocks while the next one arrives. Real worker
+halves, real gloo between two threads of this process, a local Ray for the directory.
 
-Each test ends with a hand-off that works, on whatever is left (groups, the owner)."""
+Each test ends with a hand-off that works, on whatever groups are left."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ import types
 import pytest
 import torch
 
-from fleetserve.kv_transfer import p2p, ray_store, transfer
+from fleetserve.kv_transfer import p2p, transfer
 from fleetserve.kv_transfer.base import ConnectorMetadata, KVConnectorRole, LoadSpec, SaveSpec
 from fleetserve.kv_transfer.blocks import (MAX_CHUNKS, BlockBatch, KVFormatError, batch_from_tensor,
                                            chain_keys, check_header, parse_header, plan_chunks)
@@ -28,61 +27,28 @@ CFG = types.SimpleNamespace(num_attention_heads=4, num_key_value_heads=HEADS, hi
                             num_hidden_layers=LAYERS, vocab_size=97, model_type="llama", head_dim=HD)
 
 
-CONNECTORS = {"p2p": (p2p.P2PConnector, {"host": "127.0.0.1"}),
-              "ray": (ray_store.RayObjectStoreConnector, {})}
-
-
-def make_pair(kind: str, dtype=torch.float32):
+def make_pair(dtype=torch.float32):
     halves = []
     block_bytes = LAYERS * 2 * HEADS * BS * HD * torch.empty((), dtype=dtype).element_size()
-    cls, extra = CONNECTORS[kind]
-    extra = {**extra, "stream_chunk_bytes": 2 * block_bytes}
-    if kind == "ray":  # an owner actor of its own: its stats are this test's
-        extra["owner_name"] = f"kv-owner-stream-{time.monotonic_ns()}"
     for seed, role in ((0, "kv_producer"), (1, "kv_consumer")):
-        cfg = KVTransferConfig(kv_connector=cls.__name__, kv_role=role, kv_load_timeout_s=20,
-                               kv_connector_extra_config=extra,
+        cfg = KVTransferConfig(kv_connector="p2p", kv_role=role, kv_load_timeout_s=20,
+                               kv_connector_extra_config={"host": "127.0.0.1",
+                                                          "stream_chunk_bytes": 2 * block_bytes},
                                engine_id=f"stream-{role}-{time.monotonic_ns()}")
-        w = cls(cfg, KVConnectorRole.WORKER, build_context(cfg, "m", CFG, dtype, BS))
+        w = p2p.P2PConnector(cfg, KVConnectorRole.WORKER, build_context(cfg, "m", CFG, dtype, BS))
         g = torch.Generator().manual_seed(seed)
         w.register_kv_caches([torch.randn((2, HEADS, NUM_BLOCKS, BS, HD), generator=g).to(dtype)
                               for _ in range(LAYERS)])
         halves.append(w)
-    if kind == "ray":  # the owner's process up first (its start-up would be in every timing)
-        import ray
-
-        ray.get(ray_store.get_owner(ray, extra["owner_name"], "fleetserve").stats.remote(), timeout=60)
     return halves
 
 
-def close(halves, local_ray) -> None:
+@pytest.fixture
+def pair(local_ray):
+    halves = make_pair()
+    yield halves
     for w in halves:
         w.shutdown()
-    name = halves[0].config.kv_connector_extra_config.get("owner_name")
-    if name:
-        local_ray.kill(local_ray.get_actor(name, namespace="fleetserve"))
-
-
-@pytest.fixture(params=["p2p", "ray"])
-def pair(request, local_ray):
-    halves = make_pair(request.param)
-    yield halves
-    close(halves, local_ray)
-
-
-def kind(prod) -> str:
-    return "ray" if isinstance(prod.half.transport, ray_store.RayObjectStoreTransport) else "p2p"
-
-
-def nothing_held(prod, local_ray) -> bool:
-    """The producer's side let go of every export (P2P: its outbox; Ray: the owner actor)."""
-    if kind(prod) == "p2p":
-        return prod.half.transport.held() == 0
-    owner = local_ray.get_actor(prod.config.kv_connector_extra_config["owner_name"], namespace="fleetserve")
-    deadline = time.monotonic() + 5  # (the consumer's confirmation is a call it does not wait for)
-    while local_ray.get(owner.stats.remote())["held"] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return local_ray.get(owner.stats.remote())["held"] == 0
 
 
 def start(prod, cons, tid: str, blocks: list[int], timeout_s: float = 20.0) -> dict:
@@ -132,9 +98,8 @@ def unchanged(cons, blocks) -> bool:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("connector", ["p2p", "ray"])
-def test_a_streamed_hand_off_arrives_bit_identical_in_chunks(local_ray, monkeypatch, dtype, connector):
-    prod, cons = make_pair(connector, dtype)
+def test_a_streamed_hand_off_arrives_bit_identical_in_chunks(local_ray, monkeypatch, dtype):
+    prod, cons = make_pair(dtype)
     writes = []
     real = transfer._Sink.write
     monkeypatch.setattr(transfer._Sink, "write", lambda self, s, d, n: (writes.append((s, d.shape[0], n)),
@@ -145,11 +110,10 @@ def test_a_streamed_hand_off_arrives_bit_identical_in_chunks(local_ray, monkeypa
         assert finish(prod, cons) == set()
         assert same(prod, cons, blocks)
         assert writes == [(0, 2, 2), (2, 2, 2), (4, 2, 2), (6, 2, 2), (8, 1, 1)]
-        assert nothing_held(prod, local_ray)
-        if connector == "p2p":
-            assert prod.half.transport.kept_groups() == (1, 0)
+        assert prod.half.transport.held() == 0 and prod.half.transport.kept_groups() == (1, 0)
     finally:
-        close([prod, cons], local_ray)
+        prod.shutdown()
+        cons.shutdown()
 
 
 def test_the_first_chunks_move_while_later_ones_are_still_being_copied_out(pair, monkeypatch):
@@ -184,49 +148,34 @@ def test_the_first_chunks_move_while_later_ones_are_still_being_copied_out(pair,
 
 def test_a_corrupt_chunk_keeps_the_blocks_before_it_and_writes_nothing_after(pair, monkeypatch):
     """Bytes damaged after their digests were taken (block 5, in chunk 2): blocks 0-4 are
-    written and good, 5-8 fail and are never written; the connector serves the next one
-    (P2P: on the same group)."""
+    written and good, 5-8 fail and are never written; the group stays and serves next."""
     prod, cons = pair
-    if kind(prod) == "p2p":
-        real = p2p.P2PTransport._send_chunks
+    real = p2p.P2PTransport._send_chunks
 
-        def damaging(self, pg, pid, batch, chunks, flat):
-            per = flat.numel() // batch.data.shape[0]
-            batch.progress.wait_all(10)  # (digests taken) then damage block 5
-            flat[5 * per + 7] ^= 0x40
-            return real(self, pg, pid, batch, chunks, flat)
+    def damaging(self, pg, pid, batch, chunks, flat):
+        per = flat.numel() // batch.data.shape[0]
+        batch.progress.wait_all(10)  # (digests taken) then damage block 5
+        flat[5 * per + 7] ^= 0x40
+        return real(self, pg, pid, batch, chunks, flat)
 
-        monkeypatch.setattr(p2p.P2PTransport, "_send_chunks", damaging)
-    else:
-        real_put = ray_store.RayObjectStoreTransport._put_chunk
-        puts = []
-
-        def damaging_put(ray, header, digests, payload):
-            puts.append(1)
-            if len(puts) == 3:  # chunk 2: blocks 4 and 5
-                payload = payload.copy()
-                payload[len(payload) // 2 + 7] ^= 0x40
-            return real_put(ray, header, digests, payload)
-
-        monkeypatch.setattr(ray_store.RayObjectStoreTransport, "_put_chunk", staticmethod(damaging_put))
+    monkeypatch.setattr(p2p.P2PTransport, "_send_chunks", damaging)
     blocks = list(range(N))
     scribble(cons, blocks)
     start(prod, cons, "corrupt", blocks)
     assert finish(prod, cons) == set(range(5, N))
     assert same(prod, cons, list(range(5)))
     assert unchanged(cons, list(range(5, N)))
-    monkeypatch.undo()
+    monkeypatch.setattr(p2p.P2PTransport, "_send_chunks", real)
     start(prod, cons, "after", blocks)
     assert finish(prod, cons) == set() and same(prod, cons, blocks)
-    if kind(prod) == "p2p":
-        assert cons.half.transport.kept_groups() == (0, 1)
+    assert cons.half.transport.kept_groups() == (0, 1)
 
 
-def test_a_copy_out_that_fails_midway_fails_the_load_at_once(pair, monkeypatch, local_ray):
+def test_a_copy_out_that_fails_midway_fails_the_load_at_once(pair, monkeypatch):
     """The producer's gather of chunk 2 raises: the stream says so after chunk 1, the
     consumer's load fails well before its deadline with every block reported, the producer's
-    blocks are still reported free, nothing stays held (P2P: both sides drop the group), and
-    the next hand-off works (P2P: on a new group)."""
+    blocks are still reported free, both sides drop the group, and the next hand-off forms a
+    new one."""
     prod, cons = pair
     real_gather = transfer.gather_layer
     calls = []
@@ -243,12 +192,11 @@ def test_a_copy_out_that_fails_midway_fails_the_load_at_once(pair, monkeypatch, 
     start(prod, cons, "broken", blocks, timeout_s=15)
     assert finish(prod, cons) == set(blocks)
     assert time.monotonic() - t0 < 5
-    assert nothing_held(prod, local_ray)
-    if kind(prod) == "p2p":
-        deadline = time.monotonic() + 5
-        while prod.half.transport.kept_groups() != (0, 0) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert prod.half.transport.kept_groups() == (0, 0) and cons.half.transport.kept_groups() == (0, 0)
+    assert prod.half.transport.held() == 0
+    deadline = time.monotonic() + 5
+    while prod.half.transport.kept_groups() != (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert prod.half.transport.kept_groups() == (0, 0) and cons.half.transport.kept_groups() == (0, 0)
     monkeypatch.setattr(transfer, "gather_layer", real_gather)
     start(prod, cons, "after", blocks)
     assert finish(prod, cons) == set() and same(prod, cons, blocks)
@@ -288,32 +236,33 @@ def test_a_load_given_up_midstream_writes_nothing_more(pair, monkeypatch):
 
 
 def test_a_consumer_that_does_not_stream_gets_the_whole_batch(pair):
-    """A fetch without a sink (a consumer joining head shards of several producer ranks; P2P:
-    also an older fleetserve) gets the whole batch: P2P's producer sends it once it is
-    gathered, digests in its header; Ray's consumer copies the chunks into one buffer."""
+    """A pull without a sink (a consumer joining head shards of several producer ranks, or an
+    older fleetserve) is answered with the whole batch once it is gathered, digests in its
+    header."""
     prod, cons = pair
-    blocks = [5, 0, 7, 2, 8, 1, 3, 6, 4]
-    tokens = [(hash("whole") + j) % 90 + 1 for j in range(N * BS)]
+    blocks = list(range(N))
+    info = start(prod, cons, "whole", blocks)
+    assert finish(prod, cons) == set()  # (the streamed load of the same export)
+    tokens_tid = "whole-2"
+    tokens = [(hash(tokens_tid) + j) % 90 + 1 for j in range(N * BS)]
     keys = chain_keys(prod.ctx.fingerprint, tokens, BS, N)
-    prod.bind_connector_metadata(ConnectorMetadata(saves=[SaveSpec("p", "whole", blocks, keys, 60)]))
+    prod.bind_connector_metadata(ConnectorMetadata(saves=[SaveSpec("p2", tokens_tid, blocks, keys, 60)]))
     prod.start_load_kv()
-    prod.clear_connector_metadata()
-    batch = cons.half.transport.fetch(LoadSpec("x", "whole", blocks, keys, time.time() + 20,
-                                               {"remote_tp_size": 1, "remote_engine_id": prod.ctx.engine_id,
-                                                **prod.half.transport.location("whole")}))
+    batch = cons.half.transport.fetch(LoadSpec("x", tokens_tid, blocks, keys, time.time() + 20,
+                                               {"remote_tp_size": 1, "remote_engine_id": prod.ctx.engine_id}))
     try:
-        assert batch.keys == keys and len(batch.digests) == N
+        assert batch.keys == keys and batch.digests is not None
         for layer, kv in enumerate(prod.half.kv_caches):
             assert torch.equal(batch.data[:, layer], kv.permute(2, 0, 1, 3, 4)[blocks])
     finally:
         batch.release()
-    prod.half.wait_for_exports(10)
+    assert info["keys"]
 
 
-def test_transfer_threads_copy_on_one_core(local_ray):
+def test_transfer_threads_copy_on_one_core(pair):
     """With the engine's 2 intra-op threads, a transfer thread's copies still run on one core
     and nobody else's setting changes."""
-    prod, cons = make_pair("p2p")
+    prod, _ = pair
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -327,7 +276,6 @@ def test_transfer_threads_copy_on_one_core(local_ray):
         assert got == [2]  # other threads keep the process's setting
     finally:
         torch.set_num_threads(before)
-        close([prod, cons], local_ray)
 
 
 def test_streamed_headers_are_checked():
