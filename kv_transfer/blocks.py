@@ -294,7 +294,7 @@ DIGESTS = ("xxh3_64", "wsum64")
 
 # ---- streamed exports ---------------------------------------------------------------------
 STREAM_CHUNK_BYTES = 8 << 20  # a streamed batch moves in chunks of about this many bytes
-MAX_CHUNKS = 256
+MAX_CHUNKS = 256  # (P2P tags a stream's messages 0..2*MAX_CHUNKS-1 within a pull's tag range)
 
 
 def plan_chunks(num_blocks: int, block_bytes: int, chunk_bytes: int = STREAM_CHUNK_BYTES) -> list[tuple[int, int]]:
@@ -465,7 +465,7 @@ def check_header(meta: dict, fingerprint: str) -> tuple[torch.dtype, list[int], 
     if chunks is None:
         if not isinstance(sums, list) or len(sums) != shape[0]:
             raise KVFormatError("malformed KV header (digests)")
-    elif sums is not None or not isinstance(chunks, list) or not chunks \
+    elif sums is not None or not isinstance(chunks, list) or not chunks or len(chunks) > MAX_CHUNKS \
             or not all(isinstance(c, int) and c > 0 for c in chunks) or sum(chunks) != shape[0]:
         raise KVFormatError("malformed KV header (chunks)")
     nbytes = torch.empty((), dtype=dtype).element_size()

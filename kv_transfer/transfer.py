@@ -13,7 +13,10 @@ cache from the engine's thread, freed after this step) and exports them in the b
 fetches loads in the background into staging memory, checks every fetched
 block's chain key against the consumer's own and writes the good ones into the
 cache there too (a CPU cache: the engine's thread never stalls on a big load's
-copy; a GPU cache is written from `get_finished`, in its stream's order);
+copy; a GPU cache is written from `get_finished`, in its stream's order); with a
+streaming transport (P2P) and a CPU cache, an export is handed over before its
+copy-out (which then goes chunk by chunk) and a load's chunks are checked and
+written as they arrive (`_Sink`), so the copies overlap the transfer;
 `get_finished` reports them and the rest as failed blocks. A load past its
 deadline or cancelled is given up under its lock (a write under way finishes
 first), so none of its late bytes land once the scheduler hears of it.
@@ -65,10 +68,13 @@ def _omp_set_num_threads():
     try:
         with open("/proc/self/maps") as f:
             libs = {line.split()[-1] for line in f if any(n in line for n in ("libgomp", "libiomp", "libomp"))}
-        for lib in libs:
+    except OSError:
+        return None
+    for lib in sorted(libs):
+        try:
             return ctypes.CDLL(lib).omp_set_num_threads
-    except (OSError, AttributeError):
-        pass
+        except (OSError, AttributeError):
+            continue
     return None
 
 

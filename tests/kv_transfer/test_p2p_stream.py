@@ -238,25 +238,25 @@ def test_a_load_given_up_midstream_writes_nothing_more(pair, monkeypatch):
 def test_a_consumer_that_does_not_stream_gets_the_whole_batch(pair):
     """A pull without a sink (a consumer joining head shards of several producer ranks, or an
     older fleetserve) is answered with the whole batch once it is gathered, digests in its
-    header."""
+    header, and the next streamed hand-off still works on the same group."""
     prod, cons = pair
-    blocks = list(range(N))
-    info = start(prod, cons, "whole", blocks)
-    assert finish(prod, cons) == set()  # (the streamed load of the same export)
-    tokens_tid = "whole-2"
-    tokens = [(hash(tokens_tid) + j) % 90 + 1 for j in range(N * BS)]
-    keys = chain_keys(prod.ctx.fingerprint, tokens, BS, N)
-    prod.bind_connector_metadata(ConnectorMetadata(saves=[SaveSpec("p2", tokens_tid, blocks, keys, 60)]))
+    blocks = [5, 0, 7, 2, 8, 1, 3, 6, 4]
+    keys = chain_keys(prod.ctx.fingerprint, [(j * 7) % 90 + 1 for j in range(N * BS)], BS, N)
+    prod.bind_connector_metadata(ConnectorMetadata(saves=[SaveSpec("p", "whole", blocks, keys, 60)]))
     prod.start_load_kv()
-    batch = cons.half.transport.fetch(LoadSpec("x", tokens_tid, blocks, keys, time.time() + 20,
+    prod.clear_connector_metadata()
+    batch = cons.half.transport.fetch(LoadSpec("x", "whole", blocks, keys, time.time() + 20,
                                                {"remote_tp_size": 1, "remote_engine_id": prod.ctx.engine_id}))
     try:
-        assert batch.keys == keys and batch.digests is not None
+        assert batch.keys == keys and len(batch.digests) == N
         for layer, kv in enumerate(prod.half.kv_caches):
             assert torch.equal(batch.data[:, layer], kv.permute(2, 0, 1, 3, 4)[blocks])
     finally:
         batch.release()
-    assert info["keys"]
+    prod.half.wait_for_exports(10)
+    prod.get_finished(set())
+    start(prod, cons, "after", list(range(N)))
+    assert finish(prod, cons) == set() and same(prod, cons, list(range(N)))
 
 
 def test_transfer_threads_copy_on_one_core(pair):
@@ -286,7 +286,9 @@ def test_streamed_headers_are_checked():
     assert meta["digests"] is None and meta["chunks"] == [2, 1]
     check_header(meta, fp)
     for bad in ({"chunks": [2, 2]}, {"chunks": [3, 0]}, {"chunks": []}, {"chunks": "3"},
-                {"digests": [1, 2, 3]}):
+                {"digests": [1, 2, 3]}, {"chunks": [1] * (MAX_CHUNKS + 1)},
+                {"shape": [MAX_CHUNKS + 1, 2, 2, 1, 4, 8], "keys": ["k"] * (MAX_CHUNKS + 1),
+                 "chunks": [1] * (MAX_CHUNKS + 1)}):
         with pytest.raises(KVFormatError):
             check_header({**meta, **bad}, fp)
     with pytest.raises(KVFormatError, match="streamed"):  # its digests are not in the header
