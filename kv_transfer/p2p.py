@@ -74,7 +74,7 @@ import torch
 from fleetserve.kv_transfer.base import ConnectorContext, KVConnectorRole, LoadSpec, SaveSpec
 from fleetserve.kv_transfer.blocks import (BlockBatch, KVFormatError, StreamAborted, batch_from_tensor,
                                            check_header, host_digests, join_shards, local_head_range,
-                                           parse_header, plan_chunks, producer_shards)
+                                           parse_header, plan_chunks, producer_shards, readers_of)
 from fleetserve.kv_transfer.config import KVTransferConfig
 from fleetserve.kv_transfer.ray_store import connect_ray, get_owner
 from fleetserve.kv_transfer.transfer import TransferConnector, TransferError, Transport
@@ -213,6 +213,19 @@ def _group(store, name, rank: int, timeout_s: float, backend: str):
     return dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
 
 
+class _Held:
+    """An export in the producer's outbox. `refs`: the outbox's own (until every consumer rank
+    that reads it has pulled it, or its lease ends) and one per send in progress; the batch's
+    buffer goes back to the pool when the last one is dropped."""
+
+    __slots__ = ("batch", "lease_end", "served", "refs")
+
+    def __init__(self, batch: BlockBatch, lease_end: float) -> None:
+        self.batch, self.lease_end = batch, lease_end
+        self.served = 0
+        self.refs = 1
+
+
 class P2PTransport(Transport):
     keeps_batch = True  # the outbox holds it until it is pulled or its lease ends
     streams = True  # gloo pulls move in chunks, overlapping the copies out of and into the caches
@@ -223,7 +236,7 @@ class P2PTransport(Transport):
         self._extra = extra
         self.owner_name = str(extra.get("owner_name", "fleetserve-kv-owner"))
         self.namespace = str(extra.get("namespace", "fleetserve"))
-        self._outbox: dict[str, tuple[BlockBatch, float]] = {}  # oid -> (batch, lease end)
+        self._outbox: dict[str, _Held] = {}
         self._lock = threading.Lock()
         self._store = None
         self._served = 0  # producer: pulls served, in order of their ids
@@ -311,16 +324,23 @@ class P2PTransport(Transport):
             self._store.set(f"hdr/{pid}", REGROUP)  # evicted here: the consumer forms it again
             return
         with self._lock:
-            entry = self._outbox.pop(oid, None)  # handed over: the consumer has it
+            entry = self._outbox.get(oid)
             if entry is not None:
-                self._forget(oid)
+                entry.refs += 1  # this send's
+                entry.served += 1
+                # Handed over to every consumer rank that reads it (a TP consumer's ranks each
+                # pull the shard holding their heads): out of the outbox.
+                if entry.served >= max(1, int(pull.get("readers", 1))):
+                    del self._outbox[oid]
+                    entry.refs -= 1
+                    self._forget(oid)
             known_gone = oid in self._gone
         if entry is None:
             # Taken or expired: a clear "no". Otherwise the export is still being gathered
             # (the producer's reply can overtake it): the consumer asks again.
             self._store.set(f"hdr/{pid}", b"" if known_gone else NOT_YET)
             return
-        batch = entry[0]
+        batch = entry.batch
         try:
             backend = "nccl" if pull.get("backend") == "nccl" and batch.data.is_cuda else "gloo"
             # Streamed (chunk by chunk, each as soon as it is gathered) when the consumer asks
@@ -360,7 +380,14 @@ class P2PTransport(Transport):
                 self._served_groups.drop(gid, pg)  # the consumer went away or timed out
                 raise
         finally:
-            entry[0].release()
+            self._unref(entry)
+
+    def _unref(self, entry: _Held) -> None:
+        with self._lock:
+            entry.refs -= 1
+            last = entry.refs == 0
+        if last:
+            entry.batch.release()
 
     def _send_chunks(self, pg, pid: int, batch: BlockBatch, chunks: list[tuple[int, int]], flat) -> None:
         """Each chunk as two messages: its status and blocks' digests (8 bytes each), then its
@@ -391,12 +418,12 @@ class P2PTransport(Transport):
     def _sweep(self) -> None:
         now = time.time()
         with self._lock:
-            gone = [o for o, e in self._outbox.items() if e[1] < now]
-            expired = [self._outbox.pop(o)[0] for o in gone]  # the lease ended unclaimed
+            gone = [o for o, e in self._outbox.items() if e.lease_end < now]
+            expired = [self._outbox.pop(o) for o in gone]  # the lease ended unclaimed
             for oid in gone:
                 self._forget(oid)
-        for batch in expired:
-            batch.release()
+        for entry in expired:
+            self._unref(entry)
 
     def _forget(self, oid: str) -> None:
         """Remember `oid` as taken or expired (under self._lock)."""
@@ -409,9 +436,9 @@ class P2PTransport(Transport):
             batch.checksums()  # here, on the export thread, not in the server's send
         with self._lock:
             old = self._outbox.pop(f"{spec.transfer_id}/r{self.ctx.tp_rank}", None)
-            self._outbox[f"{spec.transfer_id}/r{self.ctx.tp_rank}"] = (batch, time.time() + spec.lease_s)
+            self._outbox[f"{spec.transfer_id}/r{self.ctx.tp_rank}"] = _Held(batch, time.time() + spec.lease_s)
         if old is not None:
-            old[0].release()
+            self._unref(old)
 
     def held(self) -> int:
         with self._lock:
@@ -461,7 +488,9 @@ class P2PTransport(Transport):
                     pid = store.add("pull_ids", 1)
                 store.set(f"pull/{pid}", json.dumps({"oid": f"{spec.transfer_id}/r{rank}", "backend": backend,
                                                      "group": gid, "new": pg is None,
-                                                     "stream": sink is not None and backend == "gloo"}))
+                                                     "stream": sink is not None and backend == "gloo",
+                                                     "readers": readers_of(heads, self.ctx.num_kv_heads,
+                                                                           self.ctx.tp_size)}))
                 reply = store.get(f"hdr/{pid}")  # waits for the server (the store's timeout: the deadline)
                 if reply == REGROUP:
                     self._pull_groups.drop(addr)

@@ -283,3 +283,31 @@ def test_an_unclaimed_export_ends_with_its_lease_while_the_server_idles(pair):
     while server_threads() and time.monotonic() - t0 < 5:
         time.sleep(0.02)
     assert not server_threads()
+
+
+def test_an_export_read_by_several_consumer_ranks_stays_until_each_pulled_it(pair, monkeypatch):
+    """A TP consumer's ranks each pull the producer shard that holds their heads: the export
+    stays in the outbox (its buffer out of the pool) until as many pulls as the consumer has
+    readers of it took it; then a late pull is a clear "no". (It used to go with the first
+    pull: a TP=2 consumer of a TP=1 producer failed every load on one rank.)"""
+    prod, cons, _ = pair
+    monkeypatch.setattr(p2p, "readers_of", lambda shard, heads, tp: 2)
+    keys = chain_keys(prod.ctx.fingerprint, list(range(1, 1 + 3 * BS)), BS, 3)
+    prod.bind_connector_metadata(ConnectorMetadata(saves=[SaveSpec("r0", "twice", [0, 1, 2], keys, 60)]))
+    prod.start_load_kv()
+    prod.half.wait_for_exports(30)
+    prod.clear_connector_metadata()
+    spec = LoadSpec("x", "twice", [0, 1, 2], keys, time.time() + 20,
+                    {"remote_tp_size": 1, "remote_engine_id": prod.ctx.engine_id})
+    pooled = prod.half.staging.cached_bytes
+    for left in (1, 0):
+        batch = cons.half.transport.fetch(spec)
+        assert batch.keys == keys
+        batch.release()
+        assert prod.half.transport.held() == left
+        # back in the pool after the last pull only
+        assert (prod.half.staging.cached_bytes > pooled) == (left == 0)
+    t0 = time.monotonic()
+    with pytest.raises(p2p.TransferError, match="expired or taken"):
+        cons.half.transport.fetch(spec)
+    assert time.monotonic() - t0 < 3

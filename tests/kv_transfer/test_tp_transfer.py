@@ -1,6 +1,6 @@
 """Tensor parallelism: every rank moves its own KV heads, a transfer is done when every rank
 says so, and producer and consumer may run different TP sizes (the consumer's ranks take
-the heads they own). Tiny model with 2 KV heads: TP=2 <-> TP=2, TP=1 -> TP=2, TP=2 -> TP=1."""
+the heads they own). Tiny model with 2 KV heads: TP=2 <-> TP=2, TP=1 -> TP=2, TP=2 -> TP=1, over each connector."""
 
 from __future__ import annotations
 
@@ -15,15 +15,22 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow  # three engines, four Ray worker actors
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_model_dir):
+# Every connector. P2P: both ranks of a TP=2 consumer pull the one shard of a TP=1 producer
+# (streamed, each rank taking its heads from each chunk; the export stays until both pulled
+# it: it used to go with the first pull, failing the other rank's load), and a TP=1 consumer
+# joins the two shards of a TP=2 producer (whole pulls of streamed exports).
+@pytest.fixture(scope="module", params=["RayObjectStoreConnector", "P2PConnector", "SharedStorageConnector"])
+def engines(tiny_model_dir, request, tmp_path_factory):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     started = not ray.is_initialized()
     if started:
         ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False,
                  _node_ip_address="127.0.0.1")
-    kv = {"kv_connector": "RayObjectStoreConnector", "kv_role": "kv_both",
-          "kv_load_failure_policy": "fail", "kv_load_timeout_s": 20.0}
+    kv = {"kv_connector": request.param, "kv_role": "kv_both",
+          "kv_load_failure_policy": "fail", "kv_load_timeout_s": 20.0,
+          "kv_connector_extra_config": {
+              "P2PConnector": {"host": "127.0.0.1"},
+              "SharedStorageConnector": {"path": str(tmp_path_factory.mktemp("kv-tp"))}}.get(request.param, {})}
     # No local prefix cache: every hand-off below must come through the connector.
     made = {name: engine(tiny_model_dir, kv, tensor_parallel_size=tp, enable_prefix_caching=False,
                          num_threads=1)
