@@ -124,7 +124,7 @@ def test_the_first_chunks_move_while_later_ones_are_still_being_copied_out(pair,
     real_gather = transfer.gather_layer
 
     def slow_gather(kv, idx, out, layer):
-        time.sleep(0.05)
+        time.sleep(0.1)  # 1 s of copy-out in all: the first write comes well before its end
         real_gather(kv, idx, out, layer)
         if layer == LAYERS - 1:
             events.append(("gathered", time.monotonic()))
