@@ -85,6 +85,9 @@ IDLE_WAIT_S = 3600.0  # the server's wait for the next pull, before it waits aga
 SWEEP_S = 0.25  # expired leases in the outbox are released this often
 MAX_IDLE_CLIENTS = 4  # store clients a consumer keeps per producer address, between pulls
 STORE_TIMEOUT_S = 30.0
+# At engine start: the first engine of a cluster also starts the directory's owner actor (a
+# process importing torch: 30 s was too short with both cores busy).
+REGISTER_TIMEOUT_S = 120.0
 CONNECT_TIMEOUT_S = 3.0  # a live producer's store accepts at once; a dead one's port refuses
 QUARANTINE = 4  # failed receives whose group and buffer are kept (see _pull)
 REGROUP = b"!regroup"  # the producer's answer to a pull naming a group it does not have
@@ -283,7 +286,7 @@ class P2PTransport(Transport):
         self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
         ray.get(owner.register.remote(self._name(self.ctx.engine_id, self.ctx.tp_rank),
-                                      f"{host}:{self._store.port}"), timeout=30)
+                                      f"{host}:{self._store.port}"), timeout=REGISTER_TIMEOUT_S)
         threading.Thread(target=self._loop, name="kv-p2p-server", daemon=True).start()
         threading.Thread(target=self._sweep_loop, name="kv-p2p-leases", daemon=True).start()
 
