@@ -322,10 +322,9 @@ class ExportProgress:
         self._error: Optional[BaseException] = None
         self._on_done: list[Callable[[], None]] = []
 
-    @property
-    def done(self) -> bool:
-        with self._cond:
-            return self._ready == len(self.chunks) or self._error is not None
+    def _over(self) -> bool:
+        """Every chunk gathered, or gathering failed (under self._cond)."""
+        return self._ready == len(self.chunks) or self._error is not None
 
     def advance(self) -> None:
         """The next chunk is gathered and its digests are set."""
@@ -363,7 +362,7 @@ class ExportProgress:
     def when_done(self, cb: Callable[[], None]) -> None:
         """`cb` once the gatherer no longer writes the buffer (now, if it is done)."""
         with self._cond:
-            if not (self._ready == len(self.chunks) or self._error is not None):
+            if not self._over():
                 self._on_done.append(cb)
                 return
         cb()

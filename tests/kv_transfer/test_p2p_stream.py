@@ -51,7 +51,7 @@ def pair(local_ray):
         w.shutdown()
 
 
-def start(prod, cons, tid: str, blocks: list[int], timeout_s: float = 20.0) -> dict:
+def start(prod, cons, tid: str, blocks: list[int], timeout_s: float = 20.0) -> None:
     """Export `tid` from the producer's `blocks` and start loading it into the same block ids
     of the consumer at once, as P/D does (the consumer's pull may overtake the copy-out)."""
     tokens = [(hash(tid) + j) % 90 + 1 for j in range(len(blocks) * BS)]
@@ -64,7 +64,6 @@ def start(prod, cons, tid: str, blocks: list[int], timeout_s: float = 20.0) -> d
     cons.bind_connector_metadata(ConnectorMetadata(loads=[spec]))
     cons.start_load_kv()
     cons.clear_connector_metadata()
-    return {"spec": spec, "keys": keys}
 
 
 def finish(prod, cons, timeout_s: float = 20.0) -> set[int]:

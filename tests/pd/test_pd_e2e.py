@@ -55,22 +55,26 @@ def stream_chat(c: openai.OpenAI, model: str, messages: list, n: int):
     return text, usage, finish
 
 
+def completion_equals_colocated(server, colocated, prompt: str) -> None:
+    """A greedy completion of a prompt longer than two blocks through P/D: one colocated
+    engine's text, and the decode side computed at most its last block."""
+    ids = tokenize(server, prompt=prompt)
+    assert len(ids) > 2 * BLOCK
+    r = client(server).completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == colocated(ids)
+    check_usage(r.usage, len(ids))
+
+
 def test_completions_equal_colocated_and_decode_computes_at_most_a_block(pd_server, colocated):
     health = httpx.get(pd_server.base_url + "/health", timeout=10).json()
     assert health["status"] == "ok" and health["num_replicas"] == 1  # the decode pool
     assert health["prefill"] == {"num_replicas": 1, "unhealthy": {}}
-    c = client(pd_server)
     rng = random.Random(1)
     before = pd_server.pd_tokens()
     fed_before = feed_items(pd_server)
     for i in range(3):
-        prompt = long_prompt(rng)
-        ids = tokenize(pd_server, prompt=prompt)
-        assert len(ids) > 2 * BLOCK
-        r = c.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS,
-                                 temperature=0, extra_body={"ignore_eos": True})
-        assert r.choices[0].text == colocated(ids)
-        check_usage(r.usage, len(ids))
+        completion_equals_colocated(pd_server, colocated, long_prompt(rng))
     after = pd_server.pd_tokens()
     assert after.get("loaded", 0) > before.get("loaded", 0)
     assert pd_server.pd_paths().get("pd", 0) >= 3

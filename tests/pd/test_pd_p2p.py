@@ -10,7 +10,8 @@ import random
 import pytest
 
 from tests.pd.conftest import BLOCK, MAX_TOKENS, start_server, stop_server
-from tests.pd.test_pd_e2e import check_usage, client, long_prompt, stream_chat, tokenize
+from tests.pd.test_pd_e2e import (check_usage, client, completion_equals_colocated, long_prompt, stream_chat,
+                                  tokenize)
 
 pytestmark = pytest.mark.slow
 
@@ -25,21 +26,14 @@ def p2p_server(tmp_path_factory, pd_model_dir):
 
 
 def test_p2p_hand_offs_equal_colocated(p2p_server, colocated):
-    c = client(p2p_server)
     rng = random.Random(7)
     before = p2p_server.pd_tokens()
     for _ in range(2):
-        prompt = long_prompt(rng)
-        ids = tokenize(p2p_server, prompt=prompt)
-        assert len(ids) > 2 * BLOCK
-        r = c.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS,
-                                 temperature=0, extra_body={"ignore_eos": True})
-        assert r.choices[0].text == colocated(ids)
-        check_usage(r.usage, len(ids))
+        completion_equals_colocated(p2p_server, colocated, long_prompt(rng))
     messages = [{"role": "system", "content": long_prompt(rng, 30)},
                 {"role": "user", "content": "Say something."}]
     ids = tokenize(p2p_server, messages=messages)
-    text, usage, finish = stream_chat(c, "tiny", messages, MAX_TOKENS)
+    text, usage, finish = stream_chat(client(p2p_server), "tiny", messages, MAX_TOKENS)
     assert finish == "length" and text == colocated(ids)
     check_usage(usage, len(ids))
     after = p2p_server.pd_tokens()
