@@ -22,6 +22,7 @@ from tests.router.conftest import free_port  # noqa: F401 (one for all suites; t
 APP = "fleetserve-pd-test"
 BLOCK = 16
 REUSE_BLOCK = 8  # reuse_server's engines: a block size other than the default
+REUSE_LEN = 2048  # reuse_server's max_model_len: room for a long stream that keeps a replica busy
 MAX_TOKENS = 8
 
 
@@ -212,7 +213,8 @@ def reuse_server(tmp_path_factory, pd_model_dir):
     tmp = tmp_path_factory.mktemp("reuse-app")
     proc, server = start_server(tmp, pd_model_dir, {"enabled": False}, num_replicas=2,
                                 engine={"prefix_caching_hash_algo": "sha256",
-                                        "block_size": REUSE_BLOCK},
+                                        "block_size": REUSE_BLOCK, "max_model_len": REUSE_LEN,
+                                        "num_gpu_blocks_override": 3 * REUSE_LEN // REUSE_BLOCK},
                                 routing={"imbalance_threshold": 1, "stats_period_s": 0.2},
                                 # 60 s: the first transfer of an engine connects its core
                                 # process to Ray (tens of seconds on a loaded 2-core machine)
