@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -90,8 +91,19 @@ def make_pair(kind: str, num_blocks: int, tmp: str, device: str = "cpu", dtype=t
     return halves[0].ctx, halves[0], halves[1]
 
 
+def block_ids(order: str, n: int, num_blocks: int) -> list[int]:
+    """Which cache blocks a hand-off of `n` blocks uses: a fresh cache hands them out in
+    ascending order; a warm one in descending runs (a finished request's blocks go back to
+    the free queue reversed); "scattered" is a random choice, the worst case."""
+    if order == "ascending":
+        return list(range(n))
+    if order == "descending":
+        return list(range(n - 1, -1, -1))
+    return random.Random(n).sample(range(num_blocks), n)
+
+
 def hand_off(ctx, prod, cons, num_tokens: int, tid: str,
-             overlap: bool = True) -> tuple[float, float, float, float]:
+             overlap: bool = True, order: str = "descending") -> tuple[float, float, float, float]:
     """(export seconds, load seconds, and the seconds the producer's and the consumer's engine
     threads spent in the transfer's `start_load_kv` and `get_finished` calls) of one transfer
     of `num_tokens` tokens. With `overlap` the consumer starts as soon as the producer's
@@ -104,7 +116,7 @@ def hand_off(ctx, prod, cons, num_tokens: int, tid: str,
     n = num_tokens // BS
     tokens = [(hash(tid) + i) % 49000 for i in range(num_tokens)]
     keys = chain_keys(ctx.fingerprint, tokens, BS, n)
-    blocks = list(range(n))
+    blocks = block_ids(order, n, prod.half.kv_caches[0].shape[2])
     t0 = time.perf_counter()
     prod.bind_connector_metadata(ConnectorMetadata(saves=[SaveSpec("r", tid, blocks, keys, 600)]))
     prod.start_load_kv()
@@ -265,6 +277,9 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--connectors", default="storage,ray,p2p", help="comma list of storage, ray, p2p")
     ap.add_argument("--no-recompute", action="store_true", help="skip the real model's 2k-token prefill")
+    ap.add_argument("--block-order", default="descending", choices=["descending", "ascending", "scattered"],
+                    help="the cache blocks a hand-off uses: descending runs as a warm engine hands "
+                         "them out (default), ascending as a fresh one does, or scattered")
     ap.add_argument("--serial", action="store_true",
                     help="export completely before the consumer starts (the default overlaps them, as P/D does)")
     args = ap.parse_args()
@@ -313,19 +328,21 @@ def main() -> int:
                         t[name].append(dt)
                 for k in kinds:
                     ctx, prod, cons = pairs[k]
-                    e, l, pg, g = hand_off(ctx, prod, cons, n, f"bench-{n}-{r}-{k[:4]}", not args.serial)
+                    e, l, pg, g = hand_off(ctx, prod, cons, n, f"bench-{n}-{r}-{k[:4]}", not args.serial,
+                                           args.block_order)
                     if r >= 0:
                         t[f"{k}_export"].append(e)
                         t[f"{k}_load"].append(l)
                         t[f"{k}_prod_engine"].append(pg)
                         t[f"{k}_engine"].append(g)
                     if alone:
-                        _, l, _, _ = hand_off(ctx, prod, cons, n, f"alone-{n}-{r}-{k[:4]}", False)
+                        _, l, _, _ = hand_off(ctx, prod, cons, n, f"alone-{n}-{r}-{k[:4]}", False, args.block_order)
                         if r >= 0:
                             t.setdefault(f"{k}_load_alone", []).append(l)
             med = {k: statistics.median(v) for k, v in t.items()}
             gbs = lambda s: nbytes / s / 1e9  # noqa: E731
-            row = {"tokens": n, "bytes": nbytes, "device": args.device, "dtype": args.dtype}
+            row = {"tokens": n, "bytes": nbytes, "device": args.device, "dtype": args.dtype,
+                   "block_order": args.block_order}
             for k in paths:
                 row[f"{k}_gbs"] = gbs(med[k])
             for c in shorts:
@@ -357,7 +374,8 @@ def main() -> int:
 
 def report(rows, recompute, two_k, shorts, cuda) -> None:
     where = f"GPU: {torch.cuda.get_device_name()}, host " if cuda else ""
-    print(f"{where}CPU: {cpu_name()}; caches {rows[0]['dtype']} on {rows[0]['device']}")
+    print(f"{where}CPU: {cpu_name()}; caches {rows[0]['dtype']} on {rows[0]['device']}, "
+          f"blocks in {rows[0]['block_order']} order")
     print("\nGB/s end to end (producer cache -> consumer cache), medians; raw = the transport alone")
     cols = [("memcpy", "memcpy_gbs")] + ([("d2h+h2d", "d2h_h2d_gbs")] if cuda else [])
     for c in shorts:

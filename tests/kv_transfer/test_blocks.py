@@ -11,8 +11,9 @@ import torch
 
 from fleetserve.kv_transfer.blocks import (BlockBatch, KVFormatError, StagingPool, batch_from_tensor,
                                            chain_keys, decode_from_bytes, encode_to_bytes,
-                                           gather_blocks, kv_fingerprint, local_head_range,
-                                           parse_header, scatter_blocks)
+                                           block_index, block_runs, gather_blocks, gather_layer,
+                                           kv_fingerprint, local_head_range, parse_header,
+                                           scatter_blocks)
 from fleetserve.kv_transfer.shared_storage import BlockStore
 
 CFG = types.SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
@@ -190,6 +191,62 @@ def test_gather_and_scatter_take_head_slices_and_given_buffers():
     for s_, d, b in zip(src, dst, before):
         assert torch.equal(d[:, :, 0], s_[:, 2:4, 5]) and torch.equal(d[:, :, 3], s_[:, 2:4, 1])
         assert torch.equal(d[:, :, [1, 2, 4, 5]], b[:, :, [1, 2, 4, 5]])
+
+
+ID_ORDERS = {  # block ids as a cache hands them out: fresh (ascending), reused (descending
+    # runs: a finished request's blocks go back reversed), mixed, and scattered
+    "ascending": list(range(3, 43)),
+    "descending": list(range(44, 4, -1)),
+    "runs both ways": list(range(0, 12)) + list(range(30, 18, -1)) + [40] + list(range(45, 60)),
+    "runs at both ends of the cache": list(range(2, -1, -1)) + list(range(61, 64)),
+    "scattered": [17, 3, 40, 8, 9, 2, 33, 60, 61, 5, 12, 50],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("order", list(ID_ORDERS))
+def test_gather_and_scatter_equal_index_ops_for_every_id_order(order, dtype):
+    """The CPU copies go run by run (numpy byte views) or by index ops: both must move
+    exactly the blocks index_select / index_copy_ move, in batch order, and nothing else."""
+    ids = ID_ORDERS[order]
+    src = random_caches(3, 2, 64, 4, 8, dtype)
+    want = torch.stack([torch.stack([kv[:, :, b] for kv in src]) for b in ids])  # [n, L, 2, h, bs, hd]
+    got = gather_blocks(src, ids)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    # Streamed exports gather a chunk at a time from a slice of the index.
+    idx, chunked = block_index(ids, "cpu"), torch.full_like(want, float("nan"))
+    for s, e in ((0, 5), (5, 6), (6, len(ids))):
+        for layer, kv in enumerate(src):
+            gather_layer(kv, idx[s:e], chunked[s:e], layer)
+    assert torch.equal(chunked.view(torch.uint8), want.view(torch.uint8))
+    dst = random_caches(3, 2, 64, 4, 8, dtype, seed=1)
+    before = [d.clone() for d in dst]
+    scatter_blocks(dst, ids, want)
+    others = [b for b in range(64) if b not in ids]
+    for layer, (d, b) in enumerate(zip(dst, before)):
+        assert torch.equal(d[:, :, ids].view(torch.uint8), want[:, layer].permute(1, 2, 0, 3, 4).view(torch.uint8))
+        assert torch.equal(d[:, :, others].view(torch.uint8), b[:, :, others].view(torch.uint8))
+
+
+def test_block_runs_and_their_slices():
+    assert block_runs([5, 6, 7, 3, 2, 9]) == [(0, 3, 5, 1), (3, 5, 3, -1), (5, 6, 9, 1)]
+    assert block_runs([]) == [] and block_runs([4]) == [(0, 1, 4, 1)]
+    idx = block_index([5, 6, 7, 3, 2, 9], "cpu")
+    part = idx[1:5]
+    assert part.ids == [6, 7, 3, 2] and part.tensor.tolist() == [6, 7, 3, 2]
+    assert part.runs == [(0, 2, 6, 1), (2, 4, 3, -1)]
+    assert idx[4:4].runs == [] and len(idx[4:4]) == 0
+
+
+def test_scatter_refuses_blocks_that_do_not_fit_the_cache():
+    dst = random_caches(2, 2, 8, 4, 8, torch.float32)
+    before = [d.clone() for d in dst]
+    for data in (torch.zeros(2, 2, 2, 1, 4, 8),  # one head where the cache has two
+                 torch.zeros(3, 2, 2, 2, 4, 8),  # three blocks for two ids
+                 torch.zeros(2, 1, 2, 2, 4, 8)):  # one layer for two
+        with pytest.raises(ValueError, match="do not fit"):
+            scatter_blocks(dst, [1, 2], data)
+    assert all(torch.equal(a, b) for a, b in zip(dst, before))
 
 
 def test_staging_pool_reuses_buffers_and_keeps_under_its_cap():
