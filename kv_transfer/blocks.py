@@ -202,6 +202,7 @@ class BlockIndex:
 
 
 def block_runs(ids: Sequence[int]) -> list[tuple[int, int, int, int]]:
+    """Maximal runs of ids that step by +1 or -1: (start, stop, first id, step) each."""
     runs, s, n = [], 0, len(ids)
     while s < n:
         e, step = s + 1, 1
