@@ -37,7 +37,7 @@ import torch
 
 from fleetserve.kv_transfer.base import (ConnectorContext, ConnectorMetadata, KVConnectorBase,
                                          KVConnectorRole, KVConnectorWorker, LoadSpec, SaveSpec)
-from fleetserve.kv_transfer.blocks import (STREAM_CHUNK_BYTES, BlockBatch, ExportProgress,
+from fleetserve.kv_transfer.blocks import (STREAM_CHUNK_BYTES, BlockBatch, BlockIndex, ExportProgress,
                                            KVFormatError, StagingPool, block_index, chain_keys,
                                            gather_layer, host_digests, local_head_range,
                                            plan_chunks, scatter_blocks)
@@ -446,7 +446,7 @@ class TransferWorker(KVConnectorWorker):
         self._exports: list[cf.Future] = []
         self._exports_lock = threading.Lock()
         # Layer-wise saves of this step: (spec, batch being filled, block index, layers done, t0).
-        self._layer_saves: list[tuple[SaveSpec, BlockBatch, torch.Tensor, set[int], float]] = []
+        self._layer_saves: list[tuple[SaveSpec, BlockBatch, BlockIndex, set[int], float]] = []
         self._sending_done: set[str] = set()
         self._invalid: set[int] = set()
         self.stats = {"bytes_sent": [], "seconds_sent": [], "bytes_recv": [], "seconds_recv": [],
@@ -531,7 +531,7 @@ class TransferWorker(KVConnectorWorker):
         for spec, batch, _, _, t0 in saves:
             self._track_export(self._pool.submit(self._export, spec, batch, t0))
 
-    def _copy_out(self, spec: SaveSpec, batch: BlockBatch, idx: torch.Tensor, t0: float) -> None:
+    def _copy_out(self, spec: SaveSpec, batch: BlockBatch, idx: BlockIndex, t0: float) -> None:
         """On the copy-out thread: the request's blocks into `batch` (nobody writes them: the
         request has finished and its blocks stay allocated until reported), then the export
         goes to the transfer pool. The blocks are reported free whatever happens."""
@@ -548,7 +548,7 @@ class TransferWorker(KVConnectorWorker):
             TRANSFER_PROGRESS.set()
         self._track_export(self._pool.submit(self._export, spec, batch, t0))
 
-    def _stream_out(self, spec: SaveSpec, batch: BlockBatch, idx: torch.Tensor, t0: float) -> None:
+    def _stream_out(self, spec: SaveSpec, batch: BlockBatch, idx: BlockIndex, t0: float) -> None:
         """`_copy_out` for a streaming transport: exported first, then gathered chunk by chunk
         (each chunk's digests computed while its bytes are still in the CPU's caches), so a
         consumer already pulling gets each chunk as soon as it is ready."""
@@ -564,9 +564,9 @@ class TransferWorker(KVConnectorWorker):
                 raise
             try:
                 for s, e in progress.chunks:
-                    out = batch.data[s:e]
+                    out, part = batch.data[s:e], idx[s:e]
                     for layer, kv in enumerate(self.kv_caches):
-                        gather_layer(kv, idx[s:e], out, layer)
+                        gather_layer(kv, part, out, layer)
                     batch.digests[s:e] = host_digests(out.view(torch.uint8).numpy(), e - s)
                     progress.advance()
             except BaseException as e:
