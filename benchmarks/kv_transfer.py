@@ -87,6 +87,11 @@ def make_pair(kind: str, num_blocks: int, tmp: str, device: str = "cpu", dtype=t
         g = torch.Generator().manual_seed(seed)
         w.register_kv_caches([torch.randn((2, HEADS, num_blocks, BS, HEAD_DIM), generator=g).to(device, dtype)
                               for _ in range(LAYERS)])
+        # The Ray connector maps the (preallocated) object store at engine start: an engine's
+        # steady state, where its puts no longer page-fault. Waited for, so it is not timed.
+        wait_mapped = getattr(w.half.transport, "wait_store_mapped", None)
+        if wait_mapped is not None:
+            print(f"{role}: mapped {(wait_mapped(120) or 0) >> 20} MiB of the object store", file=sys.stderr)
         halves.append(w)
     return halves[0].ctx, halves[0], halves[1]
 

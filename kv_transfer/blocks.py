@@ -335,6 +335,7 @@ class StagingPool:
 
 # ---- digests ------------------------------------------------------------------------------
 _HASH_POOL: Optional[cf.ThreadPoolExecutor] = None
+_HASH_POOL_LOCK = threading.Lock()
 _PARALLEL_HASH_BYTES = 32 << 20  # below this a second thread costs more than it saves
 
 
@@ -342,19 +343,63 @@ def _xxh3(mv: memoryview, per: int, lo: int, hi: int) -> list[int]:
     return [xxhash.xxh3_64_intdigest(mv[i * per:(i + 1) * per]) for i in range(lo, hi)]
 
 
+def _hash_pool() -> cf.ThreadPoolExecutor:
+    global _HASH_POOL
+    if _HASH_POOL is None:
+        with _HASH_POOL_LOCK:
+            if _HASH_POOL is None:
+                _HASH_POOL = cf.ThreadPoolExecutor(1, thread_name_prefix="kv-digest")
+    return _HASH_POOL
+
+
 def host_digests(buf, n: int) -> list[int]:
     """xxh3_64 of each of the `n` equal slices of a contiguous host buffer (two threads for
     big buffers: xxhash releases the GIL)."""
-    global _HASH_POOL
     mv = memoryview(buf).cast("B")
     per = len(mv) // n
     if len(mv) < _PARALLEL_HASH_BYTES or n < 2:
         return _xxh3(mv, per, 0, n)
-    if _HASH_POOL is None:
-        _HASH_POOL = cf.ThreadPoolExecutor(1, thread_name_prefix="kv-digest")
     half = n // 2
-    rest = _HASH_POOL.submit(_xxh3, mv, per, half, n)
+    rest = _hash_pool().submit(_xxh3, mv, per, half, n)
     return _xxh3(mv, per, 0, half) + rest.result()
+
+
+class DigestsBehind:
+    """Digests of a host batch's blocks computed chunk by chunk on the digest thread while
+    the caller fills the next chunk (a gather out of the cache): `add(s, e)` once blocks
+    s..e-1 are in `data`, `result()` all of them in order. The gather and the hashing
+    overlap on two cores, and each chunk is hashed while it is still in the CPU's caches."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self._mv = memoryview(data.view(torch.uint8).numpy()).cast("B")
+        self._per = len(self._mv) // max(1, data.shape[0])
+        self._futs: list[cf.Future] = []
+
+    def add(self, start: int, end: int) -> cf.Future:
+        """Blocks start..end-1 are in place: hash them (the future's result: their digests)."""
+        fut = _hash_pool().submit(_xxh3, self._mv, self._per, start, end)
+        self._futs.append(fut)
+        return fut
+
+    def result(self) -> list[int]:
+        return [d for f in self._futs for d in f.result()]
+
+
+def digests_ahead(data: torch.Tensor, chunks: list[tuple[int, int]]):
+    """Yields (start, end, digests of blocks start..end-1) for each chunk of a contiguous host
+    batch in order; the next chunk's digests are computed on the digest thread while the
+    caller works on this one (verifies and writes it into the cache)."""
+    if not chunks:
+        return
+    mv = memoryview(data.view(torch.uint8).numpy()).cast("B")
+    per = len(mv) // max(1, data.shape[0])
+    pool = _hash_pool()
+    fut = pool.submit(_xxh3, mv, per, *chunks[0])
+    for i, (s, e) in enumerate(chunks):
+        got = fut.result()
+        if i + 1 < len(chunks):
+            fut = pool.submit(_xxh3, mv, per, *chunks[i + 1])
+        yield s, e, got
 
 
 _WSUM_WEIGHTS: dict = {}
@@ -583,16 +628,46 @@ def batch_from_tensor(meta: dict, data: torch.Tensor, fingerprint: str,
                       got, digest, on_release)
 
 
-def decode_batch(meta: dict, payload, fingerprint: str) -> BlockBatch:
-    """`batch_from_tensor` over a host bytes-like of exactly the tensor's bytes (read-only
-    buffers such as Ray's store are fine: the bytes are only read)."""
+def _host_bytes(payload) -> torch.Tensor:
+    """A uint8 tensor over a host bytes-like, no copy (read-only buffers such as Ray's store
+    are fine: the bytes are only read)."""
     mv = memoryview(payload).cast("B")
     if len(mv) == 0:
         raise KVFormatError("empty KV payload")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        raw = torch.frombuffer(mv, dtype=torch.uint8)
-    return batch_from_tensor(meta, raw, fingerprint)
+        return torch.frombuffer(mv, dtype=torch.uint8)
+
+
+def decode_batch(meta: dict, payload, fingerprint: str) -> BlockBatch:
+    """`batch_from_tensor` over a host bytes-like of exactly the tensor's bytes."""
+    return batch_from_tensor(meta, _host_bytes(payload), fingerprint)
+
+
+def deliver_verified(meta: dict, payload, fingerprint: str, sink, chunk_bytes: int = STREAM_CHUNK_BYTES) -> BlockBatch:
+    """`decode_batch`, handing the blocks to `sink` (transfer._Sink: `begin`, then `write` per
+    chunk) as they are verified: each chunk's digests are computed on the digest thread while
+    the previous chunk is written into the cache. The first block that fails its digest ends
+    what is written. Returns the batch (its bytes are `payload`'s)."""
+    dtype, shape, nbytes = check_header(meta, fingerprint)
+    if meta.get("chunks") is not None or meta["digest"] != "xxh3_64":
+        raise KVFormatError("a whole host batch with xxh3_64 digests was expected")
+    raw = _host_bytes(payload)
+    if raw.numel() != nbytes:
+        raise KVFormatError(f"payload has {raw.numel()} bytes, header says {nbytes} (truncated?)")
+    tensor = raw.view(dtype).view(shape)
+    heads = meta.get("heads") or (0, shape[3])
+    heads = (int(heads[0]), int(heads[1]))
+    keys = [str(k) for k in meta["keys"]]
+    sink.begin(fingerprint, keys, heads, shape, dtype)
+    want = meta["digests"]
+    n = shape[0]
+    for s, e, got in digests_ahead(tensor, plan_chunks(n, nbytes // n, chunk_bytes)):
+        ok = next((i for i, d in enumerate(got) if d != want[s + i]), e - s)
+        sink.write(s, tensor[s:e], ok)
+        if ok < e - s:
+            break
+    return BlockBatch(fingerprint, keys, tensor, heads, list(want), "xxh3_64")
 
 
 def encode_to_bytes(batch: BlockBatch) -> bytes:

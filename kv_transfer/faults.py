@@ -45,6 +45,9 @@ class FaultyTransport(Transport):
         self.supports_lookup = inner.supports_lookup
         self.saves_all = inner.saves_all
         self.keeps_batch = inner.keeps_batch
+        # (not `streams`: damage is done to a whole gathered batch; a load is still handed
+        # over chunk by chunk where the inner transport can)
+        self.fetches_chunks = inner.fetches_chunks or inner.streams
         self._rng = random.Random(seed)
 
     def fires(self, name: str) -> bool:
@@ -76,13 +79,13 @@ class FaultyTransport(Transport):
         if self.fires("duplicate"):
             self.inner.export(spec, batch)
 
-    def fetch(self, spec: LoadSpec) -> BlockBatch:
+    def fetch(self, spec: LoadSpec, sink=None) -> BlockBatch:
         delay = float(self.faults.get("delay_s", 0.0))
         if delay:
             time.sleep(delay)
         if self.fires("drop"):
             raise TransferError("dropped by fault injection")
-        return self.inner.fetch(spec)
+        return self.inner.fetch(spec) if sink is None else self.inner.fetch(spec, sink)
 
     def confirm(self, spec):
         self.inner.confirm(spec)

@@ -37,8 +37,8 @@ import torch
 
 from fleetserve.kv_transfer.base import (ConnectorContext, ConnectorMetadata, KVConnectorBase,
                                          KVConnectorRole, KVConnectorWorker, LoadSpec, SaveSpec)
-from fleetserve.kv_transfer.blocks import (STREAM_CHUNK_BYTES, BlockBatch, BlockIndex, ExportProgress,
-                                           KVFormatError, StagingPool, block_index, chain_keys,
+from fleetserve.kv_transfer.blocks import (STREAM_CHUNK_BYTES, BlockBatch, BlockIndex, DigestsBehind,
+                                           ExportProgress, KVFormatError, StagingPool, block_index, chain_keys,
                                            gather_layer, host_digests, local_head_range,
                                            plan_chunks, scatter_blocks)
 from fleetserve.kv_transfer.config import KVTransferConfig
@@ -108,6 +108,9 @@ class Transport(abc.ABC):
     # hands each chunk to `sink` as it arrives and is verified (see _Sink), so copies out of
     # and into the caches overlap the transport.
     streams = False
+    # fetch(spec, sink) hands a load's blocks to `sink` chunk by chunk, each verified just
+    # before it is written (implied by `streams`): the check overlaps the writes.
+    fetches_chunks = False
 
     def __init__(self, config: KVTransferConfig, ctx: ConnectorContext, role: KVConnectorRole) -> None:
         self.config = config
@@ -538,8 +541,18 @@ class TransferWorker(KVConnectorWorker):
         if self.transport.streams:
             return self._stream_out(spec, batch, idx, t0)
         try:
-            for layer, kv in enumerate(self.kv_caches):
-                gather_layer(kv, idx, batch.data, layer)
+            n = len(spec.block_ids)
+            # Chunk by chunk, each chunk's digests computed on the digest thread while the
+            # next one is gathered (the export's header carries them).
+            digests = DigestsBehind(batch.data) if batch.digest == "xxh3_64" else None
+            for s, e in plan_chunks(n, batch.nbytes // max(1, n), self._chunk_bytes):
+                out, part = batch.data[s:e], idx[s:e]
+                for layer, kv in enumerate(self.kv_caches):
+                    gather_layer(kv, part, out, layer)
+                if digests is not None:
+                    digests.add(s, e)
+            if digests is not None:
+                batch.digests = digests.result()
         except BaseException:
             batch.release()
             raise
@@ -625,7 +638,7 @@ class TransferWorker(KVConnectorWorker):
         and, for a CPU cache, write the good prefix into the blocks unless the load was given
         up meanwhile."""
         spec = load.spec
-        if self.transport.streams and self._copy_off_engine_thread:
+        if (self.transport.streams or self.transport.fetches_chunks) and self._copy_off_engine_thread:
             sink = _Sink(self, load)
             batch = self.transport.fetch(spec, sink)
             if sink.used:  # checked and written chunk by chunk as it came

@@ -289,3 +289,78 @@ def test_store_reads_blocks_straight_into_a_given_buffer(tmp_path):
     assert torch.equal(out[1].view(torch.uint8), batch.data[1].view(torch.uint8)) and not out[0].any()
     # A buffer of another shape: the file cannot be what the fingerprint says; refused.
     assert store.get(keys[0], out=torch.zeros(1, 3, 2, 2, 4, 8, dtype=torch.bfloat16)) is None
+
+
+def test_digests_behind_a_gather_and_ahead_of_a_write_equal_the_whole_batchs():
+    from fleetserve.kv_transfer.blocks import DigestsBehind, digests_ahead, host_digests, plan_chunks
+
+    data = torch.randn(13, 2, 2, 2, 4, 8)
+    whole = host_digests(data.view(torch.uint8).numpy(), 13)
+    chunks = plan_chunks(13, data[0].numel() * 4, 3 * data[0].numel() * 4)
+    assert len(chunks) == 5  # 3+3+3+3+1 blocks
+    behind = DigestsBehind(data)
+    for s, e in chunks:
+        behind.add(s, e)
+    assert behind.result() == whole
+    seen = [(s, e, got) for s, e, got in digests_ahead(data, chunks)]
+    assert [(s, e) for s, e, _ in seen] == chunks
+    assert [d for _, _, got in seen for d in got] == whole
+
+
+class RecordingSink:
+    """transfer._Sink's interface: what a verified delivery hands over, in order."""
+
+    def __init__(self):
+        self.begun, self.writes = None, []
+
+    def begin(self, fingerprint, keys, heads, shape, dtype):
+        self.begun = (fingerprint, list(keys), heads, list(shape), dtype)
+
+    def write(self, start, data, n_ok):
+        self.writes.append((start, data.clone(), n_ok))
+
+
+@pytest.mark.parametrize("bad_block", [None, 0, 4, 6])
+def test_a_verified_delivery_hands_over_chunks_in_order_up_to_the_first_damaged_block(bad_block):
+    from fleetserve.kv_transfer.blocks import deliver_verified
+
+    src = random_caches(2, 2, 10, 4, 8, torch.float32)
+    fp = kv_fingerprint("m", CFG, torch.float32, 4)
+    keys = chain_keys(fp, list(range(7 * 4)), 4, 7)
+    ids = [9, 8, 7, 1, 2, 3, 5]
+    batch = BlockBatch(fp, keys, gather_blocks(src, ids), (0, 2))
+    meta, off = parse_header(batch.header())
+    payload = bytearray(batch.payload().tobytes())
+    per = len(payload) // 7
+    if bad_block is not None:  # one byte of one block changed after its digest was taken
+        payload[bad_block * per + per // 2] ^= 0x10
+    sink = RecordingSink()
+    back = deliver_verified(meta, payload, fp, sink, chunk_bytes=2 * per)  # 2 blocks a chunk
+    assert sink.begun == (fp, keys, (0, 2), list(batch.data.shape), torch.float32)
+    chunks = [(0, 2), (2, 4), (4, 6), (6, 7)]
+    if bad_block is not None:  # up to the chunk holding the damaged block, then nothing
+        chunks = [(s, e) for s, e in chunks if s <= bad_block]
+    assert [s for s, _, _ in sink.writes] == [s for s, _ in chunks]
+    for (s, data, n_ok), (_, e) in zip(sink.writes, chunks):
+        assert n_ok == (bad_block - s if bad_block is not None and s <= bad_block < e else e - s)
+        assert torch.equal(data[:n_ok], batch.data[s:s + n_ok])
+    assert sum(n for _, _, n in sink.writes) == (7 if bad_block is None else bad_block)
+    assert back.keys == keys and back.digests == batch.checksums()
+
+
+def test_a_verified_delivery_refuses_a_truncated_or_streamed_payload_before_writing():
+    from fleetserve.kv_transfer.blocks import deliver_verified
+
+    src = random_caches(2, 2, 4, 4, 8, torch.float32)
+    fp = kv_fingerprint("m", CFG, torch.float32, 4)
+    batch = BlockBatch(fp, chain_keys(fp, list(range(8)), 4, 2), gather_blocks(src, [0, 1]), (0, 2))
+    meta, _ = parse_header(batch.header())
+    sink = RecordingSink()
+    with pytest.raises(KVFormatError, match="truncated"):
+        deliver_verified(meta, batch.payload().tobytes()[:-4], fp, sink)
+    streamed, _ = parse_header(batch.header(chunks=[1, 1]))
+    with pytest.raises(KVFormatError):
+        deliver_verified(streamed, batch.payload().tobytes(), fp, sink)
+    with pytest.raises(KVFormatError, match="fingerprint"):
+        deliver_verified(meta, batch.payload().tobytes(), "another", sink)
+    assert sink.begun is None and sink.writes == []
