@@ -96,7 +96,6 @@ def test_an_owner_without_wait_lookup_still_serves_by_polling(local_ray, owner_n
 
 
 def test_a_load_is_written_chunk_by_chunk_up_to_its_first_damaged_block(local_ray, owner_name, monkeypatch):
-    from fleetserve.kv_transfer.base import ConnectorMetadata, LoadSpec, SaveSpec
     from fleetserve.kv_transfer.blocks import BlockBatch
 
     local_ray.get(ray_store.get_owner(local_ray, owner_name, "fleetserve").stats.remote(), timeout=60)
@@ -121,18 +120,8 @@ def test_a_load_is_written_chunk_by_chunk_up_to_its_first_damaged_block(local_ra
         before = [c.clone() for c in cons.half.kv_caches]
         ids, tid = [3, 2, 1, 0], "chunks-1"
         keys = chain_keys(prod.ctx.fingerprint, list(range(1, 1 + 4 * BS)), BS, 4)
-        prod.bind_connector_metadata(ConnectorMetadata(saves=[SaveSpec("p", tid, ids, keys, 60)]))
-        prod.start_load_kv()
-        prod.clear_connector_metadata()
+        load_before_export(prod, cons, tid, keys, ids, 0.0, {"remote_tp_size": 1, **transport.location(tid)})
         prod.half.wait_for_exports(10)
-        cons.bind_connector_metadata(ConnectorMetadata(loads=[LoadSpec(
-            "c", tid, ids, keys, time.time() + 10, {"remote_tp_size": 1, **transport.location(tid)})]))
-        cons.start_load_kv()
-        cons.clear_connector_metadata()
-        deadline = time.monotonic() + 15
-        while "c" not in cons.get_finished(set())[1]:
-            assert time.monotonic() < deadline, "load never finished"
-            time.sleep(0.005)
         assert cons.get_block_ids_with_load_errors() == {1, 0}  # the damaged block and after it
         assert len(deliveries) == 1  # checked and written through the chunked path
         for p, c, b in zip(prod.half.kv_caches, cons.half.kv_caches, before):
