@@ -645,8 +645,8 @@ def decode_batch(meta: dict, payload, fingerprint: str) -> BlockBatch:
 
 
 def deliver_verified(meta: dict, payload, fingerprint: str, sink, chunk_bytes: int = STREAM_CHUNK_BYTES) -> BlockBatch:
-    """`decode_batch`, handing the blocks to `sink` (transfer._Sink: `begin`, then `write` per
-    chunk) as they are verified: each chunk's digests are computed on the digest thread while
+    """`decode_batch`, handing the blocks to `sink` (transfer._Sink: `begin`, `wanted`, then
+    `write` per chunk) as they are verified: each chunk's digests are computed on the digest thread while
     the previous chunk is written into the cache. The first block that fails its digest ends
     what is written. Returns the batch (its bytes are `payload`'s)."""
     dtype, shape, nbytes = check_header(meta, fingerprint)
@@ -662,7 +662,9 @@ def deliver_verified(meta: dict, payload, fingerprint: str, sink, chunk_bytes: i
     sink.begin(fingerprint, keys, heads, shape, dtype)
     want = meta["digests"]
     n = shape[0]
-    for s, e, got in digests_ahead(tensor, plan_chunks(n, nbytes // n, chunk_bytes)):
+    # Only the blocks the load can use are checked (none, if the keys refused it).
+    chunks = [(s, e) for s, e in plan_chunks(n, nbytes // n, chunk_bytes) if s < sink.wanted()]
+    for s, e, got in digests_ahead(tensor, chunks):
         ok = next((i for i, d in enumerate(got) if d != want[s + i]), e - s)
         sink.write(s, tensor[s:e], ok)
         if ok < e - s:

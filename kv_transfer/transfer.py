@@ -406,6 +406,10 @@ class _Sink:
         self.heads = heads
         self.used = True
 
+    def wanted(self) -> int:
+        """How many of the batch's blocks, from the first, this load can still use."""
+        return self.offset + self.good
+
     def write(self, start: int, data: torch.Tensor, n_ok: int) -> None:
         """Blocks start.. of the batch (`data`: [k, layers, 2, heads, bs, hd]), the first
         `n_ok` of them verified."""
@@ -640,7 +644,11 @@ class TransferWorker(KVConnectorWorker):
         spec = load.spec
         if (self.transport.streams or self.transport.fetches_chunks) and self._copy_off_engine_thread:
             sink = _Sink(self, load)
-            batch = self.transport.fetch(spec, sink)
+            try:
+                batch = self.transport.fetch(spec, sink)
+            except KVFormatError:
+                self._confirm(spec)  # refused: its producer need not keep it for us
+                raise
             if sink.used:  # checked and written chunk by chunk as it came
                 batch.release()
                 self._confirm(spec)

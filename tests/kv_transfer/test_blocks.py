@@ -310,11 +310,14 @@ def test_digests_behind_a_gather_and_ahead_of_a_write_equal_the_whole_batchs():
 class RecordingSink:
     """transfer._Sink's interface: what a verified delivery hands over, in order."""
 
-    def __init__(self):
-        self.begun, self.writes = None, []
+    def __init__(self, want=None):
+        self.begun, self.writes, self.want = None, [], want
 
     def begin(self, fingerprint, keys, heads, shape, dtype):
         self.begun = (fingerprint, list(keys), heads, list(shape), dtype)
+
+    def wanted(self):
+        return self.begun[3][0] if self.want is None else self.want
 
     def write(self, start, data, n_ok):
         self.writes.append((start, data.clone(), n_ok))
@@ -364,3 +367,21 @@ def test_a_verified_delivery_refuses_a_truncated_or_streamed_payload_before_writ
     with pytest.raises(KVFormatError, match="fingerprint"):
         deliver_verified(meta, batch.payload().tobytes(), "another", sink)
     assert sink.begun is None and sink.writes == []
+
+
+def test_a_verified_delivery_checks_only_the_blocks_its_load_can_use():
+    from fleetserve.kv_transfer.blocks import deliver_verified
+
+    src = random_caches(2, 2, 8, 4, 8, torch.float32)
+    fp = kv_fingerprint("m", CFG, torch.float32, 4)
+    batch = BlockBatch(fp, chain_keys(fp, list(range(24)), 4, 6), gather_blocks(src, list(range(6))), (0, 2))
+    meta, _ = parse_header(batch.header())
+    per = batch.nbytes // 6
+    payload = bytearray(batch.payload().tobytes())
+    payload[4 * per] ^= 1  # block 4 damaged: beyond what the load uses, so never looked at
+    sink = RecordingSink(want=3)
+    deliver_verified(meta, payload, fp, sink, chunk_bytes=2 * per)
+    assert [(s, n) for s, _, n in sink.writes] == [(0, 2), (2, 2)]  # chunks 0-1 and 2-3 only
+    refused = RecordingSink(want=0)  # e.g. the first chain key differs: nothing is checked
+    deliver_verified(meta, payload, fp, refused, chunk_bytes=2 * per)
+    assert refused.writes == []

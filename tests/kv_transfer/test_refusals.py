@@ -78,6 +78,12 @@ def test_bad_blocks_are_refused_and_none_of_their_bytes_land(local_ray, connecto
         before = [c.clone() for c in cons.half.kv_caches]
         assert hand_off(prod, cons, f"bad-{bad}") == set(BLOCKS)
         assert all(torch.equal(a, b) for a, b in zip(before, cons.half.kv_caches))  # nothing landed
+        if "owner_name" in extra:  # refused, the export goes at once, not when its lease ends
+            owner = local_ray.get_actor(extra["owner_name"], namespace="fleetserve")
+            deadline = time.monotonic() + 5
+            while local_ray.get(owner.stats.remote())["held"]:
+                assert time.monotonic() < deadline, "the refused export is still held"
+                time.sleep(0.02)
         assert hand_off(good_prod, cons, f"good-{bad}") == set()
         assert all(torch.equal(p[:, :, BLOCKS], c[:, :, BLOCKS])
                    for p, c in zip(good_prod.half.kv_caches, cons.half.kv_caches))
