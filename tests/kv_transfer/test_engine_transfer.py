@@ -100,6 +100,12 @@ def owner_stats(ray):
     return ray.get(get_owner(ray, "fleetserve-kv-owner", "fleetserve").stats.remote())
 
 
+def held_by_owner(ray, oid: str) -> bool:
+    from fleetserve.kv_transfer.ray_store import get_owner
+
+    return ray.get(get_owner(ray, "fleetserve-kv-owner", "fleetserve").lookup.remote(oid)) is not None
+
+
 def test_ray_object_store_hand_off_matches_one_engine(ray_pair, reference, local_ray):
     prod, cons = ray_pair
     for prompt in prompts(3, seed=1):
@@ -175,12 +181,15 @@ def test_ray_producer_killed_before_the_consumer_reads(ray_pair, reference, loca
         for producer, tid, prompt in zip((prod, durable), ("killed-1", "killed-durable-1"),
                                          prompts(2, seed=11)):
             want, _ = run(collect(reference, prompt, greedy(6)))
-            held = owner_stats(local_ray)["held"]
             _, pfinal = run(collect(producer, prompt, greedy(1),
                                     {"do_remote_decode": True, "transfer_id": tid}))
+            # The export lands just after the reply: wait until the owner holds this one (a
+            # count of held exports also moves when an earlier one's release arrives late, and
+            # a durable producer killed before its adopt finished leaves nothing to load).
             deadline = time.monotonic() + 10
-            while owner_stats(local_ray)["held"] == held and time.monotonic() < deadline:
-                time.sleep(0.02)  # the export lands just after the reply
+            while not held_by_owner(local_ray, f"{tid}/r0"):
+                assert time.monotonic() < deadline, f"{tid} was never exported"
+                time.sleep(0.02)
             os.kill(producer.core_pid, signal.SIGKILL)
             t0 = time.monotonic()
             tokens, final = run(collect(cons, prompt, greedy(6), pfinal.kv_transfer_params))
