@@ -16,7 +16,9 @@ cache there too (a CPU cache: the engine's thread never stalls on a big load's
 copy; a GPU cache is written from `get_finished`, in its stream's order); with a
 streaming transport (P2P) and a CPU cache, an export is handed over before its
 copy-out (which then goes chunk by chunk) and a load's chunks are checked and
-written as they arrive (`_Sink`), so the copies overlap the transfer;
+written as they arrive (`_Sink`), so the copies overlap the transfer; a transport
+that `fetches_chunks` (Ray) hands a whole fetched batch to the sink chunk by chunk,
+each chunk's check overlapping the write of the one before;
 `get_finished` reports them and the rest as failed blocks. A load past its
 deadline or cancelled is given up under its lock (a write under way finishes
 first), so none of its late bytes land once the scheduler hears of it.
