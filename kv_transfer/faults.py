@@ -47,7 +47,7 @@ class FaultyTransport(Transport):
         self.keeps_batch = inner.keeps_batch
         # (not `streams`: damage is done to a whole gathered batch; a load is still handed
         # over chunk by chunk where the inner transport can)
-        self.fetches_chunks = inner.fetches_chunks or inner.streams
+        self.fetches_chunks = inner.fetches_chunks
         self._rng = random.Random(seed)
 
     def fires(self, name: str) -> bool:

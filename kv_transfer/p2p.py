@@ -232,6 +232,7 @@ class _Held:
 class P2PTransport(Transport):
     keeps_batch = True  # the outbox holds it until it is pulled or its lease ends
     streams = True  # gloo pulls move in chunks, overlapping the copies out of and into the caches
+    fetches_chunks = True
 
     def __init__(self, config: KVTransferConfig, ctx: ConnectorContext, role: KVConnectorRole) -> None:
         super().__init__(config, ctx, role)

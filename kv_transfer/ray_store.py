@@ -112,9 +112,9 @@ def map_store(stop: threading.Event, ensure_mapped=None, mappings=None) -> int:
     `store_mappings()`), where the store's memory is allocated already (else this would
     allocate it all): returns the bytes mapped. `ensure_mapped` is called when the store is
     not mapped yet (a Ray client maps it at its first big object)."""
-    madvise = _madvise()
-    if madvise is None or madvise(None, 0, MADV_POPULATE_WRITE) != 0:  # Linux < 5.14: EINVAL
+    if not populate_supported():  # Linux < 5.14
         return 0
+    madvise = _madvise()
     maps = store_mappings() if mappings is None else mappings
     if not maps and ensure_mapped is not None:
         ensure_mapped()

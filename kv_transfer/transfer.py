@@ -111,7 +111,7 @@ class Transport(abc.ABC):
     # and into the caches overlap the transport.
     streams = False
     # fetch(spec, sink) hands a load's blocks to `sink` chunk by chunk, each verified just
-    # before it is written (implied by `streams`): the check overlaps the writes.
+    # before it is written (every streaming transport does): the check overlaps the writes.
     fetches_chunks = False
 
     def __init__(self, config: KVTransferConfig, ctx: ConnectorContext, role: KVConnectorRole) -> None:
@@ -548,17 +548,15 @@ class TransferWorker(KVConnectorWorker):
             return self._stream_out(spec, batch, idx, t0)
         try:
             n = len(spec.block_ids)
-            # Chunk by chunk, each chunk's digests computed on the digest thread while the
-            # next one is gathered (the export's header carries them).
-            digests = DigestsBehind(batch.data) if batch.digest == "xxh3_64" else None
+            # Chunk by chunk (a host batch: xxh3), each chunk's digests computed on the digest
+            # thread while the next one is gathered (the export's header carries them).
+            digests = DigestsBehind(batch.data)
             for s, e in plan_chunks(n, batch.nbytes // max(1, n), self._chunk_bytes):
                 out, part = batch.data[s:e], idx[s:e]
                 for layer, kv in enumerate(self.kv_caches):
                     gather_layer(kv, part, out, layer)
-                if digests is not None:
-                    digests.add(s, e)
-            if digests is not None:
-                batch.digests = digests.result()
+                digests.add(s, e)
+            batch.digests = digests.result()
         except BaseException:
             batch.release()
             raise
@@ -644,7 +642,7 @@ class TransferWorker(KVConnectorWorker):
         and, for a CPU cache, write the good prefix into the blocks unless the load was given
         up meanwhile."""
         spec = load.spec
-        if (self.transport.streams or self.transport.fetches_chunks) and self._copy_off_engine_thread:
+        if self.transport.fetches_chunks and self._copy_off_engine_thread:
             sink = _Sink(self, load)
             try:
                 batch = self.transport.fetch(spec, sink)
