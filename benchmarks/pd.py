@@ -10,9 +10,9 @@ colocated replicas, or 1 prefill + 1 decode replica.
    hand-off (router: prefill call, prefill-done -> decode's first item).
 2. prefix -- two workloads with cache pressure (each replica's KV cache holds about
    half of the working set): several long system prompts, and multi-turn
-   conversations: power_of_two vs prefix_aware_approx (guesses from routing history)
-   vs prefix_aware (the engines' KV events): prefix-cache hit rate, share of requests
-   routed to a prefix holder, TTFT.
+   conversations (each turn resends the model's own answers): power_of_two vs
+   prefix_aware_approx (guesses from routing history) vs prefix_aware (the engines'
+   KV events): prefix-cache hit rate, share of requests routed to a prefix holder, TTFT.
 3. reuse -- a 2k-token prefix that one replica caches while it is busy: TTFT of a
    request on the other replica that loads the prefix from its peer (cluster_reuse)
    vs recomputes it.
@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).parent))
 import serving as sv  # noqa: E402  (the HTTP load generator and statistics)
@@ -136,6 +137,8 @@ async def _open_loop(url: str, model: str, work, rate: float):
         # A long one too: with P/D it takes the prefill pool, and each engine's first
         # transfer also connects its engine-core process to Ray (seconds, once).
         await sv.send_http(client, url, model, sv.Request("warm up " + sv.text_of(random.Random(0), 200), 2))
+        if isinstance(work, Conversations):
+            return await work.run(client, url, model, rate)
         return await sv.open_loop(work, rate, lambda r: _send(client, url, model, r))
 
 
@@ -152,9 +155,11 @@ async def _send(client, url: str, model: str, req) -> "sv.Result":
 
 def multi_turn_workload(n_convs: int, turns: int, words: int, out_tokens: int,
                         seed: int) -> list[sv.Request]:
-    """Conversations whose every turn resends the whole history plus a new question, sent
-    turn by turn across conversations (round robin), so a conversation's next turn comes
-    after its previous one (at the rates used here) and its prefix keeps growing."""
+    """`--multi-turn-answers synthetic`: conversations whose every turn resends the whole
+    history plus a new question, with made-up assistant text (not what the model said, so
+    only the previous prompt can hit), sent turn by turn across conversations (round
+    robin), so a conversation's next turn comes after its previous one (at the rates used
+    here) and its prefix keeps growing."""
     rng = random.Random(seed)
     convs = [f"Conversation {c}: " + sv.text_of(rng, words) for c in range(n_convs)]
     work = []
@@ -166,18 +171,95 @@ def multi_turn_workload(n_convs: int, turns: int, words: int, out_tokens: int,
     return work
 
 
+class Conversations:
+    """`--multi-turn-answers model` (the default): multi-turn chat as clients run it. Each
+    turn sends the whole history -- earlier questions *and the model's own answers* -- plus
+    a new question, so a replica that served the previous turn holds all but the new
+    question (the engines cache the answer's full blocks too). Prompts travel as token ids
+    (the history is the exact ids the model produced: a random model's output does not
+    survive a round trip through text), the answers come back as ids through vLLM's
+    `logprobs` + `return_tokens_as_token_ids`. Turns arrive round robin across
+    conversations at Poisson times, and a turn waits for its conversation's previous
+    answer (a user reads before replying); its TTFT counts from when it is sent."""
+
+    def __init__(self, tok, n_convs: int, turns: int, words: int, out_tokens: int, seed: int) -> None:
+        rng = random.Random(seed)
+        ids = lambda text, special=False: list(tok(text, add_special_tokens=special).input_ids)  # noqa: E731
+        self.openings = [ids(f"Conversation {c}: " + sv.text_of(rng, words), True) for c in range(n_convs)]
+        self.questions = [[ids(f"\nUser: {sv.text_of(rng, words // 2)}\nAssistant:") for _ in range(turns)]
+                          for _ in range(n_convs)]
+        self.turns, self.out_tokens = turns, out_tokens
+
+    def longest(self) -> list[int]:
+        """Each conversation's last prompt length, in tokens (its answers counted at full length)."""
+        return [len(o) + sum(map(len, q)) + (self.turns - 1) * self.out_tokens
+                for o, q in zip(self.openings, self.questions)]
+
+    async def run(self, client, url: str, model: str, rate: float) -> tuple[list[sv.Result], float]:
+        n = len(self.openings)
+        history = [list(o) for o in self.openings]
+        last: list[Optional[asyncio.Task]] = [None] * n
+
+        async def turn(c: int, t: int, before: Optional[asyncio.Task]) -> sv.Result:
+            if before is not None:
+                await before
+            prompt = history[c] + self.questions[c][t]
+            res, answer = await _send_ids(client, url, model, prompt, self.out_tokens)
+            history[c] = prompt + answer
+            return res
+
+        start = time.perf_counter()
+        tasks = []
+        for i, at in enumerate(sv.arrivals(n * self.turns, rate, seed=n * self.turns)):
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            c = i % n
+            last[c] = asyncio.create_task(turn(c, i // n, last[c]))
+            tasks.append(last[c])
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start
+
+
+async def _send_ids(client, url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[sv.Result, list[int]]:
+    """A streamed completion of a token-id prompt: (its result, the answer's token ids)."""
+    res, t0, last, answer = sv.Result(), time.perf_counter(), None, []
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "temperature": 0, "logprobs": 0, "return_tokens_as_token_ids": True}
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                print(f"request failed: HTTP {r.status_code} {r.text[:200]}", file=sys.stderr)
+                return res, answer
+            async for line in r.aiter_lines():
+                last = sv._observe_sse_line(res, line, t0, last)
+                if line.startswith("data: {"):
+                    for ch in json.loads(line[6:]).get("choices") or []:
+                        answer += [int(x.split(":", 1)[1]) for x in (ch.get("logprobs") or {}).get("tokens") or []]
+    except Exception as e:  # noqa: BLE001 - counted (ok=False) and reported
+        print(f"request failed: {e!r}", file=sys.stderr)
+        return sv.Result(), answer
+    res.ok = res.tokens > 0 and len(answer) == max_tokens
+    return res, answer
+
+
 def run_prefix(args, port: int, url: str) -> list[dict]:
     from fleetserve.replica.engine.tokenizer import load_tokenizer
     from fleetserve.replica.model_loader.registry import resolve_model
 
     tok = load_tokenizer(resolve_model(args.model))
     system = sv.prefix_workload(args.num_requests, args.prefix_count, args.prefix_words, 16, 16, seed=1)
-    multi = multi_turn_workload(args.convs, args.turns, args.turn_words, 16, seed=2)
     # Cache pressure: each replica's KV cache holds about half of the working set (the
     # system prompts; the conversations' longest histories).
     sys_blocks = (len(tok(system[0].prompt).input_ids) + 16) // 16 + 1
-    last_turns = multi[-args.convs:]
-    conv_blocks = sum(len(tok(r.prompt).input_ids) + 16 for r in last_turns) // 16 + args.convs
+    if args.multi_turn_answers == "model":
+        multi = Conversations(tok, args.convs, args.turns, args.turn_words, args.turn_tokens, seed=2)
+        longest = multi.longest()
+    else:
+        multi = multi_turn_workload(args.convs, args.turns, args.turn_words, args.turn_tokens, seed=2)
+        longest = [len(tok(r.prompt).input_ids) for r in multi[-args.convs:]]
+    conv_blocks = sum(n + args.turn_tokens for n in longest) // 16 + args.convs
     workloads = {"system prompts": (system, max(32, sys_blocks * (args.prefix_count // 2 + 1)),
                                     args.prefix_rate),
                  "multi-turn": (multi, max(32, conv_blocks // 2), args.turn_rate)}
@@ -216,6 +298,9 @@ def run_prefix(args, port: int, url: str) -> list[dict]:
             row["kv_blocks_per_replica"] = blocks
             row["rounds"] = args.prefix_rounds
             row["rounds_ttft_p90_ms"] = a["p90s"]
+            if wname == "multi-turn":
+                row["multi_turn_answers"] = args.multi_turn_answers
+                row["turn_tokens"] = args.turn_tokens
             rows.append(row)
             print(row, flush=True)
     return rows
@@ -325,6 +410,10 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
     p.add_argument("--turn-words", type=int, default=60, help="multi-turn: words per turn")
     p.add_argument("--turn-rate", type=float, default=3.0)
+    p.add_argument("--turn-tokens", type=int, default=32, help="multi-turn: tokens per answer")
+    p.add_argument("--multi-turn-answers", default="model", choices=["model", "synthetic"],
+                   help="multi-turn: each turn resends the model's own answers (as chat clients do), "
+                        "or made-up assistant text (the earlier workload: only the previous prompt can hit)")
     p.add_argument("--prefix-workloads", default="system,multi-turn",
                    help="shared-prefix part: which workloads (system, multi-turn)")
     p.add_argument("--prefix-rounds", type=int, default=3,
