@@ -23,11 +23,13 @@ Then, for a new prompt:
    flight beyond the least loaded replica (load wins over a match).
 3. Otherwise the least loaded replica wins. Other replicas follow as fallback
    tiers, by load. Among replicas equally loaded (requests and queued prompt
-   tokens), the precise policy takes the one whose cache holds the fewest blocks
-   (SGLang's rule for a miss): new prefixes then split the cluster's cache evenly
-   instead of by coin flip. At low load every replica ties at zero, and coin
-   flips put 6 or more of 8 new conversations on one of two replicas 29% of the
-   time; that replica's cache overflows and its conversations' next turns miss.
+   tokens), the precise policy takes the one holding the longest part of the
+   prompt (a match below `min_match_fraction` still saves its blocks), then the
+   one whose cache holds the fewest blocks (SGLang's rule for a miss): new
+   prefixes then split the cluster's cache evenly instead of by coin flip. At
+   low load every replica ties at zero, and coin flips put 6 or more of 8 new
+   conversations on one of two replicas 29% of the time; that replica's cache
+   overflows and its conversations' next turns miss.
 
 `PrefixAwareBase` holds that rule; subclasses say where matches come from
 (`prefix_approx.ApproxPrefixPolicy` guesses from routing history, as Ray Serve
@@ -81,23 +83,28 @@ class PrefixAwareBase(RoutingPolicy):
         ordered = by_load(shuffled)
         if request is None or not ordered:
             return tiers(ordered)
-        preferred = self.preferred(ordered, self.block_hashes(request))
+        hashes = self.block_hashes(request)
+        matched = self.match_lengths(hashes, {r.replica_id for r in ordered}) if hashes else {}
+        preferred = self.preferred(ordered, hashes, matched)
         if preferred is not None:
             ordered.remove(preferred)
             ordered.insert(0, preferred)
         else:
-            ordered = self.spread(ordered)
+            ordered = self.spread(ordered, matched)
         return tiers(ordered)
 
-    def spread(self, ordered: list[ReplicaLoad]) -> list[ReplicaLoad]:
-        """Where a prompt goes that no replica's match wins (`ordered` is by load)."""
+    def spread(self, ordered: list[ReplicaLoad], matched: dict[str, int]) -> list[ReplicaLoad]:
+        """Where a prompt goes that no replica's match wins (`ordered` is by load; `matched`
+        the leading blocks each replica holds)."""
         return ordered
 
-    def preferred(self, ordered: list[ReplicaLoad], hashes: list) -> Optional[ReplicaLoad]:
+    def preferred(self, ordered: list[ReplicaLoad], hashes: list,
+                  matched: Optional[dict[str, int]] = None) -> Optional[ReplicaLoad]:
         """The replica whose prefix match beats load, if any (`ordered` is by load)."""
         if not hashes:
             return None
-        matched = self.match_lengths(hashes, {r.replica_id for r in ordered})
+        if matched is None:
+            matched = self.match_lengths(hashes, {r.replica_id for r in ordered})
         if not matched:
             return None
         # Longest match; among equals, the least loaded (ordered is by load).
@@ -147,9 +154,12 @@ class PrefixAwarePolicy(PrefixAwareBase):
                 matched[rid] = n
         return matched
 
-    def spread(self, ordered: list[ReplicaLoad]) -> list[ReplicaLoad]:
-        """Among the least loaded, the replica caching the fewest blocks first (blocks
-        its in-flight prompts will add count too: their events have not arrived yet)."""
+    def spread(self, ordered: list[ReplicaLoad], matched: dict[str, int]) -> list[ReplicaLoad]:
+        """Among the least loaded: the one holding the longest part of the prompt first (a
+        match too short to beat load still saves its blocks' prefill when loads tie: a
+        conversation whose cache was partly evicted stays where the rest is), then the
+        one caching the fewest blocks (blocks its in-flight prompts will add count too:
+        their events have not arrived yet)."""
         head = ordered[0].score[:2]
         n = 1
         while n < len(ordered) and ordered[n].score[:2] == head:
@@ -158,7 +168,7 @@ class PrefixAwarePolicy(PrefixAwareBase):
             return ordered
         held = {r.replica_id: self.kv_index.num_blocks(r.replica_id)
                 + len(self._inflight_hashes.get(r.replica_id, ())) for r in ordered[:n]}
-        return sorted(ordered[:n], key=lambda r: held[r.replica_id]) + ordered[n:]
+        return sorted(ordered[:n], key=lambda r: (-matched.get(r.replica_id, 0), held[r.replica_id])) + ordered[n:]
 
     def on_routed(self, replica_id: str, request: RouteRequest) -> None:
         hashes = self.block_hashes(request)

@@ -124,3 +124,22 @@ def test_precise_policy_sends_a_miss_to_the_replica_caching_least_among_the_leas
     # In-flight prompts count before their events arrive.
     p.on_routed("a", RouteRequest("f", [6] * 40))
     assert p.rank([ReplicaLoad("b"), ReplicaLoad("a")], miss)[0] == ["b"]
+
+
+def test_precise_policy_keeps_a_partly_evicted_prefix_where_the_rest_of_it_is():
+    """A conversation whose cache was partly evicted: a match too short to beat load still
+    wins a tie on load (its blocks need no prefill there), even on the replica caching
+    more; a busier holder loses to the least loaded."""
+    idx = KVIndex()
+    p = PrefixAwarePolicy(block_size=BS, kv_index=idx, linger_s=0.0, min_match_fraction=0.5, seed=0)
+    prompt = list(range(500, 540))  # 10 blocks
+    req = RouteRequest("t2", prompt)
+    h = p.block_hashes(req)
+    idx.update("a", {"instance": "a", "snapshot": (1, h[:3] + [77, 78, 79, 80])})  # 3 of 10 left
+    idx.update("b", {"instance": "b", "snapshot": (1, [90, 91])})
+    assert p.preferred([ReplicaLoad("a"), ReplicaLoad("b")], h) is None  # below the fraction
+    for order in (("a", "b"), ("b", "a")):
+        assert p.rank([ReplicaLoad(r) for r in order], req)[0] == ["a"]
+    assert p.rank([ReplicaLoad("a", num_ongoing=1), ReplicaLoad("b")], req)[0] == ["b"]
+    # Nothing matched anywhere: the least-caching rule as before.
+    assert p.rank([ReplicaLoad("a"), ReplicaLoad("b")], RouteRequest("new", [3] * 40))[0] == ["b"]
