@@ -612,20 +612,25 @@ def batch_from_tensor(meta: dict, data: torch.Tensor, fingerprint: str,
                       on_release: Optional[Callable[[], None]] = None) -> BlockBatch:
     """Build a batch over received bytes (`data`: uint8, on any device) and verify every
     block's digest. Raises KVFormatError on any mismatch."""
-    dtype, shape, nbytes = check_header(meta, fingerprint)
-    if meta.get("chunks") is not None:
-        raise KVFormatError("a streamed batch's digests travel with its chunks, not in its header")
-    if data.numel() != nbytes:
-        raise KVFormatError(f"payload has {data.numel()} bytes, header says {nbytes} (truncated?)")
-    tensor = data.view(dtype).view(shape)
+    tensor, keys, heads = _unpack(meta, data, fingerprint)
     digest = meta["digest"]
     got = compute_digests(tensor, digest)
     for i, (a, b) in enumerate(zip(got, meta["digests"])):
         if a != b:
             raise KVFormatError(f"block {i} fails its {digest} digest (corrupt)")
+    return BlockBatch(fingerprint, keys, tensor, heads, got, digest, on_release)
+
+
+def _unpack(meta: dict, data: torch.Tensor, fingerprint: str) -> tuple[torch.Tensor, list[str], tuple[int, int]]:
+    """(the blocks over `data`, uint8, as the header describes them; their keys; their heads),
+    once the header fits this consumer and `data` is exactly the batch's bytes."""
+    dtype, shape, nbytes = check_header(meta, fingerprint)
+    if meta.get("chunks") is not None:
+        raise KVFormatError("a streamed batch's digests travel with its chunks, not in its header")
+    if data.numel() != nbytes:
+        raise KVFormatError(f"payload has {data.numel()} bytes, header says {nbytes} (truncated?)")
     heads = meta.get("heads") or (0, shape[3])
-    return BlockBatch(fingerprint, [str(k) for k in meta["keys"]], tensor, (int(heads[0]), int(heads[1])),
-                      got, digest, on_release)
+    return data.view(dtype).view(shape), [str(k) for k in meta["keys"]], (int(heads[0]), int(heads[1]))
 
 
 def _host_bytes(payload) -> torch.Tensor:
@@ -649,21 +654,14 @@ def deliver_verified(meta: dict, payload, fingerprint: str, sink, chunk_bytes: i
     `write` per chunk) as they are verified: each chunk's digests are computed on the digest thread while
     the previous chunk is written into the cache. The first block that fails its digest ends
     what is written. Returns the batch (its bytes are `payload`'s)."""
-    dtype, shape, nbytes = check_header(meta, fingerprint)
-    if meta.get("chunks") is not None or meta["digest"] != "xxh3_64":
-        raise KVFormatError("a whole host batch with xxh3_64 digests was expected")
-    raw = _host_bytes(payload)
-    if raw.numel() != nbytes:
-        raise KVFormatError(f"payload has {raw.numel()} bytes, header says {nbytes} (truncated?)")
-    tensor = raw.view(dtype).view(shape)
-    heads = meta.get("heads") or (0, shape[3])
-    heads = (int(heads[0]), int(heads[1]))
-    keys = [str(k) for k in meta["keys"]]
-    sink.begin(fingerprint, keys, heads, shape, dtype)
+    tensor, keys, heads = _unpack(meta, _host_bytes(payload), fingerprint)
+    if meta["digest"] != "xxh3_64":
+        raise KVFormatError("a host batch with xxh3_64 digests was expected")
+    sink.begin(fingerprint, keys, heads, list(tensor.shape), tensor.dtype)
     want = meta["digests"]
-    n = shape[0]
+    n = tensor.shape[0]
     # Only the blocks the load can use are checked (none, if the keys refused it).
-    chunks = [(s, e) for s, e in plan_chunks(n, nbytes // n, chunk_bytes) if s < sink.wanted()]
+    chunks = [(s, e) for s, e in plan_chunks(n, tensor.nbytes // n, chunk_bytes) if s < sink.wanted()]
     for s, e, got in digests_ahead(tensor, chunks):
         ok = next((i for i, d in enumerate(got) if d != want[s + i]), e - s)
         sink.write(s, tensor[s:e], ok)
