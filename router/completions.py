@@ -1,7 +1,7 @@
 """`/v1/completions` beyond one plain prompt: prompt lists, `echo`, `suffix`.
 
-A list of prompts becomes one engine request per prompt, all in flight at once (the
-request router may place them on different replicas). `MergedStream` reads them as
+A list of prompts becomes one engine request per prompt, at most `limits.FANOUT` in
+flight at once (the request router may place them on different replicas). `MergedStream` reads them as
 one stream, in arrival order, and numbers the choices as OpenAI does: prompt i's
 choice j is `index = i * n + j`. With `echo`, a choice's first chunk starts with its
 prompt's text, and its logprobs with the prompt's (the first prompt token has none).
@@ -19,19 +19,22 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional, Union
 
 from fleetserve.router.errors import APIError, is_error
+from fleetserve.router.limits import check_prompt_count
 
 PromptInput = Union[str, list[int]]
 FIM_TOKENS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
 
 
 def prompt_list(prompt: Any, param: str = "prompt") -> list[PromptInput]:
-    """OpenAI's four prompt shapes as a list of single prompts (string or token ids)."""
+    """OpenAI's four prompt shapes as a list of single prompts (string or token ids); at most
+    `limits.MAX_PROMPTS` of them (CompletionRequest refuses more before validating them)."""
     if isinstance(prompt, str):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt:
         prompts = list(prompt)
+        check_prompt_count(len(prompts), param)
     else:
         raise APIError(f"{param} must not be empty", 400, param=param)
     for i, p in enumerate(prompts):
@@ -75,49 +78,55 @@ async def open_as_own_request(open_stream: StreamOpener, body: dict) -> tuple[An
     return await open_stream(body)
 
 
-async def open_streams(open_stream: StreamOpener, bodies: list[dict]) -> list[tuple[Any, dict]]:
-    """Open every body's stream at once; on any failure, close the others and re-raise."""
-    if len(bodies) == 1:
-        return [await open_stream(bodies[0])]
-    tasks = [asyncio.ensure_future(open_as_own_request(open_stream, b)) for b in bodies]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for t in tasks:
-            if t.done() and not t.cancelled() and t.exception() is None:
-                t.result()[0].cancel()
-            else:
-                t.cancel()
-        raise
-
-
 class MergedStream:
-    """Streams of several prompts as one (the interface of ingress.ReplicaStream)."""
+    """Streams of several prompts as one (the interface of ingress.ReplicaStream).
 
-    def __init__(self, opened: list[tuple[Any, dict]], n: int, echo: Optional[list[Echo]],
-                 num_prompt_tokens: int) -> None:
-        self._gens = [gen for gen, _ in opened]
+    At most `window` prompts are in flight at once (limits.FANOUT): the next opens when one
+    finishes, so a request of hundreds of prompts holds a bounded share of the replicas'
+    queues and of this loop, as any `window` single requests would. The first `window` open
+    before the stream starts, so a refusal there (a 429) is the request's answer; a later
+    prompt's refusal ends the stream with its error."""
+
+    def __init__(self, open_stream: StreamOpener, bodies: list[dict], n: int,
+                 echo: Optional[list[Echo]], window: int) -> None:
+        self._open_stream = open_stream
+        self._pending = collections.deque(enumerate(bodies))
+        self._gens: dict[int, Any] = {}
         self._n, self._echo = n, echo
         self._ready: collections.deque = collections.deque()
-        self._tasks: dict[asyncio.Future, int] = {}
+        self._tasks: dict[asyncio.Future, int] = {}  # a prompt's next item, or its stream's opening
         self._seen: set[int] = set()
         self._prompt_logprobs: dict[int, list] = {}
         self._prompt_ranks: dict[int, Optional[list]] = {}
         self._cached: dict[int, int] = {}
-        self._num_prompt_tokens: Optional[int] = num_prompt_tokens
-        for i, (_, first) in enumerate(opened):
-            self._push(i, first)
+        self._num_prompt_tokens: Optional[int] = sum(len(b["prompt_token_ids"]) for b in bodies)
 
     @staticmethod
     async def open(open_stream: StreamOpener, bodies: list[dict], n: int,
-                   echo: Optional[list[Echo]]) -> tuple["MergedStream", dict]:
-        """(stream, first item); the first item is an error body if any prompt failed."""
-        opened = await open_streams(open_stream, bodies)
-        error = next((first for _, first in opened if is_error(first)), None)
-        stream = MergedStream(opened, n, echo, sum(len(b["prompt_token_ids"]) for b in bodies))
+                   echo: Optional[list[Echo]], window: int) -> tuple["MergedStream", dict]:
+        """(stream, first item); the first item is an error body if a first prompt failed."""
+        stream = MergedStream(open_stream, bodies, n, echo, window)
+        first = []
+        while stream._pending and len(first) < window:
+            i, body = stream._pending.popleft()
+            first.append((i, asyncio.ensure_future(open_as_own_request(open_stream, body))))
+        try:
+            opened = await asyncio.gather(*(task for _, task in first))
+        except BaseException:
+            for _, task in first:
+                if task.done() and not task.cancelled() and task.exception() is None:
+                    task.result()[0].cancel()
+                else:
+                    task.cancel()
+            raise
+        for (i, _), (gen, _) in zip(first, opened):
+            stream._gens[i] = gen
+        error = next((item for _, item in opened if is_error(item)), None)
         if error is not None:
             stream.cancel()
             return stream, error
+        for (i, _), (_, item) in zip(first, opened):
+            stream._push(i, item)
         return stream, await stream.__anext__()
 
     def __aiter__(self):
@@ -131,24 +140,38 @@ class MergedStream:
             for task in done:
                 i = self._tasks.pop(task)
                 try:
-                    item = task.result()
+                    result = task.result()
                 except StopAsyncIteration:
+                    self._open_next()
                     continue
-                self._push(i, item)
+                if i not in self._gens:  # an opening: (stream, its first item)
+                    self._gens[i], result = result
+                self._push(i, result)
         return self._ready.popleft()
 
     def cancel(self) -> None:
+        self._pending.clear()
         for task in self._tasks:
             task.cancel()
         self._tasks.clear()
-        for gen in self._gens:
+        for gen in self._gens.values():
             gen.cancel()
 
+    def _open_next(self) -> None:
+        if self._pending:
+            i, body = self._pending.popleft()
+            self._tasks[asyncio.ensure_future(open_as_own_request(self._open_stream, body))] = i
+
     def _push(self, i: int, item: dict) -> None:
-        """Queue prompt i's item, renumbered, and ask for its next one unless it finished."""
-        if not is_error(item):
+        """Queue prompt i's item, renumbered, and ask for its next one (or, once it finished,
+        open the next prompt)."""
+        if is_error(item):
+            self._pending.clear()  # the stream ends here: open nothing more
+        else:
             item = self._renumber(i, item)
-            if not item["finished"]:
+            if item["finished"]:
+                self._open_next()
+            else:
                 self._tasks[asyncio.ensure_future(self._gens[i].__anext__())] = i
         self._ready.append(item)
 

@@ -11,7 +11,7 @@ embedding-trained decoder (e.g. Qwen3-Embedding, e5-mistral) served this way giv
 vectors.
 
 `input` takes OpenAI's four shapes (a string, strings, token ids, lists of token ids), at
-most `MAX_INPUTS`; `encoding_format` "float" or "base64" (little-endian float32, as OpenAI's);
+most `MAX_INPUTS` (at most `limits.FANOUT` in flight at once); `encoding_format` "float" or "base64" (little-endian float32, as OpenAI's);
 `dimensions` only when it is the model's own width (no Matryoshka truncation); vLLM's
 `truncate_prompt_tokens` and `add_special_tokens`.
 
@@ -30,7 +30,6 @@ from typing import Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, StrictBool
 
 MAX_INPUTS = 2048  # OpenAI's limit per request
-CONCURRENCY = 16  # inputs of one request in flight at once (the rest wait their turn)
 
 
 class EmbeddingRequest(BaseModel):

@@ -48,7 +48,8 @@ from fleetserve.router.pd import PDRouter, PDSettings
 from fleetserve.router.prefix_reuse import PrefixReuse, ReuseSettings
 from fleetserve.router.health import replica_health
 from fleetserve.router.tool_calls import ToolDeltas
-from fleetserve.router.limits import check_internal_fields, check_prompt_chars, max_token_chars, parse_json
+from fleetserve.router.limits import (FANOUT, check_internal_fields, check_prompt_chars, max_token_chars,
+                                      parse_json)
 from fleetserve.router.metrics import merge_metrics
 from fleetserve.router.migration import MigratingStream
 from fleetserve.router.migration import metrics_text as migration_metrics
@@ -118,6 +119,10 @@ class Ingress(GrpcMethods):
         given: router.pd) it is the decode pool, and `prefill` the prefill pool."""
         # Before Serve starts this replica's own HTTP/gRPC servers (after the constructor).
         serve_patches.apply(bind_host)
+        # A replacement of an ingress that failed its health checks: the old one keeps its
+        # ports while Serve gives it its graceful-shutdown time to drain, then kills it.
+        serve_patches.wait_for_pinned_ports(
+            bind_host, (reliability or {}).get("graceful_shutdown_timeout_s", 60.0) + 30.0)
         quiet_client_errors()
         AccessLog.enabled = log_requests
         self._created = int(time.time())
@@ -415,7 +420,7 @@ class Ingress(GrpcMethods):
             echo = [completions.Echo(p if isinstance(p, str) and req.truncate_prompt_tokens is None
                                      else tok.decode(b["prompt_token_ids"]),
                                      b["prompt_token_ids"]) for p, b in zip(prompts, bodies)]
-        gen, first = await completions.MergedStream.open(self.open_stream, bodies, params.n, echo)
+        gen, first = await completions.MergedStream.open(self.open_stream, bodies, params.n, echo, FANOUT)
         return await self._respond_with(gen, first, rid, req, chat=False, logprobs_n=req.logprobs)
 
     @app.post("/v1/chat/completions")
@@ -606,7 +611,7 @@ class Ingress(GrpcMethods):
     async def embed(self, inputs: list, add_special_tokens: bool, truncate_prompt_tokens: Optional[int],
                     priority: int, model: Optional[str] = None) -> tuple[list[list[float]], int]:
         """(one vector per input, the inputs' tokens) for `/v1/embeddings` and gRPC's Embed:
-        each input a request of its own (max_tokens=1, embed), at most `CONCURRENCY` of them
+        each input a request of its own (max_tokens=1, embed), at most `FANOUT` of them
         in flight; the first error, as an APIError."""
         if len(inputs) > emb_api.MAX_INPUTS:
             raise APIError(f"input may hold at most {emb_api.MAX_INPUTS} items, got {len(inputs)}",
@@ -620,7 +625,7 @@ class Ingress(GrpcMethods):
             token_ids = await self.truncate(token_ids, truncate_prompt_tokens, 1)
             bodies.append(await self.build_body(f"{rid}-{i}", token_ids, params, priority, None, None, "input",
                                                 model))
-        gate = asyncio.Semaphore(emb_api.CONCURRENCY)
+        gate = asyncio.Semaphore(FANOUT)
 
         async def one(body: dict) -> list[float]:
             async with gate:  # (each input its own Serve request: concurrent calls sharing one hang)

@@ -9,6 +9,8 @@ bound is generous for real use and far below what hurts:
 | what | bound | why this value |
 |---|---|---|
 | `n` | 128 | OpenAI's own limit |
+| prompts in one `/v1/completions` body | 256 | each is a request of its own; at most `FANOUT` in flight |
+| inputs of one `/v1/embeddings` body | 2048 | OpenAI's limit (`embeddings.MAX_INPUTS`) |
 | stop strings | 32, each <= 256 characters | vLLM has none; OpenAI allows 4 |
 | `stop_token_ids` | 256 ids | |
 | `bad_words` | 32, each <= 256 characters | as stop strings: checked at every step |
@@ -32,6 +34,10 @@ from typing import Any, Optional
 from fleetserve.router.errors import APIError
 
 MAX_N = 128
+MAX_PROMPTS = 256
+# Engine requests one client request keeps in flight at once (a prompt list's prompts, an
+# embeddings body's inputs); the rest wait their turn in the ingress, not in Serve's queues.
+FANOUT = 16
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
@@ -140,6 +146,11 @@ def _safe_param(path: str) -> Optional[str]:
 # Fields only fleetserve itself sets (the P/D router mints kv_transfer_params; request
 # routing reads underscore keys): a client that sends one is refused, not ignored.
 INTERNAL_FIELDS = ("kv_transfer_params",)
+
+
+def check_prompt_count(count: int, param: str = "prompt") -> None:
+    if count > MAX_PROMPTS:
+        raise APIError(f"{param} may hold at most {MAX_PROMPTS} prompts, got {count}", 400, param=param)
 
 
 def check_internal_fields(data: dict) -> None:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from fleetserve.router.errors import APIError
-from fleetserve.router.limits import MAX_MESSAGES, check_sampling
+from fleetserve.router.limits import MAX_MESSAGES, check_prompt_count, check_sampling
 from fleetserve.router.structured import StructuredOutputFields
 from fleetserve.router.tool_calls import ToolFields
 from fleetserve.scheduler import SamplingParams
@@ -127,6 +127,15 @@ class CompletionRequest(_SamplingRequest):
     echo: StrictBool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _bounded_prompt_list(cls, prompt: Any) -> Any:
+        """A list of prompts is refused past limits.MAX_PROMPTS before any of it is validated
+        (a list of token ids is one prompt: the context bounds it later)."""
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            check_prompt_count(len(prompt))
+        return prompt
 
     def _logprobs(self) -> Optional[int]:
         return self.logprobs

@@ -1,4 +1,4 @@
-"""Two fixes to how Ray Serve 2.60's direct ingress binds its servers, applied in the
+"""Three fixes to how Ray Serve 2.60's direct ingress binds its servers, applied in the
 ingress replica's process (the servers start there, after the constructor runs).
 
 1. SO_REUSEADDR on the HTTP socket. Serve binds the direct-ingress HTTP socket
@@ -11,13 +11,26 @@ ingress replica's process (the servers start there, after the constructor runs).
 2. The gRPC host. Serve binds gRPC to `[::]` (every interface) whatever the HTTP
    host is; here it binds the configured host, so `--host` governs both servers.
 
-Both replace a module attribute Serve looks up at call time; nothing else changes.
+3. A replacement waits for its port. When Serve replaces an ingress that failed its
+   health checks, it starts the new replica while the old one still listens (it is
+   given `graceful_shutdown_timeout_s` to drain); the new one's bind fails, Serve
+   blocks that port for good, and with a one-port range no ingress can ever start
+   again ("No available ports on node ... for HTTP"). `wait_for_pinned_ports`, called
+   from the ingress constructor, waits (with a deadline) until no live listener holds
+   a pinned port, so the first bind succeeds.
+
+1 and 2 replace a module attribute Serve looks up at call time; nothing else changes.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import socket
+import time
 from typing import Optional
+
+logger = logging.getLogger("ray.serve")
 
 _applied_host: Optional[str] = None
 
@@ -56,3 +69,52 @@ def apply(bind_host: Optional[str]) -> None:
     default_impl.add_grpc_address = lambda server, address: original(
         server, _grpc_address(bind_host, address))
     _applied_host = bind_host
+
+
+def pinned_ports() -> list[int]:
+    """The direct-ingress ports pinned to one value each (cluster/deploy.py pins the
+    configured HTTP and gRPC ports: a range of exactly one port); none otherwise."""
+    if os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":
+        return []
+    ports = []
+    for proto in ("HTTP", "GRPC"):
+        low = os.environ.get(f"RAY_SERVE_DIRECT_INGRESS_MIN_{proto}_PORT", "")
+        high = os.environ.get(f"RAY_SERVE_DIRECT_INGRESS_MAX_{proto}_PORT", "")
+        if low.isdigit() and high.isdigit() and int(high) - int(low) == 1:
+            ports.append(int(low))
+    return ports
+
+
+def _listened(host: str, port: int) -> bool:
+    """Whether a live listener holds `port` (a bind as Serve's, with SO_REUSEADDR, fails)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def wait_for_pinned_ports(host: Optional[str], timeout_s: float, ports: Optional[list[int]] = None,
+                          poll_s: float = 0.25) -> bool:
+    """Block until no live listener holds any of `ports` (default: `pinned_ports()`) on
+    `host`, or `timeout_s` passed (then log which, and let Serve's bind report it). True
+    when every port is free."""
+    ports = pinned_ports() if ports is None else ports
+    host = host or "0.0.0.0"
+    deadline = time.monotonic() + timeout_s
+    waited = False
+    for port in ports:
+        while _listened(host, port):
+            if time.monotonic() >= deadline:
+                logger.warning("ingress: port %s:%d is still held by another listener after %.0f s "
+                               "(the ingress this one replaces?); starting anyway", host, port, timeout_s)
+                return False
+            if not waited:
+                logger.info("ingress: waiting for %s:%d to be released (the ingress this one "
+                            "replaces is still stopping)", host, port)
+                waited = True
+            time.sleep(poll_s)
+    return True
