@@ -33,14 +33,14 @@ def add_build_parser(sub) -> None:
 def build_document(config_path: str) -> dict:
     """Read and validate the app config; return the Serve deploy config. Raises
     AppConfigError (field named), or OSError / yaml.YAMLError for the file itself."""
-    from fleetserve.cluster.serve_app import serve_deploy_config, validate_args
+    from fleetserve.cluster.app_spec import serve_deploy_config, validate_args
 
     data = yaml.safe_load(Path(config_path).read_text())
     return serve_deploy_config(validate_args(data, process_keys=True))
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from fleetserve.cluster.serve_app import AppConfigError
+    from fleetserve.cluster.app_spec import AppConfigError
 
     try:
         doc = build_document(args.config)

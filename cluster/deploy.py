@@ -36,7 +36,7 @@ from ray import serve
 from ray.serve.config import HTTPOptions, RequestRouterConfig, gRPCOptions
 
 from fleetserve.cluster.config import AppConfig
-from fleetserve.cluster.serve_app import GRPC_SERVICER, app_args, resolve_api_key
+from fleetserve.cluster.app_spec import GRPC_SERVICER, app_args, resolve_api_key
 from fleetserve.router.auth import API_KEY_ENV
 from fleetserve.router.ingress import IngressDeployment
 from fleetserve.router.policies import POLICIES

@@ -14,7 +14,8 @@ from ray.serve.schema import ServeDeploySchema
 
 from fleetserve.cluster.cli import main
 from fleetserve.cluster.config import AppConfig
-from fleetserve.cluster.serve_app import APP_BUILDER, AppConfigError, app_builder, validate_args
+from fleetserve.cluster.app_spec import APP_BUILDER, AppConfigError, validate_args
+from fleetserve.cluster.serve_app import app_builder
 
 APP = {
     "name": "chat",
@@ -86,7 +87,7 @@ def test_app_builder_validates_strictly_before_building():
 
 
 def test_api_key_from_the_environment(monkeypatch):
-    from fleetserve.cluster.serve_app import resolve_api_key
+    from fleetserve.cluster.app_spec import resolve_api_key
 
     config = validate_args({"api_key_env": "FLEETSERVE_TEST_KEY"})
     monkeypatch.delenv("FLEETSERVE_TEST_KEY", raising=False)

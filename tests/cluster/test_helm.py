@@ -73,7 +73,7 @@ def test_values_file_renders_valid_objects(helm, rayservice_validator, values):
     import kubernetes_validate
     from ray.serve.schema import ServeDeploySchema
 
-    from fleetserve.cluster.serve_app import APP_BUILDER, validate_args
+    from fleetserve.cluster.app_spec import APP_BUILDER, validate_args
 
     r = run_helm(helm, "lint", "--strict", str(CHART), "-f", str(values))
     assert r.returncode == 0, r.stdout + r.stderr

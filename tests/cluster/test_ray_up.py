@@ -47,7 +47,7 @@ def test_cluster_file_passes_ray_schema_and_validation(name):
 
 @pytest.mark.parametrize("name", ["aws-gpu.yaml", "gcp-gpu.yaml"])
 def test_cloud_files_keep_engines_off_the_cpu_head(name):
-    from fleetserve.cluster.serve_app import validate_args
+    from fleetserve.cluster.app_spec import validate_args
 
     config = load(name)
     types = config["available_node_types"]
