@@ -1,7 +1,8 @@
 """Speculative decoding on the worker side: proposers and the draft-token rules.
 
     spec_decode/config.py       SpeculativeConfig (vLLM's --speculative-config JSON)
-    spec_decode/proposer.py     the Proposer interface, ProposeInput, make_proposer
+    spec_decode/proposer.py     the Proposer interface, ProposeInput
+    spec_decode/factory.py      make_proposer: the proposer a config names
     spec_decode/ngram.py        prompt lookup (no extra model), numpy
     spec_decode/draft_model.py  a small model sharing the tokenizer, own KV cache
 

@@ -1,4 +1,4 @@
-"""The one interface every proposer implements, and the factory.
+"""The one interface every proposer implements (spec_decode/factory.py builds them).
 
 A proposer runs in the worker right after the target's step has been sampled
 and verified: it sees the step's forward inputs (a draft model mirrors them
@@ -13,11 +13,9 @@ ModelRunner._sample_and_verify).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import torch
-
-from fleetserve.replica.spec_decode.config import SpeculativeConfig
 
 
 @dataclass(slots=True)
@@ -39,18 +37,3 @@ class Proposer(Protocol):
     def bytes_per_block(self) -> int: ...
 
     def initialize_kv_cache(self, num_blocks: int) -> None: ...
-
-
-def make_proposer(config: Optional[SpeculativeConfig], *, device: torch.device, dtype: torch.dtype,
-                  block_size: int, target_hf_config) -> Optional[Proposer]:
-    if config is None:
-        return None
-    if config.method == "ngram":
-        from fleetserve.replica.spec_decode.ngram import NgramProposer
-
-        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
-                             config.prompt_lookup_max)
-    from fleetserve.replica.spec_decode.draft_model import DraftModelProposer
-
-    return DraftModelProposer(config.model, config.num_speculative_tokens, device=device,
-                              dtype=dtype, block_size=block_size, target_hf_config=target_hf_config)

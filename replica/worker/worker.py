@@ -53,7 +53,7 @@ class Worker:
                                        block_size=args.block_size, eos_token_id=eos_token_id,
                                        tp_size=world_size, tp_rank=rank)
         if args.speculative_config is not None:
-            from fleetserve.replica.spec_decode.proposer import make_proposer
+            from fleetserve.replica.spec_decode.factory import make_proposer
 
             self.runner.proposer = make_proposer(
                 args.speculative_config, device=self.device, dtype=self.dtype,

@@ -1,0 +1,24 @@
+"""The proposer a `SpeculativeConfig` names (kept apart from the interface, which the
+proposers import)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fleetserve.replica.spec_decode.config import SpeculativeConfig
+from fleetserve.replica.spec_decode.draft_model import DraftModelProposer
+from fleetserve.replica.spec_decode.ngram import NgramProposer
+from fleetserve.replica.spec_decode.proposer import Proposer
+
+
+def make_proposer(config: Optional[SpeculativeConfig], *, device: torch.device, dtype: torch.dtype,
+                  block_size: int, target_hf_config) -> Optional[Proposer]:
+    if config is None:
+        return None
+    if config.method == "ngram":
+        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                             config.prompt_lookup_max)
+    return DraftModelProposer(config.model, config.num_speculative_tokens, device=device,
+                              dtype=dtype, block_size=block_size, target_hf_config=target_hf_config)
