@@ -14,6 +14,7 @@ from fleetserve.replica.spec_decode.config import SpeculativeConfig
 from fleetserve.kv_transfer.config import KVTransferConfig
 from fleetserve.replica.lora.request import LoRAModulePath, read_adapter_config
 from fleetserve.scheduler import CacheConfig, SchedulerConfig
+from fleetserve.scheduler.config import same_field
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -46,25 +47,17 @@ class EngineArgs(BaseModel):
     seed: int = Field(0, description="Engine seed for sampling; with it, sampled runs repeat.")
     max_model_len: Optional[int] = Field(None, ge=2, description=(
         "Longest prompt + output in tokens (unset: the model's context length)."))
-    max_num_seqs: int = Field(64, ge=1, description="Most requests in the running batch.")
-    max_num_batched_tokens: int = Field(2048, ge=1, description=(
-        "Token budget of one engine step (prefill chunks and decodes together)."))
-    long_prefill_token_threshold: int = Field(0, ge=0, description=(
-        "Most prompt tokens one request may prefill in one step (0: no limit)."))
-    enable_chunked_prefill: bool = Field(True, description=(
-        "Split long prompts across steps so decodes keep running."))
-    scheduling_policy: Literal["fcfs", "priority"] = Field("fcfs", description=(
-        "Order of the waiting queue: first come first served, or by request priority."))
-    capacity_policy: Literal["max_utilization", "guaranteed_no_evict"] = Field(
-        "max_utilization", description=(
-            "Admission: admit while KV blocks exist and preempt under pressure "
-            "(max_utilization), or admit only requests whose blocks to completion are "
-            "free (guaranteed_no_evict, never preempts)."))
-    scheduler_cls: str = Field("fleetserve.scheduler.scheduler:Scheduler", description=(
-        "The scheduler class, 'module:Class'."))
-    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV cache block.")
-    enable_prefix_caching: bool = Field(True, description=(
-        "Reuse the KV blocks of prompt prefixes seen before."))
+    # Declared once, in the scheduler's config (scheduler_config() copies them over).
+    max_num_seqs: int = same_field(SchedulerConfig, "max_num_seqs")
+    max_num_batched_tokens: int = same_field(SchedulerConfig, "max_num_batched_tokens")
+    long_prefill_token_threshold: int = same_field(SchedulerConfig, "long_prefill_token_threshold")
+    enable_chunked_prefill: bool = same_field(SchedulerConfig, "enable_chunked_prefill")
+    scheduling_policy: Literal["fcfs", "priority"] = same_field(SchedulerConfig, "policy")
+    capacity_policy: Literal["max_utilization", "guaranteed_no_evict"] = same_field(
+        SchedulerConfig, "capacity_policy")
+    scheduler_cls: str = same_field(SchedulerConfig, "scheduler_cls")
+    block_size: int = same_field(CacheConfig, "block_size")
+    enable_prefix_caching: bool = same_field(CacheConfig, "enable_prefix_caching")
     num_gpu_blocks_override: Optional[int] = Field(None, ge=1, description=(
         "KV cache size in blocks; wins over --kv-cache-memory-bytes (unset: from the "
         "memory budget)."))
@@ -89,9 +82,7 @@ class EngineArgs(BaseModel):
         "at once; a request's `stream_interval` can raise it, never lower it."))
     max_waiting_requests: int = Field(1024, ge=1, description=(
         "Bounded waiting queue per replica; a request beyond it is refused (HTTP 429)."))
-    prefix_caching_hash_algo: Literal["builtin", "sha256"] = Field("builtin", description=(
-        "Prefix-cache block hashes: builtin (fast; trusted traffic) or sha256 (tenants that "
-        "must not collide with or probe each other's prefixes; see README, Security)."))
+    prefix_caching_hash_algo: Literal["builtin", "sha256"] = same_field(CacheConfig, "prefix_caching_hash_algo")
     num_threads: Optional[int] = Field(None, ge=1, description=(
         "Torch threads per replica (unset: the CPUs Ray reserves for it, or the cores available)."))
     cpu_bind: Optional[str] = Field(None, description=(
@@ -103,10 +94,7 @@ class EngineArgs(BaseModel):
         "Speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 6, "
         "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}, or a draft model sharing the "
         "tokenizer: {\"model\": ..., \"num_speculative_tokens\": 4} (unset: off)."))
-    enable_kv_cache_events: bool = Field(False, description=(
-        "Publish KV cache events (block stored / removed / all cleared) for the router's "
-        "prefix index (vLLM: --kv-events-config); on by itself with --routing-policy "
-        "prefix_aware."))
+    enable_kv_cache_events: bool = same_field(CacheConfig, "enable_kv_cache_events")
     kv_transfer_config: Optional[KVTransferConfig] = Field(None, description=(
         "KV transfer (vLLM's --kv-transfer-config), a JSON object: kv_connector "
         "(SharedStorageConnector, RayObjectStoreConnector, P2PConnector or 'module:Class'), "
@@ -223,29 +211,26 @@ class EngineArgs(BaseModel):
         return self
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        spec = self.speculative_config
         return SchedulerConfig(
+            **{name: getattr(self, name) for name in _SCHEDULER_FIELDS},
+            # without chunked prefill, a step must hold a whole prompt
             max_num_batched_tokens=max(self.max_num_batched_tokens,
                                        0 if self.enable_chunked_prefill else max_model_len),
-            max_num_seqs=self.max_num_seqs,
             max_model_len=max_model_len,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            enable_chunked_prefill=self.enable_chunked_prefill,
             policy=self.scheduling_policy,
-            capacity_policy=self.capacity_policy,
-            scheduler_cls=self.scheduler_cls,
-            num_spec_tokens=self.speculative_config.num_speculative_tokens
-            if self.speculative_config else 0,
-            num_lookahead_tokens=self.speculative_config.num_lookahead_tokens
-            if self.speculative_config else 0,
-            adaptive_draft_length=self.speculative_config.adaptive_draft_length
-            if self.speculative_config else True,
-            free_draft_tokens=self.speculative_config.resolve_free_draft_tokens(self.device)
-            if self.speculative_config else 0,
+            num_spec_tokens=spec.num_speculative_tokens if spec else 0,
+            num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0,
+            adaptive_draft_length=spec.adaptive_draft_length if spec else True,
+            free_draft_tokens=spec.resolve_free_draft_tokens(self.device) if spec else 0,
             max_loras=self.max_loras if self.enable_lora else 0,
         )
 
     def cache_config(self, num_blocks: int) -> CacheConfig:
-        return CacheConfig(block_size=self.block_size, num_blocks=num_blocks,
-                           enable_prefix_caching=self.enable_prefix_caching,
-                           enable_kv_cache_events=self.enable_kv_cache_events,
-                           prefix_caching_hash_algo=self.prefix_caching_hash_algo)
+        return CacheConfig(num_blocks=num_blocks, **{name: getattr(self, name) for name in _CACHE_FIELDS})
+
+
+# Fields of the same name and meaning here and in the scheduler's configs.
+_SCHEDULER_FIELDS = ("max_num_seqs", "long_prefill_token_threshold", "enable_chunked_prefill",
+                     "capacity_policy", "scheduler_cls")
+_CACHE_FIELDS = ("block_size", "enable_prefix_caching", "enable_kv_cache_events", "prefix_caching_hash_algo")
