@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from fleetserve.kv_transfer.base import ConnectorContext, KVConnectorBase, KVConnectorRole
 from fleetserve.kv_transfer.blocks import kv_fingerprint, kv_geometry
 from fleetserve.kv_transfer.config import KVTransferConfig
 from fleetserve.kv_transfer.registry import ALIASES, REGISTRY, canonical_connector_name
+from fleetserve.scheduler.policies import resolve_obj_by_qualname
 
 __all__ = ["REGISTRY", "ALIASES", "resolve_connector_class", "build_context", "make_connector"]
 
@@ -16,16 +16,10 @@ __all__ = ["REGISTRY", "ALIASES", "resolve_connector_class", "build_context", "m
 def resolve_connector_class(name: str) -> type:
     name = canonical_connector_name(name)
     qualname = REGISTRY.get(name, name)
-    module_name, sep, attr = qualname.partition(":")
-    if not sep:
-        module_name, _, attr = qualname.rpartition(".")
-    if not module_name or not attr:
+    if ":" not in qualname and "." not in qualname:
         raise ValueError(f"unknown KV connector {name!r}: use one of {sorted(ALIASES)}, "
                          f"{sorted(REGISTRY)} or 'package.module:Class'")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot load KV connector {name!r}: {e}") from e
+    cls = resolve_obj_by_qualname(qualname, what="KV connector")
     if not (isinstance(cls, type) and issubclass(cls, KVConnectorBase)):
         raise ValueError(f"KV connector {name!r} is not a KVConnectorBase subclass")
     return cls

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 from fleetserve.scheduler.kv_cache_manager import KVCacheManager
 from fleetserve.scheduler.request import Request
@@ -154,8 +154,9 @@ def make_capacity_policy(name: str):
     return GuaranteedNoEvict() if name == "guaranteed_no_evict" else MaxUtilization()
 
 
-def resolve_obj_by_qualname(qualname: str) -> Optional[type]:
-    """"pkg.mod:Class" or "pkg.mod.Class" -> the object."""
+def resolve_obj_by_qualname(qualname: str, what: str = "scheduler_cls") -> Any:
+    """"pkg.mod:Class" or "pkg.mod.Class" -> the object; ValueError naming `what` (the
+    setting that gave the name) otherwise. Every "module:Class" setting resolves here."""
     import importlib
 
     if ":" in qualname:
@@ -163,9 +164,9 @@ def resolve_obj_by_qualname(qualname: str) -> Optional[type]:
     else:
         module_name, _, attr = qualname.rpartition(".")
     if not module_name or not attr:
-        raise ValueError(f"scheduler_cls {qualname!r} is not a qualified name like 'pkg.mod:Class'")
+        raise ValueError(f"{what} {qualname!r} is not a qualified name like 'pkg.mod:Class'")
     try:
         module = importlib.import_module(module_name)
         return getattr(module, attr)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"scheduler_cls {qualname!r} cannot be imported: {e}") from e
+        raise ValueError(f"{what} {qualname!r} cannot be imported: {e}") from e

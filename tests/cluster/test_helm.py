@@ -263,7 +263,6 @@ def test_dashboard_queries_name_real_metrics():
     from fleetserve.replica.engine.metrics import EngineMetrics
 
     text = (CHART / "dashboards" / "fleetserve.json").read_text()
-    assert (REPO / "cluster" / "grafana" / "fleetserve.json").read_text() == text
     metrics = EngineMetrics("m")
     metrics.request_finished("stop")  # a labelled counter shows once it has a sample
     exposed = set(re.findall(r"^([a-z0-9_:]+)(?:\{| )", metrics.text(), re.M))

@@ -119,7 +119,7 @@ def test_short_names_resolve_and_unknown_names_fail_where_the_config_is_parsed()
     # replica at start-up, and the message names the choices.
     with pytest.raises(ValidationError, match="unknown KV connector 'p2pp'.*'p2p'"):
         EngineArgs(kv_transfer_config={"kv_connector": "p2pp"})
-    with pytest.raises(ValidationError, match="cannot load KV connector"):
+    with pytest.raises(ValidationError, match="KV connector .no_such_module:Connector. cannot be imported"):
         EngineArgs(kv_transfer_config={"kv_connector": "no_such_module:Connector"})
     for bad in ({"pd": {"enabled": True, "connector": "p2pp"}},
                 {"cluster_reuse": {"enabled": True, "kv_connector": "p2pp"}}):
