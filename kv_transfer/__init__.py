@@ -79,6 +79,15 @@ an engine without a connector refuses any).
 A shared-storage connector with ``kv_role`` ``kv_both``/``kv_producer`` also
 stores every finished request's full blocks and loads any stored prefix for any
 request (no params needed): a prefix cache shared across replicas and restarts.
+
+A finished request's save is queued for the step after it; the engine runs that
+step (and polls the export) without waiting for more requests: an engine is idle
+only once its connector has nothing pending (``KVConnectorScheduler.has_pending_work``,
+``KVConnectorWorker.num_saves_in_flight``). The offline ``LLM.generate`` returns
+once its requests' saves are written, and an engine shutting down finishes them
+first; either waits at most ``kv_save_timeout_s`` and then reports how many are
+left (a warning; at shutdown they are dropped and counted in
+``vllm:kv_transfer_dropped_saves``, with saves whose export failed).
 """
 
 from __future__ import annotations

@@ -33,6 +33,8 @@ class KVOutputAggregator:
         first = outputs[0]
         first.finished_sending, first.finished_recving, first.invalid_block_ids = sending, recving, invalid
         first.kv_connector_stats = merge_stats([o.kv_connector_stats for o in outputs])
+        # Every rank saves its own heads of each save: in flight until the slowest is done.
+        first.kv_saves_in_flight = max(o.kv_saves_in_flight for o in outputs)
         return first
 
 
@@ -57,4 +59,5 @@ def kv_part(out: ModelRunnerOutput) -> ModelRunnerOutput:
     return ModelRunnerOutput([], [], finished_sending=out.finished_sending,
                              finished_recving=out.finished_recving,
                              invalid_block_ids=out.invalid_block_ids,
-                             kv_connector_stats=out.kv_connector_stats)
+                             kv_connector_stats=out.kv_connector_stats,
+                             kv_saves_in_flight=out.kv_saves_in_flight)

@@ -24,6 +24,18 @@ forward ends, and freed at once (no `delay_free`). `wait_for_layer_load` has
 nothing to wait for in them: every load lands in the blocks of a request parked
 in WAITING_FOR_REMOTE_KVS, never in the running batch.
 
+Waking the engine: an engine core that idles on transfers alone (a load in
+flight, an export still being written) waits a little between its empty steps.
+It gives the worker half a callback (`set_wakeup`, when the worker lives in its
+process: TP=1); the half calls `self.wakeup()` when a transfer ends on a thread
+of its own, so the engine's next step comes at once. A `module:Class`
+connector does the same; one that never calls it is just polled.
+
+Saves in flight: `num_saves_in_flight()` (reported each step in
+`ModelRunnerOutput.kv_saves_in_flight`) counts the saves handed to the worker
+half whose export has not finished. The engine keeps stepping while it is
+non-zero, so an engine that looks idle has nothing of its connector's pending.
+
 Writes into the KV cache happen only on the worker's own thread, inside
 `get_finished`: a fetch runs in the background into a staging buffer, is
 verified, and only then copied into its blocks. A fetch that is cancelled or
@@ -36,7 +48,7 @@ from __future__ import annotations
 import abc
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from fleetserve.kv_transfer.config import KVTransferConfig
 from fleetserve.scheduler import ModelRunnerOutput, SchedulerOutput
@@ -107,6 +119,24 @@ class KVConnectorWorker(abc.ABC):
 
     # Whether the model must call wait_for_layer_load / save_kv_layer around each layer.
     uses_layer_hooks: bool = False
+    # The engine's wake-up (set_wakeup); None: the engine polls.
+    _wakeup: Optional[Callable[[], None]] = None
+
+    def set_wakeup(self, callback: Optional[Callable[[], None]]) -> None:
+        """The engine core's wake-up: call `self.wakeup()` when a transfer ends on a thread
+        of this half (a load landed, a copy-out or export finished), so an engine idling on
+        transfers steps at once instead of at its next poll. Any thread may call it."""
+        self._wakeup = callback
+
+    def wakeup(self) -> None:
+        callback = self._wakeup
+        if callback is not None:
+            callback()
+
+    def num_saves_in_flight(self) -> int:
+        """Saves handed to this half (by bind_connector_metadata) that are not finished yet:
+        being copied out or exported. The engine keeps stepping while any is."""
+        return 0
 
     @abc.abstractmethod
     def register_kv_caches(self, kv_caches: list) -> None: ...
@@ -223,6 +253,28 @@ class KVConnectorBase(KVConnectorScheduler, KVConnectorWorker):
     def take_stats(self) -> Optional[dict]:
         return self._half.take_stats()
 
+    def has_pending_work(self) -> bool:
+        check = getattr(self._half, "has_pending_work", None)
+        return bool(check()) if check is not None else False
+
+    def num_pending_saves(self) -> int:
+        count = getattr(self._half, "num_pending_saves", None)
+        return int(count()) if count is not None else 0
+
+    def set_wakeup(self, callback) -> None:
+        setter = getattr(self._half, "set_wakeup", None)
+        if setter is not None:
+            setter(callback)
+
+    def wakeup(self) -> None:
+        wake = getattr(self._half, "wakeup", None)
+        if wake is not None:
+            wake()
+
+    def num_saves_in_flight(self) -> int:
+        count = getattr(self._half, "num_saves_in_flight", None)
+        return int(count()) if count is not None else 0
+
     def shutdown(self) -> None:
         self._half.shutdown()
 
@@ -235,6 +287,10 @@ def run_connector_step(connector: KVConnectorWorker, scheduler_output: Scheduler
         connector.start_load_kv()
         out = execute(scheduler_output)
         connector.wait_for_save()
+        # Counted before get_finished: a save that ends after the count is reported (its
+        # stats, a failure) by this step or, counted as in flight, by one more step.
+        in_flight = getattr(connector, "num_saves_in_flight", None)
+        saves_in_flight = in_flight() if in_flight is not None else 0
         sending, recving = connector.get_finished(scheduler_output.finished_req_ids)
         invalid = connector.get_block_ids_with_load_errors()
         stats = connector.take_stats()
@@ -242,6 +298,7 @@ def run_connector_step(connector: KVConnectorWorker, scheduler_output: Scheduler
         connector.clear_connector_metadata()
     if stats:
         out.kv_connector_stats = stats
+    out.kv_saves_in_flight = saves_in_flight
     if sending or recving or invalid:  # (out is a fresh object every step)
         out.finished_sending |= sending
         out.finished_recving |= recving

@@ -1,7 +1,7 @@
 """`--kv-transfer-config`: which connector, which role, what to do when a load fails.
 
-Field names are vLLM's (`KVTransferConfig`); `kv_lease_s` and `kv_load_timeout_s`
-are ours: every held block has a lease and every wait a deadline. Pure pydantic
+Field names are vLLM's (`KVTransferConfig`); `kv_lease_s`, `kv_load_timeout_s` and
+`kv_save_timeout_s` are ours: every held block has a lease and every wait a deadline. Pure pydantic
 (no torch), so the engine arguments can validate it anywhere.
 """
 
@@ -30,6 +30,11 @@ class KVTransferConfig(BaseModel):
     kv_lease_s: float = Field(30.0, gt=0)
     # A request waits at most this long in WAITING_FOR_REMOTE_KVS.
     kv_load_timeout_s: float = Field(30.0, gt=0)
+    # Saves still pending when an engine flushes them (the offline LLM's generate returning,
+    # an engine shutting down) get this long to finish; past it they are reported (a warning,
+    # vllm:kv_transfer_dropped_saves) and, at shutdown, dropped. Below the 30 s a replica
+    # gives its engine-core process to exit.
+    kv_save_timeout_s: float = Field(10.0, gt=0)
     # Names this engine in the params it hands out; minted at start-up when unset.
     engine_id: Optional[str] = Field(None, min_length=1, max_length=128)
 

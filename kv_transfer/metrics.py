@@ -3,6 +3,9 @@
     vllm:kv_transfer_bytes_sent / _received            histograms, bytes per transfer
     vllm:kv_transfer_send_seconds / _receive_seconds   histograms (gather/export; fetch to promotion)
     vllm:kv_transfer_failed_loads / _expired_loads     counters (refused or missing; past deadline)
+    vllm:kv_transfer_dropped_saves                     counter: saves that never reached their
+                                                       store (the export failed, or it was still
+                                                       pending past kv_save_timeout_s at shutdown)
     vllm:prompt_tokens_by_source{source=...}           counter: local_compute, local_cache_hit,
                                                        external_kv_transfer
     vllm:kv_transfer_blocks_held                       gauge: KV blocks held for transfers
@@ -54,6 +57,9 @@ class KVTransferMetrics:
         self.failed = counter("vllm:kv_transfer_failed_loads",
                               "KV loads refused or incomplete (missing, corrupt, stale, foreign).")
         self.expired = counter("vllm:kv_transfer_expired_loads", "KV loads past their deadline.")
+        self.dropped_saves = counter("vllm:kv_transfer_dropped_saves",
+                                     "KV saves that never reached their store (export failed, or "
+                                     "still pending past kv_save_timeout_s when the engine stopped).")
         self.blocks_held = Gauge("vllm:kv_transfer_blocks_held",
                                  "KV blocks held for transfers (being received or kept for a send).",
                                  labels, registry=registry).labels(*values)
@@ -70,6 +76,7 @@ class KVTransferMetrics:
                 hist.observe(value)
         self.failed.inc(stats.get("failed_loads", 0))
         self.expired.inc(stats.get("expired_loads", 0))
+        self.dropped_saves.inc(stats.get("dropped_saves", 0))
         if "blocks_held" in stats:
             self.blocks_held.set(stats["blocks_held"])
 

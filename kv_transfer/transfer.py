@@ -53,10 +53,9 @@ logger = logging.getLogger(__name__)
 # never reported it (a lost notice): the worker drops late bytes at the deadline.
 NOTICE_GRACE_S = 2.0
 
-# Set when a load or a copy-out ends on a transfer thread: an engine core that idles on
-# transfers alone (replica.engine.engine_core; the worker in its process: TP=1) wakes for
-# it at once instead of at its next poll.
-TRANSFER_PROGRESS = threading.Event()
+# How long a worker half shutting down still waits for its exports (the engine core's flush,
+# bounded by kv_save_timeout_s, waited for them first).
+SHUTDOWN_GRACE_S = 1.0
 
 
 def _omp_set_num_threads():
@@ -346,6 +345,13 @@ class TransferScheduler(KVConnectorScheduler):
                 runner_output.finished_recving.add(rid)
                 runner_output.invalid_block_ids.update(spec.block_ids)
 
+    def has_pending_work(self) -> bool:
+        """Saves, loads or cancels queued for the next step's metadata."""
+        return bool(self._meta)
+
+    def num_pending_saves(self) -> int:
+        return len(self._meta.saves)
+
     def load_failure_policy(self, request: Request) -> str:
         if self._params(request).get("do_remote_prefill"):
             return self.config.kv_load_failure_policy
@@ -452,14 +458,14 @@ class TransferWorker(KVConnectorWorker):
         self._copy_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kv-copy-out",
                                                 initializer=one_core_per_thread)
         self._copied_out: "queue.SimpleQueue[str]" = queue.SimpleQueue()
-        self._exports: list[cf.Future] = []
+        # (request id, future) of every copy-out and export not reaped yet.
+        self._exports: list[tuple[str, cf.Future]] = []
         self._exports_lock = threading.Lock()
         # Layer-wise saves of this step: (spec, batch being filled, block index, layers done, t0).
         self._layer_saves: list[tuple[SaveSpec, BlockBatch, BlockIndex, set[int], float]] = []
         self._sending_done: set[str] = set()
         self._invalid: set[int] = set()
-        self.stats = {"bytes_sent": [], "seconds_sent": [], "bytes_recv": [], "seconds_recv": [],
-                      "failed_loads": 0, "expired_loads": 0}
+        self.stats = self._new_stats()
         # Exports record their sends from transfer threads; the engine's thread takes the dict.
         self._stats_lock = threading.Lock()
 
@@ -506,20 +512,23 @@ class TransferWorker(KVConnectorWorker):
                 self._layer_saves.append((spec, batch, idx, set(), t0))
                 continue
             if self._copy_off_engine_thread:
-                self._track_export(self._copy_pool.submit(self._copy_out, spec, batch, idx, t0))
+                self._track_export(spec.req_id, self._copy_pool.submit(self._copy_out, spec, batch, idx, t0))
                 continue
             for layer, kv in enumerate(self.kv_caches):
                 gather_layer(kv, idx, batch.data, layer)
             self._copied()
             # Copied out: the scheduler may reuse the blocks after this step.
             self._sending_done.add(spec.req_id)
-            self._track_export(self._pool.submit(self._export, spec, batch, t0))
+            self._track_export(spec.req_id, self._pool.submit(self._export, spec, batch, t0))
         for spec in meta.loads:
             load = _Load(spec, time.perf_counter())
             load.future = self._pool.submit(self._fetch, load)
             # (once the future is done, so that get_finished, woken by it, sees it done)
-            load.future.add_done_callback(lambda _: TRANSFER_PROGRESS.set())
+            load.future.add_done_callback(self._wake_engine)
             self._loads[spec.req_id] = load
+
+    def _wake_engine(self, _future=None) -> None:
+        self.wakeup()
 
     def save_kv_layer(self, layer: int, kv_layer, attn_metadata) -> None:
         for _, batch, idx, done, _ in self._layer_saves:
@@ -538,7 +547,7 @@ class TransferWorker(KVConnectorWorker):
                     gather_layer(kv, idx, batch.data, layer)
         self._copied()
         for spec, batch, _, _, t0 in saves:
-            self._track_export(self._pool.submit(self._export, spec, batch, t0))
+            self._track_export(spec.req_id, self._pool.submit(self._export, spec, batch, t0))
 
     def _copy_out(self, spec: SaveSpec, batch: BlockBatch, idx: BlockIndex, t0: float) -> None:
         """On the copy-out thread: the request's blocks into `batch` (nobody writes them: the
@@ -562,8 +571,9 @@ class TransferWorker(KVConnectorWorker):
             raise
         finally:
             self._copied_out.put(spec.req_id)
-            TRANSFER_PROGRESS.set()
-        self._track_export(self._pool.submit(self._export, spec, batch, t0))
+            self.wakeup()
+        # (tracked before this copy-out's own future is done: the save never looks finished)
+        self._track_export(spec.req_id, self._pool.submit(self._export, spec, batch, t0))
 
     def _stream_out(self, spec: SaveSpec, batch: BlockBatch, idx: BlockIndex, t0: float) -> None:
         """`_copy_out` for a streaming transport: exported first, then gathered chunk by chunk
@@ -591,14 +601,21 @@ class TransferWorker(KVConnectorWorker):
                 raise
         finally:
             self._copied_out.put(spec.req_id)
-            TRANSFER_PROGRESS.set()
+            self.wakeup()
         with self._stats_lock:
             self.stats["bytes_sent"].append(batch.nbytes)
             self.stats["seconds_sent"].append(time.perf_counter() - t0)
 
-    def _track_export(self, fut: cf.Future) -> None:
+    def _track_export(self, req_id: str, fut: cf.Future) -> None:
         with self._exports_lock:
-            self._exports.append(fut)
+            self._exports.append((req_id, fut))
+        # An idle engine steps while saves are in flight: wake it when this one ends.
+        fut.add_done_callback(self._wake_engine)
+
+    def num_saves_in_flight(self) -> int:
+        """Saves being copied out or exported (one per request, however many futures)."""
+        with self._exports_lock:
+            return len({rid for rid, f in self._exports if not f.done()})
 
     def _export(self, spec: SaveSpec, batch: BlockBatch, t0: float) -> None:
         nbytes = batch.nbytes
@@ -751,12 +768,19 @@ class TransferWorker(KVConnectorWorker):
     def _reap_exports(self) -> None:
         with self._exports_lock:
             done, still = [], []
-            for f in self._exports:
-                (done if f.done() else still).append(f)
+            for entry in self._exports:
+                (done if entry[1].done() else still).append(entry)
             self._exports = still
-        for fut in done:
+        failed = 0
+        for rid, fut in done:
+            if fut.cancelled():
+                continue  # counted by shutdown, which cancelled it
             if fut.exception() is not None:
-                logger.warning("KV export failed: %s", fut.exception())
+                failed += 1
+                logger.warning("KV save of %s dropped: its export failed: %s", rid, fut.exception())
+        if failed:
+            with self._stats_lock:
+                self.stats["dropped_saves"] += failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._invalid = self._invalid, set()
@@ -767,24 +791,34 @@ class TransferWorker(KVConnectorWorker):
             out = self.stats
             if not any(out.values()):
                 return None
-            self.stats = {"bytes_sent": [], "seconds_sent": [], "bytes_recv": [], "seconds_recv": [],
-                          "failed_loads": 0, "expired_loads": 0}
+            self.stats = self._new_stats()
         return out
 
-    def wait_for_exports(self, timeout: float = 30.0) -> None:
-        """Block until every queued export finished (tests, shutdown)."""
+    @staticmethod
+    def _new_stats() -> dict:
+        return {"bytes_sent": [], "seconds_sent": [], "bytes_recv": [], "seconds_recv": [],
+                "failed_loads": 0, "expired_loads": 0, "dropped_saves": 0}
+
+    def wait_for_exports(self, timeout: float = 30.0) -> int:
+        """Block until every queued export finished (tests, shutdown); returns how many saves
+        are still unfinished at the deadline."""
         deadline = time.monotonic() + timeout
         while True:  # a copy-out queues its export when it is done: wait for that one too
             with self._exports_lock:
-                pending = [f for f in self._exports if not f.done()]
+                pending = [f for _, f in self._exports if not f.done()]
             left = deadline - time.monotonic()
             if not pending or left <= 0:
                 break
             cf.wait(pending, timeout=left)
         self._reap_exports()
+        return self.num_saves_in_flight()
 
     def shutdown(self) -> None:
-        self.wait_for_exports(10.0)
+        # The engine waited for its saves already (EngineCore.shutdown: up to kv_save_timeout_s,
+        # reporting what it gives up on); a short grace here, not a second deadline.
+        left = self.wait_for_exports(SHUTDOWN_GRACE_S)
+        if left:
+            logger.info("KV connector worker shutting down with %d saves unfinished: dropped", left)
         self._copy_pool.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.transport.shutdown()

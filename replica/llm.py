@@ -2,11 +2,16 @@
 
 It drives an EngineCore synchronously in the calling thread (no background
 thread, no Ray for TP=1): add every request, step until all are done,
-accumulate the deltas into whole outputs.
+accumulate the deltas into whole outputs. Nothing steps the engine between
+calls, so before `generate` returns it carries out the KV connector's saves
+its requests queued (a finished request's blocks are saved by the step after
+it): a script that exits right after `generate` leaves its KV in the store.
+`shutdown()` (or a `with LLM(...)` block) stops the engine.
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
@@ -23,6 +28,8 @@ from fleetserve.replica.engine.outputs import RequestOutput, merge_deltas
 from fleetserve.replica.engine.processor import InputProcessor, OutputProcessor, PromptType
 from fleetserve.replica.engine.tokenizer import apply_chat_template, load_tokenizer
 from fleetserve.scheduler import RequestStatus, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -76,6 +83,7 @@ class LLM:
         try:
             while op.has_unfinished():
                 result = self.core.step()
+                self._observe_kv(result)
                 if result.newly_scheduled:
                     op.mark_scheduled(result.newly_scheduled, result.timestamp)
                 deltas, stopped = op.process(result.outputs)
@@ -85,14 +93,48 @@ class LLM:
                     _accumulate(results, delta)
                     if delta.finished:
                         bar.update(1)
-        except BaseException:
+        except BaseException as e:
             # Leave the engine clean for the next call (KeyboardInterrupt included).
             for rid in list(op.parents):
                 self.core.abort_requests(op.abort(rid))
+            if isinstance(e, Exception):  # (not on Ctrl-C: the next call or shutdown does it)
+                try:
+                    self._flush_kv()  # aborted loads' blocks back, finished requests' saves done
+                except Exception:  # noqa: BLE001 - the first error is the one to raise
+                    logger.exception("KV connector: flushing after a failed generate failed")
             raise
         finally:
             bar.close()
+        self._flush_kv()
         return [results[rid] for rid in order]
+
+    def _flush_kv(self) -> None:
+        """Carry out what the KV connector queued for the next step (the finished requests'
+        saves) now: nothing else steps this engine until the next call."""
+        if self.core.kv_connector is None or not self.core.kv_pending():
+            return
+        left = self.core.flush_kv(on_step=self._observe_kv)
+        if left:
+            logger.warning("KV connector: %d saves not finished within kv_save_timeout_s=%g s of "
+                           "generate's last output; they go on with the next call's steps, or are "
+                           "dropped at shutdown", left, self.args.kv_transfer_config.kv_save_timeout_s)
+
+    def _observe_kv(self, result) -> None:
+        if result.kv_stats:
+            self.metrics.kv_transfer.observe_step(result.kv_stats)
+
+    def shutdown(self) -> None:
+        """Stop the engine: pending KV saves are carried out first (up to kv_save_timeout_s;
+        the rest are logged and counted in vllm:kv_transfer_dropped_saves)."""
+        dropped = self.core.shutdown()
+        if dropped:
+            self.metrics.kv_transfer.observe_step({"dropped_saves": dropped})
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def _lora_names(self, lora_request, num_prompts: int) -> list[Optional[str]]:
         """Each prompt's adapter name (None: the base model), loading adapters not held yet."""

@@ -29,6 +29,14 @@ Scheduler role, in call order for one request:
    may add ids it gave up on: a load past its deadline whose notice never came
    goes into ``finished_recving`` with its blocks in ``invalid_block_ids``).
 
+Work a connector queues for "the next step" (a save queued by
+``request_finished``, a cancel, a load) reaches its worker only through the
+next ``build_connector_meta``. ``has_pending_work()`` says there is some: the
+scheduler's ``has_requests()`` includes it, so an engine never goes idle while
+it is True and a finished request's save is carried out at once, with or
+without more requests. ``num_pending_saves()`` counts the saves among it (what
+an engine shutting down reports as dropped if it cannot hand them over).
+
 A failed load is reported as ``ModelRunnerOutput.invalid_block_ids``: the
 scheduler rolls the affected requests back to the first bad block and
 recomputes from there (``load_failure_policy(request) == "recompute"``), or
@@ -69,6 +77,17 @@ class KVConnectorScheduler(abc.ABC):
 
     def update_connector_output(self, runner_output: ModelRunnerOutput) -> None:
         return None
+
+    def has_pending_work(self) -> bool:
+        """Whether the next build_connector_meta would hand the worker anything (saves,
+        loads, cancels) or the connector otherwise needs steps: the engine keeps stepping
+        (steps with no tokens) while True, so queued work is never stranded by an idle
+        engine. A connector that queues work outside request_finished must say so here."""
+        return False
+
+    def num_pending_saves(self) -> int:
+        """Saves queued for the next step, not handed to a worker yet."""
+        return 0
 
     def load_failure_policy(self, request: Request) -> str:
         """"recompute" (from the first bad block) or "fail" (finish with an error)."""

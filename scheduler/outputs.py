@@ -94,6 +94,9 @@ class ModelRunnerOutput:
     spec_token_ids: Optional[dict[str, list[int]]] = None
     # What the connector moved this step (kv_transfer.metrics), for the engine's metrics.
     kv_connector_stats: Optional[dict[str, Any]] = None
+    # Saves the worker half was handed and has not finished (copy-out or export under way):
+    # the engine keeps stepping while any is, so it never idles with a save pending.
+    kv_saves_in_flight: int = 0
     # Requests with SamplingParams.embed whose prompt ended this step: their embedding.
     pooler_output: Optional[dict[str, list[float]]] = None
 

@@ -153,9 +153,12 @@ class Scheduler:
 
     def has_requests(self) -> bool:
         """Whether the engine should keep stepping: unfinished requests, or
-        finished ones the workers have not heard of / whose KV is still being sent."""
+        finished ones the workers have not heard of / whose KV is still being sent,
+        or work the connector queued for the next step (a save must not wait for
+        another request to come)."""
         return bool(self.has_unfinished_requests() or self._finished_req_ids
-                    or self.sending or self._pending_outputs)
+                    or self.sending or self._pending_outputs
+                    or (self.connector is not None and self.connector.has_pending_work()))
 
     def has_pending_outputs(self) -> bool:
         return bool(self._pending_outputs)

@@ -319,7 +319,12 @@ class AsyncEngine:
                 raise EngineDeadError(f"the engine is wedged: {reason}")
 
     def shutdown(self) -> None:
-        self._client.shutdown()
+        """Stop the engine core. It carries out its pending KV saves first (up to
+        kv_save_timeout_s); saves it drops are logged (by the core process, in its own log)
+        and, with the core on a thread here, counted in vllm:kv_transfer_dropped_saves."""
+        dropped = self._client.shutdown()
+        if dropped:
+            self.metrics.kv_transfer.observe_step({"dropped_saves": dropped})
 
     # ---- requests out, steps in -----------------------------------------------------------
     def _abort(self, request_id: str) -> None:

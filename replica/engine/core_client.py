@@ -236,13 +236,15 @@ class ThreadCoreClient(_CoreClient):
     def poll(self) -> None:
         """Nothing to read: the engine thread delivers (interface of ProcessCoreClient)."""
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> int:
+        """Stop the thread, then the core (which carries out its pending KV saves first);
+        returns how many saves it dropped."""
         if self._stopping:
-            return
+            return 0
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=30)
-        self.core.shutdown()
+        return self.core.shutdown()
 
     def _command(self, command: tuple) -> None:
         self._commands.append(command)

@@ -6,6 +6,14 @@
 
 It is synchronous and single-threaded on purpose: the offline `LLM` drives it
 directly, and `AsyncEngine` drives it from one background thread.
+
+Idle means idle for the KV connector too: `has_work()` stays True while the
+connector has work queued for the next step (a finished request's save) or
+saves in flight on its workers, so a save is carried out right after the
+request that queued it, with no later request needed. The offline `LLM` and a
+shutdown, which stop stepping on their own, `flush_kv()` first: saves finish,
+or past `kv_save_timeout_s` are reported (a warning naming how many; at
+shutdown they are dropped and counted in `kv_saves_dropped`).
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import functools
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from typing import Iterable, Optional
@@ -126,6 +135,16 @@ class EngineCore:
         self.kv_connector = make_scheduler_connector(args, self.hf_config)
         self.scheduler = create_scheduler(args.scheduler_config(self.max_model_len),
                                           args.cache_config(num_blocks), self.kv_connector)
+        # Set by the worker's connector half (its `wakeup()`) when a transfer ends on one of
+        # its threads (TP=1: the worker is in this process); steps idling on transfers wait
+        # on it. With the workers elsewhere (Ray TP) nothing sets it: those steps poll.
+        self._kv_wake = threading.Event()
+        if self.kv_connector is not None:
+            self.executor.set_kv_wakeup(self._kv_wake.set)
+        # Saves the workers reported unfinished at the last step (copy-outs, exports).
+        self._kv_saves_in_flight = 0
+        self.kv_saves_dropped = 0  # saves given up on at shutdown (past kv_save_timeout_s)
+        self._closed = False
         capacity = num_blocks * args.block_size
         if capacity < self.max_model_len:
             logger.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: a request "
@@ -194,24 +213,60 @@ class EngineCore:
         return finished
 
     def has_work(self) -> bool:
-        return self.scheduler.has_requests() or self.structured.has_pending()
+        """Whether the loop must keep stepping: requests, grammars compiling, or KV connector
+        work (the scheduler counts what its connector queued for the next step; saves the
+        workers have in flight count here), so an idle engine has no save pending."""
+        return self.scheduler.has_requests() or self.structured.has_pending() \
+            or self._kv_saves_in_flight > 0
+
+    def kv_pending(self) -> bool:
+        """The KV connector still has work: something queued for the next step, a finished
+        request's blocks held until they are copied out, or saves in flight on the workers."""
+        if self.kv_connector is None:
+            return False
+        return bool(self.kv_connector.has_pending_work() or self.scheduler.sending
+                    or self._kv_saves_in_flight > 0)
+
+    def num_pending_kv_saves(self) -> int:
+        """Saves not finished yet: queued for the next step, or in flight on the workers."""
+        if self.kv_connector is None:
+            return 0
+        return self.kv_connector.num_pending_saves() + self._kv_saves_in_flight
+
+    def flush_kv(self, timeout_s: Optional[float] = None, on_step=None) -> int:
+        """Step (steps with no tokens: call it once no request is unfinished) until the KV
+        connector has nothing pending or `timeout_s` (default: kv_save_timeout_s) passes;
+        each step's result goes to `on_step`. Returns how many saves are still unfinished."""
+        if self.kv_connector is None:
+            return 0
+        if timeout_s is None:
+            timeout_s = self.args.kv_transfer_config.kv_save_timeout_s
+        deadline = time.monotonic() + timeout_s
+        while self.kv_pending() and time.monotonic() < deadline:
+            result = self.step()
+            if on_step is not None:
+                on_step(result)
+        return self.num_pending_kv_saves()
 
     # ---- the step ----------------------------------------------------------------
     def step(self) -> StepResult:
         # With nothing else to run, wait a little for a grammar rather than spin.
+        kv_busy = self._kv_saves_in_flight > 0  # a connector step polls the workers' saves
         ready, failed = self.structured.take_ready(
-            wait_s=0.0 if self.scheduler.has_requests() else _GRAMMAR_WAIT_S)
+            wait_s=0.0 if kv_busy or self.scheduler.has_requests() else _GRAMMAR_WAIT_S)
         for request in ready:
             self.scheduler.add_request(request)
-        if not self.scheduler.has_requests():  # only grammars compiling: no step to run
+        if not (kv_busy or self.scheduler.has_requests()):  # only grammars compiling: no step
             return StepResult(failed, [], 0, time.monotonic())
         start, cpu_start = time.monotonic(), (time.process_time() if self._trace is not None else 0.0)
         scheduler_output = self.scheduler.schedule()
         scheduler_output.structured_output = self.structured.bitmask(
             self._sampling_req_ids(scheduler_output))
         now = time.monotonic()
+        self._kv_saves_in_flight = 0  # (unknown after a step that raised: not kept busy by it)
         runner_output = self.executor.execute_model(scheduler_output)
         model_end = time.monotonic()
+        self._kv_saves_in_flight = getattr(runner_output, "kv_saves_in_flight", 0)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self._trace is not None:
             self._trace.write(start, now, model_end, cpu_start, scheduler_output.total_num_scheduled_tokens,
@@ -222,13 +277,12 @@ class EngineCore:
         if self.kv_connector is not None and not outputs and scheduler_output.is_empty \
                 and not (runner_output.finished_recving or runner_output.finished_sending
                          or runner_output.invalid_block_ids):
-            # Only transfers are pending (loads, leases): poll them without spinning a core,
-            # woken early when one ends on a transfer thread of this process (TP=1). (Not
-            # after a step that finished some: a loaded request is scheduled at once.)
-            from fleetserve.kv_transfer.transfer import TRANSFER_PROGRESS
-
-            if TRANSFER_PROGRESS.wait(KV_IDLE_POLL_S):
-                TRANSFER_PROGRESS.clear()  # before this step's get_finished: no wake is lost
+            # Only transfers are pending (loads, saves, leases): poll them without spinning a
+            # core, woken early when one ends on a transfer thread of this process (TP=1: the
+            # connector's `wakeup()`). (Not after a step that finished some: a loaded request
+            # is scheduled at once.)
+            if self._kv_wake.wait(KV_IDLE_POLL_S):
+                self._kv_wake.clear()  # before the next step's get_finished: no wake is lost
         # Resumed (preempted) requests are sent as new again; the output
         # processor keeps only the first schedule time of each request.
         scheduled = [n.req_id for n in scheduler_output.scheduled_new_reqs]
@@ -287,7 +341,14 @@ class EngineCore:
             "num_blocks": stats.num_blocks,
         }
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> int:
+        """Stop the engine: requests still unfinished are aborted (nobody will read them),
+        finished ones' KV saves are carried out (up to kv_save_timeout_s). Returns how many
+        saves were dropped (logged, and added to `kv_saves_dropped`)."""
+        if self._closed:
+            return 0
+        self._closed = True
+        dropped = self._flush_kv_at_shutdown() if self.kv_connector is not None else 0
         if self._trace is not None:
             self._trace.close()
             self._trace = None
@@ -295,6 +356,22 @@ class EngineCore:
         self.executor.shutdown()
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
+        return dropped
+
+    def _flush_kv_at_shutdown(self) -> int:
+        timeout_s = self.args.kv_transfer_config.kv_save_timeout_s
+        try:
+            self.abort_requests(list(self.scheduler.requests) + self.structured.pending_ids())
+            left = self.flush_kv(timeout_s)
+        except Exception as e:  # noqa: BLE001 - a dead executor: what is pending is lost
+            logger.warning("KV connector: carrying out the pending saves at shutdown failed: %s: %s",
+                           type(e).__name__, e)
+            left = self.num_pending_kv_saves()
+        if left:
+            logger.warning("KV connector: %d saves dropped at shutdown (not finished within "
+                           "kv_save_timeout_s=%g s); their blocks will be recomputed", left, timeout_s)
+            self.kv_saves_dropped += left
+        return left
 
 
 # How long an idle step waits for a grammar before returning (commands are read between steps).

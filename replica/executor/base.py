@@ -30,6 +30,11 @@ class Executor(abc.ABC):
     def remove_lora(self, lora_id: int) -> None:
         """Drop adapter `lora_id` from every rank (nothing where it is not loaded)."""
 
+    def set_kv_wakeup(self, callback) -> bool:
+        """Hand the workers' KV connector halves the engine core's wake-up (the connector's
+        `set_wakeup`); False when none lives in this process (the engine polls them)."""
+        return False
+
     def add_progress_hook(self, bump) -> bool:
         """`bump` at each decoder layer of the model this process runs (replica.engine.progress);
         False when there is none here (ranks in other processes: steps alone count)."""

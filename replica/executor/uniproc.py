@@ -31,6 +31,13 @@ class UniProcExecutor(Executor):
     def remove_lora(self, lora_id: int) -> None:
         self.worker.remove_lora(lora_id)
 
+    def set_kv_wakeup(self, callback) -> bool:
+        connector = self.worker.kv_connector
+        if connector is None:
+            return False
+        connector.set_wakeup(callback)
+        return True
+
     def add_progress_hook(self, bump) -> bool:
         from fleetserve.replica.engine.progress import hook_layers
 

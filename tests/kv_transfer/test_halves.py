@@ -245,31 +245,26 @@ def test_a_cpu_cache_is_copied_out_off_the_engines_thread_and_its_blocks_kept_un
     worker.shutdown()
 
 
-def test_a_load_ending_wakes_an_idle_engine_and_the_next_step_sees_it(monkeypatch):
-    """An engine idling on transfers alone waits on TRANSFER_PROGRESS (not a fixed poll); the
-    load's transfer thread sets it only once the load's future is done, so the step right after
-    the wake reports the load. (The event is process-wide: only sets from this worker's
-    transfer threads are looked at.)"""
-    from fleetserve.kv_transfer import transfer
-
+def test_a_load_ending_wakes_an_idle_engine_and_the_next_step_sees_it():
+    """An engine idling on transfers alone waits on its own wake-up, which it gives the
+    worker half (`set_wakeup`; no module-global event); the load's transfer thread calls it
+    only once the load's future is done, so the step right after the wake reports the load."""
     sched, runner, worker, caches, req = build(timeout_s=10)
+    ours, seen = threading.Event(), []
     sched.add_request(req)
     step(sched, runner)
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     load = worker.half._loads["r0"]
-    ours, seen, real = threading.Event(), [], transfer.TRANSFER_PROGRESS
 
-    class Recording:
-        def set(self):
-            if threading.current_thread() in worker.half._pool._threads:
-                seen.append(load.future.done())
-                ours.set()
-            real.set()
+    def wake():
+        if threading.current_thread() in worker.half._pool._threads:
+            seen.append(load.future.done())
+            ours.set()
 
-    monkeypatch.setattr(transfer, "TRANSFER_PROGRESS", Recording())
+    worker.set_wakeup(wake)
     GatedTransport.gate.set()
     assert ours.wait(5)
-    assert seen == [True]  # set once, after the future was done
+    assert seen == [True]  # woken once, after the future was done
     step(sched, runner)
     assert req.status == RequestStatus.WAITING and req.num_external_computed_tokens == 16
     run_to_completion(sched, runner)
