@@ -61,8 +61,8 @@ def start_cluster(model: str, replicas: int):
 async def control_all(app: str, op: str) -> dict:
     from ray import serve
 
-    from fleetserve.router.registry import get_router
-    from fleetserve.router.request_router import TARGET_KWARG
+    from fleetserve.router.routing.registry import get_router
+    from fleetserve.router.routing.request_router import TARGET_KWARG
 
     handle = serve.get_deployment_handle("engine", app)
     await handle.get_info.remote()

@@ -20,8 +20,8 @@ from fleetserve.cluster.config import AppConfig
 
 # What a deploy config's application imports on the cluster (cluster/serve_app.py).
 APP_BUILDER = "fleetserve.cluster.serve_app:app_builder"
-# Our own registration: undecodable messages become INVALID_ARGUMENT (router.grpc_service).
-GRPC_SERVICER = "fleetserve.router.grpc_service.add_servicer"
+# Our own registration: undecodable messages become INVALID_ARGUMENT (router.grpc.service).
+GRPC_SERVICER = "fleetserve.router.grpc.service.add_servicer"
 # Keys of AppConfig that only the `fleetserve serve` process uses (which Ray to join).
 PROCESS_ONLY_KEYS = ("address",)
 

@@ -27,7 +27,7 @@ Ray Serve deployment of its own (`prefill`, `decode`), each pool's `engine` a se
 `EngineArgs` fields laid over the top-level `engine` (so the model is named once),
 and its own `num_replicas` and `num_cpus_per_replica`. The pools' KV transfer
 configs are derived from `connector` (prefill: `kv_producer`, decode:
-`kv_consumer`); clients see the same HTTP and gRPC API (`router/pd.py` has the flow).
+`kv_consumer`); clients see the same HTTP and gRPC API (`router/routing/pd.py` has the flow).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class GRPCOptions(BaseModel):
 
 
 class RoutingOptions(BaseModel):
-    """Knobs of the routing policies (see `router/policies/`)."""
+    """Knobs of the routing policies (see `router/routing/policies/`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -110,7 +110,7 @@ class RoutingOptions(BaseModel):
 
 
 class ClusterReuseOptions(BaseModel):
-    """Cluster-wide prefix reuse (router/prefix_reuse.py), for colocated apps: a replica
+    """Cluster-wide prefix reuse (router/routing/prefix_reuse.py), for colocated apps: a replica
     the router picks that lacks a long prefix another replica caches loads it from that
     replica through `kv_connector` (every replica runs it as kv_both) instead of
     recomputing it. Needs routing_policy prefix_aware (the KV index says who holds what)."""
@@ -174,13 +174,13 @@ class ReliabilityOptions(BaseModel):
         "no ping within it, is wedged: unhealthy."))
     max_migrations: int = Field(2, ge=0, description=(
         "A stream whose replica fails continues on another one at most this many times "
-        "(router/migration.py); 0 turns migration off."))
+        "(router/routing/migration.py); 0 turns migration off."))
     max_queued_requests: int = Field(512, ge=-1, description=(
         "Requests waiting in Serve's queue for a replica slot beyond which new ones get 429 "
         "(Serve's max_queued_requests; -1: unbounded)."))
     max_queued_kv_ratio: float = Field(4.0, gt=0.0, description=(
         "A replica refuses (429) a request when its queued tokens exceed this many times "
-        "its KV cache's capacity in tokens (router/admission.py)."))
+        "its KV cache's capacity in tokens (router/routing/admission.py)."))
 
 
 class AppConfig(BaseModel):
@@ -236,9 +236,9 @@ class AppConfig(BaseModel):
         "Ray Serve autoscaling of the engine replicas; replaces num_replicas when set."))
     pd: PDOptions = Field(PDOptions(), description=(
         "Prefill/decode disaggregation: a prefill pool and a decode pool of engine replicas "
-        "and the KV connector between them (router/pd.py)."))
+        "and the KV connector between them (router/routing/pd.py)."))
     cluster_reuse: ClusterReuseOptions = Field(ClusterReuseOptions(), description=(
-        "Cluster-wide prefix reuse between colocated replicas (router/prefix_reuse.py)."))
+        "Cluster-wide prefix reuse between colocated replicas (router/routing/prefix_reuse.py)."))
 
     @model_validator(mode="after")
     def _check_reuse(self) -> "AppConfig":

@@ -39,9 +39,9 @@ from fleetserve.cluster.config import AppConfig
 from fleetserve.cluster.app_spec import GRPC_SERVICER, app_args, resolve_api_key
 from fleetserve.router.auth import API_KEY_ENV
 from fleetserve.router.ingress import IngressDeployment
-from fleetserve.router.policies import POLICIES
+from fleetserve.router.routing.policies import POLICIES
 from fleetserve.router.replica import EngineReplica
-from fleetserve.router.request_router import FleetRequestRouter
+from fleetserve.router.routing.request_router import FleetRequestRouter
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ def _free_port(host: str) -> int:
 
 def build_app(config: AppConfig):
     """The Serve application: one ingress in front of `num_replicas` engine replicas, or,
-    with `pd.enabled`, in front of a decode pool and a prefill pool (router/pd.py)."""
+    with `pd.enabled`, in front of a decode pool and a prefill pool (router/routing/pd.py)."""
     engine = config.engine
     # Accepted in `model`: every served name, and the --model value itself; listed in
     # /v1/models: the served names.

@@ -13,7 +13,7 @@ selector is a hard constraint: a replica whose selector no node matches waits
 off the head and prefill replicas on prefill nodes (each worker group carries its
 `fleetserve.io/pool` label).
 
-`pd` is prefill/decode disaggregation (served by router/pd.py): the pools' replicas,
+`pd` is prefill/decode disaggregation (served by router/routing/pd.py): the pools' replicas,
 placement and engine settings, and the connector between them. The chart's mapping to these keys lives in one place:
 `helm/fleetserve/templates/_appconfig.tpl`.
 """
@@ -109,7 +109,7 @@ class PDPool(BaseModel):
 
 class PDOptions(BaseModel):
     """Prefill/decode disaggregation: prompts are prefilled on the prefill pool and
-    their KV cache handed to the decode pool through `connector` (router/pd.py)."""
+    their KV cache handed to the decode pool through `connector` (router/routing/pd.py)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

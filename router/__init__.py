@@ -2,7 +2,7 @@
 
     client --HTTP/gRPC--> Serve proxy --> ingress (router/ingress.py: validate, tokenize)
                                             | handle.generate, routed by FleetRequestRouter
-                                            v  (router/request_router.py + router/policies/)
+                                            v  (router/routing/request_router.py + router/routing/policies/)
                                           engine replica x N (router/replica.py: AsyncEngine)
 
 See router/README.md for the design of routing and metrics aggregation.

@@ -27,7 +27,7 @@ from typing import Optional
 
 from starlette.datastructures import Headers
 
-from fleetserve.router.errors import APIError, to_response
+from fleetserve.router.api.errors import APIError, to_response
 
 API_KEY_ENV = "FLEETSERVE_API_KEY"
 

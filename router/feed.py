@@ -30,7 +30,7 @@ path of the items after the one the replica marks:
   it: Serve drains a replica until no call is in flight.
 - If a feed ends while requests are bound to it (the replica died, the stream broke, the
   ingress is going away), those requests fail with `FeedLost` and the ingress's migration
-  continues them from the tokens their clients already have (router.migration): items in
+  continues them from the tokens their clients already have (router.routing.migration): items in
   flight on a broken stream cannot be recovered, and falling back to the requests' own
   calls could leave a gap or reorder them. (The replica still sends on a request's own
   call once its feed is closed there: first what the feed never sent, then the rest; it
@@ -311,7 +311,7 @@ class FeedHub:
         from ray.serve._private.utils import generate_request_id
         from ray.serve.context import _set_request_context
 
-        from fleetserve.router.request_router import TARGET_KWARG
+        from fleetserve.router.routing.request_router import TARGET_KWARG
 
         _set_request_context(_internal_request_id=generate_request_id())
         call = None

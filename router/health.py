@@ -24,7 +24,7 @@ from typing import Any
 
 from ray.exceptions import RayTaskError
 
-from fleetserve.router.registry import get_router
+from fleetserve.router.routing.registry import get_router
 
 # A replica that does not answer its health check within this is reported unhealthy
 # ("unreachable"); a healthy replica answers in milliseconds even under overload.

@@ -31,37 +31,37 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fleetserve.replica.engine.chat_template import check_continue_final_message, check_template_kwargs
 from fleetserve.router import auth as _auth
 from fleetserve.router import cors as _cors
-from fleetserve.router import completions
-from fleetserve.router import openai_format as fmt
-from fleetserve.router import embeddings as emb_api
-from fleetserve.router import responses as resp_api
+from fleetserve.router.api import completions
+from fleetserve.router.api import openai_format as fmt
+from fleetserve.router.api import embeddings as emb_api
+from fleetserve.router.api import responses as resp_api
 from fleetserve.router import serve_patches
 from fleetserve.router.access_log import AccessLog
 from fleetserve.router.auth import ApiKeyAuth, RequireApiKey
 from fleetserve.router.cors import Cors, CorsSettings
-from fleetserve.router.errors import (APIError, error_body, field_path, from_validation_error, is_error,
+from fleetserve.router.api.errors import (APIError, error_body, field_path, from_validation_error, is_error,
                                       to_response)
 from fleetserve.router.feed import FEED_FLAG, FeedHub, Inbox
-from fleetserve.router.grpc_service import GrpcMethods, quiet_client_errors
-from fleetserve.router.kv_subscriber import KVEventSubscriber
-from fleetserve.router.pd import PDRouter, PDSettings
-from fleetserve.router.prefix_reuse import PrefixReuse, ReuseSettings
+from fleetserve.router.grpc.service import GrpcMethods, quiet_client_errors
+from fleetserve.router.routing.kv_subscriber import KVEventSubscriber
+from fleetserve.router.routing.pd import PDRouter, PDSettings
+from fleetserve.router.routing.prefix_reuse import PrefixReuse, ReuseSettings
 from fleetserve.router.health import replica_health
-from fleetserve.router.tool_calls import ToolDeltas
-from fleetserve.router.limits import (FANOUT, check_internal_fields, check_prompt_chars, max_token_chars,
+from fleetserve.router.api.tool_calls import ToolDeltas
+from fleetserve.router.api.limits import (FANOUT, check_internal_fields, check_prompt_chars, max_token_chars,
                                       parse_json)
 from fleetserve.router.metrics import merge_metrics
-from fleetserve.router.migration import MigratingStream
-from fleetserve.router.migration import metrics_text as migration_metrics
-from fleetserve.router.openapi import add_request_bodies
+from fleetserve.router.routing.migration import MigratingStream
+from fleetserve.router.routing.migration import metrics_text as migration_metrics
+from fleetserve.router.api.openapi import add_request_bodies
 from fleetserve.replica.lora.request import LORA_LOAD_TIMEOUT_S
 from fleetserve.router.runtime_loras import RuntimeLoRAs
-from fleetserve.router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from fleetserve.router.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest,
                                         sampling_dict)
-from fleetserve.router.reasoning import get_parser as get_reasoning_parser
-from fleetserve.router.registry import get_router, release_request
-from fleetserve.router.request_router import TARGET_KWARG
+from fleetserve.router.api.reasoning import get_parser as get_reasoning_parser
+from fleetserve.router.routing.registry import get_router, release_request
+from fleetserve.router.routing.request_router import TARGET_KWARG
 from fleetserve.scheduler.sampling_params import SamplingParams, truncate_prompt
 
 logger = logging.getLogger("ray.serve")

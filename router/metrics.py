@@ -2,7 +2,7 @@
 
 Each engine keeps its own registry (`AsyncEngine.metrics_text()`); the ingress
 fetches all of them on demand when `/metrics` is scraped (pinned calls, see
-router/request_router.py) and relabels each sample with `replica="<id>"`.
+router/routing/request_router.py) and relabels each sample with `replica="<id>"`.
 Families with the same name are merged under one HELP/TYPE header, which keeps
 the output valid for Prometheus and for `text_string_to_metric_families`.
 """

@@ -49,7 +49,7 @@ def test_wheel_has_one_top_level_name(tmp_path):
     assert tops == {"fleetserve", next(t for t in tops if t.endswith(".dist-info"))}, tops
     for needed in ("fleetserve/__init__.py", "fleetserve/scheduler/scheduler.py",
                    "fleetserve/replica/engine/engine_core.py", "fleetserve/replica/kernels/cpu_ops.cpp",
-                   "fleetserve/router/proto/fleetserve.proto", "fleetserve/cluster/cli.py",
+                   "fleetserve/router/grpc/proto/fleetserve.proto", "fleetserve/cluster/cli.py",
                    "fleetserve/kv_transfer/__init__.py"):
         assert needed in names, needed
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))

@@ -83,7 +83,7 @@ def test_app_builder_validates_strictly_before_building():
         app_builder({"address": "auto"})  # meaningless under serve deploy
     with pytest.raises(AppConfigError, match=r"pd\.connector"):
         app_builder({"pd": {"enabled": True, "connector": ""}})
-    assert app_builder({"pd": {"enabled": True}}) is not None  # P/D is served (router/pd.py)
+    assert app_builder({"pd": {"enabled": True}}) is not None  # P/D is served (router/routing/pd.py)
 
 
 def test_api_key_from_the_environment(monkeypatch):

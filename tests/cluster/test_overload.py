@@ -20,8 +20,8 @@ import httpx
 import psutil
 import pytest
 
-from fleetserve.router.proto import fleetserve_pb2 as pb
-from fleetserve.router.proto import fleetserve_pb2_grpc as pb_grpc
+from fleetserve.router.grpc.proto import fleetserve_pb2 as pb
+from fleetserve.router.grpc.proto import fleetserve_pb2_grpc as pb_grpc
 from tests.cluster.serve_process import ServeProcess, free_port, processes_with
 
 NUM_BLOCKS = 64

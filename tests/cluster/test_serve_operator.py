@@ -260,8 +260,8 @@ def test_help_gives_every_flag_a_sentence_and_its_default():
 
 
 def test_client_errors_log_one_info_line_and_no_traceback(served):
-    from fleetserve.router.proto import fleetserve_pb2 as pb
-    from fleetserve.router.proto import fleetserve_pb2_grpc as pb_grpc
+    from fleetserve.router.grpc.proto import fleetserve_pb2 as pb
+    from fleetserve.router.grpc.proto import fleetserve_pb2_grpc as pb_grpc
 
     server = served.ensure_running()
     before = len(server.log())

@@ -156,8 +156,8 @@ def test_embeddings_run_on_the_prefill_pool_and_equal_one_engine(pd_server, colo
 def test_grpc_generate_goes_through_pd_too(pd_server, colocated):
     import grpc
 
-    from fleetserve.router.proto import fleetserve_pb2 as pb
-    from fleetserve.router.proto import fleetserve_pb2_grpc as pb_grpc
+    from fleetserve.router.grpc.proto import fleetserve_pb2 as pb
+    from fleetserve.router.grpc.proto import fleetserve_pb2_grpc as pb_grpc
 
     ids = tokenize(pd_server, prompt=long_prompt(random.Random(5)))
     before = pd_server.pd_paths().get("pd", 0)

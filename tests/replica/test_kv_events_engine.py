@@ -10,7 +10,7 @@ import asyncio
 import random
 
 from fleetserve.replica.engine.async_engine import AsyncEngine
-from fleetserve.router.kv_index import KVIndex
+from fleetserve.router.routing.kv_index import KVIndex
 from fleetserve.scheduler import SamplingParams
 
 
@@ -38,7 +38,7 @@ async def workload(engine: AsyncEngine, rng: random.Random, n: int) -> None:
 
 
 def sync(index: KVIndex, replica_id: str, engine: AsyncEngine) -> None:
-    """What router.kv_subscriber does per poll: read from the cursor, apply."""
+    """What router.routing.kv_subscriber does per poll: read from the cursor, apply."""
     instance, seq = index.cursor(replica_id)
     index.update(replica_id, engine.kv_events.read(seq, instance))
 

@@ -135,8 +135,8 @@ class ServerInfo:
         """get_load() of every engine replica, through pinned calls (the ingress's mechanism)."""
         from ray import serve
 
-        from fleetserve.router.registry import get_router
-        from fleetserve.router.request_router import TARGET_KWARG
+        from fleetserve.router.routing.registry import get_router
+        from fleetserve.router.routing.request_router import TARGET_KWARG
 
         handle = serve.get_deployment_handle("engine", self.app)
 

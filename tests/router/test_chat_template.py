@@ -47,8 +47,8 @@ def test_grpc_chat_takes_the_kwargs_as_json_text(server):
     import grpc
     import pytest
 
-    from fleetserve.router.proto import fleetserve_pb2 as pb
-    from fleetserve.router.proto import fleetserve_pb2_grpc as pb_grpc
+    from fleetserve.router.grpc.proto import fleetserve_pb2 as pb
+    from fleetserve.router.grpc.proto import fleetserve_pb2_grpc as pb_grpc
 
     meta = (("application", server.app), ("authorization", f"Bearer {server.api_key}"))
     noted = post(server, "/tokenize", messages=MESSAGES, chat_template_kwargs={"note": "be brief"}).json()
@@ -75,8 +75,8 @@ def test_continue_final_message_goes_on_with_the_prefilled_reply(server):
     turn), the reply continues it; over HTTP chat, /tokenize and gRPC Chat."""
     import grpc
 
-    from fleetserve.router.proto import fleetserve_pb2 as pb
-    from fleetserve.router.proto import fleetserve_pb2_grpc as pb_grpc
+    from fleetserve.router.grpc.proto import fleetserve_pb2 as pb
+    from fleetserve.router.grpc.proto import fleetserve_pb2_grpc as pb_grpc
 
     prefilled = MESSAGES + [{"role": "assistant", "content": "Sure, here it"}]
     opened = post(server, "/tokenize", messages=prefilled, add_generation_prompt=False,

@@ -88,8 +88,8 @@ def test_bad_input_is_refused_naming_the_field_and_the_app_still_serves(client, 
 def test_grpc_embed_gives_the_http_vectors_and_refuses_bad_input(client, server):
     import grpc
 
-    from fleetserve.router.proto import fleetserve_pb2 as pb
-    from fleetserve.router.proto import fleetserve_pb2_grpc as pb_grpc
+    from fleetserve.router.grpc.proto import fleetserve_pb2 as pb
+    from fleetserve.router.grpc.proto import fleetserve_pb2_grpc as pb_grpc
 
     texts = ["over gRPC", "the same vectors"]
     http = client.embeddings.create(model=server.model, input=texts).data

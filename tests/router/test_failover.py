@@ -16,9 +16,9 @@ import time
 import grpc
 import httpx
 
-from fleetserve.router.proto import fleetserve_pb2 as pb
+from fleetserve.router.grpc.proto import fleetserve_pb2 as pb
 from tests.router.test_routing_e2e import feed_items
-from fleetserve.router.proto import fleetserve_pb2_grpc as pb_grpc
+from fleetserve.router.grpc.proto import fleetserve_pb2_grpc as pb_grpc
 
 PROMPTS = [f"Stream number {i} tells a story about" for i in range(6)]
 MAX_TOKENS = 800  # of max_model_len 2048: ~0.5 s a stream, a window in which to kill an engine mid-stream
@@ -29,8 +29,8 @@ def _replica_health(server) -> dict[str, dict]:
     """control("health") of every engine replica, pinned (the ingress's own mechanism)."""
     from ray import serve
 
-    from fleetserve.router.registry import get_router
-    from fleetserve.router.request_router import TARGET_KWARG
+    from fleetserve.router.routing.registry import get_router
+    from fleetserve.router.routing.request_router import TARGET_KWARG
 
     handle = serve.get_deployment_handle("engine", server.app)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from fleetserve.router.proto import fleetserve_pb2 as pb
-from fleetserve.router.proto import fleetserve_pb2_grpc as pb_grpc
+from fleetserve.router.grpc.proto import fleetserve_pb2 as pb
+from fleetserve.router.grpc.proto import fleetserve_pb2_grpc as pb_grpc
 
 
 @pytest.fixture(scope="module")

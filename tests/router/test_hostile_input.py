@@ -13,8 +13,8 @@ import grpc
 import httpx
 import pytest
 
-from fleetserve.router.proto import fleetserve_pb2 as pb
-from fleetserve.router.proto import fleetserve_pb2_grpc as pb_grpc
+from fleetserve.router.grpc.proto import fleetserve_pb2 as pb
+from fleetserve.router.grpc.proto import fleetserve_pb2_grpc as pb_grpc
 
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"

@@ -63,7 +63,7 @@ def test_a_request_while_the_model_loads_gets_503_not_silence(monkeypatch):
     import asyncio
 
     from fleetserve.router import ingress as ingress_module
-    from fleetserve.router.errors import APIError
+    from fleetserve.router.api.errors import APIError
 
     monkeypatch.setattr(ingress_module, "INFO_TIMEOUT_S", 0.2)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fleetserve.router.kv_index import KVIndex
-from fleetserve.router.policies import PrefixAwarePolicy, ReplicaLoad, RouteRequest
+from fleetserve.router.routing.kv_index import KVIndex
+from fleetserve.router.routing.policies import PrefixAwarePolicy, ReplicaLoad, RouteRequest
 from fleetserve.scheduler import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch,
                                   hash_token_blocks)
 

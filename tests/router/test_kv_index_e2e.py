@@ -21,10 +21,10 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from fleetserve.router.kv_index import KVIndex
-from fleetserve.router.kv_subscriber import KVEventSubscriber
-from fleetserve.router.registry import get_router
-from fleetserve.router.request_router import TARGET_KWARG
+from fleetserve.router.routing.kv_index import KVIndex
+from fleetserve.router.routing.kv_subscriber import KVEventSubscriber
+from fleetserve.router.routing.registry import get_router
+from fleetserve.router.routing.request_router import TARGET_KWARG
 
 from tests.router.test_routing_e2e import complete, delta, prompt_tokens_by_replica
 

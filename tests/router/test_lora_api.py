@@ -16,8 +16,8 @@ import httpx
 import pytest
 import torch
 
-from fleetserve.router.proto import fleetserve_pb2 as pb
-from fleetserve.router.proto import fleetserve_pb2_grpc as pb_grpc
+from fleetserve.router.grpc.proto import fleetserve_pb2 as pb
+from fleetserve.router.grpc.proto import fleetserve_pb2_grpc as pb_grpc
 from tests.router.conftest import LORA_A, LORA_B, SECOND_NAME
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time there was a little robot"
@@ -191,8 +191,8 @@ def test_a_replica_without_a_runtime_adapter_loads_it_on_first_use(server, lora_
 
     from ray import serve
 
-    from fleetserve.router.registry import get_router
-    from fleetserve.router.request_router import TARGET_KWARG
+    from fleetserve.router.routing.registry import get_router
+    from fleetserve.router.routing.request_router import TARGET_KWARG
 
     r = post(server, "/v1/load_lora_adapter", {"lora_name": "tiny-lora-c2", "lora_path": str(lora_dirs["c"])})
     assert r.status_code == 200, r.text
@@ -276,8 +276,8 @@ def test_requests_for_an_adapter_go_to_a_replica_that_holds_it(server, lora_dirs
 
     from ray import serve
 
-    from fleetserve.router.registry import get_router
-    from fleetserve.router.request_router import TARGET_KWARG
+    from fleetserve.router.routing.registry import get_router
+    from fleetserve.router.routing.request_router import TARGET_KWARG
 
     name = "tiny-lora-c5"
     assert post(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(lora_dirs["c"])}).status_code == 200
@@ -317,8 +317,8 @@ def test_a_load_replaces_weights_a_replica_kept_under_a_name_the_app_forgot(serv
 
     from ray import serve
 
-    from fleetserve.router.registry import get_router
-    from fleetserve.router.request_router import TARGET_KWARG
+    from fleetserve.router.routing.registry import get_router
+    from fleetserve.router.routing.request_router import TARGET_KWARG
 
     name = "tiny-lora-c6"
     handle = serve.get_deployment_handle("engine", server.app)

@@ -1,4 +1,4 @@
-"""The continuation a migrated request is resumed with (router.migration) produces the
+"""The continuation a migrated request is resumed with (router.routing.migration) produces the
 tokens the uninterrupted request would have, on a real engine: greedy, and seeded sampling
 (the seed shift must match the model runner's reseeding). No Ray needed."""
 
@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from fleetserve.router.migration import (ENGINE_DEAD, MIGRATED_KEY, MigratingStream, continuation_body,
+from fleetserve.router.routing.migration import (ENGINE_DEAD, MIGRATED_KEY, MigratingStream, continuation_body,
                                          continued_seed)
 from fleetserve.scheduler import SamplingParams
 

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from fleetserve.router.admission import admission_refusal
-from fleetserve.router.errors import error_body, to_response
-from fleetserve.router.protocol import sampling_dict
+from fleetserve.router.routing.admission import admission_refusal
+from fleetserve.router.api.errors import error_body, to_response
+from fleetserve.router.api.protocol import sampling_dict
 from fleetserve.router.replica import EngineReplica
 from fleetserve.scheduler import SamplingParams
 

@@ -6,7 +6,7 @@ import collections
 
 import pytest
 
-from fleetserve.router.policies import (ApproxPrefixPolicy, LeastLoadedPolicy, PowerOfTwoPolicy,
+from fleetserve.router.routing.policies import (ApproxPrefixPolicy, LeastLoadedPolicy, PowerOfTwoPolicy,
                                         PrefixAwarePolicy, ReplicaLoad,
                                         RouteRequest, make_policy)
 
@@ -145,7 +145,7 @@ def test_block_hashes_match_the_engine_cache_hashes():
 
 
 def test_a_lora_request_prefers_a_replica_that_holds_its_adapter():
-    from fleetserve.router.policies import prefer_adapter_holders
+    from fleetserve.router.routing.policies import prefer_adapter_holders
 
     loads = {"r0": ReplicaLoad("r0", num_ongoing=1), "r1": ReplicaLoad("r1", num_ongoing=3, loras=frozenset({"sql"})),
              "r2": ReplicaLoad("r2", num_ongoing=2, loras=frozenset({"sql", "chat"})),

@@ -15,8 +15,8 @@ import time
 import httpx
 import pytest
 
-from fleetserve.router.completions import MergedStream
-from fleetserve.router.limits import FANOUT, MAX_PROMPTS
+from fleetserve.router.api.completions import MergedStream
+from fleetserve.router.api.limits import FANOUT, MAX_PROMPTS
 
 CMPL = "/v1/completions"
 

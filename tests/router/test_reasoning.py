@@ -12,8 +12,8 @@ import httpx
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from fleetserve.router.proto import fleetserve_pb2 as pb
-from fleetserve.router.proto import fleetserve_pb2_grpc as pb_grpc
+from fleetserve.router.grpc.proto import fleetserve_pb2 as pb
+from fleetserve.router.grpc.proto import fleetserve_pb2_grpc as pb_grpc
 
 REGEX = "<think>[a-z]{3,6}</think>[a-z]{3,6}"
 MESSAGES = [{"role": "user", "content": "Think, then answer."}]

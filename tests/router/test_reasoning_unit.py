@@ -1,11 +1,11 @@
-"""Reasoning parsers (router/reasoning.py): whole outputs as vLLM's parsers read them, and
+"""Reasoning parsers (router/api/reasoning.py): whole outputs as vLLM's parsers read them, and
 streams split at every possible point read the same way, a tag split across deltas included."""
 
 from __future__ import annotations
 
 import pytest
 
-from fleetserve.router.reasoning import get_parser
+from fleetserve.router.api.reasoning import get_parser
 
 CASES = {
     "deepseek_r1": [

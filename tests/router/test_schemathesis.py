@@ -1,6 +1,6 @@
 """Property-based fuzzing of the HTTP API from its own OpenAPI schema (issue 15), with
 schemathesis: for every operation in /openapi.json (request bodies from the routes' pydantic
-models, router/openapi.py), generated valid and invalid requests never get a 5xx and never
+models, router/api/openapi.py), generated valid and invalid requests never get a 5xx and never
 hang, and afterwards the server serves and no KV block is held.
 
 Hand-written hostile cases live in test_hostile_input.py, hypothesis-driven ones over the

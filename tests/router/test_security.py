@@ -8,9 +8,9 @@ import httpx
 import pytest
 
 from fleetserve.router.auth import API_KEY_ENV, ApiKeyAuth, resolve_api_key
-from fleetserve.router.errors import APIError
-from fleetserve.router.proto import fleetserve_pb2 as pb
-from fleetserve.router.proto import fleetserve_pb2_grpc as pb_grpc
+from fleetserve.router.api.errors import APIError
+from fleetserve.router.grpc.proto import fleetserve_pb2 as pb
+from fleetserve.router.grpc.proto import fleetserve_pb2_grpc as pb_grpc
 
 BODY = {"prompt": "hi", "max_tokens": 2}
 

@@ -5,8 +5,8 @@ import json
 import jsonschema
 import pytest
 
-from fleetserve.router.errors import APIError
-from fleetserve.router.tool_calls import NamedToolChoice, Tool, ToolDeltas, ToolPlan, parse_hermes
+from fleetserve.router.api.errors import APIError
+from fleetserve.router.api.tool_calls import NamedToolChoice, Tool, ToolDeltas, ToolPlan, parse_hermes
 
 TOOLS = [Tool.model_validate({"function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},

@@ -8,8 +8,8 @@ import grpc
 import httpx
 import pytest
 
-from fleetserve.router.proto import fleetserve_pb2 as pb
-from fleetserve.router.proto import fleetserve_pb2_grpc as pb_grpc
+from fleetserve.router.grpc.proto import fleetserve_pb2 as pb
+from fleetserve.router.grpc.proto import fleetserve_pb2_grpc as pb_grpc
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
 

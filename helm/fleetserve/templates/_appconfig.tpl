@@ -62,7 +62,7 @@ the app config. When the app config's shape changes (e.g. the P/D keys), change 
       "logging_config" (dict "enable_access_log" false) -}}
 {{- if $v.service.grpc -}}
 {{- $_ := set $doc "grpc_options" (dict "port" $v.service.grpcPort "grpc_servicer_functions"
-      (list "fleetserve.router.grpc_service.add_servicer")) -}}
+      (list "fleetserve.router.grpc.service.add_servicer")) -}}
 {{- end -}}
 {{- $_ := set $doc "applications" (list (dict "name" $v.app.name "route_prefix" "/"
       "import_path" "fleetserve.cluster.serve_app:app_builder"

@@ -14,7 +14,7 @@ Two kinds of calls go through it:
 - calls pinned to one replica: a keyword argument `_fleetserve_target=<replica id>`
   makes the router return exactly that replica. The ingress uses it to reach
   every replica (metrics, load); it learns their ids from `replica_ids()` of
-  the router registered in `router.registry` under the deployment's name.
+  the router registered in `router.routing.registry` under the deployment's name.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from typing import Any, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from fleetserve.router import registry
-from fleetserve.router.migration import AVOID_KEY
+from fleetserve.router.routing import registry
+from fleetserve.router.routing.migration import AVOID_KEY
 from fleetserve.scheduler import prefix_salt
-from fleetserve.router.policies import ReplicaLoad, RouteRequest, RoutingPolicy, make_policy, prefer_adapter_holders
+from fleetserve.router.routing.policies import ReplicaLoad, RouteRequest, RoutingPolicy, make_policy, prefer_adapter_holders
 
 TARGET_KWARG = "_fleetserve_target"
 
@@ -158,7 +158,7 @@ class FleetRequestRouter(RequestRouter):
 
 
 def _avoiding(ranked: list[list[str]], pending: Optional[PendingRequest]) -> list[list[str]]:
-    """A migrated request's continuation skips the replicas that failed it (router.migration),
+    """A migrated request's continuation skips the replicas that failed it (router.routing.migration),
     unless no other replica is left."""
     body = pending.args[0] if pending is not None and pending.args else None
     avoid = body.get(AVOID_KEY) if isinstance(body, dict) else None

@@ -8,7 +8,7 @@ Three spellings of one thing, as vLLM accepts them:
 - vLLM's older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
 
 A request may use one of them; each becomes `StructuredOutputsParams`. Tool calls
-(router/tool_calls.py) build the same params from a function's JSON schema.
+(router/api/tool_calls.py) build the same params from a function's JSON schema.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fleetserve.router.errors import APIError
+from fleetserve.router.api.errors import APIError
 from fleetserve.scheduler.structured_outputs import StructuredOutputsParams
 
 

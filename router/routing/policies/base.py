@@ -2,7 +2,7 @@
 
 A policy sees plain `ReplicaLoad` snapshots and a `RouteRequest`, and returns
 ranked tiers of replica ids (first tier preferred; later tiers are fallbacks
-when Serve finds every replica of a tier full). `router/request_router.py`
+when Serve finds every replica of a tier full). `router/routing/request_router.py`
 adapts this to Ray Serve's `RequestRouter`, so policies stay unit-testable.
 
 Load a router can know:
@@ -52,7 +52,7 @@ class RouteRequest:
 class RoutingPolicy(ABC):
     name: str = "base"
     # True: the policy reads a `kv_index` that the ingress keeps fed with the engines'
-    # KV events (router.kv_subscriber), and replicas must publish them.
+    # KV events (router.routing.kv_subscriber), and replicas must publish them.
     uses_kv_events: bool = False
 
     @abstractmethod

@@ -31,7 +31,7 @@ import math
 import re
 from typing import Any, Optional
 
-from fleetserve.router.errors import APIError
+from fleetserve.router.api.errors import APIError
 
 MAX_N = 128
 MAX_PROMPTS = 256

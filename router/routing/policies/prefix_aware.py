@@ -4,7 +4,7 @@ The router hashes the prompt's full token blocks exactly as the engines' KV
 caches do (`scheduler.hash_token_blocks`: chained, salted, deterministic across
 processes) and looks the chain up in two places:
 
-* the cluster-wide `KVIndex` (`router/kv_index.py`), built from every engine's KV
+* the cluster-wide `KVIndex` (`router/routing/kv_index.py`), built from every engine's KV
   events: block hash -> replicas whose cache holds it *now*; and
 * the requests this router has in flight: a replica that is computing a prompt
   will hold its blocks a step later, before its events arrive, so a burst of
@@ -44,8 +44,8 @@ from abc import abstractmethod
 from collections import deque
 from typing import Optional
 
-from fleetserve.router.kv_index import KVIndex
-from fleetserve.router.policies.base import ReplicaLoad, RouteRequest, RoutingPolicy, by_load, tiers
+from fleetserve.router.routing.kv_index import KVIndex
+from fleetserve.router.routing.policies.base import ReplicaLoad, RouteRequest, RoutingPolicy, by_load, tiers
 from fleetserve.scheduler import hash_token_blocks
 from fleetserve.scheduler.kv_cache_manager import HASH_ALGOS
 

@@ -28,9 +28,9 @@ from typing import Any, Literal, NamedTuple, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
-from fleetserve.router.errors import APIError, from_validation_error
-from fleetserve.router.limits import MAX_MESSAGES
-from fleetserve.router.protocol import ChatCompletionRequest, _SamplingRequest
+from fleetserve.router.api.errors import APIError, from_validation_error
+from fleetserve.router.api.limits import MAX_MESSAGES
+from fleetserve.router.api.protocol import ChatCompletionRequest, _SamplingRequest
 
 MAX_STORED = 1024
 _ROLES = ("user", "assistant", "system", "developer")

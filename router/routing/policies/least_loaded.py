@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from typing import Optional
 
-from fleetserve.router.policies.base import ReplicaLoad, RouteRequest, RoutingPolicy, by_load, tiers
+from fleetserve.router.routing.policies.base import ReplicaLoad, RouteRequest, RoutingPolicy, by_load, tiers
 
 
 class LeastLoadedPolicy(RoutingPolicy):

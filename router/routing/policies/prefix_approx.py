@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Optional
 
-from fleetserve.router.policies.base import RouteRequest
-from fleetserve.router.policies.prefix_aware import PrefixAwareBase
+from fleetserve.router.routing.policies.base import RouteRequest
+from fleetserve.router.routing.policies.prefix_aware import PrefixAwareBase
 
 
 class ApproxPrefixPolicy(PrefixAwareBase):

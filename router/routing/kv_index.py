@@ -1,7 +1,7 @@
 """The cluster-wide prefix index: block hash -> the replicas whose KV cache holds it.
 
 Built from the engines' KV events (`scheduler.kv_events`), not from routing
-history: every replica's `KVEventLog` is read by `router.kv_subscriber`, which
+history: every replica's `KVEventLog` is read by `router.routing.kv_subscriber`, which
 hands each reply to `KVIndex.update`. Per replica the index keeps a
 `KVCacheMirror` (the replica's set of hashes, and the sequence number of the
 last batch applied) plus, across replicas, one map hash -> holders for lookups.

@@ -24,8 +24,8 @@ import contextvars
 import logging
 from typing import Callable, Optional
 
-from fleetserve.router.kv_index import KVIndex
-from fleetserve.router.request_router import TARGET_KWARG
+from fleetserve.router.routing.kv_index import KVIndex
+from fleetserve.router.routing.request_router import TARGET_KWARG
 
 logger = logging.getLogger("ray.serve")
 

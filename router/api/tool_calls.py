@@ -26,7 +26,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict
 
-from fleetserve.router.errors import APIError
+from fleetserve.router.api.errors import APIError
 from fleetserve.scheduler.structured_outputs import StructuredOutputsParams
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"

@@ -45,7 +45,7 @@ from typing import Any, Callable, Optional
 
 from ray.serve.exceptions import BackPressureError
 
-from fleetserve.router.errors import is_error
+from fleetserve.router.api.errors import is_error
 
 logger = logging.getLogger("ray.serve")
 

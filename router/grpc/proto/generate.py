@@ -1,10 +1,10 @@
 """Regenerate the checked-in gRPC modules from fleetserve.proto.
 
-    python router/proto/generate.py          # rewrite fleetserve_pb2.py, .pyi, _pb2_grpc.py
-    python router/proto/generate.py --check  # exit 1 when the checked-in files are stale
+    python router/grpc/proto/generate.py          # rewrite fleetserve_pb2.py, .pyi, _pb2_grpc.py
+    python router/grpc/proto/generate.py --check  # exit 1 when the checked-in files are stale
 
 grpc_tools.protoc (grpcio-tools, a test dependency) names the module after the proto's
-path, `router.proto.fleetserve_pb2`; the package installs as `fleetserve.router.proto`, so
+path, `router.grpc.proto.fleetserve_pb2`; the package installs as `fleetserve.router.grpc.proto`, so
 the generated module name and the stub's import are rewritten to that.
 """
 
@@ -15,11 +15,11 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+ROOT = HERE.parents[2]
 NAMES = ("fleetserve_pb2.py", "fleetserve_pb2.pyi", "fleetserve_pb2_grpc.py")
 _FIXUPS = {
-    "fleetserve_pb2.py": [("'router.proto.fleetserve_pb2'", "'fleetserve.router.proto.fleetserve_pb2'")],
-    "fleetserve_pb2_grpc.py": [("from router.proto import", "from fleetserve.router.proto import")],
+    "fleetserve_pb2.py": [("'router.grpc.proto.fleetserve_pb2'", "'fleetserve.router.grpc.proto.fleetserve_pb2'")],
+    "fleetserve_pb2_grpc.py": [("from router.grpc.proto import", "from fleetserve.router.grpc.proto import")],
 }
 
 
@@ -34,7 +34,7 @@ def generate() -> dict[str, str]:
             raise RuntimeError(f"protoc failed ({rc})")
         texts = {}
         for name in NAMES:
-            text = (Path(out) / "router" / "proto" / name).read_text()
+            text = (Path(out) / "router" / "grpc" / "proto" / name).read_text()
             for old, new in _FIXUPS.get(name, []):
                 if old not in text:
                     raise RuntimeError(f"{name}: expected {old!r} in protoc's output")
@@ -51,7 +51,7 @@ def main() -> int:
     if "--check" in sys.argv[1:]:
         names = stale()
         if names:
-            print(f"stale: {', '.join(names)}; run python router/proto/generate.py")
+            print(f"stale: {', '.join(names)}; run python router/grpc/proto/generate.py")
         return 1 if names else 0
     for name, text in generate().items():
         (HERE / name).write_text(text)

@@ -18,8 +18,8 @@ import collections
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional, Union
 
-from fleetserve.router.errors import APIError, is_error
-from fleetserve.router.limits import check_prompt_count
+from fleetserve.router.api.errors import APIError, is_error
+from fleetserve.router.api.limits import check_prompt_count
 
 PromptInput = Union[str, list[int]]
 FIM_TOKENS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")

@@ -1,7 +1,7 @@
 """Process-local registry of this process's request routers, by deployment.
 
 Serve pickles the request router class *by value* when it ships the deployment
-config, so module globals of `router/request_router.py` are copies inside the
+config, so module globals of `router/routing/request_router.py` are copies inside the
 handle's process. The registry therefore lives here, in a module imported by
 reference: the router registers itself, the ingress looks it up.
 """

@@ -40,11 +40,11 @@ from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from fleetserve.router.errors import error_body, is_error
+from fleetserve.router.api.errors import error_body, is_error
 from fleetserve.scheduler import prefix_salt
-from fleetserve.router.policies import RouteRequest
-from fleetserve.router.registry import get_router
-from fleetserve.router.request_router import TARGET_KWARG
+from fleetserve.router.routing.policies import RouteRequest
+from fleetserve.router.routing.registry import get_router
+from fleetserve.router.routing.request_router import TARGET_KWARG
 
 logger = logging.getLogger("ray.serve")
 

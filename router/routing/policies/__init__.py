@@ -1,14 +1,14 @@
 """Routing policies, chosen by name from the application config.
 
 Each is a small class behind `RoutingPolicy.rank(replicas, request) -> tiers`;
-`router.request_router.FleetRequestRouter` plugs the chosen one into Ray Serve.
+`router.routing.request_router.FleetRequestRouter` plugs the chosen one into Ray Serve.
 """
 
-from fleetserve.router.policies.base import ReplicaLoad, RouteRequest, RoutingPolicy, prefer_adapter_holders
-from fleetserve.router.policies.least_loaded import LeastLoadedPolicy
-from fleetserve.router.policies.power_of_two import PowerOfTwoPolicy
-from fleetserve.router.policies.prefix_approx import ApproxPrefixPolicy
-from fleetserve.router.policies.prefix_aware import PrefixAwarePolicy
+from fleetserve.router.routing.policies.base import ReplicaLoad, RouteRequest, RoutingPolicy, prefer_adapter_holders
+from fleetserve.router.routing.policies.least_loaded import LeastLoadedPolicy
+from fleetserve.router.routing.policies.power_of_two import PowerOfTwoPolicy
+from fleetserve.router.routing.policies.prefix_approx import ApproxPrefixPolicy
+from fleetserve.router.routing.policies.prefix_aware import PrefixAwarePolicy
 
 POLICIES: dict[str, type[RoutingPolicy]] = {
     "power_of_two": PowerOfTwoPolicy,

@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from fleetserve.router.reasoning import ReasoningParser
-from fleetserve.router.tool_calls import ToolDeltas, ToolPlan
-from fleetserve.router.tool_calls import finish_reason as tool_finish_reason
+from fleetserve.router.api.reasoning import ReasoningParser
+from fleetserve.router.api.tool_calls import ToolDeltas, ToolPlan
+from fleetserve.router.api.tool_calls import finish_reason as tool_finish_reason
 
 Decode = Callable[[int], str]
 

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from fleetserve.router.proto import fleetserve_pb2 as router_dot_proto_dot_fleetserve__pb2
+from fleetserve.router.grpc.proto import fleetserve_pb2 as router_dot_grpc_dot_proto_dot_fleetserve__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in router/proto/fleetserve_pb2_grpc.py depends on'
+        + ' but the generated code in router/grpc/proto/fleetserve_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,28 +36,28 @@ class FleetServeStub:
         """
         self.Generate = channel.unary_stream(
                 '/fleetserve.v1.FleetServe/Generate',
-                request_serializer=router_dot_proto_dot_fleetserve__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=router_dot_proto_dot_fleetserve__pb2.GenerateResponse.FromString,
+                request_serializer=router_dot_grpc_dot_proto_dot_fleetserve__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=router_dot_grpc_dot_proto_dot_fleetserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Chat = channel.unary_stream(
                 '/fleetserve.v1.FleetServe/Chat',
-                request_serializer=router_dot_proto_dot_fleetserve__pb2.ChatRequest.SerializeToString,
-                response_deserializer=router_dot_proto_dot_fleetserve__pb2.ChatResponse.FromString,
+                request_serializer=router_dot_grpc_dot_proto_dot_fleetserve__pb2.ChatRequest.SerializeToString,
+                response_deserializer=router_dot_grpc_dot_proto_dot_fleetserve__pb2.ChatResponse.FromString,
                 _registered_method=True)
         self.Embed = channel.unary_unary(
                 '/fleetserve.v1.FleetServe/Embed',
-                request_serializer=router_dot_proto_dot_fleetserve__pb2.EmbedRequest.SerializeToString,
-                response_deserializer=router_dot_proto_dot_fleetserve__pb2.EmbedResponse.FromString,
+                request_serializer=router_dot_grpc_dot_proto_dot_fleetserve__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=router_dot_grpc_dot_proto_dot_fleetserve__pb2.EmbedResponse.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/fleetserve.v1.FleetServe/Health',
-                request_serializer=router_dot_proto_dot_fleetserve__pb2.HealthRequest.SerializeToString,
-                response_deserializer=router_dot_proto_dot_fleetserve__pb2.HealthResponse.FromString,
+                request_serializer=router_dot_grpc_dot_proto_dot_fleetserve__pb2.HealthRequest.SerializeToString,
+                response_deserializer=router_dot_grpc_dot_proto_dot_fleetserve__pb2.HealthResponse.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/fleetserve.v1.FleetServe/ListModels',
-                request_serializer=router_dot_proto_dot_fleetserve__pb2.ListModelsRequest.SerializeToString,
-                response_deserializer=router_dot_proto_dot_fleetserve__pb2.ListModelsResponse.FromString,
+                request_serializer=router_dot_grpc_dot_proto_dot_fleetserve__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=router_dot_grpc_dot_proto_dot_fleetserve__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
 
 
@@ -107,28 +107,28 @@ def add_FleetServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=router_dot_proto_dot_fleetserve__pb2.GenerateRequest.FromString,
-                    response_serializer=router_dot_proto_dot_fleetserve__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=router_dot_grpc_dot_proto_dot_fleetserve__pb2.GenerateRequest.FromString,
+                    response_serializer=router_dot_grpc_dot_proto_dot_fleetserve__pb2.GenerateResponse.SerializeToString,
             ),
             'Chat': grpc.unary_stream_rpc_method_handler(
                     servicer.Chat,
-                    request_deserializer=router_dot_proto_dot_fleetserve__pb2.ChatRequest.FromString,
-                    response_serializer=router_dot_proto_dot_fleetserve__pb2.ChatResponse.SerializeToString,
+                    request_deserializer=router_dot_grpc_dot_proto_dot_fleetserve__pb2.ChatRequest.FromString,
+                    response_serializer=router_dot_grpc_dot_proto_dot_fleetserve__pb2.ChatResponse.SerializeToString,
             ),
             'Embed': grpc.unary_unary_rpc_method_handler(
                     servicer.Embed,
-                    request_deserializer=router_dot_proto_dot_fleetserve__pb2.EmbedRequest.FromString,
-                    response_serializer=router_dot_proto_dot_fleetserve__pb2.EmbedResponse.SerializeToString,
+                    request_deserializer=router_dot_grpc_dot_proto_dot_fleetserve__pb2.EmbedRequest.FromString,
+                    response_serializer=router_dot_grpc_dot_proto_dot_fleetserve__pb2.EmbedResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=router_dot_proto_dot_fleetserve__pb2.HealthRequest.FromString,
-                    response_serializer=router_dot_proto_dot_fleetserve__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=router_dot_grpc_dot_proto_dot_fleetserve__pb2.HealthRequest.FromString,
+                    response_serializer=router_dot_grpc_dot_proto_dot_fleetserve__pb2.HealthResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
-                    request_deserializer=router_dot_proto_dot_fleetserve__pb2.ListModelsRequest.FromString,
-                    response_serializer=router_dot_proto_dot_fleetserve__pb2.ListModelsResponse.SerializeToString,
+                    request_deserializer=router_dot_grpc_dot_proto_dot_fleetserve__pb2.ListModelsRequest.FromString,
+                    response_serializer=router_dot_grpc_dot_proto_dot_fleetserve__pb2.ListModelsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -156,8 +156,8 @@ class FleetServe:
             request,
             target,
             '/fleetserve.v1.FleetServe/Generate',
-            router_dot_proto_dot_fleetserve__pb2.GenerateRequest.SerializeToString,
-            router_dot_proto_dot_fleetserve__pb2.GenerateResponse.FromString,
+            router_dot_grpc_dot_proto_dot_fleetserve__pb2.GenerateRequest.SerializeToString,
+            router_dot_grpc_dot_proto_dot_fleetserve__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -183,8 +183,8 @@ class FleetServe:
             request,
             target,
             '/fleetserve.v1.FleetServe/Chat',
-            router_dot_proto_dot_fleetserve__pb2.ChatRequest.SerializeToString,
-            router_dot_proto_dot_fleetserve__pb2.ChatResponse.FromString,
+            router_dot_grpc_dot_proto_dot_fleetserve__pb2.ChatRequest.SerializeToString,
+            router_dot_grpc_dot_proto_dot_fleetserve__pb2.ChatResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -210,8 +210,8 @@ class FleetServe:
             request,
             target,
             '/fleetserve.v1.FleetServe/Embed',
-            router_dot_proto_dot_fleetserve__pb2.EmbedRequest.SerializeToString,
-            router_dot_proto_dot_fleetserve__pb2.EmbedResponse.FromString,
+            router_dot_grpc_dot_proto_dot_fleetserve__pb2.EmbedRequest.SerializeToString,
+            router_dot_grpc_dot_proto_dot_fleetserve__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -237,8 +237,8 @@ class FleetServe:
             request,
             target,
             '/fleetserve.v1.FleetServe/Health',
-            router_dot_proto_dot_fleetserve__pb2.HealthRequest.SerializeToString,
-            router_dot_proto_dot_fleetserve__pb2.HealthResponse.FromString,
+            router_dot_grpc_dot_proto_dot_fleetserve__pb2.HealthRequest.SerializeToString,
+            router_dot_grpc_dot_proto_dot_fleetserve__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -264,8 +264,8 @@ class FleetServe:
             request,
             target,
             '/fleetserve.v1.FleetServe/ListModels',
-            router_dot_proto_dot_fleetserve__pb2.ListModelsRequest.SerializeToString,
-            router_dot_proto_dot_fleetserve__pb2.ListModelsResponse.FromString,
+            router_dot_grpc_dot_proto_dot_fleetserve__pb2.ListModelsRequest.SerializeToString,
+            router_dot_grpc_dot_proto_dot_fleetserve__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,

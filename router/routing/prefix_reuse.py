@@ -33,13 +33,13 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from fleetserve.router.errors import is_error
-from fleetserve.router.pd import (_BUCKETS, PDStream, decode_token_counter, export_body, failed_load,
+from fleetserve.router.api.errors import is_error
+from fleetserve.router.routing.pd import (_BUCKETS, PDStream, decode_token_counter, export_body, failed_load,
                                   run_to_final)
 from fleetserve.scheduler import prefix_salt
-from fleetserve.router.policies import RouteRequest
-from fleetserve.router.registry import get_router
-from fleetserve.router.request_router import TARGET_KWARG
+from fleetserve.router.routing.policies import RouteRequest
+from fleetserve.router.routing.registry import get_router
+from fleetserve.router.routing.request_router import TARGET_KWARG
 
 logger = logging.getLogger("ray.serve")
 

@@ -12,10 +12,10 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
-from fleetserve.router.errors import APIError
-from fleetserve.router.limits import MAX_MESSAGES, check_prompt_count, check_sampling
-from fleetserve.router.structured import StructuredOutputFields
-from fleetserve.router.tool_calls import ToolFields
+from fleetserve.router.api.errors import APIError
+from fleetserve.router.api.limits import MAX_MESSAGES, check_prompt_count, check_sampling
+from fleetserve.router.api.structured import StructuredOutputFields
+from fleetserve.router.api.tool_calls import ToolFields
 from fleetserve.scheduler import SamplingParams
 
 
