@@ -7,22 +7,15 @@ The public Python API, as vLLM's::
 Names are imported on first use, so `import fleetserve.scheduler` (pure Python) still
 loads neither torch nor ray. The subpackages are the repository's top-level folders:
 `fleetserve.scheduler`, `fleetserve.replica`, `fleetserve.router`, `fleetserve.cluster`,
-`fleetserve.kv_transfer` (setup.py maps them under this one import name).
+`fleetserve.kv_transfer` (setup.py maps them under this one import name for an install;
+in a checkout, `fleetserve/<folder>` are links to them, so type checkers, editors and
+PYTHONPATH=<checkout> see the same package).
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 from typing import TYPE_CHECKING, Any
-
-# A source checkout used without installing it (PYTHONPATH=<checkout>, e.g. from another
-# venv): the subpackages are this folder's siblings. Installed (wheel or editable), this
-# folder has no such siblings, or they are the same folders, and nothing changes.
-_checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if os.path.isfile(os.path.join(_checkout, "pyproject.toml")) and \
-        os.path.isfile(os.path.join(_checkout, "scheduler", "__init__.py")) and _checkout not in __path__:
-    __path__.append(_checkout)
 
 __version__ = "0.1.0"
 
