@@ -17,7 +17,7 @@ import logging
 import os
 import time
 import uuid
-from typing import AsyncIterator, Optional, Union
+from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -50,9 +50,8 @@ from fleetserve.router.health import replica_health
 from fleetserve.router.api.tool_calls import ToolDeltas
 from fleetserve.router.api.limits import (FANOUT, check_internal_fields, check_prompt_chars, max_token_chars,
                                       parse_json)
-from fleetserve.router.metrics import merge_metrics
+from fleetserve.router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, RouterMetrics
 from fleetserve.router.routing.migration import MigratingStream
-from fleetserve.router.routing.migration import metrics_text as migration_metrics
 from fleetserve.router.api.openapi import add_request_bodies
 from fleetserve.replica.lora.request import LORA_LOAD_TIMEOUT_S
 from fleetserve.router.runtime_loras import RuntimeLoRAs
@@ -186,6 +185,8 @@ class Ingress(GrpcMethods):
         self._info: Optional[dict] = None
         self._info_lock = asyncio.Lock()
         self._kv_subscribers: dict[str, KVEventSubscriber] = {}
+        self._metrics = RouterMetrics(self._routers, self._feeds,
+                                      [flow.metrics for flow in (self._pd, self._reuse) if flow is not None])
         try:  # follow the engines' KV events from the start, not from the first request
             asyncio.get_running_loop().create_task(self._warm_up(), context=contextvars.Context())
         except RuntimeError:
@@ -810,61 +811,13 @@ class Ingress(GrpcMethods):
             results = await self.replica_calls("metrics_text")
         except Exception as e:  # a replica is down or slow: say so, don't 500
             return to_response(error_body(f"replicas unreachable: {e!r}", 503))
-        text = merge_metrics({rid: r["text"] for rid, r in results.items()})
-        return PlainTextResponse(text + self._router_metrics() + migration_metrics(),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(self._metrics.exposition({rid: r["text"] for rid, r in results.items()}),
+                                 media_type=METRICS_CONTENT_TYPE)
 
-    def _router_metrics(self) -> str:
-        routers = [r for r in (get_router(p.app_name, p.deployment_name) for p in self._pools)
-                   if r is not None]
-        if not routers:
-            return ""
-        lines = ["# HELP fleetserve:router_ongoing_requests Requests this ingress has in flight per replica.",
-                 "# TYPE fleetserve:router_ongoing_requests gauge"]
-        for router in routers:
-            for rid, n in sorted(router.ongoing().items()):
-                lines.append(f'fleetserve:router_ongoing_requests{{replica="{rid}"}} {n}')
-        indexes = [i for i in (getattr(r.policy, "kv_index", None) for r in routers) if i is not None]
-        if indexes:
-            lines += ["# HELP fleetserve:router_kv_index_blocks Block hashes the router's prefix "
-                      "index holds per replica (from the engines' KV events).",
-                      "# TYPE fleetserve:router_kv_index_blocks gauge"]
-            for index in indexes:
-                for rid in sorted(index.replicas()):
-                    lines.append(f'fleetserve:router_kv_index_blocks{{replica="{rid}"}} '
-                                 f'{len(index.hashes_of(rid))}')
-            lines += ["# HELP fleetserve:router_kv_index_resyncs_total Snapshots the prefix index "
-                      "loaded (first contact, restarts, sequence gaps).",
-                      "# TYPE fleetserve:router_kv_index_resyncs_total counter",
-                      f"fleetserve:router_kv_index_resyncs_total {sum(i.num_resyncs for i in indexes)}"]
-        counted = [(r, r.policy) for r in routers if hasattr(r.policy, "num_prefix_routed")]
-        if counted:
-            lines += ["# HELP fleetserve:router_prefix_routed_requests_total Requests a prefix policy routed, "
-                      "by whether the replica it chose caches (or is computing) the prompt's first "
-                      "block (prefix_match) or not.",
-                      "# TYPE fleetserve:router_prefix_routed_requests_total counter"]
-            for router, policy in counted:
-                dep = router._deployment_id.name
-                for match, n in (("true", policy.num_prefix_routed),
-                                 ("false", policy.num_routed - policy.num_prefix_routed)):
-                    lines.append(f'fleetserve:router_prefix_routed_requests_total{{deployment="{dep}",'
-                                 f'prefix_match="{match}"}} {n}')
-        if self._feeds is not None:
-            lines += ["# HELP fleetserve:router_feed_batches_total Per-step feed messages this "
-                      "ingress received from engine replicas (router/feed.py).",
-                      "# TYPE fleetserve:router_feed_batches_total counter",
-                      f"fleetserve:router_feed_batches_total {self._feeds.batches}",
-                      "# HELP fleetserve:router_feed_items_total Request deltas those messages carried.",
-                      "# TYPE fleetserve:router_feed_items_total counter",
-                      f"fleetserve:router_feed_items_total {self._feeds.items}",
-                      "# HELP fleetserve:router_feeds_open Engine replicas this ingress has a feed from.",
-                      "# TYPE fleetserve:router_feeds_open gauge",
-                      f"fleetserve:router_feeds_open {len(self._feeds.open_feeds())}"]
-        text = "\n".join(lines) + "\n"
-        for extra in (self._pd, self._reuse):
-            if extra is not None:
-                text += extra.metrics.text()
-        return text
+    def _routers(self) -> list[tuple[str, Any]]:
+        """(deployment name, request router) of each engine pool whose router exists."""
+        found = [(p.deployment_name, get_router(p.app_name, p.deployment_name)) for p in self._pools]
+        return [(name, router) for name, router in found if router is not None]
 
     # -- request parsing -------------------------------------------------------
 

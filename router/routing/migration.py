@@ -46,6 +46,7 @@ from typing import Any, Callable, Optional
 from ray.serve.exceptions import BackPressureError
 
 from fleetserve.router.api.errors import is_error
+from fleetserve.router.metrics import MIGRATIONS
 
 logger = logging.getLogger("ray.serve")
 
@@ -57,19 +58,6 @@ ENGINE_DEAD = "engine_dead"  # error code of a replica whose engine died (router
 SEED_STRIDE = 1_000_003  # the model runner's reseeding stride (see the module doc)
 _SEED_MOD = 1 << 63
 _SEED_STRIDE_INV = pow(SEED_STRIDE, -1, _SEED_MOD)
-
-# This process's counts (the ingress exports them on /metrics): continuations started, and
-# failed streams that were not continued (with tokens already sent).
-COUNTS = {"migrated": 0, "not_migrated": 0}
-
-
-def metrics_text() -> str:
-    return ("# HELP fleetserve:request_migrations_total Streams continued on another replica "
-            "after theirs failed.\n# TYPE fleetserve:request_migrations_total counter\n"
-            f"fleetserve:request_migrations_total {COUNTS['migrated']}\n"
-            "# HELP fleetserve:request_migration_failures_total Failed streams that could not "
-            "be continued.\n# TYPE fleetserve:request_migration_failures_total counter\n"
-            f"fleetserve:request_migration_failures_total {COUNTS['not_migrated']}\n")
 
 
 def continued_seed(seed: int, num_generated: int) -> int:
@@ -124,7 +112,7 @@ class MigratingStream:
                 reason = self._why_not(e)
                 if reason is not None:
                     if self._generated:  # tokens were sent: say why the stream stops here
-                        COUNTS["not_migrated"] += 1
+                        MIGRATIONS.not_migrated += 1
                         logger.warning("request %s not migrated: %s", self._body["request_id"], reason)
                     raise
                 await self._migrate(e)
@@ -170,7 +158,7 @@ class MigratingStream:
 
     async def _migrate(self, error: BaseException) -> None:
         self.migrations += 1
-        COUNTS["migrated"] += 1
+        MIGRATIONS.migrated += 1
         self._stream.cancel()
         generated = self._generated.get(0, [])
         logger.warning("request %s: replica %s failed after %d tokens (%s: %s); continuing on "

@@ -38,17 +38,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-
 from fleetserve.router.api.errors import error_body, is_error
+from fleetserve.router.metrics import PDMetrics
 from fleetserve.scheduler import prefix_salt
 from fleetserve.router.routing.policies import RouteRequest
 from fleetserve.router.routing.registry import get_router
 from fleetserve.router.routing.request_router import TARGET_KWARG
 
 logger = logging.getLogger("ray.serve")
-
-_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
 @dataclass(frozen=True)
@@ -58,40 +55,6 @@ class PDSettings:
     min_prefill_tokens: int = 64
     max_attempts: int = 2
     prefill_timeout_s: float = 60.0
-
-
-class PDMetrics:
-    """Router-side P/D counters, in a registry of their own (merged into /metrics)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.prompt_tokens = decode_token_counter(
-            "fleetserve:pd_decode_prompt_tokens", "Prompt tokens on the decode side by source: "
-            "loaded (through the KV connector), cached (decode's own prefix cache), recomputed",
-            self.registry)
-        self.requests = Counter(
-            "fleetserve:pd_requests", "Requests by P/D path: pd (prefill, then load on decode), "
-            "decode_only (decode's cache covered the prompt or it was short), prefill_failed "
-            "(the decode replica recomputed after failed prefill calls), prefill_only (an "
-            "embedding: prompt work alone, answered by the prefill pool)", ["path"],
-            registry=self.registry)
-        self.retries = Counter(
-            "fleetserve:pd_retries", "Calls tried again: a prefill call, or a decode call after "
-            "its KV load failed", ["stage"], registry=self.registry)
-        self.prefill_seconds = Histogram(
-            "fleetserve:pd_prefill_seconds", "Prefill call, sent to its final item received",
-            buckets=_BUCKETS, registry=self.registry)
-        self.handoff_seconds = Histogram(
-            "fleetserve:pd_handoff_seconds", "Prefill's final item received to the decode "
-            "replica's first item (KV load + one token + the router's work)",
-            buckets=_BUCKETS, registry=self.registry)
-
-    def text(self) -> str:
-        return generate_latest(self.registry).decode()
-
-
-def decode_token_counter(name: str, doc: str, registry: CollectorRegistry) -> Counter:
-    return Counter(name, doc, ["source"], registry=registry)
 
 
 class PDRouter:

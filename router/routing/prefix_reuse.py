@@ -31,11 +31,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-
 from fleetserve.router.api.errors import is_error
-from fleetserve.router.routing.pd import (_BUCKETS, PDStream, decode_token_counter, export_body, failed_load,
-                                  run_to_final)
+from fleetserve.router.metrics import ReuseMetrics
+from fleetserve.router.routing.pd import PDStream, export_body, failed_load, run_to_final
 from fleetserve.scheduler import prefix_salt
 from fleetserve.router.routing.policies import RouteRequest
 from fleetserve.router.routing.registry import get_router
@@ -48,25 +46,6 @@ logger = logging.getLogger("ray.serve")
 class ReuseSettings:
     min_tokens: int = 256
     export_timeout_s: float = 30.0
-
-
-class ReuseMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "fleetserve:prefix_reuse_requests", "Requests whose prefix another replica cached: "
-            "exported (the chosen replica was handed the peer's KV), export_failed (it computed "
-            "the prefix), load_failed (sent again without the KV)", ["outcome"],
-            registry=self.registry)
-        self.prompt_tokens = decode_token_counter(
-            "fleetserve:prefix_reuse_prompt_tokens", "Prompt tokens of reuse requests by source: "
-            "loaded from a peer, cached locally, recomputed", self.registry)
-        self.export_seconds = Histogram(
-            "fleetserve:prefix_reuse_export_seconds", "The holder's export call, sent to done",
-            buckets=_BUCKETS, registry=self.registry)
-
-    def text(self) -> str:
-        return generate_latest(self.registry).decode()
 
 
 class PrefixReuse:
