@@ -12,6 +12,8 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from fleetserve.kv_transfer.registry import check_connector_name, check_connector_options
+
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 
 
@@ -43,8 +45,6 @@ class KVTransferConfig(BaseModel):
     def _known_connector(cls, v: str) -> str:
         # Checked where the config is parsed (a CLI flag, the app YAML), not first in every
         # engine replica at start-up. Short names (p2p, ray_object_store, ...) are kept as given.
-        from fleetserve.kv_transfer.registry import check_connector_name
-
         check_connector_name(v)
         return v
 
@@ -59,8 +59,6 @@ class KVTransferConfig(BaseModel):
 
     @model_validator(mode="after")
     def _connector_options(self) -> "KVTransferConfig":
-        from fleetserve.kv_transfer.registry import check_connector_options
-
         check_connector_options(self.kv_connector, self.kv_connector_extra_config)
         return self
 

@@ -7,19 +7,14 @@ from typing import Any
 from fleetserve.kv_transfer.base import ConnectorContext, KVConnectorBase, KVConnectorRole
 from fleetserve.kv_transfer.blocks import kv_fingerprint, kv_geometry
 from fleetserve.kv_transfer.config import KVTransferConfig
-from fleetserve.kv_transfer.registry import ALIASES, REGISTRY, canonical_connector_name
+from fleetserve.kv_transfer.registry import ALIASES, REGISTRY, connector_qualname
 from fleetserve.scheduler.policies import resolve_obj_by_qualname
 
 __all__ = ["REGISTRY", "ALIASES", "resolve_connector_class", "build_context", "make_connector"]
 
 
 def resolve_connector_class(name: str) -> type:
-    name = canonical_connector_name(name)
-    qualname = REGISTRY.get(name, name)
-    if ":" not in qualname and "." not in qualname:
-        raise ValueError(f"unknown KV connector {name!r}: use one of {sorted(ALIASES)}, "
-                         f"{sorted(REGISTRY)} or 'package.module:Class'")
-    cls = resolve_obj_by_qualname(qualname, what="KV connector")
+    cls = resolve_obj_by_qualname(connector_qualname(name), what="KV connector")
     if not (isinstance(cls, type) and issubclass(cls, KVConnectorBase)):
         raise ValueError(f"KV connector {name!r} is not a KVConnectorBase subclass")
     return cls

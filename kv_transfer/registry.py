@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from fleetserve.scheduler.policies import resolve_obj_by_qualname
+
 REGISTRY: dict[str, str] = {
     "SharedStorageConnector": "fleetserve.kv_transfer.shared_storage:SharedStorageConnector",
     "RayObjectStoreConnector": "fleetserve.kv_transfer.ray_store:RayObjectStoreConnector",
@@ -23,19 +25,39 @@ def canonical_connector_name(name: str) -> str:
     return ALIASES.get(name, name)
 
 
+def connector_qualname(name: str) -> str:
+    """The "package.module:Class" the engines import for `name` (registered, short or already
+    qualified), or ValueError naming the choices."""
+    name = canonical_connector_name(name)
+    qualname = REGISTRY.get(name, name)
+    if ":" not in qualname and "." not in qualname:
+        raise ValueError(f"unknown KV connector {name!r}: use one of {sorted(ALIASES)}, "
+                         f"{sorted(REGISTRY)} or 'package.module:Class'")
+    return qualname
+
+
+# The class every connector derives from, named as the connectors are: a class is checked
+# against it by the names in its MRO, so this module imports no connector code (kv_transfer.base
+# imports the config, which imports this module; the factory checks with issubclass).
+CONNECTOR_BASE = "fleetserve.kv_transfer.base:KVConnectorBase"
+
+
+def is_connector_class(obj: object) -> bool:
+    """Whether `obj` is a class deriving from KVConnectorBase (CONNECTOR_BASE)."""
+    return isinstance(obj, type) and any(f"{k.__module__}:{k.__qualname__}" == CONNECTOR_BASE
+                                         for k in obj.__mro__)
+
+
 def check_connector_name(name: str) -> str:
     """`name` as the engines will resolve it, or ValueError naming the choices. Registered and
     short names are checked without importing anything (no torch in a CLI or config check);
-    a "package.module:Class" name is imported, as the engines will."""
+    a "package.module:Class" name is imported, as the engines will, and must be a connector."""
     name = canonical_connector_name(name)
     if name in REGISTRY:
         return name
-    if ":" not in name and "." not in name:
-        raise ValueError(f"unknown KV connector {name!r}: use one of {sorted(ALIASES)}, "
-                         f"{sorted(REGISTRY)} or 'package.module:Class'")
-    from fleetserve.kv_transfer.factory import resolve_connector_class  # imports torch
-
-    resolve_connector_class(name)
+    cls = resolve_obj_by_qualname(connector_qualname(name), what="KV connector")
+    if not is_connector_class(cls):
+        raise ValueError(f"KV connector {name!r} is not a KVConnectorBase subclass")
     return name
 
 

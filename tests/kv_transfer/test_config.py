@@ -121,6 +121,8 @@ def test_short_names_resolve_and_unknown_names_fail_where_the_config_is_parsed()
         EngineArgs(kv_transfer_config={"kv_connector": "p2pp"})
     with pytest.raises(ValidationError, match="KV connector .no_such_module:Connector. cannot be imported"):
         EngineArgs(kv_transfer_config={"kv_connector": "no_such_module:Connector"})
+    with pytest.raises(ValidationError, match="not a KVConnectorBase subclass"):
+        EngineArgs(kv_transfer_config={"kv_connector": "fleetserve.kv_transfer.config:KVTransferConfig"})
     for bad in ({"pd": {"enabled": True, "connector": "p2pp"}},
                 {"cluster_reuse": {"enabled": True, "kv_connector": "p2pp"}}):
         with pytest.raises(ValidationError, match="unknown KV connector"):
