@@ -36,7 +36,7 @@ class ReplicaPlacement(BaseModel):
 
     # GPUs the replica's actor holds. TP=1 on a GPU: 1. TP>1: 0 (the TP workers
     # reserve one GPU each in their placement group).
-    num_gpus: float = Field(0.0, ge=0.0)
+    num_gpus: float = Field(default=0.0, ge=0.0)
     # Custom Ray resources per replica, e.g. {"fleetserve-prefill": 1}.
     resources: dict[str, float] = {}
     # Ray node labels the replica's node must carry (hard constraint).
@@ -62,11 +62,11 @@ class AutoscalingOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    min_replicas: int = Field(1, ge=0)
-    max_replicas: int = Field(4, ge=1)
-    target_ongoing_requests: float = Field(64.0, gt=0.0)
-    upscale_delay_s: float = Field(30.0, ge=0.0)
-    downscale_delay_s: float = Field(600.0, ge=0.0)
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=4, ge=1)
+    target_ongoing_requests: float = Field(default=64.0, gt=0.0)
+    upscale_delay_s: float = Field(default=30.0, ge=0.0)
+    downscale_delay_s: float = Field(default=600.0, ge=0.0)
 
     @model_validator(mode="after")
     def _bounds(self) -> "AutoscalingOptions":
@@ -84,13 +84,13 @@ class PDPool(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    num_replicas: int = Field(1, ge=1, description="Engine replicas in this pool.")
+    num_replicas: int = Field(default=1, ge=1, description="Engine replicas in this pool.")
     placement: ReplicaPlacement = ReplicaPlacement()
     engine: dict[str, Any] = Field(default_factory=dict, description=(
         "EngineArgs fields laid over the app's `engine` for this pool (tensor_parallel_size, "
         "max_num_seqs, max_num_batched_tokens, ...); model and kv_transfer_config are set once "
         "for the app."))
-    num_cpus_per_replica: Optional[float] = Field(None, ge=0.0, description=(
+    num_cpus_per_replica: Optional[float] = Field(default=None, ge=0.0, description=(
         "CPUs reserved per replica of this pool (unset: the app's num_cpus_per_replica)."))
 
     @field_validator("engine")
@@ -113,30 +113,30 @@ class PDOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    enabled: bool = Field(False, description=(
+    enabled: bool = Field(default=False, description=(
         "Serve with a prefill pool and a decode pool instead of num_replicas colocated replicas."))
-    connector: str = Field("ray_object_store", min_length=1, description=(
+    connector: str = Field(default="ray_object_store", min_length=1, description=(
         "The KV connector between the pools: ray_object_store, shared_storage, p2p, or a "
         "kv_transfer registered name / 'module:Class'."))
-    prefill: PDPool = Field(PDPool(), description="The prefill pool.")
-    decode: PDPool = Field(PDPool(), description="The decode pool.")
+    prefill: PDPool = Field(default=PDPool(), description="The prefill pool.")
+    decode: PDPool = Field(default=PDPool(), description="The decode pool.")
     kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict, description=(
         "The connector's options (shared_storage: {\"path\": \"/mnt/kv\"})."))
-    kv_load_failure_policy: Literal["recompute", "fail"] = Field("fail", description=(
+    kv_load_failure_policy: Literal["recompute", "fail"] = Field(default="fail", description=(
         "When a decode-side load fails or times out: the decode engine recomputes the prompt, "
         "or fails the request before its first token and the router sends it again as a "
         "recompute (within max_attempts). The client gets the right tokens either way."))
-    kv_lease_s: float = Field(30.0, gt=0, description=(
+    kv_lease_s: float = Field(default=30.0, gt=0, description=(
         "How long the prefill side keeps exported KV unless the decode side confirms first."))
-    kv_load_timeout_s: float = Field(10.0, gt=0, description=(
+    kv_load_timeout_s: float = Field(default=10.0, gt=0, description=(
         "The decode side's deadline in WAITING_FOR_REMOTE_KVS, in seconds."))
-    min_prefill_tokens: int = Field(64, ge=0, description=(
+    min_prefill_tokens: int = Field(default=64, ge=0, description=(
         "Skip the prefill pool when the decode replica would compute fewer prompt tokens than "
         "this itself (its cache covers the rest, or the prompt is short)."))
-    max_attempts: int = Field(2, ge=1, description=(
+    max_attempts: int = Field(default=2, ge=1, description=(
         "Tries of the prefill call before the decode replica computes the prompt itself; "
         "and of the decode call after a failed load."))
-    prefill_timeout_s: float = Field(60.0, gt=0, description="Deadline of one prefill call.")
+    prefill_timeout_s: float = Field(default=60.0, gt=0, description="Deadline of one prefill call.")
 
     @field_validator("connector")
     @classmethod
