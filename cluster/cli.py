@@ -18,9 +18,14 @@ from typing import Any, Callable, Optional
 from pydantic import ValidationError
 
 from fleetserve.cluster.build import add_build_parser
+from fleetserve.cluster.cli_engine import (
+    add_engine_flags,
+    add_schema_flags,
+    engine_kwargs,
+    nested_overrides,
+    schema_fields,
+)
 from fleetserve.cluster.client import add_chat_parser, add_complete_parser
-from fleetserve.cluster.cli_engine import (add_engine_flags, add_schema_flags, engine_kwargs,
-                                           nested_overrides, schema_fields)
 from fleetserve.cluster.generate import add_generate_parser
 
 log = logging.getLogger("fleetserve")
@@ -71,7 +76,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         check_ports(config)
-        check_model(config)  # metadata only: seconds, before Ray starts
+        check_model(config)  # metadata only, before Ray starts
         check_kv_memory(config)
     except (ModelNotFoundError, ValueError) as e:
         print(f"fleetserve serve: {e}", file=sys.stderr)

@@ -28,7 +28,7 @@ import socket
 import sys
 import urllib.error
 import urllib.request
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 DEFAULT_URL = "http://127.0.0.1:8000/v1"
 
@@ -195,24 +195,33 @@ def _inputs(quick: Optional[str], banner: str) -> Iterator[str]:
             yield line
 
 
-def _run(args: argparse.Namespace, command: str, path: str, make_body, remember=None) -> int:
-    out = sys.stdout
+def _extra_body(args: argparse.Namespace, command: str) -> Optional[dict[str, Any]]:
+    """`--extra-body` as a dict ({} when not given), once --url and --timeout are checked;
+    None (the problem printed) when any of the three is wrong."""
     for bad, message in ((not args.url.startswith(("http://", "https://")),
                           f"--url must start with http:// or https://, got {args.url!r}"),
                          (not args.timeout > 0, f"--timeout must be positive, got {args.timeout:g}")):
         if bad:
             print(f"fleetserve {command}: {message}", file=sys.stderr)
-            return 2
-    extra = {}
-    if args.extra_body is not None:
-        try:
-            extra = json.loads(args.extra_body)
-        except ValueError:
-            extra = None
-        if not isinstance(extra, dict):
-            print(f"fleetserve {command}: --extra-body must be a JSON object, got {args.extra_body!r}",
-                  file=sys.stderr)
-            return 2
+            return None
+    if args.extra_body is None:
+        return {}
+    try:
+        extra = json.loads(args.extra_body)
+    except ValueError:
+        extra = None
+    if not isinstance(extra, dict):
+        print(f"fleetserve {command}: --extra-body must be a JSON object, got {args.extra_body!r}",
+              file=sys.stderr)
+        return None
+    return extra
+
+
+def _run(args: argparse.Namespace, command: str, path: str, make_body, remember=None) -> int:
+    out = sys.stdout
+    extra = _extra_body(args, command)
+    if extra is None:
+        return 2
     try:
         client = Client(args, command)
     except ClientError as e:

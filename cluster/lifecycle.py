@@ -139,10 +139,10 @@ def run_server(config: AppConfig) -> int:
 
 class _ConnectWatch:
     """Ray's start-up (or its wait for a GCS at --address) blocks in C++, where no Python
-    signal handler runs until it returns (40 s and more). The C-level handler still writes
-    each signal to a wakeup fd at once: this thread reads it and, if Ray is still starting
-    `_CONNECT_STOP_WAIT_S` later, exits the process. Ray started its GCS and raylet with
-    PR_SET_PDEATHSIG, so they (and any worker under them) end with it."""
+    signal handler runs until it returns (at Ray's own start-up timeout, when it hangs). The
+    C-level handler still writes each signal to a wakeup fd at once: this thread reads it and,
+    if Ray is still starting `_CONNECT_STOP_WAIT_S` later, exits the process. Ray started its
+    GCS and raylet with PR_SET_PDEATHSIG, so they (and any worker under them) end with it."""
 
     def __init__(self, connecting: list) -> None:
         self._connecting = connecting

@@ -23,8 +23,8 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Optional
 from dataclasses import dataclass
+from typing import Optional
 
 from fleetserve.cluster.config import AppConfig
 
@@ -54,7 +54,7 @@ def _num(x: float) -> str:
 
 def check_model(config: AppConfig) -> None:
     """The model resolves and the TP size divides it, the LoRA adapters' folders are adapters;
-    reads only metadata (about a second)."""
+    reads only metadata (config.json, a GGUF's header) and loads no weights."""
     from fleetserve.replica.model_loader import model_info
     from fleetserve.replica.model_loader.registry import resolve_model
 
@@ -63,8 +63,8 @@ def check_model(config: AppConfig) -> None:
     model_info.check_tp_size(source, config.engine.tensor_parallel_size)
     model_info.check_max_model_len(source, config.engine.max_model_len)
     if config.pd.enabled:  # a pool may set its own (pd.prefill.engine, pd.decode.engine)
-        for pool in (config.pd.prefill, config.pd.decode):
-            model_info.check_max_model_len(source, pool.engine.get("max_model_len"))
+        for pool_cfg in (config.pd.prefill, config.pd.decode):
+            model_info.check_max_model_len(source, pool_cfg.engine.get("max_model_len"))
     model_info.generation_defaults(source, config.engine.generation_config)
     config.engine.check_lora_files()
     if config.pd.enabled:
@@ -135,8 +135,8 @@ def check_kv_memory(config: AppConfig, available: Optional[int] = None) -> None:
 
 def check_ports(config: AppConfig) -> None:
     """ValueError when an embedded Ray's HTTP or gRPC port is already taken on this machine
-    (another server, an earlier `fleetserve serve` still running): said in a second, where
-    Serve would start everything, fail to bind and give up ~30 s later. Probed as uvicorn
+    (another server, an earlier `fleetserve serve` still running): said before anything starts,
+    where Serve would start everything, fail to bind and only then give up. Probed as uvicorn
     binds (SO_REUSEADDR: a just-stopped server's TIME_WAIT sockets do not count). A joined
     cluster's ports are on its head node, not here: not checked."""
     import socket
