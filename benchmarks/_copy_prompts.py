@@ -50,7 +50,8 @@ def copy_heavy_messages(n: int) -> list[list[dict]]:
     """`n` single-turn chats, cycling through the tasks and the passages."""
     tasks = [
         lambda p: f"Repeat the following text exactly, word for word:\n\n{p}",
-        lambda p: f"Fix the spelling mistakes in the following text and write out the whole corrected text:\n\n{_typo(p)}",
+        lambda p: ("Fix the spelling mistakes in the following text and write out the whole corrected text:"
+                   f"\n\n{_typo(p)}"),
         lambda p: f"Summarise the following text, quoting its key sentences exactly in quotation marks:\n\n{p}",
         lambda p: f"Copy this text and add a title to it:\n\n{p}",
     ]

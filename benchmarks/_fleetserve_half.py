@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-from fleetserve.scheduler import (CacheConfig, ModelRunnerOutput, Request, SamplingParams,
-                                  SchedulerConfig, create_scheduler)
+from fleetserve.scheduler import (
+    CacheConfig,
+    ModelRunnerOutput,
+    Request,
+    SamplingParams,
+    SchedulerConfig,
+    create_scheduler,
+)
 
 
 class FleetserveAdapter:

@@ -12,7 +12,8 @@ a prefill step of one layer), `decode-B@C` (B sequences with C tokens of context
 rows; the LM head's float32 logits when N is SmolLM2's vocabulary, 49152; the weight is read
 from memory each call, as in a model's step: a call walks 8 copies of it in turn):
 
-    python benchmarks/attention_kernel.py --cases linear-49152x576@64,linear-49152x576@16,linear-1536x576@64 --baseline HEAD~1
+    python benchmarks/attention_kernel.py --baseline HEAD~1 \
+        --cases linear-49152x576@64,linear-49152x576@16,linear-1536x576@64
 
 Each round
 runs every case `--reps` times in a fresh process per kernel (the baseline's source is built
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys

@@ -5,8 +5,8 @@
 
 Cases: one prefill step of 2048 tokens (16 prompts of 128, no cached context;
 `prefill1000-2000` is one of two prompts of 1000) and decode steps at batch 16
-and 64 with 200 tokens of context each. The KV blocks of the requests are scattered through the cache (a shuffled free list,
-as after a while of serving). Per case it reports the median step time and a
+and 64 with 200 tokens of context each. The KV blocks of the requests are scattered
+through the cache (a shuffled free list, as after a while of serving). Per case it reports the median step time and a
 breakdown by kind of op from `torch.profiler` (one profiled step, scaled to the
 median): weight matmuls (linear / addmm / mm, fleetserve's small-M `linear_bf16` / `linear_f32`),
 attention (bmm, sdpa, softmax, masking), KV cache (index_copy_ / index_select), LM head + sampling, and the
@@ -189,8 +189,8 @@ def main() -> None:
                     help="also time every case with the decoder layers through their modules")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from fleetserve.replica.layers.attention import PagedAttention
     from fleetserve.replica.layers import RMSNorm
+    from fleetserve.replica.layers.attention import PagedAttention
     PagedAttention.use_decode_buffer = not args.no_decode_buffer
     RMSNorm.fused = not args.no_fused_norm
     dtype = getattr(torch, args.dtype)
@@ -227,7 +227,7 @@ def main() -> None:
         if args.compare_kernel_layers:
             variants.append((" modules", lambda: kernel_layers(False)))
         times: dict[str, list] = {label: [] for label, _ in variants}
-        for label, setting in variants:
+        for _, setting in variants:
             with setting():
                 step()
                 step()

@@ -121,7 +121,8 @@ def main() -> None:
                      "rounds_s": [round(x, 3) for x in times[name]]})
     cpu = cpu_name()
     print(f"{len(prompts)} prompts, {num_tokens} tokens, {args.dtype}, {args.threads} threads, {cpu}")
-    header = f"{'engine':<24}{'s (median)':>11}{'prompts/s':>11}{'tokens/s':>10}{'x hf':>7}{'max |diff|':>12}  rounds (s)"
+    header = (f"{'engine':<24}{'s (median)':>11}{'prompts/s':>11}{'tokens/s':>10}{'x hf':>7}"
+              f"{'max |diff|':>12}  rounds (s)")
     print(header)
     print("-" * len(header))
     for r in rows:

@@ -52,6 +52,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -230,6 +231,10 @@ def memcpy(t: torch.Tensor) -> float:
     return time.perf_counter() - t0
 
 
+def _gbs(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
 def recompute_seconds(num_tokens: int, repeats: int) -> list[float]:
     """The real SmolLM2's prefill of `num_tokens` tokens (TTFT with max_tokens=1)."""
     from fleetserve.replica.llm import LLM
@@ -317,12 +322,13 @@ def main() -> int:
             recv = torch.zeros_like(data.view(torch.uint8))
             dev = data.to("cuda") if cuda else None
             pinned = torch.empty(data.shape, dtype=data.dtype, pin_memory=True) if cuda else None
-            paths = {"memcpy": lambda: memcpy(data), "raw_file": lambda: raw_file(buf, tmp),
-                     "raw_ray": lambda: raw_ray(buf),
-                     "raw_gloo": lambda: raw_gloo(data.view(torch.uint8), recv),
-                     "d2h_h2d": lambda: d2h_h2d(dev, pinned)}
-            paths = {k: f for k, f in paths.items() if k == "memcpy" or k in raws}
-            t = {k: [] for k in (*paths, *[f"{k}_{p}" for k in kinds for p in ("export", "load", "prod_engine", "engine")])}
+            paths = {"memcpy": partial(memcpy, data), "raw_file": partial(raw_file, buf, tmp),
+                     "raw_ray": partial(raw_ray, buf),
+                     "raw_gloo": None if raw_gloo is None else partial(raw_gloo, data.view(torch.uint8), recv),
+                     "d2h_h2d": partial(d2h_h2d, dev, pinned)}
+            paths = {k: f for k, f in paths.items() if f is not None and (k == "memcpy" or k in raws)}
+            t: dict[str, list[float]] = {k: [] for k in paths}
+            t.update({f"{k}_{p}": [] for k in kinds for p in ("export", "load", "prod_engine", "engine")})
             # Load vs recompute (2048 tokens): the consumer's load alone, its export done first
             # (a prompt whose KV is already stored: no producer copying beside it).
             alone = n == 2048 and not args.serial
@@ -333,27 +339,27 @@ def main() -> int:
                         t[name].append(dt)
                 for k in kinds:
                     ctx, prod, cons = pairs[k]
-                    e, l, pg, g = hand_off(ctx, prod, cons, n, f"bench-{n}-{r}-{k[:4]}", not args.serial,
-                                           args.block_order)
+                    e, load_s, pg, g = hand_off(ctx, prod, cons, n, f"bench-{n}-{r}-{k[:4]}", not args.serial,
+                                                args.block_order)
                     if r >= 0:
                         t[f"{k}_export"].append(e)
-                        t[f"{k}_load"].append(l)
+                        t[f"{k}_load"].append(load_s)
                         t[f"{k}_prod_engine"].append(pg)
                         t[f"{k}_engine"].append(g)
                     if alone:
-                        _, l, _, _ = hand_off(ctx, prod, cons, n, f"alone-{n}-{r}-{k[:4]}", False, args.block_order)
+                        _, load_s, _, _ = hand_off(ctx, prod, cons, n, f"alone-{n}-{r}-{k[:4]}", False,
+                                                   args.block_order)
                         if r >= 0:
-                            t.setdefault(f"{k}_load_alone", []).append(l)
+                            t.setdefault(f"{k}_load_alone", []).append(load_s)
             med = {k: statistics.median(v) for k, v in t.items()}
-            gbs = lambda s: nbytes / s / 1e9  # noqa: E731
             row = {"tokens": n, "bytes": nbytes, "device": args.device, "dtype": args.dtype,
                    "block_order": args.block_order}
             for k in paths:
-                row[f"{k}_gbs"] = gbs(med[k])
+                row[f"{k}_gbs"] = _gbs(nbytes, med[k])
             for c in shorts:
                 k, raw = KINDS[c][0], KINDS[c][1]
                 total = med[f"{k}_export"] + med[f"{k}_load"]
-                row[f"{c}_gbs"] = gbs(total)
+                row[f"{c}_gbs"] = _gbs(nbytes, total)
                 row[f"{c}_export_s"] = med[f"{k}_export"]
                 row[f"{c}_load_s"] = med[f"{k}_load"]
                 row[f"{c}_load_alone_s"] = med.get(f"{k}_load_alone", med[f"{k}_load"])
@@ -399,7 +405,7 @@ def report(rows, recompute, two_k, shorts, cuda) -> None:
         print(f"{side} engine thread per hand-off (start_load_kv + get_finished calls), ms: "
               + "; ".join(f"{r['tokens']} tokens " + ", ".join(f"{c} {r[f'{c}_{key}'] * 1e3:.2f}"
                                                               for c in shorts) for r in rows))
-    print(f"\nload vs recompute, 2048 tokens (the load alone, its export done first): "
+    print("\nload vs recompute, 2048 tokens (the load alone, its export done first): "
           + (f"prefill {recompute * 1e3:.0f} ms; " if recompute else "prefill not run; ") + loads)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "kv_transfer.json").write_text(json.dumps(

@@ -118,7 +118,7 @@ def main() -> None:
     if args.eager_too:
         setups["1 adapter, eager"] = ("lora eager", setups["1 adapter"][1])
         setups[f"{len(reqs)} adapters, eager"] = ("lora eager", setups[f"{len(reqs)} adapters"][1])
-    for name, (engine, loras) in setups.items():  # warm-up (kernels, allocator)
+    for engine, loras in setups.values():  # warm-up (kernels, allocator)
         engines[engine].generate(prompts[:4], SamplingParams(max_tokens=4), use_tqdm=False,
                                  lora_request=None if loras is None else loras[:4])
     times: dict[str, list[float]] = {name: [] for name in setups}

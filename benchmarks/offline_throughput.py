@@ -19,7 +19,8 @@ Prints a table and writes a PNG under benchmarks/results/.
     python benchmarks/offline_throughput.py --quick         # a smoke run (small)
     python benchmarks/offline_throughput.py --engines fleetserve,hf --dtypes bfloat16
     python benchmarks/offline_throughput.py --workloads a --dtypes bfloat16 --repeats 3   # medians
-    python benchmarks/offline_throughput.py --workloads p120,p1000 --dtypes bfloat16 --engines fleetserve,vllm --repeats 3
+    python benchmarks/offline_throughput.py --workloads p120,p1000 --dtypes bfloat16 \
+        --engines fleetserve,vllm --repeats 3
 
 vLLM CPU runs when it is importable in a separate interpreter (--vllm-python,
 default /opt/vllm-venv/bin/python; see benchmarks/README.md). On a GPU, the engine
@@ -258,8 +259,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from fleetserve.replica.model_loader.registry import resolve_model
     from fleetserve.replica.engine.tokenizer import load_tokenizer
+    from fleetserve.replica.model_loader.registry import resolve_model
 
     tokenizer = load_tokenizer(resolve_model(args.model))
     from fleetserve.replica.model_loader.hf_export import export_hf_folder
@@ -311,9 +312,8 @@ def main() -> None:
             for engine, rs in runs.items():
                 med = sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2]
                 # Rounds as the table's main figure: prompt tokens/s for a prefill-only workload.
-                key = (lambda r: prompt_tokens / r["elapsed"]) if wl.startswith("p") else \
-                    (lambda r: r["tok_s"])
-                res[engine] = dict(med, all_tok_s=[round(key(r), 1) for r in rs])
+                rounds = [prompt_tokens / r["elapsed"] if wl.startswith("p") else r["tok_s"] for r in rs]
+                res[engine] = dict(med, all_tok_s=[round(x, 1) for x in rounds])
             for engine, r in res.items():
                 r.update(workload=wl, dtype=dtype, engine=engine, device=args.device,
                          model=Path(args.model).name)
@@ -375,7 +375,8 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_xticklabels([f"({w}) {d}" for w, d in groups])
         ax.set_ylabel(label)
         ax.legend()
-    fig.suptitle(f"Offline throughput, {rows[0].get('model', 'SmolLM2-135M')} on {rows[0].get('device', 'cpu')}, same machine")
+    fig.suptitle(f"Offline throughput, {rows[0].get('model', 'SmolLM2-135M')} on "
+                 f"{rows[0].get('device', 'cpu')}, same machine")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -283,8 +283,8 @@ def run_prefix(args, port: int, url: str) -> list[dict]:
                 a = acc[policy]
                 a["results"] += results
                 a["elapsed"] += elapsed
-                a["q"] += after.get("vllm:prefix_cache_queries_total", 0) - before.get("vllm:prefix_cache_queries_total", 0)
-                a["h"] += after.get("vllm:prefix_cache_hits_total", 0) - before.get("vllm:prefix_cache_hits_total", 0)
+                for key, metric in (("q", "vllm:prefix_cache_queries_total"), ("h", "vllm:prefix_cache_hits_total")):
+                    a[key] += after.get(metric, 0) - before.get(metric, 0)
                 a["routed"] += sum(routed1.values()) - sum(routed0.values())
                 a["holder"] += routed1.get("true", 0) - routed0.get("true", 0)
                 a["p90s"].append(round(1000 * sv.pct([r.ttft for r in results if r.ok], 90), 1))

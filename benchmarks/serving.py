@@ -469,8 +469,8 @@ def main() -> None:
 
 
 def run_prefix(args, port: int, url: str) -> list[dict]:
-    from fleetserve.replica.model_loader.registry import resolve_model
     from fleetserve.replica.engine.tokenizer import load_tokenizer
+    from fleetserve.replica.model_loader.registry import resolve_model
 
     work = prefix_workload(args.num_requests, args.prefix_count, args.prefix_words, 16,
                            args.out_tokens, seed=1)
@@ -529,7 +529,8 @@ def report(rows: list[dict], memory: dict, args) -> None:
         a, b = pre["shared prefix, power_of_two"], pre["shared prefix, prefix_aware"]
         extra.append(f"prefix_aware / power_of_two TTFT p50: {b['ttft_p50_ms'] / a['ttft_p50_ms']:.2f}x; "
                      f"hit rate {b['prefix_hit_rate']:.2f} vs {a['prefix_hit_rate']:.2f}")
-    extra.append("Ray process tree PSS (MiB, the benchmark's own process not counted): " + ", ".join(f"{k} {v:.0f}" for k, v in memory.items()))
+    extra.append("Ray process tree PSS (MiB, the benchmark's own process not counted): "
+                 + ", ".join(f"{k} {v:.0f}" for k, v in memory.items()))
     text = "\n".join([f"model: {args.model}; requests per run: {args.num_requests}; "
                       f"out tokens: {args.out_tokens}; HTTP client: {args.client}", "", *lines, "",
                       *extra])

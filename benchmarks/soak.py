@@ -212,8 +212,8 @@ async def run(args) -> dict:
     leaked = None
     for _ in range(60):  # idle: every block back in every replica's pool
         loads = await control_all(config.name, "get_load")
-        leaked = sum(l["load"]["num_blocks"] - l["load"]["num_free_blocks"]
-                     for l in loads.values() if "load" in l)
+        leaked = sum(r["load"]["num_blocks"] - r["load"]["num_free_blocks"]
+                     for r in loads.values() if "load" in r)
         if leaked == 0:
             break
         await asyncio.sleep(1)

@@ -88,7 +88,8 @@ def _serve_seconds(checkout: str | None, log_dir: Path) -> float:
     log = log_dir / f"serve-{int(time.time() * 1000)}.log"
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-c", "from fleetserve.cluster.cli import main; raise SystemExit(main())",
+        proc = subprocess.Popen([sys.executable, "-c",
+                                 "from fleetserve.cluster.cli import main; raise SystemExit(main())",
                                  "serve", "--port", str(port), "--grpc-port", str(grpc)],
                                 stdout=f, stderr=subprocess.STDOUT, env=_env(checkout), cwd=tempfile.gettempdir())
     try:
@@ -131,7 +132,7 @@ def main() -> None:
         from fleetserve.replica.testing import make_tiny_llama
 
         tiny = str(make_tiny_llama(tmp / "tiny-llama"))
-        for name, checkout in checkouts.items():  # warm-up: kernel builds, tokenizer cache
+        for checkout in checkouts.values():  # warm-up: kernel builds, tokenizer cache
             _seconds(ENGINE, checkout, tiny)
             if "core" in cases or "serve" in cases:
                 _seconds(CORE, checkout)

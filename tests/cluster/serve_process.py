@@ -104,7 +104,7 @@ class ServeProcess:
             return self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"did not stop within {timeout_s} s:\n{self.log()[-4000:]}")
+            raise AssertionError(f"did not stop within {timeout_s} s:\n{self.log()[-4000:]}") from None
 
     def leftovers(self, timeout_s: float = 30) -> list[psutil.Process]:
         """Processes still carrying this run's marker after `timeout_s` (an engine core that was

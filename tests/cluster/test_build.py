@@ -12,9 +12,9 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
+from fleetserve.cluster.app_spec import APP_BUILDER, AppConfigError, validate_args
 from fleetserve.cluster.cli import main
 from fleetserve.cluster.config import AppConfig
-from fleetserve.cluster.app_spec import APP_BUILDER, AppConfigError, validate_args
 from fleetserve.cluster.serve_app import app_builder
 
 APP = {

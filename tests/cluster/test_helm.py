@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.cluster.k8s_tools import (REPO, crd_dir, helm_binary, kuberay_rule_errors,
-                                     strict_crd_validator)
+from tests.cluster.k8s_tools import REPO, crd_dir, helm_binary, kuberay_rule_errors, strict_crd_validator
 
 CHART = REPO / "helm" / "fleetserve"
 VALUES = sorted((CHART / "ci").glob("*-values.yaml"))

@@ -30,7 +30,6 @@ import pytest
 import yaml
 
 from tests.cluster.k8s_tools import REPO
-
 from tests.router.conftest import free_port  # below the ephemeral range: Ray binds there
 
 PROXY = """import socket, sys, threading
