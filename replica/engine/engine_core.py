@@ -24,12 +24,12 @@ import logging
 import os
 import threading
 import time
-import uuid
 from typing import Iterable, Optional
 
 from fleetserve.replica.engine.engine_args import EngineArgs
 from fleetserve.replica.engine.step_result import StepResult
 from fleetserve.replica.executor import Executor, make_executor
+from fleetserve.replica.kv_connectors import make_scheduler_connector, name_kv_engine
 from fleetserve.replica.structured_output.manager import StructuredOutputManager
 from fleetserve.scheduler import Request, RequestStatus, create_scheduler
 
@@ -74,42 +74,6 @@ class StepTrace:
 
     def close(self) -> None:
         self._file.close()
-
-
-def name_kv_engine(args: EngineArgs) -> EngineArgs:
-    """Give the KV connector an engine id (the same one on every TP rank) when none is set."""
-    cfg = args.kv_transfer_config
-    if cfg is None or cfg.engine_id is not None:
-        return args
-    return args.model_copy(update={"kv_transfer_config": cfg.model_copy(
-        update={"engine_id": uuid.uuid4().hex})})
-
-
-def make_scheduler_connector(args: EngineArgs, hf_config):
-    if args.kv_transfer_config is None:
-        return None
-    from fleetserve.kv_transfer.base import KVConnectorRole
-    from fleetserve.kv_transfer.factory import build_context, make_connector
-    from fleetserve.replica.worker.device import select_device, select_dtype
-
-    from fleetserve.kv_transfer.blocks import kv_geometry
-    from fleetserve.replica.layers.attention import kv_cache_layout
-
-    device = select_device(args.device)
-    dtype = select_dtype(args.dtype, device)
-    layout = kv_cache_layout(dtype, args.block_size, kv_geometry(hf_config)[2], device)
-    ctx = build_context(args.kv_transfer_config, kv_model_id(args), hf_config, dtype,
-                        args.block_size, args.tensor_parallel_size, key_layout=layout)
-    return make_connector(args.kv_transfer_config, KVConnectorRole.SCHEDULER, ctx)
-
-
-def kv_model_id(args: EngineArgs) -> str:
-    """The model's name in KV fingerprints: the file or folder name of its weights, so
-    one model at two paths (or under an alias) still matches (set kv_connector_extra_config.model_id to
-    tell apart two fine-tunes of one architecture under one name)."""
-    from fleetserve.replica.model_loader.registry import resolve_model
-
-    return resolve_model(args.model).path.name
 
 
 def resolve_max_model_len(args: EngineArgs, hf_config) -> int:

@@ -31,9 +31,9 @@ import socket
 import time
 from typing import Optional
 
-from fleetserve.replica.engine.engine_args import EngineArgs
-from fleetserve.replica.executor import Executor, ExecutorError
 from fleetserve.kv_transfer.aggregate import kv_part
+from fleetserve.replica.engine.engine_args import EngineArgs
+from fleetserve.replica.executor.base import Executor, ExecutorError
 from fleetserve.scheduler import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)

@@ -8,17 +8,27 @@ model code.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from fleetserve.replica.worker.device import (available_cores, bind_cpus, default_kv_cache_bytes, select_device,
-                                              select_dtype, set_num_threads)
-from fleetserve.replica.worker.heap import HeapTrimmer, tune_malloc
 from fleetserve.replica.engine.engine_args import EngineArgs
+from fleetserve.replica.kv_connectors import make_kv_connector
 from fleetserve.replica.model_loader.registry import resolve_model
+from fleetserve.replica.worker.device import (
+    available_cores,
+    bind_cpus,
+    default_kv_cache_bytes,
+    select_device,
+    select_dtype,
+    set_num_threads,
+)
+from fleetserve.replica.worker.heap import HeapTrimmer, tune_malloc
 from fleetserve.replica.worker.model_runner import ModelRunner
 from fleetserve.scheduler import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from fleetserve.kv_transfer.base import KVConnectorBase
 
 logger = logging.getLogger(__name__)
 
@@ -69,22 +79,14 @@ class Worker:
     def remove_lora(self, lora_id: int) -> None:
         self.runner.remove_lora_adapter(lora_id)
 
-    def _make_kv_connector(self):
+    def _make_kv_connector(self) -> Optional[KVConnectorBase]:
         """The worker half of the KV connector: this rank moves its own KV heads."""
         if self.args.kv_transfer_config is None:
             return None
         from fleetserve.kv_transfer.base import KVConnectorRole
-        from fleetserve.kv_transfer.factory import build_context, make_connector
-        from fleetserve.replica.engine.engine_core import kv_model_id
 
-        from fleetserve.kv_transfer.blocks import kv_geometry
-        from fleetserve.replica.layers.attention import kv_cache_layout
-
-        cfg = self.args.kv_transfer_config
-        layout = kv_cache_layout(self.dtype, self.args.block_size, kv_geometry(self.hf_config)[2], self.device)
-        ctx = build_context(cfg, kv_model_id(self.args), self.hf_config, self.dtype,
-                            self.args.block_size, self.world_size, self.rank, key_layout=layout)
-        return make_connector(cfg, KVConnectorRole.WORKER, ctx)
+        return make_kv_connector(self.args, KVConnectorRole.WORKER, self.hf_config, self.dtype, self.device,
+                                 self.world_size, self.rank)
 
     @property
     def hf_config(self):
