@@ -151,7 +151,7 @@ class ClusterReuseOptions(BaseModel):
 
 
 class ReliabilityOptions(BaseModel):
-    """Failure handling, drain and admission (issue 15; router/README.md explains each)."""
+    """Failure handling, drain and admission (issue 15; docs/serving/reliability.md explains each)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
