@@ -8,7 +8,7 @@
                                     (a core process: read on the caller's loop;
                                     a thread: loop.call_soon_threadsafe)
 
-By default the EngineCore runs in a process of its own (`replica.core_client`:
+By default the EngineCore runs in a process of its own (`replica.engine.core_client`:
 vLLM v1's layout), so the model's steps never wait for this process's GIL; this
 process keeps the tokenizer, the detokenizer and the streams. With TP > 1 (or
 FLEETSERVE_ENGINE_CORE_PROCESS=0) it runs on a thread of this process instead.
@@ -24,25 +24,28 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
-from fleetserve.replica.engine.core_client import (ProcessCoreClient, SpawnedCore, ThreadCoreClient,
-                                                   use_core_process)
+from fleetserve.kv_transfer.params import validate_kv_transfer_params
+from fleetserve.replica.engine.core_client import EngineCoreClient, use_core_process
+from fleetserve.replica.engine.core_messages import EngineLoad
 from fleetserve.replica.engine.engine_args import EngineArgs
-from fleetserve.replica.engine.step_result import StepResult
-from fleetserve.replica.executor import ExecutorError
+from fleetserve.replica.engine.errors import EngineDeadError, LoRACapacityError, QueueFullError  # noqa: F401 (re-exported)
 from fleetserve.replica.engine.metrics import EngineMetrics
+from fleetserve.replica.engine.outputs import RequestOutput, merge_deltas, num_new_tokens
+from fleetserve.replica.engine.process_client import ProcessCoreClient, SpawnedCore
+from fleetserve.replica.engine.processor import InputProcessor, OutputProcessor, PromptType
+from fleetserve.replica.engine.step_result import StepResult
+from fleetserve.replica.engine.thread_client import ThreadCoreClient
+from fleetserve.replica.engine.tokenizer import apply_chat_template, load_tokenizer
+from fleetserve.replica.executor.base import ExecutorError
+from fleetserve.replica.lora.request import LORA_LOAD_TIMEOUT_S
 from fleetserve.replica.model_loader.model_info import generation_defaults, read_model_shape
 from fleetserve.replica.model_loader.registry import resolve_model
-from fleetserve.replica.engine.outputs import RequestOutput, merge_deltas, num_new_tokens
-from fleetserve.replica.engine.processor import InputProcessor, OutputProcessor, PromptType
-from fleetserve.replica.engine.tokenizer import apply_chat_template, load_tokenizer
-from fleetserve.kv_transfer.params import validate_kv_transfer_params
 from fleetserve.scheduler import KVEventLog, SamplingParams
-from fleetserve.replica.engine.errors import (EngineDeadError, LoRACapacityError,  # noqa: F401 (re-exported)
-                                              QueueFullError)
 
-from fleetserve.replica.lora.request import LORA_LOAD_TIMEOUT_S
+if TYPE_CHECKING:
+    from fleetserve.replica.engine.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -80,16 +83,17 @@ class AsyncEngine:
         self._dead: Optional[str] = None  # why the engine cannot serve any more
         # What the prefix cache gains and loses, for subscribers (the router's prefix index).
         self.kv_events: Optional[KVEventLog] = KVEventLog() if args.enable_kv_cache_events else None
+        self._client: EngineCoreClient
         if spawned is not None:
             self._client = ProcessCoreClient(args, self.tokenizer.eos_token_id, self._on_step,
                                              self._on_failure, spawned=spawned)
         else:
             self._client = ThreadCoreClient(args, self.tokenizer.eos_token_id, self._on_step,
                                             self._on_failure)
-        self.max_model_len = self._client.max_model_len
-        self.hidden_size = getattr(self._client, "hidden_size", None)  # an embedding's width
+        self.max_model_len = self._client.info.max_model_len
+        self.hidden_size = self._client.info.hidden_size  # an embedding's width
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len,
-                                              self._client.vocab_size, args.lora_table())
+                                              self._client.info.vocab_size, args.lora_table())
         # Adapters loaded at run time take ids after --lora-modules' (one load per name at once).
         self._next_lora_id = len(args.lora_modules or ()) + 1
         self._lora_loading: dict[str, asyncio.Future] = {}
@@ -99,18 +103,18 @@ class AsyncEngine:
         self._lora_active: collections.Counter = collections.Counter()
         self._lora_used: dict[str, float] = {}
         self._refresh_stats()
-        self.metrics.cache_config(args.block_size, self._client.stats.num_blocks,
+        self.metrics.cache_config(args.block_size, self._client.stats().num_blocks,
                                   args.enable_prefix_caching)
 
     @property
-    def core(self):
+    def core(self) -> Optional[EngineCore]:
         """The EngineCore object, when it runs in this process (thread mode)."""
-        return getattr(self._client, "core", None)
+        return self._client.core if isinstance(self._client, ThreadCoreClient) else None
 
     @property
     def core_pid(self) -> Optional[int]:
         """The engine core's process id, when it runs in a process of its own."""
-        return getattr(self._client, "pid", None)
+        return self._client.pid if isinstance(self._client, ProcessCoreClient) else None
 
     # ---- public API ----------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
@@ -162,19 +166,18 @@ class AsyncEngine:
         text, requests = self.input_processor.process(
             prompt, sp, request_id, priority=priority, cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params, lora_name=lora_name)
-        load = self._client.load
+        load = self._client.load()
         if (not admitted
                 and load["num_waiting"] + self._client.num_pending_adds >= self.args.max_waiting_requests):
             raise QueueFullError(
                 f"the waiting queue is full ({self.args.max_waiting_requests} requests); retry later")
         loop = asyncio.get_running_loop()
-        self._client.attach(loop)  # a core process's results are read on this loop
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, queue)
         with self._lock:
             self.output_processor.add(request_id, text, requests)
         try:
-            self._client.add(requests)
+            self._client.add(requests)  # a core process's results are read on this loop
         except ExecutorError as e:
             self._forget(request_id)
             raise EngineDeadError(f"the engine is dead: {e}") from e
@@ -269,12 +272,11 @@ class AsyncEngine:
             await self.remove_lora(victim)
         lora_id = self._next_lora_id
         self._next_lora_id += 1
-        self._client.attach(loop)  # a core process's answers are read on this loop
-        future = self._client.lora("add", (lora_id, name, path))
+        future = self._client.add_lora(lora_id, name, path)  # answered on this loop
         try:
             error = await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
         except asyncio.TimeoutError:
-            self._client.lora("remove", (lora_id,))  # whenever it lands, it goes again
+            self._client.remove_lora(lora_id)  # whenever it lands, it goes again
             raise ValueError(f"loading LoRA adapter {name!r} took over {timeout_s:.0f} s; gave up") from None
         if error is not None:
             raise ValueError(error)
@@ -288,7 +290,7 @@ class AsyncEngine:
         held = self.input_processor.loras.pop(name, None)
         if held is None:
             return False
-        self._client.lora("remove", (held[0],))
+        self._client.remove_lora(held[0])
         logger.info("LoRA adapter %r unloaded", name)
         return True
 
@@ -297,12 +299,10 @@ class AsyncEngine:
         """The adapters requests may name: name -> the key their KV blocks are salted with."""
         return {name: key for name, (_, key) in self.input_processor.loras.items()}
 
-    def get_load(self) -> dict:
-        self._client.poll()  # what a core process has reported and no loop has read yet
-        return dict(self._client.load)
+    def get_load(self) -> EngineLoad:
+        return self._client.load().copy()  # a core process's latest, read now if no loop reads it
 
     def metrics_text(self) -> str:
-        self._client.poll()
         self._refresh_stats()  # a core process reports aborts and finishes between steps too
         return self.metrics.text()
 
@@ -384,8 +384,9 @@ class AsyncEngine:
         self._refresh_stats()
 
     def _refresh_stats(self) -> None:
+        stats = self._client.stats()  # (a core process may deliver steps here: not under the lock)
         with self._lock:  # counters advance by deltas: one updater at a time
-            self.metrics.update_scheduler_stats(self._client.stats)
+            self.metrics.update_scheduler_stats(stats)
 
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)

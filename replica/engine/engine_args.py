@@ -10,9 +10,9 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from fleetserve.replica.spec_decode.config import SpeculativeConfig
 from fleetserve.kv_transfer.config import KVTransferConfig
 from fleetserve.replica.lora.request import LoRAModulePath, read_adapter_config
+from fleetserve.replica.spec_decode.config import SpeculativeConfig
 from fleetserve.scheduler import CacheConfig, SchedulerConfig
 from fleetserve.scheduler.config import same_field
 

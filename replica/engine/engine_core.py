@@ -24,11 +24,12 @@ import logging
 import os
 import threading
 import time
-from typing import Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
+from fleetserve.replica.engine.core_messages import Abort, Add, AddLoRA, CoreCommand, EngineLoad, Finish, RemoveLoRA
 from fleetserve.replica.engine.engine_args import EngineArgs
 from fleetserve.replica.engine.step_result import StepResult
-from fleetserve.replica.executor import Executor, make_executor
+from fleetserve.replica.executor import Executor, ExecutorError, make_executor
 from fleetserve.replica.kv_connectors import make_scheduler_connector, name_kv_engine
 from fleetserve.replica.structured_output.manager import StructuredOutputManager
 from fleetserve.scheduler import Request, RequestStatus, create_scheduler
@@ -122,28 +123,49 @@ class EngineCore:
         # LoRA adapters unloaded while requests still ran with them: detached once none does.
         self._unloading_loras: set[int] = set()
 
-    # ---- LoRA adapters at run time -------------------------------------------------
-    def lora_command(self, op: str, args: tuple) -> Optional[str]:
-        """"add" (lora_id, name, path) or "remove" (lora_id,) between steps; the error's text,
-        or None. A removed adapter stays attached until the requests running with it end
-        (the caller already refuses new ones), so none of them switches weights midway."""
-        try:
-            if op == "add":
-                lora_id, name, path = args
-                self._unloading_loras.discard(lora_id)
-                try:
-                    self.executor.add_lora(lora_id, name, path)
-                except BaseException:
-                    self.executor.remove_lora(lora_id)  # ranks that loaded it before one failed
-                    raise
-            elif op == "remove":
-                self._unloading_loras.add(args[0])
-                self._detach_unused_loras()
-            else:
-                return f"unknown LoRA command {op!r}"
-        except Exception as e:  # noqa: BLE001 - the caller reports it (a 400 naming the problem)
-            return str(e) or type(e).__name__
+    # ---- commands (from either client layout: core_messages) -----------------------
+    def apply(self, command: CoreCommand) -> Optional[str]:
+        """Carry out a client's command between steps; for a LoRA command, the error's text
+        (None: done)."""
+        match command:
+            case Add(requests):
+                for request in requests:
+                    self.add_request(request)
+            case Abort(request_ids):
+                self.abort_requests(request_ids)
+            case Finish(request_ids):
+                self.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+            case AddLoRA(_, lora_id, name, path):
+                return _error_text(self.add_lora, lora_id, name, path)
+            case RemoveLoRA(_, lora_id):
+                return _error_text(self.remove_lora, lora_id)
         return None
+
+    def fail_in_flight(self, error: Exception) -> tuple[str, bool]:
+        """After a step raised (call it in the `except` block): abort everything in flight, log,
+        and return (message, dead); dead when the executor cannot go on (a worker died)."""
+        self.abort_requests(list(self.scheduler.requests) + self.structured.pending_ids())
+        if isinstance(error, ExecutorError):
+            logger.error("engine executor failed: %s", error)
+            return str(error), True
+        logger.exception("engine step failed; failing the in-flight requests")
+        return f"{type(error).__name__}: {error}", False
+
+    # ---- LoRA adapters at run time -------------------------------------------------
+    def add_lora(self, lora_id: int, name: str, path: str) -> None:
+        """Load an adapter on every rank, between steps."""
+        self._unloading_loras.discard(lora_id)
+        try:
+            self.executor.add_lora(lora_id, name, path)
+        except BaseException:
+            self.executor.remove_lora(lora_id)  # ranks that loaded it before one failed
+            raise
+
+    def remove_lora(self, lora_id: int) -> None:
+        """A removed adapter stays attached until the requests running with it end (the caller
+        already refuses new ones), so none of them switches weights midway."""
+        self._unloading_loras.add(lora_id)
+        self._detach_unused_loras()
 
     def _detach_unused_loras(self) -> None:
         if not self._unloading_loras:
@@ -291,7 +313,7 @@ class EngineCore:
         executor runs no model in this process."""
         return self.executor.add_progress_hook(bump)
 
-    def get_load(self) -> dict:
+    def get_load(self) -> EngineLoad:
         s = self.scheduler
         queued = sum(r.num_tokens - r.num_computed_tokens for r in s.running)
         queued += sum(r.num_tokens for r in s.waiting)
@@ -340,6 +362,16 @@ class EngineCore:
 
 # How long an idle step waits for a grammar before returning (commands are read between steps).
 _GRAMMAR_WAIT_S = 0.005
+
+
+def _error_text(fn: Callable[..., None], *args: Any) -> Optional[str]:
+    """Run `fn`; the text of what it raised (for the client to report: a 400 naming the
+    problem), or None."""
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - reported to the caller, not lost
+        return str(e) or type(e).__name__
+    return None
 
 
 def _grammar_backend(model: str, vocab_size: int, eos_token_id: Optional[int]):

@@ -27,8 +27,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from fleetserve.replica.model_loader.registry import ModelSource
 from fleetserve.replica.engine.chat_template import check_continue_final_message, check_template_kwargs
+from fleetserve.replica.model_loader.registry import ModelSource
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast

@@ -1,4 +1,4 @@
-"""The EngineCore in its own process (replica.core_client / replica.engine_proc): start-up
+"""The EngineCore in its own process (replica.engine.process_client / core_process): start-up
 errors, a core that dies mid-stream, stop strings across the process boundary, and a core
 that outlives its parent (it must not)."""
 
