@@ -213,7 +213,6 @@ class Scheduler:
                     # back to the pool instead: retry before preempting itself.
                     blocks = self.kv.allocate_slots(request, slots)
                     continue
-                running.remove(victim)
                 # A victim scheduled earlier in this pass gives its tokens back.
                 budget += num_scheduled.pop(victim.request_id, 0)
                 new_blocks.pop(victim.request_id, None)
@@ -235,6 +234,12 @@ class Scheduler:
         return budget
 
     def _preempt(self, request: Request) -> None:
+        """Take every block back from `request`, which will start over (recompute, as
+        vLLM v1 does). A running request goes to the front of waiting; a waiting one
+        (back from a remote load, `_release_waiting_holders`) keeps its place."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.waiting.prepend(request)
         # A victim scheduled earlier in this pass already registered hashes for
         # blocks this step would have filled; they will never be computed.
         self.kv.uncache_tail(request, request.num_computed_tokens)
@@ -245,23 +250,17 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._num_tokens_sent.pop(request.request_id, None)
-        self.waiting.prepend(request)
 
     def _release_waiting_holders(self, keep: Request) -> bool:
         """Last resort when `keep` cannot grow and would otherwise wait (or
         preempt itself) forever: waiting requests back from a remote load give
         their blocks back and will start over, like a preemption. Nothing
         else can reclaim those blocks. Returns whether any block was freed."""
-        released = False
-        for r in list(self.waiting):
-            if r is not keep and r.request_id in self.kv.req_to_blocks:
-                self.kv.free(r)
-                r.num_computed_tokens = 0
-                r.status = RequestStatus.PREEMPTED
-                r.num_preemptions += 1
-                self.num_preemptions += 1
-                released = True
-        return released
+        owned = self.kv.req_to_blocks
+        holders = [r for r in self.waiting if r is not keep and r.request_id in owned]
+        for r in holders:
+            self._preempt(r)
+        return bool(holders)
 
     def _block_holders(self) -> list[Request]:
         """Unfinished requests that own blocks: running, parked for a remote

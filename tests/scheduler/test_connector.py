@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from fleetserve.scheduler import RequestStatus
 
 from tests.scheduler.utils import (ConnectorPlan, FakeModelRunner, TestConnector,
@@ -175,6 +177,50 @@ def test_a_request_back_from_a_load_cannot_deadlock_the_queue():
     assert reasons == {"r1": "length", "r2": "length"}  # r0 finished in the first step
     for r in (r0, r1, r2):
         assert r.output_token_ids == reference_tokens(r, 30)
+    assert_serves_and_no_leaks(sched, runner)
+
+
+@pytest.mark.parametrize("caller", ["running victim", "waiting holder"])
+def test_both_preemption_callers_start_a_request_over_the_same_way(caller):
+    """Preemption has two callers and one piece of bookkeeping: the running pass preempts a
+    running victim (to the front of waiting, reported in preempted_req_ids so its worker drops
+    it), and a request that would otherwise preempt itself first takes the blocks of requests
+    back from a remote load that sit in waiting (they keep their place; no worker holds them).
+    Either way the request holds no block, has nothing computed, is PREEMPTED in waiting and
+    counted, and later finishes with the tokens it would have produced."""
+    if caller == "running victim":
+        sched, runner, _ = setup({}, num_blocks=4, enable_prefix_caching=False)
+        reqs = create_requests(2, num_tokens=8, max_tokens=4)
+        for r in reqs:
+            sched.add_request(r)
+        step(sched, runner)  # each holds 2 full blocks: the pool is full
+        reqs += create_requests(1, num_tokens=1, start=2)
+        sched.add_request(reqs[2])
+        victim = reqs[1]
+        so, _ = step(sched, runner)
+        assert so.preempted_req_ids == {"r1"} and so.num_scheduled_tokens == {"r0": 1}
+    else:
+        sched, runner, _ = setup({"r1": ConnectorPlan(num_external=7, is_async=True)},
+                                 num_blocks=3, enable_prefix_caching=False)
+        reqs = create_requests(1, num_tokens=4, max_tokens=20) + create_requests(1, num_tokens=8, start=1)
+        for r in reqs:
+            sched.add_request(r)
+        step(sched, runner)  # r0 runs in 1 block; r1 loads into 2 and comes back to waiting
+        victim = reqs[1]
+        assert victim.status == RequestStatus.WAITING and len(sched.kv.get_block_ids("r1")) == 2
+        reqs += create_requests(1, num_tokens=8, start=2)
+        sched.add_request(reqs[2])
+        # r0 needs a block for token 4; the only running victim would be itself.
+        so, _ = step(sched, runner)
+        assert so.preempted_req_ids == set() and so.num_scheduled_tokens == {"r0": 1}
+        assert reqs[0].status == RequestStatus.RUNNING
+    assert victim.status == RequestStatus.PREEMPTED
+    assert victim.num_computed_tokens == 0 and sched.kv.get_block_ids("r1") == []
+    assert victim.num_preemptions == 1 and sched.get_stats().num_preemptions == 1
+    assert [r.request_id for r in sched.waiting] == ["r1", "r2"]
+    run_to_completion(sched, runner)
+    for r in reqs:
+        assert r.output_token_ids == reference_tokens(r, 64), r.request_id
     assert_serves_and_no_leaks(sched, runner)
 
 
