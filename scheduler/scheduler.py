@@ -25,22 +25,27 @@ Speculative decoding (scheduler/spec_decode.py) adds three touches: the gap
 counts the draft tokens (`num_tokens_with_spec`), the drafts scheduled this
 step travel in the SchedulerOutput, and update_from_output rolls
 `num_computed_tokens` back by the rejected drafts and stores the next drafts.
+
+Around this loop: the step's batch and the SchedulerOutput it becomes
+(batch.py), queue order, preemption choice and capacity (policies.py), the
+paged KV cache (kv_cache_manager.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Any, Iterable, NamedTuple, Optional
 
+from fleetserve.scheduler.batch import StepBatch
+from fleetserve.scheduler.block_pool import KVCacheBlock
 from fleetserve.scheduler.config import CacheConfig, SchedulerConfig
 from fleetserve.scheduler.connector import KVConnectorScheduler
 from fleetserve.scheduler.kv_cache_manager import KVCacheManager
-from fleetserve.scheduler.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
-                                          NewRequestData, SchedulerOutput)
+from fleetserve.scheduler.kv_events import KVEventBatch
+from fleetserve.scheduler.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from fleetserve.scheduler.policies import make_capacity_policy, make_waiting_queue, pick_victim
 from fleetserve.scheduler.request import Request, RequestStatus
-from fleetserve.scheduler.spec_decode import (DraftLengthPolicy, SpecDecodingStats, cap_drafts,
-                                              lookahead_slots)
+from fleetserve.scheduler.spec_decode import DraftLengthPolicy, SpecDecodingStats, assign_drafts, lookahead_slots
 
 
 @dataclass(slots=True)
@@ -59,6 +64,17 @@ class SchedulerStats:
     max_loras: int = 0
     lora_running: Optional[dict[str, int]] = None
     lora_waiting: Optional[dict[str, int]] = None
+
+
+class PrefixLookup(NamedTuple):
+    """Where a request about to be admitted starts: its local prefix-cache hits, the
+    tokens they cover (for a request back from a remote load: the ones it computed),
+    and the tokens a connector supplies after them, in the background or not."""
+
+    hits: list[KVCacheBlock]
+    num_computed: int
+    num_external: int
+    load_async: bool
 
 
 class Scheduler:
@@ -168,17 +184,12 @@ class Scheduler:
 
     # ---- schedule --------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        new_blocks: dict[str, list[int]] = {}
-        preempted: list[Request] = []
-        new_reqs: list[Request] = []
-
-        budget = self._schedule_running(budget, num_scheduled, new_blocks, preempted)
-        if not preempted:
-            self._schedule_waiting(budget, num_scheduled, new_blocks, new_reqs)
-
-        output = self._build_output(num_scheduled, new_blocks, new_reqs, preempted)
+        batch = StepBatch(self.config.max_num_batched_tokens)
+        self._schedule_running(batch)
+        if not batch.preempted:
+            self._schedule_waiting(batch)
+        finished, self._finished_req_ids = self._finished_req_ids, set()
+        output = batch.to_output(self.running, self.requests, self.kv, self._num_tokens_sent, finished)
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
         return output
@@ -192,46 +203,47 @@ class Scheduler:
             n = threshold
         return min(n, budget, self.config.max_model_len - 1 - num_computed)
 
-    def _schedule_running(self, budget: int, num_scheduled: dict[str, int],
-                          new_blocks: dict[str, list[int]], preempted: list[Request]) -> int:
+    def _schedule_running(self, batch: StepBatch) -> None:
         running = self.running
+        num_lookahead = self.config.num_lookahead_tokens
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and batch.budget > 0:
             request = running[i]
             n = self._num_new_tokens(request.num_tokens_with_spec, request.num_computed_tokens,
-                                     budget)
+                                     batch.budget)
             if n <= 0:
                 i += 1
                 continue
-            slots = n + lookahead_slots(request, n, self.config.num_lookahead_tokens)
+            slots = n + lookahead_slots(request, n, num_lookahead)
             blocks = self.kv.allocate_slots(request, slots)
-            preempted_now = False
-            while blocks is None and self.capacity.can_preempt:
-                victim = pick_victim(running, self.config.policy)
-                if victim is request and self._release_waiting_holders(request):
-                    # Blocks held in waiting (back from remote loads) went
-                    # back to the pool instead: retry before preempting itself.
-                    blocks = self.kv.allocate_slots(request, slots)
-                    continue
-                # A victim scheduled earlier in this pass gives its tokens back.
-                budget += num_scheduled.pop(victim.request_id, 0)
-                new_blocks.pop(victim.request_id, None)
-                self._preempt(victim)
-                preempted.append(victim)
-                preempted_now = True
-                if victim is request:
-                    break
-                blocks = self.kv.allocate_slots(request, slots)
-            if request.status == RequestStatus.PREEMPTED:
-                break  # it had to preempt itself: nobody else can fit either
+            if blocks is None and self.capacity.can_preempt:
+                num_preempted = len(batch.preempted)
+                blocks = self._make_room(request, slots, batch)
+                if blocks is None:
+                    break  # it had to preempt itself: nobody else can fit either
+                if len(batch.preempted) > num_preempted:
+                    i = running.index(request)  # victims ahead of it moved it up
             if blocks is not None:
-                num_scheduled[request.request_id] = n
-                if blocks:
-                    new_blocks[request.request_id] = blocks
-                budget -= n
+                batch.add(request, n, blocks)
             # (blocks is None only without preemption, i.e. guaranteed_no_evict: skip it.)
-            i = running.index(request) + 1 if preempted_now else i + 1
-        return budget
+            i += 1
+
+    # ---- preemption --------------------------------------------------------------
+    def _make_room(self, request: Request, num_slots: int, batch: StepBatch) -> Optional[list[int]]:
+        """Preempt (`pick_victim`) until `request`, running, gets `num_slots` slots: the
+        ids of its new blocks, or None when it had to preempt itself."""
+        while True:
+            victim = pick_victim(self.running, self.config.policy)
+            # Before preempting itself, waiting requests back from remote loads give
+            # their blocks back.
+            if victim is not request or not self._release_waiting_holders(request):
+                batch.drop(victim)
+                self._preempt(victim)
+                if victim is request:
+                    return None
+            blocks = self.kv.allocate_slots(request, num_slots)
+            if blocks is not None:
+                return blocks
 
     def _preempt(self, request: Request) -> None:
         """Take every block back from `request`, which will start over (recompute, as
@@ -262,6 +274,7 @@ class Scheduler:
             self._preempt(r)
         return bool(holders)
 
+    # ---- admission -----------------------------------------------------------------
     def _block_holders(self) -> list[Request]:
         """Unfinished requests that own blocks: running, parked for a remote
         load, and back from one but not yet re-admitted."""
@@ -271,91 +284,106 @@ class Scheduler:
         holders.extend(r for r in self.waiting if r.request_id in owned)
         return holders
 
-    def _lookup(self, request: Request) -> Optional[tuple[list, int, int, bool]]:
-        """(local hit blocks, local hit tokens, external tokens, load_async) for a
-        request about to be admitted; None when the connector asks to wait."""
-        if request.request_id in self.kv.req_to_blocks:
-            # Back from a remote KV load: it already holds its blocks.
-            return [], request.num_computed_tokens, 0, False
-        hits, computed = self.kv.get_computed_blocks(request)
-        if self.connector is None:
-            return hits, computed, 0, False
-        ext, load_async = self.connector.get_num_new_matched_tokens(request, computed)
-        if ext is None:  # the connector does not know yet: ask again later
-            return None
-        # At least the last prompt token is always computed here.
-        return hits, computed, max(0, min(ext, request.num_tokens - 1 - computed)), load_async
-
-    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
-                          new_blocks: dict[str, list[int]], new_reqs: list[Request]) -> None:
-        cfg = self.config
-        kv = self.kv
+    def _schedule_waiting(self, batch: StepBatch) -> None:
+        kv, waiting = self.kv, self.waiting
         self.capacity.begin_step(self._block_holders, kv)
         skipped: list[Request] = []
         holders_only = False
-        # --max-loras: the distinct LoRA adapters one step may run (those of running requests
-        # and remote loads first); a request with yet another adapter waits its turn.
-        loras = ({r.lora_id for r in self.running if r.lora_id}
-                 | {r.lora_id for r in self.waiting_for_remote_kvs.values() if r.lora_id}
-                 if cfg.max_loras else None)
-        # In-flight remote loads hold a seat (and their blocks) like running requests.
-        while self.waiting and budget > 0 and \
-                len(self.running) + len(self.waiting_for_remote_kvs) < cfg.max_num_seqs:
-            request = self.waiting.peek()
-            if (loras is not None and request.lora_id and request.lora_id not in loras
-                    and len(loras) >= cfg.max_loras):
-                skipped.append(self.waiting.pop())
+        loras = self._loras_in_step()
+        while waiting and batch.budget > 0 and self._has_free_seat():
+            request = waiting.peek()
+            if loras is not None and self._lora_must_wait(request, loras):
+                skipped.append(waiting.pop())
                 continue
             fresh = request.request_id not in kv.req_to_blocks
             lookup = None if holders_only and fresh else self._lookup(request)
-            if lookup is None:
-                skipped.append(self.waiting.pop())
+            n = None if lookup is None else self._num_admitted_tokens(request, lookup, batch.budget)
+            if lookup is None or n is None:
+                skipped.append(waiting.pop())
                 continue
-            hits, computed, num_external, load_async = lookup
-            n = 0
-            if not load_async:
-                n = self._num_new_tokens(request.num_tokens, computed + num_external,
-                                         request.num_tokens)
-                if not cfg.enable_chunked_prefill and n > budget:
-                    # The prompt does not fit what is left of the budget: skip, don't cut.
-                    skipped.append(self.waiting.pop())
-                    continue
-                n = min(n, budget)
             # A fresh request has num_computed_tokens == 0 here: allocate_slots
             # counts the hits itself.
             blocks = None
-            if self.capacity.can_admit(request, hits, kv):
-                blocks = kv.allocate_slots(request, n, hits, num_external, delay_caching=load_async)
+            if self.capacity.can_admit(request, lookup.hits, kv):
+                blocks = kv.allocate_slots(request, n, lookup.hits, lookup.num_external,
+                                           delay_caching=lookup.load_async)
             if blocks is None:
                 # Waiting requests back from a remote load hold blocks that no
                 # preemption can reclaim: let them go first, or a request that
                 # needs those blocks would wait for them forever.
-                if fresh and any(r.request_id in kv.req_to_blocks for r in self.waiting):
-                    skipped.append(self.waiting.pop())
+                if fresh and any(r.request_id in kv.req_to_blocks for r in waiting):
+                    skipped.append(waiting.pop())
                     holders_only = True
                     continue
                 if not fresh and not self.running:
                     self._release_waiting_holders(request)
                 break
-            self.waiting.pop()
+            waiting.pop()
             if loras is not None and request.lora_id:
                 loras.add(request.lora_id)
-            request.num_computed_tokens = computed + num_external
-            if fresh:
-                self._admitted_fresh(request, len(hits) * kv.block_size, num_external)
-            if load_async:
-                # Blocks are held; the worker fills them in the background.
-                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-                self.waiting_for_remote_kvs[request.request_id] = request
-                continue
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            num_scheduled[request.request_id] = n
-            new_blocks[request.request_id] = blocks
-            new_reqs.append(request)
-            budget -= n
+            self._admit(request, lookup, fresh, n, blocks, batch)
         for request in reversed(skipped):
-            self.waiting.prepend(request)
+            waiting.prepend(request)
+
+    def _has_free_seat(self) -> bool:
+        # In-flight remote loads hold a seat (and their blocks) like running requests.
+        return len(self.running) + len(self.waiting_for_remote_kvs) < self.config.max_num_seqs
+
+    def _loras_in_step(self) -> Optional[set[int]]:
+        """--max-loras: the distinct LoRA adapters of this step so far (running requests'
+        and remote loads'); None without LoRA."""
+        if not self.config.max_loras:
+            return None
+        return ({r.lora_id for r in self.running if r.lora_id}
+                | {r.lora_id for r in self.waiting_for_remote_kvs.values() if r.lora_id})
+
+    def _lora_must_wait(self, request: Request, loras: set[int]) -> bool:
+        """A request with yet another adapter waits its turn once the step has max_loras."""
+        return bool(request.lora_id) and request.lora_id not in loras \
+            and len(loras) >= self.config.max_loras
+
+    def _lookup(self, request: Request) -> Optional[PrefixLookup]:
+        """Where a request about to be admitted starts; None when the connector asks to wait."""
+        if request.request_id in self.kv.req_to_blocks:
+            # Back from a remote KV load: it already holds its blocks.
+            return PrefixLookup([], request.num_computed_tokens, 0, False)
+        hits, computed = self.kv.get_computed_blocks(request)
+        if self.connector is None:
+            return PrefixLookup(hits, computed, 0, False)
+        ext, load_async = self.connector.get_num_new_matched_tokens(request, computed)
+        if ext is None:  # the connector does not know yet: ask again later
+            return None
+        # At least the last prompt token is always computed here.
+        return PrefixLookup(hits, computed, max(0, min(ext, request.num_tokens - 1 - computed)),
+                            load_async)
+
+    def _num_admitted_tokens(self, request: Request, lookup: PrefixLookup, budget: int) -> Optional[int]:
+        """Tokens an admitted request computes this step (none while its KV loads in the
+        background); None when, without chunked prefill, its prompt does not fit what is
+        left of the budget: it is skipped, not cut."""
+        if lookup.load_async:
+            return 0
+        n = self._num_new_tokens(request.num_tokens, lookup.num_computed + lookup.num_external,
+                                 request.num_tokens)
+        if not self.config.enable_chunked_prefill and n > budget:
+            return None
+        return min(n, budget)
+
+    def _admit(self, request: Request, lookup: PrefixLookup, fresh: bool, num_tokens: int,
+               block_ids: list[int], batch: StepBatch) -> None:
+        """`request`, just taken off waiting with its blocks, runs (or parks for its load)."""
+        request.num_computed_tokens = lookup.num_computed + lookup.num_external
+        if fresh:
+            self._admitted_fresh(request, len(lookup.hits) * self.block_size, lookup.num_external)
+        if lookup.load_async:
+            # Blocks are held; the worker fills them in the background.
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            self.waiting_for_remote_kvs[request.request_id] = request
+            return
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        batch.add(request, num_tokens, block_ids)
+        batch.new_reqs.append(request)
 
     def _admitted_fresh(self, request: Request, num_local_hit: int, num_external: int) -> None:
         """Bookkeeping for a request that got its first blocks."""
@@ -370,51 +398,6 @@ class Scheduler:
         # A parked request holds blocks too: reserve its future ones now.
         self.capacity.admitted(request, kv)
 
-    def _build_output(self, num_scheduled: dict[str, int], new_blocks: dict[str, list[int]],
-                      new_reqs: list[Request], preempted: list[Request]) -> SchedulerOutput:
-        new_ids = {r.request_id for r in new_reqs}
-        new_data = []
-        for r in new_reqs:
-            new_data.append(NewRequestData(
-                r.request_id, r.prompt_token_ids, list(r.output_token_ids), r.sampling_params,
-                self.kv.get_block_ids(r.request_id), r.num_computed_tokens, r.lora_id))
-            self._num_tokens_sent[r.request_id] = r.num_tokens
-        cached_data = []
-        sent = self._num_tokens_sent
-        empty: list[int] = []
-        for r in self.running:
-            rid = r.request_id
-            if rid in new_ids or rid not in num_scheduled:
-                continue
-            num_tokens = r.num_tokens
-            old = sent[rid]
-            new_tokens = r.all_token_ids[old:] if old < num_tokens else empty
-            sent[rid] = num_tokens
-            cached_data.append(CachedRequestData(
-                rid, new_tokens, new_blocks.get(rid, empty), r.num_computed_tokens))
-        total = 0
-        spec: dict[str, list[int]] = {}
-        for rid, n in num_scheduled.items():
-            r = self.requests[rid]
-            if r.spec_token_ids:
-                # The budget may have cut the drafts short; the rest are dropped.
-                num_spec = r.num_computed_tokens + n - r.num_tokens
-                if num_spec > 0:
-                    spec[rid] = r.spec_token_ids[:num_spec]
-                r.spec_token_ids = []
-            r.num_computed_tokens += n
-            total += n
-        finished, self._finished_req_ids = self._finished_req_ids, set()
-        return SchedulerOutput(
-            scheduled_new_reqs=new_data,
-            scheduled_cached_reqs=cached_data,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=total,
-            finished_req_ids=finished,
-            preempted_req_ids={r.request_id for r in preempted},
-            scheduled_spec_decode_tokens=spec,
-        )
-
     # ---- update ----------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -424,6 +407,17 @@ class Scheduler:
         if runner_output.invalid_block_ids:
             outputs.extend(self._handle_invalid_blocks(runner_output.invalid_block_ids,
                                                        scheduler_output))
+        self._append_sampled(scheduler_output, runner_output, outputs)
+        if runner_output.spec_token_ids:
+            assign_drafts(runner_output.spec_token_ids, self.requests, self.config.num_spec_tokens,
+                          self.draft_policy, self._free_draft_room())
+        self._update_from_connector(runner_output)
+        return outputs
+
+    def _append_sampled(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+                        outputs: list[EngineCoreOutput]) -> None:
+        """Append each request's sampled tokens up to its first stop, free the requests
+        that stopped, and add an output for each request that produced something."""
         num_scheduled = scheduler_output.num_scheduled_tokens
         spec = scheduler_output.scheduled_spec_decode_tokens
         logprobs = runner_output.logprobs
@@ -462,10 +456,6 @@ class Scheduler:
         if stopped:
             drop = {id(r) for r in stopped}
             self.running = [r for r in self.running if id(r) not in drop]
-        if runner_output.spec_token_ids:
-            self._set_drafts(runner_output.spec_token_ids)
-        self._update_from_connector(runner_output)
-        return outputs
 
     def _roll_back_rejected(self, request: Request, num_drafts: int, num_sampled: int) -> None:
         """The worker returns the accepted drafts plus one token of its own:
@@ -477,43 +467,14 @@ class Scheduler:
         if self.draft_policy is not None:
             self.draft_policy.observe(request.request_id, num_drafts, num_accepted)
 
-    def _set_drafts(self, drafts: dict[str, list[int]]) -> None:
-        cap = self.config.num_spec_tokens
-        policy = self.draft_policy
-        running = RequestStatus.RUNNING
-        # (request, every draft worth verifying, how many of them it sends)
-        chosen: list[tuple[Request, list[int], int]] = []
-        for rid, tokens in drafts.items():
-            request = self.requests.get(rid)
-            # Drafts follow the last known token: only for a request whose
-            # KV is complete up to it (not mid-prefill, not rolled back).
-            if request is not None and request.status == running and \
-                    request.num_computed_tokens == request.num_tokens - 1:
-                pool = cap_drafts(request, tokens, cap)
-                n = len(pool) if policy is None else min(len(pool), policy.limit(rid))
-                chosen.append((request, pool, n))
-        if policy is not None and self.config.free_draft_tokens:
-            self._top_up_free_drafts(chosen)
-        for request, pool, n in chosen:
-            request.spec_token_ids = pool[:n]
-
-    def _top_up_free_drafts(self, chosen: list[tuple[Request, list[int], int]]) -> None:
-        """A step of at most free_draft_tokens tokens costs about a one-token
-        step: fill the room the earned drafts leave with more of the offered
-        drafts, in order, up to num_spec_tokens each. Nothing while a prefill
-        may join the next step."""
-        if self.waiting:
-            return
-        room = self.config.free_draft_tokens - sum(n for _, _, n in chosen)
-        for r in self.running:
-            room -= max(1, r.num_tokens - r.num_computed_tokens)
-        for i, (request, pool, n) in enumerate(chosen):
-            if room <= 0:
-                return
-            extra = min(room, len(pool) - n)
-            if extra > 0:
-                chosen[i] = (request, pool, n + extra)
-                room -= extra
+    def _free_draft_room(self) -> int:
+        """With adaptive drafts and free_draft_tokens: what the next step may still take
+        at about a one-token step's cost, beyond a token per running request (before the
+        earned drafts). 0 while a prefill may join it."""
+        free = self.config.free_draft_tokens
+        if self.draft_policy is None or not free or self.waiting:
+            return 0
+        return free - sum(max(1, r.num_tokens - r.num_computed_tokens) for r in self.running)
 
     def _check_stop(self, request: Request, token: int) -> bool:
         sp = request.sampling_params
@@ -532,7 +493,7 @@ class Scheduler:
             return True
         return False
 
-    def _free_request(self, request: Request) -> Optional[dict]:
+    def _free_request(self, request: Request) -> Optional[dict[str, Any]]:
         """Release a finished request; its blocks wait if the connector still sends them."""
         rid = request.request_id
         self._finished_req_ids.add(rid)
@@ -601,6 +562,8 @@ class Scheduler:
 
     # ---- stats -------------------------------------------------------------------
     def get_stats(self) -> SchedulerStats:
+        max_loras = self.config.max_loras
+        lora_running, lora_waiting = self._lora_counts() if max_loras else (None, None)
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -612,22 +575,24 @@ class Scheduler:
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
             spec_decoding=self.spec_stats.snapshot() if self.config.num_spec_tokens else None,
-            **(self._lora_stats() if self.config.max_loras else {}),
+            max_loras=max_loras, lora_running=lora_running, lora_waiting=lora_waiting,
         )
 
-    def _lora_stats(self) -> dict:
+    def _lora_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Requests per adapter name: (running, waiting and parked for a remote load)."""
         running: dict[str, int] = {}
         waiting: dict[str, int] = {}
+        reqs: Iterable[Request]
         for reqs, counts in ((self.running, running), (self.waiting, waiting),
                              (self.waiting_for_remote_kvs.values(), waiting)):
             for r in reqs:
                 if r.lora_name:
                     counts[r.lora_name] = counts.get(r.lora_name, 0) + 1
-        return {"max_loras": self.config.max_loras, "lora_running": running, "lora_waiting": waiting}
+        return running, waiting
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
 
-    def take_kv_events(self):
+    def take_kv_events(self) -> Optional[KVEventBatch]:
         """KV cache events since the last call, as one `KVEventBatch` (or None)."""
         return self.kv.take_events()

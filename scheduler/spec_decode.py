@@ -31,16 +31,16 @@ last few of a batch, pays nothing for a rejected draft and gains a step for
 each accepted one. `free_draft_tokens` is that step size: while the next
 step (a token per running request plus the earned drafts) stays under it
 and no prefill waits to join, the room left is filled with more of the
-offered drafts, up to k each (Scheduler._top_up_free_drafts). The tail of a
-batch is where that pays: the request that copies least sets how many steps
-the batch takes.
+offered drafts, up to k each (`assign_drafts`). The tail of a batch is where
+that pays: the request that copies least sets how many steps the batch takes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping, Optional
 
-from fleetserve.scheduler.request import Request
+from fleetserve.scheduler.request import Request, RequestStatus
 
 
 @dataclass(slots=True)
@@ -114,6 +114,35 @@ class DraftLengthPolicy:
         self._limit.pop(rid, None)
         self._misses.pop(rid, None)
         self._wait.pop(rid, None)
+
+
+def assign_drafts(offered: dict[str, list[int]], requests: Mapping[str, Request], num_spec_tokens: int,
+                  policy: Optional[DraftLengthPolicy], free_room: int) -> None:
+    """Set each request's drafts for its next step from the worker's `offered` ones.
+
+    Drafts follow the last known token, so only a running request whose KV is complete
+    up to it (not mid-prefill, not rolled back) takes any: those worth verifying
+    (`cap_drafts`), as many as `policy` lets it earn. `free_room` (tokens the next step
+    may still take at about a one-token step's cost; 0: none) then goes, in order, to
+    more of the offered drafts, up to `num_spec_tokens` each.
+    """
+    # (request, every draft worth verifying, how many of them it sends)
+    chosen: list[tuple[Request, list[int], int]] = []
+    running = RequestStatus.RUNNING
+    for rid, tokens in offered.items():
+        request = requests.get(rid)
+        if request is not None and request.status == running and \
+                request.num_computed_tokens == request.num_tokens - 1:
+            pool = cap_drafts(request, tokens, num_spec_tokens)
+            n = len(pool) if policy is None else min(len(pool), policy.limit(rid))
+            chosen.append((request, pool, n))
+    room = free_room - sum(n for _, _, n in chosen)
+    for request, pool, n in chosen:
+        extra = min(room, len(pool) - n) if room > 0 else 0
+        if extra > 0:
+            n += extra
+            room -= extra
+        request.spec_token_ids = pool[:n]
 
 
 def lookahead_slots(request: Request, num_new_tokens: int, num_lookahead: int) -> int:
