@@ -29,9 +29,9 @@ def create_scheduler(scheduler_config: SchedulerConfig, cache_config: CacheConfi
 
 
 __all__ = [
-    "AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "CacheConfig", "CachedRequestData", "EngineCoreOutput", "KVCacheBlock",
-    "KVCacheManager", "KVCacheMirror", "KVConnectorScheduler", "KVEventBatch", "KVEventLog", "ModelRunnerOutput", "NewRequestData",
-    "Request", "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig",
-    "SchedulerOutput", "SchedulerStats", "SequenceGap", "StructuredOutputsParams", "create_scheduler",
-    "hash_token_blocks", "prefix_salt",
+    "AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "CacheConfig", "CachedRequestData",
+    "EngineCoreOutput", "KVCacheBlock", "KVCacheManager", "KVCacheMirror", "KVConnectorScheduler",
+    "KVEventBatch", "KVEventLog", "ModelRunnerOutput", "NewRequestData", "Request", "RequestStatus",
+    "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats", "SequenceGap",
+    "StructuredOutputsParams", "create_scheduler", "hash_token_blocks", "prefix_salt", "resolve_obj_by_qualname",
 ]

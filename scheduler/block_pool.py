@@ -17,7 +17,7 @@ the router's cluster-wide prefix index is built from.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 from fleetserve.scheduler.kv_events import KVEventRecorder
 
@@ -52,26 +52,29 @@ class FreeBlockQueue:
 
     def popleft(self) -> KVCacheBlock:
         block = self._head.next_free
-        if block is self._tail:
+        if block is self._tail or block is None:
             raise ValueError("no free blocks")
         self.remove(block)
         return block
 
     def remove(self, block: KVCacheBlock) -> None:
-        block.prev_free.next_free = block.next_free
-        block.next_free.prev_free = block.prev_free
+        prev, nxt = block.prev_free, block.next_free
+        # Between the sentinels, every block in the queue has both links.
+        assert prev is not None and nxt is not None, f"{block} is not in the free queue"
+        prev.next_free, nxt.prev_free = nxt, prev
         block.prev_free = block.next_free = None
         self.num_free -= 1
 
     def append(self, block: KVCacheBlock) -> None:
         last = self._tail.prev_free
+        assert last is not None  # the head sentinel, when the queue is empty
         last.next_free, block.prev_free = block, last
         block.next_free, self._tail.prev_free = self._tail, block
         self.num_free += 1
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[KVCacheBlock]:
         block = self._head.next_free
-        while block is not self._tail:
+        while block is not None and block is not self._tail:
             yield block
             block = block.next_free
 

@@ -21,7 +21,7 @@ leave for later.
 from __future__ import annotations
 
 import hashlib
-from typing import Optional
+from typing import Optional, Sequence
 
 from fleetserve.scheduler.block_pool import BlockPool, KVCacheBlock
 from fleetserve.scheduler.kv_events import KVEventBatch, KVEventRecorder
@@ -131,7 +131,7 @@ class KVCacheManager:
         self.prefix_cache_hits += num_hit
 
     def num_blocks_to_allocate(self, request: Request, num_tokens: int,
-                               new_computed_blocks: list[KVCacheBlock] = ()) -> int:
+                               new_computed_blocks: Sequence[KVCacheBlock] = ()) -> int:
         """Free blocks that holding `num_tokens` tokens of `request` would consume."""
         owned = len(self.req_to_blocks.get(request.request_id, ())) + len(new_computed_blocks)
         # Hits that sit in the free queue are taken out of it, costing a free block each.
@@ -143,7 +143,7 @@ class KVCacheManager:
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: list[KVCacheBlock] = (),
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
         num_external_tokens: int = 0,
         delay_caching: bool = False,
     ) -> Optional[list[int]]:
@@ -240,7 +240,7 @@ class KVCacheManager:
         """The KV events since the last call, as one batch (None: none, or events are off)."""
         return self.pool.events.take_batch() if self.pool.events is not None else None
 
-    def cached_block_hashes(self) -> set:
+    def cached_block_hashes(self) -> set[int]:
         """Every hash the prefix cache holds now (what KV event subscribers rebuild)."""
         return set(self.pool.cached)
 

@@ -29,22 +29,22 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Hashable, Iterable, Optional, Sequence, Union
 
 BlockHash = Hashable
 
 
 @dataclass(slots=True)
 class BlockStored:
-    block_hashes: list
-    parent_block_hash: Optional[Any]
+    block_hashes: list[BlockHash]
+    parent_block_hash: Optional[BlockHash]
     token_ids: list[int]
     block_size: int
 
 
 @dataclass(slots=True)
 class BlockRemoved:
-    block_hashes: list
+    block_hashes: list[BlockHash]
 
 
 @dataclass(slots=True)
@@ -61,7 +61,7 @@ class KVEventBatch:
 
     seq: int
     ts: float
-    events: list = field(default_factory=list)
+    events: list[KVEvent] = field(default_factory=list)
 
 
 class KVEventRecorder:
@@ -74,7 +74,7 @@ class KVEventRecorder:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.seq = 0  # of the last batch taken
-        self._events: list = []
+        self._events: list[KVEvent] = []
 
     def stored(self, block_hash: BlockHash, parent_hash: Optional[BlockHash],
                token_ids: Sequence[int]) -> None:
@@ -116,7 +116,7 @@ class KVCacheMirror:
     """The set of block hashes an engine caches, rebuilt from its event batches."""
 
     def __init__(self) -> None:
-        self.hashes: set = set()
+        self.hashes: set[BlockHash] = set()
         self.seq = 0  # of the last batch applied
 
     def apply(self, batch: KVEventBatch) -> None:
@@ -131,10 +131,11 @@ class KVCacheMirror:
         self.seq = seq
 
 
-def apply_events(hashes: set, events: Iterable[KVEvent]) -> tuple[list, list]:
+def apply_events(hashes: set[BlockHash],
+                 events: Iterable[KVEvent]) -> tuple[list[BlockHash], list[BlockHash]]:
     """Apply events to a set of hashes; returns (added, removed) (a clear removes all)."""
-    added: list = []
-    removed: list = []
+    added: list[BlockHash] = []
+    removed: list[BlockHash] = []
     for ev in events:
         if isinstance(ev, BlockStored):
             for h in ev.block_hashes:
@@ -167,15 +168,15 @@ class KVEventLog:
     def __init__(self, max_batches: int = 1024) -> None:
         self.instance = uuid.uuid4().hex
         self.mirror = KVCacheMirror()
-        self._batches: deque = deque(maxlen=max_batches)
+        self._batches: deque[KVEventBatch] = deque(maxlen=max_batches)
         self._lock = threading.Lock()
-        self._listeners: list = []
+        self._listeners: list[Callable[[], None]] = []
 
     @property
     def seq(self) -> int:
         return self.mirror.seq
 
-    def add_listener(self, fn) -> None:
+    def add_listener(self, fn: Callable[[], None]) -> None:
         """`fn()` is called (on the appending thread) after every append."""
         self._listeners.append(fn)
 
@@ -186,7 +187,7 @@ class KVEventLog:
         for fn in list(self._listeners):
             fn()
 
-    def read(self, since_seq: int, instance: Optional[str]) -> dict:
+    def read(self, since_seq: int, instance: Optional[str]) -> dict[str, Any]:
         """What a subscriber that has applied batches up to `since_seq` of `instance` needs:
         ``{"instance", "batches": [...]}`` (possibly empty), or, when the batches it lacks
         are gone or it follows another instance, ``{"instance", "snapshot": (seq, hashes)}``."""

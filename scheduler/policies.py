@@ -10,13 +10,28 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
+from fleetserve.scheduler.block_pool import KVCacheBlock
 from fleetserve.scheduler.kv_cache_manager import KVCacheManager
 from fleetserve.scheduler.request import Request
 
 
 # ---- waiting queues ---------------------------------------------------------
+class WaitingQueue(Protocol):
+    """The order of admission. `prepend` puts a request back at the front (a preempted
+    one, or one skipped this step); iteration is in admission order."""
+
+    def add(self, request: Request) -> None: ...
+    def prepend(self, request: Request) -> None: ...
+    def peek(self) -> Request: ...
+    def pop(self) -> Request: ...
+    def remove_many(self, requests: Iterable[Request]) -> None: ...
+    def __len__(self) -> int: ...
+    def __bool__(self) -> bool: ...
+    def __iter__(self) -> Iterator[Request]: ...
+
+
 class FCFSQueue:
     def __init__(self) -> None:
         self._q: deque[Request] = deque()
@@ -80,7 +95,7 @@ class PriorityQueue:
         return iter(sorted(self._heap))
 
 
-def make_waiting_queue(policy: str):
+def make_waiting_queue(policy: str) -> WaitingQueue:
     return PriorityQueue() if policy == "priority" else FCFSQueue()
 
 
@@ -97,6 +112,21 @@ def pick_victim(running: list[Request], policy: str) -> Request:
 
 
 # ---- capacity ----------------------------------------------------------------
+class CapacityPolicy(Protocol):
+    """May a waiting request be admitted, and may the running pass preempt at all."""
+
+    @property
+    def can_preempt(self) -> bool: ...
+
+    def begin_step(self, holders: Callable[[], list[Request]], kv: KVCacheManager) -> None:
+        """Called once per waiting pass, before any `can_admit`."""
+
+    def can_admit(self, request: Request, hits: Sequence[KVCacheBlock], kv: KVCacheManager) -> bool: ...
+
+    def admitted(self, request: Request, kv: KVCacheManager) -> None:
+        """`request` got its first blocks (it runs, or parks for a remote load)."""
+
+
 class MaxUtilization:
     """vLLM: admit while blocks exist for this step's tokens, preempt under pressure."""
 
@@ -105,7 +135,7 @@ class MaxUtilization:
     def begin_step(self, holders: Callable[[], list[Request]], kv: KVCacheManager) -> None:
         pass
 
-    def can_admit(self, request: Request, hits: list, kv: KVCacheManager) -> bool:
+    def can_admit(self, request: Request, hits: Sequence[KVCacheBlock], kv: KVCacheManager) -> bool:
         return True
 
     def admitted(self, request: Request, kv: KVCacheManager) -> None:
@@ -138,7 +168,7 @@ class GuaranteedNoEvict:
             max(0, self._blocks_to_completion(r, kv) - len(owned.get(r.request_id, ())))
             for r in holders())
 
-    def can_admit(self, request: Request, hits: list, kv: KVCacheManager) -> bool:
+    def can_admit(self, request: Request, hits: Sequence[KVCacheBlock], kv: KVCacheManager) -> bool:
         if request.request_id in kv.req_to_blocks:
             return True  # a holder: its blocks to completion are already reserved
         need = self._blocks_to_completion(request, kv) - len(hits)
@@ -150,7 +180,7 @@ class GuaranteedNoEvict:
                               - len(kv.req_to_blocks.get(request.request_id, ())))
 
 
-def make_capacity_policy(name: str):
+def make_capacity_policy(name: str) -> CapacityPolicy:
     return GuaranteedNoEvict() if name == "guaranteed_no_evict" else MaxUtilization()
 
 

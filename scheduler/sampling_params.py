@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Iterable, Optional
 
 from fleetserve.scheduler.structured_outputs import StructuredOutputsParams
 
@@ -153,15 +153,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
-    def replace(self, **changes) -> "SamplingParams":
+    def replace(self, **changes: Any) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
 
 
-def _token_ids(name: str, ids) -> list[int]:
+def _token_ids(name: str, value: object) -> list[int]:
     """A non-empty list of non-negative token ids (vLLM refuses an empty allowed_token_ids)."""
-    if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__iter__"):
-        raise ValueError(f"{name} must be a list of token ids, got {ids!r}")
-    ids = list(ids)
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
+        raise ValueError(f"{name} must be a list of token ids, got {value!r}")
+    ids = list(value)
     if not ids:
         raise ValueError(f"{name} must not be empty")
     if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
@@ -169,11 +169,11 @@ def _token_ids(name: str, ids) -> list[int]:
     return ids
 
 
-def _logit_bias(bias) -> dict[int, float]:
+def _logit_bias(bias: object) -> dict[int, float]:
     """OpenAI sends token ids as JSON object keys (strings); values lie in [-100, 100]."""
     if not isinstance(bias, dict):
         raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
-    out = {}
+    out: dict[int, float] = {}
     for key, value in bias.items():
         try:
             token = int(key)
