@@ -19,14 +19,14 @@ the next drafts (replica/spec_decode/).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
 from fleetserve.replica.layers.attention import AttentionMetadata
-from fleetserve.replica.lora import layers as lora_layers
 from fleetserve.replica.layers.sampler import Sampler, SamplingBatch, compute_prompt_logprobs, make_generator
+from fleetserve.replica.lora import layers as lora_layers
 from fleetserve.replica.model_loader.weights import allocate_kv_caches, kv_cache_bytes_per_block, load_model
 from fleetserve.replica.spec_decode.proposer import ProposeInput, Proposer
 from fleetserve.scheduler import ModelRunnerOutput, SamplingParams, SchedulerOutput
@@ -45,6 +45,29 @@ class CachedRequestState:
     num_computed_tokens: int
     generator: Optional[torch.Generator]
     lora_id: int = 0  # the LoRA adapter it runs with (0: the base model)
+
+
+@dataclass(slots=True)
+class _StepBatch:
+    """One step's requests (in forward order) and their flattened tokens."""
+
+    req_ids: list[str]
+    states: list[CachedRequestState]
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)  # tokens of each request this step
+    context_lens: list[int] = field(default_factory=list)  # tokens each request had computed before
+    sample_rows: list[int] = field(default_factory=list)  # index into req_ids of the rows that sample
+    sample_drafts: list[Sequence[int]] = field(default_factory=list)  # each sampled row's drafts (most often none)
+    logits_index: list[int] = field(default_factory=list)  # flattened token index of each sampled position
+
+
+class _EagerInputs(NamedTuple):
+    """What an eager forward ran on (a draft model replays it)."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    attn_metadata: AttentionMetadata
 
 
 class ModelRunner:
@@ -172,94 +195,114 @@ class ModelRunner:
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput.empty()
+        batch = self._prepare_inputs(so)
+        hidden, eager = self._forward(batch)
+        sampled: list[list[int]] = [[] for _ in batch.req_ids]
+        logprobs: dict[str, list] = {}
+        pooled = None
+        if batch.sample_rows and self.is_driver:
+            pooled = self._embeddings(batch.req_ids, batch.states, batch.sample_rows, batch.sample_drafts,
+                                      batch.logits_index, hidden)
+        if batch.sample_rows:  # every rank: the LM head's all-gather is a collective
+            logits = self.model.compute_logits(
+                hidden[torch.tensor(batch.logits_index, dtype=torch.long, device=self.device)])
+            if self.is_driver:
+                self._sample_rows(batch, logits, so.structured_output, sampled, logprobs)
+        prompt_logprobs = self._prompt_logprobs(batch.req_ids, batch.states, batch.query_lens,
+                                                batch.context_lens, hidden)
+        drafts_out = None
+        if self.proposer is not None and self.is_driver:
+            drafts_out = self._propose(self.proposer, batch, sampled, eager)
+        return ModelRunnerOutput(batch.req_ids, sampled, logprobs or None, prompt_logprobs or None,
+                                 spec_token_ids=drafts_out, pooler_output=pooled)
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> _StepBatch:
+        """The step's tokens, flattened request by request (see the module doc)."""
         req_ids = list(so.num_scheduled_tokens)
         if self.lora_adapters:  # each adapter's rows side by side: one slice per adapter
             req_ids.sort(key=lambda rid: self.requests[rid].lora_id)
-        states = [self.requests[rid] for rid in req_ids]
+        batch = _StepBatch(req_ids, [self.requests[rid] for rid in req_ids])
         spec = so.scheduled_spec_decode_tokens
-
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_lens: list[int] = []
-        context_lens: list[int] = []
-        sample_rows: list[int] = []  # index into req_ids
-        sample_drafts: list = []  # draft tokens of each sampled row (most often none)
-        logits_index: list[int] = []  # flattened token index of each sampled position
         offset = 0
-        for i, (rid, state) in enumerate(zip(req_ids, states)):
+        for i, (rid, state) in enumerate(zip(req_ids, batch.states)):
             n = so.num_scheduled_tokens[rid]
             start = state.num_computed_tokens
-            drafts = spec.get(rid, ()) if spec else ()
+            drafts: Sequence[int] = spec.get(rid, ()) if spec else ()
             known = n - len(drafts)
-            input_ids.extend(state.token_ids[start:start + known])
-            if drafts:
-                input_ids.extend(drafts)
-            positions.extend(range(start, start + n))
-            query_lens.append(n)
-            context_lens.append(start)
+            batch.input_ids.extend(state.token_ids[start:start + known])
+            batch.input_ids.extend(drafts)
+            batch.positions.extend(range(start, start + n))
+            batch.query_lens.append(n)
+            batch.context_lens.append(start)
             offset += n
             if start + known >= len(state.token_ids):
-                sample_rows.append(i)
-                sample_drafts.append(drafts)
+                batch.sample_rows.append(i)
+                batch.sample_drafts.append(drafts)
                 # The last known token and every draft: each predicts the next token.
-                logits_index.extend(range(offset - len(drafts) - 1, offset))
+                batch.logits_index.extend(range(offset - len(drafts) - 1, offset))
             # The scheduler advanced its counter optimistically; mirror it.
             state.num_computed_tokens = start + n
+        return batch
 
-        device = self.device
+    def _forward(self, batch: _StepBatch) -> tuple[torch.Tensor, Optional[_EagerInputs]]:
+        """The model over the step's tokens: hidden states [num_tokens, hidden], and the eager
+        inputs (None when a CUDA graph replayed the step)."""
+        states, device = batch.states, self.device
         lora_ids = [s.lora_id for s in states] if self.lora_adapters else None
-        lora_batch = lora_layers.LoRABatch.build(lora_ids, query_lens, device) if lora_ids else None
+        lora_batch = lora_layers.LoRABatch.build(lora_ids, batch.query_lens, device) if lora_ids else None
         if lora_batch is None:
             lora_ids = None  # no request of this step has an adapter
+        stacks = self.lora_stacks
+        stacks_hold = lora_ids is not None and stacks is not None and stacks.holds(lora_ids)
+        graphs = self.decode_graphs
         graph_key = None
-        if (self.decode_graphs is not None and offset == len(req_ids)  # one token per request
-                and self.kv_hooks is None and self.proposer is None
-                and (lora_ids is None or (self.lora_stacks is not None and self.lora_stacks.holds(lora_ids)))):
-            graph_key = self.decode_graphs.bucket(len(req_ids), -(-(max(positions) + 1) // self.block_size))
-        if (graph_key is None and lora_ids is not None and len(lora_batch.groups) > 1
-                and self.lora_stacks is not None and self.lora_stacks.holds(lora_ids)):
+        if (graphs is not None and len(batch.input_ids) == len(batch.req_ids)  # one token per request
+                and self.kv_hooks is None and self.proposer is None and (lora_ids is None or stacks_hold)):
+            graph_key = graphs.bucket(len(batch.req_ids), -(-(max(batch.positions) + 1) // self.block_size))
+        if graphs is not None and graph_key is not None:
+            onehot = stacks.onehot(lora_ids) if stacks is not None and lora_ids else None
+            return graphs.run(graph_key, batch.input_ids, batch.positions, [s.block_ids for s in states],
+                              onehot), None
+        if stacks is not None and lora_ids is not None and stacks_hold and lora_batch is not None \
+                and len(lora_batch.groups) > 1:
             # An eager step with several adapters, on a GPU (stacks exist only with graphs): the
             # stacked buffers take them all in three kernels per linear, not two per adapter.
-            onehot = self.lora_stacks.onehot(lora_ids).repeat_interleave(torch.tensor(query_lens), dim=0)
+            onehot = stacks.onehot(lora_ids).repeat_interleave(torch.tensor(batch.query_lens), dim=0)
             lora_batch = lora_layers.LoRABatch.stacked(onehot.to(device))
-        if graph_key is not None:
-            hidden = self.decode_graphs.run(graph_key, input_ids, positions, [s.block_ids for s in states],
-                                            self.lora_stacks.onehot(lora_ids) if lora_ids else None)
-        else:
-            attn_metadata = AttentionMetadata.build(
-                query_lens, context_lens, [s.block_ids for s in states], self.block_size, device,
-                request_ids=req_ids)
-            input_t = torch.tensor(input_ids, dtype=torch.long, device=device)
-            positions_t = torch.tensor(positions, dtype=torch.long, device=device)
-            with lora_layers.active(lora_batch):
-                hidden = self.model(input_t, positions_t, self.kv_caches, attn_metadata, self.kv_hooks)
+        eager = _EagerInputs(
+            torch.tensor(batch.input_ids, dtype=torch.long, device=device),
+            torch.tensor(batch.positions, dtype=torch.long, device=device),
+            AttentionMetadata.build(batch.query_lens, batch.context_lens, [s.block_ids for s in states],
+                                    self.block_size, device, request_ids=batch.req_ids))
+        with lora_layers.active(lora_batch):
+            hidden = self.model(eager.input_ids, eager.positions, self.kv_caches, eager.attn_metadata,
+                                self.kv_hooks)
+        return hidden, eager
 
-        sampled: list[list[int]] = [[] for _ in req_ids]
-        logprobs: dict = {}
-        pooled = self._embeddings(req_ids, states, sample_rows, sample_drafts, logits_index, hidden) \
-            if sample_rows and self.is_driver else None
-        if sample_rows:
-            logits = self.model.compute_logits(
-                hidden[torch.tensor(logits_index, dtype=torch.long, device=device)])
-        if sample_rows and self.is_driver:
-            tokens, entries = self._sample_and_verify(
-                logits, [states[i] for i in sample_rows], sample_drafts,
-                [req_ids[i] for i in sample_rows], so.structured_output)
-            for j, i in enumerate(sample_rows):
-                sampled[i] = tokens[j]
-                if entries[j] is not None:
-                    logprobs[req_ids[i]] = entries[j]
-        prompt_logprobs = self._prompt_logprobs(req_ids, states, query_lens, context_lens, hidden)
-        drafts_out = None
-        if self.proposer is not None and self.is_driver:
-            # Constrained requests get no drafts: their grammar mask is for one position.
-            got = [i for i in sample_rows
-                   if sampled[i] and getattr(states[i].sampling_params, "structured_outputs", None) is None]
-            drafts_out = self.proposer.propose(ProposeInput(
-                input_t, positions_t, attn_metadata, [req_ids[i] for i in got],
-                [states[i].token_ids + sampled[i] for i in got], [states[i].block_ids for i in got]))
-        return ModelRunnerOutput(req_ids, sampled, logprobs or None, prompt_logprobs or None,
-                                 spec_token_ids=drafts_out, pooler_output=pooled)
+    def _sample_rows(self, batch: _StepBatch, logits: torch.Tensor, structured_output: Any,
+                     sampled: list[list[int]], logprobs: dict[str, list]) -> None:
+        """Sample (and verify drafts of) the rows that reach the end of their tokens, into
+        `sampled` (per request of the batch) and `logprobs` (per request id that asked)."""
+        rows = batch.sample_rows
+        tokens, entries = self._sample_and_verify(
+            logits, [batch.states[i] for i in rows], batch.sample_drafts,
+            [batch.req_ids[i] for i in rows], structured_output)
+        for j, i in enumerate(rows):
+            sampled[i] = tokens[j]
+            if entries[j] is not None:
+                logprobs[batch.req_ids[i]] = entries[j]
+
+    def _propose(self, proposer: Proposer, batch: _StepBatch, sampled: list[list[int]],
+                 eager: Optional[_EagerInputs]) -> dict[str, list[int]]:
+        """Drafts for the next step. Constrained requests get none: their grammar mask is for
+        one position."""
+        assert eager is not None, "decode graphs are off with a proposer: its steps run eagerly"
+        states = batch.states
+        got = [i for i in batch.sample_rows
+               if sampled[i] and getattr(states[i].sampling_params, "structured_outputs", None) is None]
+        return proposer.propose(ProposeInput(
+            eager.input_ids, eager.positions, eager.attn_metadata, [batch.req_ids[i] for i in got],
+            [states[i].token_ids + sampled[i] for i in got], [states[i].block_ids for i in got]))
 
     @staticmethod
     def _embeddings(req_ids, states, sample_rows, sample_drafts, logits_index, hidden) -> Optional[dict]:
