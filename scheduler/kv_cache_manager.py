@@ -9,13 +9,14 @@ Small verbs, one result type (a list of block ids):
   when the pool cannot hold them;
 * ``free(request)``.
 
-Block hashes chain: ``hash(parent_hash, block_tokens, extra_keys)``. They are
-Python's hash of a tuple of ints, which is deterministic across processes
-(only str/bytes hashing is salted), so a router can compute the same hashes as
-a replica. The per-request `cache_salt` enters the first block's extra key.
-A 64-bit hash makes an accidental collision between two different prefixes
-astronomically unlikely; vLLM offers sha256 for adversarial settings, which we
-leave for later.
+Block hashes chain: ``hash(parent_hash, block_tokens, extra_keys)``. By default
+(``hash_algo="builtin"``) they are Python's hash of a tuple of ints, which is
+deterministic across processes (only str/bytes hashing is salted), so a router
+can compute the same hashes as a replica; a 64-bit hash makes an accidental
+collision between two different prefixes astronomically unlikely, but nothing
+stops a crafted one. ``"sha256"`` (vLLM's ``--prefix-caching-hash-algo sha256``)
+is collision-resistant, for tenants who must not collide with or probe each
+other's prefixes. The per-request `cache_salt` enters the first block's extra key.
 """
 
 from __future__ import annotations
@@ -211,13 +212,6 @@ class KVCacheManager:
         if blocks:
             # Tail blocks first: they are the least likely to be shared.
             self.pool.free_blocks(reversed(blocks))
-
-    def truncate(self, request: Request, num_tokens: int) -> None:
-        """Forget cache registration past `num_tokens` (after a failed KV load)."""
-        rid = request.request_id
-        keep = num_tokens // self.block_size
-        if self.num_cached_blocks.get(rid, 0) > keep:
-            self.num_cached_blocks[rid] = keep
 
     def uncache_tail(self, request: Request, num_valid_tokens: int) -> None:
         """Unregister the hashes this request set on blocks past its first

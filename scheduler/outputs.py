@@ -111,7 +111,7 @@ class EngineCoreOutput:
 
     request_id: str
     new_token_ids: list[int]
-    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     new_logprobs: Optional[Logprobs] = None
     new_prompt_logprobs: Optional[Logprobs] = None

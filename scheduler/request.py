@@ -118,7 +118,7 @@ class Request:
         # The stop token id (or stop string, set by the detokenizer) that ended it.
         self.stop_reason: int | str | None = None
         # Chained hashes of the full blocks of `all_token_ids`, kept up to date
-        # by the KV cache manager (see kv_cache_utils.hash_request_tokens).
+        # by the KV cache manager (kv_cache_manager.update_block_hashes).
         self.block_hashes: list[int] = []
         # Resolved by the scheduler once max_model_len is known.
         self.max_tokens: int = self.sampling_params.max_tokens or 0

@@ -25,14 +25,15 @@ exponentially growing number of proposals. Copying requests keep k drafts;
 requests where the proposer only guesses cost almost nothing.
 
 That price holds in a large batch only. A step of a few tokens costs about
-what a one-token step costs (reading the weights bounds it, not arithmetic:
-on a 2-core CPU, 8 tokens cost 1.2x one token), so a lone request, or the
-last few of a batch, pays nothing for a rejected draft and gains a step for
-each accepted one. `free_draft_tokens` is that step size: while the next
-step (a token per running request plus the earned drafts) stays under it
-and no prefill waits to join, the room left is filled with more of the
-offered drafts, up to k each (`assign_drafts`). The tail of a batch is where
-that pays: the request that copies least sets how many steps the batch takes.
+what a one-token step costs (reading the weights bounds it, not arithmetic;
+docs/serving/spec-decode.md, "Free drafts in small steps", has the figures),
+so a lone request, or the last few of a batch, pays nothing for a rejected
+draft and gains a step for each accepted one. `free_draft_tokens` is that
+step size: while the next step (a token per running request plus the earned
+drafts) stays under it and no prefill waits to join, the room left is filled
+with more of the offered drafts, up to k each (`assign_drafts`). The tail of
+a batch is where that pays: the request that copies least sets how many
+steps the batch takes.
 """
 
 from __future__ import annotations
