@@ -8,10 +8,22 @@ from fleetserve.scheduler.block_pool import BlockPool, KVCacheBlock
 from fleetserve.scheduler.config import CacheConfig, SchedulerConfig
 from fleetserve.scheduler.connector import KVConnectorScheduler
 from fleetserve.scheduler.kv_cache_manager import KVCacheManager, hash_token_blocks
-from fleetserve.scheduler.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVCacheMirror,
-                                            KVEventBatch, KVEventLog, SequenceGap)
-from fleetserve.scheduler.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
-                                          NewRequestData, SchedulerOutput)
+from fleetserve.scheduler.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheMirror,
+    KVEventBatch,
+    KVEventLog,
+    SequenceGap,
+)
+from fleetserve.scheduler.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from fleetserve.scheduler.policies import resolve_obj_by_qualname
 from fleetserve.scheduler.request import Request, RequestStatus, prefix_salt
 from fleetserve.scheduler.sampling_params import SamplingParams

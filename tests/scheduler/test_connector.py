@@ -5,10 +5,17 @@ from __future__ import annotations
 import pytest
 
 from fleetserve.scheduler import RequestStatus
-
-from tests.scheduler.utils import (ConnectorPlan, FakeModelRunner, TestConnector,
-                                   assert_serves_and_no_leaks, create_requests, create_scheduler,
-                                   reference_tokens, run_to_completion, step)
+from tests.scheduler.utils import (
+    ConnectorPlan,
+    FakeModelRunner,
+    TestConnector,
+    assert_serves_and_no_leaks,
+    create_requests,
+    create_scheduler,
+    reference_tokens,
+    run_to_completion,
+    step,
+)
 
 
 def setup(plans, **overrides):

@@ -8,8 +8,14 @@ import pytest
 
 from fleetserve.scheduler import Request, SamplingParams
 from fleetserve.scheduler.kv_cache_manager import KVCacheManager, hash_token_blocks
-from tests.scheduler.utils import (EOS, FakeModelRunner, assert_serves_and_no_leaks, create_requests,
-                                   create_scheduler, run_to_completion)
+from tests.scheduler.utils import (
+    EOS,
+    FakeModelRunner,
+    assert_serves_and_no_leaks,
+    create_requests,
+    create_scheduler,
+    run_to_completion,
+)
 
 
 def _req(rid, prompt, salt=None):

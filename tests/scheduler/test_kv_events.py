@@ -13,12 +13,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fleetserve.scheduler import (AllBlocksCleared, BlockRemoved, BlockStored, KVCacheMirror,
-                                  KVEventBatch, Request, SamplingParams, SequenceGap)
+from fleetserve.scheduler import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheMirror,
+    KVEventBatch,
+    Request,
+    SamplingParams,
+    SequenceGap,
+)
 from fleetserve.scheduler.kv_cache_manager import NONE_HASH, hash_token_blocks, salt_to_int
-
-from tests.scheduler.utils import (EOS, VOCAB, ConnectorPlan, FakeModelRunner, TestConnector,
-                                   create_scheduler, step)
+from tests.scheduler.utils import EOS, VOCAB, ConnectorPlan, FakeModelRunner, TestConnector, create_scheduler, step
 
 PREFIXES = [[(5 * k + j) % (VOCAB - 1) + 1 for j in range(20)] for k in range(3)]
 

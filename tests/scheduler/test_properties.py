@@ -12,9 +12,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fleetserve.scheduler import Request, SamplingParams
-
-from tests.scheduler.utils import (EOS, VOCAB, ConnectorPlan, FakeModelRunner, FakeProposer,
-                                   TestConnector, create_scheduler, reference_tokens, step)
+from tests.scheduler.utils import (
+    EOS,
+    VOCAB,
+    ConnectorPlan,
+    FakeModelRunner,
+    FakeProposer,
+    TestConnector,
+    create_scheduler,
+    reference_tokens,
+    step,
+)
 
 PREFIXES = [[(7 * k + j) % (VOCAB - 1) + 1 for j in range(24)] for k in range(3)]
 

@@ -5,10 +5,16 @@ from __future__ import annotations
 import pytest
 
 from fleetserve.scheduler import Request, RequestStatus, SamplingParams, Scheduler
-
-from tests.scheduler.utils import (EOS, FakeModelRunner, assert_serves_and_no_leaks,
-                                   create_requests, create_scheduler, reference_tokens,
-                                   run_to_completion, step)
+from tests.scheduler.utils import (
+    EOS,
+    FakeModelRunner,
+    assert_serves_and_no_leaks,
+    create_requests,
+    create_scheduler,
+    reference_tokens,
+    run_to_completion,
+    step,
+)
 
 
 # ---- the step: new/cached split, optimistic advance, budget ------------------------

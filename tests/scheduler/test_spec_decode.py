@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 from fleetserve.scheduler import ModelRunnerOutput, Request, SamplingParams
-
-from tests.scheduler.utils import (EOS, FakeModelRunner, FakeProposer, assert_invariants,
-                                   assert_serves_and_no_leaks, create_requests, create_scheduler,
-                                   reference_tokens, run_to_completion)
+from tests.scheduler.utils import (
+    EOS,
+    FakeModelRunner,
+    FakeProposer,
+    assert_invariants,
+    assert_serves_and_no_leaks,
+    create_requests,
+    create_scheduler,
+    reference_tokens,
+    run_to_completion,
+)
 
 
 def _step(sched, sampled: dict, drafts: dict | None = None):

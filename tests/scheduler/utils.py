@@ -14,9 +14,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from fleetserve.scheduler import (CacheConfig, KVConnectorScheduler, ModelRunnerOutput, Request,
-                                  SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput,
-                                  create_scheduler as build_scheduler)
+from fleetserve.scheduler import (
+    CacheConfig,
+    KVConnectorScheduler,
+    ModelRunnerOutput,
+    Request,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+from fleetserve.scheduler import create_scheduler as build_scheduler
 
 EOS = 0
 VOCAB = 97
