@@ -117,7 +117,7 @@ def hand_off(ctx, prod, cons, num_tokens: int, tid: str,
     engine while its blocks are still being copied out), so "export" is that hand-over and
     "load" the rest; without, the export completes first."""
     from fleetserve.kv_transfer.base import ConnectorMetadata, LoadSpec, SaveSpec
-    from fleetserve.kv_transfer.blocks import chain_keys
+    from fleetserve.kv_transfer.keys import chain_keys
 
     n = num_tokens // BS
     tokens = [(hash(tid) + i) % 49000 for i in range(num_tokens)]

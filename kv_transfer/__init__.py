@@ -92,7 +92,7 @@ left (a warning; at shutdown they are dropped and counted in
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # re-exported lazily: importing the package must not import torch
     from fleetserve.kv_transfer.base import KVConnectorBase, KVConnectorRole, KVConnectorWorker
@@ -110,7 +110,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'fleetserve.kv_transfer' has no attribute {name!r}")
@@ -119,4 +119,5 @@ def __getattr__(name: str):
     return getattr(importlib.import_module(module), name)
 
 
-__all__ = list(_LAZY)
+__all__ = ["KVConnectorBase", "KVConnectorRole", "KVConnectorWorker", "KVTransferConfig", "make_connector",
+           "validate_kv_transfer_params"]

@@ -36,11 +36,11 @@ Saves in flight: `num_saves_in_flight()` (reported each step in
 half whose export has not finished. The engine keeps stepping while it is
 non-zero, so an engine that looks idle has nothing of its connector's pending.
 
-Writes into the KV cache happen only on the worker's own thread, inside
-`get_finished`: a fetch runs in the background into a staging buffer, is
-verified, and only then copied into its blocks. A fetch that is cancelled or
-past its deadline is dropped, so once the worker has seen a cancel no write can
-land in those blocks any more.
+A load is fetched in the background into a staging buffer and verified before
+any of it is copied into its blocks (on its transfer thread for a CPU cache, in
+`get_finished` for a GPU cache), under the load's lock. A load that is cancelled
+or past its deadline is given up under that lock, so once the worker has seen a
+cancel no write can land in those blocks any more (kv_transfer.loads).
 """
 
 from __future__ import annotations
@@ -48,10 +48,12 @@ from __future__ import annotations
 import abc
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ClassVar, Optional, TypedDict, Union
+
+import torch
 
 from fleetserve.kv_transfer.config import KVTransferConfig
-from fleetserve.scheduler import ModelRunnerOutput, SchedulerOutput
+from fleetserve.scheduler import ModelRunnerOutput, Request, SchedulerOutput
 from fleetserve.scheduler.connector import KVConnectorScheduler
 
 
@@ -65,7 +67,7 @@ class ConnectorContext:
     """What both halves know about the engine they serve."""
 
     engine_id: str
-    fingerprint: str  # kv_transfer.blocks.kv_fingerprint
+    fingerprint: str  # kv_transfer.keys.kv_fingerprint
     block_size: int
     num_layers: int
     num_kv_heads: int  # the whole model's
@@ -114,6 +116,21 @@ class ConnectorMetadata:
         return bool(self.loads or self.saves or self.cancels)
 
 
+class TransferStats(TypedDict, total=False):
+    """What a half moved since it was last asked (`take_stats`; kv_transfer.metrics reads it).
+    Lists: one entry per transfer; counts add up over steps. TP ranks' stats are merged
+    (kv_transfer.aggregate.merge_stats); the engine adds `blocks_held`."""
+
+    bytes_sent: list[int]
+    seconds_sent: list[float]
+    bytes_recv: list[int]
+    seconds_recv: list[float]
+    failed_loads: int
+    expired_loads: int
+    dropped_saves: int
+    blocks_held: int
+
+
 class KVConnectorWorker(abc.ABC):
     """The worker half (vLLM v1's KVConnectorBase_V1, worker methods)."""
 
@@ -121,6 +138,8 @@ class KVConnectorWorker(abc.ABC):
     uses_layer_hooks: bool = False
     # The engine's wake-up (set_wakeup); None: the engine polls.
     _wakeup: Optional[Callable[[], None]] = None
+    # This step's metadata, between bind_connector_metadata and clear_connector_metadata.
+    _metadata: Optional[ConnectorMetadata] = None
 
     def set_wakeup(self, callback: Optional[Callable[[], None]]) -> None:
         """The engine core's wake-up: call `self.wakeup()` when a transfer ends on a thread
@@ -133,13 +152,19 @@ class KVConnectorWorker(abc.ABC):
         if callback is not None:
             callback()
 
+    def set_thread_initializer(self, initializer: Optional[Callable[[], None]]) -> None:
+        """The engine's set-up for threads this half starts to copy blocks (the replica binds
+        their torch ops to one core), called first on each; set before register_kv_caches.
+        A half that starts no such thread ignores it."""
+        return None
+
     def num_saves_in_flight(self) -> int:
         """Saves handed to this half (by bind_connector_metadata) that are not finished yet:
         being copied out or exported. The engine keeps stepping while any is."""
         return 0
 
     @abc.abstractmethod
-    def register_kv_caches(self, kv_caches: list) -> None: ...
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None: ...
 
     def bind_connector_metadata(self, metadata: Optional[ConnectorMetadata]) -> None:
         self._metadata = metadata
@@ -154,8 +179,9 @@ class KVConnectorWorker(abc.ABC):
         """Block until layer `layer`'s KV for this step's batch is in the cache."""
         return None
 
-    def save_kv_layer(self, layer: int, kv_layer: Any, attn_metadata: Any) -> None:
-        """Layer `layer` just wrote this step's KV into `kv_layer`."""
+    def save_kv_layer(self, layer: int, kv_layer: torch.Tensor, attn_metadata: object) -> None:
+        """Layer `layer` just wrote this step's KV into `kv_layer` (its cache, [2, heads,
+        num_blocks, block_size, head_dim]); `attn_metadata` is the model's, unused by ours."""
         return None
 
     def wait_for_save(self) -> None:
@@ -168,7 +194,7 @@ class KVConnectorWorker(abc.ABC):
     @abc.abstractmethod
     def get_block_ids_with_load_errors(self) -> set[int]: ...
 
-    def take_stats(self) -> Optional[dict]:
+    def take_stats(self) -> Optional[TransferStats]:
         """What moved since the last call (kv_transfer.metrics), or None when nothing did."""
         return None
 
@@ -176,13 +202,19 @@ class KVConnectorWorker(abc.ABC):
         return None
 
 
+# What builds a half from (config, ctx): a half's class, usually.
+SchedulerHalfFactory = Callable[[KVTransferConfig, "ConnectorContext"], KVConnectorScheduler]
+WorkerHalfFactory = Callable[[KVTransferConfig, "ConnectorContext"], KVConnectorWorker]
+
+
 class KVConnectorBase(KVConnectorScheduler, KVConnectorWorker):
     """One connector class, built once per role; each role's calls go to its half.
 
-    Subclasses set `scheduler_cls` and `worker_cls` (built with (config, ctx))."""
+    Subclasses set `scheduler_cls` and `worker_cls` (built with (config, ctx)), or override
+    `build_half`."""
 
-    scheduler_cls: type = None  # type: ignore[assignment]
-    worker_cls: type = None  # type: ignore[assignment]
+    scheduler_cls: ClassVar[Optional[SchedulerHalfFactory]] = None
+    worker_cls: ClassVar[Optional[WorkerHalfFactory]] = None
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, ctx: ConnectorContext) -> None:
         self.config = config
@@ -191,96 +223,131 @@ class KVConnectorBase(KVConnectorScheduler, KVConnectorWorker):
         self.load_failure_policy_name = config.kv_load_failure_policy
         self._half = self.build_half(role)
 
-    def build_half(self, role: KVConnectorRole):
-        half_cls = self.scheduler_cls if role is KVConnectorRole.SCHEDULER else self.worker_cls
-        return half_cls(self.config, self.ctx)
+    def build_half(self, role: KVConnectorRole) -> Union[KVConnectorScheduler, KVConnectorWorker]:
+        factory = self.scheduler_cls if role is KVConnectorRole.SCHEDULER else self.worker_cls
+        if factory is None:
+            raise TypeError(f"{type(self).__name__} names no {role.value} half")
+        return factory(self.config, self.ctx)
 
     @property
-    def half(self):
+    def half(self) -> Union[KVConnectorScheduler, KVConnectorWorker]:
         return self._half
 
-    # scheduler role
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        return self._half.get_num_new_matched_tokens(request, num_computed_tokens)
-
-    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
-        return self._half.update_state_after_alloc(request, block_ids, num_external_tokens)
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput):
-        return self._half.build_connector_meta(scheduler_output)
-
-    def request_finished(self, request, block_ids):
-        return self._half.request_finished(request, block_ids)
-
-    def update_connector_output(self, runner_output: ModelRunnerOutput) -> None:
-        return self._half.update_connector_output(runner_output)
-
-    def load_failure_policy(self, request) -> str:
-        return self._half.load_failure_policy(request)
-
-    # worker role
-    def register_kv_caches(self, kv_caches: list) -> None:
-        self._half.register_kv_caches(kv_caches)
-
-    def bind_connector_metadata(self, metadata) -> None:
-        self._half.bind_connector_metadata(metadata)
-
-    def clear_connector_metadata(self) -> None:
-        self._half.clear_connector_metadata()
-
-    def start_load_kv(self) -> None:
-        self._half.start_load_kv()
+    @property
+    def _scheduler(self) -> KVConnectorScheduler:
+        half = self._half
+        if not isinstance(half, KVConnectorScheduler):
+            raise TypeError(f"{type(self).__name__} was built as its {self.role.value} half")
+        return half
 
     @property
-    def uses_layer_hooks(self) -> bool:
-        return bool(getattr(self._half, "uses_layer_hooks", False))
+    def _worker(self) -> KVConnectorWorker:
+        half = self._half
+        if not isinstance(half, KVConnectorWorker):
+            raise TypeError(f"{type(self).__name__} was built as its {self.role.value} half")
+        return half
 
-    def wait_for_layer_load(self, layer: int) -> None:
-        self._half.wait_for_layer_load(layer)
+    # scheduler role
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def save_kv_layer(self, layer: int, kv_layer, attn_metadata) -> None:
-        self._half.save_kv_layer(layer, kv_layer, attn_metadata)
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
 
-    def wait_for_save(self) -> None:
-        self._half.wait_for_save()
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Optional[ConnectorMetadata]:
+        meta: Optional[ConnectorMetadata] = self._scheduler.build_connector_meta(scheduler_output)
+        return meta
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        return self._half.get_finished(finished_req_ids)
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+        return self._scheduler.request_finished(request, block_ids)
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._half.get_block_ids_with_load_errors()
+    def update_connector_output(self, runner_output: ModelRunnerOutput) -> None:
+        self._scheduler.update_connector_output(runner_output)
 
-    def take_stats(self) -> Optional[dict]:
-        return self._half.take_stats()
+    def load_failure_policy(self, request: Request) -> str:
+        return self._scheduler.load_failure_policy(request)
 
     def has_pending_work(self) -> bool:
-        check = getattr(self._half, "has_pending_work", None)
-        return bool(check()) if check is not None else False
+        half = self._half
+        return isinstance(half, KVConnectorScheduler) and half.has_pending_work()
 
     def num_pending_saves(self) -> int:
-        count = getattr(self._half, "num_pending_saves", None)
-        return int(count()) if count is not None else 0
+        half = self._half
+        return half.num_pending_saves() if isinstance(half, KVConnectorScheduler) else 0
 
-    def set_wakeup(self, callback) -> None:
-        setter = getattr(self._half, "set_wakeup", None)
-        if setter is not None:
-            setter(callback)
+    # worker role
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, metadata: Optional[ConnectorMetadata]) -> None:
+        self._worker.bind_connector_metadata(metadata)
+
+    def clear_connector_metadata(self) -> None:
+        self._worker.clear_connector_metadata()
+
+    def start_load_kv(self) -> None:
+        self._worker.start_load_kv()
+
+    @property  # type: ignore[override]  # a half's setting, read-only here (a class attribute there)
+    def uses_layer_hooks(self) -> bool:
+        half = self._half
+        return isinstance(half, KVConnectorWorker) and half.uses_layer_hooks
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        self._worker.wait_for_layer_load(layer)
+
+    def save_kv_layer(self, layer: int, kv_layer: torch.Tensor, attn_metadata: object) -> None:
+        self._worker.save_kv_layer(layer, kv_layer, attn_metadata)
+
+    def wait_for_save(self) -> None:
+        self._worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors()
+
+    def set_wakeup(self, callback: Optional[Callable[[], None]]) -> None:
+        half = self._half
+        if isinstance(half, KVConnectorWorker):
+            half.set_wakeup(callback)
 
     def wakeup(self) -> None:
-        wake = getattr(self._half, "wakeup", None)
-        if wake is not None:
-            wake()
+        half = self._half
+        if isinstance(half, KVConnectorWorker):
+            half.wakeup()
+
+    def set_thread_initializer(self, initializer: Optional[Callable[[], None]]) -> None:
+        half = self._half
+        if isinstance(half, KVConnectorWorker):
+            half.set_thread_initializer(initializer)
 
     def num_saves_in_flight(self) -> int:
-        count = getattr(self._half, "num_saves_in_flight", None)
-        return int(count()) if count is not None else 0
+        half = self._half
+        return half.num_saves_in_flight() if isinstance(half, KVConnectorWorker) else 0
+
+    # both roles
+    def take_stats(self) -> Optional[TransferStats]:
+        """The half's stats (a scheduler half without `take_stats` has none)."""
+        half = self._half
+        if isinstance(half, KVConnectorWorker):
+            return half.take_stats()
+        take: Optional[Callable[[], Optional[TransferStats]]] = getattr(half, "take_stats", None)
+        return take() if take is not None else None
 
     def shutdown(self) -> None:
-        self._half.shutdown()
+        half = self._half
+        if isinstance(half, KVConnectorWorker):
+            half.shutdown()
+            return
+        stop: Optional[Callable[[], None]] = getattr(half, "shutdown", None)  # (not in the scheduler's contract)
+        if stop is not None:
+            stop()
 
 
 def run_connector_step(connector: KVConnectorWorker, scheduler_output: SchedulerOutput,
-                       execute) -> ModelRunnerOutput:
+                       execute: Callable[[SchedulerOutput], ModelRunnerOutput]) -> ModelRunnerOutput:
     """One worker step with the connector around it (also when no token is scheduled)."""
     connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
     try:
@@ -289,15 +356,14 @@ def run_connector_step(connector: KVConnectorWorker, scheduler_output: Scheduler
         connector.wait_for_save()
         # Counted before get_finished: a save that ends after the count is reported (its
         # stats, a failure) by this step or, counted as in flight, by one more step.
-        in_flight = getattr(connector, "num_saves_in_flight", None)
-        saves_in_flight = in_flight() if in_flight is not None else 0
+        saves_in_flight = connector.num_saves_in_flight()
         sending, recving = connector.get_finished(scheduler_output.finished_req_ids)
         invalid = connector.get_block_ids_with_load_errors()
         stats = connector.take_stats()
     finally:
         connector.clear_connector_metadata()
     if stats:
-        out.kv_connector_stats = stats
+        out.kv_connector_stats = dict(stats)
     out.kv_saves_in_flight = saves_in_flight
     if sending or recving or invalid:  # (out is a fresh object every step)
         out.finished_sending |= sending

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from fleetserve.kv_transfer.base import ConnectorContext, KVConnectorBase, KVConnectorRole
-from fleetserve.kv_transfer.blocks import kv_fingerprint, kv_geometry
 from fleetserve.kv_transfer.config import KVTransferConfig
+from fleetserve.kv_transfer.keys import kv_fingerprint, kv_geometry
 from fleetserve.kv_transfer.registry import ALIASES, REGISTRY, connector_qualname
 from fleetserve.scheduler.policies import resolve_obj_by_qualname
 

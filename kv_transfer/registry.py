@@ -6,10 +6,10 @@ from __future__ import annotations
 from fleetserve.scheduler.policies import resolve_obj_by_qualname
 
 REGISTRY: dict[str, str] = {
-    "SharedStorageConnector": "fleetserve.kv_transfer.shared_storage:SharedStorageConnector",
-    "RayObjectStoreConnector": "fleetserve.kv_transfer.ray_store:RayObjectStoreConnector",
-    "P2PConnector": "fleetserve.kv_transfer.p2p:P2PConnector",
-    "FaultInjectionConnector": "fleetserve.kv_transfer.faults:FaultInjectionConnector",
+    "SharedStorageConnector": "fleetserve.kv_transfer.connectors.shared_storage:SharedStorageConnector",
+    "RayObjectStoreConnector": "fleetserve.kv_transfer.connectors.ray_store:RayObjectStoreConnector",
+    "P2PConnector": "fleetserve.kv_transfer.connectors.p2p:P2PConnector",
+    "FaultInjectionConnector": "fleetserve.kv_transfer.connectors.faults:FaultInjectionConnector",
 }
 
 # Short names (`--kv-connector`, the app config's `pd.connector`) -> registered names.

@@ -43,8 +43,8 @@ def make_kv_connector(args: EngineArgs, role: KVConnectorRole, hf_config: Any, d
     cfg = args.kv_transfer_config
     if cfg is None:
         return None
-    from fleetserve.kv_transfer.blocks import kv_geometry
     from fleetserve.kv_transfer.factory import build_context, make_connector
+    from fleetserve.kv_transfer.keys import kv_geometry
     from fleetserve.replica.layers.attention import kv_cache_layout
 
     layout = kv_cache_layout(dtype, args.block_size, kv_geometry(hf_config)[2], device)

@@ -84,9 +84,13 @@ class Worker:
         if self.args.kv_transfer_config is None:
             return None
         from fleetserve.kv_transfer.base import KVConnectorRole
+        from fleetserve.replica.worker.omp_bind import one_core_per_thread
 
-        return make_kv_connector(self.args, KVConnectorRole.WORKER, self.hf_config, self.dtype, self.device,
-                                 self.world_size, self.rank)
+        connector = make_kv_connector(self.args, KVConnectorRole.WORKER, self.hf_config, self.dtype, self.device,
+                                      self.world_size, self.rank)
+        if connector is not None:  # its copy threads' torch ops run on one core, beside the forward's
+            connector.set_thread_initializer(one_core_per_thread)
+        return connector
 
     @property
     def hf_config(self):

@@ -9,12 +9,19 @@ import types
 import pytest
 import torch
 
-from fleetserve.kv_transfer.blocks import (BlockBatch, KVFormatError, StagingPool, batch_from_tensor,
-                                           chain_keys, decode_from_bytes, encode_to_bytes,
-                                           block_index, block_runs, gather_blocks, gather_layer,
-                                           kv_fingerprint, local_head_range, parse_header,
-                                           scatter_blocks)
-from fleetserve.kv_transfer.shared_storage import BlockStore
+from fleetserve.kv_transfer.blocks import (
+    BlockBatch,
+    batch_from_tensor,
+    decode_from_bytes,
+    encode_to_bytes,
+    parse_header,
+)
+from fleetserve.kv_transfer.cache_copy import block_index, block_runs, gather_blocks, gather_layer, scatter_blocks
+from fleetserve.kv_transfer.connectors.shared_storage import BlockStore
+from fleetserve.kv_transfer.errors import KVFormatError
+from fleetserve.kv_transfer.keys import chain_keys, kv_fingerprint
+from fleetserve.kv_transfer.shards import local_head_range
+from fleetserve.kv_transfer.staging import StagingPool
 
 CFG = types.SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
                             num_hidden_layers=3, vocab_size=384, model_type="llama", rope_theta=1e4)
@@ -292,7 +299,8 @@ def test_store_reads_blocks_straight_into_a_given_buffer(tmp_path):
 
 
 def test_digests_behind_a_gather_and_ahead_of_a_write_equal_the_whole_batchs():
-    from fleetserve.kv_transfer.blocks import DigestsBehind, digests_ahead, host_digests, plan_chunks
+    from fleetserve.kv_transfer.digests import DigestsBehind, digests_ahead, host_digests
+    from fleetserve.kv_transfer.stream import plan_chunks
 
     data = torch.randn(13, 2, 2, 2, 4, 8)
     whole = host_digests(data.view(torch.uint8).numpy(), 13)
@@ -308,7 +316,7 @@ def test_digests_behind_a_gather_and_ahead_of_a_write_equal_the_whole_batchs():
 
 
 class RecordingSink:
-    """transfer._Sink's interface: what a verified delivery hands over, in order."""
+    """stream.ChunkSink's interface (loads.Sink): what a verified delivery hands over, in order."""
 
     def __init__(self, want=None):
         self.begun, self.writes, self.want = None, [], want

@@ -10,12 +10,11 @@ from pydantic import ValidationError
 
 from fleetserve.cluster.cli_engine import add_engine_flags, engine_kwargs
 from fleetserve.cluster.config import AppConfig
+from fleetserve.kv_transfer.connectors.shared_storage import SharedStorageConnector
 from fleetserve.kv_transfer.factory import resolve_connector_class
 from fleetserve.kv_transfer.params import validate_kv_transfer_params
-from fleetserve.kv_transfer.shared_storage import SharedStorageConnector
 from fleetserve.replica.engine.engine_args import EngineArgs
-
-from tests.kv_transfer.utils import engine, greedy, run, collect
+from tests.kv_transfer.utils import collect, engine, greedy, run
 
 
 def parse(argv):
@@ -100,7 +99,7 @@ def test_cli_flag_that_is_not_json_is_a_clear_error(capsys):
 def test_connectors_by_name_or_qualified_name():
     assert resolve_connector_class("SharedStorageConnector") is SharedStorageConnector
     assert resolve_connector_class(
-        "fleetserve.kv_transfer.shared_storage:SharedStorageConnector") is SharedStorageConnector
+        "fleetserve.kv_transfer.connectors.shared_storage:SharedStorageConnector") is SharedStorageConnector
     with pytest.raises(ValueError, match="unknown KV connector|cannot load"):
         resolve_connector_class("NoSuchConnector")
     with pytest.raises(ValueError, match="not a KVConnectorBase"):
@@ -108,8 +107,8 @@ def test_connectors_by_name_or_qualified_name():
 
 
 def test_short_names_resolve_and_unknown_names_fail_where_the_config_is_parsed():
-    from fleetserve.kv_transfer.p2p import P2PConnector
-    from fleetserve.kv_transfer.ray_store import RayObjectStoreConnector
+    from fleetserve.kv_transfer.connectors.p2p import P2PConnector
+    from fleetserve.kv_transfer.connectors.ray_store import RayObjectStoreConnector
 
     assert resolve_connector_class("p2p") is P2PConnector
     assert resolve_connector_class("ray_object_store") is RayObjectStoreConnector

@@ -21,8 +21,10 @@ import random
 import pytest
 import torch
 
-from fleetserve.kv_transfer.blocks import (BlockBatch, KVFormatError, batch_from_tensor, device_digests,
-                                           gather_blocks, parse_header, scatter_blocks)
+from fleetserve.kv_transfer.blocks import BlockBatch, batch_from_tensor, parse_header
+from fleetserve.kv_transfer.cache_copy import gather_blocks, scatter_blocks
+from fleetserve.kv_transfer.digests import device_digests
+from fleetserve.kv_transfer.errors import KVFormatError
 from tests.kv_transfer.utils import BLOCK, collect, engine, greedy, hand_off, run, wait_all_free
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -94,14 +94,14 @@ def ray_pair(tiny_model_dir, local_ray):
 
 
 def owner_stats(ray):
-    from fleetserve.kv_transfer.ray_store import get_owner
+    from fleetserve.kv_transfer.connectors.ray_owner import get_owner
 
     # get-or-create: a test run alone may ask before the first export made the owner.
     return ray.get(get_owner(ray, "fleetserve-kv-owner", "fleetserve").stats.remote())
 
 
 def held_by_owner(ray, oid: str) -> bool:
-    from fleetserve.kv_transfer.ray_store import get_owner
+    from fleetserve.kv_transfer.connectors.ray_owner import get_owner
 
     return ray.get(get_owner(ray, "fleetserve-kv-owner", "fleetserve").lookup.remote(oid)) is not None
 
@@ -239,7 +239,7 @@ def test_p2p_hand_off_matches_one_engine(tiny_model_dir, local_ray, reference):
         assert final.outputs[0].finish_reason == "error" and tokens == []
         # Not the whole 20 s deadline, nor TCPStore's retries (8.1 s in CI once): refused
         # at once, or given up after CONNECT_TIMEOUT_S when the dying socket still accepts.
-        from fleetserve.kv_transfer.p2p import CONNECT_TIMEOUT_S
+        from fleetserve.kv_transfer.connectors.p2p import CONNECT_TIMEOUT_S
 
         print(f"dead producer: load failed after {time.monotonic() - t0:.1f} s")
         assert time.monotonic() - t0 < CONNECT_TIMEOUT_S + 3

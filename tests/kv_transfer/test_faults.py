@@ -1,4 +1,4 @@
-"""Fault injection (kv_transfer.faults): every broken transfer ends in the right tokens or a
+"""Fault injection (kv_transfer.connectors.faults): every broken transfer ends in the right tokens or a
 clear error, within its deadline, and both engines end with every block free."""
 
 from __future__ import annotations

@@ -11,12 +11,19 @@ import types
 import torch
 
 from fleetserve.kv_transfer.base import ConnectorContext, KVConnectorRole, run_connector_step
-from fleetserve.kv_transfer.blocks import BlockBatch, chain_keys, kv_fingerprint
+from fleetserve.kv_transfer.blocks import BlockBatch
 from fleetserve.kv_transfer.config import KVTransferConfig
-from fleetserve.kv_transfer.transfer import TransferConnector, Transport
+from fleetserve.kv_transfer.keys import chain_keys, kv_fingerprint
+from fleetserve.kv_transfer.transfer import TransferConnector
+from fleetserve.kv_transfer.transport import Transport
 from fleetserve.scheduler import Request, RequestStatus, SamplingParams
-from tests.scheduler.utils import (FakeModelRunner, assert_invariants, create_scheduler,
-                                   reference_tokens, run_to_completion)
+from tests.scheduler.utils import (
+    FakeModelRunner,
+    assert_invariants,
+    create_scheduler,
+    reference_tokens,
+    run_to_completion,
+)
 
 BS, LAYERS, HEADS, HD, NUM_BLOCKS = 4, 2, 2, 8, 32
 CFG = types.SimpleNamespace(num_attention_heads=2, num_key_value_heads=HEADS, hidden_size=16,
@@ -130,9 +137,9 @@ def test_abort_while_receiving_frees_only_after_the_worker_dropped_the_load():
 
 
 def test_a_lost_notice_is_failed_by_the_scheduler_after_deadline_and_grace(monkeypatch):
-    from fleetserve.kv_transfer import transfer
+    from fleetserve.kv_transfer import scheduler_half
 
-    monkeypatch.setattr(transfer, "NOTICE_GRACE_S", 0.2)
+    monkeypatch.setattr(scheduler_half, "NOTICE_GRACE_S", 0.2)
     sched, runner, worker, caches, req = build(timeout_s=0.2, policy="fail")
     worker.half.get_finished = lambda ids: (set(), set())  # the worker never reports
     sched.add_request(req)
@@ -150,11 +157,11 @@ def test_a_lost_notice_is_failed_by_the_scheduler_after_deadline_and_grace(monke
 def test_a_cpu_cache_is_written_on_the_transfer_thread_not_the_engines(monkeypatch):
     """A load's copy into a CPU cache (7 ms for a 2k-token SmolLM2 prompt) runs on its transfer
     thread: the engine's steps never wait for it."""
-    from fleetserve.kv_transfer import transfer
+    from fleetserve.kv_transfer import loads
 
     writers = []
-    real = transfer.scatter_blocks
-    monkeypatch.setattr(transfer, "scatter_blocks",
+    real = loads.scatter_blocks
+    monkeypatch.setattr(loads, "scatter_blocks",
                         lambda *a: writers.append(threading.current_thread()) or real(*a))
     sched, runner, worker, caches, req = build(timeout_s=10)
     GatedTransport.gate.set()
@@ -171,10 +178,10 @@ def test_abort_during_a_write_waits_for_it_and_nothing_lands_after(monkeypatch):
     """The scheduler hears that a cancelled load is dropped only once no byte of it can land:
     a write under way on the transfer thread finishes first (the cancel waits for it), and the
     blocks, once freed, are never written again."""
-    from fleetserve.kv_transfer import transfer
+    from fleetserve.kv_transfer import loads
 
     started, events = threading.Event(), []
-    real = transfer.scatter_blocks
+    real = loads.scatter_blocks
 
     def slow(*a):
         started.set()
@@ -182,7 +189,7 @@ def test_abort_during_a_write_waits_for_it_and_nothing_lands_after(monkeypatch):
         real(*a)
         events.append("written")
 
-    monkeypatch.setattr(transfer, "scatter_blocks", slow)
+    monkeypatch.setattr(loads, "scatter_blocks", slow)
     sched, runner, worker, caches, req = build(timeout_s=10)
     GatedTransport.gate.set()
     sched.add_request(req)
@@ -204,11 +211,11 @@ def test_a_cpu_cache_is_copied_out_off_the_engines_thread_and_its_blocks_kept_un
     storage connector exports every finished request: the engine's step must not wait for
     that copy); the request is reported in finished_sending, which lets the scheduler reuse
     its blocks, only once every layer is copied; the export then holds the cache's bytes."""
-    from fleetserve.kv_transfer import transfer
+    from fleetserve.kv_transfer import worker_half
     from fleetserve.kv_transfer.base import ConnectorMetadata, SaveSpec
 
     started, copied = threading.Event(), []
-    real = transfer.gather_layer
+    real = worker_half.gather_layer
 
     def slow(kv, idx, out, layer):
         if layer == 0:
@@ -217,7 +224,7 @@ def test_a_cpu_cache_is_copied_out_off_the_engines_thread_and_its_blocks_kept_un
         real(kv, idx, out, layer)
         copied.append(threading.current_thread())
 
-    monkeypatch.setattr(transfer, "gather_layer", slow)
+    monkeypatch.setattr(worker_half, "gather_layer", slow)
     cfg = KVTransferConfig(kv_connector="tests.kv_transfer.test_halves:GatedConnector", kv_role="kv_both")
     worker = GatedConnector(cfg, KVConnectorRole.WORKER, CTX)
     caches = [torch.randn((2, HEADS, NUM_BLOCKS, BS, HD)) for _ in range(LAYERS)]

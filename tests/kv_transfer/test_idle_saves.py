@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from fleetserve.kv_transfer.blocks import chain_keys
-from fleetserve.kv_transfer.shared_storage import SharedStorageConnector, SharedStorageTransport
+from fleetserve.kv_transfer.connectors.shared_storage import SharedStorageConnector, SharedStorageTransport
+from fleetserve.kv_transfer.keys import chain_keys
 from fleetserve.replica.engine.async_engine import AsyncEngine
 from fleetserve.replica.llm import LLM
 from fleetserve.scheduler import SamplingParams

@@ -12,11 +12,11 @@ import types
 import pytest
 import torch
 
-from fleetserve.kv_transfer import p2p
 from fleetserve.kv_transfer.base import ConnectorMetadata, KVConnectorRole, LoadSpec, SaveSpec
-from fleetserve.kv_transfer.blocks import chain_keys
 from fleetserve.kv_transfer.config import KVTransferConfig
+from fleetserve.kv_transfer.connectors import p2p
 from fleetserve.kv_transfer.factory import build_context
+from fleetserve.kv_transfer.keys import chain_keys
 from tests.kv_transfer.utils import load_before_export
 
 BS, LAYERS, HEADS, HD, NUM_BLOCKS = 4, 2, 2, 8, 64

@@ -14,12 +14,16 @@ import types
 import pytest
 import torch
 
-from fleetserve.kv_transfer import p2p, transfer
+from fleetserve.kv_transfer import loads, worker_half
 from fleetserve.kv_transfer.base import ConnectorMetadata, KVConnectorRole, LoadSpec, SaveSpec
-from fleetserve.kv_transfer.blocks import (MAX_CHUNKS, BlockBatch, KVFormatError, batch_from_tensor,
-                                           chain_keys, check_header, parse_header, plan_chunks)
+from fleetserve.kv_transfer.blocks import BlockBatch, batch_from_tensor, check_header, parse_header
 from fleetserve.kv_transfer.config import KVTransferConfig
+from fleetserve.kv_transfer.connectors import p2p
+from fleetserve.kv_transfer.errors import KVFormatError
 from fleetserve.kv_transfer.factory import build_context
+from fleetserve.kv_transfer.keys import chain_keys
+from fleetserve.kv_transfer.stream import MAX_CHUNKS, plan_chunks
+from fleetserve.replica.worker.omp_bind import one_core_per_thread
 
 BS, LAYERS, HEADS, HD, NUM_BLOCKS = 4, 2, 2, 8, 64
 N = 9  # blocks per hand-off: chunks of 2 blocks (the last one 1)
@@ -36,6 +40,7 @@ def make_pair(dtype=torch.float32):
                                                           "stream_chunk_bytes": 2 * block_bytes},
                                engine_id=f"stream-{role}-{time.monotonic_ns()}")
         w = p2p.P2PConnector(cfg, KVConnectorRole.WORKER, build_context(cfg, "m", CFG, dtype, BS))
+        w.set_thread_initializer(one_core_per_thread)  # as the replica's worker does
         g = torch.Generator().manual_seed(seed)
         w.register_kv_caches([torch.randn((2, HEADS, NUM_BLOCKS, BS, HD), generator=g).to(dtype)
                               for _ in range(LAYERS)])
@@ -100,8 +105,8 @@ def unchanged(cons, blocks) -> bool:
 def test_a_streamed_hand_off_arrives_bit_identical_in_chunks(local_ray, monkeypatch, dtype):
     prod, cons = make_pair(dtype)
     writes = []
-    real = transfer._Sink.write
-    monkeypatch.setattr(transfer._Sink, "write", lambda self, s, d, n: (writes.append((s, d.shape[0], n)),
+    real = loads.Sink.write
+    monkeypatch.setattr(loads.Sink, "write", lambda self, s, d, n: (writes.append((s, d.shape[0], n)),
                                                                        real(self, s, d, n)))
     try:
         blocks = [3, 17, 4, 40, 41, 42, 9, 60, 1]  # scattered, as a busy engine's are
@@ -120,7 +125,7 @@ def test_the_first_chunks_move_while_later_ones_are_still_being_copied_out(pair,
     gathered the last chunk, and every block still arrives intact."""
     prod, cons = pair
     events = []
-    real_gather = transfer.gather_layer
+    real_gather = worker_half.gather_layer
 
     def slow_gather(kv, idx, out, layer):
         time.sleep(0.1)  # 1 s of copy-out in all: the first write comes well before its end
@@ -128,14 +133,14 @@ def test_the_first_chunks_move_while_later_ones_are_still_being_copied_out(pair,
         if layer == LAYERS - 1:
             events.append(("gathered", time.monotonic()))
 
-    real_write = transfer._Sink.write
+    real_write = loads.Sink.write
 
     def write(self, s, d, n):
         real_write(self, s, d, n)
         events.append(("written", time.monotonic()))
 
-    monkeypatch.setattr(transfer, "gather_layer", slow_gather)
-    monkeypatch.setattr(transfer._Sink, "write", write)
+    monkeypatch.setattr(worker_half, "gather_layer", slow_gather)
+    monkeypatch.setattr(loads.Sink, "write", write)
     blocks = list(range(N))
     start(prod, cons, "overlap", blocks)
     assert finish(prod, cons) == set()
@@ -176,7 +181,7 @@ def test_a_copy_out_that_fails_midway_fails_the_load_at_once(pair, monkeypatch):
     blocks are still reported free, both sides drop the group, and the next hand-off forms a
     new one."""
     prod, cons = pair
-    real_gather = transfer.gather_layer
+    real_gather = worker_half.gather_layer
     calls = []
 
     def failing(kv, idx, out, layer):
@@ -185,7 +190,7 @@ def test_a_copy_out_that_fails_midway_fails_the_load_at_once(pair, monkeypatch):
             raise RuntimeError("gather failed (injected)")
         real_gather(kv, idx, out, layer)
 
-    monkeypatch.setattr(transfer, "gather_layer", failing)
+    monkeypatch.setattr(worker_half, "gather_layer", failing)
     blocks = list(range(N))
     t0 = time.monotonic()
     start(prod, cons, "broken", blocks, timeout_s=15)
@@ -196,7 +201,7 @@ def test_a_copy_out_that_fails_midway_fails_the_load_at_once(pair, monkeypatch):
     while prod.half.transport.kept_groups() != (0, 0) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert prod.half.transport.kept_groups() == (0, 0) and cons.half.transport.kept_groups() == (0, 0)
-    monkeypatch.setattr(transfer, "gather_layer", real_gather)
+    monkeypatch.setattr(worker_half, "gather_layer", real_gather)
     start(prod, cons, "after", blocks)
     assert finish(prod, cons) == set() and same(prod, cons, blocks)
 
@@ -207,7 +212,7 @@ def test_a_load_given_up_midstream_writes_nothing_more(pair, monkeypatch):
     prod, cons = pair
     first = threading.Event()
     cancelled = threading.Event()
-    real = transfer._Sink.write
+    real = loads.Sink.write
 
     def write(self, s, d, n):
         real(self, s, d, n)
@@ -215,7 +220,7 @@ def test_a_load_given_up_midstream_writes_nothing_more(pair, monkeypatch):
             first.set()
             assert cancelled.wait(10)
 
-    monkeypatch.setattr(transfer._Sink, "write", write)
+    monkeypatch.setattr(loads.Sink, "write", write)
     blocks = list(range(N))
     scribble(cons, blocks)
     start(prod, cons, "cancel", blocks)
@@ -227,7 +232,7 @@ def test_a_load_given_up_midstream_writes_nothing_more(pair, monkeypatch):
     assert "c" in cons.get_finished(set())[0]  # its blocks may be reused now
     time.sleep(0.3)  # the stream goes on arriving: none of it lands
     assert same(prod, cons, [0, 1]) and unchanged(cons, blocks[2:])
-    monkeypatch.setattr(transfer._Sink, "write", real)
+    monkeypatch.setattr(loads.Sink, "write", real)
     prod.half.wait_for_exports(10)
     prod.get_finished(set())
     start(prod, cons, "after", blocks)
@@ -260,7 +265,8 @@ def test_a_consumer_that_does_not_stream_gets_the_whole_batch(pair):
 
 def test_transfer_threads_copy_on_one_core(pair):
     """With the engine's 2 intra-op threads, a transfer thread's copies still run on one core
-    and nobody else's setting changes."""
+    (the initializer the replica gives the worker half runs on every pool thread) and nobody
+    else's setting changes."""
     prod, _ = pair
     before = torch.get_num_threads()
     torch.set_num_threads(2)

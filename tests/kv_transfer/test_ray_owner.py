@@ -14,11 +14,11 @@ import types
 import pytest
 import torch
 
-from fleetserve.kv_transfer import ray_store
 from fleetserve.kv_transfer.base import KVConnectorRole
-from fleetserve.kv_transfer.blocks import chain_keys
 from fleetserve.kv_transfer.config import KVTransferConfig
+from fleetserve.kv_transfer.connectors import ray_owner, ray_store
 from fleetserve.kv_transfer.factory import build_context
+from fleetserve.kv_transfer.keys import chain_keys
 from tests.kv_transfer.utils import load_before_export
 
 BS, LAYERS, HEADS, HD, NUM_BLOCKS = 4, 2, 2, 8, 16
@@ -68,12 +68,12 @@ def owner_name(local_ray):
 def test_a_consumer_early_for_its_export_is_answered_when_it_lands(local_ray, owner_name):
     # The owner up first: calls made while its process starts are run in any order (seen in
     # CI: the hold before the consumer's ask, which then had nothing to wait for).
-    local_ray.get(ray_store.get_owner(local_ray, owner_name, "fleetserve").stats.remote(), timeout=60)
+    local_ray.get(ray_owner.get_owner(local_ray, owner_name, "fleetserve").stats.remote(), timeout=60)
     prod, cons = make_pair(owner_name)
     try:
         assert early_load(prod, cons, "early-1", 1.0) == set()
         assert same_blocks(prod, cons)
-        stats = local_ray.get(ray_store.get_owner(local_ray, owner_name, "fleetserve").stats.remote())
+        stats = local_ray.get(ray_owner.get_owner(local_ray, owner_name, "fleetserve").stats.remote())
         assert stats["waits"] == 1 and stats["woken"] == 1  # one call waited; the hold answered it
     finally:
         prod.shutdown()
@@ -81,7 +81,7 @@ def test_a_consumer_early_for_its_export_is_answered_when_it_lands(local_ray, ow
 
 
 def test_an_owner_without_wait_lookup_still_serves_by_polling(local_ray, owner_name):
-    old = type("OldKVObjectOwner", (ray_store.KVObjectOwner,), {"wait_lookup": None})
+    old = type("OldKVObjectOwner", (ray_owner.KVObjectOwner,), {"wait_lookup": None})
     handle = local_ray.remote(old).options(name=owner_name, namespace="fleetserve", lifetime="detached",
                                            num_cpus=0, max_concurrency=16).remote()
     local_ray.get(handle.stats.remote())
@@ -98,7 +98,7 @@ def test_an_owner_without_wait_lookup_still_serves_by_polling(local_ray, owner_n
 def test_a_load_is_written_chunk_by_chunk_up_to_its_first_damaged_block(local_ray, owner_name, monkeypatch):
     from fleetserve.kv_transfer.blocks import BlockBatch
 
-    local_ray.get(ray_store.get_owner(local_ray, owner_name, "fleetserve").stats.remote(), timeout=60)
+    local_ray.get(ray_owner.get_owner(local_ray, owner_name, "fleetserve").stats.remote(), timeout=60)
     per_block = LAYERS * 2 * HEADS * BS * HD * 4
     prod, cons = make_pair(owner_name, stream_chunk_bytes=per_block)  # one block a chunk
     deliveries = []

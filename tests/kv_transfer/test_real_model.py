@@ -9,7 +9,6 @@ import os
 import pytest
 
 from fleetserve.replica.engine.async_engine import AsyncEngine
-
 from tests.kv_transfer.utils import collect, greedy, hand_off, run, wait_all_free
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]

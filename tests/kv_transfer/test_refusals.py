@@ -13,11 +13,11 @@ import types
 import pytest
 import torch
 
-from fleetserve.kv_transfer import ray_store
 from fleetserve.kv_transfer.base import ConnectorMetadata, KVConnectorRole, LoadSpec, SaveSpec
-from fleetserve.kv_transfer.blocks import chain_keys
 from fleetserve.kv_transfer.config import KVTransferConfig
+from fleetserve.kv_transfer.connectors import ray_owner
 from fleetserve.kv_transfer.factory import build_context, resolve_connector_class
+from fleetserve.kv_transfer.keys import chain_keys
 
 BS, LAYERS, HEADS, HD, NUM_BLOCKS = 4, 2, 2, 8, 16
 CFG = types.SimpleNamespace(num_attention_heads=4, num_key_value_heads=HEADS, hidden_size=32,
@@ -69,7 +69,7 @@ def test_bad_blocks_are_refused_and_none_of_their_bytes_land(local_ray, connecto
     extra = dict(CONNECTORS[connector])
     if connector == "RayObjectStoreConnector":  # an owner of its own, up before the timing starts
         extra["owner_name"] = f"kv-owner-refuse-{time.monotonic_ns()}"
-        local_ray.get(ray_store.get_owner(local_ray, extra["owner_name"], "fleetserve").stats.remote(), timeout=60)
+        local_ray.get(ray_owner.get_owner(local_ray, extra["owner_name"], "fleetserve").stats.remote(), timeout=60)
     faults = {bad: 1.0} if bad != "foreign" else None
     prod = half(connector, "kv_producer", extra, faults=faults)
     cons = half(connector, "kv_consumer", extra, model="another-model" if bad == "foreign" else "m")

@@ -25,20 +25,21 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import struct
 import threading
 import time
 from pathlib import Path
-
-import struct
 from typing import Optional
 
 import torch
 
 from fleetserve.kv_transfer.base import ConnectorContext, KVConnectorRole, LoadSpec, SaveSpec
-from fleetserve.kv_transfer.blocks import (MAGIC, BlockBatch, KVFormatError, batch_from_tensor,
-                                           check_header, join_shards, parse_header, producer_shards)
+from fleetserve.kv_transfer.blocks import MAGIC, BlockBatch, batch_from_tensor, check_header, parse_header
 from fleetserve.kv_transfer.config import KVTransferConfig
-from fleetserve.kv_transfer.transfer import TransferConnector, TransferError, Transport
+from fleetserve.kv_transfer.errors import KVFormatError, TransferError
+from fleetserve.kv_transfer.shards import join_shards, producer_shards
+from fleetserve.kv_transfer.transfer import TransferConnector
+from fleetserve.kv_transfer.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +183,7 @@ class SharedStorageTransport(Transport):
 
     def __init__(self, config: KVTransferConfig, ctx: ConnectorContext, role: KVConnectorRole) -> None:
         super().__init__(config, ctx, role)
-        from fleetserve.kv_transfer.blocks import local_head_range
+        from fleetserve.kv_transfer.shards import local_head_range
 
         extra = config.kv_connector_extra_config
         if not extra.get("path"):
@@ -213,7 +214,7 @@ class SharedStorageTransport(Transport):
         """Read the blocks in order, each file straight into its slot of one staging buffer;
         a hand-off's files may lag the producer's reply, so missing ones are awaited until
         the deadline (a lookup hit is read once)."""
-        data, release = self.staging.take(self.block_shape(len(spec.keys), heads), self.kv_caches[0].dtype)
+        data, release = self.staging_pool().take(self.block_shape(len(spec.keys), heads), self.kv_caches[0].dtype)
         digests: list[int] = []
         for i, key in enumerate(spec.keys):
             batch = self.store.get(key, heads, data[i:i + 1])

@@ -32,7 +32,10 @@ import torch
 from fleetserve.kv_transfer.base import KVConnectorBase, KVConnectorRole, LoadSpec, SaveSpec
 from fleetserve.kv_transfer.blocks import BlockBatch
 from fleetserve.kv_transfer.config import KVTransferConfig
-from fleetserve.kv_transfer.transfer import TransferError, TransferScheduler, TransferWorker, Transport
+from fleetserve.kv_transfer.errors import TransferError
+from fleetserve.kv_transfer.scheduler_half import TransferScheduler
+from fleetserve.kv_transfer.transport import Transport
+from fleetserve.kv_transfer.worker_half import TransferWorker
 
 FAULTS = ("drop", "delay_s", "corrupt", "stale", "duplicate", "lose_notice")
 

@@ -53,7 +53,7 @@ the whole batch once it is gathered.
 
 `kv_connector_extra_config`: `host` (the address peers reach this rank at;
 default Ray's node IP, else 127.0.0.1), `p2p_max_groups` (kept gloo groups per
-side, default 16), `stream_chunk_bytes`, plus the Ray options of ray_store.
+side, default 16), `stream_chunk_bytes`, plus the Ray options of connectors.ray_store.
 """
 
 from __future__ import annotations
@@ -72,12 +72,15 @@ from typing import Any, Optional
 import torch
 
 from fleetserve.kv_transfer.base import ConnectorContext, KVConnectorRole, LoadSpec, SaveSpec
-from fleetserve.kv_transfer.blocks import (BlockBatch, KVFormatError, StreamAborted, batch_from_tensor,
-                                           check_header, host_digests, join_shards, local_head_range,
-                                           parse_header, plan_chunks, producer_shards, readers_of)
+from fleetserve.kv_transfer.blocks import BlockBatch, batch_from_tensor, check_header, parse_header
 from fleetserve.kv_transfer.config import KVTransferConfig
-from fleetserve.kv_transfer.ray_store import connect_ray, get_owner
-from fleetserve.kv_transfer.transfer import TransferConnector, TransferError, Transport
+from fleetserve.kv_transfer.connectors.ray_owner import connect_ray, get_owner
+from fleetserve.kv_transfer.digests import host_digests
+from fleetserve.kv_transfer.errors import KVFormatError, TransferError
+from fleetserve.kv_transfer.shards import join_shards, local_head_range, producer_shards, readers_of
+from fleetserve.kv_transfer.stream import StreamAborted, plan_chunks
+from fleetserve.kv_transfer.transfer import TransferConnector
+from fleetserve.kv_transfer.transport import Transport
 
 logger = logging.getLogger(__name__)
 POLL_S = 0.005  # a consumer told "not yet" asks again this much later
@@ -537,7 +540,7 @@ class P2PTransport(Transport):
             if backend == b"nccl":
                 buf = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
             else:
-                buf, release = self.staging.take((nbytes,), torch.uint8)
+                buf, release = self.staging_pool().take((nbytes,), torch.uint8)
             store.set(f"go/{pid}", b"1")
             # NCCL forms this pull's group through this client, and the group may still use
             # it (its monitor) after the pull: that client is not kept.
