@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 
+from fleetserve.replica.model_loader.model_config import ModelConfig
 from fleetserve.scheduler import ModelRunnerOutput, SchedulerOutput
 
 
@@ -12,7 +13,7 @@ class ExecutorError(RuntimeError):
 
 
 class Executor(abc.ABC):
-    hf_config = None
+    hf_config: ModelConfig  # the model's, as the workers loaded it
 
     @abc.abstractmethod
     def determine_num_blocks(self) -> int: ...

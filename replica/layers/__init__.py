@@ -3,9 +3,16 @@ paged attention and the batched sampler."""
 
 from fleetserve.replica.layers.activation import SiluAndMul
 from fleetserve.replica.layers.layernorm import RMSNorm
-from fleetserve.replica.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, ParallelLMHead,
-                                              QKVParallelLinear, ReplicatedLinear, RowParallelLinear,
-                                              VocabParallelEmbedding, pack_linear_weights)
+from fleetserve.replica.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    pack_linear_weights,
+)
 from fleetserve.replica.layers.rotary import RotaryEmbedding
 
 __all__ = ["ColumnParallelLinear", "MergedColumnParallelLinear", "ParallelLMHead", "QKVParallelLinear",

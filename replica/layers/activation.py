@@ -8,6 +8,7 @@ from torch import nn
 
 from fleetserve.replica.kernels import ops_for
 
+
 class SiluAndMul(nn.Module):
     """[..., 2d] -> silu(x[..., :d]) * x[..., d:] (the gate/up halves of the merged projection)."""
 

@@ -148,12 +148,17 @@ class AttentionMetadata:
             self._successor[id(prev_keys)] = hit
         return hit[1]
 
+    def _decode_seq_lens(self) -> torch.Tensor:
+        assert self.decode_seq_lens is not None, "built for a step with decode rows"
+        return self.decode_seq_lens
+
     def decode_bias_width(self, width: int) -> torch.Tensor:
         """[1, B, 1, width] float32: 0 where a key exists, -inf past the row's length (memoized per width)."""
         key = ("bias", width)
         bias = self._gather_index.get(key)
         if bias is None:
-            valid = torch.arange(width, device=self.decode_seq_lens.device)[None, :] < self.decode_seq_lens[:, None]
+            seq_lens = self._decode_seq_lens()
+            valid = torch.arange(width, device=seq_lens.device)[None, :] < seq_lens[:, None]
             bias = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device).masked_fill_(
                 ~valid, float("-inf"))[None, :, None, :]
             self._gather_index[key] = bias
@@ -164,8 +169,9 @@ class AttentionMetadata:
         key = ("append", width)
         idx = self._gather_index.get(key)
         if idx is None:
-            rows = torch.arange(self.num_decodes, device=self.decode_seq_lens.device)
-            idx = rows * width + self.decode_seq_lens - 1
+            seq_lens = self._decode_seq_lens()
+            rows = torch.arange(self.num_decodes, device=seq_lens.device)
+            idx = rows * width + seq_lens - 1
             self._gather_index[key] = idx
         return idx
 
@@ -175,6 +181,7 @@ class AttentionMetadata:
         key = (num_kv_heads, num_blocks, extra_blocks)
         idx = self._gather_index.get(key)
         if idx is None:
+            assert self.decode_block_ids is not None, "built for a step with decode rows"
             blocks = self.decode_block_ids.view(self.num_decodes, -1)
             if extra_blocks:
                 blocks = torch.cat([blocks, blocks.new_zeros(self.num_decodes, extra_blocks)], dim=1)
@@ -487,6 +494,7 @@ class PagedAttention(nn.Module):
             # [KVH * B, L, d]: every decode row's blocks, per kv head, one contiguous copy.
             keys = k_cache.view(KVH * num_blocks, -1).index_select(0, idx).view(KVH * B, L, D)
             values = v_cache.view(KVH * num_blocks, -1).index_select(0, idx).view(KVH * B, L, D)
+            assert md.decode_bias is not None, "built for a step with decode rows"
             bias = md.decode_bias
         # Query heads of one kv head are the rows of one small matmul: [KVH * B, G, d].
         qg = q.view(B, KVH, G, D).transpose(0, 1).reshape(KVH * B, G, D)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fleetserve.replica.kernels import ops_for
-from fleetserve.replica.layers.linear import _check_shape, _new_param
+from fleetserve.replica.layers.linear import _check_shape, _new_param, set_weight_loader
 
 
 class RMSNorm(nn.Module):
@@ -27,7 +27,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = _new_param(hidden_size)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
 
     @staticmethod
     def weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:

@@ -28,8 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fleetserve.replica.distributed.parallel import TPGroup, get_tp_group
-from fleetserve.replica.kernels import isa as kernels_isa, ops_for
-from fleetserve.replica.lora.layers import add_lora, touches as lora_touches
+from fleetserve.replica.kernels import isa as kernels_isa
+from fleetserve.replica.kernels import ops_for
+from fleetserve.replica.lora.layers import add_lora
+from fleetserve.replica.lora.layers import touches as lora_touches
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -53,6 +55,22 @@ def _check_full(loaded: torch.Tensor, param: torch.Tensor, dim: int, full_size: 
 
 def _new_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+# (param, loaded_weight[, shard_id]): copies this rank's slice of a checkpoint tensor into `param`.
+WeightLoader = Callable[..., None]
+
+
+def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> None:
+    """Attach the loader the model's `load_weights` calls for `param` (vLLM's convention)."""
+    param.weight_loader = loader  # type: ignore[attr-defined]  # torch's stubs declare no extra Parameter attributes
+
+
+def weight_loader_of(param: nn.Parameter) -> WeightLoader:
+    loader = getattr(param, "weight_loader", None)
+    if loader is None:
+        raise ValueError(f"a parameter of shape {tuple(param.shape)} has no weight_loader")
+    return loader
 
 
 # --------------------------------------------------------------------------- packed CPU weights
@@ -151,14 +169,15 @@ class PackedWeightMixin:
     FLEETSERVE_SMALL_M_LINEAR=0 goes without it (and without the kernel).
     """
 
-    _packed: Optional[tuple] = None
+    weight: nn.Parameter  # set by the layer the mixin is combined with
+    _packed: Optional[tuple[torch.Tensor, int, int]] = None
     _small_m: Optional[_SmallM] = None
 
     def pack_weight(self) -> bool:
         w = self.weight
         self._packed = self._small_m = None
-        if _can_pack_small_m(w):
-            ops = ops_for(w)
+        ops = ops_for(w)
+        if ops is not None and _can_pack_small_m(w):
             if w.dtype == torch.bfloat16:
                 pack, run = ops.pack_linear_bf16, ops.linear_bf16
             else:  # float32 results already
@@ -209,7 +228,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = self.num_per_partition * self.tp.rank
         self.vocab_end = min(self.vocab_start + self.num_per_partition, num_embeddings)
         self.weight = _new_param(self.num_per_partition, embedding_dim)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         if loaded_weight.shape != (self.num_embeddings, self.embedding_dim):
@@ -240,7 +259,7 @@ class ParallelLMHead(PackedWeightMixin, VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim, tp_group)
         if bias:
             self.bias = _new_param(self.num_per_partition)
-            self.bias.weight_loader = self._bias_loader
+            set_weight_loader(self.bias, self._bias_loader)
         else:
             self.register_parameter("bias", None)
 
@@ -284,15 +303,19 @@ class LinearBase(PackedWeightMixin, nn.Module):
         self.input_size = input_size
         self.output_size = output_size
         self.weight = _new_param(output_size, input_size)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self._param_loader())
         if bias:
             self.bias = _new_param(output_size)
-            self.bias.weight_loader = self.weight_loader
+            set_weight_loader(self.bias, self._param_loader())
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, *args: Any) -> None:
-        raise NotImplementedError
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} names its weight loader")
+
+    def _param_loader(self) -> WeightLoader:
+        """What loads this layer's parameters: `weight_loader`, or a loader by shard."""
+        return self.weight_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._linear(x, self.bias)
@@ -329,6 +352,10 @@ class ColumnParallelLinear(LinearBase):
         return self.tp.all_gather(y, dim=-1) if self.gather_output else y
 
 
+def _no_plain_run(*args: Any) -> torch.Tensor:
+    raise RuntimeError("a gate|up packing runs through silu_and_mul only")
+
+
 def interleave_gate_up(w: torch.Tensor, d: int) -> torch.Tensor:
     """[gate; up] rows of a merged [2d, K] weight -> every 16 gate rows followed by the same 16
     up rows (zero rows pad d to a multiple of 16): the order `linear_bf16_silu_mul` reads."""
@@ -363,12 +390,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         packed = super().pack_weight()
         self._gated = None
         w, small = self.weight, self._small_m
-        if (small is not None and w.dtype == torch.bfloat16 and len(self.output_sizes) == 2
+        ops = ops_for(w)
+        if (small is not None and ops is not None and w.dtype == torch.bfloat16 and len(self.output_sizes) == 2
                 and self.output_sizes[0] == self.output_sizes[1] and not self.gather_output
                 and env_on("FLEETSERVE_FUSED_SILU_MUL")):
             d = w.shape[0] // 2
-            self._gated = _SmallM(ops_for(w).pack_linear_bf16(interleave_gate_up(w.detach(), d)), w._version,
-                                  w.data_ptr(), d, None, small.max_rows)
+            # No `run`: silu_and_mul calls its own kernel on the packing.
+            self._gated = _SmallM(ops.pack_linear_bf16(interleave_gate_up(w.detach(), d)), w._version,
+                                  w.data_ptr(), d, _no_plain_run, small.max_rows)
             self._small_m = None
         return packed
 
@@ -387,7 +416,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         ops = ops_for(x)  # None on a GPU tensor or inside kernels.disabled()
         return None if ops is None else ops.linear_bf16_silu_mul(x, g.packed, self.bias, g.out_features)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int) -> None:
+    def _param_loader(self) -> WeightLoader:
+        return self.shard_loader
+
+    def shard_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int) -> None:
+        """Output `shard_id` (gate 0, up 1) of the merged weight."""
         tp = self.tp.world_size
         offset = sum(self.output_sizes[:shard_id]) // tp
         size = self.output_sizes[shard_id] // tp
@@ -425,7 +458,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         out_total = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp.world_size
         super().__init__(hidden_size, out_total, bias, tp_group=tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str) -> None:
+    def _param_loader(self) -> WeightLoader:
+        return self.shard_loader
+
+    def shard_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str) -> None:
+        """The "q", "k" or "v" projection's rows of this rank."""
         if shard_id == "q":
             offset, size, rank = 0, self.q_size, self.tp.rank
             full = self.total_num_heads * self.head_dim

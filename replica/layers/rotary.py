@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 
-
 def _inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
 
@@ -55,6 +54,8 @@ class RotaryEmbedding(nn.Module):
     `rope_scaling` dicts ("type" instead of "rope_type") are accepted too.
     """
 
+    cos_sin_cache: torch.Tensor  # [max_position, head_dim]: cos | sin (a buffer)
+
     def __init__(self, head_dim: int, max_position: int, rope_parameters: Optional[dict[str, Any]] = None,
                  rope_theta: float = 10000.0):
         super().__init__()
@@ -83,14 +84,15 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for `positions` [T]: each [T, 1, head_dim/2] in `dtype`; compute once per forward."""
         cs = self.cos_sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
-        return cs.chunk(2, dim=-1)
+        cos, sin = cs.chunk(2, dim=-1)
+        return cos, sin
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, head_dim] -> rotated (same rounding steps as HF's rotate_half formulation)."""
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin(positions, q.dtype)
-        return self.apply(q, cos, sin), self.apply(k, cos, sin)
+        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)

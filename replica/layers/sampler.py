@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -67,25 +67,47 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(-1)
 
 
-def _long(values: Sequence[int], device) -> torch.Tensor:
+Device = Union[torch.device, str]
+
+
+def _long(values: Sequence[int], device: Device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, device=device)
 
 
-def _float(values: Sequence[float], device) -> torch.Tensor:
+def _float(values: Sequence[float], device: Device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+@dataclass(slots=True)
+class _Repetition:
+    rows: torch.Tensor  # [T] row of each prompt/output token of a repetition row
+    tokens: torch.Tensor  # [T]
+    values: torch.Tensor  # [T] that row's repetition penalty
+
+
+@dataclass(slots=True)
+class _OutputPenalties:
+    rows: torch.Tensor  # [U] row of each output token of a frequency/presence row
+    tokens: torch.Tensor  # [U]
+    frequency: torch.Tensor  # [N]
+    presence: torch.Tensor  # [N]
 
 
 @dataclass(slots=True)
 class _Penalties:
     """Sparse (row, token) lists: the work is O(tokens seen), not O(N x V)."""
 
-    rep_rows: Optional[torch.Tensor]  # [T] row of each prompt/output token of a repetition row
-    rep_tokens: Optional[torch.Tensor]  # [T]
-    rep_values: Optional[torch.Tensor]  # [T] that row's repetition penalty
-    out_rows: Optional[torch.Tensor]  # [U] row of each output token of a frequency/presence row
-    out_tokens: Optional[torch.Tensor]  # [U]
-    frequency: Optional[torch.Tensor]  # [N]
-    presence: Optional[torch.Tensor]  # [N]
+    repetition: Optional[_Repetition]  # None: no row has a repetition penalty
+    output: Optional[_OutputPenalties]  # None: no row has a frequency or presence penalty
+
+
+@dataclass(slots=True)
+class _TopKTopP:
+    """The random rows with top-k or top-p."""
+
+    positions: torch.Tensor  # [F] positions in `_RandomRows.rows`
+    top_k: torch.Tensor  # [F] k (V when top-k is off)
+    top_p: torch.Tensor  # [F] p (1.0 when top-p is off)
 
 
 @dataclass(slots=True)
@@ -96,10 +118,8 @@ class _RandomRows:
     all_rows: bool  # rows == arange(N): work on the logits in place
     temperature: torch.Tensor  # [R]
     log_min_p: Optional[torch.Tensor]  # [R] log(min_p), -inf where min_p == 0; None: no row uses it
-    filtered: Optional[torch.Tensor]  # [F] positions in `rows` of rows with top-k or top-p
+    filtered: Optional[_TopKTopP]  # None: no row has top-k or top-p
     unfiltered: Optional[torch.Tensor]  # [R-F] the other positions; None when empty
-    top_k: Optional[torch.Tensor]  # [F] k (V when top-k is off)
-    top_p: Optional[torch.Tensor]  # [F] p (1.0 when top-p is off)
     first_k: int  # candidates to take first for the filtered rows
     generators: list[tuple[int, torch.Generator]]  # (position in `rows`, generator) of seeded rows
 
@@ -131,14 +151,15 @@ class SamplingBatch:
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
               output_token_ids: list[list[int]], generators: list[Optional[torch.Generator]],
-              eos_token_id: Optional[int], vocab_size: int, device) -> "SamplingBatch":
+              eos_token_id: Optional[int], vocab_size: int, device: Device) -> "SamplingBatch":
         n = len(params)
         if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == n):
             raise ValueError("params, prompt_token_ids, output_token_ids and generators must have one entry per row")
         device = torch.device(device)
         greedy = [i for i, p in enumerate(params) if p.greedy]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        lp_asked = [(i, p.logprobs) for i, p in enumerate(params) if p.logprobs is not None]
+        lp_rows = [i for i, _ in lp_asked]
         # Output so far as penalties and bad words see it: a migration continuation's
         # output began on the failed replica (the prompt's last continued_output_tokens).
         seen = [_seen(p, prompt, out) for p, prompt, out in zip(params, prompt_token_ids, output_token_ids)]
@@ -149,7 +170,7 @@ class SamplingBatch:
             penalties=_build_penalties(params, prompt_token_ids, output_token_ids, seen, device),
             min_tokens_mask=_build_min_tokens(params, output_token_ids, eos_token_id, vocab_size, device),
             logprobs_rows=_long(lp_rows, device) if lp_rows else None,
-            logprobs_k=[params[i].logprobs for i in lp_rows],
+            logprobs_k=[k for _, k in lp_asked],
             logit_bias=_build_logit_bias(params, vocab_size, device),
             disallowed=_build_disallowed(params, vocab_size, device),
             bad_words_mask=_build_bad_words(params, seen, vocab_size, device))
@@ -160,7 +181,8 @@ def _seen(p: SamplingParams, prompt: list[int], out: list[int]) -> list[int]:
     return out if not k else list(prompt[len(prompt) - k:]) + list(out)
 
 
-def _build_random(params, rows, generators, vocab_size, n, device) -> _RandomRows:
+def _build_random(params: list[SamplingParams], rows: list[int], generators: list[Optional[torch.Generator]],
+                  vocab_size: int, n: int, device: Device) -> _RandomRows:
     ps = [params[i] for i in rows]
     # top_k >= vocab_size keeps everything: the same as no top-k.
     is_filtered = [0 < p.top_k < vocab_size or p.top_p < 1.0 for p in ps]
@@ -176,15 +198,15 @@ def _build_random(params, rows, generators, vocab_size, n, device) -> _RandomRow
         rows=_long(rows, device), all_rows=len(rows) == n,
         temperature=_float([p.temperature for p in ps], device),
         log_min_p=_float(min_ps, device).log() if any(m > 0.0 for m in min_ps) else None,
-        filtered=_long(filtered, device) if filtered else None,
+        filtered=_TopKTopP(_long(filtered, device), _long(ks, device),
+                           _float([ps[j].top_p for j in filtered], device)) if filtered else None,
         unfiltered=_long(unfiltered, device) if unfiltered else None,
-        top_k=_long(ks, device) if filtered else None,
-        top_p=_float([ps[j].top_p for j in filtered], device) if filtered else None,
         first_k=first_k,
-        generators=[(j, generators[i]) for j, i in enumerate(rows) if generators[i] is not None])
+        generators=[(j, g) for j, g in enumerate(generators[i] for i in rows) if g is not None])
 
 
-def _build_penalties(params, prompt_token_ids, output_token_ids, seen, device) -> Optional[_Penalties]:
+def _build_penalties(params: list[SamplingParams], prompt_token_ids: list[list[int]],
+                     output_token_ids: list[list[int]], seen: list[list[int]], device: Device) -> Optional[_Penalties]:
     """Repetition counts prompt and output (the prompt already holds continued output);
     frequency and presence count the output as `seen` (continued output included)."""
     rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
@@ -193,24 +215,26 @@ def _build_penalties(params, prompt_token_ids, output_token_ids, seen, device) -
     out = [i for i in out if seen[i]]
     if not rep and not out:
         return None
-    pen = _Penalties(None, None, None, None, None, None, None)
+    pen = _Penalties(None, None)
     if rep:
         lengths = [len(prompt_token_ids[i]) + len(output_token_ids[i]) for i in rep]
         counts = _long(lengths, device)
-        pen.rep_rows = torch.repeat_interleave(_long(rep, device), counts)
-        pen.rep_tokens = _long(list(chain.from_iterable(
-            chain(prompt_token_ids[i], output_token_ids[i]) for i in rep)), device)
-        pen.rep_values = torch.repeat_interleave(_float([params[i].repetition_penalty for i in rep], device), counts)
+        pen.repetition = _Repetition(
+            torch.repeat_interleave(_long(rep, device), counts),
+            _long(list(chain.from_iterable(chain(prompt_token_ids[i], output_token_ids[i]) for i in rep)), device),
+            torch.repeat_interleave(_float([params[i].repetition_penalty for i in rep], device), counts))
     if out:
         counts = _long([len(seen[i]) for i in out], device)
-        pen.out_rows = torch.repeat_interleave(_long(out, device), counts)
-        pen.out_tokens = _long(list(chain.from_iterable(seen[i] for i in out)), device)
-        pen.frequency = _float([p.frequency_penalty for p in params], device)
-        pen.presence = _float([p.presence_penalty for p in params], device)
+        pen.output = _OutputPenalties(
+            torch.repeat_interleave(_long(out, device), counts),
+            _long(list(chain.from_iterable(seen[i] for i in out)), device),
+            _float([p.frequency_penalty for p in params], device),
+            _float([p.presence_penalty for p in params], device))
     return pen
 
 
-def _build_logit_bias(params, vocab_size, device):
+def _build_logit_bias(params: list[SamplingParams], vocab_size: int,
+                      device: Device) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     rows: list[int] = []
     tokens: list[int] = []
     values: list[float] = []
@@ -223,17 +247,19 @@ def _build_logit_bias(params, vocab_size, device):
     return (_long(rows, device), _long(tokens, device), _float(values, device)) if rows else None
 
 
-def _build_disallowed(params, vocab_size, device):
-    rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
-    if not rows:
+def _build_disallowed(params: list[SamplingParams], vocab_size: int,
+                      device: Device) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    allowed = [(i, p.allowed_token_ids) for i, p in enumerate(params) if p.allowed_token_ids]
+    if not allowed:
         return None
-    mask = torch.ones(len(rows), vocab_size, dtype=torch.bool)
-    for j, i in enumerate(rows):
-        mask[j, [t for t in params[i].allowed_token_ids if t < vocab_size]] = False
-    return _long(rows, device), mask.to(device)
+    mask = torch.ones(len(allowed), vocab_size, dtype=torch.bool)
+    for j, (_, ids) in enumerate(allowed):
+        mask[j, [t for t in ids if t < vocab_size]] = False
+    return _long([i for i, _ in allowed], device), mask.to(device)
 
 
-def _build_bad_words(params, seen, vocab_size, device):
+def _build_bad_words(params: list[SamplingParams], seen: list[list[int]], vocab_size: int,
+                     device: Device) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     rows: list[int] = []
     tokens: list[int] = []
     for i, p in enumerate(params):
@@ -249,7 +275,8 @@ def _build_bad_words(params, seen, vocab_size, device):
     return (_long(rows, device), _long(tokens, device)) if rows else None
 
 
-def _build_min_tokens(params, output_token_ids, eos_token_id, vocab_size, device):
+def _build_min_tokens(params: list[SamplingParams], output_token_ids: list[list[int]], eos_token_id: Optional[int],
+                      vocab_size: int, device: Device) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     rows: list[int] = []
     tokens: list[int] = []
     for i, p in enumerate(params):
@@ -258,9 +285,9 @@ def _build_min_tokens(params, output_token_ids, eos_token_id, vocab_size, device
         stops = set(p.stop_token_ids)
         if eos_token_id is not None and not p.ignore_eos:
             stops.add(eos_token_id)
-        stops = sorted(t for t in stops if t < vocab_size)
-        rows.extend([i] * len(stops))
-        tokens.extend(stops)
+        kept = sorted(t for t in stops if t < vocab_size)
+        rows.extend([i] * len(kept))
+        tokens.extend(kept)
     return (_long(rows, device), _long(tokens, device)) if rows else None
 
 
@@ -310,10 +337,11 @@ class Sampler:
                 sampled[batch.greedy_rows] = greedy(logits.index_select(0, batch.greedy_rows))
             sampled[batch.random.rows] = _sample_random(logits, batch.random)
         sampled_list = sampled.tolist()
-        logprobs: list = [None] * batch.num_rows
-        if raw_logprobs is not None:
-            chosen = sampled.index_select(0, batch.logprobs_rows)
-            for row, entry in zip(batch.logprobs_rows.tolist(),
+        logprobs: list[Optional[tuple[list[int], list[float], int]]] = [None] * batch.num_rows
+        lp_rows = batch.logprobs_rows
+        if raw_logprobs is not None and lp_rows is not None:
+            chosen = sampled.index_select(0, lp_rows)
+            for row, entry in zip(lp_rows.tolist(),
                                   _gather_logprobs(raw_logprobs, chosen, batch.logprobs_k)):
                 logprobs[row] = entry
         return SamplerOutput(sampled_list, logprobs)
@@ -335,20 +363,22 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
 
 def _apply_penalties(logits: torch.Tensor, pen: _Penalties) -> None:
     """vLLM's order: repetition (HF semantics), then frequency, then presence (OpenAI)."""
-    if pen.rep_rows is not None:
+    rep = pen.repetition
+    if rep is not None:
         # Duplicated (row, token) pairs compute the same value from the same
         # input, so writing them all is correct without deduplication.
-        idx = (pen.rep_rows, pen.rep_tokens)
+        idx = (rep.rows, rep.tokens)
         seen = logits[idx]
-        logits.index_put_(idx, torch.where(seen > 0, seen / pen.rep_values, seen * pen.rep_values))
-    if pen.out_rows is not None:
-        idx = (pen.out_rows, pen.out_tokens)
+        logits.index_put_(idx, torch.where(seen > 0, seen / rep.values, seen * rep.values))
+    out = pen.output
+    if out is not None:
+        idx = (out.rows, out.tokens)
         # Each occurrence subtracts the frequency penalty once: count * penalty.
-        logits.index_put_(idx, -pen.frequency[pen.out_rows], accumulate=True)
+        logits.index_put_(idx, -out.frequency[out.rows], accumulate=True)
         vocab = logits.shape[1]
-        unique = torch.unique(pen.out_rows * vocab + pen.out_tokens)
+        unique = torch.unique(out.rows * vocab + out.tokens)
         rows, tokens = unique // vocab, unique % vocab
-        logits.index_put_((rows, tokens), -pen.presence[rows], accumulate=True)
+        logits.index_put_((rows, tokens), -out.presence[rows], accumulate=True)
 
 
 def _sample_random(logits: torch.Tensor, rnd: _RandomRows) -> torch.Tensor:
@@ -361,20 +391,21 @@ def _sample_random(logits: torch.Tensor, rnd: _RandomRows) -> torch.Tensor:
         x.masked_fill_(x < threshold, float("-inf"))
     probs = x.softmax(-1)
     uniforms = _uniforms(len(rnd.temperature), rnd.generators, probs.device)
-    if rnd.filtered is None:
+    filtered = rnd.filtered
+    if filtered is None:
         return _inverse_cdf(probs, uniforms)
     if rnd.unfiltered is None:
-        return _sample_top_k_top_p(probs, rnd.top_k, rnd.top_p, uniforms, rnd.first_k)
+        return _sample_top_k_top_p(probs, filtered.top_k, filtered.top_p, uniforms, rnd.first_k)
     out = torch.empty(len(rnd.temperature), dtype=torch.long, device=probs.device)
-    f = rnd.filtered
-    out[f] = _sample_top_k_top_p(probs.index_select(0, f), rnd.top_k, rnd.top_p,
+    f = filtered.positions
+    out[f] = _sample_top_k_top_p(probs.index_select(0, f), filtered.top_k, filtered.top_p,
                                  uniforms.index_select(0, f), rnd.first_k)
     u = rnd.unfiltered
     out[u] = _inverse_cdf(probs.index_select(0, u), uniforms.index_select(0, u))
     return out
 
 
-def _uniforms(num: int, generators: list[tuple[int, torch.Generator]], device) -> torch.Tensor:
+def _uniforms(num: int, generators: list[tuple[int, torch.Generator]], device: Device) -> torch.Tensor:
     """One U[0, 1) per row, float64; seeded rows draw from their own generator."""
     u = torch.rand(num, dtype=torch.float64, device=device)
     if generators:
@@ -459,13 +490,16 @@ def _gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor,
     # As vLLM: the rank counts tokens at least as likely as the chosen one.
     ranks = (logprobs >= chosen_lp).sum(-1, dtype=torch.int32).tolist()
     max_k = max(ks, default=0)
+    top_lp: list[list[float]] = []
+    top_ids: list[list[int]] = []
     if max_k:
-        top_lp, top_ids = logprobs.topk(max_k, dim=-1)
-        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
-    chosen_ids, chosen_lp = chosen.tolist(), chosen_lp.squeeze(1).tolist()
+        top_lp_t, top_ids_t = logprobs.topk(max_k, dim=-1)
+        top_lp, top_ids = top_lp_t.tolist(), top_ids_t.tolist()
+    chosen_ids: list[int] = chosen.tolist()
+    chosen_lps: list[float] = chosen_lp.squeeze(1).tolist()
     out = []
     for i, k in enumerate(ks):
-        ids, lps = [chosen_ids[i]], [chosen_lp[i]]
+        ids, lps = [chosen_ids[i]], [chosen_lps[i]]
         if k:
             ids += top_ids[i][:k]
             lps += top_lp[i][:k]

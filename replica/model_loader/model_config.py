@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 # transformers 5's defaults for what our model reads, per model_type.
 _COMMON = dict(hidden_act="silu", tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
@@ -33,6 +33,18 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 class ModelConfig:
     """Attributes: every key of the config (absent ones from the family's defaults), plus
     num_key_value_heads, head_dim and rope_parameters always set."""
+
+    # What `from_dict` guarantees (checked, or derived); other keys are read with getattr.
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_parameters: dict[str, Any]
+    max_position_embeddings: Optional[int]  # a family default, unless the config says null
 
     def __init__(self, fields: dict[str, Any]) -> None:
         self.__dict__.update(fields)

@@ -13,20 +13,36 @@ context; the runner's max_model_len should stay within it).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple, Optional, Union
 
 import torch
 from torch import nn
 
-from fleetserve.replica.layers.attention import AttentionMetadata, PagedAttention, kv_cache_layout
-from fleetserve.replica.kernels import ops_for
-from fleetserve.replica.layers import linear as linear_module
-from fleetserve.replica.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
-                                       RotaryEmbedding, RowParallelLinear, SiluAndMul, VocabParallelEmbedding)
 from fleetserve.replica.distributed.parallel import TPGroup, get_tp_group
+from fleetserve.replica.kernels import ops_for
+from fleetserve.replica.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+)
+from fleetserve.replica.layers import linear as linear_module
+from fleetserve.replica.layers.attention import AttentionMetadata, PagedAttention, kv_cache_layout
+from fleetserve.replica.layers.linear import weight_loader_of
 from fleetserve.replica.lora import layers as lora_layers
 
+if TYPE_CHECKING:
+    from fleetserve.kv_transfer.base import KVConnectorWorker
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+# What the layers rotate q and k with: the positions (the fused CPU kernel reads the cos|sin
+# table itself), or (cos, sin) gathered once per forward.
+Rope = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
 
 def _rope_parameters(config: Any) -> dict[str, Any]:
@@ -57,15 +73,17 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim)
 
-    def forward(self, hidden: torch.Tensor, rope, kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         T = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 KVH) d]
         # Rotate q and k in one go: they are adjacent in the qkv output.
         qk = qkv[:, :self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
         if isinstance(rope, torch.Tensor):  # positions: the fused kernel rotates qkv in place
-            ops_for(qkv).rotary_embedding_(qk, self.rotary_emb.cos_sin_cache.float(), rope)
+            ops = ops_for(qkv)
+            assert ops is not None, "positions come instead of (cos, sin) only where the kernels run"
+            ops.rotary_embedding_(qk, self.rotary_emb.cos_sin_cache.float(), rope)
         else:
-            qk = RotaryEmbedding.apply(qk, *rope)
+            qk = RotaryEmbedding.rotate(qk, *rope)
         qk = qk.view(T, -1)
         q, k = qk.split([self.q_size, self.kv_size], dim=-1)
         v = qkv[:, self.q_size + self.kv_size:]
@@ -98,8 +116,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], rope, kv_cache: torch.Tensor,
-                md: AttentionMetadata):
+    def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], rope: Rope, kv_cache: torch.Tensor,
+                md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -161,8 +179,14 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, self.rotary_emb, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # (key, plan or None, and with None the packings it was refused with): see _kernel_plan
-        self._plan: tuple[Optional[tuple], Optional[_KernelPlan], Optional[list]] = (None, None, None)
+        self._plan: tuple[Optional[tuple], Optional[_KernelPlan], list] = (None, None, [])
         self._linear_states: Optional[list[dict]] = None
+
+    def decoder_layers(self) -> Iterator[LlamaDecoderLayer]:
+        """`layers`, typed (an nn.ModuleList yields plain Modules)."""
+        for layer in self.layers:
+            assert isinstance(layer, LlamaDecoderLayer)
+            yield layer
 
     def _kernel_plan(self, hidden: torch.Tensor, kv_caches: list[torch.Tensor]) -> Optional[_KernelPlan]:
         """What the `llama_layers` kernel needs to run every decoder layer in one call, where
@@ -185,12 +209,12 @@ class LlamaModel(nn.Module):
             elif _plan_holds(plan):
                 return plan
         plan = self._build_kernel_plan(*key)
-        self._plan = (key, plan, self._packings() if plan is None else None)
+        self._plan = (key, plan, self._packings() if plan is None else [])
         return plan
 
     def _packings(self) -> list:
         if self._linear_states is None:
-            self._linear_states = [vars(m) for layer in self.layers for m in (
+            self._linear_states = [vars(m) for layer in self.decoder_layers() for m in (
                 layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         return [state.get(attr) for state in self._linear_states for attr in ("_small_m", "_gated")]
 
@@ -198,8 +222,15 @@ class LlamaModel(nn.Module):
         ops = ops_for(torch.empty(0, dtype=dtype))
         if ops is None or not hasattr(ops, "llama_layers"):
             return None
-        weights, biases, sizes, eps, fused, checks, rows = [], [], [], [], set(), [], []
-        for layer in self.layers:
+        weights: list[torch.Tensor] = []
+        biases: list[Optional[torch.Tensor]] = []
+        sizes: list[int] = []
+        eps: list[float] = []
+        fused: set[bool] = set()
+        checks: list[tuple] = []
+        rows: list[int] = []
+        layers = list(self.decoder_layers())
+        for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             if attn.o_proj.tp.world_size != 1 or attn.qkv_proj.gather_output or mlp.gate_up_proj.gather_output:
                 return None
@@ -221,7 +252,7 @@ class LlamaModel(nn.Module):
             rows += [qkv.max_rows, o.max_rows, gate_up.max_rows, down.max_rows]
         if not rows or len(fused) != 1 or any(w.dtype != dtype for w in weights):
             return None
-        first = self.layers[0].self_attn
+        first = layers[0].self_attn
         D = first.head_dim
         return _KernelPlan(weights, biases, sizes, eps, fused.pop(), checks, min(rows), dtype, block_size,
                            self.rotary_emb.cos_sin_cache.float().contiguous(),
@@ -229,38 +260,19 @@ class LlamaModel(nn.Module):
                            kv_cache_layout(dtype, block_size, D) == "k_tiled")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                md: AttentionMetadata, kv_hooks=None) -> torch.Tensor:
+                md: AttentionMetadata, kv_hooks: Optional[KVConnectorWorker] = None) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        # Rope inputs shared by all layers: the positions for the fused CPU kernel (which reads the
-        # float32 cos|sin table itself), else (cos, sin) gathered once per forward.
-        if ops_for(hidden) is not None:
-            rope = positions
-        else:
-            rope = self.rotary_emb.cos_sin(positions, hidden.dtype)
-        residual = None
+        ops = ops_for(hidden)
+        rope: Rope = positions if ops is not None else self.rotary_emb.cos_sin(positions, hidden.dtype)
         plan = None
-        if kv_hooks is None and isinstance(rope, torch.Tensor) and hidden.shape[0] and lora_layers.current() is None:
+        if ops is not None and kv_hooks is None and hidden.shape[0] and lora_layers.current() is None:
             plan = self._kernel_plan(hidden, kv_caches)
             if plan is not None and hidden.shape[0] > plan.max_rows:
                 plan = None
         progress = self.progress
-        if plan is not None and (progress is None or hidden.shape[0] < PROGRESS_SPLIT_ROWS):
-            if progress is not None:
-                progress()
-            hidden, residual = ops_for(hidden).llama_layers(  # the layers in one kernel call (_kernel_plan)
-                hidden, positions, plan.cos_sin, kv_caches, md.slot_mapping, md.block_table, md.token_seq_lens,
-                md.token_req, plan.weights, plan.biases, plan.sizes, plan.eps, *plan.dims, plan.scale,
-                plan.k_tiled, plan.fused)
-        elif plan is not None:  # a long step, followed: one layer per call, progress between
-            ops = ops_for(hidden)
-            for i, kv_cache in enumerate(kv_caches):
-                progress()
-                x = hidden if residual is None else hidden + residual  # the layer's input stream
-                hidden, residual = ops.llama_layers(
-                    x, positions, plan.cos_sin, [kv_cache], md.slot_mapping, md.block_table, md.token_seq_lens,
-                    md.token_req, plan.weights[6 * i:6 * i + 6], plan.biases[4 * i:4 * i + 4],
-                    plan.sizes[4 * i:4 * i + 4], plan.eps[2 * i:2 * i + 2], *plan.dims, plan.scale,
-                    plan.k_tiled, plan.fused)
+        residual: Optional[torch.Tensor] = None
+        if ops is not None and plan is not None:
+            hidden, residual = self._run_kernel(ops, plan, hidden, positions, kv_caches, md, progress)
         elif kv_hooks is None:
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
                 if progress is not None:
@@ -275,6 +287,32 @@ class LlamaModel(nn.Module):
                 kv_hooks.save_kv_layer(i, kv_cache, md)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    @staticmethod
+    def _run_kernel(ops: Any, plan: _KernelPlan, hidden: torch.Tensor, positions: torch.Tensor,
+                    kv_caches: list[torch.Tensor], md: AttentionMetadata,
+                    progress: Optional[Callable[[], None]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layers through the `llama_layers` kernel (_kernel_plan): in one call, or,
+        for a long step someone follows, one layer per call with progress between."""
+        def layers(x: torch.Tensor, caches: list[torch.Tensor], first: int, count: int) -> tuple:
+            return ops.llama_layers(
+                x, positions, plan.cos_sin, caches, md.slot_mapping, md.block_table, md.token_seq_lens,
+                md.token_req, plan.weights[6 * first:6 * (first + count)], plan.biases[4 * first:4 * (first + count)],
+                plan.sizes[4 * first:4 * (first + count)], plan.eps[2 * first:2 * (first + count)], *plan.dims,
+                plan.scale, plan.k_tiled, plan.fused)
+
+        if progress is None or hidden.shape[0] < PROGRESS_SPLIT_ROWS:
+            if progress is not None:
+                progress()
+            out, residual = layers(hidden, kv_caches, 0, len(kv_caches))
+            return out, residual
+        residual = None
+        for i, kv_cache in enumerate(kv_caches):
+            progress()
+            x = hidden if residual is None else hidden + residual  # the layer's input stream
+            hidden, residual = layers(x, [kv_cache], i, 1)
+        assert residual is not None, "a model has at least one layer"
+        return hidden, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -309,7 +347,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.rotary_emb.max_position
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata, kv_hooks=None) -> torch.Tensor:
+                attn_metadata: AttentionMetadata, kv_hooks: Optional[KVConnectorWorker] = None) -> torch.Tensor:
         """input_ids [T], positions [T] -> final hidden states [T, hidden]. `kv_hooks`: a KV
         connector worker whose wait_for_layer_load / save_kv_layer run around each layer."""
         return self.model(input_ids, positions, kv_caches, attn_metadata, kv_hooks)
@@ -358,7 +396,7 @@ class LlamaForCausalLM(nn.Module):
                 if param is None:
                     raise ValueError(f"{source}: unexpected weight {hf_name!r} (not part of "
                                      f"{type(self).__name__} for this config)")
-                loader = getattr(param, "weight_loader")
+                loader = weight_loader_of(param)
                 tensor = tensor.to(param.dtype)
                 if shard_id is None:
                     loader(param, tensor)

@@ -64,7 +64,7 @@ def test_rotary_in_place_on_a_strided_view(dtype, head_dim):
     qk = qkv[:, :(H + KVH) * head_dim].view(T, H + KVH, head_dim)  # rows strided: v follows
     v_before = qkv[:, (H + KVH) * head_dim:].clone()
     cos, sin = rope.cos_sin(positions, torch.float64)
-    expected = RotaryEmbedding.apply(qk.double(), cos.double(), sin.double())
+    expected = RotaryEmbedding.rotate(qk.double(), cos.double(), sin.double())
     ops.rotary_embedding_(qk, rope.cos_sin_cache, positions)
     torch.testing.assert_close(qk.double(), expected, **tol(dtype))
     assert torch.equal(qkv[:, (H + KVH) * head_dim:], v_before)  # v untouched

@@ -32,7 +32,7 @@ def test_kv_heads_replicated_when_tp_exceeds_them():
     qkv = QKVParallelLinear(64, 8, 8, 2, tp_group=fake_group(3, 4))
     assert (qkv.num_heads, qkv.num_kv_heads, qkv.num_kv_head_replicas) == (2, 1, 2)
     full_k = torch.arange(16 * 64, dtype=torch.float32).view(16, 64)  # 2 kv heads of 8 rows
-    qkv.weight_loader(qkv.weight, full_k, "k")
+    qkv.shard_loader(qkv.weight, full_k, "k")
     torch.testing.assert_close(qkv.weight.data[16:24], full_k[8:16])  # rank 3 holds kv head 1
     with pytest.raises(ValueError, match="multiple of the number of kv heads"):
         QKVParallelLinear(64, 8, 6, 2, tp_group=fake_group(0, 3))
