@@ -10,11 +10,11 @@ so a process that needs different gRPC options needs a fresh Serve instance.
 Direct ingress (embedded Ray, the default): the ingress replica itself listens on
 the configured HTTP and gRPC ports (Ray Serve's `RAY_SERVE_ENABLE_DIRECT_INGRESS`,
 with each port range pinned to the one configured port), so a request reaches the
-ingress without passing through Serve's proxy actor. Through the proxy, every
+ingress without passing through Serve's proxy actor: through the proxy, every
 request costs an extra actor call plus a call back from the ingress to the proxy
-for the body: ~14 ms of TTFT on this 2-core machine (benchmarks/serving.py, issue
-5). Serve's proxy still runs (Serve starts direct-ingress servers only while
-proxies are enabled), on free loopback ports nobody is told about. A joined
+for the body (what that costs in TTFT: docs/design/router.md, "Serve settings on
+the request path"). Serve's proxy still runs (Serve starts direct-ingress servers
+only while proxies are enabled), on free loopback ports nobody is told about. A joined
 cluster (`--address`), or a Ray that was already running, keeps Serve's proxy on
 the configured ports: its controller and replicas were started without our pins.
 """
@@ -35,12 +35,12 @@ import ray
 from ray import serve
 from ray.serve.config import HTTPOptions, RequestRouterConfig, gRPCOptions
 
-from fleetserve.cluster.config import AppConfig
 from fleetserve.cluster.app_spec import GRPC_SERVICER, app_args, resolve_api_key
+from fleetserve.cluster.config import AppConfig
 from fleetserve.router.auth import API_KEY_ENV
 from fleetserve.router.ingress import IngressDeployment
-from fleetserve.router.routing.policies import POLICIES
 from fleetserve.router.replica import EngineReplica
+from fleetserve.router.routing.policies import POLICIES
 from fleetserve.router.routing.request_router import FleetRequestRouter
 
 logger = logging.getLogger(__name__)
@@ -52,18 +52,16 @@ DECODE_DEPLOYMENT = "decode"
 INGRESS_DEPLOYMENT = "ingress"
 _NO_ACCESS_LOG = {"enable_access_log": False}
 
-# Ray Serve settings on the request path (measured in benchmarks/serving.py, issue 5):
-# by default Serve runs user code on a second event loop in its own thread and a
-# handle's router on a third, so every request and every streamed chunk crosses
-# threads (and the GIL) several times in the ingress and in the engine replica:
-# ~5 ms of TTFT and ~1 ms per chunk on 2 busy cores. Our user code never blocks
-# its loop (the engine steps on its own thread; the ingress's per-request work is
-# ~0.5 ms of tokenizing and validation), so it can run on Serve's loop.
-# RAY_SERVE_USE_GRPC_BY_DEFAULT: the ingress calls engine replicas over a direct
-# gRPC channel instead of Ray actor calls; the ingress->replica->ingress round trip
-# of a streaming call fell from ~9-10 ms to ~4 ms here (a no-op deployment pair,
-# alternating runs). These three are what Ray's documented "throughput optimized"
-# mode (RAY_SERVE_THROUGHPUT_OPTIMIZED=1) sets for the request path.
+# Ray Serve settings on the request path. By default Serve runs user code on a
+# second event loop in its own thread and a handle's router on a third, so every
+# request and every streamed chunk crosses threads (and the GIL) several times in
+# the ingress and in the engine replica. Our user code never blocks its loop (the
+# engine steps on its own thread; the ingress's per-request work is tokenizing and
+# validation), so it can run on Serve's loop. RAY_SERVE_USE_GRPC_BY_DEFAULT: the
+# ingress calls engine replicas over a direct gRPC channel instead of Ray actor
+# calls. These three are what Ray's documented "throughput optimized" mode
+# (RAY_SERVE_THROUGHPUT_OPTIMIZED=1) sets for the request path; what each saves:
+# docs/design/router.md, "Serve settings on the request path".
 # A value already in the environment wins (export ...=1 to get Serve's defaults back).
 SERVE_ENV_DEFAULTS = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
@@ -83,19 +81,18 @@ DIRECT_INGRESS_ENV_DEFAULTS = {
 }
 
 
-# Housekeeping of an embedded Ray (one machine, nobody scraping Ray's own metrics).
-# Idle, its processes took ~19% of one core here (2 engine replicas; per-process
-# CPU from /proc over 30 s, 2026-11-28), taken from the engines' OpenMP threads on a 2-core machine:
-# - Serve's controller reconciles every 0.1 s (4.6%, and 2.3% in the GCS it polls for
-#   node info each time); every 0.5 s: 2.2% and 1.1%. Replica failures and autoscaling
-#   decisions wait up to 0.4 s longer; start-up did not change (27.5 vs 27.2 s median
-#   of 3 alternated starts).
+# Housekeeping of an embedded Ray (one machine, nobody scraping Ray's own metrics),
+# slowed down: an idle server's polling takes its CPU from the engines' OpenMP threads.
+# - Serve's controller reconciles (and asks the GCS for node info) every 0.5 s, not every
+#   0.1 s: replica failures and autoscaling decisions are acted on up to 0.4 s later.
 # - Ray's own metrics (ray_serve_*, ray_* from every worker through the dashboard agent's
-#   OpenTelemetry export): 0.6% in the agent alone. fleetserve's /metrics (vLLM's names)
-#   does not use them. A cluster started with `ray start` or KubeRay keeps them.
-# - The log monitor re-globs the session's log folder every 0.1 s while it has under
-#   1000 files; with the threshold at 0 it does so every 0.5 s (its own interval): 0.5%.
-# Together: 18.8% -> 13.7% of one core idle. Exported values win.
+#   OpenTelemetry export) are off: fleetserve's /metrics (vLLM's names) does not use
+#   them. A cluster started with `ray start` or KubeRay keeps them.
+# - The log monitor re-globs the session's log folder at its own 0.5 s interval, not
+#   every 0.1 s while the folder holds under 1000 files.
+# What it saves: docs/benchmarks/results/2026-11-28-avx2-zen3.md ("The embedded Ray's
+# housekeeping, slowed down"), summed up in docs/deployment/one-machine.md.
+# Exported values win.
 EMBEDDED_RAY_ENV_DEFAULTS = {
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
     "RAY_enable_metrics_collection": "0",
@@ -223,9 +220,9 @@ def build_app(config: AppConfig):
     others = tuple(n for n in engine.served_model_names if n != config.served_model_name)
     aliases = tuple({engine.model} - {config.served_model_name, *others})
     ingress = serve.deployment(
-        IngressDeployment, name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=100_000,
+        name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=100_000,
         ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": serve_env()}},
-        logging_config=_NO_ACCESS_LOG, **_lifecycle_options(config, health=False))
+        logging_config=_NO_ACCESS_LOG, **_lifecycle_options(config, health=False))(IngressDeployment)
     common = dict(served_model_name=config.served_model_name, api_key=resolve_api_key(config),
                   max_body_bytes=config.http.max_body_bytes, model_aliases=aliases,
                   listed_names=others, lora_adapters=config.lora_adapters, lora_parents=config.lora_parents,
@@ -280,24 +277,27 @@ def _engine_deployment(config: AppConfig, name: str, engine, num_replicas: int, 
                      "imbalance_threshold": config.routing.imbalance_threshold,
                      "min_match_fraction": config.routing.min_match_fraction,
                      "max_table_entries": config.routing.max_table_entries}
+    # (The ignores: Ray annotates RequestRouterConfig(**kwargs: dict[str, Any]), every value a dict.)
     router_config = RequestRouterConfig(
-        request_router_class=FleetRequestRouter, request_router_kwargs=policy_kwargs,
-        request_routing_stats_period_s=config.routing.stats_period_s)
+        request_router_class=FleetRequestRouter,  # type: ignore[arg-type]
+        request_router_kwargs=policy_kwargs,
+        request_routing_stats_period_s=config.routing.stats_period_s)  # type: ignore[arg-type]
     # Autoscaling applies to the colocated engine deployment; P/D pools have fixed sizes.
     scale = ({"autoscaling_config": config.autoscaling.serve_config()}
              if config.autoscaling and name == ENGINE_DEPLOYMENT else {"num_replicas": num_replicas})
     replica = serve.deployment(
-        EngineReplica, name=name, **scale,
+        name=name, **scale,
         max_ongoing_requests=engine.max_num_seqs + engine.max_waiting_requests + 8,
         ray_actor_options={"num_cpus": num_cpus, "runtime_env": {"env_vars": serve_env()},
                            **placement.actor_options()},
         request_router_config=router_config, logging_config=_NO_ACCESS_LOG,
-        **_lifecycle_options(config, health=True))
+        **_lifecycle_options(config, health=True))(EngineReplica)
     engine_args = engine.model_dump()
     if engine_args["num_threads"] is None:
         # Each replica gets the CPUs Ray reserves for it, not every core of the
-        # machine: replicas sharing cores with all-core OpenMP pools spin against
-        # each other (5-20x slower, docs MEASURED).
+        # machine: replicas sharing cores with all-core OpenMP pools spin against each
+        # other (docs/benchmarks/results/2026-11-22-epyc-avx2-first-figures.md,
+        # "Threads per engine process").
         engine_args["num_threads"] = max(1, int(num_cpus))
     if POLICIES[policy].uses_kv_events:
         engine_args["enable_kv_cache_events"] = True  # the router's prefix index reads them
