@@ -6,7 +6,7 @@ application YAML and the Helm values all map onto this schema.
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -18,6 +18,12 @@ from fleetserve.scheduler.config import same_field
 
 DEFAULT_MODEL = "smollm2-135m"
 
+
+
+def _same_field(model: type[BaseModel], name: str) -> Any:
+    """`scheduler.config.same_field`, typed as pydantic's own `Field` is (Any), so that the
+    annotation on the left is the field's type for type checkers too."""
+    return same_field(model, name)
 
 class EngineArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
@@ -48,16 +54,16 @@ class EngineArgs(BaseModel):
     max_model_len: Optional[int] = Field(None, ge=2, description=(
         "Longest prompt + output in tokens (unset: the model's context length)."))
     # Declared once, in the scheduler's config (scheduler_config() copies them over).
-    max_num_seqs: int = same_field(SchedulerConfig, "max_num_seqs")
-    max_num_batched_tokens: int = same_field(SchedulerConfig, "max_num_batched_tokens")
-    long_prefill_token_threshold: int = same_field(SchedulerConfig, "long_prefill_token_threshold")
-    enable_chunked_prefill: bool = same_field(SchedulerConfig, "enable_chunked_prefill")
-    scheduling_policy: Literal["fcfs", "priority"] = same_field(SchedulerConfig, "policy")
-    capacity_policy: Literal["max_utilization", "guaranteed_no_evict"] = same_field(
+    max_num_seqs: int = _same_field(SchedulerConfig, "max_num_seqs")
+    max_num_batched_tokens: int = _same_field(SchedulerConfig, "max_num_batched_tokens")
+    long_prefill_token_threshold: int = _same_field(SchedulerConfig, "long_prefill_token_threshold")
+    enable_chunked_prefill: bool = _same_field(SchedulerConfig, "enable_chunked_prefill")
+    scheduling_policy: Literal["fcfs", "priority"] = _same_field(SchedulerConfig, "policy")
+    capacity_policy: Literal["max_utilization", "guaranteed_no_evict"] = _same_field(
         SchedulerConfig, "capacity_policy")
-    scheduler_cls: str = same_field(SchedulerConfig, "scheduler_cls")
-    block_size: int = same_field(CacheConfig, "block_size")
-    enable_prefix_caching: bool = same_field(CacheConfig, "enable_prefix_caching")
+    scheduler_cls: str = _same_field(SchedulerConfig, "scheduler_cls")
+    block_size: int = _same_field(CacheConfig, "block_size")
+    enable_prefix_caching: bool = _same_field(CacheConfig, "enable_prefix_caching")
     num_gpu_blocks_override: Optional[int] = Field(None, ge=1, description=(
         "KV cache size in blocks; wins over --kv-cache-memory-bytes (unset: from the "
         "memory budget)."))
@@ -82,7 +88,7 @@ class EngineArgs(BaseModel):
         "at once; a request's `stream_interval` can raise it, never lower it."))
     max_waiting_requests: int = Field(1024, ge=1, description=(
         "Bounded waiting queue per replica; a request beyond it is refused (HTTP 429)."))
-    prefix_caching_hash_algo: Literal["builtin", "sha256"] = same_field(CacheConfig, "prefix_caching_hash_algo")
+    prefix_caching_hash_algo: Literal["builtin", "sha256"] = _same_field(CacheConfig, "prefix_caching_hash_algo")
     num_threads: Optional[int] = Field(None, ge=1, description=(
         "Torch threads per replica (unset: the CPUs Ray reserves for it, or the cores available)."))
     cpu_bind: Optional[str] = Field(None, description=(
@@ -94,7 +100,7 @@ class EngineArgs(BaseModel):
         "Speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 6, "
         "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}, or a draft model sharing the "
         "tokenizer: {\"model\": ..., \"num_speculative_tokens\": 4} (unset: off)."))
-    enable_kv_cache_events: bool = same_field(CacheConfig, "enable_kv_cache_events")
+    enable_kv_cache_events: bool = _same_field(CacheConfig, "enable_kv_cache_events")
     kv_transfer_config: Optional[KVTransferConfig] = Field(None, description=(
         "KV transfer (vLLM's --kv-transfer-config), a JSON object: kv_connector "
         "(SharedStorageConnector, RayObjectStoreConnector, P2PConnector or 'module:Class'), "

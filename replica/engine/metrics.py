@@ -15,16 +15,19 @@ Each engine owns its own `CollectorRegistry`, so several engines in one process
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from fleetserve.kv_transfer.metrics import KVTransferMetrics
+from fleetserve.scheduler import SchedulerStats
+from fleetserve.scheduler.spec_decode import SpecDecodingStats
 
 try:  # prometheus_client >= 0.17
     from prometheus_client import disable_created_metrics
 except ImportError:  # pragma: no cover - older prometheus_client: nothing to disable
-    disable_created_metrics = None
-
-if disable_created_metrics is not None:
+    pass
+else:
     disable_created_metrics()
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
@@ -42,7 +45,8 @@ ENGINE_INDEX = "0"
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's token-count buckets)."""
-    out, scale = [], 1
+    out: list[int] = []
+    scale = 1
     while True:
         for m in (1, 2, 5):
             if m * scale > max_value:
@@ -131,11 +135,11 @@ class EngineMetrics:
                                  registry=r)
         self._last_queries = self._last_hits = self._last_preemptions = 0
         # Speculative decoding (vLLM's names), created on the first stats that carry it.
-        self._spec = None
-        self._last_spec = None
+        self._spec: Optional[dict[str, Counter]] = None
+        self._last_spec = SpecDecodingStats()
         self.kv_transfer = KVTransferMetrics(r, labels, values)
 
-    def _update_lora_info(self, stats) -> None:
+    def _update_lora_info(self, stats: SchedulerStats) -> None:
         """vllm:lora_requests_info, vLLM's: one series whose labels name the adapters of the
         running and the waiting requests and --max-loras, set to the time it was last true
         (what LoRA-aware gateways, e.g. the Gateway API inference extension, read). The
@@ -195,7 +199,7 @@ class EngineMetrics:
                 if metrics.num_generation_tokens > 1:
                     self.request_tpot.observe((last - first) / (metrics.num_generation_tokens - 1))
 
-    def update_scheduler_stats(self, stats) -> None:
+    def update_scheduler_stats(self, stats: SchedulerStats) -> None:
         """Mirror a `scheduler.SchedulerStats` snapshot (counters advance by the delta)."""
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting + stats.num_waiting_for_remote_kvs)
@@ -212,18 +216,18 @@ class EngineMetrics:
         self._last_queries = stats.prefix_cache_queries
         self._last_hits = stats.prefix_cache_hits
         self._last_preemptions = stats.num_preemptions
-        if getattr(stats, "spec_decoding", None) is not None:
+        if stats.spec_decoding is not None:
             self._update_spec_decoding(stats.spec_decoding)
-        if getattr(stats, "max_loras", 0):
+        if stats.max_loras:
             self._update_lora_info(stats)
 
-    def _update_spec_decoding(self, spec) -> None:
+    def _update_spec_decoding(self, spec: SpecDecodingStats) -> None:
         """Counters advance by the delta since the last snapshot; acceptance
         rate = accepted / draft tokens, per position from the `position` label."""
         if self._spec is None:
             r, labels, values = self.registry, ["model_name", "engine"], (self.model_name, ENGINE_INDEX)
 
-            def counter(name, doc, extra=()):
+            def counter(name: str, doc: str, extra: Sequence[str] = ()) -> Counter:
                 c = Counter(name, doc, labels + list(extra), registry=r)
                 return c if extra else c.labels(*values)
 
@@ -235,7 +239,7 @@ class EngineMetrics:
                 "per_pos": counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                    "Accepted tokens per draft position.", ["position"]),
             }
-            self._last_spec = type(spec)()
+            self._last_spec = SpecDecodingStats()
         last, m = self._last_spec, self._spec
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
             m[name].inc(getattr(spec, name) - getattr(last, name))

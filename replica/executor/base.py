@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+from typing import Callable
 
 from fleetserve.replica.model_loader.model_config import ModelConfig
 from fleetserve.scheduler import ModelRunnerOutput, SchedulerOutput
@@ -24,22 +25,24 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    @abc.abstractmethod
     def add_lora(self, lora_id: int, name: str, path: str) -> None:
         """Load a LoRA adapter on every rank as `lora_id` (ValueError when it does not fit)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot load LoRA adapters")
 
+    @abc.abstractmethod
     def remove_lora(self, lora_id: int) -> None:
         """Drop adapter `lora_id` from every rank (nothing where it is not loaded)."""
 
-    def set_kv_wakeup(self, callback) -> bool:
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop the workers (and their KV connector halves)."""
+
+    def set_kv_wakeup(self, callback: Callable[[], None]) -> bool:
         """Hand the workers' KV connector halves the engine core's wake-up (the connector's
         `set_wakeup`); False when none lives in this process (the engine polls them)."""
         return False
 
-    def add_progress_hook(self, bump) -> bool:
+    def add_progress_hook(self, bump: Callable[[], None]) -> bool:
         """`bump` at each decoder layer of the model this process runs (replica.engine.progress);
         False when there is none here (ranks in other processes: steps alone count)."""
         return False
-
-    def shutdown(self) -> None:
-        return None

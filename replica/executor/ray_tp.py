@@ -29,72 +29,96 @@ import logging
 import os
 import socket
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from fleetserve.kv_transfer.aggregate import kv_part
+import ray
+import torch
+from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from fleetserve.kv_transfer.aggregate import KVOutputAggregator, kv_part
 from fleetserve.replica.engine.engine_args import EngineArgs
 from fleetserve.replica.executor.base import Executor, ExecutorError
+from fleetserve.replica.model_loader.model_config import ModelConfig
 from fleetserve.scheduler import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:  # imported in the actor, where the rank runs
+    from fleetserve.replica.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
 
 class TPWorkerActor:
-    """Runs in a Ray actor; wraps one rank's `replica.worker.Worker`."""
+    """Runs in a Ray actor; wraps one rank's `replica.worker.Worker`. Its methods are
+    `ray.method`s, so the driver's `.remote` calls are typed."""
 
     def __init__(self) -> None:
-        self.worker = None
+        self._worker: Optional[Worker] = None
 
+    @property
+    def worker(self) -> Worker:
+        if self._worker is None:
+            raise ExecutorError("the tensor-parallel worker was not initialised (init_worker)")
+        return self._worker
+
+    @ray.method(num_returns=1)
     def get_rendezvous_address(self) -> tuple[str, int]:
-        import ray
-
         ip = ray.util.get_node_ip_address()
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
         return ip, port
 
+    @ray.method
     def init_worker(self, args: EngineArgs, eos_token_id: Optional[int], rank: int,
-                    world_size: int, init_method: str) -> dict:
+                    world_size: int, init_method: str) -> dict[str, int]:
         from fleetserve.replica.worker.worker import Worker
 
-        self.worker = Worker(args, eos_token_id, rank=rank, world_size=world_size,
-                             init_method=init_method, threads_share=world_size)
-        cfg = self.worker.hf_config
-        return {"vocab_size": cfg.vocab_size, "num_threads": self.worker.num_threads,
+        self._worker = worker = Worker(args, eos_token_id, rank=rank, world_size=world_size,
+                                       init_method=init_method, threads_share=world_size)
+        return {"vocab_size": worker.hf_config.vocab_size, "num_threads": worker.num_threads,
                 "pid": os.getpid()}
 
-    def get_hf_config(self):
+    @ray.method(num_returns=1)
+    def get_hf_config(self) -> ModelConfig:
         return self.worker.hf_config
 
+    @ray.method
     def add_lora(self, lora_id: int, name: str, path: str) -> None:
         self.worker.add_lora(lora_id, name, path)
 
+    @ray.method
     def remove_lora(self, lora_id: int) -> None:
         self.worker.remove_lora(lora_id)
 
+    @ray.method(num_returns=1)
     def determine_num_blocks(self) -> int:
         return self.worker.determine_num_blocks()
 
+    @ray.method
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)
 
+    @ray.method
     def execute_model(self, scheduler_output: SchedulerOutput) -> tuple[Optional[ModelRunnerOutput], float]:
         """(rank 0's output or None, seconds this rank spent in the step)."""
         t0 = time.perf_counter()
-        out = self.worker.execute_model(scheduler_output)
-        if self.worker.rank != 0:
+        worker = self.worker
+        out: Optional[ModelRunnerOutput] = worker.execute_model(scheduler_output)
+        if worker.rank != 0:
             # With a KV connector every rank reports its own transfers (kv_transfer.aggregate).
-            out = None if self.worker.kv_connector is None else kv_part(out)
+            out = None if worker.kv_connector is None or out is None else kv_part(out)
         return out, time.perf_counter() - t0
 
+    @ray.method(num_returns=1)
     def shutdown(self) -> None:
         from fleetserve.replica.distributed.parallel import destroy_tp_group
 
-        if self.worker is not None:
-            self.worker.shutdown()
+        if self._worker is not None:
+            self._worker.shutdown()
         destroy_tp_group()
 
+    @ray.method(num_returns=1)
     def pid(self) -> int:
         return os.getpid()
 
@@ -110,21 +134,13 @@ def check_tp_size(args: EngineArgs) -> None:
 class RayTPExecutor(Executor):
     def __init__(self, args: EngineArgs, eos_token_id: Optional[int],
                  step_timeout_s: float = 60.0, start_timeout_s: float = 300.0) -> None:
-        import ray
-        import torch
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         check_tp_size(args)
-        self._ray = ray
-        self._kv_aggregator = None
+        self._kv_aggregator: Optional[KVOutputAggregator] = None
         if args.kv_transfer_config is not None:
-            from fleetserve.kv_transfer.aggregate import KVOutputAggregator
-
             self._kv_aggregator = KVOutputAggregator(args.tensor_parallel_size)
         self.step_timeout_s = step_timeout_s
         # (driver wall seconds, slowest rank's seconds) per step, for benchmarks.
-        self.step_timings: collections.deque = collections.deque(maxlen=10_000)
+        self.step_timings: collections.deque[tuple[float, float]] = collections.deque(maxlen=10_000)
         tp = args.tensor_parallel_size
         if not ray.is_initialized():
             # Offline use (LLM / fleetserve generate): an embedded local Ray on loopback.
@@ -137,12 +153,12 @@ class RayTPExecutor(Executor):
                      _node_ip_address="127.0.0.1")
         use_gpu = args.device != "cpu" and torch.cuda.is_available()
         bundle = {"CPU": 1.0, "GPU": 1.0} if use_gpu else {"CPU": 1.0}
-        self.pg = placement_group([dict(bundle) for _ in range(tp)],
-                                  strategy=args.placement_strategy)
+        pg = placement_group([dict(bundle) for _ in range(tp)], strategy=args.placement_strategy)
+        self.pg: Optional[PlacementGroup] = pg
         try:
-            ray.get(self.pg.ready(), timeout=start_timeout_s)
+            ray.get(pg.ready(), timeout=start_timeout_s)
         except ray.exceptions.GetTimeoutError as e:
-            ray.util.remove_placement_group(self.pg)
+            ray.util.remove_placement_group(pg)
             raise ExecutorError(
                 f"could not reserve {tp} x {bundle} for tensor parallelism within "
                 f"{start_timeout_s:.0f} s; the cluster lacks resources") from e
@@ -151,7 +167,7 @@ class RayTPExecutor(Executor):
             actor_cls.options(
                 num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=rank),
+                    placement_group=pg, placement_group_bundle_index=rank),
             ).remote()
             for rank in range(tp)
         ]
@@ -167,9 +183,8 @@ class RayTPExecutor(Executor):
         logger.info("tensor parallel group of %d ranks up at %s (%s); threads per rank: %s",
                     tp, init_method, "nccl" if use_gpu else "gloo", [i["num_threads"] for i in infos])
 
-    def _get(self, refs: list, timeout: float) -> list:
+    def _get(self, refs: list[ray.ObjectRef[Any]], timeout: float) -> list[Any]:
         """Wait for every ref; the first failure (or the timeout) fails the whole call."""
-        ray = self._ray
         deadline = time.monotonic() + timeout
         pending = list(refs)
         while pending:
@@ -199,9 +214,8 @@ class RayTPExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()
-        # Passed by value: a step's diff is small enough for Ray to inline it in
-        # each call, which measured half the overhead of ray.put + a reference
-        # (about 3 vs 6.5 ms per step with two ranks on this 2-core machine).
+        # Passed by value: a step's diff is small enough for Ray to inline it in each call,
+        # cheaper than ray.put and a reference (measured: docs/benchmarks/results, "TP step overhead").
         results = self._get([w.execute_model.remote(scheduler_output) for w in self.workers],
                             self.step_timeout_s)
         wall = time.perf_counter() - t0
@@ -209,10 +223,11 @@ class RayTPExecutor(Executor):
         self.step_timings.append((wall, max(t for _, t in results)))
         if self._kv_aggregator is not None:
             return self._kv_aggregator.aggregate([out for out, _ in results])
-        return results[0][0]
+        out: Optional[ModelRunnerOutput] = results[0][0]
+        assert out is not None, "rank 0 always returns its output"
+        return out
 
     def shutdown(self) -> None:
-        ray = self._ray
         for w in getattr(self, "workers", []):
             try:
                 ray.kill(w)

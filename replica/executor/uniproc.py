@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from fleetserve.replica.engine.engine_args import EngineArgs
 from fleetserve.replica.executor.base import Executor
@@ -31,14 +31,14 @@ class UniProcExecutor(Executor):
     def remove_lora(self, lora_id: int) -> None:
         self.worker.remove_lora(lora_id)
 
-    def set_kv_wakeup(self, callback) -> bool:
+    def set_kv_wakeup(self, callback: Callable[[], None]) -> bool:
         connector = self.worker.kv_connector
         if connector is None:
             return False
         connector.set_wakeup(callback)
         return True
 
-    def add_progress_hook(self, bump) -> bool:
+    def add_progress_hook(self, bump: Callable[[], None]) -> bool:
         from fleetserve.replica.engine.progress import hook_layers
 
         return hook_layers(self.worker.runner.model, bump)

@@ -15,11 +15,12 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Union
 
 import torch
 from torch import nn
 
+from fleetserve.replica.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
 from fleetserve.replica.lora.request import SUPPORTED_TARGETS, read_adapter_config
 
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
@@ -116,16 +117,34 @@ class LoRASlot:
     b: torch.Tensor  # [out (this rank's output), R]
 
 
-def _column_part(module, shard_id, b: torch.Tensor) -> tuple[int, int, torch.Tensor]:
-    """(offset, size, this rank's rows of B) of a column-parallel shard, as its weight_loader cuts it."""
+def decoder_linear(model: nn.Module, layer: int, attr: str) -> LinearBase:
+    """Decoder layer `layer`'s linear `attr` ("self_attn.qkv_proj", ...) of a LlamaForCausalLM."""
+    module = model.get_submodule(f"model.layers.{layer}.{attr}")
+    if not isinstance(module, LinearBase):
+        raise TypeError(f"model.layers.{layer}.{attr} is a {type(module).__name__}, not a linear")
+    return module
+
+
+def num_decoder_layers(model: nn.Module) -> int:
+    layers = model.get_submodule("model.layers")
+    assert isinstance(layers, nn.ModuleList), "a LlamaForCausalLM's decoder layers"
+    return len(layers)
+
+
+def _column_part(module: LinearBase, shard_id: Union[int, str], b: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """(offset, size, this rank's rows of B) of a column-parallel shard, as its shard_loader cuts it."""
     tp = module.tp
-    if shard_id in ("q", "k", "v"):
+    if isinstance(shard_id, str):
+        if not isinstance(module, QKVParallelLinear):
+            raise TypeError(f"shard {shard_id!r} of a {type(module).__name__}")
         if shard_id == "q":
             offset, size, rank = 0, module.q_size, tp.rank
         else:
             offset = module.q_size + (module.kv_size if shard_id == "v" else 0)
             size, rank = module.kv_size, tp.rank // module.num_kv_head_replicas
         return offset, size, b.narrow(0, rank * size, size)
+    if not isinstance(module, MergedColumnParallelLinear):
+        raise TypeError(f"shard {shard_id} of a {type(module).__name__}")
     offset = sum(module.output_sizes[:shard_id]) // tp.world_size
     size = module.output_sizes[shard_id] // tp.world_size
     return offset, size, b.narrow(0, tp.rank * size, size)
@@ -134,14 +153,15 @@ def _column_part(module, shard_id, b: torch.Tensor) -> tuple[int, int, torch.Ten
 def attach(model: nn.Module, lora_id: int, adapter: LoRAWeights, dtype: torch.dtype,
            device: torch.device) -> None:
     """Give each adapted linear of `model` (a LlamaForCausalLM) this rank's slot for `lora_id`."""
-    layers = model.model.layers
-    grouped: dict[tuple[int, str], list[tuple[object, torch.Tensor, torch.Tensor, float]]] = {}
+    grouped: dict[tuple[int, str], list[tuple[Union[int, str, None], torch.Tensor, torch.Tensor, float]]] = {}
     for (layer, target), (a, b, scaling) in adapter.weights.items():
         attr, shard_id = _MODULES[target]
         grouped.setdefault((layer, attr), []).append((shard_id, a, b, scaling))
     for (layer, attr), items in grouped.items():
-        module = layers[layer].get_submodule(attr)
-        a_parts, parts, r0 = [], [], 0
+        module = decoder_linear(model, layer, attr)
+        a_parts: list[torch.Tensor] = []
+        parts: list[tuple[int, int, int, int, torch.Tensor]] = []
+        r0 = 0
         for shard_id, a, b, scaling in items:
             if shard_id is None:  # o_proj, down_proj
                 size_in = module.input_size  # row-parallel: this rank's columns of A, all of B
@@ -166,10 +186,9 @@ def attach(model: nn.Module, lora_id: int, adapter: LoRAWeights, dtype: torch.dt
 def detach(model: nn.Module, lora_id: int) -> None:
     """Drop adapter `lora_id` from every linear of `model`."""
     for m in model.modules():
-        slots = getattr(m, "lora", None)
-        if isinstance(slots, dict):
-            slots.pop(lora_id, None)
-            if not slots:
+        if isinstance(m, LinearBase) and m.lora is not None:
+            m.lora.pop(lora_id, None)
+            if not m.lora:
                 m.lora = None  # no adapter left: its forward skips the LoRA call again
 
 

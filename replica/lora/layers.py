@@ -106,7 +106,9 @@ def touches(slots: Optional[dict], stack=None) -> bool:
         return False
     if batch.onehot is not None:
         return stack is not None
-    return bool(slots) and any(lid in slots for lid, _ in batch.groups)
+    if not slots:
+        return False
+    return any(lid in slots for lid, _ in batch.groups)
 
 
 __all__ = ["LoRABatch", "active", "add_lora", "current", "touches"]

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fleetserve.replica.lora.adapter import decoder_linear, num_decoder_layers
+
 logger = logging.getLogger(__name__)
 
 # The adaptable linears of a decoder layer and how many targets each merges (adapter._MODULES).
@@ -53,19 +55,22 @@ class LoRAStacks:
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = device
-        self.linears = [(layer.get_submodule(attr), n) for layer in model.model.layers for attr, n in _LINEARS]
+        self.linears = [(decoder_linear(model, i, attr), n)
+                        for i in range(num_decoder_layers(model)) for attr, n in _LINEARS]
         self.slot_of: dict[int, int] = {}  # lora_id -> slot
         self.capacity = 0
         self._allocate(max(1, capacity))
 
     def _allocate(self, capacity: int) -> None:
         self.capacity = capacity
+        self.stacks: list[StackedLoRA] = []  # the linears' `lora_stack`, in `linears` order
         for module, n in self.linears:
             rc = self.max_rank * n
             out, n_in = module.weight.shape
-            module.lora_stack = StackedLoRA(
+            module.lora_stack = stack = StackedLoRA(
                 torch.zeros(capacity * rc, n_in, dtype=self.dtype, device=self.device),
                 torch.zeros(out, capacity * rc, dtype=self.dtype, device=self.device), rc)
+            self.stacks.append(stack)
         for lora_id, slot in self.slot_of.items():
             self._write(lora_id, slot)
 
@@ -87,14 +92,12 @@ class LoRAStacks:
     def drop(self, lora_id: int) -> None:
         slot = self.slot_of.pop(lora_id, None)
         if slot is not None:
-            for module, _ in self.linears:
-                st = module.lora_stack
+            for st in self.stacks:
                 st.a[slot * st.rc:(slot + 1) * st.rc].zero_()
                 st.b[:, slot * st.rc:(slot + 1) * st.rc].zero_()
 
     def _write(self, lora_id: int, slot: int) -> None:
-        for module, _ in self.linears:
-            st = module.lora_stack
+        for (module, _), st in zip(self.linears, self.stacks, strict=True):
             c0 = slot * st.rc
             st.a[c0:c0 + st.rc].zero_()
             st.b[:, c0:c0 + st.rc].zero_()
@@ -116,13 +119,14 @@ class LoRAStacks:
                 out[i, self.slot_of[lid]] = 1
         return out
 
-    def holds(self, lora_ids) -> bool:
+    def holds(self, lora_ids: list[int]) -> bool:
         return all(not lid or lid in self.slot_of for lid in lora_ids)
 
     def release(self) -> None:
         """Take the buffers off the linears (no more graphs with adapters)."""
         for module, _ in self.linears:
             module.lora_stack = None
+        self.stacks = []
         self.slot_of.clear()
 
 
