@@ -68,9 +68,7 @@ class Transport(abc.ABC):
         return self.staging
 
     def block_shape(self, num_blocks: int, heads: tuple[int, int]) -> tuple[int, ...]:
-        """[n, layers, 2, heads, block_size, head_dim] of `num_blocks` blocks of `heads`."""
-        return (num_blocks, self.ctx.num_layers, 2, heads[1] - heads[0], self.ctx.block_size,
-                self.ctx.head_dim)
+        return block_shape(self.ctx, num_blocks, heads)
 
     @abc.abstractmethod
     def export(self, spec: SaveSpec, batch: BlockBatch) -> None: ...
@@ -90,3 +88,8 @@ class Transport(abc.ABC):
 
     def shutdown(self) -> None:
         return None
+
+
+def block_shape(ctx: ConnectorContext, num_blocks: int, heads: tuple[int, int]) -> tuple[int, ...]:
+    """[n, layers, 2, heads, block_size, head_dim] of `num_blocks` blocks of KV heads `heads`."""
+    return (num_blocks, ctx.num_layers, 2, heads[1] - heads[0], ctx.block_size, ctx.head_dim)

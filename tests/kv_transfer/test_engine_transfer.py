@@ -239,7 +239,7 @@ def test_p2p_hand_off_matches_one_engine(tiny_model_dir, local_ray, reference):
         assert final.outputs[0].finish_reason == "error" and tokens == []
         # Not the whole 20 s deadline, nor TCPStore's retries (8.1 s in CI once): refused
         # at once, or given up after CONNECT_TIMEOUT_S when the dying socket still accepts.
-        from fleetserve.kv_transfer.connectors.p2p import CONNECT_TIMEOUT_S
+        from fleetserve.kv_transfer.connectors.p2p_net import CONNECT_TIMEOUT_S
 
         print(f"dead producer: load failed after {time.monotonic() - t0:.1f} s")
         assert time.monotonic() - t0 < CONNECT_TIMEOUT_S + 3

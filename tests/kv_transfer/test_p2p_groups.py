@@ -14,7 +14,8 @@ import torch
 
 from fleetserve.kv_transfer.base import ConnectorMetadata, KVConnectorRole, LoadSpec, SaveSpec
 from fleetserve.kv_transfer.config import KVTransferConfig
-from fleetserve.kv_transfer.connectors import p2p
+from fleetserve.kv_transfer.connectors import p2p, p2p_net, p2p_pull
+from fleetserve.kv_transfer.errors import TransferError
 from fleetserve.kv_transfer.factory import build_context
 from fleetserve.kv_transfer.keys import chain_keys
 from tests.kv_transfer.utils import load_before_export
@@ -29,13 +30,13 @@ def pair(local_ray, monkeypatch):
     """(producer, consumer, formations): worker halves with their own caches; `formations`
     counts gloo groups formed (both sides)."""
     formations = []
-    real = p2p._group
+    real = p2p_net.make_group
 
     def counting(store, name, rank, timeout_s, backend):
         formations.append((str(name), rank))
         return real(store, name, rank, timeout_s, backend)
 
-    monkeypatch.setattr(p2p, "_group", counting)
+    monkeypatch.setattr(p2p_net, "make_group", counting)
     halves = []
     for seed, role in ((0, "kv_producer"), (1, "kv_consumer")):
         cfg = KVTransferConfig(kv_connector="p2p", kv_role=role, kv_load_timeout_s=20,
@@ -107,12 +108,12 @@ def test_concurrent_pulls_share_the_group(pair):
 def test_a_group_the_producer_dropped_is_formed_again(pair):
     prod, cons, formations = pair
     assert hand_off(prod, cons, ["before"]) == set()
-    gid = cons.half.transport._pull_groups.get(next(iter(cons.half.transport._pull_groups._groups)))[0]
-    prod.half.transport._served_groups.clear()  # as its LRU would, with more consumers than the cap
+    gid = cons.half.transport.puller.groups.get(next(iter(cons.half.transport.puller.groups._groups)))[0]
+    prod.half.transport.server.groups.clear()  # as its LRU would, with more consumers than the cap
     assert hand_off(prod, cons, ["after"]) == set()  # answered "regroup", formed in the same pull
     assert same_blocks(prod, cons, [0, 1, 2])
     assert len(formations) == 4
-    assert cons.half.transport._pull_groups.get(next(iter(cons.half.transport._pull_groups._groups)))[0] != gid
+    assert cons.half.transport.puller.groups.get(next(iter(cons.half.transport.puller.groups._groups)))[0] != gid
 
 
 class SlowSends:
@@ -132,7 +133,7 @@ def test_a_receive_past_its_deadline_fails_one_load_then_a_new_group_serves(pair
     pull forms a fresh group and gets intact blocks."""
     prod, cons, formations = pair
     assert hand_off(prod, cons, ["ok"]) == set()
-    served = prod.half.transport._served_groups
+    served = prod.half.transport.server.groups
     (gid, pg), = served._groups.items()
     served.put(gid, SlowSends(pg, 2.0))
     failed = hand_off(prod, cons, ["stalled"], timeout_s=0.7)
@@ -141,7 +142,7 @@ def test_a_receive_past_its_deadline_fails_one_load_then_a_new_group_serves(pair
     while cons.half.transport.kept_groups() != (0, 0) and time.monotonic() - t0 < 5:
         time.sleep(0.01)
     assert cons.half.transport.kept_groups() == (0, 0)
-    (_, _, late_buf), = cons.half.transport._quarantine
+    (_, _, late_buf), = cons.half.transport.puller.quarantine
     time.sleep(2.0)  # the stalled send completes into the quarantined buffer
     for c in cons.half.kv_caches:
         c[:, :, :3] = -1.0
@@ -187,22 +188,22 @@ def test_a_dead_or_silent_producer_fails_the_connect_in_time():
     port = closed.getsockname()[1]
     closed.close()
     t0 = time.monotonic()
-    with pytest.raises(p2p.TransferError, match="unreachable"):
-        p2p.connect_store("127.0.0.1", port, 3.0, time.time() + 5)
+    with pytest.raises(TransferError, match="unreachable"):
+        p2p_net.connect_store("127.0.0.1", port, 3.0, time.time() + 5)
     assert time.monotonic() - t0 < 1.0
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)  # the kernel accepts; nobody answers
     try:
         t0 = time.monotonic()
-        with pytest.raises(p2p.TransferError, match="did not answer|127.0.0.1"):
-            p2p.connect_store("127.0.0.1", silent.getsockname()[1], 1.0, time.time() + 5)
+        with pytest.raises(TransferError, match="did not answer|127.0.0.1"):
+            p2p_net.connect_store("127.0.0.1", silent.getsockname()[1], 1.0, time.time() + 5)
         assert time.monotonic() - t0 < 2.0
         # Its thread is still waiting on the silent port: the next pull fails at once and
         # starts no second one.
         t0 = time.monotonic()
-        with pytest.raises(p2p.TransferError, match="earlier connect"):
-            p2p.connect_store("127.0.0.1", silent.getsockname()[1], 1.0, time.time() + 5)
+        with pytest.raises(TransferError, match="earlier connect"):
+            p2p_net.connect_store("127.0.0.1", silent.getsockname()[1], 1.0, time.time() + 5)
         assert time.monotonic() - t0 < 0.5
     finally:
         silent.close()
@@ -214,16 +215,16 @@ def test_pulls_reuse_one_store_client_and_a_broken_idle_one_is_replaced(pair, mo
     producer restarted at that address, or the connection broke) is replaced in the same pull."""
     prod, cons, _ = pair
     connects = []
-    real = p2p.connect_store
-    monkeypatch.setattr(p2p, "connect_store", lambda *a: connects.append(a) or real(*a))
+    real = p2p_net.connect_store
+    monkeypatch.setattr(p2p_net, "connect_store", lambda *a: connects.append(a) or real(*a))
     for n in range(3):
         assert hand_off(prod, cons, [f"reuse-{n}"]) == set()
         assert same_blocks(prod, cons, [0, 1, 2])
     assert len(connects) == 1
     assert hand_off(prod, cons, [f"many-{i}" for i in range(4)]) == set()  # concurrent pulls
     assert same_blocks(prod, cons, list(range(12)))
-    idle = cons.half.transport._clients
-    assert 1 <= sum(len(v) for v in idle.values()) <= p2p.MAX_IDLE_CLIENTS
+    idle = cons.half.transport.puller.clients
+    assert 1 <= sum(len(v) for v in idle.values()) <= p2p_pull.MAX_IDLE_CLIENTS
 
     class Broken:
         def set_timeout(self, _):
@@ -275,9 +276,9 @@ def test_an_unclaimed_export_ends_with_its_lease_while_the_server_idles(pair):
     assert cons.get_block_ids_with_load_errors() == {3, 4, 5}
     assert hand_off(prod, cons, ["still-serves"]) == set()  # and the server still serves
 
-    def server_threads():  # this producer's (a thread's target is a bound method of its transport)
+    def server_threads():  # this producer's (a thread's target is a bound method of its server)
         return [t for t in threading.enumerate() if t.is_alive()
-                and getattr(getattr(t, "_target", None), "__self__", None) is prod.half.transport]
+                and getattr(getattr(t, "_target", None), "__self__", None) is prod.half.transport.server]
 
     assert {t.name for t in server_threads()} == {"kv-p2p-server", "kv-p2p-leases"}
     prod.shutdown()
@@ -293,7 +294,7 @@ def test_an_export_read_by_several_consumer_ranks_stays_until_each_pulled_it(pai
     readers of it took it; then a late pull is a clear "no". (It used to go with the first
     pull: a TP=2 consumer of a TP=1 producer failed every load on one rank.)"""
     prod, cons, _ = pair
-    monkeypatch.setattr(p2p, "readers_of", lambda shard, heads, tp: 2)
+    monkeypatch.setattr(p2p_pull, "readers_of", lambda shard, heads, tp: 2)
     keys = chain_keys(prod.ctx.fingerprint, list(range(1, 1 + 3 * BS)), BS, 3)
     prod.bind_connector_metadata(ConnectorMetadata(saves=[SaveSpec("r0", "twice", [0, 1, 2], keys, 60)]))
     prod.start_load_kv()
@@ -314,6 +315,6 @@ def test_an_export_read_by_several_consumer_ranks_stays_until_each_pulled_it(pai
             time.sleep(0.01)
         assert (prod.half.staging.cached_bytes > pooled) == (left == 0)
     t0 = time.monotonic()
-    with pytest.raises(p2p.TransferError, match="expired or taken"):
+    with pytest.raises(TransferError, match="expired or taken"):
         cons.half.transport.fetch(spec)
     assert time.monotonic() - t0 < 3

@@ -18,7 +18,7 @@ from fleetserve.kv_transfer import loads, worker_half
 from fleetserve.kv_transfer.base import ConnectorMetadata, KVConnectorRole, LoadSpec, SaveSpec
 from fleetserve.kv_transfer.blocks import BlockBatch, batch_from_tensor, check_header, parse_header
 from fleetserve.kv_transfer.config import KVTransferConfig
-from fleetserve.kv_transfer.connectors import p2p
+from fleetserve.kv_transfer.connectors import p2p, p2p_server
 from fleetserve.kv_transfer.errors import KVFormatError
 from fleetserve.kv_transfer.factory import build_context
 from fleetserve.kv_transfer.keys import chain_keys
@@ -154,7 +154,7 @@ def test_a_corrupt_chunk_keeps_the_blocks_before_it_and_writes_nothing_after(pai
     """Bytes damaged after their digests were taken (block 5, in chunk 2): blocks 0-4 are
     written and good, 5-8 fail and are never written; the group stays and serves next."""
     prod, cons = pair
-    real = p2p.P2PTransport._send_chunks
+    real = p2p_server.P2PServer._send_chunks
 
     def damaging(self, pg, pid, batch, chunks, flat):
         per = flat.numel() // batch.data.shape[0]
@@ -162,14 +162,14 @@ def test_a_corrupt_chunk_keeps_the_blocks_before_it_and_writes_nothing_after(pai
         flat[5 * per + 7] ^= 0x40
         return real(self, pg, pid, batch, chunks, flat)
 
-    monkeypatch.setattr(p2p.P2PTransport, "_send_chunks", damaging)
+    monkeypatch.setattr(p2p_server.P2PServer, "_send_chunks", damaging)
     blocks = list(range(N))
     scribble(cons, blocks)
     start(prod, cons, "corrupt", blocks)
     assert finish(prod, cons) == set(range(5, N))
     assert same(prod, cons, list(range(5)))
     assert unchanged(cons, list(range(5, N)))
-    monkeypatch.setattr(p2p.P2PTransport, "_send_chunks", real)
+    monkeypatch.setattr(p2p_server.P2PServer, "_send_chunks", real)
     start(prod, cons, "after", blocks)
     assert finish(prod, cons) == set() and same(prod, cons, blocks)
     assert cons.half.transport.kept_groups() == (0, 1)
