@@ -22,6 +22,7 @@ the configured ports: its controller and replicas were started without our pins.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -38,10 +39,14 @@ from ray.serve.config import HTTPOptions, RequestRouterConfig, gRPCOptions
 from fleetserve.cluster.app_spec import GRPC_SERVICER, app_args, resolve_api_key
 from fleetserve.cluster.config import AppConfig
 from fleetserve.router.auth import API_KEY_ENV
+from fleetserve.router.cors import CorsSettings
 from fleetserve.router.ingress import IngressDeployment
 from fleetserve.router.replica import EngineReplica
+from fleetserve.router.routing.pd import PDSettings
 from fleetserve.router.routing.policies import POLICIES
+from fleetserve.router.routing.prefix_reuse import ReuseSettings
 from fleetserve.router.routing.request_router import FleetRequestRouter
+from fleetserve.router.settings import IngressSettings, LoRASettings
 
 logger = logging.getLogger(__name__)
 
@@ -223,20 +228,7 @@ def build_app(config: AppConfig):
         name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=100_000,
         ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": serve_env()}},
         logging_config=_NO_ACCESS_LOG, **_lifecycle_options(config, health=False))(IngressDeployment)
-    common = dict(served_model_name=config.served_model_name, api_key=resolve_api_key(config),
-                  max_body_bytes=config.http.max_body_bytes, model_aliases=aliases,
-                  listed_names=others, lora_adapters=config.lora_adapters, lora_parents=config.lora_parents,
-                  allow_runtime_lora_updating=config.allow_runtime_lora_updating,
-                  # the app as configured: an ingress that Serve restarts after a crash (same
-                  # config) takes back the adapters loaded at run time (router/runtime_loras.py)
-                  app_name=config.name, instance_id=hashlib.sha256(
-                      json.dumps(app_args(config), sort_keys=True).encode()).hexdigest()[:16],
-                  bind_host=config.http.host, log_requests=config.enable_log_requests,
-                  cors=config.http.cors(),
-                  return_tokens_as_token_ids=config.http.return_tokens_as_token_ids,
-                  reasoning_parser=config.reasoning_parser,
-                  reliability={**config.reliability.model_dump(),
-                               "open_paths": list(config.api_key_open_paths)})
+    settings = ingress_settings(config, others, aliases)
     if not config.pd.enabled:
         reuse = config.cluster_reuse
         replicas = _engine_deployment(config, ENGINE_DEPLOYMENT,
@@ -244,8 +236,8 @@ def build_app(config: AppConfig):
                                       config.num_replicas, config.cpus_per_replica,
                                       config.routing_policy)
         if reuse.enabled:
-            common["reuse"] = {"settings": {"min_tokens": reuse.min_tokens}}
-        return ingress.bind(replicas, **common)
+            settings = dataclasses.replace(settings, reuse=ReuseSettings(min_tokens=reuse.min_tokens))
+        return ingress.bind(replicas, settings)
     pd = config.pd
     decode = _engine_deployment(config, DECODE_DEPLOYMENT, config.pool_engine("decode"),
                                 pd.decode.num_replicas, _pool_cpus(config, pd.decode),
@@ -255,11 +247,30 @@ def build_app(config: AppConfig):
     prefill = _engine_deployment(config, PREFILL_DEPLOYMENT, config.pool_engine("prefill"),
                                  pd.prefill.num_replicas, _pool_cpus(config, pd.prefill),
                                  "prefix_aware", pd.prefill.placement)
-    settings = {"min_prefill_tokens": pd.min_prefill_tokens, "max_attempts": pd.max_attempts,
-                "prefill_timeout_s": pd.prefill_timeout_s}
-    return ingress.bind(decode, prefill=prefill,
-                        pd={"settings": settings},
-                        **common)
+    settings = dataclasses.replace(settings, pd=PDSettings(
+        min_prefill_tokens=pd.min_prefill_tokens, max_attempts=pd.max_attempts,
+        prefill_timeout_s=pd.prefill_timeout_s))
+    return ingress.bind(decode, settings, prefill=prefill)
+
+
+def ingress_settings(config: AppConfig, listed: tuple[str, ...], aliases: tuple[str, ...]) -> IngressSettings:
+    """The ingress's settings from the app config (without P/D or reuse: build_app adds them)."""
+    r = config.reliability
+    lora = LoRASettings(adapters=config.lora_adapters, parents=config.lora_parents,
+                        allow_runtime_updating=config.allow_runtime_lora_updating,
+                        # the app as configured: an ingress that Serve restarts after a crash (same
+                        # config) takes back the adapters loaded at run time (router/runtime_loras.py)
+                        app_name=config.name, instance_id=hashlib.sha256(
+                            json.dumps(app_args(config), sort_keys=True).encode()).hexdigest()[:16])
+    return IngressSettings(
+        served_model_name=config.served_model_name, model_aliases=aliases, listed_names=listed,
+        api_key=resolve_api_key(config), open_paths=tuple(config.api_key_open_paths),
+        bind_host=config.http.host, cors=CorsSettings(**config.http.cors()),
+        max_body_bytes=config.http.max_body_bytes, body_timeout_s=r.body_timeout_s,
+        max_migrations=r.max_migrations, graceful_shutdown_timeout_s=r.graceful_shutdown_timeout_s,
+        log_requests=config.enable_log_requests,
+        return_tokens_as_token_ids=config.http.return_tokens_as_token_ids,
+        reasoning_parser=config.reasoning_parser, lora=lora)
 
 
 def _pool_cpus(config: AppConfig, pool) -> float:
@@ -272,7 +283,7 @@ def _engine_deployment(config: AppConfig, name: str, engine, num_replicas: int, 
     """One pool of engine replicas (a Serve deployment) behind FleetRequestRouter."""
     placement = placement or config.placement
     # Prefix policies hash prompts with the engines' block size and hash function, which
-    # the ingress takes from the engines' info (Ingress._set_pool_hashing).
+    # the ingress takes from the engines' info (router/engine_pools.py: _set_pool_hashing).
     policy_kwargs = {"policy": policy,
                      "imbalance_threshold": config.routing.imbalance_threshold,
                      "min_match_fraction": config.routing.min_match_fraction,

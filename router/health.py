@@ -31,16 +31,17 @@ from fleetserve.router.routing.registry import get_router
 REPLICA_TIMEOUT_S = 5.0
 
 
-async def replica_health(ingress: Any, timeout_s: float = REPLICA_TIMEOUT_S) -> dict:
+async def replica_health(pools: Any, timeout_s: float = REPLICA_TIMEOUT_S) -> dict:
     """{"healthy": [replica ids], "unhealthy": {replica id: reason}} of the engine pool (the
     decode pool with P/D: what answers requests), plus with P/D "prefill": the same for the
     prefill pool. A dead prefill pool degrades the service (the decode replicas recompute
-    prompts) but does not stop it, so only the engine pool decides healthy or not."""
-    pools = list(getattr(ingress, "_pools", None) or [ingress._engine])
-    routers = [get_router(p.app_name, p.deployment_name) for p in pools]
+    prompts) but does not stop it, so only the engine pool decides healthy or not.
+    `pools`: the ingress's EnginePools (`handles`, the engine pool first, and `info()`)."""
+    handles = list(pools.handles)
+    routers = [get_router(h.app_name, h.deployment_name) for h in handles]
     if any(r is None for r in routers):  # a handle's router is built by its first call
-        await ingress.info()
-        routers = [get_router(p.app_name, p.deployment_name) for p in pools]
+        await pools.info()
+        routers = [get_router(h.app_name, h.deployment_name) for h in handles]
     reports = await asyncio.gather(*(_pool_health(r, timeout_s) for r in routers))
     report = reports[0]
     if len(reports) > 1:

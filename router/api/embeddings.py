@@ -11,9 +11,10 @@ embedding-trained decoder (e.g. Qwen3-Embedding, e5-mistral) served this way giv
 vectors.
 
 `input` takes OpenAI's four shapes (a string, strings, token ids, lists of token ids), at
-most `MAX_INPUTS` (at most `limits.FANOUT` in flight at once); `encoding_format` "float" or "base64" (little-endian float32, as OpenAI's);
-`dimensions` only when it is the model's own width (no Matryoshka truncation); vLLM's
-`truncate_prompt_tokens` and `add_special_tokens`.
+most `MAX_INPUTS` (at most `limits.FANOUT` in flight at once: `embed_all`); `encoding_format`
+"float" or "base64" (little-endian float32, as OpenAI's); `dimensions` only when it is the
+model's own width (no Matryoshka truncation); vLLM's `truncate_prompt_tokens` and
+`add_special_tokens`.
 
 vLLM's score and rerank APIs for embedding models ride on the same vectors: `POST /v1/score`
 (`text_1` against `text_2`: 1:1, 1:N or N:N) and `POST /v1/rerank` (Jina's and Cohere's shape:
@@ -23,11 +24,17 @@ similarity of the two texts' embeddings, each distinct text embedded once.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import struct
 from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, StrictBool
+
+from fleetserve.router.api.completions import StreamOpener, open_as_own_request
+from fleetserve.router.api.errors import APIError
+from fleetserve.router.api.limits import FANOUT
+from fleetserve.router.streams import drain
 
 MAX_INPUTS = 2048  # OpenAI's limit per request
 
@@ -120,3 +127,39 @@ def response_body(model: str, vectors: list[list[float]], encoding_format: str, 
             "data": [{"object": "embedding", "index": i, "embedding": encode(v, encoding_format)}
                      for i, v in enumerate(vectors)],
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+
+def check_input_count(inputs: list) -> None:
+    if len(inputs) > MAX_INPUTS:
+        raise APIError(f"input may hold at most {MAX_INPUTS} items, got {len(inputs)}", 400, param="input")
+
+
+async def embed_all(open_stream: StreamOpener, bodies: list[dict]) -> list[list[float]]:
+    """One vector per engine body (`open_stream`: the ingress's), each body a request of its
+    own, at most `FANOUT` of them in flight; the first error, as an APIError."""
+    gate = asyncio.Semaphore(FANOUT)
+
+    async def one(body: dict) -> list[float]:
+        async with gate:  # (each input its own Serve request: concurrent calls sharing one hang)
+            gen, first = await open_as_own_request(open_stream, body)
+            got: list = []
+            error = await drain(gen, first, lambda item: got.append(item["embedding"])
+                                if "embedding" in item else None)
+        if error is not None:
+            e = error["error"]
+            raise APIError(e["message"], error.get("status", 500), param=e.get("param"), code=e.get("code"))
+        if not got:
+            raise APIError("the engine finished an input without its embedding", 500)
+        return got[0]
+
+    tasks = [asyncio.ensure_future(one(b)) for b in bodies]
+    try:
+        # The first failure ends the request: the other inputs are aborted, not finished.
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception()]
+        if failed:
+            raise failed[0]
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            t.cancel()

@@ -25,10 +25,10 @@ from ray.serve.grpc_util import RayServegRPCContext
 
 from fleetserve.router.api import openai_format as fmt
 from fleetserve.router.api.errors import APIError, from_validation_error, is_error
-from fleetserve.router.health import replica_health
 from fleetserve.router.api.limits import check_sampling
-from fleetserve.router.grpc.proto import fleetserve_pb2 as pb
 from fleetserve.router.api.protocol import ChatCompletionRequest
+from fleetserve.router.grpc.proto import fleetserve_pb2 as pb
+from fleetserve.router.health import replica_health
 from fleetserve.scheduler import SamplingParams, StructuredOutputsParams
 
 _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
@@ -258,7 +258,10 @@ def _chat_response(choice: dict, rid: str, prompt_tokens: int, completion_tokens
 
 
 class GrpcMethods:
-    """Mixed into the ingress class (which provides check_model, tokenize_prompt, ...)."""
+    """Mixed into the ingress class (router/ingress.py), which provides what HTTP uses too:
+    `check_api_key`, `check_model`, `info`, `decode_one`, `model_ids`, `embed`,
+    `served_model_name`, `reasoning`, `pools` (EnginePools: `open_stream`) and `bodies`
+    (BodyBuilder)."""
 
     async def Generate(self, request: "pb.GenerateRequest",
                        grpc_context: RayServegRPCContext) -> AsyncIterator["pb.GenerateResponse"]:
@@ -266,7 +269,7 @@ class GrpcMethods:
             self._grpc_auth(grpc_context)
             _check_decoded(request)
             body = await self._grpc_body(request)
-            gen, first = await self.open_stream(body)
+            gen, first = await self.pools.open_stream(body)
         except APIError as e:
             _fail(grpc_context, e.status, e.body["error"]["message"])
         if is_error(first):
@@ -305,14 +308,15 @@ class GrpcMethods:
                 raise APIError(f"request_id must be at most {MAX_CLIENT_REQUEST_ID_CHARS} characters",
                                400, param="request_id")
             req = chat_request_from_proto(request)
-            body, _, tools = await self.chat_body(req, rid)
-            gen, first = await self.open_stream(body)
+            self.check_model(req.model)
+            body, _, tools = await self.bodies.chat_body(req, rid)
+            gen, first = await self.pools.open_stream(body)
         except APIError as e:
             _fail(grpc_context, e.status, e.body["error"]["message"])
         if is_error(first):
             _fail(grpc_context, first["status"], first["error"]["message"])
         writer = fmt.ChunkWriter(rid, req.model or self.served_model_name, True, None,
-                                 self.decode_one, tools, reasoning=self._reasoning)
+                                 self.decode_one, tools, reasoning=self.reasoning)
         client_id = request.request_id or rid
         prompt_tokens = len(body["prompt_token_ids"])
         completion_tokens: dict[int, int] = {}
@@ -355,7 +359,7 @@ class GrpcMethods:
 
     async def Health(self, request: "pb.HealthRequest",
                      grpc_context: RayServegRPCContext) -> "pb.HealthResponse":
-        report = await replica_health(self)
+        report = await replica_health(self.pools)
         if not report["healthy"]:
             _fail(grpc_context, 503, f"no healthy engine replica: {report['unhealthy'] or 'none'}")
         return pb.HealthResponse(ok=True, num_replicas=len(report["healthy"]))
@@ -369,7 +373,7 @@ class GrpcMethods:
         except APIError as e:
             _fail(grpc_context, e.status, e.body["error"]["message"])
         return pb.ListModelsResponse(models=[pb.ModelInfo(id=name, max_model_len=info["max_model_len"])
-                                             for name in (*self._listed_names, *self._loras)])
+                                             for name in self.model_ids()])
 
     def _grpc_auth(self, ctx: RayServegRPCContext) -> None:
         metadata = dict(ctx.invocation_metadata() or [])
@@ -380,22 +384,22 @@ class GrpcMethods:
         which = request.WhichOneof("input")
         truncating = request.sampling_params.HasField("truncate_prompt_tokens")
         if which == "prompt":
-            token_ids = await self.tokenize_prompt(request.prompt, True, "prompt", truncating=truncating)
+            token_ids = await self.bodies.tokenize_prompt(request.prompt, True, "prompt", truncating=truncating)
         elif which == "prompt_token_ids":
-            token_ids = await self.tokenize_prompt(list(request.prompt_token_ids.ids), False,
-                                                   "prompt_token_ids")
+            token_ids = await self.bodies.tokenize_prompt(list(request.prompt_token_ids.ids), False,
+                                                          "prompt_token_ids")
         else:
             raise APIError("one of prompt or prompt_token_ids is required", 400, param="prompt")
         params = sampling_from_proto(request.sampling_params,
                                      (await self.info()).get("generation_defaults"))
         explicit = (request.sampling_params.max_tokens
                     if request.sampling_params.HasField("max_tokens") else None)
-        token_ids = await self.truncate(token_ids, params.truncate_prompt_tokens, params.max_tokens)
+        token_ids = await self.bodies.truncate(token_ids, params.truncate_prompt_tokens, params.max_tokens)
         if len(request.request_id) > MAX_CLIENT_REQUEST_ID_CHARS:
             raise APIError(f"request_id must be at most {MAX_CLIENT_REQUEST_ID_CHARS} characters",
                            400, param="request_id")
         # The engine's id is always ours: a client-chosen one could collide with (and then
         # abort, or be refused as a duplicate of) another client's request.
         rid = f"grpc-{uuid.uuid4().hex}"
-        return await self.build_body(rid, token_ids, params, request.priority, None, explicit,
-                                     which, request.model or None)
+        return await self.bodies.build_body(rid, token_ids, params, request.priority, None, explicit,
+                                            which, request.model or None)

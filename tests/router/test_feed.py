@@ -12,11 +12,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetserve.router import feed as feed_mod
-from fleetserve.router.feed import FEED_KEY, FeedChannel, FeedHub, FeedLost, Inbox
-from fleetserve.router.ingress import ReplicaStream
-from fleetserve.router.routing.migration import MigratingStream
 from fleetserve.router.api.protocol import sampling_dict
+from fleetserve.router.feed import FEED_KEY, FeedChannel, FeedHub, FeedLost, Inbox
 from fleetserve.router.replica import EngineReplica
+from fleetserve.router.routing.migration import MigratingStream
+from fleetserve.router.streams import ReplicaStream
 from fleetserve.scheduler import SamplingParams
 
 

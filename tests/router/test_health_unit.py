@@ -31,30 +31,30 @@ class Router:
         return self._actors
 
 
-def _ingress(monkeypatch, pools: dict[str, dict]):
+def _pools(monkeypatch, pools: dict[str, dict]):
     routers = {name: Router(actors) for name, actors in pools.items()}
     monkeypatch.setattr(health, "get_router", lambda app, dep: routers[dep])
     handles = [SimpleNamespace(app_name="app", deployment_name=name) for name in pools]
 
     async def info():
         return {}
-    return SimpleNamespace(_engine=handles[0], _pools=handles, info=info)
+    return SimpleNamespace(handles=handles, info=info)
 
 
 def test_colocated_report(monkeypatch):
-    ingress = _ingress(monkeypatch, {"engine": {"a": Actor(), "b": Actor("engine core died")}})
-    report = asyncio.run(health.replica_health(ingress))
+    pools = _pools(monkeypatch, {"engine": {"a": Actor(), "b": Actor("engine core died")}})
+    report = asyncio.run(health.replica_health(pools))
     assert report == {"healthy": ["a"], "unhealthy": {"b": "engine core died"}}
 
 
 def test_pd_reports_the_prefill_pool_without_letting_it_decide(monkeypatch):
-    ingress = _ingress(monkeypatch, {"decode": {"d1": Actor()},
+    pools = _pools(monkeypatch, {"decode": {"d1": Actor()},
                                      "prefill": {"p1": Actor("wedged"), "p2": Actor(hang=True)}})
-    report = asyncio.run(health.replica_health(ingress, timeout_s=0.2))
+    report = asyncio.run(health.replica_health(pools, timeout_s=0.2))
     assert report["healthy"] == ["d1"] and report["unhealthy"] == {}
     assert report["prefill"]["healthy"] == []
     assert report["prefill"]["unhealthy"]["p1"] == "wedged"
     assert report["prefill"]["unhealthy"]["p2"].startswith("unreachable")
-    dead_decode = _ingress(monkeypatch, {"decode": {"d1": Actor("gone")}, "prefill": {"p1": Actor()}})
+    dead_decode = _pools(monkeypatch, {"decode": {"d1": Actor("gone")}, "prefill": {"p1": Actor()}})
     report = asyncio.run(health.replica_health(dead_decode))
     assert report["healthy"] == [] and report["prefill"]["healthy"] == ["p1"]
