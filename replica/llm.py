@@ -117,7 +117,7 @@ class LLM:
         if left:
             logger.warning("KV connector: %d saves not finished within kv_save_timeout_s=%g s of "
                            "generate's last output; they go on with the next call's steps, or are "
-                           "dropped at shutdown", left, self.args.kv_transfer_config.kv_save_timeout_s)
+                           "dropped at shutdown", left, self.core.kv_save_timeout_s)
 
     def _observe_kv(self, result) -> None:
         if result.kv_stats:
@@ -175,7 +175,8 @@ class LLM:
         `add_generation_prompt=False`) goes on with the last message instead of answering it."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of messages or of conversations")
-        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        conversations: list[list[dict[str, Any]]] = (
+            [list(messages)] if isinstance(messages[0], dict) else [list(conv) for conv in messages])
         prompts = []
         for conv in conversations:
             text = apply_chat_template(self.tokenizer, conv, add_generation_prompt, chat_template_kwargs,
@@ -194,7 +195,7 @@ class LLM:
         params = SamplingParams(max_tokens=1, temperature=0.0, embed=True,
                                 truncate_prompt_tokens=truncate_prompt_tokens)
         outs = self.generate(prompts, params, use_tqdm, lora_request)
-        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding))
+        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(_embedding_of(o)))
                 for o in outs]
 
 
@@ -248,3 +249,10 @@ def _accumulate(results: dict[str, RequestOutput], delta: RequestOutput) -> None
         acc = results[delta.request_id] = RequestOutput(
             delta.request_id, delta.prompt, delta.prompt_token_ids, [], False)
     merge_deltas(acc, delta)
+
+
+def _embedding_of(out: RequestOutput) -> list[float]:
+    """An embedding request's vector (the runner pools every prompt that asks)."""
+    if out.embedding is None:
+        raise RuntimeError(f"request {out.request_id} finished without its embedding")
+    return out.embedding

@@ -166,5 +166,5 @@ def make_tiny_lora(model_dir: str | Path, path: str | Path, *, r: int = 8, lora_
         for name, p in peft_model.named_parameters():
             if "lora_" in name:
                 p.copy_(init_std * torch.randn(p.shape, generator=gen))
-    peft_model.save_pretrained(path)
+    peft_model.save_pretrained(str(path))
     return path

@@ -213,20 +213,27 @@ class EngineCore:
         return bool(self.kv_connector.has_pending_work() or self.scheduler.sending
                     or self._kv_saves_in_flight > 0)
 
+    @property
+    def kv_save_timeout_s(self) -> float:
+        """How long a flush waits for the KV connector's saves (0 without a connector)."""
+        cfg = self.args.kv_transfer_config
+        return 0.0 if cfg is None else cfg.kv_save_timeout_s
+
     def num_pending_kv_saves(self) -> int:
         """Saves not finished yet: queued for the next step, or in flight on the workers."""
         if self.kv_connector is None:
             return 0
         return self.kv_connector.num_pending_saves() + self._kv_saves_in_flight
 
-    def flush_kv(self, timeout_s: Optional[float] = None, on_step=None) -> int:
+    def flush_kv(self, timeout_s: Optional[float] = None,
+                 on_step: Optional[Callable[[StepResult], None]] = None) -> int:
         """Step (steps with no tokens: call it once no request is unfinished) until the KV
         connector has nothing pending or `timeout_s` (default: kv_save_timeout_s) passes;
         each step's result goes to `on_step`. Returns how many saves are still unfinished."""
         if self.kv_connector is None:
             return 0
         if timeout_s is None:
-            timeout_s = self.args.kv_transfer_config.kv_save_timeout_s
+            timeout_s = self.kv_save_timeout_s
         deadline = time.monotonic() + timeout_s
         while self.kv_pending() and time.monotonic() < deadline:
             result = self.step()
@@ -345,7 +352,7 @@ class EngineCore:
         return dropped
 
     def _flush_kv_at_shutdown(self) -> int:
-        timeout_s = self.args.kv_transfer_config.kv_save_timeout_s
+        timeout_s = self.kv_save_timeout_s
         try:
             self.abort_requests(list(self.scheduler.requests) + self.structured.pending_ids())
             left = self.flush_kv(timeout_s)

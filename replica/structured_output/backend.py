@@ -35,7 +35,8 @@ def choice_ebnf(choices: list[str]) -> str:
     greedily ("\\u00e9a" became U+0E9A; found by the choice tests). A control character
     is a literal of its own, so nothing can follow its escape."""
     def literal(text: str) -> str:
-        parts, run = [], []
+        parts: list[str] = []
+        run: list[str] = []
         for ch in text:
             if ord(ch) < 0x20 or ch == "\x7f":
                 if run:
@@ -66,7 +67,9 @@ def _source(params: StructuredOutputsParams):
         return xgr.Grammar.builtin_json_grammar()
     if kind == "regex":
         return _unescape_non_ascii(str(xgr.Grammar.from_regex(params.regex)))
-    text = choice_ebnf(params.choice) if kind == "choice" else params.grammar
+    text = choice_ebnf(params.choice) if params.choice is not None else params.grammar
+    if text is None:
+        raise ValueError(f"structured output of kind {kind!r} gives no choice and no grammar")
     xgr.Grammar.from_ebnf(text)  # raises on a bad grammar
     return text
 

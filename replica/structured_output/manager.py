@@ -74,10 +74,13 @@ class StructuredOutputManager:
     # ---- requests in -----------------------------------------------------------
     def submit(self, request: Request) -> None:
         """Start (or reuse) the compilation of the request's grammar; hold the request."""
-        key = request.sampling_params.structured_outputs.key()
+        params = request.sampling_params.structured_outputs
+        if params is None:
+            raise ValueError(f"request {request.request_id} has no structured output to compile")
+        key = params.key()
         future = self._cache.get(key)
         if future is None or (future.done() and future.exception() is not None):
-            future = self._pool.submit(self._compile, request.sampling_params.structured_outputs)
+            future = self._pool.submit(self._compile, params)
             self._cache[key] = future
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
@@ -148,7 +151,7 @@ class StructuredOutputManager:
         ids = [rid for rid in sampling_req_ids if rid in self._matchers]
         if not ids:
             return None
-        bitmask = self._backend.allocate_bitmask(len(ids))
+        bitmask = self._get_backend().allocate_bitmask(len(ids))
         for row, rid in enumerate(ids):
             self._matchers[rid].fill(bitmask, row)
         return GrammarBitmask({rid: row for row, rid in enumerate(ids)}, bitmask)

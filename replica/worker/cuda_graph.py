@@ -42,12 +42,15 @@ import bisect
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from fleetserve.replica.layers.attention import AttentionMetadata
 from fleetserve.replica.lora import layers as lora_layers
+
+if TYPE_CHECKING:
+    from torch.cuda.graphs import _POOL_HANDLE  # what CUDAGraph.pool() hands back
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +104,7 @@ class DecodeGraphs:
         self.max_blocks = max(1, -(-config.max_len // block_size))
         self.min_blocks = max(1, -(-config.min_width_tokens // block_size))
         self.device = device
+        self.dtype = dtype
         # Rows: token id, position, cache slot, sequence length (incl. the new token).
         self._rows = torch.zeros(4, self.max_batch, dtype=torch.long, device=device)
         self._table = torch.zeros(self.max_batch, self.max_blocks, dtype=torch.long, device=device)
@@ -109,7 +113,7 @@ class DecodeGraphs:
                         if config.lora_slots else None)
         # (rows, width, with adapters) -> (graph, its output)
         self._graphs: dict[tuple[int, int, bool], tuple[Optional[torch.cuda.CUDAGraph], Optional[torch.Tensor]]] = {}
-        self._pool = None
+        self._pool: Optional[_POOL_HANDLE] = None  # the memory pool every graph shares
         self.num_steps = 0  # steps run through here (graph replays, or static eager steps)
         self.num_replays = 0
         self.num_lora_steps = 0  # of which with adapters
@@ -136,7 +140,7 @@ class DecodeGraphs:
     def set_lora_slots(self, slots: int) -> None:
         """The LoRA stacks grew to `slots` (new buffers, new addresses): every graph is dropped
         and those of the start-up shapes captured again."""
-        self._onehot = torch.zeros(self.max_batch, slots, dtype=self._onehot.dtype, device=self.device)
+        self._onehot = torch.zeros(self.max_batch, slots, dtype=self.dtype, device=self.device)
         self._graphs.clear()
         self._pool = None
         self._capture_at_start()
@@ -167,23 +171,27 @@ class DecodeGraphs:
         `lora_onehot` ([rows, lora_slots], LoRAStacks.onehot): the rows' adapters, None: none."""
         rows, width = key
         lora = lora_onehot is not None
-        if lora and self._onehot is None:
-            raise RuntimeError("a decode step with LoRA adapters, but the graphs hold no LoRA slots")
         gkey = (rows, width, lora)
         if gkey not in self._graphs:
             self._graphs[gkey] = self._capture(rows, width, lora)
         self._fill(rows, width, token_ids, positions, block_tables)
-        if lora:  # rows past len(token_ids) keep stale picks: they read and write the scratch block only
-            self._onehot[:len(token_ids)].copy_(lora_onehot, non_blocking=True)
+        if lora_onehot is not None:  # rows past len(token_ids) keep stale picks: they touch the scratch block only
+            self._lora_onehot(len(token_ids)).copy_(lora_onehot, non_blocking=True)
             self.num_lora_steps += 1
         graph, out = self._graphs[gkey]
         self.num_steps += 1
-        if graph is None:
+        if graph is None or out is None:
             out = self._forward(rows, width, lora)
         else:
             graph.replay()
             self.num_replays += 1
         return out[:len(token_ids)]
+
+    def _lora_onehot(self, rows: int) -> torch.Tensor:
+        """The first `rows` rows of the adapters' one-hot buffer."""
+        if self._onehot is None:
+            raise RuntimeError("a decode step with LoRA adapters, but the graphs hold no LoRA slots")
+        return self._onehot[:rows]
 
     # ---- internals ------------------------------------------------------------------
     def _fill(self, rows: int, width: int, token_ids: list[int], positions: list[int],
@@ -207,16 +215,17 @@ class DecodeGraphs:
 
     def _forward(self, rows: int, width: int, lora: bool = False) -> torch.Tensor:
         md = AttentionMetadata.static_decode(self._rows[:, :rows], self._table[:rows, :width], self.block_size)
-        with lora_layers.active(lora_layers.LoRABatch.stacked(self._onehot[:rows]) if lora else None):
+        with lora_layers.active(lora_layers.LoRABatch.stacked(self._lora_onehot(rows)) if lora else None):
             return self.model(self._rows[0, :rows], self._rows[1, :rows], self.kv_caches, md)
 
-    def _capture(self, rows: int, width: int, lora: bool = False):
+    def _capture(self, rows: int, width: int,
+                 lora: bool = False) -> tuple[Optional[torch.cuda.CUDAGraph], Optional[torch.Tensor]]:
         if not self.capture:
             return None, None
         t0 = time.perf_counter()
         self._fill_dummy(rows, width)
         if lora:
-            self._onehot[:rows].zero_()
+            self._lora_onehot(rows).zero_()
         # Warm up on a side stream first (cuBLAS handles and workspaces, lazy inits), as
         # torch.cuda.graph's documentation asks; then capture into the shared pool.
         side = torch.cuda.Stream(self.device)

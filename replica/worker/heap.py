@@ -115,12 +115,13 @@ class HeapTrimmer:
 
     def maybe_trim(self) -> bool:
         """Trim if `interval_s` passed since the last trim (or since start); whether it did."""
-        if not self.enabled:
+        trim = self._trim
+        if trim is None or self.interval_s <= 0:  # not enabled
             return False
         now = self._clock()
         if now - self._last < self.interval_s:
             return False
         self._last = now
-        self._trim()
+        trim()
         self.num_trims += 1
         return True

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -30,6 +30,11 @@ from fleetserve.replica.lora import layers as lora_layers
 from fleetserve.replica.model_loader.weights import allocate_kv_caches, kv_cache_bytes_per_block, load_model
 from fleetserve.replica.spec_decode.proposer import ProposeInput, Proposer
 from fleetserve.scheduler import ModelRunnerOutput, SamplingParams, SchedulerOutput
+
+if TYPE_CHECKING:
+    from fleetserve.kv_transfer.base import KVConnectorWorker
+    from fleetserve.replica.lora.stack import LoRAStacks
+    from fleetserve.replica.worker.cuda_graph import DecodeGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -92,14 +97,14 @@ class ModelRunner:
         self.proposer: Optional[Proposer] = None
         # A KV connector that moves KV layer by layer (its hooks run around each layer of the
         # forward); set by the worker only for a connector that asks (None: no per-layer call).
-        self.kv_hooks = None
+        self.kv_hooks: Optional[KVConnectorWorker] = None
         # CUDA graphs of decode steps (worker/cuda_graph.py); None: every step runs eagerly.
-        self.decode_graphs = None
+        self.decode_graphs: Optional[DecodeGraphs] = None
         # LoRA adapters attached to the model's linears: lora_id -> name (add_lora_adapter).
         self.lora_adapters: dict[int, str] = {}
         # The same adapters in fixed buffers, for decode steps replayed from CUDA graphs
         # (lora/stack.py); None: steps with adapters run eagerly.
-        self.lora_stacks = None
+        self.lora_stacks: Optional[LoRAStacks] = None
 
     @classmethod
     def load(cls, source, *, device: torch.device, dtype: torch.dtype, block_size: int,
@@ -365,7 +370,7 @@ class ModelRunner:
         """The seeded request's generator for output `position`: seeded from
         (seed, position), so a token's draw is the same whatever the batch, a
         preemption or speculation did."""
-        if s.generator is None:
+        if s.generator is None or s.sampling_params.seed is None:
             return None
         seed = (s.sampling_params.seed * 1_000_003 + position) % (1 << 63)
         if reuse:

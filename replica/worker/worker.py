@@ -44,7 +44,8 @@ class Worker:
         # With "auto" or one list per rank each rank has cores of its own; ranks that share one
         # list (or run unbound) split the cores they see, as before.
         self.cpus = bind_cpus(args.cpu_bind, args.num_threads or max(1, available_cores() // threads_share), rank)
-        own = self.cpus is not None and (args.cpu_bind == "auto" or "|" in args.cpu_bind)
+        bind = args.cpu_bind or ""
+        own = self.cpus is not None and (bind == "auto" or "|" in bind)
         self.num_threads = set_num_threads(args.num_threads, 1 if own else threads_share)
         self.heap = HeapTrimmer()
         self.malloc_tuned = tune_malloc()  # before the weights and the KV cache are allocated
@@ -56,6 +57,8 @@ class Worker:
         if world_size > 1:
             from fleetserve.replica.distributed.parallel import init_tp_group
 
+            if init_method is None:
+                raise ValueError(f"a worker of a {world_size}-rank group needs the group's init_method")
             init_tp_group(world_size, rank, init_method)
         torch.manual_seed(args.seed)
         source = resolve_model(args.model)
@@ -136,13 +139,13 @@ class Worker:
                                  max_lora_rank=self.args.max_lora_rank)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        graphs = self._decode_graph_config()
-        self.runner.initialize_kv_cache(num_blocks, decode_graphs=graphs)
+        self.runner.initialize_kv_cache(num_blocks, decode_graphs=self._decode_graph_config())
+        graphs = self.runner.decode_graphs
         if graphs is not None:
             logger.info("decode steps of up to %d rows and %d tokens per row replay CUDA graphs "
                         "(wider shapes than those captured at start-up are captured on first use; "
-                        "--enforce-eager turns graphs off)", self.runner.decode_graphs.max_batch,
-                        self.runner.decode_graphs.max_blocks * self.args.block_size)
+                        "--enforce-eager turns graphs off)", graphs.max_batch,
+                        graphs.max_blocks * self.args.block_size)
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.runner.kv_caches)
             if self.kv_connector.uses_layer_hooks:
