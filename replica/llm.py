@@ -21,12 +21,12 @@ from tqdm.auto import tqdm
 from fleetserve.replica.engine.engine_args import DEFAULT_MODEL, EngineArgs
 from fleetserve.replica.engine.engine_core import EngineCore
 from fleetserve.replica.engine.metrics import EngineMetrics
-from fleetserve.replica.model_loader.model_info import generation_defaults
-from fleetserve.replica.lora.request import LoRARequest, adapter_digest, read_adapter_config
-from fleetserve.replica.model_loader.registry import resolve_model
 from fleetserve.replica.engine.outputs import RequestOutput, merge_deltas
 from fleetserve.replica.engine.processor import InputProcessor, OutputProcessor, PromptType
 from fleetserve.replica.engine.tokenizer import apply_chat_template, load_tokenizer
+from fleetserve.replica.lora.request import LoRARequest, adapter_digest, read_adapter_config
+from fleetserve.replica.model_loader.model_info import generation_defaults
+from fleetserve.replica.model_loader.registry import resolve_model
 from fleetserve.scheduler import RequestStatus, SamplingParams
 
 logger = logging.getLogger(__name__)

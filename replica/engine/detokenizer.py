@@ -16,8 +16,9 @@ slide the window: prefix <- read, read <- len(ids). Each update decodes a
 handful of ids, so the cost is O(new tokens), not O(output).
 
 Stop strings. The decoded output is held in `_text` (a window: text handed
-out long ago is dropped); `_emitted` characters of it were handed out. After each token we look for a stop string in the part of
-`_text` that could contain a new match, and otherwise hand out everything
+out long ago is dropped); `_emitted` characters of it were handed out. After
+each token we look for a stop string in the part of `_text` that could contain
+a new match, and otherwise hand out everything
 except the longest tail that is a prefix of some stop string (it might be
 the start of one). With `include_stop_str_in_output` nothing needs holding
 back: the text would be emitted either way. Text produced before

@@ -93,9 +93,9 @@ class EngineArgs(BaseModel):
         "Torch threads per replica (unset: the CPUs Ray reserves for it, or the cores available)."))
     cpu_bind: Optional[str] = Field(None, description=(
         "Pin each engine process to cores (vLLM CPU: VLLM_CPU_OMP_THREADS_BIND): 'auto' claims "
-        "--num-threads cores (unset: its share of the cores) that no other fleetserve engine on the machine holds (replicas never "
-        "share a core), a list like '0-3,8', one list per TP rank '0-1|2-3', or 'nobind' "
-        "(unset: not bound)."))
+        "--num-threads cores (unset: its share of the cores) that no other fleetserve engine on "
+        "the machine holds (replicas never share a core), a list like '0-3,8', one list per TP "
+        "rank '0-1|2-3', or 'nobind' (unset: not bound)."))
     speculative_config: Optional[SpeculativeConfig] = Field(None, description=(
         "Speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 6, "
         "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}, or a draft model sharing the "

@@ -4,8 +4,9 @@ The model runner sets the step's `LoRABatch` around the forward (`active(batch)`
 linear with adapter slots (`module.lora`, see adapter.attach) then adds, per adapter in the
 batch, y[rows] += (x[rows] A^T) B^T for each of its targets. Rows of one request are
 contiguous, and the model runner orders a step's requests by adapter, so each adapter's rows
-are one slice (no gather); rows given in another order gather and scatter by index. Rows of the base model are untouched: a batch that mixes
-adapters and the base model gives each request what it would get alone.
+are one slice (no gather); rows given in another order gather and scatter by index. Rows
+of the base model are untouched: a batch that mixes adapters and the base model gives each
+request what it would get alone.
 """
 
 from __future__ import annotations

@@ -118,4 +118,5 @@ def read_adapter_config(path: str) -> dict:
     return cfg
 
 
-__all__ = ["LORA_LOAD_TIMEOUT_S", "LoRAModulePath", "LoRARequest", "SUPPORTED_TARGETS", "adapter_digest", "read_adapter_config"]
+__all__ = ["LORA_LOAD_TIMEOUT_S", "LoRAModulePath", "LoRARequest", "SUPPORTED_TARGETS", "adapter_digest",
+           "read_adapter_config"]

@@ -13,7 +13,12 @@ from pathlib import Path
 import torch
 
 from fleetserve.replica.model_loader.registry import ModelSource, resolve_model
-from fleetserve.replica.model_loader.weights import gguf_config, iter_gguf_weights, iter_safetensors_weights, load_hf_config
+from fleetserve.replica.model_loader.weights import (
+    gguf_config,
+    iter_gguf_weights,
+    iter_safetensors_weights,
+    load_hf_config,
+)
 
 
 def build_hf_model(source: ModelSource | str, dtype: torch.dtype = torch.float32):

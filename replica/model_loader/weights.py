@@ -27,10 +27,10 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from fleetserve.replica.distributed.parallel import TPGroup, get_tp_group
 from fleetserve.replica.model_loader.model_config import ModelConfig, read_model_config
 from fleetserve.replica.model_loader.registry import ModelSource
 from fleetserve.replica.models import get_model_class
-from fleetserve.replica.distributed.parallel import TPGroup, get_tp_group
 
 # GGUF per-layer name -> HF per-layer name
 _GGUF_LAYER_NAMES = {

@@ -27,8 +27,7 @@ import torch
 from fleetserve.replica.layers.attention import AttentionMetadata
 from fleetserve.replica.layers.sampler import greedy
 from fleetserve.replica.model_loader.registry import resolve_model
-from fleetserve.replica.model_loader.weights import (allocate_kv_caches, kv_cache_bytes_per_block,
-                                                     load_model)
+from fleetserve.replica.model_loader.weights import allocate_kv_caches, kv_cache_bytes_per_block, load_model
 from fleetserve.replica.spec_decode.proposer import ProposeInput
 
 

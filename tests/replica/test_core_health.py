@@ -81,44 +81,44 @@ def test_a_step_longer_than_the_stall_timeout_is_progress_not_a_wedge(tmp_path):
 
     model = make_tiny_llama(tmp_path / "deep", hidden_size=256, num_layers=12, num_heads=4,
                             num_kv_heads=2, max_position_embeddings=4096)
-    for core_process in (True,):
-        engine = AsyncEngine(model=str(model), dtype="float32", num_gpu_blocks_override=600,
-                             max_model_len=4096, max_num_batched_tokens=4096, num_threads=1,
-                             enable_prefix_caching=False, core_process=core_process)
+    core_process = True  # the layout served by default
+    engine = AsyncEngine(model=str(model), dtype="float32", num_gpu_blocks_override=600,
+                         max_model_len=4096, max_num_batched_tokens=4096, num_threads=1,
+                         enable_prefix_caching=False, core_process=core_process)
+    try:
+        async def prefill(first: int) -> float:
+            start = time.monotonic()
+            prompt = [(first + i) % 300 + 10 for i in range(2000)]  # one step: the whole prompt
+            async for _ in engine.generate(prompt, SamplingParams(max_tokens=1)):
+                pass
+            return time.monotonic() - start
+
+        async def warm_up():
+            async for _ in engine.generate(list(range(10, 300)), SamplingParams(max_tokens=2)):
+                pass
+
+        asyncio.run(warm_up())  # first-call costs out of the measured step
+        step_s = asyncio.run(prefill(0))
+        timeout_s = step_s / 4  # a layer takes about step_s / 12
+        failures: list[str] = []
+        done = threading.Event()
+
+        def watch():
+            while not done.is_set():
+                try:
+                    engine.check_health(stall_timeout_s=timeout_s)
+                except EngineDeadError as e:
+                    failures.append(str(e))
+                time.sleep(timeout_s / 4)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
         try:
-            async def prefill(first: int) -> float:
-                start = time.monotonic()
-                prompt = [(first + i) % 300 + 10 for i in range(2000)]  # one step: the whole prompt
-                async for _ in engine.generate(prompt, SamplingParams(max_tokens=1)):
-                    pass
-                return time.monotonic() - start
-
-            async def warm_up():
-                async for _ in engine.generate(list(range(10, 300)), SamplingParams(max_tokens=2)):
-                    pass
-
-            asyncio.run(warm_up())  # first-call costs out of the measured step
-            step_s = asyncio.run(prefill(0))
-            timeout_s = step_s / 4  # a layer takes about step_s / 12
-            failures: list[str] = []
-            done = threading.Event()
-
-            def watch():
-                while not done.is_set():
-                    try:
-                        engine.check_health(stall_timeout_s=timeout_s)
-                    except EngineDeadError as e:
-                        failures.append(str(e))
-                    time.sleep(timeout_s / 4)
-
-            watcher = threading.Thread(target=watch)
-            watcher.start()
-            try:
-                again_s = asyncio.run(prefill(7))
-            finally:
-                done.set()
-                watcher.join()
-            assert again_s > 2 * timeout_s, (step_s, again_s)  # the step did outlast the timeout
-            assert not failures, (core_process, step_s, failures[:3])
+            again_s = asyncio.run(prefill(7))
         finally:
-            engine.shutdown()
+            done.set()
+            watcher.join()
+        assert again_s > 2 * timeout_s, (step_s, again_s)  # the step did outlast the timeout
+        assert not failures, (core_process, step_s, failures[:3])
+    finally:
+        engine.shutdown()

@@ -264,8 +264,8 @@ def _chunk_vs_lone(dtype, layout, heads, kv_heads, head_dim):
 
 
 def test_kv_caches_are_zeroed_with_huge_pages_advised():
-    from fleetserve.replica.testing import tiny_llama_config
     from fleetserve.replica.model_loader.weights import allocate_kv_caches
+    from fleetserve.replica.testing import tiny_llama_config
 
     caches = allocate_kv_caches(tiny_llama_config(), 512, 16, torch.bfloat16)
     assert all(int(c.count_nonzero()) == 0 for c in caches)

@@ -364,8 +364,8 @@ def test_a_request_computes_the_same_numbers_alone_and_in_a_batch(tiny_model_dir
     attention per token, norms, sampling), so a request's greedy tokens and logprobs are
     bit-identical whether it runs alone or beside others. (oneDNN's linears also kept this
     at these tiny shapes when tried; the kernels guarantee it up to their row limit.)"""
-    from fleetserve.replica.layers.linear import _SmallM, small_m_rows
     from fleetserve.replica import kernels
+    from fleetserve.replica.layers.linear import _SmallM, small_m_rows
 
     torch_dtype = getattr(__import__("torch"), dtype)
     rows = small_m_rows(torch_dtype) if kernels.cpu_ops() is not None else 0

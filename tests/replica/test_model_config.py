@@ -70,7 +70,8 @@ def test_family_defaults_cover_what_the_model_reads():
 
 
 @pytest.mark.parametrize("raw, message", [
-    ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, r"unsupported model architecture \['GPT2LMHeadModel'\]"),
+    ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]},
+     r"unsupported model architecture \['GPT2LMHeadModel'\]"),
     ({}, "unsupported model architecture None"),
     ({"model_type": "llama", "hidden_size": 100, "num_attention_heads": 3}, "not a multiple"),
     ({"model_type": "llama", "hidden_size": "big"}, "hidden_size must be a positive integer"),

@@ -14,8 +14,8 @@ import torch
 
 from fleetserve.replica.layers.attention import AttentionMetadata
 from fleetserve.replica.model_loader.registry import resolve_model
-from fleetserve.replica.testing import make_tiny_llama
 from fleetserve.replica.model_loader.weights import allocate_kv_caches, load_model
+from fleetserve.replica.testing import make_tiny_llama
 
 ATOL = 1e-4
 BLOCK = 4

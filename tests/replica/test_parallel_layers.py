@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from fleetserve.replica.layers import QKVParallelLinear, RMSNorm
 from fleetserve.replica.distributed.parallel import TPGroup, get_tp_group
+from fleetserve.replica.layers import QKVParallelLinear, RMSNorm
 
 
 def fake_group(rank: int, world_size: int) -> TPGroup:
@@ -40,8 +40,8 @@ def test_kv_heads_replicated_when_tp_exceeds_them():
 
 def test_tp_size_not_dividing_heads_fails_at_model_build(tmp_path):
     from fleetserve.replica.model_loader.registry import resolve_model
-    from fleetserve.replica.testing import make_tiny_llama
     from fleetserve.replica.model_loader.weights import load_model
+    from fleetserve.replica.testing import make_tiny_llama
 
     path = make_tiny_llama(tmp_path, hidden_size=48, num_heads=3, num_kv_heads=1)
     with pytest.raises(ValueError, match="not divisible by the tensor-parallel size"):
@@ -60,9 +60,9 @@ def test_rmsnorm_fused_residual():
 def _tp_worker(rank: int, world_size: int, init_file: str, model_dir: str, out_file: str,
                backend: str = "gloo") -> None:
     torch.set_num_threads(1)
+    from fleetserve.replica.distributed.parallel import destroy_tp_group, init_tp_group
     from fleetserve.replica.layers.attention import AttentionMetadata
     from fleetserve.replica.model_loader.registry import resolve_model
-    from fleetserve.replica.distributed.parallel import destroy_tp_group, init_tp_group
     from fleetserve.replica.model_loader.weights import allocate_kv_caches, load_model
 
     tp = init_tp_group(world_size, rank, f"file://{init_file}", backend=backend)
@@ -157,8 +157,12 @@ def test_gate_up_silu_mul_fused_where_the_kernel_runs(fused, monkeypatch):
     import torch.nn.functional as F
 
     from fleetserve.replica.distributed.parallel import TPGroup
-    from fleetserve.replica.layers.linear import (MergedColumnParallelLinear, _can_pack_small_m,
-                                                  pack_linear_weights, small_m_rows)
+    from fleetserve.replica.layers.linear import (
+        MergedColumnParallelLinear,
+        _can_pack_small_m,
+        pack_linear_weights,
+        small_m_rows,
+    )
 
     if not fused:
         monkeypatch.setenv("FLEETSERVE_FUSED_SILU_MUL", "0")
@@ -196,9 +200,14 @@ def test_gate_up_silu_mul_fused_where_the_kernel_runs(fused, monkeypatch):
 def test_packed_cpu_linear_matches_f_linear_and_follows_weight_edits(dtype, small_m, monkeypatch):
     import torch.nn.functional as F
 
-    from fleetserve.replica.layers.linear import (ColumnParallelLinear, _can_pack, _can_pack_small_m,
-                                                  pack_linear_weights, small_m_rows)
     from fleetserve.replica.distributed.parallel import TPGroup
+    from fleetserve.replica.layers.linear import (
+        ColumnParallelLinear,
+        _can_pack,
+        _can_pack_small_m,
+        pack_linear_weights,
+        small_m_rows,
+    )
 
     if not small_m:
         monkeypatch.setenv("FLEETSERVE_SMALL_M_LINEAR", "0")

@@ -19,9 +19,9 @@ MAX_NEW = 24
 
 @pytest.fixture(scope="module")
 def reference():
+    from fleetserve.replica.engine.tokenizer import apply_chat_template, load_tokenizer
     from fleetserve.replica.model_loader.hf_export import build_hf_model
     from fleetserve.replica.model_loader.registry import resolve_model
-    from fleetserve.replica.engine.tokenizer import apply_chat_template, load_tokenizer
 
     tok = load_tokenizer(resolve_model("smollm2-135m"))
     prompts = [apply_chat_template(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from fleetserve.replica.engine.detokenizer import IncrementalDetokenizer
-from fleetserve.replica.model_loader.registry import ModelSource
 from fleetserve.replica.engine.tokenizer import apply_chat_template, load_tokenizer
+from fleetserve.replica.model_loader.registry import ModelSource
 from fleetserve.scheduler.sampling_params import SamplingParams
 
 
@@ -100,7 +100,8 @@ def test_other_folders_go_through_autotokenizer(tiny_model_dir, tmp_path):
     assert not _plain_fast_folder(tmp_path)  # transformers may pick another class for qwen2
     (tmp_path / "config.json").write_text(json.dumps(config))
     tok_config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**tok_config, "auto_map": {"AutoTokenizer": ["x.Y", None]}}))
+    custom = {**tok_config, "auto_map": {"AutoTokenizer": ["x.Y", None]}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(custom))
     assert not _plain_fast_folder(tmp_path)
     (tmp_path / "tokenizer_config.json").write_text("{not json")
     assert not _plain_fast_folder(tmp_path)

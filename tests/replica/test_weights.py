@@ -10,9 +10,14 @@ import pytest
 import torch
 
 from fleetserve.replica.model_loader.registry import ModelNotFoundError, ModelSource, resolve_model
+from fleetserve.replica.model_loader.weights import (
+    allocate_kv_caches,
+    gguf_to_hf_name,
+    kv_cache_bytes_per_block,
+    load_model,
+    reverse_llama_cpp_permute,
+)
 from fleetserve.replica.testing import make_tiny_llama
-from fleetserve.replica.model_loader.weights import (allocate_kv_caches, gguf_to_hf_name, kv_cache_bytes_per_block, load_model,
-                                                     reverse_llama_cpp_permute)
 
 
 @pytest.fixture(scope="module")
