@@ -284,7 +284,7 @@ def _engine_deployment(config: AppConfig, name: str, engine, num_replicas: int, 
     placement = placement or config.placement
     # Prefix policies hash prompts with the engines' block size and hash function, which
     # the ingress takes from the engines' info (router/engine_pools.py: _set_pool_hashing).
-    policy_kwargs = {"policy": policy,
+    policy_kwargs = {"deployment": name, "policy": policy,
                      "imbalance_threshold": config.routing.imbalance_threshold,
                      "min_match_fraction": config.routing.min_match_fraction,
                      "max_table_entries": config.routing.max_table_entries}

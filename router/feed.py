@@ -308,12 +308,12 @@ class FeedHub:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _run(self, replica_id: str) -> None:
-        from ray.serve._private.utils import generate_request_id
         from ray.serve.context import _set_request_context
 
         from fleetserve.router.routing.request_router import TARGET_KWARG
 
-        _set_request_context(_internal_request_id=generate_request_id())
+        # (Serve's private context API: Ray 2.60 has no public way to give a call its own id.)
+        _set_request_context(_internal_request_id=str(uuid.uuid4()))
         call = None
         try:
             call = self._handle.feed.remote(self.feed_id, replica_id, **{TARGET_KWARG: replica_id})

@@ -34,6 +34,8 @@ class RuntimeLoRAs:
 
     @staticmethod
     def _kv():
+        # (Ray core's, not Serve's: Ray 2.60 has no public API to its GCS key-value store;
+        # this is the module Serve keeps its own state through.)
         from ray.experimental import internal_kv
 
         return internal_kv if internal_kv._internal_kv_initialized() else None

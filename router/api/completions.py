@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import uuid
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional, Union
 
@@ -71,10 +72,9 @@ async def open_as_own_request(open_stream: StreamOpener, body: dict) -> tuple[An
     id, and its router confuses concurrent calls that share one (they hang: seen here with
     two prompts). This task's context is its own copy, so a fresh id here names this call
     alone. (Serve's private context API: no public way to set it exists in Ray 2.60.)"""
-    from ray.serve._private.utils import generate_request_id
     from ray.serve.context import _set_request_context
 
-    _set_request_context(_internal_request_id=generate_request_id())
+    _set_request_context(_internal_request_id=str(uuid.uuid4()))
     return await open_stream(body)
 
 

@@ -26,14 +26,23 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from fleetserve.router.routing import registry
 from fleetserve.router.routing.migration import AVOID_KEY
+from fleetserve.router.routing.policies import (
+    ReplicaLoad,
+    RouteRequest,
+    RoutingPolicy,
+    make_policy,
+    prefer_adapter_holders,
+)
 from fleetserve.scheduler import prefix_salt
-from fleetserve.router.routing.policies import ReplicaLoad, RouteRequest, RoutingPolicy, make_policy, prefer_adapter_holders
 
 TARGET_KWARG = "_fleetserve_target"
 
 
 class FleetRequestRouter(RequestRouter):
-    def initialize_state(self, policy: str = "power_of_two", **policy_kwargs: Any) -> None:
+    def initialize_state(self, deployment: str, policy: str = "power_of_two", **policy_kwargs: Any) -> None:
+        """Serve's call with the deployment's `request_router_kwargs` (cluster/deploy.py):
+        `deployment`, the deployment's name (what the registry keys this router by, with the
+        public `app_name`), the policy's name and its settings."""
         self.policy: RoutingPolicy = make_policy(policy, **policy_kwargs)
         # How many more requests a replica holding a request's LoRA adapter may have than the
         # policy's pick that lacks it, and still be preferred (prefer_adapter_holders).
@@ -42,7 +51,7 @@ class FleetRequestRouter(RequestRouter):
         self._inflight: dict[str, tuple[str, int, str]] = {}
         self._ongoing: dict[str, list[int]] = {}  # replica id -> [requests, tokens]
         self._lock = threading.Lock()
-        registry.register(self._deployment_id.app_name, self._deployment_id.name, self)
+        registry.register(self.app_name, deployment, self)
 
     # -- what the ingress asks -------------------------------------------------
 
@@ -52,6 +61,8 @@ class FleetRequestRouter(RequestRouter):
     def replica_actors(self) -> dict[str, Any]:
         """Replica id -> the replica's Ray actor handle: for control-plane calls that must not
         queue behind requests (router.health), as Serve's own health checks do."""
+        # (`_actor_handle` is private: Ray 2.60's RunningReplica exposes only `actor_id`, and no
+        # public API calls a replica outside Serve's request queue.)
         return {rid.unique_id: r._actor_handle for rid, r in list(self.curr_replicas.items())}
 
     def ongoing(self) -> dict[str, int]:
