@@ -23,11 +23,11 @@ from typing import Any, AsyncIterator, Callable, Optional
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
-from fleetserve.replica.engine.errors import EngineDeadError, QueueFullError
 from fleetserve.replica.engine.engine_args import EngineArgs
-from fleetserve.router.routing.admission import admission_refusal
+from fleetserve.replica.engine.errors import EngineDeadError, QueueFullError
 from fleetserve.router.api.errors import error_body
 from fleetserve.router.feed import FEED_END_GRACE_S, FEED_FLAG, FEED_KEY, FeedChannel, FeedChannels
+from fleetserve.router.routing.admission import admission_refusal
 from fleetserve.router.routing.migration import ENGINE_DEAD, MIGRATED_KEY
 from fleetserve.scheduler import SamplingParams, resolve_obj_by_qualname
 

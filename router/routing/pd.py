@@ -40,10 +40,10 @@ from typing import Any, Optional
 
 from fleetserve.router.api.errors import error_body, is_error
 from fleetserve.router.metrics import PDMetrics
-from fleetserve.scheduler import prefix_salt
 from fleetserve.router.routing.policies import RouteRequest
 from fleetserve.router.routing.registry import get_router
 from fleetserve.router.routing.request_router import TARGET_KWARG
+from fleetserve.scheduler import prefix_salt
 
 logger = logging.getLogger("ray.serve")
 

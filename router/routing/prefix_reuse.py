@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from fleetserve.router.api.errors import is_error
 from fleetserve.router.metrics import ReuseMetrics
 from fleetserve.router.routing.pd import PDStream, export_body, failed_load, run_to_final
-from fleetserve.scheduler import prefix_salt
 from fleetserve.router.routing.policies import RouteRequest
 from fleetserve.router.routing.registry import get_router
 from fleetserve.router.routing.request_router import TARGET_KWARG
+from fleetserve.scheduler import prefix_salt
 
 logger = logging.getLogger("ray.serve")
 

@@ -17,8 +17,8 @@ import grpc
 import httpx
 
 from fleetserve.router.grpc.proto import fleetserve_pb2 as pb
-from tests.router.test_routing_e2e import feed_items
 from fleetserve.router.grpc.proto import fleetserve_pb2_grpc as pb_grpc
+from tests.router.test_routing_e2e import feed_items
 
 PROMPTS = [f"Stream number {i} tells a story about" for i in range(6)]
 MAX_TOKENS = 800  # of max_model_len 2048: ~0.5 s a stream, a window in which to kill an engine mid-stream

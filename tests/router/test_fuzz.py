@@ -15,9 +15,9 @@ import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fleetserve.router.api.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from fleetserve.router.grpc.proto import fleetserve_pb2 as pb
 from fleetserve.router.grpc.proto import fleetserve_pb2_grpc as pb_grpc
-from fleetserve.router.api.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 
 EXAMPLES = int(os.environ.get("FLEETSERVE_FUZZ_EXAMPLES", "40"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,

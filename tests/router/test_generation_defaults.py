@@ -67,8 +67,8 @@ def test_defaults_fill_unset_fields_and_the_request_wins():
 
 
 def test_grpc_requests_get_the_same_defaults():
-    from fleetserve.router.grpc.service import sampling_from_proto
     from fleetserve.router.grpc.proto import fleetserve_pb2 as pb
+    from fleetserve.router.grpc.service import sampling_from_proto
 
     p = sampling_from_proto(pb.SamplingParams(), {"temperature": 0.2, "max_tokens": 50})
     assert p.temperature == 0.2 and p.max_tokens == 16

@@ -6,8 +6,7 @@ import pytest
 
 from fleetserve.router.routing.kv_index import KVIndex
 from fleetserve.router.routing.policies import PrefixAwarePolicy, ReplicaLoad, RouteRequest
-from fleetserve.scheduler import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch,
-                                  hash_token_blocks)
+from fleetserve.scheduler import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, hash_token_blocks
 
 BS = 4
 

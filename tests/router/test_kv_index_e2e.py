@@ -25,7 +25,6 @@ from fleetserve.router.routing.kv_index import KVIndex
 from fleetserve.router.routing.kv_subscriber import KVEventSubscriber
 from fleetserve.router.routing.registry import get_router
 from fleetserve.router.routing.request_router import TARGET_KWARG
-
 from tests.router.test_routing_e2e import complete, delta, prompt_tokens_by_replica
 
 

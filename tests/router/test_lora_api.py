@@ -223,8 +223,8 @@ def test_runtime_adapters_survive_an_ingress_restart(server, lora_dirs, peft_gre
     import ray
     import ray.experimental.internal_kv
 
-    from fleetserve.cluster.deploy import INGRESS_DEPLOYMENT
     from fleetserve.cluster.app_spec import app_args
+    from fleetserve.cluster.deploy import INGRESS_DEPLOYMENT
     from fleetserve.router.runtime_loras import RuntimeLoRAs
 
     for name in ("tiny-lora-c3", "tiny-lora-c4"):

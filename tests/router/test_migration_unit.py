@@ -8,8 +8,13 @@ import asyncio
 
 import pytest
 
-from fleetserve.router.routing.migration import (ENGINE_DEAD, MIGRATED_KEY, MigratingStream, continuation_body,
-                                         continued_seed)
+from fleetserve.router.routing.migration import (
+    ENGINE_DEAD,
+    MIGRATED_KEY,
+    MigratingStream,
+    continuation_body,
+    continued_seed,
+)
 from fleetserve.scheduler import SamplingParams
 
 

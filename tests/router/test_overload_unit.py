@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from fleetserve.router.routing.admission import admission_refusal
 from fleetserve.router.api.errors import error_body, to_response
 from fleetserve.router.api.protocol import sampling_dict
 from fleetserve.router.replica import EngineReplica
+from fleetserve.router.routing.admission import admission_refusal
 from fleetserve.scheduler import SamplingParams
 
 

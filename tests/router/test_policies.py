@@ -6,9 +6,15 @@ import collections
 
 import pytest
 
-from fleetserve.router.routing.policies import (ApproxPrefixPolicy, LeastLoadedPolicy, PowerOfTwoPolicy,
-                                        PrefixAwarePolicy, ReplicaLoad,
-                                        RouteRequest, make_policy)
+from fleetserve.router.routing.policies import (
+    ApproxPrefixPolicy,
+    LeastLoadedPolicy,
+    PowerOfTwoPolicy,
+    PrefixAwarePolicy,
+    ReplicaLoad,
+    RouteRequest,
+    make_policy,
+)
 
 BS = 4
 # Both prefix policies: the precise one counts requests in flight (never completed here)

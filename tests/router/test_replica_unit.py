@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from fleetserve.router.routing.migration import MIGRATED_KEY
-from fleetserve.router.replica import EngineReplica
 from fleetserve.router.api.protocol import sampling_dict
+from fleetserve.router.replica import EngineReplica
+from fleetserve.router.routing.migration import MIGRATED_KEY
 from fleetserve.scheduler import SamplingParams
 
 

@@ -7,8 +7,8 @@ import grpc
 import httpx
 import pytest
 
-from fleetserve.router.auth import API_KEY_ENV, ApiKeyAuth, resolve_api_key
 from fleetserve.router.api.errors import APIError
+from fleetserve.router.auth import API_KEY_ENV, ApiKeyAuth, resolve_api_key
 from fleetserve.router.grpc.proto import fleetserve_pb2 as pb
 from fleetserve.router.grpc.proto import fleetserve_pb2_grpc as pb_grpc
 
