@@ -318,14 +318,17 @@ def _engine_deployment(config: AppConfig, name: str, engine, num_replicas: int, 
 def _lifecycle_options(config: AppConfig, health: bool) -> dict:
     """Serve's drain and health-check settings from `config.reliability`: a replica asked to
     stop finishes its in-flight requests for up to graceful_shutdown_timeout_s (both
-    deployments: the ingress holds the client streams, the engines produce them)."""
+    deployments: the ingress holds the client streams, the engines produce them); `health`:
+    an engine deployment, which also gets the bounded queue."""
     r = config.reliability
     options = {"graceful_shutdown_timeout_s": r.graceful_shutdown_timeout_s,
                "graceful_shutdown_wait_loop_s": r.graceful_shutdown_wait_loop_s}
+    # Both deployments: an ingress whose loop is wedged is replaced as an engine is (its
+    # replacement waits for the ports: router/serve_patches.py).
+    options.update(health_check_period_s=r.health_check_period_s,
+                   health_check_timeout_s=r.health_check_timeout_s)
     if health:  # the engine deployments
-        options.update(health_check_period_s=r.health_check_period_s,
-                       health_check_timeout_s=r.health_check_timeout_s,
-                       max_queued_requests=r.max_queued_requests)
+        options.update(max_queued_requests=r.max_queued_requests)
     return options
 
 

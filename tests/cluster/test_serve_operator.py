@@ -439,3 +439,62 @@ def test_sigterm_drains_streams_stops_clean_and_a_restart_on_the_same_ports_work
     assert again.proc.wait(timeout=90) == 0, again.log()[before:]
     assert time.time() - t0 < 45, again.log()[before:]
     assert not again.leftovers()
+
+
+def _ingress_processes(server: ServeProcess) -> list[psutil.Process]:
+    """The ingress replica's worker process(es) of this server (Ray titles it
+    `ray::ServeReplica:<app>:ingress`)."""
+    found = []
+    for p in processes_with(server.marker):
+        try:
+            if any("ServeReplica:" in part and part.endswith(":ingress") for part in p.cmdline()):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_a_wedged_ingress_is_replaced_and_its_replacement_binds_the_ports(tiny_model, tmp_path):
+    """An ingress that stops answering (SIGSTOP: alive, holding its ports, as one whose loop a
+    flood blocked) fails Serve's health checks and is replaced. The replacement starts while
+    the old one still listens; it waits for the ports instead of failing its bind (Serve then
+    blocked the port for good, and with the range pinned to one port no ingress could ever
+    start again: the server was down until restarted). The server serves again, on the same
+    ports, and stops cleanly."""
+    port, grpc_port = free_port(), free_port()
+    (tmp_path / "app.yaml").write_text(
+        "reliability: {health_check_period_s: 1, health_check_timeout_s: 2,\n"
+        "              graceful_shutdown_timeout_s: 2, graceful_shutdown_wait_loop_s: 0.5}\n")
+    server = ServeProcess(tmp_path / "serve.log",
+                          tiny_args(tiny_model, port, grpc_port, "--config", str(tmp_path / "app.yaml")))
+    server.start()
+    try:
+        server.wait_healthy(port)
+        [old] = _ingress_processes(server)
+        old.suspend()
+        deadline = time.time() + 180
+        while True:
+            new = [p for p in _ingress_processes(server) if p.pid != old.pid]
+            try:
+                ok = new and httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=10,
+                                        json={"prompt": "again", "max_tokens": 3,
+                                              "ignore_eos": True}).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if ok:
+                break
+            assert time.time() < deadline, "no working ingress after the old one wedged:\n" + server.log()[-4000:]
+            time.sleep(1)
+        assert not old.is_running() or old.status() == psutil.STATUS_ZOMBIE  # Serve killed it
+        assert "No available ports" not in server.log()
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:  # and gRPC's port too
+            grpc.channel_ready_future(channel).result(timeout=30)
+        assert server.stop() == 0
+        assert not server.leftovers()
+    finally:
+        try:
+            old.resume()
+        except Exception:  # noqa: BLE001 - gone already
+            pass
+        server.kill()
