@@ -3,6 +3,8 @@ every rank says so (vLLM's KVOutputAggregator)."""
 
 from __future__ import annotations
 
+from typing import Any, Mapping, Optional, Sequence
+
 from fleetserve.scheduler import ModelRunnerOutput
 
 
@@ -38,14 +40,15 @@ class KVOutputAggregator:
         return first
 
 
-def merge_stats(parts: list) -> dict | None:
-    """Ranks' transfer stats as one: every rank's transfers observed (bytes add up across
-    ranks), a failed or expired load counted once (the most any rank saw)."""
-    parts = [p for p in parts if p]
-    if not parts:
+def merge_stats(parts: Sequence[Optional[Mapping[str, Any]]]) -> Optional[dict[str, Any]]:
+    """Ranks' transfer stats (base.TransferStats, as each rank sent them) as one: every rank's
+    transfers observed (bytes add up across ranks), a failed or expired load counted once (the
+    most any rank saw)."""
+    given = [p for p in parts if p]
+    if not given:
         return None
-    out: dict = {}
-    for p in parts:
+    out: dict[str, Any] = {}
+    for p in given:
         for key, value in p.items():
             if isinstance(value, list):
                 out.setdefault(key, []).extend(value)

@@ -48,7 +48,7 @@ from __future__ import annotations
 import abc
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Optional, TypedDict, Union
+from typing import Any, Callable, Optional, TypedDict, Union
 
 import torch
 
@@ -202,19 +202,11 @@ class KVConnectorWorker(abc.ABC):
         return None
 
 
-# What builds a half from (config, ctx): a half's class, usually.
-SchedulerHalfFactory = Callable[[KVTransferConfig, "ConnectorContext"], KVConnectorScheduler]
-WorkerHalfFactory = Callable[[KVTransferConfig, "ConnectorContext"], KVConnectorWorker]
-
-
 class KVConnectorBase(KVConnectorScheduler, KVConnectorWorker):
     """One connector class, built once per role; each role's calls go to its half.
 
-    Subclasses set `scheduler_cls` and `worker_cls` (built with (config, ctx)), or override
-    `build_half`."""
-
-    scheduler_cls: ClassVar[Optional[SchedulerHalfFactory]] = None
-    worker_cls: ClassVar[Optional[WorkerHalfFactory]] = None
+    Subclasses build the half of a role in `build_half` (kv_transfer.transfer.TransferConnector:
+    the shared halves over the subclass's transport)."""
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, ctx: ConnectorContext) -> None:
         self.config = config
@@ -222,12 +214,12 @@ class KVConnectorBase(KVConnectorScheduler, KVConnectorWorker):
         self.ctx = ctx
         self.load_failure_policy_name = config.kv_load_failure_policy
         self._half = self.build_half(role)
+        # A worker half's setting, fixed when it is built: whether the model calls the layer hooks.
+        self.uses_layer_hooks = isinstance(self._half, KVConnectorWorker) and self._half.uses_layer_hooks
 
+    @abc.abstractmethod
     def build_half(self, role: KVConnectorRole) -> Union[KVConnectorScheduler, KVConnectorWorker]:
-        factory = self.scheduler_cls if role is KVConnectorRole.SCHEDULER else self.worker_cls
-        if factory is None:
-            raise TypeError(f"{type(self).__name__} names no {role.value} half")
-        return factory(self.config, self.ctx)
+        """The half that serves `role`, built from this connector's config and context."""
 
     @property
     def half(self) -> Union[KVConnectorScheduler, KVConnectorWorker]:
@@ -287,11 +279,6 @@ class KVConnectorBase(KVConnectorScheduler, KVConnectorWorker):
 
     def start_load_kv(self) -> None:
         self._worker.start_load_kv()
-
-    @property  # type: ignore[override]  # a half's setting, read-only here (a class attribute there)
-    def uses_layer_hooks(self) -> bool:
-        half = self._half
-        return isinstance(half, KVConnectorWorker) and half.uses_layer_hooks
 
     def wait_for_layer_load(self, layer: int) -> None:
         self._worker.wait_for_layer_load(layer)

@@ -115,10 +115,10 @@ def gather_layer(kv: torch.Tensor, idx: BlockIndex, out: torch.Tensor, layer: in
     into a host `out` copies without waiting (sync before reading)."""
     two, heads, nb, bs, hd = kv.shape
     if len(idx.runs) * GATHER_RUN_BLOCKS <= len(idx) and _byte_copyable(kv, out):
-        src = _bytes(kv).transpose(2, 0, 1, 3, 4)  # [nb, 2, heads, bs, row bytes]
-        dst = _bytes(out)[:, layer]
+        src_bytes = _bytes(kv).transpose(2, 0, 1, 3, 4)  # [nb, 2, heads, bs, row bytes]
+        dst_bytes = _bytes(out)[:, layer]
         for s, e, b, step in idx.runs:
-            dst[s:e] = src[_run_slice(b, e - s, step)]
+            dst_bytes[s:e] = src_bytes[_run_slice(b, e - s, step)]
         return
     src = kv.view(two * heads, nb, bs * hd).transpose(0, 1)  # [nb, 2*heads, row]
     dst = out.view(out.shape[0], out.shape[1], two * heads, bs * hd)[:, layer]

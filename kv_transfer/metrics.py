@@ -18,18 +18,30 @@ step result to the process that owns the metrics.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from fleetserve.scheduler import ModelRunnerOutput
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics import Counter as CounterChild
+    from prometheus_client.metrics import Histogram as HistogramChild
+
+    from fleetserve.kv_transfer.base import KVConnectorBase
+    from fleetserve.scheduler.scheduler import Scheduler
 
 _BYTES = tuple(float(2 ** k) for k in range(12, 34, 2))  # 4 KiB .. 8 GiB
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-def step_kv_stats(scheduler, connector, runner_output) -> Optional[dict]:
-    """This step's transfer stats for the metrics (None when nothing to say)."""
-    stats = dict(runner_output.kv_connector_stats or {})
-    for key, value in (connector.take_stats() or {}).items():
+def step_kv_stats(scheduler: Scheduler, connector: KVConnectorBase,
+                  runner_output: ModelRunnerOutput) -> dict[str, Any]:
+    """This step's transfer stats for the metrics: the workers' (merged across ranks), the
+    scheduler half's counts added, and the blocks held for transfers."""
+    stats: dict[str, Any] = dict(runner_output.kv_connector_stats or {})
+    own: dict[str, Any] = dict(connector.take_stats() or {})  # counts only (expired loads)
+    for key, value in own.items():
         stats[key] = stats.get(key, 0) + value
     kv = scheduler.kv
     held = sum(len(kv.get_block_ids(rid)) for rid in scheduler.sending)
@@ -39,14 +51,14 @@ def step_kv_stats(scheduler, connector, runner_output) -> Optional[dict]:
 
 
 class KVTransferMetrics:
-    def __init__(self, registry: CollectorRegistry, labels: list[str], values: tuple) -> None:
+    def __init__(self, registry: CollectorRegistry, labels: list[str], values: Sequence[str]) -> None:
         """`labels`/`values`: the engine's own label names and values (model_name, engine)."""
         self._values = tuple(values)
 
-        def hist(name, doc, buckets):
+        def hist(name: str, doc: str, buckets: Sequence[float]) -> HistogramChild:
             return Histogram(name, doc, labels, buckets=buckets, registry=registry).labels(*values)
 
-        def counter(name, doc):
+        def counter(name: str, doc: str) -> CounterChild:
             return Counter(name, doc, labels, registry=registry).labels(*values)
 
         self.bytes_sent = hist("vllm:kv_transfer_bytes_sent", "Bytes of KV exported per transfer.", _BYTES)
@@ -67,7 +79,8 @@ class KVTransferMetrics:
                                   "Prompt tokens by where their KV came from.",
                                   list(labels) + ["source"], registry=registry)
 
-    def observe_step(self, stats: Optional[dict]) -> None:
+    def observe_step(self, stats: Optional[Mapping[str, Any]]) -> None:
+        """One step's stats (step_kv_stats, or a count the engine adds: dropped saves)."""
         if not stats:
             return
         for hist, key in ((self.bytes_sent, "bytes_sent"), (self.bytes_recv, "bytes_recv"),

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fleetserve.scheduler.policies import resolve_obj_by_qualname
 
 REGISTRY: dict[str, str] = {
@@ -68,7 +70,7 @@ def check_connector_name(name: str) -> str:
 # as vLLM does; custom 'module:Class' connectors check their own options.
 _COMMON = {"staging_max_bytes": int, "layerwise_save": bool, "model_id": str}
 _RAY = {"ray_address": str, "owner_name": str, "namespace": str, "durable_owner": bool}
-OPTIONS: dict[str, tuple[frozenset, dict[str, type]]] = {
+OPTIONS: dict[str, tuple[frozenset[str], dict[str, type]]] = {
     "SharedStorageConnector": (frozenset({"path"}), {"path": str, "max_bytes": int, "fsync": bool}),
     "RayObjectStoreConnector": (frozenset(), _RAY),
     "P2PConnector": (frozenset(), {**_RAY, "host": str, "p2p_max_groups": int, "stream_chunk_bytes": int}),
@@ -81,7 +83,7 @@ _EXAMPLES = {"path": '{"path": "/mnt/kv"}', "inner": '{"inner": "SharedStorageCo
                                                     '"inner_extra": {"path": "/tmp/kv"}}'}
 
 
-def check_connector_options(name: str, extra: dict, where: str = "") -> None:
+def check_connector_options(name: str, extra: dict[str, Any], where: str = "") -> None:
     """ValueError if a registered connector `name` cannot start with `extra` (a required key
     missing or empty, a known key of the wrong type); nothing imported. `where` (the config
     section and flag the options came from) is added to the message."""
@@ -91,7 +93,7 @@ def check_connector_options(name: str, extra: dict, where: str = "") -> None:
         raise ValueError(f"{e} ({where})" if where else str(e)) from None
 
 
-def _check_options(name: str, extra: dict) -> None:
+def _check_options(name: str, extra: object) -> None:
     name = canonical_connector_name(name)
     if name not in OPTIONS:
         return

@@ -186,7 +186,7 @@ class TransferScheduler(KVConnectorScheduler):
                                          keys[start:], self.config.kv_lease_s))
         return self._handoff_params(tid, n_full) if remote else {}
 
-    def _handoff_params(self, tid: str, n_full: int) -> dict[str, Any]:
+    def _handoff_params(self, tid: Optional[str], n_full: int) -> dict[str, Any]:
         """What the consumer needs to find the producer's `n_full` exported blocks."""
         bs = self.ctx.block_size
         return {"do_remote_prefill": True, "transfer_id": tid,

@@ -47,7 +47,7 @@ class Transport(abc.ABC):
         self.kv_caches: list[torch.Tensor] = []
         self.staging: Optional[StagingPool] = None
 
-    def location(self, transfer_id: str) -> dict[str, Any]:
+    def location(self, transfer_id: Optional[str]) -> dict[str, Any]:
         """Extra `remote_*` params a consumer needs to find this producer's blocks."""
         return {}
 

@@ -228,19 +228,19 @@ class TransferWorker(KVConnectorWorker):
         try:
             try:
                 self.transport.export(spec, batch)
-            except BaseException as e:
-                progress.fail(e)
+            except BaseException as err:
+                progress.fail(err)
                 batch.release()
                 raise
             try:
-                for s, e in progress.chunks:
-                    out, part = batch.data[s:e], idx[s:e]
+                for lo, hi in progress.chunks:
+                    out, part = batch.data[lo:hi], idx[lo:hi]
                     for layer, kv in enumerate(self.kv_caches):
                         gather_layer(kv, part, out, layer)
-                    digests[s:e] = host_digests(out.view(torch.uint8).numpy(), e - s)
+                    digests[lo:hi] = host_digests(out.view(torch.uint8).numpy(), hi - lo)
                     progress.advance()
-            except BaseException as e:
-                progress.fail(e)  # a sender stops at the failed chunk; the transport releases the batch
+            except BaseException as err:
+                progress.fail(err)  # a sender stops at the failed chunk; the transport releases the batch
                 raise
         finally:
             self._copied_out.put(spec.req_id)

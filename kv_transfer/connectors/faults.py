@@ -26,14 +26,20 @@ from __future__ import annotations
 
 import random
 import time
+from typing import Any, Optional, Union
 
 import torch
 
-from fleetserve.kv_transfer.base import KVConnectorBase, KVConnectorRole, LoadSpec, SaveSpec
+from fleetserve.kv_transfer.base import ConnectorContext, KVConnectorBase, KVConnectorRole, LoadSpec, SaveSpec
 from fleetserve.kv_transfer.blocks import BlockBatch
+from fleetserve.kv_transfer.cache_copy import Device
 from fleetserve.kv_transfer.config import KVTransferConfig
 from fleetserve.kv_transfer.errors import TransferError
+from fleetserve.kv_transfer.factory import resolve_connector_class
 from fleetserve.kv_transfer.scheduler_half import TransferScheduler
+from fleetserve.kv_transfer.staging import StagingPool
+from fleetserve.kv_transfer.stream import ChunkSink
+from fleetserve.kv_transfer.transfer import TransferConnector
 from fleetserve.kv_transfer.transport import Transport
 from fleetserve.kv_transfer.worker_half import TransferWorker
 
@@ -41,7 +47,7 @@ FAULTS = ("drop", "delay_s", "corrupt", "stale", "duplicate", "lose_notice")
 
 
 class FaultyTransport(Transport):
-    def __init__(self, inner: Transport, faults: dict, seed: int) -> None:
+    def __init__(self, inner: Transport, faults: dict[str, float], seed: int) -> None:
         super().__init__(inner.config, inner.ctx, inner.role)
         self.inner = inner
         self.faults = faults
@@ -57,13 +63,13 @@ class FaultyTransport(Transport):
         p = float(self.faults.get(name, 0.0))
         return p > 0 and self._rng.random() < p
 
-    def location(self, transfer_id):
+    def location(self, transfer_id: Optional[str]) -> dict[str, Any]:
         return self.inner.location(transfer_id)
 
-    def payload_device(self, cache_device):
+    def payload_device(self, cache_device: torch.device) -> Device:
         return self.inner.payload_device(cache_device)
 
-    def register_kv_caches(self, kv_caches, staging):
+    def register_kv_caches(self, kv_caches: list[torch.Tensor], staging: StagingPool) -> None:
         super().register_kv_caches(kv_caches, staging)
         self.inner.register_kv_caches(kv_caches, staging)
 
@@ -82,7 +88,7 @@ class FaultyTransport(Transport):
         if self.fires("duplicate"):
             self.inner.export(spec, batch)
 
-    def fetch(self, spec: LoadSpec, sink=None) -> BlockBatch:
+    def fetch(self, spec: LoadSpec, sink: Optional[ChunkSink] = None) -> BlockBatch:
         delay = float(self.faults.get("delay_s", 0.0))
         if delay:
             time.sleep(delay)
@@ -90,24 +96,24 @@ class FaultyTransport(Transport):
             raise TransferError("dropped by fault injection")
         return self.inner.fetch(spec) if sink is None else self.inner.fetch(spec, sink)
 
-    def confirm(self, spec):
+    def confirm(self, spec: LoadSpec) -> None:
         self.inner.confirm(spec)
 
-    def lookup(self, keys):
+    def lookup(self, keys: list[str]) -> int:
         return self.inner.lookup(keys)
 
-    def shutdown(self):
+    def shutdown(self) -> None:
         self.inner.shutdown()
 
 
 class FaultyWorker(TransferWorker):
-    def __init__(self, config, ctx, transport: FaultyTransport) -> None:
+    def __init__(self, config: KVTransferConfig, ctx: ConnectorContext, transport: FaultyTransport) -> None:
         super().__init__(config, ctx, transport)
         self.faulty = transport
         self._again: set[str] = set()
         self.lost_notices: set[str] = set()
 
-    def get_finished(self, finished_req_ids):
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         sending, recving = super().get_finished(finished_req_ids)
         again, self._again = self._again, set()
         for rid in list(recving):
@@ -120,9 +126,7 @@ class FaultyWorker(TransferWorker):
 
 
 class FaultInjectionConnector(KVConnectorBase):
-    def build_half(self, role: KVConnectorRole):
-        from fleetserve.kv_transfer.factory import resolve_connector_class
-
+    def build_half(self, role: KVConnectorRole) -> Union[TransferScheduler, FaultyWorker]:
         extra = self.config.kv_connector_extra_config
         inner_name = extra.get("inner")
         if not inner_name:
@@ -132,6 +136,9 @@ class FaultInjectionConnector(KVConnectorBase):
         if unknown:
             raise ValueError(f"unknown faults {sorted(unknown)}; known: {FAULTS}")
         inner_cls = resolve_connector_class(inner_name)
+        if not issubclass(inner_cls, TransferConnector):
+            raise ValueError(f"FaultInjectionConnector wraps a transfer connector (shared storage, Ray, P2P), "
+                             f"not {inner_name!r}")
         inner_cfg: KVTransferConfig = self.config.model_copy(update={
             "kv_connector": inner_name, "kv_connector_extra_config": extra.get("inner_extra", {})})
         transport = FaultyTransport(inner_cls.transport_cls(inner_cfg, self.ctx, role), faults,

@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import time
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -74,7 +74,7 @@ from fleetserve.kv_transfer.config import KVTransferConfig
 from fleetserve.kv_transfer.connectors.p2p_net import nccl_usable, server_name
 from fleetserve.kv_transfer.connectors.p2p_pull import P2PPuller
 from fleetserve.kv_transfer.connectors.p2p_server import P2PServer
-from fleetserve.kv_transfer.connectors.ray_owner import connect_ray, get_owner
+from fleetserve.kv_transfer.connectors.ray_owner import KVObjectOwner, connect_ray, get_owner
 from fleetserve.kv_transfer.shards import join_shards, local_head_range, producer_shards
 from fleetserve.kv_transfer.staging import StagingPool
 from fleetserve.kv_transfer.stream import ChunkSink
@@ -100,7 +100,7 @@ class P2PTransport(Transport):
         self._extra = extra
         self.owner_name = str(extra.get("owner_name", "fleetserve-kv-owner"))
         self.namespace = str(extra.get("namespace", "fleetserve"))
-        self._owner: Optional[ActorHandle[Any]] = None
+        self._owner: Optional[ActorHandle[KVObjectOwner]] = None
         max_groups = int(extra.get("p2p_max_groups", 16))
         self.server = P2PServer(ctx.tp_rank, max_groups)  # producer
         self.puller = P2PPuller(ctx, max_groups, self._resolve)  # consumer
@@ -115,7 +115,7 @@ class P2PTransport(Transport):
     def payload_device(self, cache_device: torch.device) -> Device:
         return cache_device if nccl_usable(torch.device(cache_device)) else "cpu"
 
-    def _directory(self) -> tuple[ModuleType, ActorHandle[Any]]:
+    def _directory(self) -> tuple[ModuleType, ActorHandle[KVObjectOwner]]:
         ray = connect_ray(self._extra)
         if self._owner is None:
             self._owner = get_owner(ray, self.owner_name, self.namespace)

@@ -175,5 +175,11 @@ def make_group(store: dist.Store, name: Union[str, int], rank: int, timeout_s: f
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
-    return dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+        # (torch's stubs give these backends no send/recv; the bindings have them)
+        return dist.ProcessGroupNCCL(prefixed, rank, 2, opts)  # type: ignore[return-value]
+    return dist.ProcessGroupGloo(prefixed, rank, 2, timeout)  # type: ignore[return-value]
+
+
+def store_set(store: dist.Store, key: str, value: bytes) -> None:
+    """`store.set` of bytes (headers, markers), which torch's binding takes as they are."""
+    store.set(key, value)  # type: ignore[arg-type]  # the stub says str; the binding takes bytes too

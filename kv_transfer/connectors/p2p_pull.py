@@ -40,6 +40,7 @@ from fleetserve.kv_transfer.connectors.p2p_net import (
     PullRequest,
     nccl_usable,
     server_name,
+    store_set,
     stream_tag,
     tag,
     timeout_until,
@@ -271,7 +272,7 @@ class _Pull:
                     raise KVFormatError("a streamed batch this pull did not ask for")
                 self.sink.begin(meta["fingerprint"], [str(k) for k in meta["keys"]], self.heads, shape, dtype)
         except KVFormatError:
-            self.store.set(f"go/{self.pid}", b"0")
+            store_set(self.store, f"go/{self.pid}", b"0")
             raise
         return _Accepted(backend.decode(), meta, dtype, shape, nbytes, chunks)
 
@@ -280,7 +281,7 @@ class _Pull:
         (unless quarantined)."""
         buf, release = self.puller.take_buffer(acc.nbytes, acc.backend)
         try:
-            self.store.set(f"go/{self.pid}", b"1")
+            store_set(self.store, f"go/{self.pid}", b"1")
             if self.gid is None:  # NCCL: a group for this pull only
                 pg = p2p_net.make_group(self.store, str(self.pid), 1, self.spec.deadline - time.time(), acc.backend)
                 pg.recv([buf], 0, 0).wait()

@@ -30,6 +30,7 @@ from fleetserve.kv_transfer.connectors.p2p_net import (
     Group,
     Groups,
     PullRequest,
+    store_set,
     stream_tag,
     tag,
 )
@@ -174,13 +175,13 @@ class P2PServer:
         with self._lock:
             held = oid in self._outbox
         if held and gid is not None and not pull.get("new") and self.groups.get(gid) is None:
-            store.set(f"hdr/{pid}", REGROUP)  # evicted here: the consumer forms it again
+            store_set(store, f"hdr/{pid}", REGROUP)  # evicted here: the consumer forms it again
             return
         entry, known_gone = self._take(oid, int(pull.get("readers", 1)))
         if entry is None:
             # Taken or expired: a clear "no". Otherwise the export is still being gathered
             # (the producer's reply can overtake it): the consumer asks again.
-            store.set(f"hdr/{pid}", b"" if known_gone else NOT_YET)
+            store_set(store, f"hdr/{pid}", b"" if known_gone else NOT_YET)
             return
         try:
             self._send_held(store, pid, pull, gid, entry.batch)
@@ -198,7 +199,7 @@ class P2PServer:
             try:
                 prog.wait_all(STORE_TIMEOUT_S)
             except StreamAborted:
-                store.set(f"hdr/{pid}", b"")  # nothing to hand over: the load fails at once
+                store_set(store, f"hdr/{pid}", b"")  # nothing to hand over: the load fails at once
                 raise
         if backend == "gloo" and batch.data.device.type != "cpu":  # a CPU consumer: via the host
             batch = BlockBatch(batch.fingerprint, batch.keys, batch.data.cpu(), batch.heads)
@@ -206,7 +207,7 @@ class P2PServer:
         if stream:
             n = batch.data.shape[0]
             chunks = prog.chunks if prog is not None else plan_chunks(n, batch.nbytes // n)
-        store.set(f"hdr/{pid}", backend.encode() + b"\n"
+        store_set(store, f"hdr/{pid}", backend.encode() + b"\n"
                   + batch.header([e - s for s, e in chunks] if chunks else None))
         if store.get(f"go/{pid}") != b"1":
             return  # the consumer refused the header: it never joins the group
@@ -263,8 +264,9 @@ class P2PServer:
             import torch.distributed as dist
 
             try:
-                dist.TCPStore(self._store.host, self._store.port, is_master=False,
-                              timeout=datetime.timedelta(seconds=2)).set(f"pull/{self._served + 1}", b"{}")
+                waker = dist.TCPStore(self._store.host, self._store.port, is_master=False,
+                                      timeout=datetime.timedelta(seconds=2))
+                waker.set(f"pull/{self._served + 1}", "{}")
             except Exception:  # noqa: BLE001 - the store is gone: the server thread is too
                 logger.debug("could not wake the P2P server thread", exc_info=True)
         self.groups.clear()

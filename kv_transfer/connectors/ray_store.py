@@ -29,17 +29,14 @@ connector's; Ray's own serialization stays inside the cluster. The worker connec
 to Ray and finds the owner actor when its cache is registered (engine start), not on
 a request's first transfer.
 
-Each process maps the store's shared memory and pays a page fault per 4 KiB page the
-first time it touches one: ~20k faults, 13-14 ms, on a 90 MiB put on this VM, against
-4-5 ms once mapped. The store's allocator hands out fresh addresses until it has gone
-round the whole store once, so without help a new engine's exports pay them until it has
-put the store's size. When the store's memory is already allocated (Ray started with
+Each process pays a page fault per 4 KiB page of the store's shared memory the first time
+it touches one, and the store's allocator hands out fresh addresses until it has gone round
+the whole store once, so without help a new engine's exports pay them until it has put the
+store's size. When the store's memory is already allocated (Ray started with
 `RAY_preallocate_plasma_memory=1` in its environment: `ray start`, or `fleetserve serve`'s
 embedded Ray), each worker maps all of it at engine start, on a background thread at the
-lowest priority (`MADV_POPULATE_WRITE`, Linux >= 5.14: ~0.3 s per GiB here, no memory
-allocated); a sparse store is left alone (mapping it would allocate all of it). Between
-hand-offs spaced apart the store reuses freed memory (mapped already): the warm-up matters
-for a new engine's first exports and for bursts of exports alive at once.
+lowest priority (`ray_store_warmup`); a sparse store is left alone (mapping it would allocate
+all of it). What that costs and saves: docs/benchmarks/results/2026-11-29-kv-transfer-zen5.md.
 
 `kv_connector_extra_config`: `ray_address` (default: the Ray this process is
 connected to, else RAY_ADDRESS), `owner_name` (default "fleetserve-kv-owner"),
@@ -49,97 +46,36 @@ connected to, else RAY_ADDRESS), `owner_name` (default "fleetserve-kv-owner"),
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import threading
 import time
-from typing import Any, Optional
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
+import torch
 
 from fleetserve.kv_transfer.base import ConnectorContext, KVConnectorRole, LoadSpec, SaveSpec
 from fleetserve.kv_transfer.blocks import BlockBatch, decode_batch, deliver_verified, parse_header
 from fleetserve.kv_transfer.config import KVTransferConfig
-from fleetserve.kv_transfer.connectors.ray_owner import connect_ray, get_owner
+from fleetserve.kv_transfer.connectors.ray_owner import Export, KVObjectOwner, connect_ray, get_owner
+from fleetserve.kv_transfer.connectors.ray_store_warmup import map_store
 from fleetserve.kv_transfer.errors import TransferError
 from fleetserve.kv_transfer.shards import join_shards, local_head_range, producer_shards, readers_of
-from fleetserve.kv_transfer.stream import STREAM_CHUNK_BYTES
+from fleetserve.kv_transfer.staging import StagingPool
+from fleetserve.kv_transfer.stream import STREAM_CHUNK_BYTES, ChunkSink
 from fleetserve.kv_transfer.transfer import TransferConnector
 from fleetserve.kv_transfer.transport import Transport
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.005  # an export not held yet is asked for again this often (owners without wait_lookup)
 WAIT_S = 5.0  # a wait_lookup call waits this long at most (then the consumer asks again)
-
-
-MADV_POPULATE_WRITE = 23  # Linux >= 5.14
-MAP_CHUNK = 64 << 20  # populated this much per call: a shutdown stops the warm-up between calls
-
-
-def store_mappings() -> list[tuple[int, int, str]]:
-    """(start, end, /proc/self/maps range) of this process's shared mappings of the Ray object
-    store's memory (its file is named plasma*; in /dev/shm, or Ray's plasma directory)."""
-    out = []
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 6 or "s" not in parts[1]:
-                    continue
-                if not os.path.basename(parts[5]).startswith("plasma"):
-                    continue
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                out.append((lo, hi, parts[0]))
-    except OSError:
-        pass
-    return out
-
-
-def _madvise():
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return madvise
-
-
-def populate_supported() -> bool:
-    """Whether this kernel knows MADV_POPULATE_WRITE (asked with an empty range)."""
-    madvise = _madvise()
-    return madvise is not None and madvise(None, 0, MADV_POPULATE_WRITE) == 0
-
-
-def map_store(stop: threading.Event, ensure_mapped=None, mappings=None) -> int:
-    """Fault in this process's mapping of the object store (`mappings`, default
-    `store_mappings()`), where the store's memory is allocated already (else this would
-    allocate it all): returns the bytes mapped. `ensure_mapped` is called when the store is
-    not mapped yet (a Ray client maps it at its first big object)."""
-    if not populate_supported():  # Linux < 5.14
-        return 0
-    madvise = _madvise()
-    maps = store_mappings() if mappings is None else mappings
-    if not maps and ensure_mapped is not None:
-        ensure_mapped()
-        maps = store_mappings()
-    done = 0
-    for lo, hi, rng in maps:
-        try:
-            st = os.stat(f"/proc/self/map_files/{rng}")
-        except OSError:  # not ours to look at: leave it
-            continue
-        if st.st_blocks * 512 < min(st.st_size, hi - lo):
-            logger.debug("object store memory not preallocated: not mapped up front")
-            continue
-        for at in range(lo, hi, MAP_CHUNK):
-            if stop.is_set():
-                return done
-            n = min(MAP_CHUNK, hi - at)
-            if madvise(at, n, MADV_POPULATE_WRITE) != 0:  # e.g. the store went away
-                return done
-            done += n
-    return done
-
 
 
 class RayObjectStoreTransport(Transport):
@@ -153,13 +89,13 @@ class RayObjectStoreTransport(Transport):
         self.durable = bool(extra.get("durable_owner", False))
         self._extra = extra
         self.chunk_bytes = int(extra.get("stream_chunk_bytes", STREAM_CHUNK_BYTES))
-        self._ray = None
-        self._owners: dict[tuple[str, str], Any] = {}  # (name, namespace) -> actor handle
+        self._ray: Optional[ModuleType] = None
+        self._owners: dict[tuple[str, str], ActorHandle[KVObjectOwner]] = {}  # by (name, namespace)
         self._stop = threading.Event()
         self.mapped_bytes: Optional[int] = None  # set once the store warm-up is over
         self._mapper: Optional[threading.Thread] = None
 
-    def register_kv_caches(self, kv_caches: list, staging) -> None:
+    def register_kv_caches(self, kv_caches: list[torch.Tensor], staging: StagingPool) -> None:
         super().register_kv_caches(kv_caches, staging)
         self._connect()  # at engine start: a request's first transfer must not pay for it
         if bool(self._extra.get("map_store", True)) and self._mapper is None:
@@ -167,11 +103,9 @@ class RayObjectStoreTransport(Transport):
             self._mapper.start()
 
     def _map_store(self) -> None:
-        import numpy as np
+        ray = self._connect()
 
-        ray = self._ray
-
-        def ensure_mapped():  # an object too big to be inlined: the client maps the store
+        def ensure_mapped() -> None:  # an object too big to be inlined: the client maps the store
             ref = ray.put(np.zeros(1 << 20, dtype=np.uint8))
             del ref
 
@@ -198,14 +132,14 @@ class RayObjectStoreTransport(Transport):
     def shutdown(self) -> None:
         self._stop.set()
 
-    def _connect(self):
+    def _connect(self) -> ModuleType:
         if self._ray is None:
             ray = connect_ray(self._extra)
             self._owners[(self.owner_name, self.namespace)] = get_owner(ray, self.owner_name, self.namespace)
             self._ray = ray
         return self._ray
 
-    def _owner(self, spec: Optional[LoadSpec] = None):
+    def _owner(self, spec: Optional[LoadSpec] = None) -> tuple[ModuleType, ActorHandle[KVObjectOwner]]:
         """The owner actor a consumer's params name (ours by default), looked up once."""
         ray = self._connect()
         key = (str(spec.source.get("remote_ray_owner", self.owner_name)) if spec else self.owner_name,
@@ -219,16 +153,17 @@ class RayObjectStoreTransport(Transport):
             self._owners[key] = owner
         return ray, owner
 
-    def location(self, transfer_id: str) -> dict[str, Any]:
+    def location(self, transfer_id: Optional[str]) -> dict[str, Any]:
         return {"remote_ray_owner": self.owner_name, "remote_ray_namespace": self.namespace}
 
-    def _object_id(self, transfer_id: str) -> str:
+    def _object_id(self, transfer_id: Optional[str]) -> str:
         # One object per rank: a TP consumer finds the ranks' shards by head range.
         return f"{transfer_id}/r{self.ctx.tp_rank}"
 
     def export(self, spec: SaveSpec, batch: BlockBatch) -> None:
         ray, owner = self._owner()
         oid = self._object_id(spec.transfer_id)
+        call: ObjectRef[None]
         if self.durable:  # the actor puts (and owns) its own copy
             call = owner.adopt.remote(oid, batch.header(), batch.payload(), spec.lease_s)
         else:  # put once from here; the actor borrows it (Ray counts its reference)
@@ -236,22 +171,23 @@ class RayObjectStoreTransport(Transport):
             call = owner.hold.remote(oid, [ref], batch.nbytes, spec.lease_s)
         ray.get(call, timeout=60)
 
-    def fetch(self, spec: LoadSpec, sink=None) -> BlockBatch:
-        """The blocks of `spec`; with a `sink` (transfer._Sink) and one producer shard, each
-        chunk is verified and written into the cache as the next one is checked."""
+    def fetch(self, spec: LoadSpec, sink: Optional[ChunkSink] = None) -> BlockBatch:
+        """The blocks of `spec`; with a `sink` and one producer shard, each chunk is verified
+        and written into the cache as the next one is checked."""
         ray, owner = self._owner(spec)
         shards = self._shards(spec)
         sink = sink if len(shards) == 1 else None  # shards are joined first: whole batches
         return join_shards([self._fetch_one(ray, owner, spec, f"{spec.transfer_id}/r{rank}", sink)
                             for rank, _ in shards])
 
-    def _shards(self, spec: LoadSpec):
+    def _shards(self, spec: LoadSpec) -> list[tuple[int, tuple[int, int]]]:
         heads = local_head_range(self.ctx.num_kv_heads, self.ctx.tp_size, self.ctx.tp_rank)
         return producer_shards(heads, self.ctx.num_kv_heads,
                                int(spec.source.get("remote_tp_size", self.ctx.tp_size)))
 
-    def _fetch_one(self, ray, owner, spec: LoadSpec, oid: str, sink=None) -> BlockBatch:
-        refs = None
+    def _fetch_one(self, ray: ModuleType, owner: ActorHandle[KVObjectOwner], spec: LoadSpec, oid: str,
+                   sink: Optional[ChunkSink] = None) -> BlockBatch:
+        refs: Optional[list[ObjectRef[Export]]] = None
         # An owner actor started by an older fleetserve (detached: it outlives upgrades) may
         # lack wait_lookup: then ask every POLL_S.
         wait = getattr(owner, "wait_lookup", None)
@@ -266,9 +202,10 @@ class RayObjectStoreTransport(Transport):
             if refs is None:
                 time.sleep(POLL_S)
         try:
-            header, payload = ray.get(refs[0], timeout=max(0.001, spec.deadline - time.time()))
+            export: Export = ray.get(refs[0], timeout=max(0.001, spec.deadline - time.time()))
         except ray.exceptions.RayError as e:  # e.g. the producer (the object's owner) died
             raise TransferError(f"transfer {oid} is gone: {type(e).__name__}") from e
+        header, payload = export
         meta, off = parse_header(header)
         if off != len(header):
             raise TransferError("trailing bytes after the KV header")

@@ -22,6 +22,7 @@ a persistent prefix cache. Unlike vLLM's reference connector:
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import secrets
@@ -37,7 +38,8 @@ from fleetserve.kv_transfer.base import ConnectorContext, KVConnectorRole, LoadS
 from fleetserve.kv_transfer.blocks import MAGIC, BlockBatch, batch_from_tensor, check_header, parse_header
 from fleetserve.kv_transfer.config import KVTransferConfig
 from fleetserve.kv_transfer.errors import KVFormatError, TransferError
-from fleetserve.kv_transfer.shards import join_shards, producer_shards
+from fleetserve.kv_transfer.shards import join_shards, local_head_range, producer_shards
+from fleetserve.kv_transfer.stream import ChunkSink
 from fleetserve.kv_transfer.transfer import TransferConnector
 from fleetserve.kv_transfer.transport import Transport
 
@@ -49,7 +51,7 @@ POLL_S = 0.005  # a hand-off's files may still be on their way: look again this 
 class BlockStore:
     """The folder, one file per (block, head range). Thread- and process-safe."""
 
-    def __init__(self, root: str | os.PathLike, fingerprint: str, heads: tuple[int, int],
+    def __init__(self, root: str | os.PathLike[str], fingerprint: str, heads: tuple[int, int],
                  max_bytes: int = 8 << 30, fsync: bool = False) -> None:
         self.dir = Path(root) / fingerprint
         self.tmp = self.dir / "tmp"
@@ -81,7 +83,7 @@ class BlockStore:
             try:
                 with open(tmp, "wb") as f:
                     f.write(one.header())
-                    f.write(memoryview(one.payload()))
+                    f.write(one.payload().data)
                     if self.fsync:
                         f.flush()
                         os.fsync(f.fileno())
@@ -118,7 +120,7 @@ class BlockStore:
             pass
         return batch
 
-    def _read(self, f, key: str, out: Optional[torch.Tensor]) -> BlockBatch:
+    def _read(self, f: io.BufferedReader, key: str, out: Optional[torch.Tensor]) -> BlockBatch:
         head = f.read(8)
         if len(head) < 8 or head[:4] != MAGIC:
             raise KVFormatError("not a fleetserve KV payload (bad magic)")
@@ -130,7 +132,7 @@ class BlockStore:
             buf = out.view(torch.uint8).view(-1)
         else:  # the fingerprint fixes the geometry: a file of another shape is damaged
             raise KVFormatError(f"block of shape {shape}, expected {list(out.shape)}")
-        got = f.readinto(memoryview(buf.numpy()))
+        got = f.readinto(buf.numpy().data)
         if got != nbytes or f.read(1):
             raise KVFormatError(f"payload has {got}+ bytes, header says {nbytes} (truncated?)")
         batch = batch_from_tensor(meta, buf, self.fingerprint)
@@ -183,8 +185,6 @@ class SharedStorageTransport(Transport):
 
     def __init__(self, config: KVTransferConfig, ctx: ConnectorContext, role: KVConnectorRole) -> None:
         super().__init__(config, ctx, role)
-        from fleetserve.kv_transfer.shards import local_head_range
-
         extra = config.kv_connector_extra_config
         if not extra.get("path"):
             raise ValueError("SharedStorageConnector needs kv_connector_extra_config.path")
@@ -204,8 +204,9 @@ class SharedStorageTransport(Transport):
     def export(self, spec: SaveSpec, batch: BlockBatch) -> None:
         self.store.put(batch)
 
-    def fetch(self, spec: LoadSpec) -> BlockBatch:
-        """This rank's heads of the blocks, from the shards the producer's TP wrote."""
+    def fetch(self, spec: LoadSpec, sink: Optional[ChunkSink] = None) -> BlockBatch:
+        """This rank's heads of the blocks, from the shards the producer's TP wrote (read whole:
+        no `sink`)."""
         producer_tp = int(spec.source.get("remote_tp_size", self.ctx.tp_size))
         shards = producer_shards(self.store.heads, self.ctx.num_kv_heads, producer_tp)
         return join_shards([self._fetch_shard(spec, rng) for _, rng in shards])
@@ -223,7 +224,7 @@ class SharedStorageTransport(Transport):
                 batch = self.store.get(key, heads, data[i:i + 1])
             if batch is None:
                 break
-            digests.append(batch.digests[0])
+            digests.append(batch.checksums()[0])  # (verified as it was read)
         if not digests:
             release()
             raise TransferError(f"no stored block for {spec.keys[0]}")

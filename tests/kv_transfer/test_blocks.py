@@ -80,7 +80,8 @@ def test_fingerprints_differ_with_the_rope():
     from fleetserve.replica.model_loader.model_config import ModelConfig
 
     def v5(**rope):
-        return types.SimpleNamespace(**{**vars(CFG), "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, **rope}})
+        params = {"rope_type": "default", "rope_theta": 1e4, **rope}
+        return types.SimpleNamespace(**{**vars(CFG), "rope_parameters": params})
 
     base = kv_fingerprint("m", v5(), torch.float32, 4)
     assert kv_fingerprint("m", v5(), torch.float32, 4) == base
@@ -88,8 +89,8 @@ def test_fingerprints_differ_with_the_rope():
     assert kv_fingerprint("m", v5(rope_type="linear", factor=2.0), torch.float32, 4) != base
     old = kv_fingerprint("m", CFG, torch.float32, 4)
     assert kv_fingerprint("m", types.SimpleNamespace(**{**vars(CFG), "rope_theta": 5e5}), torch.float32, 4) != old
-    assert kv_fingerprint("m", types.SimpleNamespace(**{**vars(CFG), "rope_scaling": {"type": "linear", "factor": 2.0}}),
-                          torch.float32, 4) != old
+    scaled = types.SimpleNamespace(**{**vars(CFG), "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert kv_fingerprint("m", scaled, torch.float32, 4) != old
     # What an engine fingerprints with: its ModelConfig from config.json.
     fields = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=384)

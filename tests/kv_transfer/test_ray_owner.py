@@ -16,7 +16,7 @@ import torch
 
 from fleetserve.kv_transfer.base import KVConnectorRole
 from fleetserve.kv_transfer.config import KVTransferConfig
-from fleetserve.kv_transfer.connectors import ray_owner, ray_store
+from fleetserve.kv_transfer.connectors import ray_owner, ray_store, ray_store_warmup
 from fleetserve.kv_transfer.factory import build_context
 from fleetserve.kv_transfer.keys import chain_keys
 from tests.kv_transfer.utils import load_before_export
@@ -136,14 +136,14 @@ def test_a_load_is_written_chunk_by_chunk_up_to_its_first_damaged_block(local_ra
 
 
 def test_the_store_mapping_warm_up_maps_allocated_memory_and_leaves_sparse_memory_alone(tmp_path):
-    """The warm-up (ray_store.map_store) on two shared file mappings named as Ray names its
+    """The warm-up (ray_store_warmup.map_store) on two shared file mappings named as Ray names its
     store's file: a fully allocated one is mapped in whole (this process's resident pages),
     a sparse one gets no page (mapping it would allocate the store's memory)."""
     import os
     import tempfile
     import threading
 
-    if not ray_store.populate_supported():
+    if not ray_store_warmup.populate_supported():
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14): the warm-up is a no-op")
 
     def rss_kib(lo):  # this process's resident KiB of the mapping that starts at `lo`
@@ -172,18 +172,18 @@ def test_the_store_mapping_warm_up_maps_allocated_memory_and_leaves_sparse_memor
                 mms.append(mmap.mmap(fd, size, mmap.MAP_SHARED))
             finally:
                 os.close(fd)
-            maps[kind] = next(m for m in ray_store.store_mappings()
+            maps[kind] = next(m for m in ray_store_warmup.store_mappings()
                               if os.readlink(f"/proc/self/map_files/{m[2]}") == path)
         try:
             for lo, hi, _ in maps.values():
                 assert hi - lo == size and rss_kib(lo) == 0
-            assert ray_store.map_store(threading.Event(), mappings=list(maps.values())) == size
+            assert ray_store_warmup.map_store(threading.Event(), mappings=list(maps.values())) == size
             assert rss_kib(maps["allocated"][0]) == size >> 10  # all of it, now
             assert rss_kib(maps["sparse"][0]) == 0
             assert os.stat(os.path.join(folder, "plasma-sparse")).st_blocks == 0  # nothing allocated
             stop = threading.Event()
             stop.set()  # a shutdown stops a warm-up between its calls
-            assert ray_store.map_store(stop, mappings=list(maps.values())) == 0
+            assert ray_store_warmup.map_store(stop, mappings=list(maps.values())) == 0
         finally:
             for mm in mms:
                 mm.close()
