@@ -66,7 +66,7 @@ def check_connector_name(name: str) -> str:
 # What each registered connector reads from `kv_connector_extra_config`: (required keys,
 # {key: type}). Checked where a config is parsed, so a missing folder or a mistyped option
 # is a clear error before Ray starts, not a stack trace from every engine replica's start-up
-# (Serve then retries each replica and gives up ~50 s later). Keys not listed are passed on
+# (which Serve retries for every replica before it gives up). Keys not listed are passed on
 # as vLLM does; custom 'module:Class' connectors check their own options.
 _COMMON = {"staging_max_bytes": int, "layerwise_save": bool, "model_id": str}
 _RAY = {"ray_address": str, "owner_name": str, "namespace": str, "durable_owner": bool}

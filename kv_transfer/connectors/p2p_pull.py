@@ -92,7 +92,7 @@ class P2PPuller:
             collections.deque(maxlen=QUARANTINE)
         self._addresses: dict[str, str] = {}  # "p2p/<engine>/r<rank>" -> host:port
         # Producer address -> store clients idle between pulls (a new one costs a TCP connect
-        # and torch's handshake, as much as moving a few MiB).
+        # and torch's handshake: docs/benchmarks/results/2026-11-29-kv-transfer-zen5.md).
         self.clients: collections.OrderedDict[str, list[dist.TCPStore]] = collections.OrderedDict()
         self._lock = threading.Lock()
 

@@ -20,8 +20,8 @@ The producer likewise hashes each chunk while it gathers the next.
 Ray 2.56 removed `ray.put(_owner=...)`, so the object's owner is the producer process:
 if that process dies before the consumer reads, the object is lost and the load fails
 (by policy: recompute, or a clear error). `durable_owner: true` instead makes the
-actor put its own copy (one more copy of every byte, ~2x the export time here), so an
-export outlives its producer.
+actor put its own copy (one more copy of every byte: its cost is in
+docs/design/kv-connector.md), so an export outlives its producer.
 
 The object is a (header bytes, uint8 array) pair: the header is JSON (keys,
 fingerprint, per-block digests) and is parsed and checked like every other
