@@ -1,8 +1,8 @@
 """Tokenizers for HF folders and GGUF files, and chat formatting.
 
 A GGUF file carries its tokenizer as metadata (`tokenizer.ggml.*`);
-transformers converts it to a fast tokenizer, which takes ~10 s for SmolLM2's
-49k vocabulary. The result is saved once under
+transformers converts it to a fast tokenizer, which takes seconds for SmolLM2's
+49k vocabulary (figures: docs/deployment/cpu.md, "Figures behind the code"). The result is saved once under
 `$FLEETSERVE_CACHE_DIR/tokenizers/<key>/` (default `~/.cache/fleetserve`),
 keyed by the file's path, size and modification time, so later loads read a
 `tokenizer.json` in well under a second. Replicas that start together may
@@ -10,7 +10,7 @@ both convert; each writes a private folder and renames it into place, and the
 loser's rename simply fails.
 
 `AutoTokenizer` imports transformers' model-configuration machinery and, with it, torch
-(~3 s of CPU). The replica process holds the tokenizer but never runs the model, so a
+(seconds of CPU). The replica process holds the tokenizer but never runs the model, so a
 folder whose tokenizer AutoTokenizer would load as the plain fast tokenizer anyway (our
 GGUF cache; a Llama folder that names `TokenizersBackend`) is loaded through that class
 directly (`_plain_fast_folder`; tests/replica/test_tokenizer.py checks the two agree).

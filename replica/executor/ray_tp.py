@@ -12,7 +12,7 @@ channels) would cut the per-call cost further; not done yet.
 Workers live in a placement group (one bundle per rank, PACK by default) and
 rendezvous over TCP on a free port chosen by rank 0's node (never a fixed
 port). The process group uses NCCL when CUDA is present and gloo otherwise,
-chosen inside `replica.parallel.init_tp_group`.
+chosen inside `replica.distributed.parallel.init_tp_group`.
 
 A worker that dies or stops answering fails the step with `ExecutorError`
 within `step_timeout_s`; the engine then fails its in-flight requests and
@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 
 class TPWorkerActor:
-    """Runs in a Ray actor; wraps one rank's `replica.worker.Worker`. Its methods are
+    """Runs in a Ray actor; wraps one rank's `replica.worker.worker.Worker`. Its methods are
     `ray.method`s, so the driver's `.remote` calls are typed."""
 
     def __init__(self) -> None:
@@ -215,7 +215,7 @@ class RayTPExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()
         # Passed by value: a step's diff is small enough for Ray to inline it in each call,
-        # cheaper than ray.put and a reference (measured: docs/benchmarks/results, "TP step overhead").
+        # cheaper than ray.put and a reference (figures: docs/deployment/cpu.md, "Figures behind the code").
         results = self._get([w.execute_model.remote(scheduler_output) for w in self.workers],
                             self.step_timeout_s)
         wall = time.perf_counter() - t0

@@ -8,7 +8,7 @@ through `torch.utils.cpp_extension`, which needs `ninja`) into
 `~/.cache/fleetserve/kernels/<hash>/`, the hash covering the source, torch's
 version and the CPU's flags, so a build is reused by every later process on
 the same machine (Ray workers included) and never by another kind of CPU.
-The first build takes ~30 s; concurrent first uses wait on one build.
+The first build takes a while (docs/deployment/cpu.md); concurrent first uses wait on one build.
 
 `FLEETSERVE_CPU_MARCH` compiles for another `-march` than `native` (e.g.
 `x86-64-v3`: AVX2+FMA, no AVX-512; `x86-64-v2`: the scalar loops): a build to

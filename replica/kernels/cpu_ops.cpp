@@ -607,8 +607,8 @@ struct NextTaskPrefetch {
   }
   // Blocks this thread prefetched or read in this call, direct-mapped by address: a block that
   // many rows share (a common prompt prefix) is fetched once, not once per row (its lines are
-  // then in cache, and re-prefetching them cost more than the overlap won: 12.8 -> 13.8 ms
-  // per step at batch 64 with 128 of 200 tokens shared, before this table).
+  // then in cache, and re-prefetching them cost more than the overlap won; figures:
+  // docs/benchmarks/results/2026-11-25-cpu-kernels-epyc-avx512.md, "Attention prefetch").
   static constexpr int64_t SEEN = 512;
   const char* seen[SEEN] = {};
 
@@ -943,10 +943,11 @@ inline void scores_tiled(const bf16* q, int64_t D, const bf16* kh, const int64_t
 
 // Softmax of one row of scores in place, unnormalized (s[l] = e^(s[l] - max), l < len); returns
 // 1 / sum. The row has 16 floats of room past len. The maximum is taken in vector lanes (a scalar
-// max chain costs ~3 cycles a score: ~20% of a long prompt's attention); exact in any order, and
-// a NaN score is skipped as the scalar loop skips it (maxps returns its second operand on a NaN).
-// The last len % 16 (or % 8) scores go through the same vector exp under a mask: a scalar
-// std::exp per tail score was ~4% of a prefill of short prompts.
+// max chain is a serial dependency per score, a visible part of a long prompt's attention); exact
+// in any order, and a NaN score is skipped as the scalar loop skips it (maxps returns its second
+// operand on a NaN). The last len % 16 (or % 8) scores go through the same vector exp under a
+// mask rather than a scalar std::exp each. Figures: docs/benchmarks/results/2026-11-25-cpu-kernels-epyc-avx512.md,
+// "Softmax maximum in vector lanes, prefetch skip for chunks", and docs/deployment/cpu.md, "Figures behind the code".
 inline float softmax_row(float* s, int64_t len) {
   float m = -std::numeric_limits<float>::infinity();
   float sum = 0.f;
@@ -1068,8 +1069,8 @@ void attend_tokens(const T* q, int64_t q_stride, int64_t nt, const int64_t* lens
       for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(qi[g * D + d]) * scale;
     // The next task's lines go out in the key passes of heads 1.. (one call per 16 keys with
     // AVX-512, 8 with AVX2) and in the P*V pass (one call per 8 rows); the scalar loops call it
-    // in P*V alone. Fewer, larger calls: one per key cost ~1.7 ms per batch-64 step when every
-    // block was in cache already.
+    // in P*V alone. Fewer, larger calls: one call per key cost a measurable part of a decode
+    // step even when every block was in cache already (docs/deployment/cpu.md, "Figures behind the code").
     int64_t key_chunk = 0;
 #if FS_AVX512
     if (D == 32 || D == 64 || D == 128 || D == 256) key_chunk = 16;
@@ -1114,7 +1115,8 @@ void attend_tokens(const T* q, int64_t q_stride, int64_t nt, const int64_t* lens
   for (int64_t r = 0; r < R; ++r) inv_sum[r] = softmax_row(scores + r * stride_row, lens[r / G]);
 
   // P*V stays in float (values converted on load): vdpbf16ps over token pairs would round the
-  // probabilities to bf16 and measured no faster here (this loop is memory-bound).
+  // probabilities to bf16 and was no faster (this loop is memory-bound): docs/benchmarks/results/2026-11-25-cpu-kernels-epyc-avx512.md,
+  // "P*V through vdpbf16ps: built, measured, dropped".
 #if FS_AVX512
   if (D == 32 || D == 64 || D == 128 || D == 256) {
     sc.prow.resize(static_cast<size_t>(R));
@@ -1269,9 +1271,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       for (int64_t t = t0; t < t1; ++t) maxlen = std::max(maxlen, slp[t]);
       pf.clear();
       // The next task's rows, unless they are this task's (a prompt's tokens). AVX-512 builds
-      // only: on an AVX2-only Zen 3 the spread prefetches of the next task slowed a batch-64
-      // decode's attention (30 layers, 200 tokens of context) from ~75 to ~90 ms on one thread;
-      // its key pass prefetching this task's own value rows instead did best there.
+      // only: on an AVX2-only CPU the spread prefetches of the next task slowed decode attention,
+      // and the key pass prefetching this task's own value rows instead did best there
+      // (docs/benchmarks/results/2026-11-27-avx2-zen3.md, "Decode attention, float32 on AVX2").
       if (FS_AVX512 && next >= 0) {
         pf.mark_read(kc + h * head_elems, btp + r * MB, maxlen, BS, block_bytes);  // fetched: not again
         const int64_t nk = task_of(next) / KVH, nh = task_of(next) % KVH;
@@ -1282,9 +1284,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                  block_bytes);
       }
       // A chunk's tokens read keys that its request's other tokens, in this thread's tasks
-      // around it, read too: in cache, so the key pass's row prefetches only cost (two
-      // 1000-token prompts ~1.07x faster without). A lone decode token's rows come from
-      // memory and keep them.
+      // around it, read too: in cache, so the key pass's row prefetches only cost (figures:
+      // docs/benchmarks/results/2026-11-25-cpu-kernels-epyc-avx512.md, "Softmax maximum in vector lanes, prefetch
+      // skip for chunks"). A lone decode token's rows come from memory and keep them.
       const bool rows_cached =
           trp && (t1 - t0 > 1 || (t0 > 0 && trp[t0 - 1] == r) || (t1 < T && trp[t1] == r));
       attend_tokens(qp + t0 * q.stride(0) + h * G * D, q.stride(0), t1 - t0, slp + t0, maxlen, kc + h * head_elems,
@@ -1342,8 +1344,8 @@ inline at::Tensor float_bias(const c10::optional<at::Tensor>& bias, int64_t n) {
 // small-M bf16 linear
 
 // y = x W^T (+ b) for bfloat16 at decode batch sizes (M up to ~128 rows), where oneDNN streams
-// the weights at about half the memory bandwidth (measured here at M = 1-4: 18-21 GB/s against
-// 36 GB/s for this loop). The weight is packed once (`pack_linear_bf16`) into tiles of 32
+// the weights at about half the memory bandwidth and this loop at nearly all of it
+// (docs/benchmarks/results/2026-11-25-cpu-kernels-epyc-avx512.md, "Small-M linears"). The weight is packed once (`pack_linear_bf16`) into tiles of 32
 // output features whose K dimension runs in pairs,
 //     packed [ceil(N / 32), ceil(K / 2), 32, 2]   (zero padding),
 // so one 64-byte load holds the pair (k, k+1) of 16 outputs: vdpbf16ps against the pair of x
@@ -1533,8 +1535,9 @@ at::Tensor linear_bf16_silu_mul(const at::Tensor& x, const at::Tensor& packed, c
 // The same for float32 (AVX-512: tiles of 32 outputs, 8 rows a pass; AVX2+FMA: 16 outputs, 6
 // rows), the weight packed [ceil(N / TW), K, TW]: one FMA per (row, vector of outputs, k). AVX2's
 // 6 x 2 accumulators, 2 weight vectors and a broadcast use 15 of its 16 registers (BLIS's Haswell
-// sgemm block): 12 FMAs per 8 loads. With 4 rows (8 FMAs per 6 loads) a real AVX2-only CPU (AMD
-// EPYC Zen 3) ran SmolLM2's linears at 0.7-0.8x oneDNN from 32 rows on; with 6, 1.05-1.4x.
+// sgemm block): 12 FMAs per 8 loads. With 4 rows (8 FMAs per 6 loads) an AVX2-only CPU ran
+// SmolLM2's linears slower than oneDNN from 32 rows on; with 6, faster
+// (docs/benchmarks/results/2026-11-27-avx2-zen3.md, "Small-M linears in 6-row passes").
 #if FS_AVX512
 constexpr int64_t LINF_VW = 16;
 constexpr int LINF_MC = 8;
@@ -1578,7 +1581,8 @@ at::Tensor pack_linear_f32(const at::Tensor& w) {
   const int64_t N = w.size(0), K = w.size(1), NT = (N + LINF_TW - 1) / LINF_TW;
   // out[t][k][j] = w[t * TW + j][k] (zero past N): the rows padded to whole tiles, each tile
   // transposed. One tile per task (a tile's K x TW floats stay in L2 while its rows stream in);
-  // at::zeros + copy + permute().contiguous() took ~1 s of an engine's start for SmolLM2.
+  // at::zeros + copy + permute().contiguous() was a visible part of an engine's start
+  // (docs/deployment/cpu.md, "Figures behind the code").
   const at::Tensor wc = w.contiguous();
   at::Tensor out = at::empty({NT, K, LINF_TW}, w.options());
   const float* src = wc.data_ptr<float>();
@@ -1677,8 +1681,8 @@ bool advise_hugepages(const at::Tensor& t) {
 
 // Index of each row's maximum, as torch.argmax(x, -1): the first index of the largest value, and
 // the first NaN's index when a row has one. torch's CPU argmax walks the row one element at a
-// time (2.2 ms for 64 x 49152 floats on a Zen 4 core pair, 27x its amax); here a vector max pass
-// and a vector compare pass that stops at the first match.
+// time (docs/benchmarks/results/2026-11-25-cpu-kernels-epyc-avx512.md, "The argmax kernel");
+// here a vector max pass and a vector compare pass that stops at the first match.
 template <typename T>
 int64_t argmax_row_scalar(const T* x, int64_t n) {
   int64_t best = 0;

@@ -27,7 +27,8 @@ padding. For request i with `context_lens[i]` tokens already cached and
   the query heads of a group as the M dimension -- GQA costs nothing, the
   cache is never repeated per query head -- and an additive length mask.
   That gather copies every decode row's keys and values in every layer at
-  every step (~25% of a batch-64 decode step), so each layer keeps its
+  every step (a large part of a big decode step: docs/deployment/cpu.md,
+  "Figures behind the code"), so each layer keeps its
   gathered copy as a *decode buffer* [2, kv_heads, B, W, head_dim] from step
   to step: when this step's decode rows are last step's rows one token
   further (checked once per step from (request id, first block, length) per

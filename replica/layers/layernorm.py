@@ -20,7 +20,8 @@ class RMSNorm(nn.Module):
     """
 
     # bf16/fp16: torch's fused `F.rms_norm` (float32 accumulation inside, no float32 copy of
-    # the hidden states; ~2.7x faster at 2048 tokens). float32 keeps HF's exact formula.
+    # the hidden states: faster on long steps, see docs/deployment/cpu.md, "Figures behind the code").
+    # float32 keeps HF's exact formula.
     fused = True
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):

@@ -94,14 +94,12 @@ def _can_pack(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.float32
 
 
-# Where fleetserve's small-M linear beats oneDNN here (benchmarks/decode_step.py --compare-small-m
-# and the kernel's own sweep, 30 layers of distinct weights as in a model). bfloat16: at every
-# size up to 4096 rows, prefill chunks included (1.10x at 256-512 rows, 1.03x at 2048, 1.01x at
-# 4096; 0.88x at 8192). float32 with AVX-512: up to 128 (at 1024-2048 rows oneDNN is 1.08-1.1x
-# faster). float32 with AVX2 only, on a real AVX2-only CPU (AMD EPYC Zen 3, 2026-11-27; passes of 6
-# rows over 16-output tiles): 1.1-1.7x oneDNN up to 128 rows, 1.0-1.2x at 256-512, even at 2048
-# (1.0x; `benchmarks/decode_step.py --compare-small-m`: prefill-2048 3718 vs 3743 ms), so it takes
-# prefill chunks too, as bf16 does: one code path, and a row's result never depends on its batch.
+# Up to how many rows fleetserve's small-M linear beats oneDNN, per dtype and ISA (measured with
+# benchmarks/decode_step.py --compare-small-m and the kernel's own sweep): bfloat16 up to 4096 rows,
+# prefill chunks included; float32 with AVX-512 up to 128; float32 with AVX2 only up to 4096, so it
+# takes prefill chunks too, as bf16 does: one code path, and a row's result never depends on its
+# batch. Figures: docs/benchmarks/results/2026-11-25-cpu-kernels-epyc-avx512.md ("Prefill chunks on the small-M
+# kernel") and docs/benchmarks/results/2026-11-27-avx2-zen3.md ("Small-M linears in 6-row passes").
 _DEFAULT_ROWS = {("bfloat16", "avx512_bf16"): 4096, ("float32", "avx512_bf16"): 128, ("float32", "avx512"): 128,
                  ("float32", "avx2"): 4096}
 
@@ -151,8 +149,8 @@ class PackedWeightMixin:
 
     `F.linear` on CPU hands oneDNN a plain [out, in] weight, which it repacks on
     every call: at decode batch sizes (M = 1..64) that repacking is a large part of
-    the matmul (measured here: 260 -> 370 GFLOP/s for the LM head at M = 64, 1.75x
-    for float32; bf16 results bit-identical). `pack_weight()` (called by
+    the matmul (figures: docs/deployment/cpu.md, "Figures behind the code"; bf16 results are
+    bit-identical). `pack_weight()` (called by
     `pack_linear_weights(model)` after loading) keeps the packed copy beside the
     parameter; it is used only while the parameter is unchanged (same storage and
     version counter), so a reloaded or edited weight falls back to `F.linear`.
@@ -162,9 +160,8 @@ class PackedWeightMixin:
     linear (`linear_bf16` with AVX-512 BF16, `linear_f32` with AVX-512 or AVX2),
     which takes batches of up to `small_m_rows(dtype)` rows (read when the weight
     is packed): oneDNN streams the weights of a decode step at about half the
-    memory bandwidth, that kernel at nearly all of it (README, CPU kernels: SmolLM2
-    bf16 decode steps 1.53x faster at batch 1, 1.10x at 64; in bf16 it also takes
-    prefill chunks, up to 4096 rows: 1.02-1.07x). Each row's result is the same
+    memory bandwidth, that kernel at nearly all of it (docs/benchmarks/results/2026-11-25-cpu-kernels-epyc-avx512.md,
+    "Small-M linears"); in bf16 it also takes prefill chunks. Each row's result is the same
     whatever else is in the batch. One more copy of the weights;
     FLEETSERVE_SMALL_M_LINEAR=0 goes without it (and without the kernel).
     """
@@ -372,9 +369,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     A gate|up pair in bf16 where the small-M kernel runs also gets `silu_and_mul(x)`: the
     MLP's silu(gate) * up straight from the accumulators of one kernel (`linear_bf16_silu_mul`),
-    which never writes the [M, 2d] activations (measured at SmolLM2's shape, 2 threads: 1.06x
-    at 64 and 2048 rows, 1.11x at 16, against the matmul plus `silu_and_mul`; closer to a float64
-    reference, since gate and up are not rounded to bf16 first). Its packed weight replaces the
+    which never writes the [M, 2d] activations (docs/benchmarks/results/2026-11-27-cpu-kernels-zen5.md, "Gate|up
+    with SiLU fused"), and is closer to a float64 reference, since gate and up are not rounded
+    to bf16 first. Its packed weight replaces the
     plain small-M one (the oneDNN copy still takes larger batches), so memory stays the same.
     FLEETSERVE_FUSED_SILU_MUL=0 goes without it.
     """

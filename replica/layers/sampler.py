@@ -16,18 +16,18 @@ Python loop over the vocabulary; a stage no row uses costs nothing, and a batch
 of greedy rows with no penalties is one `argmax`.
 
 How a row is drawn differs from vLLM on purpose. vLLM divides the
-probabilities by Exponential(1) noise and takes the argmax; on this CPU that
-noise costs ~70 ms for 64 x 49152 (15x the rest of sampling), and its size
-would depend on the candidate set, so a seeded row's draw would depend on the
+probabilities by Exponential(1) noise and takes the argmax; on a CPU drawing
+that noise costs more than the rest of sampling together, and its size would
+depend on the candidate set, so a seeded row's draw would depend on the
 batch. We use the inverse CDF instead: one uniform per row (from the row's own
 generator when seeded), located in the cumulative distribution. It is exact
 (float64 sums, found in two levels: blocks of 256, then inside one block) and
 it draws the same token for a seeded row whatever else is in the batch.
 
-top-p does not sort the vocabulary either (a 64 x 49152 sort takes ~250 ms
-here): the kept set is a prefix of the largest probabilities, so we take the
+top-p does not sort the vocabulary either (a batch-by-vocabulary sort is the
+slowest thing sampling could do): the kept set is a prefix of the largest probabilities, so we take the
 top 256 with `topk`, and only rows whose nucleus is wider than that are looked
-at again with 8x more candidates.
+at again with 8x more candidates. Figures for both: docs/deployment/cpu.md, "Figures behind the code".
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax(logits, -1), through the CPU kernel when it applies: torch's CPU argmax
-    walks each row one element at a time (~2 ms of a ~100 ms SmolLM2 decode step at batch
-    64 on 2 Zen 4 cores, 12x the kernel's time)."""
+    walks each row one element at a time (docs/benchmarks/results/2026-11-25-cpu-kernels-epyc-avx512.md,
+    "The argmax kernel")."""
     ops = ops_for(logits)
     if ops is not None and logits.dim() == 2 and logits.shape[1] > 0:
         return ops.argmax_rows(logits)
@@ -350,7 +350,8 @@ class Sampler:
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """-inf where a constrained row's packed bitmask has a 0 bit (xgrammar's layout: token t
     is bit t % 32 of word t // 32), in place; other rows are untouched. xgrammar's own kernel
-    (CPU, CUDA): ~10x faster here than unpacking the bits with torch ops."""
+    (CPU, CUDA), which is far faster than unpacking the bits with torch ops
+    (docs/deployment/cpu.md, "Figures behind the code")."""
     import xgrammar
 
     full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32, device=logits.device)

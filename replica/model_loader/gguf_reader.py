@@ -1,11 +1,11 @@
 """A small, fast GGUF reader: metadata and raw tensor bytes, memory-mapped.
 
-`gguf.GGUFReader` builds a numpy view per array element while parsing, which
-costs ~3 s on SmolLM2's file (49k vocabulary strings and merges); this reader
-walks the same header with `struct` in ~0.1 s and validates that every tensor
-lies inside the file, so a truncated or corrupt file fails with a ValueError
-naming it instead of a numpy error deep inside dequantization. Dequantization
-itself uses the `gguf` package (`gguf.quants.dequantize`).
+`gguf.GGUFReader` builds a numpy view per array element while parsing, which is
+slow on a file with a large vocabulary (SmolLM2's: 49k strings and merges); this
+reader walks the same header with `struct` (figures: docs/deployment/cpu.md,
+"Figures behind the code") and validates that every tensor lies inside the
+file, so a truncated or corrupt file fails with a ValueError naming it instead
+of a numpy error deep inside dequantization. Dequantization itself uses the `gguf` package (`gguf.quants.dequantize`).
 
 File layout (GGUF v2/v3, little endian):
 
@@ -72,8 +72,8 @@ class GGUFFile:
         return s
 
     def _strings(self, count: int) -> list[str]:
-        """`count` strings (a vocabulary: ~100k for SmolLM2's tokens and merges) in one tight
-        loop: `_string` per item was ~0.4 s of every engine start."""
+        """`count` strings (a vocabulary: SmolLM2's tokens and merges are ~100k) in one tight
+        loop: `_string` per item was a visible part of every engine start."""
         mm, pos, size = self._mm, self._pos, len(self._mm)
         unpack = _U64.unpack_from
         out: list[str] = []

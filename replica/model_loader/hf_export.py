@@ -1,6 +1,6 @@
 """Our weights as a `transformers` model / HF folder, for comparisons and baselines.
 
-A GGUF checkpoint is dequantized exactly as `replica.weights.load_model` does,
+A GGUF checkpoint is dequantized exactly as `replica.model_loader.weights.load_model` does,
 so HF transformers (and vLLM, which needs an HF folder) run the very same
 weights as fleetserve: that is what makes token-for-token comparisons and
 same-weights benchmarks meaningful.

@@ -2,8 +2,8 @@
 
 transformers 5's `LlamaConfig` (and Mistral's, Qwen2's) import its type validators, which
 import its activations, hub kernels, weight-conversion machinery and torch.distributed's
-DTensor: ~2 s of CPU (and ~1 s more for `import transformers` itself) in every engine
-process that starts, for a dozen numbers. `ModelConfig` holds the config.json (or GGUF
+DTensor: seconds of CPU in every engine process that starts, for a dozen numbers
+(docs/serving/config.md, "Start-up"). `ModelConfig` holds the config.json (or GGUF
 metadata) keys as attributes, with the family's defaults (transformers' own, for the three
 families our Llama model runs: tests/replica/test_model_config.py compares them with
 AutoConfig's) and `rope_parameters` in transformers 5's form. `hf_export` still builds

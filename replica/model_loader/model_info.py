@@ -95,8 +95,8 @@ def allowed_tp_sizes(shape: ModelShape) -> list[int]:
 def check_model_files(source: ModelSource) -> None:
     """An HF folder's config.json is one our model reads and its weights are there: checked
     from the files alone (no torch, no transformers), so `fleetserve serve` refuses a broken
-    folder in a second instead of every replica failing to load it (a stack trace from each,
-    and Serve giving up ~50 s later). A GGUF's metadata is read by read_model_shape."""
+    folder at once instead of every replica failing to load it (a stack trace from each,
+    and Serve giving up only after its retries). A GGUF's metadata is read by read_model_shape."""
     if source.kind != "hf":
         return
     read_model_shape(source)  # the config

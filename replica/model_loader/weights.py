@@ -4,7 +4,7 @@
 
 * ``kind == "hf"``: config.json through `transformers.AutoConfig`, tensors from
   every ``*.safetensors`` file in the folder.
-* ``kind == "gguf"``: metadata and tensors from the file (`replica.gguf_reader`),
+* ``kind == "gguf"``: metadata and tensors from the file (`replica.model_loader.gguf_reader`),
   each tensor dequantized with `gguf.quants.dequantize`, renamed to its HF name,
   and -- for the ``llama`` architecture -- Q/K rows un-permuted: llama.cpp's
   converter reorders each head's rows from HF's rotate-half layout
@@ -139,8 +139,8 @@ def _gguf_config_fields(meta: dict[str, Any], tensor_names: set[str], path: Path
 
 # Block layouts (bytes) of the llama.cpp types dequantized here in torch: fp16 scale d, for
 # Q4_1 an fp16 minimum m, then the quants. Each value is computed with gguf.quants' operations
-# in its order (float32, no fused multiply-add), so the results are the same bits; gguf's numpy
-# code, 16 rows at a time, took 1.5-2.3 s of a SmolLM2 (Q4_1) replica's start, this ~0.5 s.
+# in its order (float32, no fused multiply-add), so the results are the same bits, and several
+# times faster than gguf's numpy code, 16 rows at a time (figures: docs/deployment/cpu.md, "Figures behind the code").
 _TORCH_QUANTS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 
@@ -285,10 +285,10 @@ def allocate_kv_caches(hf_config: Any, num_blocks: int, block_size: int, dtype: 
 
     On CPU with the fused kernels, each is backed by transparent huge pages when the OS allows
     (blocks are read scattered across the whole cache: fewer TLB misses). The zeroing also
-    faults every page in now, at start-up (~1.9 s for 1 GiB on a 2-core VM, where a huge page
-    can need compaction first): tried lazily (a fresh anonymous map, pages faulted in when a
-    block is first written), each first-written huge page cost ~4.7 ms inside a step, and a
-    benchmark of 1000-token prompts ran ~10% slower and noisier.
+    faults every page in now, at start-up, on purpose: faulted in lazily (a fresh anonymous
+    map, pages faulted in when a block is first written), each first-written huge page cost
+    its fault inside a step, and long prompts ran slower and noisier (figures:
+    docs/deployment/cpu.md, "Figures behind the code").
     """
     from fleetserve.replica.kernels import ops_for
 

@@ -195,9 +195,9 @@ class LlamaModel(nn.Module):
 
         The kernel calls the same kernels in the same order on the same tensors as the
         modules do (bit-identical results), from a C++ loop rather than through nine
-        modules per layer with their views, checks and dispatches: ~2-2.5 ms off every
-        step of SmolLM2's 30 layers on a 2-core CPU, a fifth of a batch-1 decode step
-        (README, CPU kernels)."""
+        modules per layer with their views, checks and dispatches, whose Python cost is
+        a good part of a small decode step (docs/benchmarks/results/2026-11-27-cpu-kernels-zen5.md,
+        "Layers in one kernel call")."""
         if not linear_module.env_on("FLEETSERVE_KERNEL_LAYERS") or not PagedAttention.use_attention_kernel:
             return None
         key = (hidden.dtype, kv_caches[0].shape[3])

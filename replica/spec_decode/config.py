@@ -84,10 +84,10 @@ class SpeculativeConfig(BaseModel):
         return self.num_speculative_tokens if self.method == "draft_model" else 0
 
 
-# Measured with benchmarks/decode_step.py (SmolLM2-135M, AMD EPYC, 2 cores): a step of
-# 8 sequences costs 1.21x a one-token step in bfloat16 and 1.14x in float32, 16 cost
-# 1.56x / 1.54x. On a GPU a small model's step is launch- and bandwidth-bound far longer;
-# 64 there is a conservative guess, not a measurement (no GPU has run it).
+# How many tokens a step takes for about the price of one: on a CPU, reading the weights
+# bounds a small step, so a few more rows cost little (docs/serving/spec-decode.md has the
+# figures). On a GPU a small model's step is launch- and bandwidth-bound far longer; 64
+# there is a conservative guess, not a measurement (no GPU has run it).
 FREE_DRAFT_TOKENS = {"cpu": 8, "cuda": 64}
 
 

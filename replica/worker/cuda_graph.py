@@ -20,12 +20,13 @@ Padded table entries of real rows point at it too and are masked by the row's le
 
 Every row count at every width up to 2048 tokens is captured when the runner is built
 (11 row counts x 4 widths for `--max-num-seqs 64`); a wider shape the first time a step
-needs it (a warm-up forward and a capture, on
-dummy inputs that touch only the scratch block: some 40 ms for SmolLM2 on an H200, while
-the step loop waits). Graphs are replayed from then on and share one memory pool; a
-graph's output lives in that pool and is read (logits computed) before the next replay.
-Steps that prefill, carry draft tokens, need a KV connector, or run tensor-parallel
-collectives run eagerly (see `Worker._decode_graph_config`).
+needs it (a warm-up forward and a capture, on dummy inputs that touch only the
+scratch block, while the step loop waits; its cost:
+docs/benchmarks/results/2026-11-26-gpu-cuda-graphs-h100-h200.md). Graphs are replayed
+from then on and share one memory pool; a graph's output lives in that pool and is
+read (logits computed) before the next replay. Steps that prefill, carry draft tokens,
+need a KV connector, or run tensor-parallel collectives run eagerly (see
+`Worker._decode_graph_config`).
 
 With LoRA (`lora_slots`), the linears hold every loaded adapter in fixed buffers
 (replica/lora/stack.py) and a step's rows pick theirs through a one-hot buffer: each shape is

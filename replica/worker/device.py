@@ -52,8 +52,9 @@ def set_num_threads(requested: int | None, share: int = 1) -> int:
     """Give this process `requested` threads, or its share of the cores.
 
     Several processes with one OpenMP thread per core each spin against each
-    other (measured 5-20x slow-downs here), so ranks on one machine split the
-    cores instead of each taking all of them."""
+    other at their pools' barriers, so ranks on one machine split the cores
+    instead of each taking all of them (docs/benchmarks/results/2026-11-22-epyc-avx2-first-figures.md,
+    "Threads per engine process")."""
     n = requested or max(1, available_cores() // max(1, share))
     torch.set_num_threads(n)
     return n
