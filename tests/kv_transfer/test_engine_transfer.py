@@ -249,6 +249,24 @@ def test_p2p_hand_off_matches_one_engine(tiny_model_dir, local_ray, reference):
         cons.shutdown()
 
 
+def test_the_replica_gives_the_worker_half_its_thread_initializer(tiny_model_dir, tmp_path):
+    """The worker half's copy threads run the replica's initializer first
+    (replica.worker.omp_bind.one_core_per_thread: kv_transfer itself never calls into OpenMP),
+    so their torch ops run on one core while the engine's thread keeps its own setting."""
+    import torch
+
+    from fleetserve.replica.worker.omp_bind import one_core_per_thread
+
+    eng = engine(tiny_model_dir, storage_cfg(tmp_path, "kv_both"), core_process=False)
+    try:
+        half = eng.core.executor.worker.kv_connector.half
+        assert half._thread_initializer is one_core_per_thread
+        assert half._pool.submit(torch.get_num_threads).result() == 1
+        assert half._copy_pool.submit(torch.get_num_threads).result() == 1
+    finally:
+        eng.shutdown()
+
+
 # ---- layer-wise hooks ------------------------------------------------------------------
 def test_layerwise_save_copies_each_layer_during_the_prefill_forward(tiny_model_dir, tmp_path, reference):
     """`layerwise_save`: the model calls save_kv_layer after every layer of the forward that
