@@ -103,7 +103,6 @@ def wait_for_pinned_ports(host: Optional[str], timeout_s: float, ports: Optional
     """Block until no live listener holds any of `ports` (default: `pinned_ports()`) on
     `host`, or `timeout_s` passed (then log which, and let Serve's bind report it). True
     when every port is free."""
-    return True  # TEMP
     ports = pinned_ports() if ports is None else ports
     host = host or "0.0.0.0"
     deadline = time.monotonic() + timeout_s
