@@ -7,6 +7,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import pytest  # noqa: E402
 
+
 # A tiny random Llama, shared by every folder's tests (replica, kv_transfer, ...).
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):

@@ -73,7 +73,7 @@ def test_completions_equal_colocated_and_decode_computes_at_most_a_block(pd_serv
     rng = random.Random(1)
     before = pd_server.pd_tokens()
     fed_before = feed_items(pd_server)
-    for i in range(3):
+    for _ in range(3):
         completion_equals_colocated(pd_server, colocated, long_prompt(rng))
     after = pd_server.pd_tokens()
     assert after.get("loaded", 0) > before.get("loaded", 0)

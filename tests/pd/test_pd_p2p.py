@@ -10,8 +10,7 @@ import random
 import pytest
 
 from tests.pd.conftest import BLOCK, MAX_TOKENS, start_server, stop_server
-from tests.pd.test_pd_e2e import (check_usage, client, completion_equals_colocated, long_prompt, stream_chat,
-                                  tokenize)
+from tests.pd.test_pd_e2e import check_usage, client, completion_equals_colocated, long_prompt, stream_chat, tokenize
 
 pytestmark = pytest.mark.slow
 
