@@ -21,10 +21,19 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 
 logger = logging.getLogger("ray.serve")
 
 _ERROR_BODY_LIMIT = 4096
+
+
+@dataclass(slots=True)
+class _Response:
+    """What the middleware has seen of one response so far."""
+
+    status: int = 0
+    body: bytes = b""
 
 
 class AccessLog:
@@ -40,23 +49,23 @@ class AccessLog:
             await self.app(scope, receive, send)
             return
         t0 = time.perf_counter()
-        state = {"status": 0, "body": b""}
+        seen = _Response()
 
         async def watch(message) -> None:
             if message["type"] == "http.response.start":
-                state["status"] = message["status"]
-            elif message["type"] == "http.response.body" and state["status"] >= 400:
-                if len(state["body"]) < _ERROR_BODY_LIMIT:
-                    state["body"] += message.get("body", b"")[:_ERROR_BODY_LIMIT]
+                seen.status = message["status"]
+            elif message["type"] == "http.response.body" and seen.status >= 400:
+                if len(seen.body) < _ERROR_BODY_LIMIT:
+                    seen.body += message.get("body", b"")[:_ERROR_BODY_LIMIT]
             await send(message)
 
         try:
             await self.app(scope, receive, watch)
         finally:
-            status = state["status"]
+            status = seen.status
             if self.enabled or (status >= 400 and status != 500):
                 logger.info("%s", request_line(scope, status, time.perf_counter() - t0,
-                                               error_message(state["body"])))
+                                               error_message(seen.body)))
 
 
 def request_line(scope, status: int, seconds: float, error: str = "") -> str:

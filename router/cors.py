@@ -58,9 +58,8 @@ class CorsSettings:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
 
-    def origin_regex(self) -> Optional[str]:
-        if not self.allowed_origins:
-            return None
+    def origin_regex(self) -> str:
+        """What an allowed origin fully matches (asked only when some origin is allowed)."""
         return "|".join(f"(?:{origin_pattern(o)})" for o in self.allowed_origins)
 
 
@@ -81,9 +80,8 @@ class Cors:
 
     def __init__(self, app) -> None:
         self.app = app
-        self._for: Optional[CorsSettings] = None
-        self._cors: Optional[CORSMiddleware] = None
-        self._allowed: Optional[re.Pattern] = None
+        # (the settings they were built from, the allowed-origin pattern, Starlette's middleware)
+        self._built: Optional[tuple[CorsSettings, re.Pattern[str], CORSMiddleware]] = None
         self._refused: set[str] = set()
 
     async def __call__(self, scope, receive, send) -> None:
@@ -91,19 +89,19 @@ class Cors:
         if scope["type"] != "http" or settings is None or not settings.allowed_origins:
             await self.app(scope, receive, send)
             return
-        if self._for is not settings:
-            self._allowed = re.compile(settings.origin_regex())
-            self._cors = CORSMiddleware(
-                self.app, allow_origin_regex=settings.origin_regex(),
+        if self._built is None or self._built[0] is not settings:
+            regex = settings.origin_regex()
+            self._built = (settings, re.compile(regex), CORSMiddleware(
+                self.app, allow_origin_regex=regex,
                 # "*" with credentials: Starlette answers with the request's origin, as browsers require
                 allow_origins=("*",) if "*" in settings.allowed_origins else (),
                 allow_credentials=settings.allow_credentials,
-                allow_methods=settings.allowed_methods, allow_headers=settings.allowed_headers)
-            self._for = settings
+                allow_methods=settings.allowed_methods, allow_headers=settings.allowed_headers))
+        _, allowed, cors = self._built
         origin = Headers(scope=scope).get("origin")
-        if origin and origin not in self._refused and not self._allowed.fullmatch(origin) \
+        if origin and origin not in self._refused and not allowed.fullmatch(origin) \
                 and len(self._refused) < _LOGGED_ORIGINS:
             self._refused.add(origin)
             logger.info("CORS: refused a request from the web page origin %r (allowed: %s); "
                         "--allowed-origins admits it", origin, ", ".join(settings.allowed_origins))
-        await self._cors(scope, receive, send)
+        await cors(scope, receive, send)

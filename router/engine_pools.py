@@ -149,7 +149,7 @@ class EnginePools:
         for pool in self.handles:
             router = get_router(pool.app_name, pool.deployment_name)
             index = getattr(getattr(router, "policy", None), "kv_index", None)
-            if index is not None and pool.deployment_name not in self._kv_subscribers:
+            if router is not None and index is not None and pool.deployment_name not in self._kv_subscribers:
                 sub = KVEventSubscriber(pool, router.replica_ids, index)
                 self._kv_subscribers[pool.deployment_name] = sub
                 sub.start()

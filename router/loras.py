@@ -46,10 +46,10 @@ class LoRAAdmin:
                           if settings.allow_runtime_updating and settings.app_name and settings.instance_id
                           else None)
         if self._registry is not None:
-            self._restore()
+            self._restore(self._registry)
 
-    def _restore(self) -> None:
-        for name, entry in self._registry.restore().items():
+    def _restore(self, registry: RuntimeLoRAs) -> None:
+        for name, entry in registry.restore().items():
             if name in self._reserved or name in self._paths:
                 continue  # a name the (same) config gives otherwise
             self._paths[name] = entry["path"]

@@ -96,7 +96,7 @@ class _OwnRegistry:
     registry: CollectorRegistry
 
     def collect(self) -> Iterator[Metric]:
-        return self.registry.collect()
+        yield from self.registry.collect()
 
     def text(self) -> str:
         return generate_latest(self.registry).decode()

@@ -18,7 +18,7 @@ import contextlib
 import inspect
 import logging
 import uuid
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncGenerator, AsyncIterator, Callable, Optional
 
 from ray import serve
 from ray.serve.exceptions import RayServeException
@@ -69,16 +69,17 @@ class EngineReplica:
         feed = body.get(FEED_KEY)
         channel: Optional[FeedChannel] = None  # the feed this request's items go over
         fell_back = False  # a feed closed under it: never bind again (order across streams)
+        key = 0  # this request's key on `channel`, set when it binds
         try:
             async with contextlib.aclosing(
                     self._items(body, batching=lambda: channel is None)) as items:
                 async for item in items:
                     if channel is not None:
                         if channel.open:
-                            channel.put(feed[1], item)
+                            channel.put(key, item)
                             continue
                         # The feed closed: what it never sent, then the rest, on this call.
-                        for unsent in channel.reclaim(feed[1]):
+                        for unsent in channel.reclaim(key):
                             yield unsent
                         channel.unbind()
                         channel, fell_back = None, True
@@ -88,6 +89,7 @@ class EngineReplica:
                         if last.get("finished", True) is False:
                             channel = self._feeds.get(feed[0])
                             if channel is not None:
+                                key = feed[1]
                                 last[FEED_FLAG] = True
                                 channel.bound += 1
                     yield item
@@ -96,14 +98,14 @@ class EngineReplica:
                 # it closes first (a feed that closes after this call ended would lose them).
                 # A feed still open but unread past the deadline keeps them: the ingress
                 # counts them lost after the same grace and migrates the request.
-                if not await channel.drained(feed[1], FEED_END_GRACE_S) and not channel.open:
-                    for unsent in channel.reclaim(feed[1]):
+                if not await channel.drained(key, FEED_END_GRACE_S) and not channel.open:
+                    for unsent in channel.reclaim(key):
                         yield unsent
         finally:
             if channel is not None:
                 channel.unbind()
 
-    async def _items(self, body: dict, batching: Callable[[], bool]) -> AsyncIterator[Any]:
+    async def _items(self, body: dict, batching: Callable[[], bool]) -> AsyncGenerator[Any, None]:
         """The request's items: dicts (and, while `batching()`, lists of the dicts that were
         ready together: `ready_batches`), or one error dict."""
         try:
@@ -293,8 +295,8 @@ class AppendWaiter:
                 fut.set_result(None)
 
 
-async def ready_batches(outputs: AsyncIterator[Any],
-                        batching: Callable[[], bool] = lambda: True) -> AsyncIterator[list[Any]]:
+async def ready_batches(outputs: AsyncGenerator[Any, None],
+                        batching: Callable[[], bool] = lambda: True) -> AsyncGenerator[list[Any], None]:
     """The engine's outputs in batches: each output is sent as soon as it exists (no
     waiting for more), but outputs that are already there when the previous send is
     done go out together, as one stream item.

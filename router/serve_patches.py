@@ -63,12 +63,13 @@ def apply(bind_host: Optional[str]) -> None:
     from ray.serve._private import default_impl, http_util
 
     if not isinstance(http_util.socket, _ReuseAddrSockets):
-        http_util.socket = _ReuseAddrSockets()
+        # a stand-in for the module, answering every other name from it
+        http_util.socket = _ReuseAddrSockets()  # type: ignore[assignment]
     if bind_host is None or _applied_host is not None:
         return
     original = default_impl.add_grpc_address
-    default_impl.add_grpc_address = lambda server, address: original(
-        server, _grpc_address(bind_host, address))
+    default_impl.add_grpc_address = lambda grpc_server, server_address: original(
+        grpc_server, _grpc_address(bind_host, server_address))
     _applied_host = bind_host
 
 

@@ -104,11 +104,11 @@ class ReplicaStream:
         except BaseException:  # the end, an error, or our caller cancelled: stop counting it
             self._finish()
             raise
-        if self._hub is not None:
+        if self._hub is not None and self._inbox is not None:  # (hub.open gives both)
             last = item[-1] if isinstance(item, list) else item
             if isinstance(last, dict) and last.pop(FEED_FLAG, False):
                 # The rest comes over the feed (already arriving in our inbox, in order).
-                self._watcher = asyncio.ensure_future(self._watch())
+                self._watcher = asyncio.ensure_future(self._watch(self._inbox))
                 self._hub.bind(self._key, last.get("replica", ""))
             elif self._first and not is_error(last):
                 self._hub.ensure(last.get("replica", ""))  # no feed there yet: open one
@@ -121,17 +121,17 @@ class ReplicaStream:
             self._finish()
         return item
 
-    async def _watch(self) -> None:
+    async def _watch(self, inbox: Inbox) -> None:
         """The call itself, while the feed brings the items: its end, its failure, or items
         it sends once the feed closed on the replica."""
         try:
             async for payload in self._gen:
-                self._inbox.put(payload)
-            self._inbox.end()
+                inbox.put(payload)
+            inbox.end()
         except asyncio.CancelledError:
             pass
         except Exception as e:  # noqa: BLE001 - raised to the reader (migration decides)
-            self._inbox.fail(e)
+            inbox.fail(e)
 
     def cancel(self) -> None:
         self._gen.cancel()

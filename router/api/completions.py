@@ -29,6 +29,7 @@ FIM_TOKENS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
 def prompt_list(prompt: Any, param: str = "prompt") -> list[PromptInput]:
     """OpenAI's four prompt shapes as a list of single prompts (string or token ids); at most
     `limits.MAX_PROMPTS` of them (CompletionRequest refuses more before validating them)."""
+    prompts: list[PromptInput]
     if isinstance(prompt, str):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
@@ -106,7 +107,7 @@ class MergedStream:
                    echo: Optional[list[Echo]], window: int) -> tuple["MergedStream", dict]:
         """(stream, first item); the first item is an error body if a first prompt failed."""
         stream = MergedStream(open_stream, bodies, n, echo, window)
-        first = []
+        first: list[tuple[int, asyncio.Future[tuple[Any, dict]]]] = []
         while stream._pending and len(first) < window:
             i, body = stream._pending.popleft()
             first.append((i, asyncio.ensure_future(open_as_own_request(open_stream, body))))

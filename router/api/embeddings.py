@@ -156,9 +156,9 @@ async def embed_all(open_stream: StreamOpener, bodies: list[dict]) -> list[list[
     try:
         # The first failure ends the request: the other inputs are aborted, not finished.
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        failed = [t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception()]
-        if failed:
-            raise failed[0]
+        for t in tasks:
+            if t.done() and not t.cancelled() and (err := t.exception()) is not None:
+                raise err
         return [t.result() for t in tasks]
     finally:
         for t in tasks:

@@ -191,7 +191,7 @@ def chat_body(rid: str, model: str, choices: dict[int, Choice], usage: Usage,
     body["choices"] = []
     for c in sorted(choices.values(), key=lambda c: c.index):
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
-        text = c.text
+        text: Optional[str] = c.text
         if reasoning is not None:
             thought, text = reasoning.split(c.text)
             message.update(content=text, reasoning_content=thought, reasoning=thought)

@@ -108,7 +108,7 @@ class _SamplingRequest(StructuredOutputFields):
             params = SamplingParams(**fields)
         except ValueError as e:
             word = str(e).split(" ", 1)[0].rstrip(":")
-            raise APIError(str(e), 400, param=word if word in fields or word == "stop" else None)
+            raise APIError(str(e), 400, param=word if word in fields or word == "stop" else None) from e
         check_sampling(params)
         return params
 
@@ -118,7 +118,8 @@ class _SamplingRequest(StructuredOutputFields):
 
     @property
     def continuous_usage(self) -> bool:
-        return self.include_usage and self.stream_options.continuous_usage_stats
+        return bool(self.stream_options and self.stream_options.include_usage
+                    and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_SamplingRequest):

@@ -4,7 +4,7 @@ the reasoning parser's and the tool plan's reading of the output, stored when as
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional
 
 from fleetserve.router.api import openai_format as fmt
 from fleetserve.router.api import responses as resp_api
@@ -59,7 +59,7 @@ class ResponseRun:
             self.rid, self.stem, self.req, self.model, self.created, out, self.finish,
             resp_api.usage_of(u.prompt_tokens, u.completion_tokens, u.cached_tokens))
         if self.req.store:
-            answer = {"role": "assistant", "content": out.text or ""}
+            answer: dict[str, Any] = {"role": "assistant", "content": out.text or ""}
             if out.calls:
                 answer["tool_calls"] = [dict(c) for c in out.calls]
             self.store.put(response, self.conversation + [answer])

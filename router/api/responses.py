@@ -40,7 +40,7 @@ class TextFormat(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: Optional[str] = None
-    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
     strict: Optional[bool] = None
     description: Optional[str] = None
 

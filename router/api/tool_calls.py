@@ -22,7 +22,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict
 
@@ -124,7 +124,7 @@ class ToolPlan:
 
     def parse(self, text: str) -> tuple[Optional[str], list[dict]]:
         """(content, tool_calls) of a finished choice's text, in OpenAI's shapes."""
-        if self.mode == "named":
+        if self.named is not None:  # mode "named"
             return None, [_call(self.named, text)]
         if self.mode == "required":
             try:
@@ -157,7 +157,7 @@ def _call(name: str, arguments: str) -> dict:
             "function": {"name": name, "arguments": arguments}}
 
 
-def finish_reason(reason: Optional[str], calls: list[dict]) -> Optional[str]:
+def finish_reason(reason: Optional[str], calls: Sequence[object]) -> Optional[str]:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
@@ -184,7 +184,7 @@ class ToolDeltas:
         """(delta fields, whether calls were made) for one output of one choice."""
         st = self.choices.setdefault(index, _ChoiceStream())
         st.text += text
-        if self.plan.mode == "named":
+        if self.plan.named is not None:  # mode "named"
             if not st.call_sent:
                 st.call_sent = True
                 call = _call(self.plan.named, text)

@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from typing import AsyncIterator, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 from pydantic import ValidationError
 from ray.serve.exceptions import gRPCStatusError
 from ray.serve.grpc_util import RayServegRPCContext
@@ -30,6 +30,11 @@ from fleetserve.router.api.protocol import ChatCompletionRequest
 from fleetserve.router.grpc.proto import fleetserve_pb2 as pb
 from fleetserve.router.health import replica_health
 from fleetserve.scheduler import SamplingParams, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from fleetserve.router.api.reasoning import ReasoningParser
+    from fleetserve.router.bodies import BodyBuilder
+    from fleetserve.router.engine_pools import EnginePools
 
 _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
            404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT,
@@ -62,12 +67,13 @@ def _lenient(message_cls):
 def add_servicer(servicer, server) -> None:
     """`fleetserve_pb2_grpc.add_FleetServeServicer_to_server`, with request parsers that turn
     an undecodable message into `UndecodableRequest` (Serve's gRPCOptions names this)."""
-    kinds = {"Generate": (grpc.unary_stream_rpc_method_handler, pb.GenerateRequest, pb.GenerateResponse),
-             "Chat": (grpc.unary_stream_rpc_method_handler, pb.ChatRequest, pb.ChatResponse),
-             "Embed": (grpc.unary_unary_rpc_method_handler, pb.EmbedRequest, pb.EmbedResponse),
-             "Health": (grpc.unary_unary_rpc_method_handler, pb.HealthRequest, pb.HealthResponse),
-             "ListModels": (grpc.unary_unary_rpc_method_handler, pb.ListModelsRequest,
-                            pb.ListModelsResponse)}
+    # RPC name: (grpc's handler maker, request message class, response message class)
+    kinds: dict[str, tuple[Callable[..., grpc.RpcMethodHandler], type[Message], type[Message]]] = {
+        "Generate": (grpc.unary_stream_rpc_method_handler, pb.GenerateRequest, pb.GenerateResponse),
+        "Chat": (grpc.unary_stream_rpc_method_handler, pb.ChatRequest, pb.ChatResponse),
+        "Embed": (grpc.unary_unary_rpc_method_handler, pb.EmbedRequest, pb.EmbedResponse),
+        "Health": (grpc.unary_unary_rpc_method_handler, pb.HealthRequest, pb.HealthResponse),
+        "ListModels": (grpc.unary_unary_rpc_method_handler, pb.ListModelsRequest, pb.ListModelsResponse)}
     handlers = {name: make(getattr(servicer, name), request_deserializer=_lenient(req),
                            response_serializer=resp.SerializeToString)
                 for name, (make, req, resp) in kinds.items()}
@@ -150,7 +156,8 @@ def _structured_from_proto(msg: "pb.StructuredOutputs") -> StructuredOutputsPara
     if kind is None:
         raise ValueError("structured_outputs: set one of json, json_object, regex, choice, grammar")
     value = list(msg.choice.values) if kind == "choice" else getattr(msg, kind)
-    return StructuredOutputsParams(**{kind: value, "disable_any_whitespace": msg.disable_any_whitespace})
+    constraint: dict[str, Any] = {kind: value}  # the one field the oneof names
+    return StructuredOutputsParams(**constraint, disable_any_whitespace=msg.disable_any_whitespace)
 
 
 def _json_text(text: str, param: str):
@@ -225,7 +232,7 @@ def chat_request_from_proto(msg: "pb.ChatRequest") -> ChatCompletionRequest:
         rf = msg.response_format
         data["response_format"] = {"type": rf.type}
         if rf.type == "json_schema":
-            schema = {"name": rf.name or None}
+            schema: dict[str, Any] = {"name": rf.name or None}
             if rf.schema:
                 schema["schema"] = _json_text(rf.schema, "response_format.schema")
             if rf.HasField("strict"):
@@ -262,6 +269,21 @@ class GrpcMethods:
     `check_api_key`, `check_model`, `info`, `decode_one`, `model_ids`, `embed`,
     `served_model_name`, `reasoning`, `pools` (EnginePools: `open_stream`) and `bodies`
     (BodyBuilder)."""
+
+    # What the ingress provides, declared here for the type checker.
+    pools: EnginePools
+    bodies: BodyBuilder
+    served_model_name: str
+    reasoning: Optional[ReasoningParser]
+
+    if TYPE_CHECKING:
+        async def info(self) -> dict: ...
+        def decode_one(self, token_id: int) -> str: ...
+        def model_ids(self) -> list[str]: ...
+        def check_model(self, model: Optional[str]) -> None: ...
+        def check_api_key(self, presented: Optional[str]) -> None: ...
+        async def embed(self, inputs: list, add_special_tokens: bool, truncate_prompt_tokens: Optional[int],
+                        priority: int, model: Optional[str] = None) -> tuple[list[list[float]], int]: ...
 
     async def Generate(self, request: "pb.GenerateRequest",
                        grpc_context: RayServegRPCContext) -> AsyncIterator["pb.GenerateResponse"]:

@@ -33,13 +33,17 @@ from fleetserve.router.routing.policies import (
     make_policy,
     prefer_adapter_holders,
 )
+from fleetserve.router.routing.policies.prefix_aware import PrefixAwareBase
 from fleetserve.scheduler import prefix_salt
 
 TARGET_KWARG = "_fleetserve_target"
 
 
 class FleetRequestRouter(RequestRouter):
-    def initialize_state(self, deployment: str, policy: str = "power_of_two", **policy_kwargs: Any) -> None:
+    # Serve declares `initialize_state(**kwargs)`; it calls it with the deployment's
+    # request_router_kwargs as keywords, which these name.
+    def initialize_state(  # type: ignore[override]
+            self, deployment: str, policy: str = "power_of_two", **policy_kwargs: Any) -> None:
         """Serve's call with the deployment's `request_router_kwargs` (cluster/deploy.py):
         `deployment`, the deployment's name (what the registry keys this router by, with the
         public `app_name`), the policy's name and its settings."""
@@ -75,10 +79,9 @@ class FleetRequestRouter(RequestRouter):
         to pick the decode replica before it decides on a prefill."""
         loads = {r.replica_id.unique_id: self._load(r) for r in self.curr_replicas.values()}
         ranked = [t[0] for t in self._rank(loads, request)]
-        match = getattr(self.policy, "match_lengths", None)
-        if match is None or not ranked:
+        if not isinstance(self.policy, PrefixAwareBase) or not ranked:
             return [(rid, 0) for rid in ranked]
-        hits = match(self.policy.block_hashes(request), set(ranked))
+        hits = self.policy.match_lengths(self.policy.block_hashes(request), set(ranked))
         return [(rid, hits.get(rid, 0)) for rid in ranked]
 
     # -- Serve's hooks ---------------------------------------------------------
@@ -101,12 +104,12 @@ class FleetRequestRouter(RequestRouter):
             # the decode replica itself) still counts toward that replica's load.
             if target not in by_id:
                 return [list(by_id.values())]
-            if request is not None:
+            if request is not None and pending_request is not None:
                 self._record(target, request, pending_request)
             return [[by_id[target]]]
         ranked = self._rank({rid: self._load(r) for rid, r in by_id.items()}, request)
         ranked = _avoiding(ranked, pending_request)
-        if request is not None and ranked:
+        if request is not None and pending_request is not None and ranked:
             self._record(ranked[0][0], request, pending_request)
         return [[by_id[rid] for rid in tier] for tier in ranked]
 

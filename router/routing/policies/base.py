@@ -59,17 +59,17 @@ class RoutingPolicy(ABC):
     def rank(self, replicas: list[ReplicaLoad], request: Optional[RouteRequest]) -> list[list[str]]:
         """Ranked tiers of replica ids for `request` (non-empty when `replicas` is)."""
 
-    def set_hashing(self, block_size: int, hash_algo: str = "builtin") -> None:
+    def set_hashing(self, block_size: int, hash_algo: str = "builtin") -> None:  # noqa: B027 (an optional hook: doing nothing is the default)
         """The engines' KV block size and prefix-caching hash function, from their info
         (the ingress calls this once it has it); only prefix policies hash prompts."""
 
-    def on_routed(self, replica_id: str, request: RouteRequest) -> None:
+    def on_routed(self, replica_id: str, request: RouteRequest) -> None:  # noqa: B027 (an optional hook: doing nothing is the default)
         """The request was sent to `replica_id` (the first tier's pick)."""
 
-    def on_completed(self, request_id: str) -> None:
+    def on_completed(self, request_id: str) -> None:  # noqa: B027 (an optional hook: doing nothing is the default)
         """The request routed with `RouteRequest.request_id` finished (its stream ended)."""
 
-    def on_replicas_changed(self, replica_ids: set[str]) -> None:
+    def on_replicas_changed(self, replica_ids: set[str]) -> None:  # noqa: B027 (an optional hook: doing nothing is the default)
         """Forget state about replicas that are gone."""
 
 
