@@ -156,8 +156,8 @@ class ServerInfo:
         deadline = time.time() + timeout_s
         while True:
             loads = self.replica_loads()
-            if all(l["num_running"] == 0 and l["num_waiting"] == 0
-                   and l["num_free_blocks"] == l["num_blocks"] for l in loads.values()):
+            if all(load["num_running"] == 0 and load["num_waiting"] == 0
+                   and load["num_free_blocks"] == load["num_blocks"] for load in loads.values()):
                 return loads
             if time.time() > deadline:
                 raise AssertionError(f"replicas not idle (leaked requests or blocks?): {loads}")

@@ -79,7 +79,7 @@ def test_bad_input(server, name, path, body, headers, status, param, code):
 
 
 def test_still_serves_and_no_leaks_after_bad_input(server):
-    for _, path, body, headers, *_ in CASES[:8]:
+    for _, path, body, _headers, *_ in CASES[:8]:
         raw = body if isinstance(body, bytes) else json.dumps(body).encode()
         httpx.post(server.base_url + path, content=raw,
                    headers={"Content-Type": "application/json", **server.headers()}, timeout=30)

@@ -85,7 +85,7 @@ def _stream(server, prompt, progress: dict, key: int) -> dict:
 
 def _migrations(server) -> int:
     text = httpx.get(server.base_url + "/metrics", headers=server.headers(), timeout=60).text
-    line = next(l for l in text.splitlines() if l.startswith("fleetserve:request_migrations_total"))
+    line = next(ln for ln in text.splitlines() if ln.startswith("fleetserve:request_migrations_total"))
     return int(float(line.split()[-1]))
 
 
@@ -112,7 +112,7 @@ def _streams_survive_a_kill(server, kill, wait_for_feed: bool = False,
     progress: dict[int, int] = {}
     victim = None
     try:
-        for attempt in range(3):
+        for _attempt in range(3):
             progress.clear()
             with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
                 ids = [pool.submit(_grpc_ids, server, p, progress, i) for i, p in enumerate(PROMPTS[:4])]

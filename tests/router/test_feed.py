@@ -141,7 +141,8 @@ def test_feed_carries_every_stream_and_matches_the_direct_path(replica, monkeypa
     async def go():
         handle = Handle(replica)
         hub = FeedHub(handle)
-        expected = [(await read_all(ReplicaStream.open(handle.generate, body(f"d{i}", p, max_tokens=12, ignore_eos=True), None)))[0]
+        expected = [(await read_all(ReplicaStream.open(
+                        handle.generate, body(f"d{i}", p, max_tokens=12, ignore_eos=True), None)))[0]
                     for i, p in enumerate(PROMPTS)]
         # The first request reaches a replica without a feed from us: it streams on its
         # own call, and its first item opens the feed.
@@ -176,7 +177,8 @@ def test_a_burst_sent_before_the_feed_opened_moves_onto_it_mid_stream(replica):
     async def go():
         handle = Handle(replica)
         # 120 tokens each: 6 x 8 blocks of the replica's 64
-        expected = [(await read_all(ReplicaStream.open(handle.generate, body(f"e{i}", p, max_tokens=120, ignore_eos=True), None)))[0]
+        expected = [(await read_all(ReplicaStream.open(
+                        handle.generate, body(f"e{i}", p, max_tokens=120, ignore_eos=True), None)))[0]
                     for i, p in enumerate(PROMPTS)]
         for attempt in range(3):
             await wait_until(lambda: not len(replica._feeds), "the last burst's feed closed")
@@ -226,7 +228,8 @@ def test_a_feed_that_ends_under_a_request_fails_it_over_without_a_gap(replica):
     async def go():
         handle = Handle(replica)
         hub = FeedHub(handle)
-        direct, _ = await read_all(ReplicaStream.open(handle.generate, body("x", PROMPTS[3], max_tokens=40, ignore_eos=True), None))
+        direct, _ = await read_all(ReplicaStream.open(
+            handle.generate, body("x", PROMPTS[3], max_tokens=40, ignore_eos=True), None))
         hub.ensure(replica.replica_id)
         await wait_until(lambda: len(replica._feeds) == 1, "feed open")
         stream = ReplicaStream.open(handle.generate, body("y", PROMPTS[3], max_tokens=40, ignore_eos=True), hub)
@@ -291,7 +294,8 @@ def test_items_a_closed_feed_never_sent_go_out_on_the_call_in_order(replica, whe
     still gets every token. Also when the request had put its last item in already: its
     call waits for the feed to take them (`FeedChannel.drained`) instead of ending."""
     async def go():
-        direct, _ = await read_all(ReplicaStream.open(Handle(replica).generate, body("p", PROMPTS[5], max_tokens=30, ignore_eos=True), None))
+        direct, _ = await read_all(ReplicaStream.open(
+            Handle(replica).generate, body("p", PROMPTS[5], max_tokens=30, ignore_eos=True), None))
         channel = replica._feeds.open("stuck-ingress")
         gen = Call(replica.generate({**body("q", PROMPTS[5], max_tokens=30, ignore_eos=True),
                                      FEED_KEY: ("stuck-ingress", 7)}))  # pumped, as Serve does

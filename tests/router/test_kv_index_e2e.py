@@ -126,7 +126,7 @@ def test_index_equals_engine_caches_after_evictions_and_a_restart(server):
         assert victim not in index_blocks_in_metrics(server)
 
         # Routing follows the index: a prompt whose long prefix one replica caches goes there.
-        for rid, hashes in truth.items():
+        for hashes in truth.values():
             assert hashes
         prefix = " ".join(f"z{i}" for i in range(60))
         complete(server, prefix + " first")

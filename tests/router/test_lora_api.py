@@ -228,7 +228,8 @@ def test_runtime_adapters_survive_an_ingress_restart(server, lora_dirs, peft_gre
     from fleetserve.router.runtime_loras import RuntimeLoRAs
 
     for name in ("tiny-lora-c3", "tiny-lora-c4"):
-        assert post(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(lora_dirs["c"])}).status_code == 200
+        r = post(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(lora_dirs["c"])})
+        assert r.status_code == 200
     assert post(server, "/v1/unload_lora_adapter", {"lora_name": "tiny-lora-c4"}).status_code == 200
     prefix = f"SERVE_REPLICA::{server.app}#{INGRESS_DEPLOYMENT}#"
     [old] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
@@ -255,7 +256,8 @@ def test_runtime_adapters_survive_an_ingress_restart(server, lora_dirs, peft_gre
     key = RuntimeLoRAs(server.app, "x").key
     stored = json.loads(ray.experimental.internal_kv._internal_kv_get(key, namespace="fleetserve"))
     assert set(stored["adapters"]) == {"tiny-lora-c3"}
-    assert stored["instance"] == hashlib.sha256(json.dumps(app_args(server.config), sort_keys=True).encode()).hexdigest()[:16]
+    config_hash = hashlib.sha256(json.dumps(app_args(server.config), sort_keys=True).encode()).hexdigest()
+    assert stored["instance"] == config_hash[:16]
     assert RuntimeLoRAs(server.app, stored["instance"]).restore().keys() == {"tiny-lora-c3"}
     assert RuntimeLoRAs(server.app, "another-config").restore() == {}
     assert post(server, "/v1/unload_lora_adapter", {"lora_name": "tiny-lora-c3"}).status_code == 200
@@ -280,7 +282,8 @@ def test_requests_for_an_adapter_go_to_a_replica_that_holds_it(server, lora_dirs
     from fleetserve.router.routing.request_router import TARGET_KWARG
 
     name = "tiny-lora-c5"
-    assert post(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(lora_dirs["c"])}).status_code == 200
+    r = post(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(lora_dirs["c"])})
+    assert r.status_code == 200
     handle = serve.get_deployment_handle("engine", server.app)
 
     async def on_each(op: str) -> dict[str, dict]:

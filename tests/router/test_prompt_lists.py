@@ -165,8 +165,8 @@ def test_the_largest_prompt_list_is_served_in_windows(server):
     def watch() -> None:
         while not done["flag"]:
             loads = server.replica_loads()
-            peak["running"] = max(peak["running"], sum(l["num_running"] + l["num_waiting"]
-                                                       for l in loads.values()))
+            peak["running"] = max(peak["running"], sum(load["num_running"] + load["num_waiting"]
+                                                       for load in loads.values()))
             time.sleep(0.05)
 
     server.replica_loads()  # this process's router exists before the watch starts

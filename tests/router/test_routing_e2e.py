@@ -108,7 +108,7 @@ def test_client_disconnect_mid_stream_frees_blocks(server):
             got = [next(lines) for _ in range(6)]
             assert any(line.startswith("data: ") for line in got)
             busy = server.replica_loads()
-            assert sum(l["num_running"] + l["num_waiting"] for l in busy.values()) >= 1
+            assert sum(load["num_running"] + load["num_waiting"] for load in busy.values()) >= 1
             assert router_ongoing(server) == 1  # the router counts a stream until it ends
         # leaving the block closes the connection mid-stream
     server.wait_idle(timeout_s=20)
