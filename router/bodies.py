@@ -11,6 +11,8 @@ and the LoRA adapter's fields when `model` names one.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from typing import Optional, Union
 
 from fleetserve.replica.engine.chat_template import check_continue_final_message, check_template_kwargs
@@ -22,6 +24,13 @@ from fleetserve.router.engine_pools import EnginePools
 from fleetserve.router.loras import LoRAAdmin
 from fleetserve.scheduler.sampling_params import SamplingParams, truncate_prompt
 
+# Texts longer than this are tokenized (or rendered) on a worker thread, where a long one
+# cannot stall the loop every stream of this ingress shares; shorter ones cost less on the
+# loop than the hop.
+OFF_LOOP_CHARS = 8192
+# Tokens of margin before the tail a truncating request keeps (see tokenize_prompt).
+TAIL_SLACK_TOKENS = 64
+
 
 class BodyBuilder:
     def __init__(self, pools: EnginePools, loras: LoRAAdmin) -> None:
@@ -29,14 +38,25 @@ class BodyBuilder:
 
     async def tokenize_prompt(self, prompt: Union[str, list[int]], add_special_tokens: bool,
                               param: str, truncating: bool = False) -> list[int]:
-        """`truncating`: the request keeps only the prompt's last tokens, so a prompt longer
-        than the context is fine (the body size limit still bounds the work)."""
+        """`truncating`: the request keeps only the prompt's last tokens (at most the context),
+        so a longer prompt is fine; only its tail is tokenized, the characters that can hold
+        the context plus `TAIL_SLACK_TOKENS` (a token covers at most `max_token_chars`, so the
+        tokens kept are the ones a whole tokenization would end with, but for a boundary
+        that a tokenizer merges across more than the slack). A long text is tokenized on a
+        worker thread, not on the loop every stream of this ingress shares."""
         info = await self._pools.info()
         tok = info["tokenizer"]
         if isinstance(prompt, str):
-            if "max_token_chars" in info and not truncating:
-                check_prompt_chars(prompt, info["max_model_len"], info["max_token_chars"], param)
-            return tok(prompt, add_special_tokens=add_special_tokens).input_ids
+            if "max_token_chars" in info:
+                if truncating:
+                    tail = (info["max_model_len"] + TAIL_SLACK_TOKENS) * info["max_token_chars"]
+                    prompt = prompt[-tail:] if len(prompt) > tail else prompt
+                else:
+                    check_prompt_chars(prompt, info["max_model_len"], info["max_token_chars"], param)
+            if len(prompt) > OFF_LOOP_CHARS:
+                encoded = await asyncio.to_thread(tok, prompt, add_special_tokens=add_special_tokens)
+                return list(encoded.input_ids)
+            return list(tok(prompt, add_special_tokens=add_special_tokens).input_ids)
         vocab = len(tok)
         if any(not 0 <= t < vocab for t in prompt):
             raise APIError(f"{param} contains token ids outside the vocabulary [0, {vocab})",
@@ -68,9 +88,13 @@ class BodyBuilder:
             raise APIError(str(e), 400, param="continue_final_message") from None
         if continue_final_message:
             extra["continue_final_message"] = True
+        render = functools.partial(tok.apply_chat_template, messages, tools=tools, tokenize=False,
+                                   add_generation_prompt=add_generation_prompt, **extra)
         try:
-            return tok.apply_chat_template(messages, tools=tools, tokenize=False,
-                                           add_generation_prompt=add_generation_prompt, **extra)
+            # Jinja over a long conversation: off the loop, as a long prompt's tokenization.
+            if sum(len(str(m.get("content") or "")) for m in messages) > OFF_LOOP_CHARS:
+                return str(await asyncio.to_thread(render))
+            return str(render())
         except Exception as e:  # jinja errors, missing template: the messages are at fault
             raise APIError(f"messages could not be rendered with the chat template: {e}", 400,
                            param="messages") from e

@@ -86,6 +86,32 @@ def test_megabyte_prompt_refused_by_characters_before_tokenizing(server):
         assert r.json()["error"]["code"] == "context_length_exceeded"
 
 
+def test_long_prompt_with_truncation_tokenizes_only_its_tail(server, tiny_model_dir):
+    """truncate_prompt_tokens used to skip the character bound, so any length was tokenized
+    whole (on the ingress's loop). Now only the tail that can hold the context is: the
+    request is served, and the tokens it keeps are the last ones of the whole prompt, for
+    completions and chat alike."""
+    from transformers import AutoTokenizer
+
+    from fleetserve.router.api.limits import max_token_chars
+    from fleetserve.router.bodies import TAIL_SLACK_TOKENS
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompt = "".join(f"w{i % 97} " for i in range(12_000))[:60_000]  # under the 64 KiB body limit
+    assert len(prompt) > (server.config.engine.max_model_len + TAIL_SLACK_TOKENS) * max_token_chars(tok)
+    want = tok(prompt, add_special_tokens=True).input_ids[-16:]
+    r = _post(server, CMPL, json.dumps({"prompt": prompt, "truncate_prompt_tokens": 16, "max_tokens": 1,
+                                        "echo": True, "logprobs": 0}).encode())
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 16
+    assert r.json()["choices"][0]["text"].startswith(tok.decode(want))
+    r = _post(server, CHAT, json.dumps({"messages": [{"role": "user", "content": prompt}],
+                                        "truncate_prompt_tokens": 16, "max_tokens": 1}).encode())
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == 16
+    server.wait_idle()
+
+
 def test_body_shorter_than_content_length_times_out_cleanly(server):
     """A client that announces 1000 bytes and sends 10 gets 408 within the body timeout
     (3 s in the test config) instead of holding its connection with no answer."""
