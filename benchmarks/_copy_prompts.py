@@ -31,8 +31,17 @@ PASSAGES = [
     "sugars, which feed its growth and are the base of almost every food chain on Earth.",
 ]
 
-TYPOS = {"the": "teh", "and": "adn", "which": "wich", "their": "thier", "receive": "recieve",
-         "water": "watter", "process": "proccess", "meeting": "meting", "program": "progam"}
+TYPOS = {
+    "the": "teh",
+    "and": "adn",
+    "which": "wich",
+    "their": "thier",
+    "receive": "recieve",
+    "water": "watter",
+    "process": "proccess",
+    "meeting": "meting",
+    "program": "progam",
+}
 
 CODE = [
     "def add(a, b):\n    return a + b\n\n\ndef total(values):\n    result = 0\n    for v in values:\n"
@@ -50,8 +59,9 @@ def copy_heavy_messages(n: int) -> list[list[dict]]:
     """`n` single-turn chats, cycling through the tasks and the passages."""
     tasks = [
         lambda p: f"Repeat the following text exactly, word for word:\n\n{p}",
-        lambda p: ("Fix the spelling mistakes in the following text and write out the whole corrected text:"
-                   f"\n\n{_typo(p)}"),
+        lambda p: (
+            f"Fix the spelling mistakes in the following text and write out the whole corrected text:\n\n{_typo(p)}"
+        ),
         lambda p: f"Summarise the following text, quoting its key sentences exactly in quotation marks:\n\n{p}",
         lambda p: f"Copy this text and add a title to it:\n\n{p}",
     ]

@@ -15,18 +15,17 @@ from fleetserve.scheduler import (
 class FleetserveAdapter:
     name = "fleetserve"
 
-    def build(self, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
-              max_model_len, prefix_caching):
+    def build(self, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, prefix_caching):
         self._last_total = 0
         return create_scheduler(
-            SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                            max_model_len=max_model_len),
-            CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                        enable_prefix_caching=prefix_caching))
+            SchedulerConfig(
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len
+            ),
+            CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
+        )
 
     def make_request(self, rid, prompt, max_tokens):
-        return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                       eos_token_id=0)
+        return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), eos_token_id=0)
 
     def add_request(self, sched, request):
         sched.add_request(request)

@@ -28,12 +28,22 @@ def trace_specs() -> list[dict[str, Any]]:
 def sched_params(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["kind"] == "decode":
         n = spec["n"]
-        return dict(num_blocks=n * 20 + 64, block_size=BLOCK_SIZE, max_num_seqs=n,
-                    max_num_batched_tokens=8192, max_model_len=4096,
-                    prefix_caching=spec["prefix_caching"])
-    return dict(num_blocks=8192, block_size=BLOCK_SIZE, max_num_seqs=256,
-                max_num_batched_tokens=2048, max_model_len=4096,
-                prefix_caching=spec["prefix_caching"])
+        return dict(
+            num_blocks=n * 20 + 64,
+            block_size=BLOCK_SIZE,
+            max_num_seqs=n,
+            max_num_batched_tokens=8192,
+            max_model_len=4096,
+            prefix_caching=spec["prefix_caching"],
+        )
+    return dict(
+        num_blocks=8192,
+        block_size=BLOCK_SIZE,
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
+        max_model_len=4096,
+        prefix_caching=spec["prefix_caching"],
+    )
 
 
 def _prompt(i: int, length: int, system: int) -> list[int]:
@@ -52,8 +62,7 @@ def run_trace(spec: dict[str, Any], adapter: Any, repeats: int) -> dict[str, Any
         for _ in range(n):
             i = counter[0]
             counter[0] += 1
-            adapter.add_request(sched, adapter.make_request(
-                f"req-{i}", _prompt(i, length(i), i % 4), max_tokens(i)))
+            adapter.add_request(sched, adapter.make_request(f"req-{i}", _prompt(i, length(i), i % 4), max_tokens(i)))
 
     def one_step() -> float:
         t0 = time.perf_counter()
@@ -77,8 +86,10 @@ def run_trace(spec: dict[str, Any], adapter: Any, repeats: int) -> dict[str, Any
         steps = 30 if n <= 512 else 10
     else:
         lengths = [96, 300, 700, 1500]
+
         def arrivals() -> None:
             add(2, lambda i: lengths[i % 4] + i % 13, lambda i: 16 + (i * 37) % 112)
+
         for _ in range(60):
             arrivals()
             one_step()
@@ -91,5 +102,4 @@ def run_trace(spec: dict[str, Any], adapter: Any, repeats: int) -> dict[str, Any
                 arrivals()
             total += one_step()
         windows.append(total / steps * 1e6)
-    return dict(us_per_step=statistics.median(windows), windows=windows,
-                running=adapter.num_running(sched))
+    return dict(us_per_step=statistics.median(windows), windows=windows, running=adapter.num_running(sched))

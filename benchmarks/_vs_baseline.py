@@ -6,8 +6,14 @@ from pathlib import Path
 from typing import Callable, Optional
 
 
-def print_table(med: dict[str, dict[str, float]], cases: list[str], baseline: Optional[str], case_width: int,
-                digits: int, extra: Callable[[str], str] = lambda case: "") -> None:
+def print_table(
+    med: dict[str, dict[str, float]],
+    cases: list[str],
+    baseline: Optional[str],
+    case_width: int,
+    digits: int,
+    extra: Callable[[str], str] = lambda case: "",
+) -> None:
     """Per case this checkout's value, and the baseline's with baseline / this when there is one;
     `extra(case)` ends each line."""
     num = max(8, digits + 6)
@@ -21,8 +27,14 @@ def print_table(med: dict[str, dict[str, float]], cases: list[str], baseline: Op
         print(line + extra(c))
 
 
-def grouped_bars(path: Path, values: dict[str, dict[str, float]], cases: list[str], ylabel: str, title: str,
-                 figsize: tuple[float, float] = (6, 3.5)) -> None:
+def grouped_bars(
+    path: Path,
+    values: dict[str, dict[str, float]],
+    cases: list[str],
+    ylabel: str,
+    title: str,
+    figsize: tuple[float, float] = (6, 3.5),
+) -> None:
     """One group of bars per case, one bar per series (`values[series][case]`; the series
     "this" is labelled "this checkout"); writes `path` and says so."""
     import matplotlib
@@ -33,8 +45,12 @@ def grouped_bars(path: Path, values: dict[str, dict[str, float]], cases: list[st
     fig, ax = plt.subplots(figsize=figsize)
     width = 0.8 / len(values)
     for i, (name, per_case) in enumerate(values.items()):
-        ax.bar([j + i * width for j in range(len(cases))], [per_case[c] for c in cases], width,
-               label="this checkout" if name == "this" else name)
+        ax.bar(
+            [j + i * width for j in range(len(cases))],
+            [per_case[c] for c in cases],
+            width,
+            label="this checkout" if name == "this" else name,
+        )
     ax.set_xticks([j + width * (len(values) - 1) / 2 for j in range(len(cases))], cases)
     ax.set_ylabel(ylabel)
     ax.set_title(title)

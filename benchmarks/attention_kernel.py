@@ -91,17 +91,16 @@ def worker(args) -> None:
         num_blocks = prompts * per + 1
         k_cache = torch.randn(KV_HEADS, num_blocks, BLOCK, HEAD_DIM, generator=gen).to(dtype)
         v_cache = torch.randn(KV_HEADS, num_blocks, BLOCK, HEAD_DIM, generator=gen).to(dtype)
-        table = (torch.randperm(num_blocks - 1, generator=gen) + 1)[:prompts * per].view(prompts, per)
+        table = (torch.randperm(num_blocks - 1, generator=gen) + 1)[: prompts * per].view(prompts, per)
         q = torch.randn(tokens, HEADS, HEAD_DIM, generator=gen).to(dtype)
         calls[case] = (q, k_cache, v_cache, table.long(), seq_lens.long(), rows.long())
     # The key layout the engine would use with this kernel (replica.layers.attention.kv_cache_layout):
     # tiled keys where the kernel has them, unless --rows-only. The caches hold random numbers, so
     # the layout changes nothing but the memory order the kernel reads.
-    tiled = (not args.rows_only and hasattr(ops, "k_tiled_supported")
-             and ops.k_tiled_supported(dtype, BLOCK, HEAD_DIM))
+    tiled = not args.rows_only and hasattr(ops, "k_tiled_supported") and ops.k_tiled_supported(dtype, BLOCK, HEAD_DIM)
     extra = (True,) if tiled else ()
     for case, a in calls.items():
-        ops.paged_attention(*a, HEAD_DIM ** -0.5, *extra)  # warm-up
+        ops.paged_attention(*a, HEAD_DIM**-0.5, *extra)  # warm-up
         times[case] = []
     for case, (run, copies) in linears.items():
         run(copies[0])
@@ -109,7 +108,7 @@ def worker(args) -> None:
     for i in range(args.reps):
         for case, a in calls.items():
             t0 = time.perf_counter()
-            ops.paged_attention(*a, HEAD_DIM ** -0.5, *extra)
+            ops.paged_attention(*a, HEAD_DIM**-0.5, *extra)
             times[case].append(time.perf_counter() - t0)
         for case, (run, copies) in linears.items():
             t0 = time.perf_counter()
@@ -119,8 +118,19 @@ def worker(args) -> None:
 
 
 def run_worker(args, source: str | None) -> dict:
-    cmd = [sys.executable, __file__, "--worker", "--cases", args.cases, "--dtype", args.dtype,
-           "--threads", str(args.threads), "--reps", str(args.reps)] + (["--rows-only"] if args.rows_only else [])
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        "--cases",
+        args.cases,
+        "--dtype",
+        args.dtype,
+        "--threads",
+        str(args.threads),
+        "--reps",
+        str(args.reps),
+    ] + (["--rows-only"] if args.rows_only else [])
     if source:
         cmd += ["--source", source]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
@@ -137,8 +147,11 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=15, help="runs of each case per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--baseline", help="a git ref whose replica/kernels/cpu_ops.cpp to time as well")
-    p.add_argument("--rows-only", action="store_true",
-                   help="row-major key blocks for every kernel (default: tiled keys where a kernel has them)")
+    p.add_argument(
+        "--rows-only",
+        action="store_true",
+        help="row-major key blocks for every kernel (default: tiled keys where a kernel has them)",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--source", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -148,8 +161,9 @@ def main() -> None:
     kernels = {"this": None}
     tmp = tempfile.TemporaryDirectory()
     if args.baseline:
-        src = subprocess.run(["git", "show", f"{args.baseline}:replica/kernels/cpu_ops.cpp"], cwd=ROOT,
-                             capture_output=True, text=True)
+        src = subprocess.run(
+            ["git", "show", f"{args.baseline}:replica/kernels/cpu_ops.cpp"], cwd=ROOT, capture_output=True, text=True
+        )
         if src.returncode:
             raise SystemExit(f"--baseline {args.baseline}: {src.stderr.strip()}")
         path = Path(tmp.name) / "cpu_ops.cpp"
@@ -159,7 +173,7 @@ def main() -> None:
     isa = ""
     layouts: dict[str, str] = {}
     for r in range(args.rounds):
-        for name, source in (kernels.items() if r % 2 == 0 else reversed(kernels.items())):
+        for name, source in kernels.items() if r % 2 == 0 else reversed(kernels.items()):
             out = run_worker(args, source)
             isa = out["isa"]
             layouts[name] = out.get("layout", "rows")
@@ -167,17 +181,41 @@ def main() -> None:
                 best[name].setdefault(case, []).append(min(ts))
     cases = args.cases.split(",")
     med = {k: {c: statistics.median(best[k][c]) * 1e3 for c in cases} for k in kernels}
-    print(f"paged_attention and small-M linears, {args.dtype}, {args.threads} threads, {isa} build; ms per call "
-          f"(median over {args.rounds} rounds of each round's fastest of {args.reps}); key layout: "
-          + ", ".join(f"{k} {v}" for k, v in layouts.items()))
-    print_table(med, cases, args.baseline, case_width=18, digits=3, extra=lambda c: "   rounds: " + " | ".join(
-        ", ".join(f"{x * 1e3:.2f}" for x in best[k][c]) for k in kernels))
+    print(
+        f"paged_attention and small-M linears, {args.dtype}, {args.threads} threads, {isa} build; ms per call "
+        f"(median over {args.rounds} rounds of each round's fastest of {args.reps}); key layout: "
+        + ", ".join(f"{k} {v}" for k, v in layouts.items())
+    )
+    print_table(
+        med,
+        cases,
+        args.baseline,
+        case_width=18,
+        digits=3,
+        extra=lambda c: "   rounds: " + " | ".join(", ".join(f"{x * 1e3:.2f}" for x in best[k][c]) for k in kernels),
+    )
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "attention_kernel.json").write_text(json.dumps(
-        {"dtype": args.dtype, "threads": args.threads, "isa": isa, "layouts": layouts, "baseline": args.baseline,
-         "best_per_round_s": best}, indent=2))
-    grouped_bars(RESULTS / "attention_kernel.png", {k: med[k] for k in kernels}, cases, "ms per call",
-                 f"paged_attention ({args.dtype}, {args.threads} threads, {isa})", figsize=(7, 3.5))
+    (RESULTS / "attention_kernel.json").write_text(
+        json.dumps(
+            {
+                "dtype": args.dtype,
+                "threads": args.threads,
+                "isa": isa,
+                "layouts": layouts,
+                "baseline": args.baseline,
+                "best_per_round_s": best,
+            },
+            indent=2,
+        )
+    )
+    grouped_bars(
+        RESULTS / "attention_kernel.png",
+        {k: med[k] for k in kernels},
+        cases,
+        "ms per call",
+        f"paged_attention ({args.dtype}, {args.threads} threads, {isa})",
+        figsize=(7, 3.5),
+    )
 
 
 if __name__ == "__main__":

@@ -54,13 +54,32 @@ GROWTH = 64
 RESULTS = Path(__file__).resolve().parent / "results"
 
 CATEGORIES = {
-    "weight matmul": ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "mkldnn::_linear_pointwise",
-                      "fleetserve::linear_bf16", "fleetserve::linear_f32",
-                      "fleetserve::linear_bf16_silu_mul"),  # gate|up with SiLU-and-multiply fused
-    "attention": ("aten::bmm", "aten::scaled_dot_product_attention", "aten::_softmax", "aten::softmax",
-                  "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::baddbmm", "fleetserve::paged_attention"),
-    "kv cache": ("aten::index_copy_", "aten::index_select", "aten::index_put_", "aten::gather",
-                 "fleetserve::reshape_and_cache_"),
+    "weight matmul": (
+        "aten::linear",
+        "aten::addmm",
+        "aten::mm",
+        "aten::matmul",
+        "mkldnn::_linear_pointwise",
+        "fleetserve::linear_bf16",
+        "fleetserve::linear_f32",
+        "fleetserve::linear_bf16_silu_mul",
+    ),  # gate|up with SiLU-and-multiply fused
+    "attention": (
+        "aten::bmm",
+        "aten::scaled_dot_product_attention",
+        "aten::_softmax",
+        "aten::softmax",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::baddbmm",
+        "fleetserve::paged_attention",
+    ),
+    "kv cache": (
+        "aten::index_copy_",
+        "aten::index_select",
+        "aten::index_put_",
+        "aten::gather",
+        "fleetserve::reshape_and_cache_",
+    ),
 }
 
 
@@ -72,7 +91,7 @@ def build_case(kind: str, batch: int, context: int, block_size: int, num_blocks:
         q = 1 if kind == "decode" else context
         c = context if kind == "decode" else 0
         n = -(-(c + q + GROWTH) // block_size)
-        tables.append(free[pos:pos + n].tolist())
+        tables.append(free[pos : pos + n].tolist())
         pos += n
         q_lens.append(q)
         ctx_lens.append(c)
@@ -91,23 +110,26 @@ def make_step(model, kv_caches, case, block_size):
         grow = counter[0] % GROWTH if decode else 0
         counter[0] += 1
         ctx_lens = [c + grow for c in ctx_lens0]
-        tables = [t[:-(-(c + q) // block_size)] for t, c, q in zip(tables0, ctx_lens, q_lens)]
+        tables = [t[: -(-(c + q) // block_size)] for t, c, q in zip(tables0, ctx_lens, q_lens)]
         positions = [c + i for c, q in zip(ctx_lens, q_lens) for i in range(q)]
         md = AttentionMetadata.build(q_lens, ctx_lens, tables, block_size, request_ids=rids)
         hidden = model(torch.tensor(ids), torch.tensor(positions), kv_caches, md)
         logits = model.compute_logits(hidden[md.last_token_indices])
         return greedy(logits)  # the engine's greedy sampling: the argmax kernel where it runs
+
     return step
 
 
 def breakdown(step) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         step()
         total = time.perf_counter() - t0
     parts = {k: 0.0 for k in CATEGORIES}
     parts["lm head + sample"] = 0.0
+
     # Top-level ops only (events with no parent among the timed ops); the kernels that the
     # one-call decoder layers (fleetserve::llama_layers) record count as top-level.
     def top(ev) -> bool:
@@ -128,8 +150,11 @@ def breakdown(step) -> dict[str, float]:
         head = lm[-1]
         parts["weight matmul"] -= head
         parts["lm head + sample"] += head
-    argmax = [ev.cpu_time_total / 1e6 for ev in prof.events()
-              if ev.cpu_parent is None and ev.name in ("aten::argmax", "fleetserve::argmax_rows")]
+    argmax = [
+        ev.cpu_time_total / 1e6
+        for ev in prof.events()
+        if ev.cpu_parent is None and ev.name in ("aten::argmax", "fleetserve::argmax_rows")
+    ]
     parts["lm head + sample"] += sum(argmax)
     parts["other"] = max(0.0, total - sum(parts.values()))
     return {k: v / total for k, v in parts.items()}
@@ -180,25 +205,41 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--cases", default="prefill-2048,decode-16,decode-64")
     ap.add_argument("--out", default="decode_step")
-    ap.add_argument("--no-decode-buffer", action="store_true",
-                    help="gather the decode rows' KV blocks in every layer (the pre-buffer path)")
+    ap.add_argument(
+        "--no-decode-buffer",
+        action="store_true",
+        help="gather the decode rows' KV blocks in every layer (the pre-buffer path)",
+    )
     ap.add_argument("--no-fused-norm", action="store_true", help="RMSNorm through float32 copies (HF formula)")
-    ap.add_argument("--compare-small-m", action="store_true",
-                    help="also time every case with bf16 linears through oneDNN (small-M kernel off)")
-    ap.add_argument("--compare-kernel-layers", action="store_true",
-                    help="also time every case with the decoder layers through their modules")
+    ap.add_argument(
+        "--compare-small-m",
+        action="store_true",
+        help="also time every case with bf16 linears through oneDNN (small-M kernel off)",
+    )
+    ap.add_argument(
+        "--compare-kernel-layers",
+        action="store_true",
+        help="also time every case with the decoder layers through their modules",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from fleetserve.replica.layers import RMSNorm
     from fleetserve.replica.layers.attention import PagedAttention
+
     PagedAttention.use_decode_buffer = not args.no_decode_buffer
     RMSNorm.fused = not args.no_fused_norm
     dtype = getattr(torch, args.dtype)
     model, cfg = load_model(resolve_model(args.model), dtype)
     block_size = 16
     # Enough blocks for the largest case (decode-N: N requests of context + GROWTH tokens).
-    need = max((int(c.split("-")[1]) * -(-(args.context + 1 + GROWTH) // block_size)
-                for c in args.cases.split(",") if c.startswith("decode-")), default=0)
+    need = max(
+        (
+            int(c.split("-")[1]) * -(-(args.context + 1 + GROWTH) // block_size)
+            for c in args.cases.split(",")
+            if c.startswith("decode-")
+        ),
+        default=0,
+    )
     num_blocks = max(2048, need + 1)
     kv_caches = allocate_kv_caches(cfg, num_blocks, block_size, dtype)
     gen = torch.Generator().manual_seed(0)
@@ -212,7 +253,7 @@ def main() -> None:
         kind, n = name.split("-")
         n = int(n)
         if kind.startswith("prefill"):  # prefill-N: prompts of 128; prefillL-N: prompts of L
-            length = int(kind[len("prefill"):] or 128)
+            length = int(kind[len("prefill") :] or 128)
             case = build_case("prefill", n // length, length, block_size, num_blocks, gen)
             tokens, sampled = n // length * length, n // length
         else:
@@ -242,25 +283,41 @@ def main() -> None:
             med = statistics.median(times[label])
             with setting():
                 parts = breakdown(step)
-            rows.append({"case": name + label, "ms": med * 1e3, "min_ms": min(times[label]) * 1e3,
-                         "gflops_weights": flops / med / 1e9,
-                         "parts_ms": {k: v * med * 1e3 for k, v in parts.items()}})
+            rows.append(
+                {
+                    "case": name + label,
+                    "ms": med * 1e3,
+                    "min_ms": min(times[label]) * 1e3,
+                    "gflops_weights": flops / med / 1e9,
+                    "parts_ms": {k: v * med * 1e3 for k, v in parts.items()},
+                }
+            )
     cats = list(rows[0]["parts_ms"])
-    print(f"model {args.model} {args.dtype}, {args.threads} threads, context {args.context}, "
-          f"median of {args.reps}")
+    print(f"model {args.model} {args.dtype}, {args.threads} threads, context {args.context}, median of {args.reps}")
     print(f"{'case':<14}{'ms/step':>9}{'min':>8}{'GFLOP/s':>9}" + "".join(f"{c:>18}" for c in cats))
     for r in rows:
-        print(f"{r['case']:<14}{r['ms']:>9.1f}{r['min_ms']:>8.1f}{r['gflops_weights']:>9.0f}"
-              + "".join(f"{r['parts_ms'][c]:>18.1f}" for c in cats))
+        print(
+            f"{r['case']:<14}{r['ms']:>9.1f}{r['min_ms']:>8.1f}{r['gflops_weights']:>9.0f}"
+            + "".join(f"{r['parts_ms'][c]:>18.1f}" for c in cats)
+        )
     RESULTS.mkdir(parents=True, exist_ok=True)
-    meta = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "context": args.context,
-            "cpu_kernels_isa": kernels_isa(), "small_m_rows": small_m_rows(dtype),
-            "decode_buffer": not args.no_decode_buffer, "fused_norm": not args.no_fused_norm,
-            "kernel_layers": os.environ.get("FLEETSERVE_KERNEL_LAYERS", "1") != "0",
-            "reps": args.reps, "rows": rows}
+    meta = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "context": args.context,
+        "cpu_kernels_isa": kernels_isa(),
+        "small_m_rows": small_m_rows(dtype),
+        "decode_buffer": not args.no_decode_buffer,
+        "fused_norm": not args.no_fused_norm,
+        "kernel_layers": os.environ.get("FLEETSERVE_KERNEL_LAYERS", "1") != "0",
+        "reps": args.reps,
+        "rows": rows,
+    }
     (RESULTS / f"{args.out}.json").write_text(json.dumps(meta, indent=2))
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

@@ -54,13 +54,13 @@ def run_hf(model, prompts, batch_size: int) -> tuple[float, list]:
     t0 = time.perf_counter()
     with torch.no_grad():
         for start in range(0, len(prompts), batch_size):
-            batch = prompts[start:start + batch_size]
+            batch = prompts[start : start + batch_size]
             width = max(map(len, batch))
             ids = torch.zeros(len(batch), width, dtype=torch.long)
             mask = torch.zeros(len(batch), width, dtype=torch.long)
             for i, p in enumerate(batch):
-                ids[i, :len(p)] = torch.tensor(p)
-                mask[i, :len(p)] = 1
+                ids[i, : len(p)] = torch.tensor(p)
+                mask[i, : len(p)] = 1
             hidden = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
             last = hidden[torch.arange(len(batch)), torch.tensor([len(p) - 1 for p in batch])]
             vectors += torch.nn.functional.normalize(last.float(), dim=-1).tolist()
@@ -96,14 +96,22 @@ def main() -> None:
     hf_dir = export_hf_folder(args.model, Path.home() / ".cache" / "fleetserve" / "hf-export" / args.model)
     dtype = getattr(torch, args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype).eval()
-    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, max_num_seqs=max(64, len(prompts)),
-              max_num_batched_tokens=2048, enable_prefix_caching=False)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        num_threads=args.threads,
+        max_num_seqs=max(64, len(prompts)),
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=False,
+    )
     llm.embed(prompts[:4], use_tqdm=False)  # warm-up (kernels, allocator)
     run_hf(hf, prompts[:4], args.hf_batch_size)
 
-    engines = {"fleetserve": lambda: run_fleetserve(llm, prompts, False),
-               "fleetserve-one-by-one": lambda: run_fleetserve(llm, prompts, True),
-               "hf-batched": lambda: run_hf(hf, prompts, args.hf_batch_size)}
+    engines = {
+        "fleetserve": lambda: run_fleetserve(llm, prompts, False),
+        "fleetserve-one-by-one": lambda: run_fleetserve(llm, prompts, True),
+        "hf-batched": lambda: run_hf(hf, prompts, args.hf_batch_size),
+    }
     times: dict[str, list[float]] = {name: [] for name in engines}
     vectors: dict[str, list] = {}
     for _ in range(args.repeats):  # interleaved: a bad moment slows one round of each, not one engine
@@ -115,23 +123,37 @@ def main() -> None:
     rows = []
     for name in engines:
         t = statistics.median(times[name])
-        rows.append({"engine": name, "seconds": round(t, 3), "prompts_s": round(len(prompts) / t, 1),
-                     "tokens_s": round(num_tokens / t, 1), "vs_hf": round(base / t, 2),
-                     "max_diff_vs_hf": max_diff(vectors[name], vectors["hf-batched"]),
-                     "rounds_s": [round(x, 3) for x in times[name]]})
+        rows.append(
+            {
+                "engine": name,
+                "seconds": round(t, 3),
+                "prompts_s": round(len(prompts) / t, 1),
+                "tokens_s": round(num_tokens / t, 1),
+                "vs_hf": round(base / t, 2),
+                "max_diff_vs_hf": max_diff(vectors[name], vectors["hf-batched"]),
+                "rounds_s": [round(x, 3) for x in times[name]],
+            }
+        )
     cpu = cpu_name()
     print(f"{len(prompts)} prompts, {num_tokens} tokens, {args.dtype}, {args.threads} threads, {cpu}")
-    header = (f"{'engine':<24}{'s (median)':>11}{'prompts/s':>11}{'tokens/s':>10}{'x hf':>7}"
-              f"{'max |diff|':>12}  rounds (s)")
+    header = (
+        f"{'engine':<24}{'s (median)':>11}{'prompts/s':>11}{'tokens/s':>10}{'x hf':>7}{'max |diff|':>12}  rounds (s)"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['engine']:<24}{r['seconds']:>11.3f}{r['prompts_s']:>11.1f}{r['tokens_s']:>10.1f}"
-              f"{r['vs_hf']:>7.2f}{r['max_diff_vs_hf']:>12.2e}  {r['rounds_s']}")
+        print(
+            f"{r['engine']:<24}{r['seconds']:>11.3f}{r['prompts_s']:>11.1f}{r['tokens_s']:>10.1f}"
+            f"{r['vs_hf']:>7.2f}{r['max_diff_vs_hf']:>12.2e}  {r['rounds_s']}"
+        )
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"embeddings_{args.dtype}"
-    out.with_suffix(".json").write_text(json.dumps({"cpu": cpu, "dtype": args.dtype, "threads": args.threads,
-                                                    "num_prompts": len(prompts), "rows": rows}, indent=1))
+    out.with_suffix(".json").write_text(
+        json.dumps(
+            {"cpu": cpu, "dtype": args.dtype, "threads": args.threads, "num_prompts": len(prompts), "rows": rows},
+            indent=1,
+        )
+    )
     plot(rows, out.with_suffix(".png"), args.dtype, cpu)
     print(f"wrote {out.with_suffix('.png')} and .json")
 
@@ -145,8 +167,13 @@ def plot(rows: list[dict], path: Path, dtype: str, cpu: str) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 3.5))
     bars = ax.bar([r["engine"] for r in rows], [r["tokens_s"] for r in rows], color=["#48c", "#8ac", "#888"])
     for bar, r in zip(bars, rows):
-        ax.annotate(f"{r['tokens_s']:.0f}\n({r['vs_hf']:.2f}x hf)", (bar.get_x() + bar.get_width() / 2,
-                    bar.get_height()), ha="center", va="bottom", fontsize=8)
+        ax.annotate(
+            f"{r['tokens_s']:.0f}\n({r['vs_hf']:.2f}x hf)",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_ylabel("prompt tokens embedded / s")
     ax.set_title(f"Embeddings, SmolLM2-135M {dtype}, {cpu}", fontsize=9)
     ax.margins(y=0.25)

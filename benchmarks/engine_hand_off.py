@@ -39,12 +39,26 @@ CONNECTORS = {"storage": "SharedStorageConnector", "ray": "RayObjectStoreConnect
 def engines(kind: str, tmp: str, dtype: str, max_len: int):
     from fleetserve.replica.engine.async_engine import AsyncEngine
 
-    extra = {"SharedStorageConnector": {"path": os.path.join(tmp, "kv")},
-             "P2PConnector": {"host": "127.0.0.1"}}.get(CONNECTORS[kind], {})
-    kv = {"kv_connector": CONNECTORS[kind], "kv_role": "kv_both", "kv_load_failure_policy": "fail",
-          "kv_load_timeout_s": 120.0, "kv_connector_extra_config": extra}
-    common = dict(model="smollm2-135m", dtype=dtype, max_model_len=max_len, max_num_batched_tokens=max_len,
-                  enable_prefix_caching=False, kv_transfer_config=kv, num_threads=1, core_process=True)
+    extra = {"SharedStorageConnector": {"path": os.path.join(tmp, "kv")}, "P2PConnector": {"host": "127.0.0.1"}}.get(
+        CONNECTORS[kind], {}
+    )
+    kv = {
+        "kv_connector": CONNECTORS[kind],
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "fail",
+        "kv_load_timeout_s": 120.0,
+        "kv_connector_extra_config": extra,
+    }
+    common = dict(
+        model="smollm2-135m",
+        dtype=dtype,
+        max_model_len=max_len,
+        max_num_batched_tokens=max_len,
+        enable_prefix_caching=False,
+        kv_transfer_config=kv,
+        num_threads=1,
+        core_process=True,
+    )
     return AsyncEngine(**common), AsyncEngine(**common)
 
 
@@ -52,8 +66,9 @@ async def call(eng, prompt, params=None):
     from fleetserve.scheduler import SamplingParams
 
     out = None
-    async for o in eng.generate(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
-                                kv_transfer_params=params):
+    async for o in eng.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), kv_transfer_params=params
+    ):
         out = o
     return out
 
@@ -68,8 +83,7 @@ async def rounds(a, b, n_tokens: int, repeats: int, salt: int) -> tuple[list[flo
         o = await call(b, prompt, p.kv_transfer_params)
         dt = time.perf_counter() - t0
         if o.outputs[0].finish_reason == "error" or o.num_remote_tokens < n_tokens // 16 * 16 - 16:
-            raise SystemExit(f"a hand-off failed: {o.outputs[0].finish_reason}, "
-                             f"{o.num_remote_tokens} remote tokens")
+            raise SystemExit(f"a hand-off failed: {o.outputs[0].finish_reason}, {o.num_remote_tokens} remote tokens")
         other = [(salt * 31 + r * 13 + i) % 40000 + 100 for i in range(n_tokens)]
         t0 = time.perf_counter()
         await call(b, other)
@@ -94,8 +108,7 @@ def main() -> int:
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _node_ip_address="127.0.0.1")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
     rows = []
     with tempfile.TemporaryDirectory(prefix="handoff-") as tmp:
         for kind in kinds:
@@ -103,8 +116,14 @@ def main() -> int:
             try:
                 for n in sizes:
                     hand, own = asyncio.run(rounds(a, b, n, args.repeats, len(rows)))
-                    row = {"connector": kind, "tokens": n, "hand_off_s": statistics.median(hand),
-                           "recompute_s": statistics.median(own), "hand_off_all_s": hand, "recompute_all_s": own}
+                    row = {
+                        "connector": kind,
+                        "tokens": n,
+                        "hand_off_s": statistics.median(hand),
+                        "recompute_s": statistics.median(own),
+                        "hand_off_all_s": hand,
+                        "recompute_all_s": own,
+                    }
                     row["speedup"] = row["recompute_s"] / row["hand_off_s"]
                     rows.append(row)
                     print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all_s")}), flush=True)
@@ -120,11 +139,14 @@ def report(rows, dtype: str) -> None:
     print(f"CPU: {cpu_name()}; SmolLM2 {dtype}, one torch thread per engine, engines in their own processes")
     print(f"\n{'connector':>9} {'tokens':>7} {'hand-off ms':>12} {'recompute ms':>13} {'speed-up':>9}")
     for r in rows:
-        print(f"{r['connector']:>9} {r['tokens']:>7} {r['hand_off_s'] * 1e3:>12.1f} "
-              f"{r['recompute_s'] * 1e3:>13.1f} {r['speedup']:>8.0f}x")
+        print(
+            f"{r['connector']:>9} {r['tokens']:>7} {r['hand_off_s'] * 1e3:>12.1f} "
+            f"{r['recompute_s'] * 1e3:>13.1f} {r['speedup']:>8.0f}x"
+        )
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "engine_hand_off.json").write_text(json.dumps({"dtype": dtype, "cpu": cpu_name(), "rows": rows},
-                                                             indent=1))
+    (RESULTS / "engine_hand_off.json").write_text(
+        json.dumps({"dtype": dtype, "cpu": cpu_name(), "rows": rows}, indent=1)
+    )
     import matplotlib
 
     matplotlib.use("Agg")

@@ -38,8 +38,16 @@ def run(model: str, device: str, n: int, eager: bool, dtype: str) -> dict:
     from fleetserve.scheduler import SamplingParams
 
     prompts, outputs = workload("a", load_tokenizer(resolve_model(model)), n)
-    llm = LLM(model, dtype=dtype, max_num_seqs=n, max_num_batched_tokens=2048, enable_prefix_caching=False,
-              kv_cache_memory_bytes=2 << 30, device=device, enforce_eager=eager)
+    llm = LLM(
+        model,
+        dtype=dtype,
+        max_num_seqs=n,
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=False,
+        kv_cache_memory_bytes=2 << 30,
+        device=device,
+        enforce_eager=eager,
+    )
     core = llm.core
     inner_step, inner_schedule = core.step, core.scheduler.schedule
     steps: list[tuple[float, bool]] = []  # (seconds, decode-only)
@@ -55,8 +63,7 @@ def run(model: str, device: str, n: int, eager: bool, dtype: str) -> dict:
         out = inner_step(*args, **kwargs)
         so = last.get("out")
         if so is not None and so.total_num_scheduled_tokens:
-            steps.append((time.perf_counter() - t0,
-                          so.total_num_scheduled_tokens == len(so.num_scheduled_tokens)))
+            steps.append((time.perf_counter() - t0, so.total_num_scheduled_tokens == len(so.num_scheduled_tokens)))
         return out
 
     core.step, core.scheduler.schedule = timed_step, schedule
@@ -72,13 +79,23 @@ def run(model: str, device: str, n: int, eager: bool, dtype: str) -> dict:
 
     def summary(times: list[float]) -> dict:
         s = sorted(times)
-        return {"count": len(s), "median_ms": 1e3 * statistics.median(s) if s else 0.0,
-                "p90_ms": 1e3 * s[int(0.9 * (len(s) - 1))] if s else 0.0, "total_s": sum(s)}
+        return {
+            "count": len(s),
+            "median_ms": 1e3 * statistics.median(s) if s else 0.0,
+            "p90_ms": 1e3 * s[int(0.9 * (len(s) - 1))] if s else 0.0,
+            "total_s": sum(s),
+        }
 
-    return {"engine": "eager" if eager or graphs is None else "graphs", "device": device, "prompts": n,
-            "tok_s": ntok / elapsed, "elapsed_s": elapsed,
-            "decode": summary([t for t, d in steps if d]), "prefill": summary([t for t, d in steps if not d]),
-            "all_steps_ms": [round(1e3 * t, 3) for t, _ in steps]}
+    return {
+        "engine": "eager" if eager or graphs is None else "graphs",
+        "device": device,
+        "prompts": n,
+        "tok_s": ntok / elapsed,
+        "elapsed_s": elapsed,
+        "decode": summary([t for t, d in steps if d]),
+        "prefill": summary([t for t, d in steps if not d]),
+        "all_steps_ms": [round(1e3 * t, 3) for t, _ in steps],
+    }
 
 
 def main() -> None:
@@ -97,16 +114,20 @@ def main() -> None:
     engines = (args.engines or ("graphs,eager" if args.device == "cuda" else "eager")).split(",")
     rows = [run(args.model, args.device, args.num_prompts, e == "eager", args.dtype) for e in engines]
     print(f"workload (a), {args.num_prompts} prompts, {args.model} {args.dtype} on {args.device}; second round")
-    head = f"{'engine':<8}{'tok/s':>9}{'decode steps':>14}{'median ms':>11}{'p90 ms':>9}{'share':>7}" \
-           f"{'prefill steps':>15}{'median ms':>11}{'p90 ms':>9}{'share':>7}"
+    head = (
+        f"{'engine':<8}{'tok/s':>9}{'decode steps':>14}{'median ms':>11}{'p90 ms':>9}{'share':>7}"
+        f"{'prefill steps':>15}{'median ms':>11}{'p90 ms':>9}{'share':>7}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
         d, p = r["decode"], r["prefill"]
         total = d["total_s"] + p["total_s"] or 1.0
-        print(f"{r['engine']:<8}{r['tok_s']:>9.0f}{d['count']:>14}{d['median_ms']:>11.2f}{d['p90_ms']:>9.2f}"
-              f"{d['total_s'] / total:>7.0%}{p['count']:>15}{p['median_ms']:>11.2f}{p['p90_ms']:>9.2f}"
-              f"{p['total_s'] / total:>7.0%}")
+        print(
+            f"{r['engine']:<8}{r['tok_s']:>9.0f}{d['count']:>14}{d['median_ms']:>11.2f}{d['p90_ms']:>9.2f}"
+            f"{d['total_s'] / total:>7.0%}{p['count']:>15}{p['median_ms']:>11.2f}{p['p90_ms']:>9.2f}"
+            f"{p['total_s'] / total:>7.0%}"
+        )
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "engine_steps.json").write_text(json.dumps(rows, indent=1))
     import matplotlib

@@ -65,9 +65,20 @@ sys.path.insert(0, str(Path(__file__).parent))
 from serving import cpu_name  # noqa: E402  (benchmarks/ is not a package)
 
 LAYERS, HEADS, HEAD_DIM, BS = 30, 3, 64, 16
-CFG = type("Cfg", (), dict(num_attention_heads=9, num_key_value_heads=HEADS, hidden_size=576,
-                           num_hidden_layers=LAYERS, vocab_size=49152, model_type="llama",
-                           rope_theta=100000.0, head_dim=HEAD_DIM))
+CFG = type(
+    "Cfg",
+    (),
+    dict(
+        num_attention_heads=9,
+        num_key_value_heads=HEADS,
+        hidden_size=576,
+        num_hidden_layers=LAYERS,
+        vocab_size=49152,
+        model_type="llama",
+        rope_theta=100000.0,
+        head_dim=HEAD_DIM,
+    ),
+)
 
 
 def make_pair(kind: str, num_blocks: int, tmp: str, device: str = "cpu", dtype=torch.float32):
@@ -76,18 +87,29 @@ def make_pair(kind: str, num_blocks: int, tmp: str, device: str = "cpu", dtype=t
     from fleetserve.kv_transfer.config import KVTransferConfig
     from fleetserve.kv_transfer.factory import build_context, resolve_connector_class
 
-    extra = ({"path": tmp, "max_bytes": 64 << 30} if kind == "SharedStorageConnector"
-             else {"host": "127.0.0.1"} if kind.endswith("P2PConnector") else {})
+    extra = (
+        {"path": tmp, "max_bytes": 64 << 30}
+        if kind == "SharedStorageConnector"
+        else {"host": "127.0.0.1"}
+        if kind.endswith("P2PConnector")
+        else {}
+    )
     cls = resolve_connector_class(kind)
     halves = []
     for seed, role in ((0, "kv_producer"), (1, "kv_consumer")):
-        cfg = KVTransferConfig(kv_connector=kind, kv_role=role, kv_connector_extra_config=extra,
-                               kv_load_timeout_s=600, engine_id=f"bench-{role}")
+        cfg = KVTransferConfig(
+            kv_connector=kind,
+            kv_role=role,
+            kv_connector_extra_config=extra,
+            kv_load_timeout_s=600,
+            engine_id=f"bench-{role}",
+        )
         ctx = build_context(cfg, "smollm2-135m", CFG, dtype, BS)
         w = cls(cfg, KVConnectorRole.WORKER, ctx)
         g = torch.Generator().manual_seed(seed)
-        w.register_kv_caches([torch.randn((2, HEADS, num_blocks, BS, HEAD_DIM), generator=g).to(device, dtype)
-                              for _ in range(LAYERS)])
+        w.register_kv_caches(
+            [torch.randn((2, HEADS, num_blocks, BS, HEAD_DIM), generator=g).to(device, dtype) for _ in range(LAYERS)]
+        )
         # The Ray connector maps the (preallocated) object store at engine start: an engine's
         # steady state, where its puts no longer page-fault. Waited for, so it is not timed.
         wait_mapped = getattr(w.half.transport, "wait_store_mapped", None)
@@ -108,8 +130,9 @@ def block_ids(order: str, n: int, num_blocks: int) -> list[int]:
     return random.Random(n).sample(range(num_blocks), n)
 
 
-def hand_off(ctx, prod, cons, num_tokens: int, tid: str,
-             overlap: bool = True, order: str = "descending") -> tuple[float, float, float, float]:
+def hand_off(
+    ctx, prod, cons, num_tokens: int, tid: str, overlap: bool = True, order: str = "descending"
+) -> tuple[float, float, float, float]:
     """(export seconds, load seconds, and the seconds the producer's and the consumer's engine
     threads spent in the transfer's `start_load_kv` and `get_finished` calls) of one transfer
     of `num_tokens` tokens. With `overlap` the consumer starts as soon as the producer's
@@ -130,8 +153,7 @@ def hand_off(ctx, prod, cons, num_tokens: int, tid: str,
     if not overlap:
         prod.half.wait_for_exports(600)
     t1 = time.perf_counter()
-    spec = LoadSpec("r", tid, blocks, keys, time.time() + 600,
-                    {"remote_tp_size": 1, "remote_engine_id": ctx.engine_id})
+    spec = LoadSpec("r", tid, blocks, keys, time.time() + 600, {"remote_tp_size": 1, "remote_engine_id": ctx.engine_id})
     cons.bind_connector_metadata(ConnectorMetadata(loads=[spec]))
     cons.start_load_kv()
     engine = time.perf_counter() - t1
@@ -182,8 +204,9 @@ class RawGloo:
         self.groups = [None, None]
 
         def make(rank):
-            self.groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("raw", self.stores[rank]), rank, 2,
-                                                      datetime.timedelta(seconds=60))
+            self.groups[rank] = dist.ProcessGroupGloo(
+                dist.PrefixStore("raw", self.stores[rank]), rank, 2, datetime.timedelta(seconds=60)
+            )
 
         ts = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
         [t.start() for t in ts]
@@ -240,8 +263,13 @@ def recompute_seconds(num_tokens: int, repeats: int) -> list[float]:
     from fleetserve.replica.llm import LLM
     from fleetserve.scheduler import SamplingParams
 
-    llm = LLM("smollm2-135m", dtype="float32", max_model_len=num_tokens + 16,
-              enable_prefix_caching=False, max_num_batched_tokens=num_tokens + 16)
+    llm = LLM(
+        "smollm2-135m",
+        dtype="float32",
+        max_model_len=num_tokens + 16,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=num_tokens + 16,
+    )
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     llm.generate([list(range(10, 74))], sp, use_tqdm=False)  # warm-up
     times = []
@@ -254,9 +282,11 @@ def recompute_seconds(num_tokens: int, repeats: int) -> list[float]:
     return times
 
 
-KINDS = {"storage": ("SharedStorageConnector", "raw_file", "file write+read (raw)", "shared storage connector"),
-         "ray": ("RayObjectStoreConnector", "raw_ray", "ray put+get (raw)", "Ray object store connector"),
-         "p2p": ("P2PConnector", "raw_gloo", "gloo send+recv (raw)", "P2P connector (gloo)")}
+KINDS = {
+    "storage": ("SharedStorageConnector", "raw_file", "file write+read (raw)", "shared storage connector"),
+    "ray": ("RayObjectStoreConnector", "raw_ray", "ray put+get (raw)", "Ray object store connector"),
+    "p2p": ("P2PConnector", "raw_gloo", "gloo send+recv (raw)", "P2P connector (gloo)"),
+}
 
 
 def start_ray():
@@ -268,9 +298,15 @@ def start_ray():
             # Shared memory touched up front (RAY_preallocate_plasma_memory=1 for `ray start`):
             # else every put into store memory not yet (or no longer) mapped pays its page
             # faults, 40 ms of a 94 MB put on this VM, against 8 ms once the pages are warm.
-            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                     object_store_memory=3 << 30, _node_ip_address="127.0.0.1",
-                     _system_config={"preallocate_plasma_memory": True})
+            ray.init(
+                address="local",
+                num_cpus=2,
+                include_dashboard=False,
+                log_to_driver=False,
+                object_store_memory=3 << 30,
+                _node_ip_address="127.0.0.1",
+                _system_config={"preallocate_plasma_memory": True},
+            )
             return ray
         except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception here
             print(f"ray.init failed ({e}); retrying", file=sys.stderr)
@@ -287,11 +323,18 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--connectors", default="storage,ray,p2p", help="comma list of storage, ray, p2p")
     ap.add_argument("--no-recompute", action="store_true", help="skip the real model's 2k-token prefill")
-    ap.add_argument("--block-order", default="descending", choices=["descending", "ascending", "scattered"],
-                    help="the cache blocks a hand-off uses: descending runs as a warm engine hands "
-                         "them out (default), ascending as a fresh one does, or scattered")
-    ap.add_argument("--serial", action="store_true",
-                    help="export completely before the consumer starts (the default overlaps them, as P/D does)")
+    ap.add_argument(
+        "--block-order",
+        default="descending",
+        choices=["descending", "ascending", "scattered"],
+        help="the cache blocks a hand-off uses: descending runs as a warm engine hands "
+        "them out (default), ascending as a fresh one does, or scattered",
+    )
+    ap.add_argument(
+        "--serial",
+        action="store_true",
+        help="export completely before the consumer starts (the default overlaps them, as P/D does)",
+    )
     args = ap.parse_args()
     shorts = [c for c in args.connectors.split(",") if c]
     if not shorts or any(c not in KINDS for c in shorts):
@@ -322,10 +365,13 @@ def main() -> int:
             recv = torch.zeros_like(data.view(torch.uint8))
             dev = data.to("cuda") if cuda else None
             pinned = torch.empty(data.shape, dtype=data.dtype, pin_memory=True) if cuda else None
-            paths = {"memcpy": partial(memcpy, data), "raw_file": partial(raw_file, buf, tmp),
-                     "raw_ray": partial(raw_ray, buf),
-                     "raw_gloo": None if raw_gloo is None else partial(raw_gloo, data.view(torch.uint8), recv),
-                     "d2h_h2d": partial(d2h_h2d, dev, pinned)}
+            paths = {
+                "memcpy": partial(memcpy, data),
+                "raw_file": partial(raw_file, buf, tmp),
+                "raw_ray": partial(raw_ray, buf),
+                "raw_gloo": None if raw_gloo is None else partial(raw_gloo, data.view(torch.uint8), recv),
+                "d2h_h2d": partial(d2h_h2d, dev, pinned),
+            }
             paths = {k: f for k, f in paths.items() if f is not None and (k == "memcpy" or k in raws)}
             t: dict[str, list[float]] = {k: [] for k in paths}
             t.update({f"{k}_{p}": [] for k in kinds for p in ("export", "load", "prod_engine", "engine")})
@@ -339,21 +385,28 @@ def main() -> int:
                         t[name].append(dt)
                 for k in kinds:
                     ctx, prod, cons = pairs[k]
-                    e, load_s, pg, g = hand_off(ctx, prod, cons, n, f"bench-{n}-{r}-{k[:4]}", not args.serial,
-                                                args.block_order)
+                    e, load_s, pg, g = hand_off(
+                        ctx, prod, cons, n, f"bench-{n}-{r}-{k[:4]}", not args.serial, args.block_order
+                    )
                     if r >= 0:
                         t[f"{k}_export"].append(e)
                         t[f"{k}_load"].append(load_s)
                         t[f"{k}_prod_engine"].append(pg)
                         t[f"{k}_engine"].append(g)
                     if alone:
-                        _, load_s, _, _ = hand_off(ctx, prod, cons, n, f"alone-{n}-{r}-{k[:4]}", False,
-                                                   args.block_order)
+                        _, load_s, _, _ = hand_off(
+                            ctx, prod, cons, n, f"alone-{n}-{r}-{k[:4]}", False, args.block_order
+                        )
                         if r >= 0:
                             t.setdefault(f"{k}_load_alone", []).append(load_s)
             med = {k: statistics.median(v) for k, v in t.items()}
-            row = {"tokens": n, "bytes": nbytes, "device": args.device, "dtype": args.dtype,
-                   "block_order": args.block_order}
+            row = {
+                "tokens": n,
+                "bytes": nbytes,
+                "device": args.device,
+                "dtype": args.dtype,
+                "block_order": args.block_order,
+            }
             for k in paths:
                 row[f"{k}_gbs"] = _gbs(nbytes, med[k])
             for c in shorts:
@@ -385,8 +438,10 @@ def main() -> int:
 
 def report(rows, recompute, two_k, shorts, cuda) -> None:
     where = f"GPU: {torch.cuda.get_device_name()}, host " if cuda else ""
-    print(f"{where}CPU: {cpu_name()}; caches {rows[0]['dtype']} on {rows[0]['device']}, "
-          f"blocks in {rows[0]['block_order']} order")
+    print(
+        f"{where}CPU: {cpu_name()}; caches {rows[0]['dtype']} on {rows[0]['device']}, "
+        f"blocks in {rows[0]['block_order']} order"
+    )
     print("\nGB/s end to end (producer cache -> consumer cache), medians; raw = the transport alone")
     cols = [("memcpy", "memcpy_gbs")] + ([("d2h+h2d", "d2h_h2d_gbs")] if cuda else [])
     for c in shorts:
@@ -397,19 +452,28 @@ def report(rows, recompute, two_k, shorts, cuda) -> None:
         cols.append(("ray/mcpy", "ray_vs_memcpy"))
     print(f"{'tokens':>7} {'MiB':>6} " + " ".join(f"{h:>{max(8, len(h))}}" for h, _ in cols))
     for r in rows:
-        print(f"{r['tokens']:>7} {r['bytes'] / 2**20:>6.0f} "
-              + " ".join(f"{r[k]:>{max(8, len(h))}.2f}" for h, k in cols))
-    loads = ", ".join(f"{c} load {two_k[f'{c}_load_alone_s'] * 1e3:.1f} ms"
-                      + (f" ({recompute / two_k[f'{c}_load_alone_s']:.0f}x)" if recompute else "") for c in shorts)
+        print(
+            f"{r['tokens']:>7} {r['bytes'] / 2**20:>6.0f} " + " ".join(f"{r[k]:>{max(8, len(h))}.2f}" for h, k in cols)
+        )
+    loads = ", ".join(
+        f"{c} load {two_k[f'{c}_load_alone_s'] * 1e3:.1f} ms"
+        + (f" ({recompute / two_k[f'{c}_load_alone_s']:.0f}x)" if recompute else "")
+        for c in shorts
+    )
     for side, key in (("producer", "producer_engine_thread_s"), ("consumer", "engine_thread_s")):
-        print(f"{side} engine thread per hand-off (start_load_kv + get_finished calls), ms: "
-              + "; ".join(f"{r['tokens']} tokens " + ", ".join(f"{c} {r[f'{c}_{key}'] * 1e3:.2f}"
-                                                              for c in shorts) for r in rows))
-    print("\nload vs recompute, 2048 tokens (the load alone, its export done first): "
-          + (f"prefill {recompute * 1e3:.0f} ms; " if recompute else "prefill not run; ") + loads)
+        print(
+            f"{side} engine thread per hand-off (start_load_kv + get_finished calls), ms: "
+            + "; ".join(
+                f"{r['tokens']} tokens " + ", ".join(f"{c} {r[f'{c}_{key}'] * 1e3:.2f}" for c in shorts) for r in rows
+            )
+        )
+    print(
+        "\nload vs recompute, 2048 tokens (the load alone, its export done first): "
+        + (f"prefill {recompute * 1e3:.0f} ms; " if recompute else "prefill not run; ")
+        + loads
+    )
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "kv_transfer.json").write_text(json.dumps(
-        {"rows": rows, "recompute_2k_s": recompute}, indent=1))
+    (RESULTS / "kv_transfer.json").write_text(json.dumps({"rows": rows, "recompute_2k_s": recompute}, indent=1))
     import matplotlib
 
     matplotlib.use("Agg")

@@ -74,8 +74,17 @@ def main() -> None:
         cache = cache / "random-smollm2"  # its adapters too: they fit this model only
         hf_dir = cache / "model"
         if not (hf_dir / "config.json").exists():
-            make_tiny_llama(hf_dir, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-                            num_kv_heads=3, tie_word_embeddings=True, init_std=0.02, seed=0)
+            make_tiny_llama(
+                hf_dir,
+                hidden_size=576,
+                intermediate_size=1536,
+                num_layers=30,
+                num_heads=9,
+                num_kv_heads=3,
+                tie_word_embeddings=True,
+                init_std=0.02,
+                seed=0,
+            )
         args.model = str(hf_dir)
     else:
         cache = cache / args.model.replace("/", "_")
@@ -98,29 +107,45 @@ def main() -> None:
     tokenizer = load_tokenizer(resolve_model(args.model))
     prompts, _ = workload("a", tokenizer, args.num_prompts)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    common = dict(dtype=args.dtype, num_threads=args.threads, max_num_seqs=max(64, len(prompts)),
-                  max_num_batched_tokens=2048, enable_prefix_caching=False, kv_cache_memory_bytes=1 << 30,
-                  device=args.device)
+    common = dict(
+        dtype=args.dtype,
+        num_threads=args.threads,
+        max_num_seqs=max(64, len(prompts)),
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=False,
+        kv_cache_memory_bytes=1 << 30,
+        device=args.device,
+    )
     modules = [f"lora{i}={p}" for i, p in enumerate(adapters)]
-    engines = {"merged": LLM(str(merged_dir), **common),
-               "base": LLM(str(hf_dir), **common),
-               "lora": LLM(str(hf_dir), lora_modules=modules, max_loras=len(adapters),
-                           max_lora_rank=args.rank, **common)}
+    engines = {
+        "merged": LLM(str(merged_dir), **common),
+        "base": LLM(str(hf_dir), **common),
+        "lora": LLM(str(hf_dir), lora_modules=modules, max_loras=len(adapters), max_lora_rank=args.rank, **common),
+    }
     if args.eager_too:
-        engines["lora eager"] = LLM(str(hf_dir), lora_modules=modules, max_loras=len(adapters),
-                                    max_lora_rank=args.rank, enforce_eager=True, **common)
+        engines["lora eager"] = LLM(
+            str(hf_dir),
+            lora_modules=modules,
+            max_loras=len(adapters),
+            max_lora_rank=args.rank,
+            enforce_eager=True,
+            **common,
+        )
     reqs = [LoRARequest(f"lora{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
-    setups = {"merged": ("merged", None),
-              "base": ("base", None),
-              "base, lora engine": ("lora", None),
-              "1 adapter": ("lora", [reqs[0]] * len(prompts)),
-              f"{len(reqs)} adapters": ("lora", [reqs[i % len(reqs)] for i in range(len(prompts))])}
+    setups = {
+        "merged": ("merged", None),
+        "base": ("base", None),
+        "base, lora engine": ("lora", None),
+        "1 adapter": ("lora", [reqs[0]] * len(prompts)),
+        f"{len(reqs)} adapters": ("lora", [reqs[i % len(reqs)] for i in range(len(prompts))]),
+    }
     if args.eager_too:
         setups["1 adapter, eager"] = ("lora eager", setups["1 adapter"][1])
         setups[f"{len(reqs)} adapters, eager"] = ("lora eager", setups[f"{len(reqs)} adapters"][1])
     for engine, loras in setups.values():  # warm-up (kernels, allocator)
-        engines[engine].generate(prompts[:4], SamplingParams(max_tokens=4), use_tqdm=False,
-                                 lora_request=None if loras is None else loras[:4])
+        engines[engine].generate(
+            prompts[:4], SamplingParams(max_tokens=4), use_tqdm=False, lora_request=None if loras is None else loras[:4]
+        )
     times: dict[str, list[float]] = {name: [] for name in setups}
     tokens: dict[str, list] = {}
     for _ in range(args.repeats):  # interleaved: a bad moment slows one round of each, not one setup
@@ -137,26 +162,49 @@ def main() -> None:
     rows = []
     for name in setups:
         t = statistics.median(times[name])
-        rows.append({"setup": name, "seconds": round(t, 3), "output_tokens_s": round(num_out / t, 1),
-                     "vs_merged": round(ceiling / t, 3), "rounds_s": [round(x, 3) for x in times[name]]})
+        rows.append(
+            {
+                "setup": name,
+                "seconds": round(t, 3),
+                "output_tokens_s": round(num_out / t, 1),
+                "vs_merged": round(ceiling / t, 3),
+                "rounds_s": [round(x, 3) for x in times[name]],
+            }
+        )
     cpu = cpu_name()
     device = next(iter(engines.values())).core.executor.worker.device
     if device.type == "cuda":
         cpu = f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
-    print(f"{len(prompts)} prompts x {args.max_tokens} tokens, {len(reqs)} adapters of rank {args.rank}, "
-          f"{args.dtype}, {args.threads} threads, {cpu}; 1 adapter's outputs equal merged's: {same}/{len(prompts)}")
+    print(
+        f"{len(prompts)} prompts x {args.max_tokens} tokens, {len(reqs)} adapters of rank {args.rank}, "
+        f"{args.dtype}, {args.threads} threads, {cpu}; 1 adapter's outputs equal merged's: {same}/{len(prompts)}"
+    )
     header = f"{'setup':<20}{'s (median)':>11}{'out tok/s':>11}{'x merged':>10}  rounds (s)"
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['setup']:<20}{r['seconds']:>11.3f}{r['output_tokens_s']:>11.1f}{r['vs_merged']:>10.3f}  "
-              f"{r['rounds_s']}")
+        print(
+            f"{r['setup']:<20}{r['seconds']:>11.3f}{r['output_tokens_s']:>11.1f}{r['vs_merged']:>10.3f}  "
+            f"{r['rounds_s']}"
+        )
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / (f"lora_{args.dtype}" + ("" if device.type == "cpu" else f"_{device.type}"))
-    out.with_suffix(".json").write_text(json.dumps({
-        "cpu": cpu, "dtype": args.dtype, "threads": args.threads, "num_prompts": len(prompts),
-        "max_tokens": args.max_tokens, "rank": args.rank, "num_adapters": len(reqs),
-        "same_as_merged": same, "rows": rows}, indent=1))
+    out.with_suffix(".json").write_text(
+        json.dumps(
+            {
+                "cpu": cpu,
+                "dtype": args.dtype,
+                "threads": args.threads,
+                "num_prompts": len(prompts),
+                "max_tokens": args.max_tokens,
+                "rank": args.rank,
+                "num_adapters": len(reqs),
+                "same_as_merged": same,
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     plot(rows, out.with_suffix(".png"), f"{len(reqs)} adapters of rank {args.rank}, {args.dtype}, {cpu}")
     print(f"wrote {out.with_suffix('.png')} and .json")
 
@@ -168,11 +216,19 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    bars = ax.bar([r["setup"].replace(", ", ",\n") for r in rows], [r["output_tokens_s"] for r in rows],
-                  color=(["#888", "#8ac", "#8ac", "#48c", "#48c"] + ["#c84"] * 2)[:len(rows)])
+    bars = ax.bar(
+        [r["setup"].replace(", ", ",\n") for r in rows],
+        [r["output_tokens_s"] for r in rows],
+        color=(["#888", "#8ac", "#8ac", "#48c", "#48c"] + ["#c84"] * 2)[: len(rows)],
+    )
     for bar, r in zip(bars, rows):
-        ax.annotate(f"{r['output_tokens_s']:.0f}\n({r['vs_merged']:.2f}x)", (bar.get_x() + bar.get_width() / 2,
-                    bar.get_height()), ha="center", va="bottom", fontsize=8)
+        ax.annotate(
+            f"{r['output_tokens_s']:.0f}\n({r['vs_merged']:.2f}x)",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_ylabel("output tokens / s")
     ax.tick_params(axis="x", labelsize=7)
     ax.set_title(f"LoRA serving, SmolLM2-135M: {title}", fontsize=8)

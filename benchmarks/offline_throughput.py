@@ -69,7 +69,7 @@ def make_prompts(tokenizer, lengths: list[int], seed: int) -> list[list[int]]:
     out = []
     for n in lengths:
         start = rng.randrange(0, len(base) - n - 1)
-        out.append(base[start:start + n])
+        out.append(base[start : start + n])
     return out
 
 
@@ -91,14 +91,22 @@ def workload(name: str, tokenizer, num_prompts: int, seed: int = 0):
 
 
 # ---- engines -----------------------------------------------------------------------------
-def run_fleetserve(model: str, dtype: str, prompts, outputs, max_num_seqs: int,
-                   device: str = "cpu", enforce_eager: bool = False) -> dict:
+def run_fleetserve(
+    model: str, dtype: str, prompts, outputs, max_num_seqs: int, device: str = "cpu", enforce_eager: bool = False
+) -> dict:
     from fleetserve.replica.llm import LLM
     from fleetserve.scheduler import SamplingParams
 
-    llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
-              enable_prefix_caching=False, kv_cache_memory_bytes=2 << 30, device=device,
-              enforce_eager=enforce_eager)
+    llm = LLM(
+        model,
+        dtype=dtype,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=False,
+        kv_cache_memory_bytes=2 << 30,
+        device=device,
+        enforce_eager=enforce_eager,
+    )
     warm = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)] * len(prompts[:4])
     llm.generate(prompts[:4], warm, use_tqdm=False)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
@@ -108,8 +116,11 @@ def run_fleetserve(model: str, dtype: str, prompts, outputs, max_num_seqs: int,
     ntok = sum(len(o.outputs[0].token_ids) for o in outs)
     ttft = statistics.mean(o.metrics.ttft for o in outs)
     graphs = llm.core.executor.worker.runner.decode_graphs
-    extra = {} if graphs is None else {"graphs": graphs.num_graphs, "replays": graphs.num_replays,
-                                       "capture_s": round(graphs.capture_seconds, 2)}
+    extra = (
+        {}
+        if graphs is None
+        else {"graphs": graphs.num_graphs, "replays": graphs.num_replays, "capture_s": round(graphs.capture_seconds, 2)}
+    )
     llm.core.shutdown()
     return {"tok_s": ntok / elapsed, "ttft": ttft, "elapsed": elapsed, "tokens": ntok, **extra}
 
@@ -137,16 +148,22 @@ def run_hf(hf_dir: str, dtype: str, prompts, outputs, batch_size: int, device: s
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_prompts], device=device)
         first = FirstToken()
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
-                           min_new_tokens=max_new, do_sample=False, pad_token_id=pad,
-                           logits_processor=LogitsProcessorList([first]))
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=pad,
+                logits_processor=LogitsProcessorList([first]),
+            )
         return first.t
 
     generate(prompts[:2], 2)  # warm-up
     t0 = time.perf_counter()
     ttfts = []
     for i in range(0, len(prompts), batch_size):
-        bp, bo = prompts[i:i + batch_size], outputs[i:i + batch_size]
+        bp, bo = prompts[i : i + batch_size], outputs[i : i + batch_size]
         # Static batching: the batch runs until its longest request is done.
         first = generate(bp, max(bo))
         ttfts += [first - t0] * len(bp)
@@ -181,14 +198,21 @@ if __name__ == "__main__":
 def run_vllm(python: str, hf_dir: str, dtype: str, prompts, outputs, max_num_seqs: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         cfg = Path(d) / "cfg.json"
-        cfg.write_text(json.dumps({"hf_dir": hf_dir, "dtype": dtype, "prompts": prompts,
-                                   "outputs": outputs, "max_num_seqs": max_num_seqs}))
+        cfg.write_text(
+            json.dumps(
+                {"hf_dir": hf_dir, "dtype": dtype, "prompts": prompts, "outputs": outputs, "max_num_seqs": max_num_seqs}
+            )
+        )
         script = Path(d) / "run_vllm.py"
         script.write_text(VLLM_SCRIPT)
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-1",
-                   VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_LOGGING_LEVEL="WARNING")
-        proc = subprocess.run([python, str(script), str(cfg)], capture_output=True, text=True,
-                              env=env, timeout=1800)
+        env = dict(
+            os.environ,
+            VLLM_CPU_KVCACHE_SPACE="4",
+            VLLM_CPU_OMP_THREADS_BIND="0-1",
+            VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+            VLLM_LOGGING_LEVEL="WARNING",
+        )
+        proc = subprocess.run([python, str(script), str(cfg)], capture_output=True, text=True, env=env, timeout=1800)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
@@ -196,8 +220,9 @@ def run_vllm(python: str, hf_dir: str, dtype: str, prompts, outputs, max_num_seq
 
 
 # ---- roofline --------------------------------------------------------------------------------
-def matmul_ceiling(hidden: int, inter: int, tokens: int = 512, reps: int = 20, rounds: int = 3,
-                   device: str = "cpu") -> float:
+def matmul_ceiling(
+    hidden: int, inter: int, tokens: int = 512, reps: int = 20, rounds: int = 3, device: str = "cpu"
+) -> float:
     """bf16 GFLOP/s of the model's own projection shapes (F.linear, weights [out, in] as the model
     holds them) at a saturating batch: the best of `rounds` medians, since it is a ceiling and a
     shared machine only ever makes a round slower."""
@@ -248,12 +273,20 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                    help="where fleetserve and HF run (vLLM CPU always runs on the CPU)")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where fleetserve and HF run (vLLM CPU always runs on the CPU)",
+    )
     ap.add_argument("--vllm-python", default="/opt/vllm-venv/bin/python")
     ap.add_argument("--quick", action="store_true", help="8 prompts, short outputs: a smoke run")
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="rounds of all engines, interleaved; the median round per engine is reported")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds of all engines, interleaved; the median round per engine is reported",
+    )
     args = ap.parse_args()
 
     import torch
@@ -271,8 +304,10 @@ def main() -> None:
     hf_config = AutoConfig.from_pretrained(hf_dir)
     flops_tok = model_flops_per_token(hf_config)
     ceiling = matmul_ceiling(hf_config.hidden_size, hf_config.intermediate_size, device=args.device)
-    print(f"bf16 matmul ceiling at the model's shapes: {ceiling:.0f} GFLOP/s; "
-          f"model: {flops_tok / 1e9:.3f} GFLOP per token")
+    print(
+        f"bf16 matmul ceiling at the model's shapes: {ceiling:.0f} GFLOP/s; "
+        f"model: {flops_tok / 1e9:.3f} GFLOP per token"
+    )
 
     engines = args.engines.split(",")
     have_vllm = "vllm" in engines and Path(args.vllm_python).exists() and args.device == "cpu"
@@ -289,20 +324,30 @@ def main() -> None:
             for _ in range(args.repeats):
                 if "fleetserve" in engines:
                     runs.setdefault("fleetserve", []).append(
-                        run_fleetserve(args.model, dtype, prompts, outputs, max_num_seqs=max(64, n),
-                                       device=args.device))
+                        run_fleetserve(args.model, dtype, prompts, outputs, max_num_seqs=max(64, n), device=args.device)
+                    )
                 if "fleetserve-eager" in engines:  # on a GPU: no CUDA graphs (--enforce-eager)
                     runs.setdefault("fleetserve-eager", []).append(
-                        run_fleetserve(args.model, dtype, prompts, outputs, max_num_seqs=max(64, n),
-                                       device=args.device, enforce_eager=True))
+                        run_fleetserve(
+                            args.model,
+                            dtype,
+                            prompts,
+                            outputs,
+                            max_num_seqs=max(64, n),
+                            device=args.device,
+                            enforce_eager=True,
+                        )
+                    )
                 if "hf" in engines:
                     runs.setdefault("hf-static", []).append(
-                        run_hf(hf_dir, dtype, prompts, outputs, args.hf_batch_size, args.device))
+                        run_hf(hf_dir, dtype, prompts, outputs, args.hf_batch_size, args.device)
+                    )
                 if "vllm" in engines:
                     if have_vllm:
                         try:
                             runs.setdefault("vllm-cpu", []).append(
-                                run_vllm(args.vllm_python, hf_dir, dtype, prompts, outputs, max(64, n)))
+                                run_vllm(args.vllm_python, hf_dir, dtype, prompts, outputs, max(64, n))
+                            )
                         except (RuntimeError, subprocess.TimeoutExpired) as e:
                             print(f"vLLM failed: {e}", file=sys.stderr)
                     else:
@@ -315,14 +360,16 @@ def main() -> None:
                 rounds = [prompt_tokens / r["elapsed"] if wl.startswith("p") else r["tok_s"] for r in rs]
                 res[engine] = dict(med, all_tok_s=[round(x, 1) for x in rounds])
             for engine, r in res.items():
-                r.update(workload=wl, dtype=dtype, engine=engine, device=args.device,
-                         model=Path(args.model).name)
+                r.update(workload=wl, dtype=dtype, engine=engine, device=args.device, model=Path(args.model).name)
                 # Output tokens only (the target's definition), and model FLOP utilization over
                 # every token the model processed (prompt + output: prefill is real work).
                 r["prompt_tok_s"] = prompt_tokens / r["elapsed"]
                 r["roofline_frac"] = r["tok_s"] * flops_tok / 1e9 / ceiling if dtype == "bfloat16" else None
-                r["mfu_all_tokens"] = (r["tok_s"] * (prompt_tokens + sum(outputs)) / sum(outputs)
-                                       * flops_tok / 1e9 / ceiling) if dtype == "bfloat16" else None
+                r["mfu_all_tokens"] = (
+                    (r["tok_s"] * (prompt_tokens + sum(outputs)) / sum(outputs) * flops_tok / 1e9 / ceiling)
+                    if dtype == "bfloat16"
+                    else None
+                )
                 if "fleetserve" in res:
                     r["fs_over_this"] = res["fleetserve"]["tok_s"] / r["tok_s"]
                 rows.append(r)
@@ -336,8 +383,10 @@ def main() -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    header = f"{'workload':<9}{'dtype':<10}{'engine':<18}{'out tok/s':>10}{'prompt tok/s':>13}" \
-             f"{'mean TTFT s':>12}{'fleetserve/x':>13}{'% ceil (out)':>14}{'% ceil (all)':>14}"
+    header = (
+        f"{'workload':<9}{'dtype':<10}{'engine':<18}{'out tok/s':>10}{'prompt tok/s':>13}"
+        f"{'mean TTFT s':>12}{'fleetserve/x':>13}{'% ceil (out)':>14}{'% ceil (all)':>14}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -345,8 +394,10 @@ def print_table(rows: list[dict]) -> None:
         mfu = "" if r.get("mfu_all_tokens") is None else f"{100 * r['mfu_all_tokens']:.1f}%"
         ratio = "" if r.get("fs_over_this") is None else f"{r['fs_over_this']:.2f}x"
         rounds = "" if len(r.get("all_tok_s", [])) < 2 else "  rounds: " + ", ".join(map(str, r["all_tok_s"]))
-        print(f"{r['workload']:<9}{r['dtype']:<10}{r['engine']:<18}{r['tok_s']:>10.1f}"
-              f"{r.get('prompt_tok_s', float('nan')):>13.1f}{r['ttft']:>12.2f}{ratio:>13}{frac:>14}{mfu:>14}{rounds}")
+        print(
+            f"{r['workload']:<9}{r['dtype']:<10}{r['engine']:<18}{r['tok_s']:>10.1f}"
+            f"{r.get('prompt_tok_s', float('nan')):>13.1f}{r['ttft']:>12.2f}{ratio:>13}{frac:>14}{mfu:>14}{rounds}"
+        )
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -359,24 +410,29 @@ def plot(rows: list[dict], path: Path) -> None:
     engines = sorted({r["engine"] for r in rows})
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / max(1, len(engines))
+
     def value(r: dict, metric: str) -> float:
         if metric == "tok_s" and r["workload"].startswith("p"):  # prefill only: prompt tokens
             return r["prompt_tok_s"]
         return r[metric]
 
-    for metric, ax, label in (("tok_s", axes[0], "output tokens/s (prompt tokens/s for pN)"),
-                              ("ttft", axes[1], "mean TTFT (s)")):
+    for metric, ax, label in (
+        ("tok_s", axes[0], "output tokens/s (prompt tokens/s for pN)"),
+        ("ttft", axes[1], "mean TTFT (s)"),
+    ):
         for j, engine in enumerate(engines):
-            vals = [next((value(r, metric) for r in rows
-                          if (r["workload"], r["dtype"]) == g and r["engine"] == engine), 0)
-                    for g in groups]
+            vals = [
+                next((value(r, metric) for r in rows if (r["workload"], r["dtype"]) == g and r["engine"] == engine), 0)
+                for g in groups
+            ]
             ax.bar([i + j * width for i in range(len(groups))], vals, width, label=engine)
         ax.set_xticks([i + width * (len(engines) - 1) / 2 for i in range(len(groups))])
         ax.set_xticklabels([f"({w}) {d}" for w, d in groups])
         ax.set_ylabel(label)
         ax.legend()
-    fig.suptitle(f"Offline throughput, {rows[0].get('model', 'SmolLM2-135M')} on "
-                 f"{rows[0].get('device', 'cpu')}, same machine")
+    fig.suptitle(
+        f"Offline throughput, {rows[0].get('model', 'SmolLM2-135M')} on {rows[0].get('device', 'cpu')}, same machine"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -44,23 +44,43 @@ import serving as sv  # noqa: E402  (the HTTP load generator and statistics)
 RESULTS = sv.RESULTS
 
 
-def app(args, port: int, *, policy: str = "power_of_two", blocks: int | None = None,
-        pd: dict | None = None, reuse: dict | None = None, imbalance: int = 4):
+def app(
+    args,
+    port: int,
+    *,
+    policy: str = "power_of_two",
+    blocks: int | None = None,
+    pd: dict | None = None,
+    reuse: dict | None = None,
+    imbalance: int = 4,
+):
     from fleetserve.cluster.config import AppConfig
 
-    engine = {"model": args.model, "max_model_len": args.max_model_len, "num_threads": 1,
-              "max_num_seqs": 32, "dtype": "float32", "cpu_bind": args.cpu_bind,
-              # Chunked prefill, as colocated vLLM runs: a long prompt is computed in chunks
-              # of this many tokens between decode steps (the same in every pool).
-              "max_num_batched_tokens": args.max_batched_tokens}
+    engine = {
+        "model": args.model,
+        "max_model_len": args.max_model_len,
+        "num_threads": 1,
+        "max_num_seqs": 32,
+        "dtype": "float32",
+        "cpu_bind": args.cpu_bind,
+        # Chunked prefill, as colocated vLLM runs: a long prompt is computed in chunks
+        # of this many tokens between decode steps (the same in every pool).
+        "max_num_batched_tokens": args.max_batched_tokens,
+    }
     if blocks:
         engine["num_gpu_blocks_override"] = blocks
-    cfg = {"name": "bench", "engine": engine, "num_replicas": 2, "routing_policy": policy,
-           "routing": {"imbalance_threshold": imbalance, "min_match_fraction": args.min_match_fraction},
-           "http": {"port": port}, "grpc": {"enabled": False}, "num_cpus_per_replica": 0}
+    cfg = {
+        "name": "bench",
+        "engine": engine,
+        "num_replicas": 2,
+        "routing_policy": policy,
+        "routing": {"imbalance_threshold": imbalance, "min_match_fraction": args.min_match_fraction},
+        "http": {"port": port},
+        "grpc": {"enabled": False},
+        "num_cpus_per_replica": 0,
+    }
     if pd is not None:  # {} is P/D with the defaults
-        cfg["pd"] = {"enabled": True, "connector": args.connector,
-                     "min_prefill_tokens": args.min_prefill_tokens, **pd}
+        cfg["pd"] = {"enabled": True, "connector": args.connector, "min_prefill_tokens": args.min_prefill_tokens, **pd}
         if args.connector == "p2p":  # its servers listen on loopback here, not the node's IP
             cfg["pd"].setdefault("kv_connector_extra_config", {"host": "127.0.0.1"})
     if reuse is not None:
@@ -69,6 +89,7 @@ def app(args, port: int, *, policy: str = "power_of_two", blocks: int | None = N
 
 
 # -- part 1: long-prefill interference ------------------------------------------------
+
 
 def interference_workload(args) -> list[sv.Request]:
     rng = random.Random(3)
@@ -83,8 +104,10 @@ def interference_workload(args) -> list[sv.Request]:
 
 def run_interference(args, port: int, url: str) -> list[dict]:
     work = interference_workload(args)
-    setups = {"colocated 2x, power_of_two": app(args, port),
-              f"1P+1D, {args.connector}": app(args, port, policy="prefix_aware", pd={})}
+    setups = {
+        "colocated 2x, power_of_two": app(args, port),
+        f"1P+1D, {args.connector}": app(args, port, policy="prefix_aware", pd={}),
+    }
     rows = []
     for label, config in setups.items():
         sv.redeploy(config)
@@ -110,10 +133,12 @@ def run_interference(args, port: int, url: str) -> list[dict]:
 
 def _handoff(before: dict, after: dict) -> dict:
     out = {}
-    for key, name in (("fleetserve:pd_prefill_seconds", "prefill_call_mean_ms"),
-                      ("fleetserve:pd_handoff_seconds", "handoff_mean_ms"),
-                      ("vllm:kv_transfer_receive_seconds", "transfer_recv_mean_ms"),
-                      ("vllm:kv_transfer_send_seconds", "transfer_send_mean_ms")):
+    for key, name in (
+        ("fleetserve:pd_prefill_seconds", "prefill_call_mean_ms"),
+        ("fleetserve:pd_handoff_seconds", "handoff_mean_ms"),
+        ("vllm:kv_transfer_receive_seconds", "transfer_recv_mean_ms"),
+        ("vllm:kv_transfer_send_seconds", "transfer_send_mean_ms"),
+    ):
         n = after.get(key + "_count", 0) - before.get(key + "_count", 0)
         if n:
             out[name] = 1000 * (after.get(key + "_sum", 0) - before.get(key + "_sum", 0)) / n
@@ -126,8 +151,13 @@ def labelled(url: str, family: str, label: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(url + "/metrics", timeout=60).text
-    return {s.labels[label]: s.value for fam in text_string_to_metric_families(text)
-            if fam.name == family for s in fam.samples if s.name.endswith("_total")}
+    return {
+        s.labels[label]: s.value
+        for fam in text_string_to_metric_families(text)
+        if fam.name == family
+        for s in fam.samples
+        if s.name.endswith("_total")
+    }
 
 
 async def _open_loop(url: str, model: str, work, rate: float):
@@ -153,8 +183,8 @@ async def _send(client, url: str, model: str, req) -> "sv.Result":
 
 # -- part 2: shared prefixes under cache pressure -------------------------------------
 
-def multi_turn_workload(n_convs: int, turns: int, words: int, out_tokens: int,
-                        seed: int) -> list[sv.Request]:
+
+def multi_turn_workload(n_convs: int, turns: int, words: int, out_tokens: int, seed: int) -> list[sv.Request]:
     """`--multi-turn-answers synthetic`: conversations whose every turn resends the whole
     history plus a new question, with made-up assistant text (not what the model said, so
     only the previous prompt can hit), sent turn by turn across conversations (round
@@ -186,14 +216,17 @@ class Conversations:
         rng = random.Random(seed)
         ids = lambda text, special=False: list(tok(text, add_special_tokens=special).input_ids)  # noqa: E731
         self.openings = [ids(f"Conversation {c}: " + sv.text_of(rng, words), True) for c in range(n_convs)]
-        self.questions = [[ids(f"\nUser: {sv.text_of(rng, words // 2)}\nAssistant:") for _ in range(turns)]
-                          for _ in range(n_convs)]
+        self.questions = [
+            [ids(f"\nUser: {sv.text_of(rng, words // 2)}\nAssistant:") for _ in range(turns)] for _ in range(n_convs)
+        ]
         self.turns, self.out_tokens = turns, out_tokens
 
     def longest(self) -> list[int]:
         """Each conversation's last prompt length, in tokens (its answers counted at full length)."""
-        return [len(o) + sum(map(len, q)) + (self.turns - 1) * self.out_tokens
-                for o, q in zip(self.openings, self.questions)]
+        return [
+            len(o) + sum(map(len, q)) + (self.turns - 1) * self.out_tokens
+            for o, q in zip(self.openings, self.questions)
+        ]
 
     async def run(self, client, url: str, model: str, rate: float) -> tuple[list[sv.Result], float]:
         n = len(self.openings)
@@ -224,8 +257,16 @@ class Conversations:
 async def _send_ids(client, url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[sv.Result, list[int]]:
     """A streamed completion of a token-id prompt: (its result, the answer's token ids)."""
     res, t0, last, answer = sv.Result(), time.perf_counter(), None, []
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
-            "temperature": 0, "logprobs": 0, "return_tokens_as_token_ids": True}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+        "logprobs": 0,
+        "return_tokens_as_token_ids": True,
+    }
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -258,19 +299,22 @@ def run_prefix(args, port: int, url: str) -> list[dict]:
         longest = multi.longest()
     else:
         multi = multi_turn_workload(args.convs, args.turns, args.turn_words, args.turn_tokens, seed=2)
-        longest = [len(tok(r.prompt).input_ids) for r in multi[-args.convs:]]
+        longest = [len(tok(r.prompt).input_ids) for r in multi[-args.convs :]]
     conv_blocks = sum(n + args.turn_tokens for n in longest) // 16 + args.convs
-    workloads = {"system prompts": (system, max(32, sys_blocks * (args.prefix_count // 2 + 1)),
-                                    args.prefix_rate),
-                 "multi-turn": (multi, max(32, conv_blocks // 2), args.turn_rate)}
+    workloads = {
+        "system prompts": (system, max(32, sys_blocks * (args.prefix_count // 2 + 1)), args.prefix_rate),
+        "multi-turn": (multi, max(32, conv_blocks // 2), args.turn_rate),
+    }
     workloads = {k: v for k, v in workloads.items() if k.split()[0] in args.prefix_workloads.split(",")}
     rows = []
     policies = ("power_of_two", "prefix_aware_approx", "prefix_aware")
     for wname, (work, blocks, rate) in workloads.items():
         # Rounds interleave the policies; a row pools every round's requests (one round of
         # the multi-turn workload is only 32 requests, too few for a stable p90).
-        acc = {p: {"results": [], "elapsed": 0.0, "h": 0.0, "q": 0.0, "holder": 0.0, "routed": 0.0,
-                   "p90s": []} for p in policies}
+        acc = {
+            p: {"results": [], "elapsed": 0.0, "h": 0.0, "q": 0.0, "holder": 0.0, "routed": 0.0, "p90s": []}
+            for p in policies
+        }
         for _ in range(args.prefix_rounds):
             for policy in policies:
                 config = app(args, port, policy=policy, blocks=blocks)
@@ -308,6 +352,7 @@ def run_prefix(args, port: int, url: str) -> list[dict]:
 
 # -- part 3: cluster reuse -----------------------------------------------------------
 
+
 def run_reuse(args, port: int, url: str) -> list[dict]:
     rows = []
     for label, reuse in (("recomputed", None), ("loaded from peer", {"min_tokens": 256})):
@@ -316,10 +361,14 @@ def run_reuse(args, port: int, url: str) -> list[dict]:
         src0 = labelled(url, "fleetserve:prefix_reuse_prompt_tokens", "source")
         ttfts = asyncio.run(_reuse_rounds(url, config.served_model_name, args))
         src1 = labelled(url, "fleetserve:prefix_reuse_prompt_tokens", "source")
-        row = {"label": f"reuse 2k prefix, {label}", "rate": 0.0, "ok": len(ttfts),
-               "ttft_p50_ms": 1000 * statistics.median(ttfts) if ttfts else float("nan"),
-               "rounds_ttft_ms": [round(1000 * t, 1) for t in ttfts],
-               "loaded_tokens": src1.get("loaded", 0) - src0.get("loaded", 0)}
+        row = {
+            "label": f"reuse 2k prefix, {label}",
+            "rate": 0.0,
+            "ok": len(ttfts),
+            "ttft_p50_ms": 1000 * statistics.median(ttfts) if ttfts else float("nan"),
+            "rounds_ttft_ms": [round(1000 * t, 1) for t in ttfts],
+            "loaded_tokens": src1.get("loaded", 0) - src0.get("loaded", 0),
+        }
         rows.append(row)
         print(row, flush=True)
     return rows
@@ -336,8 +385,7 @@ async def _reuse_rounds(url: str, model: str, args) -> list[float]:
         for i in range(args.reuse_rounds):
             prefix = f"Round {i}: " + sv.text_of(rng, args.long_words)
             await sv.send_http(client, url, model, sv.Request(prefix + " warm", 1))
-            busy = asyncio.create_task(sv.send_http(client, url, model,
-                                                    sv.Request(prefix + " busy", 64)))
+            busy = asyncio.create_task(sv.send_http(client, url, model, sv.Request(prefix + " busy", 64)))
             await asyncio.sleep(0.5)
             res = await sv.send_http(client, url, model, sv.Request(prefix + " question", 4))
             await busy
@@ -348,9 +396,23 @@ async def _reuse_rounds(url: str, model: str, args) -> list[float]:
 
 # -- report --------------------------------------------------------------------------
 
-COLS = ["label", "rate", "ok", "out_tok_s", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms",
-        "itl_p99_ms", "itl_p999_ms", "long_ttft_p50_ms", "prefix_hit_rate", "routed_to_holder", "prefill_call_mean_ms",
-        "handoff_mean_ms", "transfer_recv_mean_ms"]
+COLS = [
+    "label",
+    "rate",
+    "ok",
+    "out_tok_s",
+    "ttft_p50_ms",
+    "ttft_p90_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "itl_p999_ms",
+    "long_ttft_p50_ms",
+    "prefix_hit_rate",
+    "routed_to_holder",
+    "prefill_call_mean_ms",
+    "handoff_mean_ms",
+    "transfer_recv_mean_ms",
+]
 
 
 def report(rows: list[dict], args) -> None:
@@ -375,10 +437,12 @@ def plot(rows: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    parts = [("interference", "itl_p99_ms", "short requests' ITL p99 (ms)"),
-             ("shared prefix (system prompts)", "ttft_p90_ms", "TTFT p90 (ms)"),
-             ("shared prefix (multi-turn)", "ttft_p90_ms", "TTFT p90 (ms)"),
-             ("reuse", "ttft_p50_ms", "TTFT p50 (ms)")]
+    parts = [
+        ("interference", "itl_p99_ms", "short requests' ITL p99 (ms)"),
+        ("shared prefix (system prompts)", "ttft_p90_ms", "TTFT p90 (ms)"),
+        ("shared prefix (multi-turn)", "ttft_p90_ms", "TTFT p90 (ms)"),
+        ("reuse", "ttft_p50_ms", "TTFT p50 (ms)"),
+    ]
     parts = [p for p in parts if any(r["label"].startswith(p[0]) for r in rows)]
     fig, axes = plt.subplots(1, len(parts), figsize=(5 * len(parts), 4), squeeze=False)
     for ax, (prefix, key, title) in zip(axes[0], parts):
@@ -397,11 +461,16 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=90)
     p.add_argument("--rate", type=float, default=5.0)
     p.add_argument("--long-every", type=int, default=6)
-    p.add_argument("--min-prefill-tokens", type=int, default=256,
-                   help="P/D: prompts with fewer uncached tokens skip the prefill pool")
+    p.add_argument(
+        "--min-prefill-tokens",
+        type=int,
+        default=256,
+        help="P/D: prompts with fewer uncached tokens skip the prefill pool",
+    )
     p.add_argument("--short-tokens", type=int, default=96, help="output tokens of a short request")
-    p.add_argument("--max-batched-tokens", type=int, default=512,
-                   help="engines' max_num_batched_tokens (the prefill chunk)")
+    p.add_argument(
+        "--max-batched-tokens", type=int, default=512, help="engines' max_num_batched_tokens (the prefill chunk)"
+    )
     p.add_argument("--long-words", type=int, default=500, help="~2k tokens (4 per word here)")
     p.add_argument("--prefix-count", type=int, default=6)
     p.add_argument("--prefix-words", type=int, default=300)
@@ -411,28 +480,55 @@ def main() -> None:
     p.add_argument("--turn-words", type=int, default=60, help="multi-turn: words per turn")
     p.add_argument("--turn-rate", type=float, default=3.0)
     p.add_argument("--turn-tokens", type=int, default=32, help="multi-turn: tokens per answer")
-    p.add_argument("--multi-turn-answers", default="model", choices=["model", "synthetic"],
-                   help="multi-turn: each turn resends the model's own answers (as chat clients do), "
-                        "or made-up assistant text (the earlier workload: only the previous prompt can hit)")
-    p.add_argument("--prefix-workloads", default="system,multi-turn",
-                   help="shared-prefix part: which workloads (system, multi-turn)")
-    p.add_argument("--prefix-rounds", type=int, default=3,
-                   help="shared-prefix part: interleaved rounds per policy (rows pool their requests)")
-    p.add_argument("--min-match-fraction", type=float, default=0.5,
-                   help="routing.min_match_fraction of the prefix-aware policies")
+    p.add_argument(
+        "--multi-turn-answers",
+        default="model",
+        choices=["model", "synthetic"],
+        help="multi-turn: each turn resends the model's own answers (as chat clients do), "
+        "or made-up assistant text (the earlier workload: only the previous prompt can hit)",
+    )
+    p.add_argument(
+        "--prefix-workloads",
+        default="system,multi-turn",
+        help="shared-prefix part: which workloads (system, multi-turn)",
+    )
+    p.add_argument(
+        "--prefix-rounds",
+        type=int,
+        default=3,
+        help="shared-prefix part: interleaved rounds per policy (rows pool their requests)",
+    )
+    p.add_argument(
+        "--min-match-fraction", type=float, default=0.5, help="routing.min_match_fraction of the prefix-aware policies"
+    )
     p.add_argument("--reuse-rounds", type=int, default=5)
     p.add_argument("--skip", nargs="*", default=[], choices=["interference", "prefix", "reuse"])
-    p.add_argument("--cpu-bind", default=None, choices=[None, "auto"],
-                   help="auto: each engine replica pinned to a core of its own (default: unbound)")
-    p.add_argument("--connector", default="ray_object_store", choices=["ray_object_store", "p2p"],
-                   help="interference: the P/D setup's KV connector")
+    p.add_argument(
+        "--cpu-bind",
+        default=None,
+        choices=[None, "auto"],
+        help="auto: each engine replica pinned to a core of its own (default: unbound)",
+    )
+    p.add_argument(
+        "--connector",
+        default="ray_object_store",
+        choices=["ray_object_store", "p2p"],
+        help="interference: the P/D setup's KV connector",
+    )
     args = p.parse_args()
     if args.model is None:
         from fleetserve.replica.testing import make_tiny_llama
 
-        args.model = str(make_tiny_llama(Path(tempfile.mkdtemp()) / "bench-llama", num_layers=4,
-                                         hidden_size=256, num_heads=8, num_kv_heads=4,
-                                         max_position_embeddings=4096))
+        args.model = str(
+            make_tiny_llama(
+                Path(tempfile.mkdtemp()) / "bench-llama",
+                num_layers=4,
+                hidden_size=256,
+                num_heads=8,
+                num_kv_heads=4,
+                max_position_embeddings=4096,
+            )
+        )
     from fleetserve.cluster.deploy import connect_ray, start_serve
 
     port = sv.free_port()
@@ -451,8 +547,7 @@ def main() -> None:
     start_serve(base)
     rows = []
     t0 = time.time()
-    for name, fn in (("interference", run_interference), ("prefix", run_prefix),
-                     ("reuse", run_reuse)):
+    for name, fn in (("interference", run_interference), ("prefix", run_prefix), ("reuse", run_reuse)):
         if name not in args.skip:
             rows += fn(args, port, url)
     print(f"total {time.time() - t0:.0f} s")

@@ -38,22 +38,29 @@ class VllmHalf:
         self.version, self.reason, self._proc, self._adapter = None, None, None, None
         try:
             import vllm  # noqa: F401
+
             in_process = True
         except Exception:  # noqa: BLE001 - any import failure means "not here"
             in_process = False
         if in_process:
             import logging
+
             logging.disable(logging.WARNING)
             from _vllm_half import VllmAdapter, vllm_version
+
             self.version, self._adapter = vllm_version(), VllmAdapter
             return
         if not vllm_python or not os.path.exists(vllm_python):
             self.reason = "vLLM not installed (see benchmarks/README.md)"
             return
         self._proc = subprocess.Popen(
-            [vllm_python, os.path.join(HERE, "_vllm_half.py")], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-            env={**os.environ, "PYTHONPATH": os.path.dirname(HERE), "VLLM_LOGGING_LEVEL": "ERROR"})
+            [vllm_python, os.path.join(HERE, "_vllm_half.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, "PYTHONPATH": os.path.dirname(HERE), "VLLM_LOGGING_LEVEL": "ERROR"},
+        )
         ready = self._read("@@READY@@")
         if ready is None:
             self.reason = f"vLLM not usable with {vllm_python} (import failed)"
@@ -64,7 +71,7 @@ class VllmHalf:
     def _read(self, marker):
         for line in self._proc.stdout:
             if line.startswith(marker):
-                return json.loads(line[len(marker):])
+                return json.loads(line[len(marker) :])
         return None
 
     def run(self, spec, repeats):
@@ -85,11 +92,11 @@ class VllmHalf:
 
 
 def print_table(rows, vllm_label):
-    headers = ["trace", "prefix cache", "running", "fleetserve us/step", f"{vllm_label} us/step",
-               "ratio"]
+    headers = ["trace", "prefix cache", "running", "fleetserve us/step", f"{vllm_label} us/step", "ratio"]
     try:
         from rich.console import Console
         from rich.table import Table
+
         table = Table(title="Scheduler overhead: schedule() + update_from_output(), median per step")
         for h in headers:
             table.add_column(h, justify="left" if h == "trace" else "right")
@@ -105,6 +112,7 @@ def print_table(rows, vllm_label):
 
 def save_plot(specs, ours, theirs, path, vllm_label):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -113,11 +121,9 @@ def save_plot(specs, ours, theirs, path, vllm_label):
         idx = [i for i, s in enumerate(specs) if s["prefix_caching"] == caching]
         labels = [specs[i]["name"] for i in idx]
         xs = range(len(idx))
-        ax.bar([x - 0.2 for x in xs], [ours[i]["us_per_step"] for i in idx], 0.4,
-               label="fleetserve")
+        ax.bar([x - 0.2 for x in xs], [ours[i]["us_per_step"] for i in idx], 0.4, label="fleetserve")
         if theirs:
-            ax.bar([x + 0.2 for x in xs], [theirs[i]["us_per_step"] for i in idx], 0.4,
-                   label=vllm_label)
+            ax.bar([x + 0.2 for x in xs], [theirs[i]["us_per_step"] for i in idx], 0.4, label=vllm_label)
         ax.set_xticks(list(xs))
         ax.set_xticklabels(labels, rotation=20)
         ax.set_yscale("log")
@@ -136,8 +142,11 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="decode-16/128 and mixed only")
     ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM baseline")
     default_py = DEFAULT_VLLM_PYTHON if os.path.exists(DEFAULT_VLLM_PYTHON) else None
-    ap.add_argument("--vllm-python", default=default_py,
-                    help=f"interpreter with vllm installed (default: {DEFAULT_VLLM_PYTHON} if present)")
+    ap.add_argument(
+        "--vllm-python",
+        default=default_py,
+        help=f"interpreter with vllm installed (default: {DEFAULT_VLLM_PYTHON} if present)",
+    )
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
 
@@ -166,9 +175,16 @@ def main(argv=None) -> int:
         running = str(o["running"])
         if have_vllm and theirs[i]["running"] != o["running"]:
             running += f" (vLLM {theirs[i]['running']})"
-        rows.append([spec["name"], "on" if spec["prefix_caching"] else "off", running,
-                     f"{o['us_per_step']:.0f}", f"{v:.0f}" if v else "-",
-                     f"{o['us_per_step'] / v:.2f}x" if v else "-"])
+        rows.append(
+            [
+                spec["name"],
+                "on" if spec["prefix_caching"] else "off",
+                running,
+                f"{o['us_per_step']:.0f}",
+                f"{v:.0f}" if v else "-",
+                f"{o['us_per_step'] / v:.2f}x" if v else "-",
+            ]
+        )
     if not have_vllm:
         rows.append([theirs, "", "", "", "", ""])
     print_table(rows, vllm_label)
@@ -177,9 +193,18 @@ def main(argv=None) -> int:
     png = os.path.join(args.out, "scheduler_overhead.png")
     save_plot(specs, ours, theirs if have_vllm else None, png, vllm_label)
     with open(os.path.join(args.out, "scheduler_overhead.json"), "w") as f:
-        json.dump({"machine": platform.processor() or platform.machine(), "repeats": args.repeats,
-                   "vllm": version, "specs": specs, "fleetserve": ours,
-                   "vllm_results": theirs if have_vllm else None}, f, indent=1)
+        json.dump(
+            {
+                "machine": platform.processor() or platform.machine(),
+                "repeats": args.repeats,
+                "vllm": version,
+                "specs": specs,
+                "fleetserve": ours,
+                "vllm_results": theirs if have_vllm else None,
+            },
+            f,
+            indent=1,
+        )
     print(f"plot: {os.path.relpath(png)}")
     if have_vllm:
         at512 = [r for r in rows if r[0] == "decode-512"]

@@ -47,10 +47,10 @@ DEFAULT_VLLM_PYTHON = "/opt/vllm-venv/bin/python"
 
 # -- workload -------------------------------------------------------------------
 
+
 def prompts(n: int, words: int, seed: int) -> list[str]:
     rng = random.Random(seed)
-    return [f"Request {seed}-{i}: " + " ".join(rng.choice(WORDS) for _ in range(words))
-            for i in range(n)]
+    return [f"Request {seed}-{i}: " + " ".join(rng.choice(WORDS) for _ in range(words)) for i in range(n)]
 
 
 def arrival_times(n: int, rate: float, seed: int) -> list[float]:
@@ -58,8 +58,15 @@ def arrival_times(n: int, rate: float, seed: int) -> list[float]:
 
 
 async def send(session, url: str, model: str, prompt: str, max_tokens: int) -> Result:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     res, t0, last = Result(), time.perf_counter(), None
     try:
         async with session.post(url + "/v1/completions", json=body) as r:
@@ -85,14 +92,14 @@ async def send(session, url: str, model: str, prompt: str, max_tokens: int) -> R
     return res
 
 
-async def run_rate(url: str, model: str, rate: float, n: int, words: int, max_tokens: int,
-                   seed: int) -> dict:
+async def run_rate(url: str, model: str, rate: float, n: int, words: int, max_tokens: int, seed: int) -> dict:
     import aiohttp
 
     texts = prompts(n, words, seed)
     times = arrival_times(n, rate, seed)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800),
-                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=1800), connector=aiohttp.TCPConnector(limit=0)
+    ) as session:
         start = time.perf_counter()
         tasks = []
         for text, at in zip(texts, times):
@@ -106,13 +113,20 @@ async def run_rate(url: str, model: str, rate: float, n: int, words: int, max_to
     ttft = [r.ttft for r in ok]
     itl = [x for r in ok for x in r.itl]
     errors = [r.error for r in results if not r.ok]
-    return {"rate": rate, "requests": n, "ok": len(ok), "errors": errors[:3],
-            "out_tok_s": sum(r.tokens for r in ok) / elapsed, "elapsed_s": elapsed,
-            **{f"ttft_p{q}_ms": 1000 * pct(ttft, q) for q in (50, 90, 99)},
-            **{f"itl_p{q}_ms": 1000 * pct(itl, q) for q in (50, 90, 99)}}
+    return {
+        "rate": rate,
+        "requests": n,
+        "ok": len(ok),
+        "errors": errors[:3],
+        "out_tok_s": sum(r.tokens for r in ok) / elapsed,
+        "elapsed_s": elapsed,
+        **{f"ttft_p{q}_ms": 1000 * pct(ttft, q) for q in (50, 90, 99)},
+        **{f"itl_p{q}_ms": 1000 * pct(itl, q) for q in (50, 90, 99)},
+    }
 
 
 # -- servers --------------------------------------------------------------------
+
 
 class Server:
     """A server process in its own process group, its output in a log file."""
@@ -121,8 +135,9 @@ class Server:
         self.name, self.port, self.log = name, port, log
         self.url = f"http://127.0.0.1:{port}"
         self._out = open(log, "w")
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self._out, stderr=subprocess.STDOUT,
-                                     start_new_session=True, cwd=str(ROOT))
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=self._out, stderr=subprocess.STDOUT, start_new_session=True, cwd=str(ROOT)
+        )
 
     def wait_ready(self, timeout_s: float) -> None:
         import urllib.request
@@ -130,8 +145,9 @@ class Server:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}); log {self.log}:\n"
-                                   + self.log.read_text()[-3000:])
+                raise RuntimeError(
+                    f"{self.name} exited ({self.proc.returncode}); log {self.log}:\n" + self.log.read_text()[-3000:]
+                )
             try:
                 with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as r:
                     if r.status == 200:
@@ -154,21 +170,61 @@ class Server:
 
 
 def start_fleetserve(args, port: int, log: Path) -> Server:
-    cmd = [sys.executable, "-m", "fleetserve.cluster.cli", "serve", args.model, "--host", "127.0.0.1",
-           "--port", str(port), "--num-replicas", "1", "--dtype", args.dtype,
-           "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
-           "--served-model-name", args.model, "--stream-interval", str(args.stream_interval)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fleetserve.cluster.cli",
+        "serve",
+        args.model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--num-replicas",
+        "1",
+        "--dtype",
+        args.dtype,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--served-model-name",
+        args.model,
+        "--stream-interval",
+        str(args.stream_interval),
+    ]
     return Server("fleetserve", cmd, dict(os.environ, RAY_AUTH_MODE="disabled"), port, log)
 
 
 def start_vllm(args, hf_dir: str, port: int, log: Path) -> Server:
-    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir,
-           "--served-model-name", args.model, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
-           "--max-model-len", str(args.max_model_len), "--stream-interval", str(args.stream_interval)]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib),
-               VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}",
-               VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_LOGGING_LEVEL="WARNING")
+    cmd = [
+        args.vllm_python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        hf_dir,
+        "--served-model-name",
+        args.model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        args.dtype,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--stream-interval",
+        str(args.stream_interval),
+    ]
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib),
+        VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}",
+        VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+        VLLM_LOGGING_LEVEL="WARNING",
+    )
     return Server("vllm", cmd, env, port, log)
 
 
@@ -176,13 +232,17 @@ def measure(server: Server, args) -> list[dict]:
     rows = []
     asyncio.run(run_rate(server.url, args.model, math.inf, 16, args.prompt_words, 16, seed=999))
     for i, rate in enumerate(args.rates):
-        row = asyncio.run(run_rate(server.url, args.model, rate, args.num_prompts,
-                                   args.prompt_words, args.max_tokens, seed=1000 + i))
+        row = asyncio.run(
+            run_rate(server.url, args.model, rate, args.num_prompts, args.prompt_words, args.max_tokens, seed=1000 + i)
+        )
         row["server"] = server.name
         rows.append(row)
-        print(f"  {server.name:10s} rate {rate:>4}: {row['out_tok_s']:7.1f} tok/s  "
-              f"TTFT p50 {row['ttft_p50_ms']:8.0f} ms  ITL p99 {row['itl_p99_ms']:7.1f} ms  "
-              f"ok {row['ok']}/{row['requests']}", flush=True)
+        print(
+            f"  {server.name:10s} rate {rate:>4}: {row['out_tok_s']:7.1f} tok/s  "
+            f"TTFT p50 {row['ttft_p50_ms']:8.0f} ms  ITL p99 {row['itl_p99_ms']:7.1f} ms  "
+            f"ok {row['ok']}/{row['requests']}",
+            flush=True,
+        )
         if row["errors"]:
             print("    errors:", row["errors"], flush=True)
     return rows
@@ -190,32 +250,50 @@ def measure(server: Server, args) -> list[dict]:
 
 # -- report ---------------------------------------------------------------------
 
+
 def report(rows: list[dict], args, cpu: str) -> None:
     by = {(r["server"], r["rate"]): r for r in rows}
-    lines = [f"# served: fleetserve vs vLLM CPU ({args.model}, {args.dtype}, {cpu})", "",
-             "| rate (req/s) | server | out tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | ok |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# served: fleetserve vs vLLM CPU ({args.model}, {args.dtype}, {cpu})",
+        "",
+        "| rate (req/s) | server | out tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | ok |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for rate in args.rates:
         for name in args.servers:
             r = by.get((name, rate))
             if r is None:
                 continue
-            lines.append(f"| {rate} | {name} | {r['out_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} ms | "
-                         f"{r['ttft_p99_ms']:.0f} ms | {r['itl_p50_ms']:.1f} ms | "
-                         f"{r['itl_p99_ms']:.1f} ms | {r['ok']}/{r['requests']} |")
+            lines.append(
+                f"| {rate} | {name} | {r['out_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} ms | "
+                f"{r['ttft_p99_ms']:.0f} ms | {r['itl_p50_ms']:.1f} ms | "
+                f"{r['itl_p99_ms']:.1f} ms | {r['ok']}/{r['requests']} |"
+            )
         f, v = by.get(("fleetserve", rate)), by.get(("vllm", rate))
         if f and v:
-            lines.append(f"| {rate} | **fleetserve / vLLM** | **{f['out_tok_s'] / v['out_tok_s']:.2f}x** | "
-                         f"{f['ttft_p50_ms'] / v['ttft_p50_ms']:.2f}x | {f['ttft_p99_ms'] / v['ttft_p99_ms']:.2f}x | "
-                         f"{f['itl_p50_ms'] / v['itl_p50_ms']:.2f}x | {f['itl_p99_ms'] / v['itl_p99_ms']:.2f}x | |")
+            lines.append(
+                f"| {rate} | **fleetserve / vLLM** | **{f['out_tok_s'] / v['out_tok_s']:.2f}x** | "
+                f"{f['ttft_p50_ms'] / v['ttft_p50_ms']:.2f}x | {f['ttft_p99_ms'] / v['ttft_p99_ms']:.2f}x | "
+                f"{f['itl_p50_ms'] / v['itl_p50_ms']:.2f}x | {f['itl_p99_ms'] / v['itl_p99_ms']:.2f}x | |"
+            )
     text = "\n".join(lines)
     print("\n" + text)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / (f"serve_vs_vllm-{args.dtype}"
-                      + (f"-si{args.stream_interval}" if args.stream_interval > 1 else ""))
-    stem.with_suffix(".json").write_text(json.dumps({"cpu": cpu, "args": {
-        k: v for k, v in vars(args).items() if k != "rates"}, "rates": [str(r) for r in args.rates],
-        "rows": rows}, indent=1, default=str))
+    stem = RESULTS / (
+        f"serve_vs_vllm-{args.dtype}" + (f"-si{args.stream_interval}" if args.stream_interval > 1 else "")
+    )
+    stem.with_suffix(".json").write_text(
+        json.dumps(
+            {
+                "cpu": cpu,
+                "args": {k: v for k, v in vars(args).items() if k != "rates"},
+                "rates": [str(r) for r in args.rates],
+                "rows": rows,
+            },
+            indent=1,
+            default=str,
+        )
+    )
     stem.with_suffix(".md").write_text(text + "\n")
     try:
         import matplotlib
@@ -251,9 +329,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--stream-interval", type=int, default=1,
-                    help="both servers' --stream-interval (tokens per streamed chunk after the first; "
-                         "ITL is then the gap between chunks)")
+    ap.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="both servers' --stream-interval (tokens per streamed chunk after the first; "
+        "ITL is then the gap between chunks)",
+    )
     ap.add_argument("--servers", default="vllm,fleetserve")
     ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     ap.add_argument("--vllm-kv-gib", type=int, default=4)
@@ -273,8 +355,10 @@ def main() -> None:
         from fleetserve.replica.model_loader.hf_export import export_hf_folder
 
         hf_dir = str(export_hf_folder(args.model, Path.home() / ".cache" / "fleetserve" / "hf-export" / args.model))
-    print(f"{cpu}; {args.model} {args.dtype}; {args.num_prompts} requests per rate, "
-          f"~{args.prompt_words} words -> {args.max_tokens} tokens")
+    print(
+        f"{cpu}; {args.model} {args.dtype}; {args.num_prompts} requests per rate, "
+        f"~{args.prompt_words} words -> {args.max_tokens} tokens"
+    )
     rows = []
     RESULTS.mkdir(parents=True, exist_ok=True)
     for name in args.servers:

@@ -40,8 +40,10 @@ RESULTS = Path(__file__).parent / "results"
 
 # -- workload ------------------------------------------------------------------
 
-WORDS = ("time person year way day thing man world life hand part child eye woman place work "
-         "week case point government company number group problem fact river stone light").split()
+WORDS = (
+    "time person year way day thing man world life hand part child eye woman place work "
+    "week case point government company number group problem fact river stone light"
+).split()
 
 
 def text_of(rng: random.Random, n_words: int) -> str:
@@ -77,12 +79,12 @@ def plain_workload(n: int, prompt_words: int, out_tokens: int, seed: int) -> lis
     return [Request(text_of(rng, prompt_words), out_tokens) for _ in range(n)]
 
 
-def prefix_workload(n: int, n_prefixes: int, prefix_words: int, question_words: int,
-                    out_tokens: int, seed: int) -> list[Request]:
+def prefix_workload(
+    n: int, n_prefixes: int, prefix_words: int, question_words: int, out_tokens: int, seed: int
+) -> list[Request]:
     rng = random.Random(seed)
     systems = [f"System prompt {i}: " + text_of(rng, prefix_words) for i in range(n_prefixes)]
-    return [Request(f"{rng.choice(systems)}\nQuestion: {text_of(rng, question_words)}", out_tokens)
-            for _ in range(n)]
+    return [Request(f"{rng.choice(systems)}\nQuestion: {text_of(rng, question_words)}", out_tokens) for _ in range(n)]
 
 
 def arrivals(n: int, rate: float, seed: int) -> list[float]:
@@ -108,6 +110,7 @@ async def open_loop(requests: list[Request], rate: float, send) -> tuple[list[Re
 
 
 # -- clients -------------------------------------------------------------------
+
 
 def _observe_sse_line(res: Result, line: str, t0: float, last: float | None) -> float | None:
     """One SSE line: a chunk with choices is one token (TTFT for the first, ITL after)."""
@@ -150,8 +153,14 @@ async def send_aiohttp(session, url: str, model: str, req: Request) -> Result:
 
 
 def _body(model: str, req: Request) -> dict:
-    return {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "stream": True,
-            "ignore_eos": True, "temperature": 0}
+    return {
+        "model": model,
+        "prompt": req.prompt,
+        "max_tokens": req.max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
 
 
 async def send_engine(engine, req: Request) -> Result:
@@ -171,6 +180,7 @@ async def send_engine(engine, req: Request) -> Result:
 
 # -- statistics ----------------------------------------------------------------
 
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -182,11 +192,16 @@ def summarize(label: str, rate: float, results: list[Result], elapsed: float) ->
     ok = [r for r in results if r.ok]
     ttft = [r.ttft for r in ok]
     itl = [x for r in ok for x in r.itl]
-    return {"label": label, "rate": rate, "requests": len(results), "ok": len(ok),
-            "out_tok_s": sum(r.tokens for r in ok) / elapsed,
-            "ttft_mean_ms": 1000 * sum(ttft) / len(ttft) if ttft else float("nan"),
-            **{f"ttft_p{q}_ms": 1000 * pct(ttft, q) for q in (50, 90, 99)},
-            **{f"itl_p{q}_ms": 1000 * pct(itl, q) for q in (50, 90, 99)}}
+    return {
+        "label": label,
+        "rate": rate,
+        "requests": len(results),
+        "ok": len(ok),
+        "out_tok_s": sum(r.tokens for r in ok) / elapsed,
+        "ttft_mean_ms": 1000 * sum(ttft) / len(ttft) if ttft else float("nan"),
+        **{f"ttft_p{q}_ms": 1000 * pct(ttft, q) for q in (50, 90, 99)},
+        **{f"itl_p{q}_ms": 1000 * pct(itl, q) for q in (50, 90, 99)},
+    }
 
 
 def median_row(runs: list[dict]) -> dict:
@@ -206,6 +221,7 @@ def median_row(runs: list[dict]) -> dict:
 
 
 # -- serving -------------------------------------------------------------------
+
 
 def cpu_name() -> str:
     """Which CPU a figure came from: '<model name>, <n> cores, <AVX2|AVX-512|AVX-512+bf16>'."""
@@ -231,13 +247,25 @@ def free_port() -> int:
 def app_config(args, port: int, replicas: int, policy: str, blocks: int | None):
     from fleetserve.cluster.config import AppConfig
 
-    engine = {"model": args.model, "max_model_len": args.max_model_len, "num_threads": 1,
-              "max_num_seqs": args.max_num_seqs}
+    engine = {
+        "model": args.model,
+        "max_model_len": args.max_model_len,
+        "num_threads": 1,
+        "max_num_seqs": args.max_num_seqs,
+    }
     if blocks:
         engine["num_gpu_blocks_override"] = blocks
-    return AppConfig.model_validate({
-        "name": "bench", "engine": engine, "num_replicas": replicas, "routing_policy": policy,
-        "http": {"port": port}, "grpc": {"enabled": False}, "num_cpus_per_replica": 0})
+    return AppConfig.model_validate(
+        {
+            "name": "bench",
+            "engine": engine,
+            "num_replicas": replicas,
+            "routing_policy": policy,
+            "http": {"port": port},
+            "grpc": {"enabled": False},
+            "num_cpus_per_replica": 0,
+        }
+    )
 
 
 def redeploy(config) -> None:
@@ -310,8 +338,9 @@ def _client():
     if CLIENT == "aiohttp":
         import aiohttp
 
-        return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
-                                     connector=aiohttp.TCPConnector(limit=1000))
+        return aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=600), connector=aiohttp.TCPConnector(limit=1000)
+        )
     import httpx
 
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
@@ -325,9 +354,10 @@ def make_engine(args, core_process: bool):
     from fleetserve.replica.engine.engine_args import EngineArgs
 
     torch.set_num_threads(1)
-    return AsyncEngine(EngineArgs(model=args.model, max_model_len=args.max_model_len,
-                                  num_threads=1, max_num_seqs=args.max_num_seqs),
-                       core_process=core_process)
+    return AsyncEngine(
+        EngineArgs(model=args.model, max_model_len=args.max_model_len, num_threads=1, max_num_seqs=args.max_num_seqs),
+        core_process=core_process,
+    )
 
 
 def run_in_process(engine, label: str, requests: list[Request], rate: float) -> dict:
@@ -352,6 +382,7 @@ HTTP_LABEL = {"process": "HTTP, 1 replica", "thread": "HTTP, 1 replica, core thr
 
 # -- main ----------------------------------------------------------------------
 
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="default: a tiny random Llama written to a temp dir")
@@ -362,22 +393,42 @@ def main() -> None:
     p.add_argument("--prompt-words", type=int, default=64)
     p.add_argument("--out-tokens", type=int, default=32)
     p.add_argument("--overhead-rate", type=float, default=2.0)
-    p.add_argument("--overhead-repeats", type=int, default=3,
-                   help="rounds of the overhead part (each on fresh prompts); medians are reported")
-    p.add_argument("--overhead-warmup", type=int, default=24,
-                   help="requests of a discarded first round on each path (a fresh process pays "
-                        "one-time costs, e.g. oneDNN building kernels for each new batch shape)")
-    p.add_argument("--engine-modes", nargs="+", default=["process", "thread"],
-                   choices=["process", "thread"],
-                   help="where the replica's EngineCore runs in the overhead part: its own process "
-                        "(the default) and/or a thread of the replica (as before issue 5's last step)")
-    p.add_argument("--client", default="aiohttp", choices=["aiohttp", "httpx"],
-                   help="HTTP client of the load generator (aiohttp, as vLLM's serving benchmark)")
+    p.add_argument(
+        "--overhead-repeats",
+        type=int,
+        default=3,
+        help="rounds of the overhead part (each on fresh prompts); medians are reported",
+    )
+    p.add_argument(
+        "--overhead-warmup",
+        type=int,
+        default=24,
+        help="requests of a discarded first round on each path (a fresh process pays "
+        "one-time costs, e.g. oneDNN building kernels for each new batch shape)",
+    )
+    p.add_argument(
+        "--engine-modes",
+        nargs="+",
+        default=["process", "thread"],
+        choices=["process", "thread"],
+        help="where the replica's EngineCore runs in the overhead part: its own process "
+        "(the default) and/or a thread of the replica (as before issue 5's last step)",
+    )
+    p.add_argument(
+        "--client",
+        default="aiohttp",
+        choices=["aiohttp", "httpx"],
+        help="HTTP client of the load generator (aiohttp, as vLLM's serving benchmark)",
+    )
     p.add_argument("--prefix-rate", type=float, default=4.0)
     p.add_argument("--prefix-count", type=int, default=8)
     p.add_argument("--prefix-words", type=int, default=200)
-    p.add_argument("--prefix-blocks", type=int, default=None,
-                   help="KV blocks per replica in the prefix part (default: about half the prefixes)")
+    p.add_argument(
+        "--prefix-blocks",
+        type=int,
+        default=None,
+        help="KV blocks per replica in the prefix part (default: about half the prefixes)",
+    )
     p.add_argument("--skip", nargs="*", default=[], choices=["overhead", "rates", "prefix"])
     args = p.parse_args()
     global CLIENT
@@ -392,8 +443,10 @@ def main() -> None:
 
     # Overhead rounds: each round draws its prompts with its own seed, the same on
     # both paths, so neither path gets prefix-cache hits from an earlier round.
-    rounds = [plain_workload(args.num_requests, args.prompt_words, args.out_tokens, seed=100 + r)
-              for r in range(max(1, args.overhead_repeats))]
+    rounds = [
+        plain_workload(args.num_requests, args.prompt_words, args.out_tokens, seed=100 + r)
+        for r in range(max(1, args.overhead_repeats))
+    ]
     warmup = plain_workload(args.overhead_warmup, args.prompt_words, args.out_tokens, seed=99)
 
     def interleaved(paths: dict) -> list[dict]:
@@ -416,10 +469,17 @@ def main() -> None:
     if "overhead" not in args.skip:  # before Ray starts: nothing else on the cores
         engines = {cp: make_engine(args, cp) for cp in IN_PROCESS}
         try:
-            rows.extend(interleaved({
-                IN_PROCESS[cp]: (None, lambda work, cp=cp: run_in_process(
-                    engines[cp], IN_PROCESS[cp], work, args.overhead_rate))
-                for cp in IN_PROCESS}))
+            rows.extend(
+                interleaved(
+                    {
+                        IN_PROCESS[cp]: (
+                            None,
+                            lambda work, cp=cp: run_in_process(engines[cp], IN_PROCESS[cp], work, args.overhead_rate),
+                        )
+                        for cp in IN_PROCESS
+                    }
+                )
+            )
         finally:
             for engine in engines.values():
                 engine.shutdown()
@@ -437,6 +497,7 @@ def main() -> None:
     memory = {}
     try:
         if "overhead" not in args.skip:
+
             def deploy_mode(mode: str) -> None:
                 # The replicas read this when their engine starts (deploy passes FLEETSERVE_*
                 # through the runtime_env); a new value means new replica processes.
@@ -444,20 +505,26 @@ def main() -> None:
                 redeploy(config)
                 memory[f"1 replica, core {mode}"] = ray_tree_rss_mib()
 
-            rows.extend(interleaved({
-                HTTP_LABEL[mode]: (lambda mode=mode: deploy_mode(mode),
-                                   lambda work, mode=mode: asyncio.run(run_http(
-                                       url, config.served_model_name, work, args.overhead_rate,
-                                       HTTP_LABEL[mode])))
-                for mode in args.engine_modes}))
+            rows.extend(
+                interleaved(
+                    {
+                        HTTP_LABEL[mode]: (
+                            lambda mode=mode: deploy_mode(mode),
+                            lambda work, mode=mode: asyncio.run(
+                                run_http(url, config.served_model_name, work, args.overhead_rate, HTTP_LABEL[mode])
+                            ),
+                        )
+                        for mode in args.engine_modes
+                    }
+                )
+            )
             os.environ.pop("FLEETSERVE_ENGINE_CORE_PROCESS", None)
         if "rates" not in args.skip:
             config = app_config(args, port, 2, "power_of_two", None)
             redeploy(config)
             memory["2 replicas"] = ray_tree_rss_mib()
             for rate in args.rates:
-                rows.append(asyncio.run(run_http(url, config.served_model_name, plain, rate,
-                                                 "HTTP, 2 replicas")))
+                rows.append(asyncio.run(run_http(url, config.served_model_name, plain, rate, "HTTP, 2 replicas")))
                 print(rows[-1], flush=True)
         if "prefix" not in args.skip:
             rows.extend(run_prefix(args, port, url))
@@ -472,8 +539,7 @@ def run_prefix(args, port: int, url: str) -> list[dict]:
     from fleetserve.replica.engine.tokenizer import load_tokenizer
     from fleetserve.replica.model_loader.registry import resolve_model
 
-    work = prefix_workload(args.num_requests, args.prefix_count, args.prefix_words, 16,
-                           args.out_tokens, seed=1)
+    work = prefix_workload(args.num_requests, args.prefix_count, args.prefix_words, 16, args.out_tokens, seed=1)
     blocks = args.prefix_blocks
     if blocks is None:  # size each replica's cache to hold about half the system prompts
         tok = load_tokenizer(resolve_model(args.model))
@@ -484,8 +550,7 @@ def run_prefix(args, port: int, url: str) -> list[dict]:
         config = app_config(args, port, 2, policy, blocks)
         redeploy(config)
         before = scrape(url)
-        row = asyncio.run(run_http(url, config.served_model_name, work, args.prefix_rate,
-                                   f"shared prefix, {policy}"))
+        row = asyncio.run(run_http(url, config.served_model_name, work, args.prefix_rate, f"shared prefix, {policy}"))
         after = scrape(url)
         q = after.get("vllm:prefix_cache_queries_total", 0) - before.get("vllm:prefix_cache_queries_total", 0)
         h = after.get("vllm:prefix_cache_hits_total", 0) - before.get("vllm:prefix_cache_hits_total", 0)
@@ -497,8 +562,19 @@ def run_prefix(args, port: int, url: str) -> list[dict]:
 
 
 def report(rows: list[dict], memory: dict, args) -> None:
-    cols = ["label", "rate", "ok", "out_tok_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms",
-            "itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "prefix_hit_rate"]
+    cols = [
+        "label",
+        "rate",
+        "ok",
+        "out_tok_s",
+        "ttft_p50_ms",
+        "ttft_p90_ms",
+        "ttft_p99_ms",
+        "itl_p50_ms",
+        "itl_p90_ms",
+        "itl_p99_ms",
+        "prefix_hit_rate",
+    ]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = []
@@ -513,27 +589,42 @@ def report(rows: list[dict], memory: dict, args) -> None:
         b = by_label.get(other)
         if base is None or b is None:
             continue
-        extra.append(f"{other} - in-process engine (medians of {len(b['rounds_ttft_p50_ms'])} "
-                     f"rounds): TTFT p50 {b['ttft_p50_ms'] - base['ttft_p50_ms']:+.1f} ms, ITL p50 "
-                     f"{b['itl_p50_ms'] - base['itl_p50_ms']:+.2f} ms, ITL p90 "
-                     f"{b['itl_p90_ms'] - base['itl_p90_ms']:+.2f} ms")
+        extra.append(
+            f"{other} - in-process engine (medians of {len(b['rounds_ttft_p50_ms'])} "
+            f"rounds): TTFT p50 {b['ttft_p50_ms'] - base['ttft_p50_ms']:+.1f} ms, ITL p50 "
+            f"{b['itl_p50_ms'] - base['itl_p50_ms']:+.2f} ms, ITL p90 "
+            f"{b['itl_p90_ms'] - base['itl_p90_ms']:+.2f} ms"
+        )
     overhead = [by_label[k] for k in (*IN_PROCESS.values(), *HTTP_LABEL.values()) if k in by_label]
     if overhead:
         for r in overhead:
-            extra.append(f"  {r['label']}: TTFT p50 per round {r['rounds_ttft_p50_ms']} ms, "
-                         f"ITL p90 per round {r['rounds_itl_p90_ms']} ms; mean TTFT "
-                         f"{r['ttft_mean_ms']:.1f} ms, of which in the engine "
-                         f"{r['engine_ttft_mean_ms']:.1f} ms (arrival to first token)")
+            extra.append(
+                f"  {r['label']}: TTFT p50 per round {r['rounds_ttft_p50_ms']} ms, "
+                f"ITL p90 per round {r['rounds_itl_p90_ms']} ms; mean TTFT "
+                f"{r['ttft_mean_ms']:.1f} ms, of which in the engine "
+                f"{r['engine_ttft_mean_ms']:.1f} ms (arrival to first token)"
+            )
     pre = {r["label"]: r for r in rows if r["label"].startswith("shared prefix")}
     if len(pre) == 2:
         a, b = pre["shared prefix, power_of_two"], pre["shared prefix, prefix_aware"]
-        extra.append(f"prefix_aware / power_of_two TTFT p50: {b['ttft_p50_ms'] / a['ttft_p50_ms']:.2f}x; "
-                     f"hit rate {b['prefix_hit_rate']:.2f} vs {a['prefix_hit_rate']:.2f}")
-    extra.append("Ray process tree PSS (MiB, the benchmark's own process not counted): "
-                 + ", ".join(f"{k} {v:.0f}" for k, v in memory.items()))
-    text = "\n".join([f"model: {args.model}; requests per run: {args.num_requests}; "
-                      f"out tokens: {args.out_tokens}; HTTP client: {args.client}", "", *lines, "",
-                      *extra])
+        extra.append(
+            f"prefix_aware / power_of_two TTFT p50: {b['ttft_p50_ms'] / a['ttft_p50_ms']:.2f}x; "
+            f"hit rate {b['prefix_hit_rate']:.2f} vs {a['prefix_hit_rate']:.2f}"
+        )
+    extra.append(
+        "Ray process tree PSS (MiB, the benchmark's own process not counted): "
+        + ", ".join(f"{k} {v:.0f}" for k, v in memory.items())
+    )
+    text = "\n".join(
+        [
+            f"model: {args.model}; requests per run: {args.num_requests}; "
+            f"out tokens: {args.out_tokens}; HTTP client: {args.client}",
+            "",
+            *lines,
+            "",
+            *extra,
+        ]
+    )
     print(text)
     (RESULTS / "serving.md").write_text(text + "\n")
     (RESULTS / "serving.json").write_text(json.dumps({"rows": rows, "memory_mib": memory}, indent=1))
@@ -560,8 +651,11 @@ def plot(rows: list[dict]) -> None:
         axes[1].set_title("inter-token latency")
         axes[0].legend()
         axes[1].legend()
-    bars = [r for r in rows if r["label"] in (*IN_PROCESS.values(), *HTTP_LABEL.values())
-            or r["label"].startswith("shared prefix")]
+    bars = [
+        r
+        for r in rows
+        if r["label"] in (*IN_PROCESS.values(), *HTTP_LABEL.values()) or r["label"].startswith("shared prefix")
+    ]
     if bars:
         names = [r["label"].replace("shared prefix, ", "prefix: ") for r in bars]
         axes[2].barh(names[::-1], [r["ttft_p50_ms"] for r in bars][::-1])

@@ -46,12 +46,24 @@ def start_cluster(model: str, replicas: int):
     from fleetserve.cluster.config import AppConfig
     from fleetserve.cluster.deploy import connect_ray, deploy, start_serve
 
-    config = AppConfig.model_validate({
-        "name": "soak", "num_replicas": replicas, "num_cpus_per_replica": 0,
-        "engine": {"model": model, "max_model_len": 512, "num_gpu_blocks_override": 256,
-                   "max_num_seqs": 16, "max_waiting_requests": 32, "num_threads": 1},
-        "http": {"port": _free_port()}, "grpc": {"port": _free_port()},
-        "reliability": {"health_check_period_s": 2}})
+    config = AppConfig.model_validate(
+        {
+            "name": "soak",
+            "num_replicas": replicas,
+            "num_cpus_per_replica": 0,
+            "engine": {
+                "model": model,
+                "max_model_len": 512,
+                "num_gpu_blocks_override": 256,
+                "max_num_seqs": 16,
+                "max_waiting_requests": 32,
+                "num_threads": 1,
+            },
+            "http": {"port": _free_port()},
+            "grpc": {"port": _free_port()},
+            "reliability": {"health_check_period_s": 2},
+        }
+    )
     connect_ray(config, num_cpus=2, log_to_driver=False)
     start_serve(config)
     deploy(config)
@@ -88,14 +100,17 @@ async def one_request(client: httpx.AsyncClient, stats: Stats, phase_of, rng: ra
     phase = phase_of()
     stream = rng.random() < 0.7
     abort_after = rng.randint(1, 20) if stream and rng.random() < 0.15 else None
-    body = {"prompt": f"soak {rng.randint(0, 10**6)} " * rng.randint(1, 20),
-            "max_tokens": rng.randint(8, 64), "ignore_eos": True, "stream": stream}
+    body = {
+        "prompt": f"soak {rng.randint(0, 10**6)} " * rng.randint(1, 20),
+        "max_tokens": rng.randint(8, 64),
+        "ignore_eos": True,
+        "stream": stream,
+    }
     start = time.monotonic()
     try:
         if not stream:
             r = await client.post("/v1/completions", json=body)
-            outcome = ("completed" if r.status_code == 200 else
-                       "refused" if r.status_code in (429, 503) else "failed")
+            outcome = "completed" if r.status_code == 200 else "refused" if r.status_code in (429, 503) else "failed"
             if outcome == "failed":
                 stats.failures.append(f"{r.status_code} {r.text[:200]}")
             stats.counts[phase][outcome] += 1
@@ -122,7 +137,8 @@ async def one_request(client: httpx.AsyncClient, stats: Stats, phase_of, rng: ra
                     return
                 now = time.monotonic()
                 (stats.ttft[phase] if last is None else stats.itl[phase]).append(
-                    now - (start if last is None else last))
+                    now - (start if last is None else last)
+                )
                 last, chunks = now, chunks + 1
                 if abort_after is not None and chunks >= abort_after:
                     stats.counts[phase]["aborted"] += 1
@@ -193,16 +209,14 @@ async def run(args) -> dict:
     limits = httpx.Limits(max_connections=args.concurrency + args.burst + 10)
     async with httpx.AsyncClient(base_url=base, timeout=120, limits=limits) as client:
         stop_at = t0 + 3 * args.phase_s
-        tasks = [asyncio.ensure_future(worker(client, stats, phase_of, stop_at, i))
-                 for i in range(args.concurrency)]
+        tasks = [asyncio.ensure_future(worker(client, stats, phase_of, stop_at, i)) for i in range(args.concurrency)]
         await asyncio.sleep(args.phase_s)
         memory["before"] = server_processes()
         replicas = await control_all(config.name, "health")
         victim = sorted(h["core_pid"] for h in replicas.values() if h.get("core_pid"))[0]
         os.kill(victim, signal.SIGKILL)
         rng = random.Random(99)
-        burst = [asyncio.ensure_future(one_request(client, stats, phase_of, rng))
-                 for _ in range(args.burst)]
+        burst = [asyncio.ensure_future(one_request(client, stats, phase_of, rng)) for _ in range(args.burst)]
         await asyncio.sleep(max(0.0, t0 + 2 * args.phase_s - time.monotonic()))
         memory["during"] = server_processes()
         await asyncio.gather(*burst, *tasks)
@@ -212,14 +226,12 @@ async def run(args) -> dict:
     leaked = None
     for _ in range(60):  # idle: every block back in every replica's pool
         loads = await control_all(config.name, "get_load")
-        leaked = sum(r["load"]["num_blocks"] - r["load"]["num_free_blocks"]
-                     for r in loads.values() if "load" in r)
+        leaked = sum(r["load"]["num_blocks"] - r["load"]["num_free_blocks"] for r in loads.values() if "load" in r)
         if leaked == 0:
             break
         await asyncio.sleep(1)
     memory["idle"] = server_processes()
-    return {"stats": stats, "leaked_blocks": leaked, "memory": memory, "health": health,
-            "victim": victim}
+    return {"stats": stats, "leaked_blocks": leaked, "memory": memory, "health": health, "victim": victim}
 
 
 def memory_table(memory: dict) -> list[dict]:
@@ -249,36 +261,48 @@ def _pct(values, q):
 def report(result: dict, out_png: Path, title: str) -> dict:
     stats = result["stats"]
     summary = {"phases": {}, "leaked_blocks": result["leaked_blocks"]}
-    print(f"{'phase':8} {'completed':>9} {'refused':>8} {'failed':>7} {'aborted':>8} "
-          f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
-          f"{'health p50':>10} {'p99':>7} {'max':>7}")
+    print(
+        f"{'phase':8} {'completed':>9} {'refused':>8} {'failed':>7} {'aborted':>8} "
+        f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
+        f"{'health p50':>10} {'p99':>7} {'max':>7}"
+    )
     for phase in ("before", "during", "after"):
         c = stats.counts[phase]
         h = [s for p, s, _ in result["health"] if p == phase]
         row = {k: c[k] for k in ("completed", "refused", "failed", "aborted")}
-        row.update(ttft_p50_ms=_pct(stats.ttft[phase], 50) * 1e3,
-                   ttft_p99_ms=_pct(stats.ttft[phase], 99) * 1e3,
-                   itl_p50_ms=_pct(stats.itl[phase], 50) * 1e3,
-                   itl_p99_ms=_pct(stats.itl[phase], 99) * 1e3,
-                   health_p50_ms=_pct(h, 50) * 1e3, health_p99_ms=_pct(h, 99) * 1e3,
-                   health_max_ms=max(h, default=float("nan")) * 1e3,
-                   health_non_200=sum(1 for p, _, st in result["health"] if p == phase and st != 200))
+        row.update(
+            ttft_p50_ms=_pct(stats.ttft[phase], 50) * 1e3,
+            ttft_p99_ms=_pct(stats.ttft[phase], 99) * 1e3,
+            itl_p50_ms=_pct(stats.itl[phase], 50) * 1e3,
+            itl_p99_ms=_pct(stats.itl[phase], 99) * 1e3,
+            health_p50_ms=_pct(h, 50) * 1e3,
+            health_p99_ms=_pct(h, 99) * 1e3,
+            health_max_ms=max(h, default=float("nan")) * 1e3,
+            health_non_200=sum(1 for p, _, st in result["health"] if p == phase and st != 200),
+        )
         summary["phases"][phase] = row
-        print(f"{phase:8} {row['completed']:9d} {row['refused']:8d} {row['failed']:7d} "
-              f"{row['aborted']:8d} {row['ttft_p50_ms']:8.0f}ms {row['ttft_p99_ms']:8.0f}ms "
-              f"{row['itl_p50_ms']:7.1f}ms {row['itl_p99_ms']:7.1f}ms "
-              f"{row['health_p50_ms']:8.0f}ms {row['health_p99_ms']:5.0f}ms {row['health_max_ms']:5.0f}ms")
+        print(
+            f"{phase:8} {row['completed']:9d} {row['refused']:8d} {row['failed']:7d} "
+            f"{row['aborted']:8d} {row['ttft_p50_ms']:8.0f}ms {row['ttft_p99_ms']:8.0f}ms "
+            f"{row['itl_p50_ms']:7.1f}ms {row['itl_p99_ms']:7.1f}ms "
+            f"{row['health_p50_ms']:8.0f}ms {row['health_p99_ms']:5.0f}ms {row['health_max_ms']:5.0f}ms"
+        )
     non_200 = {p: r["health_non_200"] for p, r in summary["phases"].items()}
-    print(f"leaked KV blocks once idle: {result['leaked_blocks']}; /health answers other than "
-          f"200 per phase: {non_200} (503 only if no engine were healthy)")
+    print(
+        f"leaked KV blocks once idle: {result['leaked_blocks']}; /health answers other than "
+        f"200 per phase: {non_200} (503 only if no engine were healthy)"
+    )
     mem = memory_table(result["memory"])
     summary["memory_mib"] = mem
-    print(f"{'RSS MiB':16} {'start':>7} {'before':>7} {'during':>7} {'after':>7} {'idle':>7} "
-          f"{'growth of survivors':>20}")
+    print(
+        f"{'RSS MiB':16} {'start':>7} {'before':>7} {'during':>7} {'after':>7} {'idle':>7} {'growth of survivors':>20}"
+    )
     for row in mem:
-        print(f"{row['what']:16} " + " ".join(f"{row[k]:7.0f}" for k in
-                                              ("start", "before", "during", "after", "idle"))
-              + f" {row['survivor_growth']:+12.0f} ({row['survivors']} processes)")
+        print(
+            f"{row['what']:16} "
+            + " ".join(f"{row[k]:7.0f}" for k in ("start", "before", "during", "after", "idle"))
+            + f" {row['survivor_growth']:+12.0f} ({row['survivors']} processes)"
+        )
     for f in stats.failures[:10]:
         print("failure:", f)
     import matplotlib
@@ -295,8 +319,12 @@ def report(result: dict, out_png: Path, title: str) -> dict:
         ax.set_yscale("log")
         ax.legend()
     for q, style in ((50, "o-"), (99, "s--")):
-        axes[2].plot(phases, [_pct([s for p, s, _ in result["health"] if p == ph], q) * 1e3
-                              for ph in phases], style, label=f"p{q}")
+        axes[2].plot(
+            phases,
+            [_pct([s for p, s, _ in result["health"] if p == ph], q) * 1e3 for ph in phases],
+            style,
+            label=f"p{q}",
+        )
     axes[2].set_title("/health (ms)")
     axes[2].legend()
     fig.suptitle(f"soak ({title}): an engine core SIGKILLed + an overload burst in 'during'")
@@ -333,8 +361,7 @@ def main() -> int:
     result = asyncio.run(run(args))
     results = Path(__file__).parent / "results"
     summary = report(result, results / f"soak-{name}.png", name)
-    summary.update(model=name, args=vars(args), cpu=_cpu_name(),
-                   failures=result["stats"].failures[:50])
+    summary.update(model=name, args=vars(args), cpu=_cpu_name(), failures=result["stats"].failures[:50])
     (results / f"soak-{name}.json").write_text(json.dumps(summary, indent=1))
     import ray
     from ray import serve

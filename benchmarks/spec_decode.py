@@ -32,16 +32,19 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-def build_cases(tokenizer, names: list[str], quick: bool, max_new: int, a_prompts: int = 64,
-                a_tokens: int = 128) -> dict:
+def build_cases(
+    tokenizer, names: list[str], quick: bool, max_new: int, a_prompts: int = 64, a_tokens: int = 128
+) -> dict:
     from _copy_prompts import copy_heavy_messages
     from offline_throughput import workload
 
     from fleetserve.replica.engine.tokenizer import apply_chat_template
 
     def chats(n):
-        return [tokenizer.encode(apply_chat_template(tokenizer, m), add_special_tokens=False)
-                for m in copy_heavy_messages(n)]
+        return [
+            tokenizer.encode(apply_chat_template(tokenizer, m), add_special_tokens=False)
+            for m in copy_heavy_messages(n)
+        ]
 
     max_new = 64 if quick else max_new
     cases = {}
@@ -51,8 +54,7 @@ def build_cases(tokenizer, names: list[str], quick: bool, max_new: int, a_prompt
         cases["copy-b16"] = dict(prompts=chats(16), max_tokens=max_new, ignore_eos=False, batch=16)
     if "a" in names:
         prompts, _ = workload("a", tokenizer, 16 if quick else a_prompts)
-        cases["a"] = dict(prompts=prompts, max_tokens=32 if quick else a_tokens,
-                          ignore_eos=True, batch=len(prompts))
+        cases["a"] = dict(prompts=prompts, max_tokens=32 if quick else a_tokens, ignore_eos=True, batch=len(prompts))
     return cases
 
 
@@ -65,7 +67,7 @@ def run_case(llm, case: dict) -> tuple[float, list[list[int]]]:
     tokens = []
     t0 = time.perf_counter()
     for i in range(0, len(prompts), batch):
-        outs = llm.generate(prompts[i:i + batch], sp, use_tqdm=False)
+        outs = llm.generate(prompts[i : i + batch], sp, use_tqdm=False)
         tokens += [o.outputs[0].token_ids for o in outs]
     return time.perf_counter() - t0, tokens
 
@@ -85,25 +87,38 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     ap.add_argument("--a-prompts", type=int, default=64, help="prompts of workload (a)")
     ap.add_argument("--a-tokens", type=int, default=128, help="output tokens per prompt of (a)")
-    ap.add_argument("--free-draft-tokens", type=int, default=None,
-                    help="speculative config's free_draft_tokens (default: the device's; 0: off)")
+    ap.add_argument(
+        "--free-draft-tokens",
+        type=int,
+        default=None,
+        help="speculative config's free_draft_tokens (default: the device's; 0: off)",
+    )
     args = ap.parse_args()
 
     import torch
 
     from fleetserve.replica.llm import LLM
 
-    spec = {"method": "ngram", "num_speculative_tokens": args.k,
-            "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max,
-            "free_draft_tokens": args.free_draft_tokens}
-    common = dict(dtype=args.dtype, max_num_seqs=64, enable_prefix_caching=False,
-                  kv_cache_memory_bytes=1 << 30, num_threads=args.threads)
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": args.k,
+        "prompt_lookup_min": args.lookup_min,
+        "prompt_lookup_max": args.lookup_max,
+        "free_draft_tokens": args.free_draft_tokens,
+    }
+    common = dict(
+        dtype=args.dtype,
+        max_num_seqs=64,
+        enable_prefix_caching=False,
+        kv_cache_memory_bytes=1 << 30,
+        num_threads=args.threads,
+    )
     engines = {"plain": LLM(args.model, **common), "ngram": LLM(args.model, speculative_config=spec, **common)}
-    cases = build_cases(engines["plain"].tokenizer, args.cases.split(","), args.quick, args.max_tokens,
-                        args.a_prompts, args.a_tokens)
+    cases = build_cases(
+        engines["plain"].tokenizer, args.cases.split(","), args.quick, args.max_tokens, args.a_prompts, args.a_tokens
+    )
     for llm in engines.values():  # warm-up: kernels, allocator, first-call paths
-        run_case(llm, dict(prompts=next(iter(cases.values()))["prompts"][:2], max_tokens=8,
-                           ignore_eos=True, batch=2))
+        run_case(llm, dict(prompts=next(iter(cases.values()))["prompts"][:2], max_tokens=8, ignore_eos=True, batch=2))
 
     rows = []
     for name, case in cases.items():
@@ -117,33 +132,53 @@ def main() -> None:
                 times[e].append(elapsed)
                 if e == "ngram":
                     after = llm.core.scheduler.spec_stats
-                    accept = (after.num_drafts - before.num_drafts,
-                              after.num_draft_tokens - before.num_draft_tokens,
-                              after.num_accepted_tokens - before.num_accepted_tokens)
+                    accept = (
+                        after.num_drafts - before.num_drafts,
+                        after.num_draft_tokens - before.num_draft_tokens,
+                        after.num_accepted_tokens - before.num_accepted_tokens,
+                    )
             if outputs["plain"] != outputs["ngram"]:
                 raise SystemExit(f"{name}: speculative output differs from plain greedy output")
         ntok = sum(len(t) for t in outputs["plain"])
         tok_s = {e: ntok / statistics.median(ts) for e, ts in times.items()}
         drafts, draft_tokens, accepted = accept
-        rows.append(dict(case=name, batch=case["batch"], prompts=len(case["prompts"]), tokens=ntok,
-                         plain_tok_s=tok_s["plain"], ngram_tok_s=tok_s["ngram"],
-                         speedup=tok_s["ngram"] / tok_s["plain"],
-                         acceptance=accepted / draft_tokens if draft_tokens else 0.0,
-                         tokens_per_draft=(accepted / drafts if drafts else 0.0),
-                         draft_tokens=draft_tokens, times=times))
+        rows.append(
+            dict(
+                case=name,
+                batch=case["batch"],
+                prompts=len(case["prompts"]),
+                tokens=ntok,
+                plain_tok_s=tok_s["plain"],
+                ngram_tok_s=tok_s["ngram"],
+                speedup=tok_s["ngram"] / tok_s["plain"],
+                acceptance=accepted / draft_tokens if draft_tokens else 0.0,
+                tokens_per_draft=(accepted / drafts if drafts else 0.0),
+                draft_tokens=draft_tokens,
+                times=times,
+            )
+        )
         r = rows[-1]
-        print(f"{name}: plain {r['plain_tok_s']:.1f} tok/s, ngram {r['ngram_tok_s']:.1f} tok/s, "
-              f"x{r['speedup']:.2f}, acceptance {r['acceptance']:.2f}", flush=True)
+        print(
+            f"{name}: plain {r['plain_tok_s']:.1f} tok/s, ngram {r['ngram_tok_s']:.1f} tok/s, "
+            f"x{r['speedup']:.2f}, acceptance {r['acceptance']:.2f}",
+            flush=True,
+        )
 
     print()
-    print(f"n-gram speculation (k={args.k}, lookup {args.lookup_min}-{args.lookup_max}), {args.model} "
-          f"{args.dtype}, torch threads {torch.get_num_threads()}, median of {args.repeats} interleaved rounds "
-          f"({args.a_repeats} for (a))")
-    print(f"{'case':<10}{'batch':>6}{'tokens':>8}{'plain tok/s':>13}{'ngram tok/s':>13}{'speedup':>9}"
-          f"{'accept':>8}{'acc/draft':>10}")
+    print(
+        f"n-gram speculation (k={args.k}, lookup {args.lookup_min}-{args.lookup_max}), {args.model} "
+        f"{args.dtype}, torch threads {torch.get_num_threads()}, median of {args.repeats} interleaved rounds "
+        f"({args.a_repeats} for (a))"
+    )
+    print(
+        f"{'case':<10}{'batch':>6}{'tokens':>8}{'plain tok/s':>13}{'ngram tok/s':>13}{'speedup':>9}"
+        f"{'accept':>8}{'acc/draft':>10}"
+    )
     for r in rows:
-        print(f"{r['case']:<10}{r['batch']:>6}{r['tokens']:>8}{r['plain_tok_s']:>13.1f}{r['ngram_tok_s']:>13.1f}"
-              f"{r['speedup']:>8.2f}x{r['acceptance']:>8.2f}{r['tokens_per_draft']:>10.2f}")
+        print(
+            f"{r['case']:<10}{r['batch']:>6}{r['tokens']:>8}{r['plain_tok_s']:>13.1f}{r['ngram_tok_s']:>13.1f}"
+            f"{r['speedup']:>8.2f}x{r['acceptance']:>8.2f}{r['tokens_per_draft']:>10.2f}"
+        )
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "spec_decode.json").write_text(json.dumps(dict(args=vars(args), rows=rows), indent=1))
     plot(rows, args)

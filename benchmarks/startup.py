@@ -69,8 +69,14 @@ def _env(checkout: str | None) -> dict:
 
 
 def _seconds(code: str, checkout: str | None, *argv: str) -> float:
-    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=600,
-                         env=_env(checkout), cwd=tempfile.gettempdir())
+    out = subprocess.run(
+        [sys.executable, "-c", code, *argv],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_env(checkout),
+        cwd=tempfile.gettempdir(),
+    )
     for line in out.stdout.splitlines():
         if line.startswith("SECONDS"):
             return float(line.split()[1])
@@ -88,10 +94,22 @@ def _serve_seconds(checkout: str | None, log_dir: Path) -> float:
     log = log_dir / f"serve-{int(time.time() * 1000)}.log"
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-c",
-                                 "from fleetserve.cluster.cli import main; raise SystemExit(main())",
-                                 "serve", "--port", str(port), "--grpc-port", str(grpc)],
-                                stdout=f, stderr=subprocess.STDOUT, env=_env(checkout), cwd=tempfile.gettempdir())
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "from fleetserve.cluster.cli import main; raise SystemExit(main())",
+                "serve",
+                "--port",
+                str(port),
+                "--grpc-port",
+                str(grpc),
+            ],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=_env(checkout),
+            cwd=tempfile.gettempdir(),
+        )
     try:
         deadline = t0 + 300
         while "ready; Ctrl-C" not in log.read_text():
@@ -122,8 +140,9 @@ def main() -> None:
     checkouts: dict[str, str | None] = {"this": None}
     if args.baseline:
         tree = tmp / "baseline"
-        out = subprocess.run(["git", "worktree", "add", "--detach", str(tree), args.baseline], cwd=ROOT,
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            ["git", "worktree", "add", "--detach", str(tree), args.baseline], cwd=ROOT, capture_output=True, text=True
+        )
         if out.returncode:
             raise SystemExit(f"--baseline {args.baseline}: {out.stderr.strip()}")
         checkouts[args.baseline] = str(tree)
@@ -138,7 +157,7 @@ def main() -> None:
                 _seconds(CORE, checkout)
         times: dict[str, dict[str, list[float]]] = {k: {c: [] for c in cases} for k in checkouts}
         for r in range(args.rounds):
-            for name, checkout in (checkouts.items() if r % 2 == 0 else reversed(checkouts.items())):
+            for name, checkout in checkouts.items() if r % 2 == 0 else reversed(checkouts.items()):
                 for case in cases:
                     if case == "engine":
                         t = _seconds(ENGINE, checkout, tiny)
@@ -150,18 +169,27 @@ def main() -> None:
                     print(f"round {r + 1} {name:>10s} {case:6s} {t:6.2f} s", flush=True)
     finally:
         if args.baseline:
-            subprocess.run(["git", "worktree", "remove", "--force", str(tmp / "baseline")], cwd=ROOT,
-                           capture_output=True)
+            subprocess.run(
+                ["git", "worktree", "remove", "--force", str(tmp / "baseline")], cwd=ROOT, capture_output=True
+            )
     med = {k: {c: statistics.median(times[k][c]) for c in cases} for k in checkouts}
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               "unknown CPU") if os.path.exists("/proc/cpuinfo") else "unknown CPU"
+    cpu = (
+        next(
+            (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+            "unknown CPU",
+        )
+        if os.path.exists("/proc/cpuinfo")
+        else "unknown CPU"
+    )
     print(f"\nstart-up, seconds (median of {args.rounds} alternated rounds); {cpu}, {os.cpu_count()} CPUs")
     print_table(med, cases, args.baseline, case_width=8, digits=2)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "startup.json").write_text(json.dumps({"cpu": cpu, "baseline": args.baseline, "seconds": times},
-                                                     indent=2))
-    grouped_bars(RESULTS / "startup.png", {k: med[k] for k in checkouts}, cases, "seconds to ready",
-                 "fleetserve start-up")
+    (RESULTS / "startup.json").write_text(
+        json.dumps({"cpu": cpu, "baseline": args.baseline, "seconds": times}, indent=2)
+    )
+    grouped_bars(
+        RESULTS / "startup.png", {k: med[k] for k in checkouts}, cases, "seconds to ready", "fleetserve start-up"
+    )
 
 
 if __name__ == "__main__":

@@ -52,9 +52,12 @@ def params_for(outputs: list[int], fraction: float):
     step = n / k if k else 0
     constrained = {int(i * step) for i in range(k)}
     so = StructuredOutputsParams(json=SCHEMA)
-    return [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True,
-                           structured_outputs=so if i in constrained else None)
-            for i, m in enumerate(outputs)]
+    return [
+        SamplingParams(
+            temperature=0, max_tokens=m, ignore_eos=True, structured_outputs=so if i in constrained else None
+        )
+        for i, m in enumerate(outputs)
+    ]
 
 
 def run_once(llm, prompts, outputs, fraction: float, timers: "Timers | None" = None) -> dict:
@@ -81,11 +84,13 @@ class Timers:
         from fleetserve.replica.structured_output.manager import GrammarBitmask, StructuredOutputManager
 
         self.total: dict[str, float] = {}
-        for owner, name, label in ((EngineCore, "step", "step"),
-                                   (StructuredOutputManager, "bitmask", "fill"),
-                                   (StructuredOutputManager, "accept", "accept"),
-                                   (GrammarBitmask, "for_rows", "rows"),
-                                   (sampler, "apply_token_bitmask", "apply")):
+        for owner, name, label in (
+            (EngineCore, "step", "step"),
+            (StructuredOutputManager, "bitmask", "fill"),
+            (StructuredOutputManager, "accept", "accept"),
+            (GrammarBitmask, "for_rows", "rows"),
+            (sampler, "apply_token_bitmask", "apply"),
+        ):
             setattr(owner, name, self._wrap(getattr(owner, name), label))
         self.reset()
 
@@ -98,6 +103,7 @@ class Timers:
                 self.total[label] += time.perf_counter() - t0
                 if label == "step":
                     self.steps += 1
+
         return timed
 
     def reset(self) -> None:
@@ -117,8 +123,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--breakdown", action="store_true",
-                    help="also time the grammar work per step (fill, accept, bitmask rows, masking)")
+    ap.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time the grammar work per step (fill, accept, bitmask rows, masking)",
+    )
     args = ap.parse_args()
 
     import torch
@@ -126,9 +135,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from fleetserve.replica.llm import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.num_prompts, max_num_batched_tokens=2048,
-              enable_prefix_caching=False, kv_cache_memory_bytes=2 << 30, device=args.device,
-              num_threads=args.threads)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_num_seqs=args.num_prompts,
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=False,
+        kv_cache_memory_bytes=2 << 30,
+        device=args.device,
+        num_threads=args.threads,
+    )
     prompts, outputs = workload("a", llm.tokenizer, args.num_prompts)
     timers = Timers() if args.breakdown else None
     fractions = [float(f) for f in args.fractions.split(",")]
@@ -138,7 +154,7 @@ def main() -> None:
     print(f"warm-up incl. tokenizer info + schema compile: {time.perf_counter() - t0:.1f} s")
     rounds: dict[float, list[dict]] = {f: [] for f in fractions}
     for rep in range(args.repeats):
-        for f in (fractions if rep % 2 == 0 else fractions[::-1]):  # interleaved, both orders
+        for f in fractions if rep % 2 == 0 else fractions[::-1]:  # interleaved, both orders
             r = run_once(llm, prompts, outputs, f, timers)
             rounds[f].append(r)
             print(f"round {rep}: {f:>4.0%} constrained  {r['tok_s']:7.1f} tok/s  ({r['tokens']} tokens)")
@@ -147,27 +163,51 @@ def main() -> None:
     for f in fractions:
         tok_s = [r["tok_s"] for r in rounds[f]]
         ratios = [t / b for t, b in zip(tok_s, base)]
-        rows.append({"fraction": f, "tok_s": statistics.median(tok_s), "ratio": statistics.median(ratios),
-                     "min": min(tok_s), "max": max(tok_s), "ratios": ratios})
-    print(f"\nworkload (a): {args.num_prompts} prompts ~120 in -> 128 out, greedy, dtype {args.dtype}, "
-          f"{args.threads} threads, {args.device}; median of {args.repeats} interleaved rounds")
+        rows.append(
+            {
+                "fraction": f,
+                "tok_s": statistics.median(tok_s),
+                "ratio": statistics.median(ratios),
+                "min": min(tok_s),
+                "max": max(tok_s),
+                "ratios": ratios,
+            }
+        )
+    print(
+        f"\nworkload (a): {args.num_prompts} prompts ~120 in -> 128 out, greedy, dtype {args.dtype}, "
+        f"{args.threads} threads, {args.device}; median of {args.repeats} interleaved rounds"
+    )
     print(f"{'constrained':>12}{'out tok/s':>11}{'vs 0%':>8}{'min':>9}{'max':>9}   ratios per repeat")
     for r in rows:
-        print(f"{r['fraction']:>12.0%}{r['tok_s']:>11.1f}{r['ratio']:>8.3f}{r['min']:>9.1f}{r['max']:>9.1f}   "
-              + " ".join(f"{x:.3f}" for x in r["ratios"]))
+        print(
+            f"{r['fraction']:>12.0%}{r['tok_s']:>11.1f}{r['ratio']:>8.3f}{r['min']:>9.1f}{r['max']:>9.1f}   "
+            + " ".join(f"{x:.3f}" for x in r["ratios"])
+        )
     if timers is not None:
         print("\ngrammar work per step, ms (median over rounds): step = the whole engine step")
         print(f"{'constrained':>12}" + "".join(f"{k:>9}" for k in ("step", "fill", "accept", "rows", "apply")))
         for f in fractions:
-            med = {k: statistics.median(r["ms_per_step"][k] for r in rounds[f])
-                   for k in ("step", "fill", "accept", "rows", "apply")}
+            med = {
+                k: statistics.median(r["ms_per_step"][k] for r in rounds[f])
+                for k in ("step", "fill", "accept", "rows", "apply")
+            }
             print(f"{f:>12.0%}" + "".join(f"{v:>9.3f}" for v in med.values()))
     name = f"structured_outputs_{args.dtype}" + ("_breakdown" if timers is not None else "")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps({
-        "cpu": cpu_name(), "dtype": args.dtype, "threads": args.threads, "repeats": args.repeats,
-        "num_prompts": args.num_prompts, "rows": rows,
-        "rounds": {str(f): rounds[f] for f in fractions}}, indent=1))
+    (RESULTS / f"{name}.json").write_text(
+        json.dumps(
+            {
+                "cpu": cpu_name(),
+                "dtype": args.dtype,
+                "threads": args.threads,
+                "repeats": args.repeats,
+                "num_prompts": args.num_prompts,
+                "rows": rows,
+                "rounds": {str(f): rounds[f] for f in fractions},
+            },
+            indent=1,
+        )
+    )
     plot(rows, RESULTS / f"{name}.png", args.dtype)
 
 
@@ -190,10 +230,15 @@ def plot(rows: list[dict], path: Path, dtype: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6, 3.5))
     labels = [f"{r['fraction']:.0%}" for r in rows]
-    bars = ax.bar(labels, [r["tok_s"] for r in rows], color=["#888", "#4a8", "#48c"][:len(rows)])
+    bars = ax.bar(labels, [r["tok_s"] for r in rows], color=["#888", "#4a8", "#48c"][: len(rows)])
     for bar, r in zip(bars, rows):
-        ax.annotate(f"{r['tok_s']:.0f}\n({r['ratio']:.3f}x)", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center", va="bottom", fontsize=8)
+        ax.annotate(
+            f"{r['tok_s']:.0f}\n({r['ratio']:.3f}x)",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_xlabel("requests constrained to a JSON schema")
     ax.set_ylabel("output tokens/s")
     ax.set_title(f"Structured outputs: throughput cost (workload a, {dtype})")

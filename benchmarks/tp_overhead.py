@@ -34,8 +34,14 @@ def run(model_dir: str, tp: int, prompts, max_tokens: int, threads: int) -> dict
     from fleetserve.replica.llm import LLM
     from fleetserve.scheduler import SamplingParams
 
-    llm = LLM(model_dir, dtype="float32", tensor_parallel_size=tp, num_gpu_blocks_override=512,
-              num_threads=max(1, threads // tp), enable_prefix_caching=False)
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        tensor_parallel_size=tp,
+        num_gpu_blocks_override=512,
+        num_threads=max(1, threads // tp),
+        enable_prefix_caching=False,
+    )
     try:
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
@@ -51,8 +57,11 @@ def run(model_dir: str, tp: int, prompts, max_tokens: int, threads: int) -> dict
         if timings:
             walls = [w for w, _ in timings]
             over = [w - r for w, r in timings]
-            row.update(step_ms=1e3 * statistics.median(walls), fanout_us=1e6 * statistics.median(over),
-                       fanout_frac=statistics.median(o / w for (w, _), o in zip(timings, over)))
+            row.update(
+                step_ms=1e3 * statistics.median(walls),
+                fanout_us=1e6 * statistics.median(over),
+                fanout_frac=statistics.median(o / w for (w, _), o in zip(timings, over)),
+            )
         else:
             row.update(step_ms=1e3 * elapsed / max(1, max_tokens), fanout_us=0.0, fanout_frac=0.0)
         return row
@@ -77,9 +86,17 @@ def main() -> None:
     from fleetserve.replica.testing import make_tiny_llama
 
     # 12 heads / 6 kv heads, hidden 768, intermediate 1536: all divide by 1, 2 and 3.
-    model_dir = str(make_tiny_llama(Path(tempfile.mkdtemp()) / "tp-model", hidden_size=768,
-                                    intermediate_size=1536, num_layers=4 if args.quick else 8,
-                                    num_heads=12, num_kv_heads=6, init_std=0.02))
+    model_dir = str(
+        make_tiny_llama(
+            Path(tempfile.mkdtemp()) / "tp-model",
+            hidden_size=768,
+            intermediate_size=1536,
+            num_layers=4 if args.quick else 8,
+            num_heads=12,
+            num_kv_heads=6,
+            init_std=0.02,
+        )
+    )
     import random
 
     rng = random.Random(0)
@@ -92,8 +109,10 @@ def main() -> None:
     header = f"{'TP':>3}{'out tok/s':>11}{'median step ms':>16}{'fan-out us/step':>17}{'fan-out % step':>16}"
     print(header + "\n" + "-" * len(header))
     for r in rows:
-        print(f"{r['tp']:>3}{r['tok_s']:>11.1f}{r['step_ms']:>16.1f}{r['fanout_us']:>17.0f}"
-              f"{100 * r['fanout_frac']:>15.1f}%")
+        print(
+            f"{r['tp']:>3}{r['tok_s']:>11.1f}{r['step_ms']:>16.1f}{r['fanout_us']:>17.0f}"
+            f"{100 * r['fanout_frac']:>15.1f}%"
+        )
     RESULTS.mkdir(parents=True, exist_ok=True)
     for r in rows:
         r.pop("tokens")
@@ -108,8 +127,12 @@ def main() -> None:
     axes[0].set_xlabel("tensor_parallel_size")
     axes[0].set_ylabel("output tokens/s (2 CPU cores)")
     axes[1].bar([str(r["tp"]) for r in rows], [r["step_ms"] - r["fanout_us"] / 1e3 for r in rows], label="ranks' step")
-    axes[1].bar([str(r["tp"]) for r in rows], [r["fanout_us"] / 1e3 for r in rows],
-                bottom=[r["step_ms"] - r["fanout_us"] / 1e3 for r in rows], label="fan-out overhead")
+    axes[1].bar(
+        [str(r["tp"]) for r in rows],
+        [r["fanout_us"] / 1e3 for r in rows],
+        bottom=[r["step_ms"] - r["fanout_us"] / 1e3 for r in rows],
+        label="fan-out overhead",
+    )
     axes[1].set_ylabel("median step (ms)")
     axes[1].legend()
     fig.tight_layout()

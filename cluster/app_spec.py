@@ -50,8 +50,10 @@ def validate_args(args: Any, process_keys: bool = False) -> AppConfig:
     except ValidationError as e:
         raise AppConfigError(f"invalid fleetserve app config:\n{describe(e)}") from None
     if config.address and not process_keys:
-        raise AppConfigError("address: not used by a Serve deploy config (the cluster that "
-                             "runs `serve deploy` is the one it deploys to); remove it")
+        raise AppConfigError(
+            "address: not used by a Serve deploy config (the cluster that "
+            "runs `serve deploy` is the one it deploys to); remove it"
+        )
     return config
 
 
@@ -64,8 +66,9 @@ def resolve_api_key(config: AppConfig) -> Optional[str]:
         return from_file_or_env(config.api_key, config.api_key_file)
     value = os.environ.get(config.api_key_env)
     if not value:
-        raise AppConfigError(f"api_key_env: the environment variable {config.api_key_env!r} "
-                             "is not set (or empty) where the app is built")
+        raise AppConfigError(
+            f"api_key_env: the environment variable {config.api_key_env!r} is not set (or empty) where the app is built"
+        )
     return value
 
 
@@ -84,9 +87,9 @@ def serve_deploy_config(config: AppConfig) -> dict:
         "http_options": {"host": config.http.host, "port": config.http.port},
     }
     if config.grpc.enabled:
-        out["grpc_options"] = {"port": config.grpc.port,
-                               "grpc_servicer_functions": [GRPC_SERVICER]}
+        out["grpc_options"] = {"port": config.grpc.port, "grpc_servicer_functions": [GRPC_SERVICER]}
     out["logging_config"] = {"enable_access_log": False}
-    out["applications"] = [{"name": config.name, "route_prefix": "/",
-                            "import_path": APP_BUILDER, "args": app_args(config)}]
+    out["applications"] = [
+        {"name": config.name, "route_prefix": "/", "import_path": APP_BUILDER, "args": app_args(config)}
+    ]
     return out

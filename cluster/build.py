@@ -17,14 +17,15 @@ from pathlib import Path
 
 import yaml
 
-HEADER = ("# Ray Serve deploy config written by `fleetserve build` from {src}.\n"
-          "# Deploy it on a running Ray cluster with fleetserve installed: serve deploy {dst}\n"
-          "# Edit the app config and rebuild rather than editing `args` here.\n")
+HEADER = (
+    "# Ray Serve deploy config written by `fleetserve build` from {src}.\n"
+    "# Deploy it on a running Ray cluster with fleetserve installed: serve deploy {dst}\n"
+    "# Edit the app config and rebuild rather than editing `args` here.\n"
+)
 
 
 def add_build_parser(sub) -> None:
-    p = sub.add_parser("build", help="write a Ray Serve deploy config (serve deploy FILE) "
-                                     "from an application YAML")
+    p = sub.add_parser("build", help="write a Ray Serve deploy config (serve deploy FILE) from an application YAML")
     p.add_argument("config", help="application YAML (the same file `fleetserve serve --config` takes)")
     p.add_argument("-o", "--output", default="-", help="where to write it ('-': stdout)")
     p.set_defaults(func=cmd_build)

@@ -30,17 +30,22 @@ from fleetserve.cluster.generate import add_generate_parser
 
 log = logging.getLogger("fleetserve")
 
+
 def add_serve_parser(sub) -> None:
     from fleetserve.cluster.config import AppConfig
 
-    p = sub.add_parser("serve", help="serve a model over OpenAI HTTP and gRPC from a Ray cluster",
-                       description="Serve a model over OpenAI HTTP and gRPC from a Ray cluster. "
-                                   "Every flag below is a field of the application config "
-                                   "(cluster/config.py); --config reads the same fields from YAML.",
-                       argument_default=argparse.SUPPRESS)
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over OpenAI HTTP and gRPC from a Ray cluster",
+        description="Serve a model over OpenAI HTTP and gRPC from a Ray cluster. "
+        "Every flag below is a field of the application config "
+        "(cluster/config.py); --config reads the same fields from YAML.",
+        argument_default=argparse.SUPPRESS,
+    )
     p.add_argument("model_tag", nargs="?", help="the model (same as --model)")
-    p.add_argument("--config", help="application YAML (cluster/config.py's schema); flags given "
-                                    "here override it [default: unset]")
+    p.add_argument(
+        "--config", help="application YAML (cluster/config.py's schema); flags given here override it [default: unset]"
+    )
     add_engine_flags(p)
     add_schema_flags(p.add_argument_group("application"), AppConfig, skip=APP_SKIP)
     p.set_defaults(func=cmd_serve)
@@ -86,8 +91,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(config)
 
 
-SUBCOMMANDS: list[Callable] = [add_serve_parser, add_generate_parser, add_build_parser,
-                               add_chat_parser, add_complete_parser]
+SUBCOMMANDS: list[Callable] = [
+    add_serve_parser,
+    add_generate_parser,
+    add_build_parser,
+    add_chat_parser,
+    add_complete_parser,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,21 +23,28 @@ from pydantic.fields import FieldInfo
 from fleetserve.replica.engine.engine_args import EngineArgs
 
 # Nested application fields that keep vLLM's / the README's short spelling.
-FLAG_NAMES = {"http.host": "--host", "http.port": "--port", "grpc.port": "--grpc-port",
-              "http.allowed_origins": "--allowed-origins", "http.allow_credentials": "--allow-credentials",
-              "http.allowed_methods": "--allowed-methods", "http.allowed_headers": "--allowed-headers",
-              "grpc.enabled": "--grpc",
-              "http.return_tokens_as_token_ids": "--return-tokens-as-token-ids",
-              # A nested model given whole, as vLLM's JSON flag (not walked field by field).
-              "speculative_config": "--speculative-config",
-              # P/D: `fleetserve serve --pd --num-prefill-replicas 1 --num-decode-replicas 1
-              # --kv-connector ray_object_store`
-              "pd.enabled": "--pd", "pd.prefill.num_replicas": "--num-prefill-replicas",
-              "pd.decode.num_replicas": "--num-decode-replicas",
-              "pd.connector": "--kv-connector",
-              # One JSON value, as vLLM's --kv-transfer-config (not a flag per sub-field).
-              "kv_transfer_config": "--kv-transfer-config",
-              "engine.kv_transfer_config": "--kv-transfer-config"}
+FLAG_NAMES = {
+    "http.host": "--host",
+    "http.port": "--port",
+    "grpc.port": "--grpc-port",
+    "http.allowed_origins": "--allowed-origins",
+    "http.allow_credentials": "--allow-credentials",
+    "http.allowed_methods": "--allowed-methods",
+    "http.allowed_headers": "--allowed-headers",
+    "grpc.enabled": "--grpc",
+    "http.return_tokens_as_token_ids": "--return-tokens-as-token-ids",
+    # A nested model given whole, as vLLM's JSON flag (not walked field by field).
+    "speculative_config": "--speculative-config",
+    # P/D: `fleetserve serve --pd --num-prefill-replicas 1 --num-decode-replicas 1
+    # --kv-connector ray_object_store`
+    "pd.enabled": "--pd",
+    "pd.prefill.num_replicas": "--num-prefill-replicas",
+    "pd.decode.num_replicas": "--num-decode-replicas",
+    "pd.connector": "--kv-connector",
+    # One JSON value, as vLLM's --kv-transfer-config (not a flag per sub-field).
+    "kv_transfer_config": "--kv-transfer-config",
+    "engine.kv_transfer_config": "--kv-transfer-config",
+}
 
 
 # Fields given as several words, as vLLM's flags (`--lora-modules a=/p b=/q`); the schema's
@@ -64,8 +71,9 @@ def _is_model(ann: Any) -> bool:
     return isinstance(ann, type) and issubclass(ann, BaseModel)
 
 
-def schema_fields(model: type[BaseModel], prefix: str = "",
-                  skip: tuple[str, ...] = ()) -> Iterator[tuple[str, FieldInfo, Any]]:
+def schema_fields(
+    model: type[BaseModel], prefix: str = "", skip: tuple[str, ...] = ()
+) -> Iterator[tuple[str, FieldInfo, Any]]:
     """(dotted path, field, unwrapped type) of every leaf field; nested models are walked."""
     for name, field in model.model_fields.items():
         path = prefix + name
@@ -87,18 +95,18 @@ def _help(field: FieldInfo, path: str) -> str:
     return f"{text} [default: {shown}]".replace("%", "%%")
 
 
-def add_schema_flags(group, model: type[BaseModel], prefix: str = "",
-                     skip: tuple[str, ...] = ()) -> list[str]:
+def add_schema_flags(group, model: type[BaseModel], prefix: str = "", skip: tuple[str, ...] = ()) -> list[str]:
     """Add one flag per leaf field of `model` to `group`; returns their dests (dotted paths)."""
     dests = []
     for path, field, ann in schema_fields(model, prefix, skip):
         flag = FLAG_NAMES.get(path) or "--" + path.replace(".", "-").replace("_", "-")
-        kwargs: dict[str, Any] = {"dest": path, "default": argparse.SUPPRESS,
-                                  "help": _help(field, path)}
+        kwargs: dict[str, Any] = {"dest": path, "default": argparse.SUPPRESS, "help": _help(field, path)}
         if ann is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
-        elif typing.get_origin(ann) in (Union, types.UnionType) and \
-                set(typing.get_args(ann)) - {type(None)} == {str, tuple[str, ...]}:
+        elif typing.get_origin(ann) in (Union, types.UnionType) and set(typing.get_args(ann)) - {type(None)} == {
+            str,
+            tuple[str, ...],
+        }:
             kwargs.update(nargs="+", type=str, metavar="NAME")  # one name or several, as vLLM's
         elif path.rsplit(".", 1)[-1] in NARGS_FIELDS:
             kwargs.update(nargs="+", type=str, metavar=NARGS_FIELDS[path.rsplit(".", 1)[-1]])
@@ -143,5 +151,4 @@ def nested_overrides(args: argparse.Namespace, dests: list[str]) -> dict[str, An
     return out
 
 
-__all__ = ["add_engine_flags", "add_schema_flags", "engine_kwargs", "nested_overrides",
-           "schema_fields"]
+__all__ = ["add_engine_flags", "add_schema_flags", "engine_kwargs", "nested_overrides", "schema_fields"]

@@ -42,42 +42,68 @@ class ClientError(Exception):
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default=DEFAULT_URL,
-                   help="the server's OpenAI base URL [default: %(default)s]")
-    p.add_argument("--model-name", default=None,
-                   help="the model to ask [default: the first one the server's /v1/models lists]")
-    p.add_argument("--api-key", default=None,
-                   help="the server's API key [default: $FLEETSERVE_API_KEY, else $OPENAI_API_KEY, "
-                        "else none]")
-    p.add_argument("-q", "--quick", metavar="MESSAGE", default=None,
-                   help="send MESSAGE, print the reply and exit [default: interactive; lines from "
-                        "stdin when it is not a terminal]")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help="most tokens per reply [default: the server's (chat: to the context's end)]")
-    p.add_argument("--temperature", type=float, default=None,
-                   help="sampling temperature [default: the model's own, as the server applies it]")
-    p.add_argument("--extra-body", metavar="JSON", default=None,
-                   help="a JSON object merged into every request body, for fields the flags do not "
-                        "name (e.g. '{\"chat_template_kwargs\": {\"enable_thinking\": false}}') "
-                        "[default: none]")
-    p.add_argument("--timeout", type=float, default=120.0,
-                   help="seconds to wait to connect, and for each next piece of a reply "
-                        "[default: %(default)s]")
+    p.add_argument("--url", default=DEFAULT_URL, help="the server's OpenAI base URL [default: %(default)s]")
+    p.add_argument(
+        "--model-name", default=None, help="the model to ask [default: the first one the server's /v1/models lists]"
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="the server's API key [default: $FLEETSERVE_API_KEY, else $OPENAI_API_KEY, else none]",
+    )
+    p.add_argument(
+        "-q",
+        "--quick",
+        metavar="MESSAGE",
+        default=None,
+        help="send MESSAGE, print the reply and exit [default: interactive; lines from "
+        "stdin when it is not a terminal]",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="most tokens per reply [default: the server's (chat: to the context's end)]",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="sampling temperature [default: the model's own, as the server applies it]",
+    )
+    p.add_argument(
+        "--extra-body",
+        metavar="JSON",
+        default=None,
+        help="a JSON object merged into every request body, for fields the flags do not "
+        'name (e.g. \'{"chat_template_kwargs": {"enable_thinking": false}}\') '
+        "[default: none]",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait to connect, and for each next piece of a reply [default: %(default)s]",
+    )
 
 
 def add_chat_parser(sub) -> None:
-    p = sub.add_parser("chat", help="chat with a running server (streams replies; like `vllm chat`)",
-                       description="Chat with a running fleetserve (or any OpenAI-compatible) "
-                                   "server from the terminal.")
+    p = sub.add_parser(
+        "chat",
+        help="chat with a running server (streams replies; like `vllm chat`)",
+        description="Chat with a running fleetserve (or any OpenAI-compatible) server from the terminal.",
+    )
     _add_common(p)
     p.add_argument("--system-prompt", default=None, help="a system message first [default: none]")
     p.set_defaults(func=cmd_chat)
 
 
 def add_complete_parser(sub) -> None:
-    p = sub.add_parser("complete", help="complete prompts on a running server (like `vllm complete`)",
-                       description="Send prompts to a running server's /v1/completions and print "
-                                   "the completions as they stream.")
+    p = sub.add_parser(
+        "complete",
+        help="complete prompts on a running server (like `vllm complete`)",
+        description="Send prompts to a running server's /v1/completions and print the completions as they stream.",
+    )
     _add_common(p)
     p.set_defaults(func=cmd_complete)
 
@@ -104,11 +130,14 @@ class Client:
             raise ClientError(self._http_error(e), fatal=e.code in (401, 403)) from None
         except urllib.error.URLError as e:
             reason = getattr(e.reason, "strerror", None) or str(e.reason)
-            raise ClientError(f"cannot reach {self.url} ({reason}): is `fleetserve serve` running "
-                              f"there? (--url to point elsewhere)", fatal=True) from None
+            raise ClientError(
+                f"cannot reach {self.url} ({reason}): is `fleetserve serve` running there? (--url to point elsewhere)",
+                fatal=True,
+            ) from None
         except (socket.timeout, TimeoutError):
-            raise ClientError(f"{self.url}{path} did not answer within {self.timeout:g} s "
-                              "(--timeout)", fatal=True) from None
+            raise ClientError(
+                f"{self.url}{path} did not answer within {self.timeout:g} s (--timeout)", fatal=True
+            ) from None
         except (http.client.HTTPException, OSError) as e:  # e.g. the server closed the connection
             raise ClientError(f"{self.url}{path} failed: {e or type(e).__name__}", fatal=True) from None
 
@@ -130,8 +159,9 @@ class Client:
             try:
                 models = [m["id"] for m in json.load(r)["data"]]
             except (ValueError, KeyError, TypeError):
-                raise ClientError(f"{self.url}/models did not list models as OpenAI's API does "
-                                  "(--model-name to name one)", fatal=True) from None
+                raise ClientError(
+                    f"{self.url}/models did not list models as OpenAI's API does (--model-name to name one)", fatal=True
+                ) from None
         if not models:
             raise ClientError(f"{self.url}/models lists no model", fatal=True)
         return models[0]
@@ -163,8 +193,10 @@ class Client:
                     raise ClientError(f"unreadable event in the stream: {payload[:200]!r}") from None
                 if "error" in event:
                     err = event["error"]
-                    raise ClientError("the server ended the reply with an error: "
-                                      + (err.get("message", str(err)) if isinstance(err, dict) else str(err)))
+                    raise ClientError(
+                        "the server ended the reply with an error: "
+                        + (err.get("message", str(err)) if isinstance(err, dict) else str(err))
+                    )
                 for choice in event.get("choices") or []:
                     delta = choice.get("delta") or {}
                     thought = delta.get("reasoning_content") or delta.get("reasoning")
@@ -198,9 +230,13 @@ def _inputs(quick: Optional[str], banner: str) -> Iterator[str]:
 def _extra_body(args: argparse.Namespace, command: str) -> Optional[dict[str, Any]]:
     """`--extra-body` as a dict ({} when not given), once --url and --timeout are checked;
     None (the problem printed) when any of the three is wrong."""
-    for bad, message in ((not args.url.startswith(("http://", "https://")),
-                          f"--url must start with http:// or https://, got {args.url!r}"),
-                         (not args.timeout > 0, f"--timeout must be positive, got {args.timeout:g}")):
+    for bad, message in (
+        (
+            not args.url.startswith(("http://", "https://")),
+            f"--url must start with http:// or https://, got {args.url!r}",
+        ),
+        (not args.timeout > 0, f"--timeout must be positive, got {args.timeout:g}"),
+    ):
         if bad:
             print(f"fleetserve {command}: {message}", file=sys.stderr)
             return None
@@ -211,8 +247,7 @@ def _extra_body(args: argparse.Namespace, command: str) -> Optional[dict[str, An
     except ValueError:
         extra = None
     if not isinstance(extra, dict):
-        print(f"fleetserve {command}: --extra-body must be a JSON object, got {args.extra_body!r}",
-              file=sys.stderr)
+        print(f"fleetserve {command}: --extra-body must be a JSON object, got {args.extra_body!r}", file=sys.stderr)
         return None
     return extra
 
@@ -230,8 +265,10 @@ def _run(args: argparse.Namespace, command: str, path: str, make_body, remember=
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
-    sampling = {**extra, **{k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature))
-                            if v is not None}}
+    sampling = {
+        **extra,
+        **{k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature)) if v is not None},
+    }
     # Thinking goes to stderr (dimmed on a terminal): stdout holds the answers alone.
     dim, plain = ("\033[2m", "\033[0m") if sys.stderr.isatty() else ("", "")
     failed = False

@@ -53,24 +53,40 @@ RoutingPolicyName = Literal["power_of_two", "least_loaded", "prefix_aware", "pre
 class HTTPOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    host: str = Field(default="127.0.0.1", description=(
-        "Address the HTTP and gRPC servers bind (0.0.0.0 or :: for every interface). "
-        "With --address (a joined cluster) Ray Serve's proxy binds gRPC on every interface."))
+    host: str = Field(
+        default="127.0.0.1",
+        description=(
+            "Address the HTTP and gRPC servers bind (0.0.0.0 or :: for every interface). "
+            "With --address (a joined cluster) Ray Serve's proxy binds gRPC on every interface."
+        ),
+    )
     port: int = Field(default=8000, ge=0, le=65535, description="HTTP port (OpenAI API, /metrics, /health).")
-    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, description=(
-        "Largest request body; a larger one is refused with 413 before parsing."))
-    allowed_origins: tuple[str, ...] = Field(default=LOCAL_ORIGINS, description=(
-        "Web pages whose scripts may call the API from a browser (CORS), a JSON list: exact "
-        "origins, 'http://localhost:*' (any port), 'https://*.example.com', or '*' (any; "
-        "vLLM's default). Default: pages served from this machine; [] turns CORS off."))
-    allow_credentials: bool = Field(default=False, description=(
-        "CORS: let those pages send cookies and HTTP authentication."))
+    max_body_bytes: int = Field(
+        default=4 * 1024 * 1024,
+        ge=1024,
+        description=("Largest request body; a larger one is refused with 413 before parsing."),
+    )
+    allowed_origins: tuple[str, ...] = Field(
+        default=LOCAL_ORIGINS,
+        description=(
+            "Web pages whose scripts may call the API from a browser (CORS), a JSON list: exact "
+            "origins, 'http://localhost:*' (any port), 'https://*.example.com', or '*' (any; "
+            "vLLM's default). Default: pages served from this machine; [] turns CORS off."
+        ),
+    )
+    allow_credentials: bool = Field(
+        default=False, description=("CORS: let those pages send cookies and HTTP authentication.")
+    )
     allowed_methods: tuple[str, ...] = Field(default=("*",), description="CORS: allowed methods (JSON list).")
     allowed_headers: tuple[str, ...] = Field(default=("*",), description="CORS: allowed request headers (JSON list).")
-    return_tokens_as_token_ids: bool = Field(default=False, description=(
-        "Logprobs name tokens 'token_id:<id>' instead of their text (vLLM's flag; a request "
-        "can ask with its own return_tokens_as_token_ids), so tokens that are not whole "
-        "UTF-8 text can be told apart."))
+    return_tokens_as_token_ids: bool = Field(
+        default=False,
+        description=(
+            "Logprobs name tokens 'token_id:<id>' instead of their text (vLLM's flag; a request "
+            "can ask with its own return_tokens_as_token_ids), so tokens that are not whole "
+            "UTF-8 text can be told apart."
+        ),
+    )
 
     @field_validator("allowed_origins")
     @classmethod
@@ -80,8 +96,12 @@ class HTTPOptions(BaseModel):
         return value
 
     def cors(self) -> dict:
-        return {"allowed_origins": self.allowed_origins, "allow_credentials": self.allow_credentials,
-                "allowed_methods": self.allowed_methods, "allowed_headers": self.allowed_headers}
+        return {
+            "allowed_origins": self.allowed_origins,
+            "allow_credentials": self.allow_credentials,
+            "allowed_methods": self.allowed_methods,
+            "allowed_headers": self.allowed_headers,
+        }
 
 
 class GRPCOptions(BaseModel):
@@ -96,16 +116,29 @@ class RoutingOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    imbalance_threshold: int = Field(default=4, ge=1, description=(
-        "prefix_aware: a replica with this many more requests in flight than the least "
-        "loaded one counts as overloaded, and its prefix match is ignored."))
-    min_match_fraction: float = Field(default=0.5, gt=0.0, le=1.0, description=(
-        "prefix_aware: the smallest fraction of the prompt's full blocks a match must cover "
-        "to win over load (a shared chat header alone must not pin every request)."))
-    max_table_entries: int = Field(default=200_000, ge=16, description=(
-        "prefix_aware: most block hashes the router remembers (LRU)."))
-    stats_period_s: float = Field(default=1.0, gt=0.0, description=(
-        "How often replicas report their engine load to routers, in seconds."))
+    imbalance_threshold: int = Field(
+        default=4,
+        ge=1,
+        description=(
+            "prefix_aware: a replica with this many more requests in flight than the least "
+            "loaded one counts as overloaded, and its prefix match is ignored."
+        ),
+    )
+    min_match_fraction: float = Field(
+        default=0.5,
+        gt=0.0,
+        le=1.0,
+        description=(
+            "prefix_aware: the smallest fraction of the prompt's full blocks a match must cover "
+            "to win over load (a shared chat header alone must not pin every request)."
+        ),
+    )
+    max_table_entries: int = Field(
+        default=200_000, ge=16, description=("prefix_aware: most block hashes the router remembers (LRU).")
+    )
+    stats_period_s: float = Field(
+        default=1.0, gt=0.0, description=("How often replicas report their engine load to routers, in seconds.")
+    )
 
 
 class ClusterReuseOptions(BaseModel):
@@ -116,16 +149,24 @@ class ClusterReuseOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    enabled: bool = Field(default=False, description=(
-        "Let a replica load a long prefix its busy peer caches instead of recomputing it."))
-    kv_connector: str = Field(default="ray_object_store", description=(
-        "The connector every replica runs as kv_both: ray_object_store, shared_storage, p2p, "
-        "or a kv_transfer registered name / 'module:Class'."))
-    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict, description=(
-        "The connector's options."))
-    min_tokens: int = Field(default=256, ge=1, description=(
-        "Export from the holder only when the chosen replica would compute this many more "
-        "prompt tokens itself."))
+    enabled: bool = Field(
+        default=False, description=("Let a replica load a long prefix its busy peer caches instead of recomputing it.")
+    )
+    kv_connector: str = Field(
+        default="ray_object_store",
+        description=(
+            "The connector every replica runs as kv_both: ray_object_store, shared_storage, p2p, "
+            "or a kv_transfer registered name / 'module:Class'."
+        ),
+    )
+    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict, description=("The connector's options."))
+    min_tokens: int = Field(
+        default=256,
+        ge=1,
+        description=(
+            "Export from the holder only when the chosen replica would compute this many more prompt tokens itself."
+        ),
+    )
     kv_lease_s: float = Field(default=30.0, gt=0, description="How long the holder keeps an export.")
     kv_load_timeout_s: float = Field(default=10.0, gt=0, description="The loading side's deadline.")
 
@@ -138,16 +179,22 @@ class ClusterReuseOptions(BaseModel):
     @model_validator(mode="after")
     def _connector_options(self) -> "ClusterReuseOptions":
         if self.enabled:
-            check_connector_options(self.kv_connector, self.kv_connector_extra_config,
-                                    "cluster_reuse.kv_connector_extra_config; "
-                                    "flag --cluster-reuse-kv-connector-extra-config")
+            check_connector_options(
+                self.kv_connector,
+                self.kv_connector_extra_config,
+                "cluster_reuse.kv_connector_extra_config; flag --cluster-reuse-kv-connector-extra-config",
+            )
         return self
 
     def kv_transfer_config(self) -> dict[str, Any]:
-        return {"kv_connector": check_connector_name(self.kv_connector),
-                "kv_role": "kv_both", "kv_connector_extra_config": dict(self.kv_connector_extra_config),
-                "kv_load_failure_policy": "fail", "kv_lease_s": self.kv_lease_s,
-                "kv_load_timeout_s": self.kv_load_timeout_s}
+        return {
+            "kv_connector": check_connector_name(self.kv_connector),
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": dict(self.kv_connector_extra_config),
+            "kv_load_failure_policy": "fail",
+            "kv_lease_s": self.kv_lease_s,
+            "kv_load_timeout_s": self.kv_load_timeout_s,
+        }
 
 
 class ReliabilityOptions(BaseModel):
@@ -155,110 +202,194 @@ class ReliabilityOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    body_timeout_s: float = Field(default=30.0, gt=0.0, description=(
-        "A request body not fully arrived after this many seconds gets 408 (a client that "
-        "announced more bytes than it sends would otherwise hold its connection)."))
-    graceful_shutdown_timeout_s: float = Field(default=60.0, ge=0.0, description=(
-        "Drain: a replica asked to stop (SIGTERM, redeploy, scale-down) finishes its "
-        "in-flight requests for up to this many seconds (Serve's setting, both deployments; "
-        "Kubernetes' terminationGracePeriodSeconds must exceed it)."))
-    graceful_shutdown_wait_loop_s: float = Field(default=1.0, gt=0.0, description=(
-        "How often a draining replica checks whether its requests are done."))
-    health_check_period_s: float = Field(default=5.0, gt=0.0, description=(
-        "Serve's health check of each engine replica and of the ingress (a failing one is "
-        "replaced)."))
-    health_check_timeout_s: float = Field(default=20.0, gt=0.0, description=(
-        "A health check slower than this counts as failed."))
-    engine_stall_timeout_s: float = Field(default=30.0, gt=0.0, description=(
-        "An engine that holds work but made no step for this long, or whose core answers "
-        "no ping within it, is wedged: unhealthy."))
-    max_migrations: int = Field(default=2, ge=0, description=(
-        "A stream whose replica fails continues on another one at most this many times "
-        "(router/routing/migration.py); 0 turns migration off."))
-    max_queued_requests: int = Field(default=512, ge=-1, description=(
-        "Requests waiting in Serve's queue for a replica slot beyond which new ones get 429 "
-        "(Serve's max_queued_requests; -1: unbounded)."))
-    max_queued_kv_ratio: float = Field(default=4.0, gt=0.0, description=(
-        "A replica refuses (429) a request when its queued tokens exceed this many times "
-        "its KV cache's capacity in tokens (router/routing/admission.py)."))
+    body_timeout_s: float = Field(
+        default=30.0,
+        gt=0.0,
+        description=(
+            "A request body not fully arrived after this many seconds gets 408 (a client that "
+            "announced more bytes than it sends would otherwise hold its connection)."
+        ),
+    )
+    graceful_shutdown_timeout_s: float = Field(
+        default=60.0,
+        ge=0.0,
+        description=(
+            "Drain: a replica asked to stop (SIGTERM, redeploy, scale-down) finishes its "
+            "in-flight requests for up to this many seconds (Serve's setting, both deployments; "
+            "Kubernetes' terminationGracePeriodSeconds must exceed it)."
+        ),
+    )
+    graceful_shutdown_wait_loop_s: float = Field(
+        default=1.0, gt=0.0, description=("How often a draining replica checks whether its requests are done.")
+    )
+    health_check_period_s: float = Field(
+        default=5.0,
+        gt=0.0,
+        description=("Serve's health check of each engine replica and of the ingress (a failing one is replaced)."),
+    )
+    health_check_timeout_s: float = Field(
+        default=20.0, gt=0.0, description=("A health check slower than this counts as failed.")
+    )
+    engine_stall_timeout_s: float = Field(
+        default=30.0,
+        gt=0.0,
+        description=(
+            "An engine that holds work but made no step for this long, or whose core answers "
+            "no ping within it, is wedged: unhealthy."
+        ),
+    )
+    max_migrations: int = Field(
+        default=2,
+        ge=0,
+        description=(
+            "A stream whose replica fails continues on another one at most this many times "
+            "(router/routing/migration.py); 0 turns migration off."
+        ),
+    )
+    max_queued_requests: int = Field(
+        default=512,
+        ge=-1,
+        description=(
+            "Requests waiting in Serve's queue for a replica slot beyond which new ones get 429 "
+            "(Serve's max_queued_requests; -1: unbounded)."
+        ),
+    )
+    max_queued_kv_ratio: float = Field(
+        default=4.0,
+        gt=0.0,
+        description=(
+            "A replica refuses (429) a request when its queued tokens exceed this many times "
+            "its KV cache's capacity in tokens (router/routing/admission.py)."
+        ),
+    )
 
 
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
-    name: str = Field(default="fleetserve", min_length=1, description=(
-        "Ray Serve application name (gRPC clients send it as metadata `application`)."))
+    name: str = Field(
+        default="fleetserve",
+        min_length=1,
+        description=("Ray Serve application name (gRPC clients send it as metadata `application`)."),
+    )
     # (model_validate({}) is EngineArgs(): EngineArgs gives its defaults positionally,
     # `Field(x, ...)`, which type checkers do not count as defaults.)
     engine: EngineArgs = EngineArgs.model_validate({})
     num_replicas: int = Field(default=2, ge=1, description="Engine replicas behind the router.")
-    routing_policy: RoutingPolicyName = Field(default="power_of_two", description=(
-        "How the router picks a replica: two random ones and the less loaded "
-        "(power_of_two), the least loaded, or the one holding the prompt's prefix "
-        "(prefix_aware)."))
+    routing_policy: RoutingPolicyName = Field(
+        default="power_of_two",
+        description=(
+            "How the router picks a replica: two random ones and the less loaded "
+            "(power_of_two), the least loaded, or the one holding the prompt's prefix "
+            "(prefix_aware)."
+        ),
+    )
     routing: RoutingOptions = RoutingOptions()
     http: HTTPOptions = HTTPOptions()
     grpc: GRPCOptions = GRPCOptions()
-    api_key: Optional[str] = Field(default=None, description=(
-        "Require `Authorization: Bearer <key>` on HTTP (gRPC: metadata `authorization`)."))
-    api_key_env: Optional[str] = Field(default=None, min_length=1, description=(
-        "Or: the name of an environment variable holding the API key, read where the app is "
-        "built (on Kubernetes a Secret exposed as env keeps the key out of the RayService)."))
-    api_key_file: Optional[str] = Field(default=None, description=(
-        "Or: a file holding the API key (else $FLEETSERVE_API_KEY); keeps it out of `ps`."))
-    api_key_open_paths: tuple[str, ...] = Field(default=("/health", "/ping", "/metrics"), description=(
-        "HTTP paths that need no API key (a JSON list); [\"/health\"] protects /metrics too."))
+    api_key: Optional[str] = Field(
+        default=None, description=("Require `Authorization: Bearer <key>` on HTTP (gRPC: metadata `authorization`).")
+    )
+    api_key_env: Optional[str] = Field(
+        default=None,
+        min_length=1,
+        description=(
+            "Or: the name of an environment variable holding the API key, read where the app is "
+            "built (on Kubernetes a Secret exposed as env keeps the key out of the RayService)."
+        ),
+    )
+    api_key_file: Optional[str] = Field(
+        default=None, description=("Or: a file holding the API key (else $FLEETSERVE_API_KEY); keeps it out of `ps`.")
+    )
+    api_key_open_paths: tuple[str, ...] = Field(
+        default=("/health", "/ping", "/metrics"),
+        description=('HTTP paths that need no API key (a JSON list); ["/health"] protects /metrics too.'),
+    )
     reliability: ReliabilityOptions = ReliabilityOptions()
-    address: Optional[str] = Field(default=None, description=(
-        "Ray cluster to join: 'auto' or host:port (unset: start an embedded local Ray "
-        "sized for the topology)."))
-    num_cpus_per_replica: Optional[float] = Field(default=None, ge=0.0, description=(
-        "CPUs Ray reserves for each engine replica (its torch threads); 0 lets Ray pack "
-        "replicas (1 thread each). Tensor-parallel ranks take 1 CPU each on top. Unset: "
-        "`fleetserve serve` with its embedded local Ray splits this machine's cores between "
-        "the engine replicas (one replica uses them all, as `vllm serve` does); 1 otherwise."))
+    address: Optional[str] = Field(
+        default=None,
+        description=(
+            "Ray cluster to join: 'auto' or host:port (unset: start an embedded local Ray sized for the topology)."
+        ),
+    )
+    num_cpus_per_replica: Optional[float] = Field(
+        default=None,
+        ge=0.0,
+        description=(
+            "CPUs Ray reserves for each engine replica (its torch threads); 0 lets Ray pack "
+            "replicas (1 thread each). Tensor-parallel ranks take 1 CPU each on top. Unset: "
+            "`fleetserve serve` with its embedded local Ray splits this machine's cores between "
+            "the engine replicas (one replica uses them all, as `vllm serve` does); 1 otherwise."
+        ),
+    )
     allow_runtime_lora_updating: bool = Field(
         default_factory=lambda: os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
         description=(
             "Serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which load a PEFT "
             "folder from the replicas' disks on every engine replica (needs --enable-lora; "
-            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True sets it too). Off: those paths are a 404."))
-    reasoning_parser: Optional[Literal["deepseek_r1", "qwen3"]] = Field(default=None, description=(
-        "Chat: put a thinking model's <think>...</think> text in the message's reasoning_content "
-        "(and reasoning), the rest in content (vLLM's flag). deepseek_r1: the output starts "
-        "inside the block (the template opened it); qwen3: it thinks when it opens with <think>."))
-    enable_log_requests: bool = Field(default=False, description=(
-        "Log one INFO line per request at the ingress: client, method, path, status, time."))
-    engine_cls: str = Field(default="fleetserve.replica.engine.async_engine:AsyncEngine", description=(
-        "The engine class each replica builds, 'module:Class' (tests may swap it)."))
-    placement: ReplicaPlacement = Field(default=ReplicaPlacement(), description=(
-        "Ray actor options of each engine replica: GPUs, custom resources, a node label "
-        "selector (cluster/placement.py)."))
-    autoscaling: Optional[AutoscalingOptions] = Field(default=None, description=(
-        "Ray Serve autoscaling of the engine replicas; replaces num_replicas when set."))
-    pd: PDOptions = Field(default=PDOptions(), description=(
-        "Prefill/decode disaggregation: a prefill pool and a decode pool of engine replicas "
-        "and the KV connector between them (router/routing/pd.py)."))
-    cluster_reuse: ClusterReuseOptions = Field(default=ClusterReuseOptions(), description=(
-        "Cluster-wide prefix reuse between colocated replicas (router/routing/prefix_reuse.py)."))
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True sets it too). Off: those paths are a 404."
+        ),
+    )
+    reasoning_parser: Optional[Literal["deepseek_r1", "qwen3"]] = Field(
+        default=None,
+        description=(
+            "Chat: put a thinking model's <think>...</think> text in the message's reasoning_content "
+            "(and reasoning), the rest in content (vLLM's flag). deepseek_r1: the output starts "
+            "inside the block (the template opened it); qwen3: it thinks when it opens with <think>."
+        ),
+    )
+    enable_log_requests: bool = Field(
+        default=False, description=("Log one INFO line per request at the ingress: client, method, path, status, time.")
+    )
+    engine_cls: str = Field(
+        default="fleetserve.replica.engine.async_engine:AsyncEngine",
+        description=("The engine class each replica builds, 'module:Class' (tests may swap it)."),
+    )
+    placement: ReplicaPlacement = Field(
+        default=ReplicaPlacement(),
+        description=(
+            "Ray actor options of each engine replica: GPUs, custom resources, a node label "
+            "selector (cluster/placement.py)."
+        ),
+    )
+    autoscaling: Optional[AutoscalingOptions] = Field(
+        default=None, description=("Ray Serve autoscaling of the engine replicas; replaces num_replicas when set.")
+    )
+    pd: PDOptions = Field(
+        default=PDOptions(),
+        description=(
+            "Prefill/decode disaggregation: a prefill pool and a decode pool of engine replicas "
+            "and the KV connector between them (router/routing/pd.py)."
+        ),
+    )
+    cluster_reuse: ClusterReuseOptions = Field(
+        default=ClusterReuseOptions(),
+        description=("Cluster-wide prefix reuse between colocated replicas (router/routing/prefix_reuse.py)."),
+    )
 
     @model_validator(mode="after")
     def _check_reuse(self) -> "AppConfig":
         if self.cluster_reuse.enabled:
             if self.pd.enabled:
-                raise ValueError("cluster_reuse is for colocated apps; with pd the prefill pool "
-                                 "computes what the decode replica lacks")
+                raise ValueError(
+                    "cluster_reuse is for colocated apps; with pd the prefill pool "
+                    "computes what the decode replica lacks"
+                )
             if self.routing_policy != "prefix_aware":
-                raise ValueError("cluster_reuse needs routing_policy prefix_aware (the KV index "
-                                 "says which replica holds a prefix)")
+                raise ValueError(
+                    "cluster_reuse needs routing_policy prefix_aware (the KV index says which replica holds a prefix)"
+                )
         if self.allow_runtime_lora_updating and not self.engine.enable_lora:
             raise ValueError("allow_runtime_lora_updating needs enable_lora (--enable-lora)")
         if self.pd.enabled:  # a request's adapter runs on both sides of the hand-off
-            held = {pool: tuple(m.name for m in self.pool_engine(pool).lora_modules or ())
-                    for pool in ("prefill", "decode")}
+            held = {
+                pool: tuple(m.name for m in self.pool_engine(pool).lora_modules or ()) for pool in ("prefill", "decode")
+            }
             if held["prefill"] != held["decode"]:
-                raise ValueError(f"pd: the prefill pool's LoRA adapters {list(held['prefill'])} differ "
-                                 f"from the decode pool's {list(held['decode'])}; give both the same lora_modules")
+                raise ValueError(
+                    f"pd: the prefill pool's LoRA adapters {list(held['prefill'])} differ "
+                    f"from the decode pool's {list(held['decode'])}; give both the same lora_modules"
+                )
         return self
 
     @property
@@ -276,17 +407,22 @@ class AppConfig(BaseModel):
 
     def reuse_engine(self) -> EngineArgs:
         """The app's engine with the kv_both connector cluster reuse needs."""
-        return self.engine.model_copy(update={"kv_transfer_config": KVTransferConfig.model_validate(
-            self.cluster_reuse.kv_transfer_config())})
+        return self.engine.model_copy(
+            update={"kv_transfer_config": KVTransferConfig.model_validate(self.cluster_reuse.kv_transfer_config())}
+        )
 
     def pool_engine(self, pool: str) -> EngineArgs:
         """The EngineArgs of a P/D pool ("prefill" or "decode"): the app's engine, the pool's
         fields over it, and the KV transfer config of the pool's role."""
         pool_cfg: PDPool = getattr(self.pd, pool)
         role = "kv_producer" if pool == "prefill" else "kv_consumer"
-        return EngineArgs.model_validate({**self.engine.model_dump(exclude_unset=True),
-                                          **pool_cfg.engine,
-                                          "kv_transfer_config": self.pd.kv_transfer_config(role)})
+        return EngineArgs.model_validate(
+            {
+                **self.engine.model_dump(exclude_unset=True),
+                **pool_cfg.engine,
+                "kv_transfer_config": self.pd.kv_transfer_config(role),
+            }
+        )
 
     @property
     def served_model_name(self) -> str:
@@ -316,9 +452,10 @@ class AppConfig(BaseModel):
         """CPUs the engine replicas reserve in all (both pools with P/D)."""
         if not self.pd.enabled:
             return self.num_replicas * self.cpus_per_replica
-        return sum(p.num_replicas * (self.cpus_per_replica if p.num_cpus_per_replica is None
-                                     else p.num_cpus_per_replica)
-                   for p in (self.pd.prefill, self.pd.decode))
+        return sum(
+            p.num_replicas * (self.cpus_per_replica if p.num_cpus_per_replica is None else p.num_cpus_per_replica)
+            for p in (self.pd.prefill, self.pd.decode)
+        )
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> "AppConfig":

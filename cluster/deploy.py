@@ -115,8 +115,9 @@ def serve_env() -> dict[str, str]:
     FLEETSERVE_* setting exported here (e.g. FLEETSERVE_ENGINE_CORE_PROCESS=0), so the
     replicas of a joined cluster see what this process sees."""
     env = {k: os.environ.get(k, v) for k, v in SERVE_ENV_DEFAULTS.items()}
-    env.update({k: v for k, v in os.environ.items()
-                if k.startswith("FLEETSERVE_") and k != API_KEY_ENV})  # secrets stay out
+    env.update(
+        {k: v for k, v in os.environ.items() if k.startswith("FLEETSERVE_") and k != API_KEY_ENV}
+    )  # secrets stay out
     return env
 
 
@@ -204,10 +205,12 @@ def start_serve(config: AppConfig) -> None:
     # (a Ray that was already running keeps Serve's proxy on them).
     if _direct_ports == (config.http.port, config.grpc.port):
         http_port, grpc_port = _free_port(config.http.host), _free_port("127.0.0.1")
-    grpc = gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER]) \
-        if config.grpc.enabled else None
-    serve.start(http_options=HTTPOptions(host=config.http.host, port=http_port),
-                grpc_options=grpc, logging_config=_NO_ACCESS_LOG)
+    grpc = gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER]) if config.grpc.enabled else None
+    serve.start(
+        http_options=HTTPOptions(host=config.http.host, port=http_port),
+        grpc_options=grpc,
+        logging_config=_NO_ACCESS_LOG,
+    )
 
 
 def _free_port(host: str) -> int:
@@ -225,84 +228,129 @@ def build_app(config: AppConfig):
     others = tuple(n for n in engine.served_model_names if n != config.served_model_name)
     aliases = tuple({engine.model} - {config.served_model_name, *others})
     ingress = serve.deployment(
-        name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=100_000,
+        name=INGRESS_DEPLOYMENT,
+        num_replicas=1,
+        max_ongoing_requests=100_000,
         ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": serve_env()}},
-        logging_config=_NO_ACCESS_LOG, **_lifecycle_options(config, health=False))(IngressDeployment)
+        logging_config=_NO_ACCESS_LOG,
+        **_lifecycle_options(config, health=False),
+    )(IngressDeployment)
     settings = ingress_settings(config, others, aliases)
     if not config.pd.enabled:
         reuse = config.cluster_reuse
-        replicas = _engine_deployment(config, ENGINE_DEPLOYMENT,
-                                      config.reuse_engine() if reuse.enabled else engine,
-                                      config.num_replicas, config.cpus_per_replica,
-                                      config.routing_policy)
+        replicas = _engine_deployment(
+            config,
+            ENGINE_DEPLOYMENT,
+            config.reuse_engine() if reuse.enabled else engine,
+            config.num_replicas,
+            config.cpus_per_replica,
+            config.routing_policy,
+        )
         if reuse.enabled:
             settings = dataclasses.replace(settings, reuse=ReuseSettings(min_tokens=reuse.min_tokens))
         return ingress.bind(replicas, settings)
     pd = config.pd
-    decode = _engine_deployment(config, DECODE_DEPLOYMENT, config.pool_engine("decode"),
-                                pd.decode.num_replicas, _pool_cpus(config, pd.decode),
-                                config.routing_policy, pd.decode.placement)
+    decode = _engine_deployment(
+        config,
+        DECODE_DEPLOYMENT,
+        config.pool_engine("decode"),
+        pd.decode.num_replicas,
+        _pool_cpus(config, pd.decode),
+        config.routing_policy,
+        pd.decode.placement,
+    )
     # Prefill replicas are chosen by what they cache too (a shared system prompt is prefilled
     # once per prefill replica), guarded by load like any prefix routing.
-    prefill = _engine_deployment(config, PREFILL_DEPLOYMENT, config.pool_engine("prefill"),
-                                 pd.prefill.num_replicas, _pool_cpus(config, pd.prefill),
-                                 "prefix_aware", pd.prefill.placement)
-    settings = dataclasses.replace(settings, pd=PDSettings(
-        min_prefill_tokens=pd.min_prefill_tokens, max_attempts=pd.max_attempts,
-        prefill_timeout_s=pd.prefill_timeout_s))
+    prefill = _engine_deployment(
+        config,
+        PREFILL_DEPLOYMENT,
+        config.pool_engine("prefill"),
+        pd.prefill.num_replicas,
+        _pool_cpus(config, pd.prefill),
+        "prefix_aware",
+        pd.prefill.placement,
+    )
+    settings = dataclasses.replace(
+        settings,
+        pd=PDSettings(
+            min_prefill_tokens=pd.min_prefill_tokens,
+            max_attempts=pd.max_attempts,
+            prefill_timeout_s=pd.prefill_timeout_s,
+        ),
+    )
     return ingress.bind(decode, settings, prefill=prefill)
 
 
 def ingress_settings(config: AppConfig, listed: tuple[str, ...], aliases: tuple[str, ...]) -> IngressSettings:
     """The ingress's settings from the app config (without P/D or reuse: build_app adds them)."""
     r = config.reliability
-    lora = LoRASettings(adapters=config.lora_adapters, parents=config.lora_parents,
-                        allow_runtime_updating=config.allow_runtime_lora_updating,
-                        # the app as configured: an ingress that Serve restarts after a crash (same
-                        # config) takes back the adapters loaded at run time (router/runtime_loras.py)
-                        app_name=config.name, instance_id=hashlib.sha256(
-                            json.dumps(app_args(config), sort_keys=True).encode()).hexdigest()[:16])
+    lora = LoRASettings(
+        adapters=config.lora_adapters,
+        parents=config.lora_parents,
+        allow_runtime_updating=config.allow_runtime_lora_updating,
+        # the app as configured: an ingress that Serve restarts after a crash (same
+        # config) takes back the adapters loaded at run time (router/runtime_loras.py)
+        app_name=config.name,
+        instance_id=hashlib.sha256(json.dumps(app_args(config), sort_keys=True).encode()).hexdigest()[:16],
+    )
     return IngressSettings(
-        served_model_name=config.served_model_name, model_aliases=aliases, listed_names=listed,
-        api_key=resolve_api_key(config), open_paths=tuple(config.api_key_open_paths),
-        bind_host=config.http.host, cors=CorsSettings(**config.http.cors()),
-        max_body_bytes=config.http.max_body_bytes, body_timeout_s=r.body_timeout_s,
-        max_migrations=r.max_migrations, graceful_shutdown_timeout_s=r.graceful_shutdown_timeout_s,
+        served_model_name=config.served_model_name,
+        model_aliases=aliases,
+        listed_names=listed,
+        api_key=resolve_api_key(config),
+        open_paths=tuple(config.api_key_open_paths),
+        bind_host=config.http.host,
+        cors=CorsSettings(**config.http.cors()),
+        max_body_bytes=config.http.max_body_bytes,
+        body_timeout_s=r.body_timeout_s,
+        max_migrations=r.max_migrations,
+        graceful_shutdown_timeout_s=r.graceful_shutdown_timeout_s,
         log_requests=config.enable_log_requests,
         return_tokens_as_token_ids=config.http.return_tokens_as_token_ids,
-        reasoning_parser=config.reasoning_parser, lora=lora)
+        reasoning_parser=config.reasoning_parser,
+        lora=lora,
+    )
 
 
 def _pool_cpus(config: AppConfig, pool) -> float:
-    return config.cpus_per_replica if pool.num_cpus_per_replica is None \
-        else pool.num_cpus_per_replica
+    return config.cpus_per_replica if pool.num_cpus_per_replica is None else pool.num_cpus_per_replica
 
 
-def _engine_deployment(config: AppConfig, name: str, engine, num_replicas: int, num_cpus: float,
-                       policy: str, placement=None):
+def _engine_deployment(
+    config: AppConfig, name: str, engine, num_replicas: int, num_cpus: float, policy: str, placement=None
+):
     """One pool of engine replicas (a Serve deployment) behind FleetRequestRouter."""
     placement = placement or config.placement
     # Prefix policies hash prompts with the engines' block size and hash function, which
     # the ingress takes from the engines' info (router/engine_pools.py: _set_pool_hashing).
-    policy_kwargs = {"deployment": name, "policy": policy,
-                     "imbalance_threshold": config.routing.imbalance_threshold,
-                     "min_match_fraction": config.routing.min_match_fraction,
-                     "max_table_entries": config.routing.max_table_entries}
+    policy_kwargs = {
+        "deployment": name,
+        "policy": policy,
+        "imbalance_threshold": config.routing.imbalance_threshold,
+        "min_match_fraction": config.routing.min_match_fraction,
+        "max_table_entries": config.routing.max_table_entries,
+    }
     # (The ignores: Ray annotates RequestRouterConfig(**kwargs: dict[str, Any]), every value a dict.)
     router_config = RequestRouterConfig(
         request_router_class=FleetRequestRouter,  # type: ignore[arg-type]
         request_router_kwargs=policy_kwargs,
-        request_routing_stats_period_s=config.routing.stats_period_s)  # type: ignore[arg-type]
+        request_routing_stats_period_s=config.routing.stats_period_s,
+    )  # type: ignore[arg-type]
     # Autoscaling applies to the colocated engine deployment; P/D pools have fixed sizes.
-    scale = ({"autoscaling_config": config.autoscaling.serve_config()}
-             if config.autoscaling and name == ENGINE_DEPLOYMENT else {"num_replicas": num_replicas})
+    scale = (
+        {"autoscaling_config": config.autoscaling.serve_config()}
+        if config.autoscaling and name == ENGINE_DEPLOYMENT
+        else {"num_replicas": num_replicas}
+    )
     replica = serve.deployment(
-        name=name, **scale,
+        name=name,
+        **scale,
         max_ongoing_requests=engine.max_num_seqs + engine.max_waiting_requests + 8,
-        ray_actor_options={"num_cpus": num_cpus, "runtime_env": {"env_vars": serve_env()},
-                           **placement.actor_options()},
-        request_router_config=router_config, logging_config=_NO_ACCESS_LOG,
-        **_lifecycle_options(config, health=True))(EngineReplica)
+        ray_actor_options={"num_cpus": num_cpus, "runtime_env": {"env_vars": serve_env()}, **placement.actor_options()},
+        request_router_config=router_config,
+        logging_config=_NO_ACCESS_LOG,
+        **_lifecycle_options(config, health=True),
+    )(EngineReplica)
     engine_args = engine.model_dump()
     if engine_args["num_threads"] is None:
         # Each replica gets the CPUs Ray reserves for it, not every core of the
@@ -321,12 +369,13 @@ def _lifecycle_options(config: AppConfig, health: bool) -> dict:
     deployments: the ingress holds the client streams, the engines produce them); `health`:
     an engine deployment, which also gets the bounded queue."""
     r = config.reliability
-    options = {"graceful_shutdown_timeout_s": r.graceful_shutdown_timeout_s,
-               "graceful_shutdown_wait_loop_s": r.graceful_shutdown_wait_loop_s}
+    options = {
+        "graceful_shutdown_timeout_s": r.graceful_shutdown_timeout_s,
+        "graceful_shutdown_wait_loop_s": r.graceful_shutdown_wait_loop_s,
+    }
     # Both deployments: an ingress whose loop is wedged is replaced as an engine is (its
     # replacement waits for the ports: router/serve_patches.py).
-    options.update(health_check_period_s=r.health_check_period_s,
-                   health_check_timeout_s=r.health_check_timeout_s)
+    options.update(health_check_period_s=r.health_check_period_s, health_check_timeout_s=r.health_check_timeout_s)
     if health:  # the engine deployments
         options.update(max_queued_requests=r.max_queued_requests)
     return options
@@ -334,8 +383,7 @@ def _lifecycle_options(config: AppConfig, health: bool) -> dict:
 
 def deploy(config: AppConfig, blocking: bool = False):
     """Deploy (or update) the application; returns the ingress handle."""
-    return serve.run(build_app(config), name=config.name, route_prefix="/",
-                     blocking=blocking)
+    return serve.run(build_app(config), name=config.name, route_prefix="/", blocking=blocking)
 
 
 def delete_and_drain(config: AppConfig) -> None:
@@ -359,18 +407,18 @@ def delete_and_drain(config: AppConfig) -> None:
             logger.info("waiting for %d replica(s) to finish their requests", len(left))
             said = time.monotonic()
         time.sleep(0.5)
-    logger.warning("replicas of %r still running after the graceful shutdown timeout",
-                   config.name)
+    logger.warning("replicas of %r still running after the graceful shutdown timeout", config.name)
 
 
 def endpoints(config: AppConfig) -> list[str]:
-    lines = [f"HTTP (OpenAI):  http://{config.http.host}:{config.http.port}/v1  "
-             f"(model {config.served_model_name!r}; /health, /metrics, /tokenize)"]
+    lines = [
+        f"HTTP (OpenAI):  http://{config.http.host}:{config.http.port}/v1  "
+        f"(model {config.served_model_name!r}; /health, /metrics, /tokenize)"
+    ]
     if config.grpc.enabled:
         if _direct_ports == (config.http.port, config.grpc.port):
             where = f"{config.http.host}:{config.grpc.port}"  # the ingress binds --host (serve_patches)
         else:  # Ray Serve 2.60's proxy binds gRPC to [::] whatever --host says
             where = f"[::]:{config.grpc.port} (every interface: Ray Serve's proxy)"
-        lines.append(f"gRPC:           {where}  (service fleetserve.v1.FleetServe, "
-                     f"metadata application={config.name})")
+        lines.append(f"gRPC:           {where}  (service fleetserve.v1.FleetServe, metadata application={config.name})")
     return lines

@@ -18,8 +18,11 @@ from fleetserve.cluster.cli_engine import add_engine_flags, engine_kwargs
 
 
 def add_generate_parser(sub) -> None:
-    p = sub.add_parser("generate", help="generate text offline from a prompt (no server)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser(
+        "generate",
+        help="generate text offline from a prompt (no server)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("prompt", nargs="+", help="one or more prompts")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -40,9 +43,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from fleetserve.scheduler import SamplingParams
 
     try:
-        sp = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            min_p=args.min_p, max_tokens=args.max_tokens,
-                            stop=args.stop, ignore_eos=args.ignore_eos)
+        sp = SamplingParams(
+            n=args.n,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            max_tokens=args.max_tokens,
+            stop=args.stop,
+            ignore_eos=args.ignore_eos,
+        )
     except ValueError as e:
         print(f"fleetserve generate: {e}", file=sys.stderr)
         return 2
@@ -56,8 +66,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             check_model_files(resolve_model(kwargs["model"]))  # before the tokenizer reads it
         llm = LLM(**kwargs)
         if args.chat:
-            outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], sp,
-                            use_tqdm=not args.quiet)
+            outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], sp, use_tqdm=not args.quiet)
         else:
             outs = llm.generate(args.prompt, sp, use_tqdm=not args.quiet)
     except (ValidationError, ModelNotFoundError, ValueError) as e:

@@ -91,9 +91,11 @@ def run_server(config: AppConfig) -> int:
         signal.signal(signal.SIGHUP, on_signal)  # the terminal closed: stop as for Ctrl-C
 
     install()
-    log.info("starting Ray (%s)", config.address or (
-        f"embedded, local; {config.max_engine_replicas} engine replica(s) x "
-        f"{config.cpus_per_replica:g} CPU"))
+    log.info(
+        "starting Ray (%s)",
+        config.address
+        or (f"embedded, local; {config.max_engine_replicas} engine replica(s) x {config.cpus_per_replica:g} CPU"),
+    )
     watch = _ConnectWatch(connecting)
     try:
         connect_ray(config)
@@ -160,8 +162,7 @@ class _ConnectWatch:
         while self._connecting[0] and time.monotonic() < deadline:
             time.sleep(0.1)
         if self._connecting[0]:
-            log.warning("Ray is still starting %.0f s after the stop: exiting now",
-                        _CONNECT_STOP_WAIT_S)
+            log.warning("Ray is still starting %.0f s after the stop: exiting now", _CONNECT_STOP_WAIT_S)
             logging.shutdown()
             os._exit(0)
 
@@ -193,7 +194,7 @@ def deploy_failure_details(app_name: str) -> list[str]:
     except Exception:  # noqa: BLE001 - Serve is gone: nothing more to say
         return []
     out = []
-    for name, dep in (app.deployments.items() if app is not None else ()):
+    for name, dep in app.deployments.items() if app is not None else ():
         status = str(getattr(dep.status, "value", dep.status))
         lines = [line.strip() for line in (dep.message or "").splitlines() if line.strip()]
         if status in ("DEPLOY_FAILED", "UNHEALTHY") and lines:
@@ -209,8 +210,7 @@ def _report_failure(error: BaseException) -> None:
     elif isinstance(error, DeployFailed):  # the replicas' own tracebacks are in the log above
         log.error("fleetserve serve: the app failed to start: %s\n  %s", error, "\n  ".join(error.details))
     else:
-        log.error("fleetserve serve: start-up failed: %s: %s", type(error).__name__, error,
-                  exc_info=error)
+        log.error("fleetserve serve: start-up failed: %s: %s", type(error).__name__, error, exc_info=error)
 
 
 def _teardown(config: AppConfig, delete_app: bool) -> None:
@@ -240,8 +240,12 @@ def _ray_head_watch():
         host, port = node.gcs_address.rsplit(":", 1)
     except Exception:  # noqa: BLE001 - Ray's internals moved: no watch, the plain wait
         return None
-    head = [info.process for kind in ("gcs_server", "raylet") for info in procs.get(kind, [])
-            if getattr(info, "process", None) is not None]
+    head = [
+        info.process
+        for kind in ("gcs_server", "raylet")
+        for info in procs.get(kind, [])
+        if getattr(info, "process", None) is not None
+    ]
     if not head:
         return None
 
@@ -289,8 +293,11 @@ def _delete_app(config: AppConfig) -> None:
             continue
         looked = time.monotonic()
         if head_gone():
-            log.warning("Ray's GCS or raylet stopped during the shutdown (the stop signal reached "
-                        "them too, e.g. a cgroup-wide stop): not waiting to drain %r", config.name)
+            log.warning(
+                "Ray's GCS or raylet stopped during the shutdown (the stop signal reached "
+                "them too, e.g. a cgroup-wide stop): not waiting to drain %r",
+                config.name,
+            )
             return
     try:
         if outcome and outcome[0] is not None:
@@ -298,5 +305,9 @@ def _delete_app(config: AppConfig) -> None:
     except Exception as e:  # noqa: BLE001 - Serve never started, or Ray is going away
         # Said out loud: Ray shuts down next, so streams still running are cut (a drain that
         # failed here is the one way a SIGTERM can end them early).
-        log.warning("could not delete %r and wait for its replicas to drain (%s: %s); stopping Ray",
-                    config.name, type(e).__name__, e)
+        log.warning(
+            "could not delete %r and wait for its replicas to drain (%s: %s); stopping Ray",
+            config.name,
+            type(e).__name__,
+            e,
+        )

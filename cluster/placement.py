@@ -71,8 +71,7 @@ class AutoscalingOptions(BaseModel):
     @model_validator(mode="after")
     def _bounds(self) -> "AutoscalingOptions":
         if self.min_replicas > self.max_replicas:
-            raise ValueError(f"min_replicas ({self.min_replicas}) must be <= "
-                             f"max_replicas ({self.max_replicas})")
+            raise ValueError(f"min_replicas ({self.min_replicas}) must be <= max_replicas ({self.max_replicas})")
         return self
 
     def serve_config(self) -> dict:
@@ -86,12 +85,19 @@ class PDPool(BaseModel):
 
     num_replicas: int = Field(default=1, ge=1, description="Engine replicas in this pool.")
     placement: ReplicaPlacement = ReplicaPlacement()
-    engine: dict[str, Any] = Field(default_factory=dict, description=(
-        "EngineArgs fields laid over the app's `engine` for this pool (tensor_parallel_size, "
-        "max_num_seqs, max_num_batched_tokens, ...); model and kv_transfer_config are set once "
-        "for the app."))
-    num_cpus_per_replica: Optional[float] = Field(default=None, ge=0.0, description=(
-        "CPUs reserved per replica of this pool (unset: the app's num_cpus_per_replica)."))
+    engine: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "EngineArgs fields laid over the app's `engine` for this pool (tensor_parallel_size, "
+            "max_num_seqs, max_num_batched_tokens, ...); model and kv_transfer_config are set once "
+            "for the app."
+        ),
+    )
+    num_cpus_per_replica: Optional[float] = Field(
+        default=None,
+        ge=0.0,
+        description=("CPUs reserved per replica of this pool (unset: the app's num_cpus_per_replica)."),
+    )
 
     @field_validator("engine")
     @classmethod
@@ -102,8 +108,7 @@ class PDPool(BaseModel):
         if unknown:
             raise ValueError(f"unknown engine fields {sorted(unknown)}")
         if "kv_transfer_config" in v or "model" in v:
-            raise ValueError("set model and the connector once for the app (engine.model, "
-                             "pd.connector), not per pool")
+            raise ValueError("set model and the connector once for the app (engine.model, pd.connector), not per pool")
         return v
 
 
@@ -113,29 +118,55 @@ class PDOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    enabled: bool = Field(default=False, description=(
-        "Serve with a prefill pool and a decode pool instead of num_replicas colocated replicas."))
-    connector: str = Field(default="ray_object_store", min_length=1, description=(
-        "The KV connector between the pools: ray_object_store, shared_storage, p2p, or a "
-        "kv_transfer registered name / 'module:Class'."))
+    enabled: bool = Field(
+        default=False,
+        description=("Serve with a prefill pool and a decode pool instead of num_replicas colocated replicas."),
+    )
+    connector: str = Field(
+        default="ray_object_store",
+        min_length=1,
+        description=(
+            "The KV connector between the pools: ray_object_store, shared_storage, p2p, or a "
+            "kv_transfer registered name / 'module:Class'."
+        ),
+    )
     prefill: PDPool = Field(default=PDPool(), description="The prefill pool.")
     decode: PDPool = Field(default=PDPool(), description="The decode pool.")
-    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict, description=(
-        "The connector's options (shared_storage: {\"path\": \"/mnt/kv\"})."))
-    kv_load_failure_policy: Literal["recompute", "fail"] = Field(default="fail", description=(
-        "When a decode-side load fails or times out: the decode engine recomputes the prompt, "
-        "or fails the request before its first token and the router sends it again as a "
-        "recompute (within max_attempts). The client gets the right tokens either way."))
-    kv_lease_s: float = Field(default=30.0, gt=0, description=(
-        "How long the prefill side keeps exported KV unless the decode side confirms first."))
-    kv_load_timeout_s: float = Field(default=10.0, gt=0, description=(
-        "The decode side's deadline in WAITING_FOR_REMOTE_KVS, in seconds."))
-    min_prefill_tokens: int = Field(default=64, ge=0, description=(
-        "Skip the prefill pool when the decode replica would compute fewer prompt tokens than "
-        "this itself (its cache covers the rest, or the prompt is short)."))
-    max_attempts: int = Field(default=2, ge=1, description=(
-        "Tries of the prefill call before the decode replica computes the prompt itself; "
-        "and of the decode call after a failed load."))
+    kv_connector_extra_config: dict[str, Any] = Field(
+        default_factory=dict, description=('The connector\'s options (shared_storage: {"path": "/mnt/kv"}).')
+    )
+    kv_load_failure_policy: Literal["recompute", "fail"] = Field(
+        default="fail",
+        description=(
+            "When a decode-side load fails or times out: the decode engine recomputes the prompt, "
+            "or fails the request before its first token and the router sends it again as a "
+            "recompute (within max_attempts). The client gets the right tokens either way."
+        ),
+    )
+    kv_lease_s: float = Field(
+        default=30.0,
+        gt=0,
+        description=("How long the prefill side keeps exported KV unless the decode side confirms first."),
+    )
+    kv_load_timeout_s: float = Field(
+        default=10.0, gt=0, description=("The decode side's deadline in WAITING_FOR_REMOTE_KVS, in seconds.")
+    )
+    min_prefill_tokens: int = Field(
+        default=64,
+        ge=0,
+        description=(
+            "Skip the prefill pool when the decode replica would compute fewer prompt tokens than "
+            "this itself (its cache covers the rest, or the prompt is short)."
+        ),
+    )
+    max_attempts: int = Field(
+        default=2,
+        ge=1,
+        description=(
+            "Tries of the prefill call before the decode replica computes the prompt itself; "
+            "and of the decode call after a failed load."
+        ),
+    )
     prefill_timeout_s: float = Field(default=60.0, gt=0, description="Deadline of one prefill call.")
 
     @field_validator("connector")
@@ -147,8 +178,11 @@ class PDOptions(BaseModel):
     @model_validator(mode="after")
     def _connector_options(self) -> "PDOptions":
         if self.enabled:  # (pd.connector has a default: its options are checked once P/D is on)
-            check_connector_options(self.connector, self.kv_connector_extra_config,
-                                    "pd.kv_connector_extra_config; flag --pd-kv-connector-extra-config")
+            check_connector_options(
+                self.connector,
+                self.kv_connector_extra_config,
+                "pd.kv_connector_extra_config; flag --pd-kv-connector-extra-config",
+            )
         return self
 
     @property
@@ -156,7 +190,11 @@ class PDOptions(BaseModel):
         return check_connector_name(self.connector)
 
     def kv_transfer_config(self, role: str) -> dict[str, Any]:
-        return {"kv_connector": self.connector_name, "kv_role": role,
-                "kv_connector_extra_config": dict(self.kv_connector_extra_config),
-                "kv_load_failure_policy": self.kv_load_failure_policy,
-                "kv_lease_s": self.kv_lease_s, "kv_load_timeout_s": self.kv_load_timeout_s}
+        return {
+            "kv_connector": self.connector_name,
+            "kv_role": role,
+            "kv_connector_extra_config": dict(self.kv_connector_extra_config),
+            "kv_load_failure_policy": self.kv_load_failure_policy,
+            "kv_lease_s": self.kv_lease_s,
+            "kv_load_timeout_s": self.kv_load_timeout_s,
+        }

@@ -107,13 +107,19 @@ def check_kv_memory(config: AppConfig, available: Optional[int] = None) -> None:
     for name, engine, replicas in pools:
         tp = engine.tensor_parallel_size
         block = shape.kv_bytes_per_block(engine.block_size, 4 if engine.dtype == "float32" else 2, tp)
-        if engine.kv_cache_memory_bytes is not None and engine.num_gpu_blocks_override is None \
-                and block and engine.kv_cache_memory_bytes < block:
+        if (
+            engine.kv_cache_memory_bytes is not None
+            and engine.num_gpu_blocks_override is None
+            and block
+            and engine.kv_cache_memory_bytes < block
+        ):
             size = f"{block} bytes" if engine.dtype != "auto" else f"at least {block} bytes (bfloat16)"
             whose = f"the {name} pool's" if name else "the"
-            raise ValueError(f"{whose} KV cache budget "
-                             f"({engine.kv_cache_memory_bytes} bytes, --kv-cache-memory-bytes) holds no "
-                             f"block of {engine.block_size} tokens: {size}; raise it")
+            raise ValueError(
+                f"{whose} KV cache budget "
+                f"({engine.kv_cache_memory_bytes} bytes, --kv-cache-memory-bytes) holds no "
+                f"block of {engine.block_size} tokens: {size}; raise it"
+            )
         if config.address or _may_use_a_gpu(engine):
             continue
         if engine.num_gpu_blocks_override is not None:
@@ -124,13 +130,17 @@ def check_kv_memory(config: AppConfig, available: Optional[int] = None) -> None:
             continue  # the default budget is a share of what is available
         total += per_rank * tp * replicas
         ranks = f" x {tp} ranks" if tp > 1 else ""
-        parts.append(f"{replicas} {name + ' ' if name else ''}replica{'s' * (replicas != 1)}{ranks} "
-                     f"x {per_rank / 2**30:.2f} GiB ({flag})")
+        parts.append(
+            f"{replicas} {name + ' ' if name else ''}replica{'s' * (replicas != 1)}{ranks} "
+            f"x {per_rank / 2**30:.2f} GiB ({flag})"
+        )
     available = _mem_available() if available is None else available
     if parts and available is not None and total > available:
-        raise ValueError(f"the KV caches need {' + '.join(parts)} = {total / 2**30:.2f} GiB, and this "
-                         f"machine has {available / 2**30:.2f} GiB of memory available; lower "
-                         "--kv-cache-memory-bytes or --num-gpu-blocks-override, or run fewer replicas")
+        raise ValueError(
+            f"the KV caches need {' + '.join(parts)} = {total / 2**30:.2f} GiB, and this "
+            f"machine has {available / 2**30:.2f} GiB of memory available; lower "
+            "--kv-cache-memory-bytes or --num-gpu-blocks-override, or run fewer replicas"
+        )
 
 
 def check_ports(config: AppConfig) -> None:
@@ -159,9 +169,11 @@ def check_ports(config: AppConfig) -> None:
             try:
                 s.bind(addr)
             except OSError as e:
-                raise ValueError(f"{what} port {port} on {config.http.host} is not free ({e.strerror}): "
-                                 f"another server (or fleetserve serve) is using it; stop it or "
-                                 f"choose another with {flag}") from None
+                raise ValueError(
+                    f"{what} port {port} on {config.http.host} is not free ({e.strerror}): "
+                    f"another server (or fleetserve serve) is using it; stop it or "
+                    f"choose another with {flag}"
+                ) from None
 
 
 def resource_needs(config: AppConfig) -> ResourceNeeds:
@@ -203,9 +215,11 @@ def embedded_num_cpus(config: AppConfig) -> int:
     cores = os.cpu_count() or 1
     needed = math.ceil(resource_needs(config).cpus)
     if needed > cores:
-        logger.warning("this topology needs %s; the machine has %d cores, which the replicas "
-                       "and ranks will share (slower)",
-                       resource_needs(config).describe(config.num_replicas), cores)
+        logger.warning(
+            "this topology needs %s; the machine has %d cores, which the replicas and ranks will share (slower)",
+            resource_needs(config).describe(config.num_replicas),
+            cores,
+        )
     return max(cores, needed)
 
 
@@ -223,12 +237,13 @@ def check_fits(config: AppConfig) -> None:
                 f"{_num(have)} {key}{'s' * (have != 1)} available ({_num(total.get(key, 0.0))} in "
                 "total). Use fewer "
                 "--num-replicas, a smaller --tensor-parallel-size, a smaller "
-                "--num-cpus-per-replica, or a larger cluster.")
+                "--num-cpus-per-replica, or a larger cluster."
+            )
     tp = config.engine.tensor_parallel_size
     if tp > 1 and config.engine.placement_strategy == "STRICT_PACK":
-        largest = max((n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")),
-                      default=0.0)
+        largest = max((n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")), default=0.0)
         if tp > largest:
             raise TopologyError(
                 f"STRICT_PACK puts all {tp} tensor-parallel ranks of a replica on one node, "
-                f"but the largest node has {_num(largest)} CPUs")
+                f"but the largest node has {_num(largest)} CPUs"
+            )

@@ -119,5 +119,11 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-__all__ = ["KVConnectorBase", "KVConnectorRole", "KVConnectorWorker", "KVTransferConfig", "make_connector",
-           "validate_kv_transfer_params"]
+__all__ = [
+    "KVConnectorBase",
+    "KVConnectorRole",
+    "KVConnectorWorker",
+    "KVTransferConfig",
+    "make_connector",
+    "validate_kv_transfer_params",
+]

@@ -59,8 +59,12 @@ def merge_stats(parts: Sequence[Optional[Mapping[str, Any]]]) -> Optional[dict[s
 
 def kv_part(out: ModelRunnerOutput) -> ModelRunnerOutput:
     """What a non-driver rank sends back: only its connector's report."""
-    return ModelRunnerOutput([], [], finished_sending=out.finished_sending,
-                             finished_recving=out.finished_recving,
-                             invalid_block_ids=out.invalid_block_ids,
-                             kv_connector_stats=out.kv_connector_stats,
-                             kv_saves_in_flight=out.kv_saves_in_flight)
+    return ModelRunnerOutput(
+        [],
+        [],
+        finished_sending=out.finished_sending,
+        finished_recving=out.finished_recving,
+        invalid_block_ids=out.invalid_block_ids,
+        kv_connector_stats=out.kv_connector_stats,
+        kv_saves_in_flight=out.kv_saves_in_flight,
+    )

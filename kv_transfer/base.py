@@ -333,8 +333,11 @@ class KVConnectorBase(KVConnectorScheduler, KVConnectorWorker):
             stop()
 
 
-def run_connector_step(connector: KVConnectorWorker, scheduler_output: SchedulerOutput,
-                       execute: Callable[[SchedulerOutput], ModelRunnerOutput]) -> ModelRunnerOutput:
+def run_connector_step(
+    connector: KVConnectorWorker,
+    scheduler_output: SchedulerOutput,
+    execute: Callable[[SchedulerOutput], ModelRunnerOutput],
+) -> ModelRunnerOutput:
     """One worker step with the connector around it (also when no token is scheduled)."""
     connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
     try:

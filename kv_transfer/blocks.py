@@ -69,16 +69,23 @@ class BlockBatch:
         return self.digests
 
     def block(self, i: int) -> BlockBatch:
-        return BlockBatch(self.fingerprint, [self.keys[i]], self.data[i:i + 1], self.heads,
-                          [self.checksums()[i]], self.digest)
+        return BlockBatch(
+            self.fingerprint, [self.keys[i]], self.data[i : i + 1], self.heads, [self.checksums()[i]], self.digest
+        )
 
     def header(self, chunks: Optional[list[int]] = None) -> bytes:
         """The JSON header; with `chunks` (blocks per chunk, in order) the digests are left
         out: they travel with each chunk (a streamed batch)."""
-        meta: Header = {"v": VERSION, "fingerprint": self.fingerprint, "keys": self.keys,
-                "dtype": dtype_name(self.data.dtype), "shape": list(self.data.shape),
-                "heads": list(self.heads), "digest": self.digest,
-                "digests": None if chunks else self.checksums()}
+        meta: Header = {
+            "v": VERSION,
+            "fingerprint": self.fingerprint,
+            "keys": self.keys,
+            "dtype": dtype_name(self.data.dtype),
+            "shape": list(self.data.shape),
+            "heads": list(self.heads),
+            "digest": self.digest,
+            "digests": None if chunks else self.checksums(),
+        }
         if chunks:
             meta["chunks"] = chunks
         body = json.dumps(meta, separators=(",", ":")).encode()
@@ -107,7 +114,7 @@ def parse_header(buf: BytesLike) -> tuple[Header, int]:
     if len(mv) < 8 + n:
         raise KVFormatError("truncated header")
     try:
-        meta = json.loads(bytes(mv[8:8 + n]))
+        meta = json.loads(bytes(mv[8 : 8 + n]))
     except ValueError as e:
         raise KVFormatError(f"unreadable header: {e}") from e
     if not isinstance(meta, dict) or meta.get("v") != VERSION:
@@ -123,14 +130,26 @@ def check_header(meta: Header, fingerprint: str) -> tuple[torch.dtype, list[int]
     dtype = _DTYPES.get(str(meta.get("dtype")))
     shape, keys, sums = meta.get("shape"), meta.get("keys"), meta.get("digests")
     chunks = meta.get("chunks")
-    if dtype is None or not isinstance(shape, list) or len(shape) != 6 \
-            or not isinstance(keys, list) or len(keys) != shape[0] or meta.get("digest") not in DIGESTS:
+    if (
+        dtype is None
+        or not isinstance(shape, list)
+        or len(shape) != 6
+        or not isinstance(keys, list)
+        or len(keys) != shape[0]
+        or meta.get("digest") not in DIGESTS
+    ):
         raise KVFormatError("malformed KV header")
     if chunks is None:
         if not isinstance(sums, list) or len(sums) != shape[0]:
             raise KVFormatError("malformed KV header (digests)")
-    elif sums is not None or not isinstance(chunks, list) or not chunks or len(chunks) > MAX_CHUNKS \
-            or not all(isinstance(c, int) and c > 0 for c in chunks) or sum(chunks) != shape[0]:
+    elif (
+        sums is not None
+        or not isinstance(chunks, list)
+        or not chunks
+        or len(chunks) > MAX_CHUNKS
+        or not all(isinstance(c, int) and c > 0 for c in chunks)
+        or sum(chunks) != shape[0]
+    ):
         raise KVFormatError("malformed KV header (chunks)")
     nbytes = torch.empty((), dtype=dtype).element_size()
     for s in shape:
@@ -142,8 +161,9 @@ def check_header(meta: Header, fingerprint: str) -> tuple[torch.dtype, list[int]
     return dtype, shape, nbytes
 
 
-def batch_from_tensor(meta: Header, data: torch.Tensor, fingerprint: str,
-                      on_release: Optional[Callable[[], None]] = None) -> BlockBatch:
+def batch_from_tensor(
+    meta: Header, data: torch.Tensor, fingerprint: str, on_release: Optional[Callable[[], None]] = None
+) -> BlockBatch:
     """Build a batch over received bytes (`data`: uint8, on any device) and verify every
     block's digest. Raises KVFormatError on any mismatch."""
     tensor, keys, heads = _unpack(meta, data, fingerprint)
@@ -183,8 +203,9 @@ def decode_batch(meta: Header, payload: BytesLike, fingerprint: str) -> BlockBat
     return batch_from_tensor(meta, _host_bytes(payload), fingerprint)
 
 
-def deliver_verified(meta: Header, payload: BytesLike, fingerprint: str, sink: ChunkSink,
-                     chunk_bytes: int = STREAM_CHUNK_BYTES) -> BlockBatch:
+def deliver_verified(
+    meta: Header, payload: BytesLike, fingerprint: str, sink: ChunkSink, chunk_bytes: int = STREAM_CHUNK_BYTES
+) -> BlockBatch:
     """`decode_batch`, handing the blocks to `sink` as they are verified: each chunk's digests
     are computed on the digest thread while the previous chunk is written into the cache. The
     first block that fails its digest ends what is written. Returns the batch (its bytes are

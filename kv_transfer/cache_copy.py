@@ -21,15 +21,19 @@ Device = Union[torch.device, str]
 Run = tuple[int, int, int, int]
 
 
-def gather_blocks(kv_caches: list[torch.Tensor], block_ids: Sequence[int],
-                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def gather_blocks(
+    kv_caches: list[torch.Tensor], block_ids: Sequence[int], out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Copy blocks out of the cache into `out` (default: a new CPU tensor, pinned when the
     cache is on a GPU): [n, layers, 2, heads, block_size, head_dim]. `out` may live on the
     cache's device (gathered there, e.g. for NCCL) or on the CPU (staged through the host)."""
     first = kv_caches[0]
     if out is None:
-        out = torch.empty((len(block_ids), len(kv_caches), *first.shape[:2], *first.shape[3:]),
-                          dtype=first.dtype, pin_memory=first.is_cuda)
+        out = torch.empty(
+            (len(block_ids), len(kv_caches), *first.shape[:2], *first.shape[3:]),
+            dtype=first.dtype,
+            pin_memory=first.is_cuda,
+        )
     idx = block_index(block_ids, first.device)
     for layer, kv in enumerate(kv_caches):
         gather_layer(kv, idx, out, layer)
@@ -104,8 +108,13 @@ def _run_slice(b: int, k: int, step: int) -> slice:
 
 
 def _byte_copyable(kv: torch.Tensor, other: torch.Tensor) -> bool:
-    return (kv.device.type == "cpu" and other.device.type == "cpu" and kv.dtype == other.dtype
-            and kv.is_contiguous() and other.stride(-1) == 1)
+    return (
+        kv.device.type == "cpu"
+        and other.device.type == "cpu"
+        and kv.dtype == other.dtype
+        and kv.is_contiguous()
+        and other.stride(-1) == 1
+    )
 
 
 def gather_layer(kv: torch.Tensor, idx: BlockIndex, out: torch.Tensor, layer: int) -> None:
@@ -134,10 +143,14 @@ def scatter_blocks(kv_caches: list[torch.Tensor], block_ids: Sequence[int], data
     run of consecutive blocks and layer, else one `index_copy_` per layer (a CPU source
     for a GPU cache goes up one layer at a time)."""
     first = kv_caches[0]
-    if tuple(data.shape[2:]) != (first.shape[0], first.shape[1], *first.shape[3:]) \
-            or data.shape[:2] != (len(block_ids), len(kv_caches)):
-        raise ValueError(f"blocks of shape {tuple(data.shape)} do not fit {len(block_ids)} blocks "
-                         f"of {len(kv_caches)} layers of {tuple(first.shape)}")
+    if tuple(data.shape[2:]) != (first.shape[0], first.shape[1], *first.shape[3:]) or data.shape[:2] != (
+        len(block_ids),
+        len(kv_caches),
+    ):
+        raise ValueError(
+            f"blocks of shape {tuple(data.shape)} do not fit {len(block_ids)} blocks "
+            f"of {len(kv_caches)} layers of {tuple(first.shape)}"
+        )
     if _byte_copyable(first, data):
         src = _bytes(data)
         runs = block_runs(block_ids)
@@ -151,4 +164,3 @@ def scatter_blocks(kv_caches: list[torch.Tensor], block_ids: Sequence[int], data
         kv.permute(2, 0, 1, 3, 4).index_copy_(0, idx, data[:, layer].to(first.device, non_blocking=True))
     if first.is_cuda and data.device.type == "cpu":
         torch.cuda.current_stream(first.device).synchronize()  # before `data`'s buffer is reused
-

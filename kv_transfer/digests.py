@@ -25,7 +25,7 @@ _PARALLEL_HASH_BYTES = 32 << 20  # below this a second thread costs more than it
 
 
 def _xxh3(mv: memoryview, per: int, lo: int, hi: int) -> list[int]:
-    return [xxhash.xxh3_64_intdigest(mv[i * per:(i + 1) * per]) for i in range(lo, hi)]
+    return [xxhash.xxh3_64_intdigest(mv[i * per : (i + 1) * per]) for i in range(lo, hi)]
 
 
 def _hash_pool() -> cf.ThreadPoolExecutor:
@@ -116,7 +116,6 @@ def compute_digests(data: torch.Tensor, digest: str) -> list[int]:
     if digest != "xxh3_64" or data.device.type != "cpu":
         raise KVFormatError(f"digest {digest!r} on {data.device.type} data is not supported")
     return host_digests(data.contiguous().view(torch.uint8).numpy(), data.shape[0])
-
 
 
 def _host_bytes(data: torch.Tensor) -> memoryview:

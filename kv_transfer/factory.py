@@ -23,8 +23,16 @@ def resolve_connector_class(name: str) -> type[KVConnectorBase]:
     return cls
 
 
-def build_context(config: KVTransferConfig, model_id: str, hf_config: Any, dtype: torch.dtype | str,
-                  block_size: int, tp_size: int = 1, tp_rank: int = 0, key_layout: str = "rows") -> ConnectorContext:
+def build_context(
+    config: KVTransferConfig,
+    model_id: str,
+    hf_config: Any,
+    dtype: torch.dtype | str,
+    block_size: int,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    key_layout: str = "rows",
+) -> ConnectorContext:
     """What both halves of rank `tp_rank` know about their engine (`hf_config`: the model's
     config, read for its KV geometry and the fingerprint)."""
     model_id = str(config.kv_connector_extra_config.get("model_id") or model_id)
@@ -32,8 +40,13 @@ def build_context(config: KVTransferConfig, model_id: str, hf_config: Any, dtype
     return ConnectorContext(
         engine_id=config.engine_id or "unnamed",
         fingerprint=kv_fingerprint(model_id, hf_config, dtype, block_size, key_layout),
-        block_size=block_size, num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
-        tp_size=tp_size, tp_rank=tp_rank)
+        block_size=block_size,
+        num_layers=layers,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+    )
 
 
 def make_connector(config: KVTransferConfig, role: KVConnectorRole, ctx: ConnectorContext) -> KVConnectorBase:

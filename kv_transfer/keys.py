@@ -45,37 +45,50 @@ def rope_identity(hf_config: Any) -> str:
     once, never hit wrongly: docs/design/kv-connector.md says when this one changed.)"""
     params = getattr(hf_config, "rope_parameters", None)
     if not params:
-        params = {"rope_theta": getattr(hf_config, "rope_theta", None),
-                  "rope_scaling": getattr(hf_config, "rope_scaling", None)}
+        params = {
+            "rope_theta": getattr(hf_config, "rope_theta", None),
+            "rope_scaling": getattr(hf_config, "rope_scaling", None),
+        }
     return json.dumps(params, sort_keys=True, default=str)
 
 
-def kv_fingerprint(model_id: str, hf_config: Any, dtype: torch.dtype | str, block_size: int,
-                   key_layout: str = "rows") -> str:
+def kv_fingerprint(
+    model_id: str, hf_config: Any, dtype: torch.dtype | str, block_size: int, key_layout: str = "rows"
+) -> str:
     """Everything two engines must share for one's KV blocks to be valid in the other.
     `key_layout`: how keys sit inside a block ("rows", or "k_tiled" where the CPU attention
     kernel keeps them tiled: replica.layers.attention.kv_cache_layout)."""
     layers, kv_heads, head_dim = kv_geometry(hf_config)
     dtype_str = dtype if isinstance(dtype, str) else dtype_name(dtype)
-    parts = [model_id, str(getattr(hf_config, "model_type", "")), str(hf_config.hidden_size),
-             str(hf_config.vocab_size), rope_identity(hf_config), dtype_str,
-             f"B{block_size}", f"L{layers}", f"H{kv_heads}", f"D{head_dim}", LAYOUT]
+    parts = [
+        model_id,
+        str(getattr(hf_config, "model_type", "")),
+        str(hf_config.hidden_size),
+        str(hf_config.vocab_size),
+        rope_identity(hf_config),
+        dtype_str,
+        f"B{block_size}",
+        f"L{layers}",
+        f"H{kv_heads}",
+        f"D{head_dim}",
+        LAYOUT,
+    ]
     if key_layout != "rows":  # the fingerprints of row-major engines stay what they were
         parts.append(f"K:{key_layout}")
     return hashlib.blake2b("|".join(parts).encode(), digest_size=16).hexdigest()
 
 
-def chain_keys(fingerprint: str, token_ids: Sequence[int], block_size: int,
-               num_blocks: int, cache_salt: Optional[str] = None) -> list[str]:
+def chain_keys(
+    fingerprint: str, token_ids: Sequence[int], block_size: int, num_blocks: int, cache_salt: Optional[str] = None
+) -> list[str]:
     """Chain keys of the first `num_blocks` full blocks of `token_ids`."""
     num_blocks = min(num_blocks, len(token_ids) // block_size)
     keys: list[str] = []
     parent = hashlib.blake2b((fingerprint + "|" + (cache_salt or "")).encode(), digest_size=16).digest()
-    tokens = array.array("q", token_ids[:num_blocks * block_size])
+    tokens = array.array("q", token_ids[: num_blocks * block_size])
     raw = memoryview(tokens).cast("B")
     step = block_size * tokens.itemsize
     for i in range(num_blocks):
-        parent = hashlib.blake2b(parent + raw[i * step:(i + 1) * step], digest_size=16).digest()
+        parent = hashlib.blake2b(parent + raw[i * step : (i + 1) * step], digest_size=16).digest()
         keys.append(parent.hex())
     return keys
-

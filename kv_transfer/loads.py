@@ -37,8 +37,15 @@ class LocalCache:
     heads: tuple[int, int]
     kv_caches: list[torch.Tensor]
 
-    def check(self, spec: LoadSpec, fingerprint: str, keys: list[str], heads: tuple[int, int],
-              shape: Sequence[int], dtype: torch.dtype) -> tuple[int, int]:
+    def check(
+        self,
+        spec: LoadSpec,
+        fingerprint: str,
+        keys: list[str],
+        heads: tuple[int, int],
+        shape: Sequence[int],
+        dtype: torch.dtype,
+    ) -> tuple[int, int]:
         """(offset, n): blocks offset..offset+n-1 of a batch with this header are exactly the
         first n that `spec` asked for; KVFormatError if the batch cannot be this load's. A
         hand-off's batch holds the prompt from block 0 and the spec may start later (this
@@ -49,12 +56,12 @@ class LocalCache:
             raise KVFormatError(f"blocks hold KV heads {heads}, this rank needs {self.heads}")
         want = self.kv_caches[0].shape
         _, layers, two, _, bs, hd = shape
-        if (layers, two, bs, hd) != (len(self.kv_caches), want[0], want[3], want[4]) \
-                or dtype != self.kv_caches[0].dtype:
+        if (layers, two, bs, hd) != (len(self.kv_caches), want[0], want[3], want[4]) or dtype != self.kv_caches[
+            0
+        ].dtype:
             raise KVFormatError(f"block shape {tuple(shape)} does not fit this cache")
         offset = 0
-        if spec.keys and spec.first_block and len(keys) > spec.first_block \
-                and keys[spec.first_block] == spec.keys[0]:
+        if spec.keys and spec.first_block and len(keys) > spec.first_block and keys[spec.first_block] == spec.keys[0]:
             offset = spec.first_block  # chain keys: a match there vouches for every block before
         good = 0
         for got, expected in zip(keys[offset:], spec.keys):
@@ -62,8 +69,12 @@ class LocalCache:
                 break
             good += 1
         if good < min(len(keys) - offset, len(spec.keys)):
-            logger.warning("KV load of %s: block %d's chain key differs from the prompt's "
-                           "(stale or foreign KV); refused from there", spec.req_id, offset + good)
+            logger.warning(
+                "KV load of %s: block %d's chain key differs from the prompt's "
+                "(stale or foreign KV); refused from there",
+                spec.req_id,
+                offset + good,
+            )
         return offset, good
 
     def check_batch(self, spec: LoadSpec, batch: BlockBatch) -> tuple[int, int]:
@@ -74,7 +85,7 @@ class LocalCache:
         """`data` (blocks of KV heads `heads`) into `block_ids`, this rank's heads only; returns
         the bytes written."""
         h0 = self.heads[0] - heads[0]
-        data = data[:, :, :, h0:h0 + self.heads[1] - self.heads[0]]
+        data = data[:, :, :, h0 : h0 + self.heads[1] - self.heads[0]]
         scatter_blocks(self.kv_caches, block_ids, data)
         return data.numel() * data.element_size()
 
@@ -133,8 +144,9 @@ class Sink:
         self.offset = self.good = self.written = 0
         self.heads = (0, 0)
 
-    def begin(self, fingerprint: str, keys: list[str], heads: tuple[int, int], shape: Sequence[int],
-              dtype: torch.dtype) -> None:
+    def begin(
+        self, fingerprint: str, keys: list[str], heads: tuple[int, int], shape: Sequence[int], dtype: torch.dtype
+    ) -> None:
         """Raises KVFormatError if the batch cannot be this load's."""
         self.offset, self.good = self.cache.check(self.load.spec, fingerprint, keys, heads, shape, dtype)
         self.heads = heads
@@ -152,10 +164,10 @@ class Sink:
         lo, hi = max(start, self.offset), min(start + n_ok, self.offset + self.good)
         if lo >= hi:
             return
-        ids = self.load.spec.block_ids[lo - self.offset:hi - self.offset]
+        ids = self.load.spec.block_ids[lo - self.offset : hi - self.offset]
         with self.load.lock:
             if not self.load.abandoned:
-                self.written += self.cache.write(ids, data[lo - start:hi - start], self.heads)
+                self.written += self.cache.write(ids, data[lo - start : hi - start], self.heads)
 
     def fetched(self) -> Fetched:
         """The load, once it was checked and written chunk by chunk as it came."""

@@ -31,12 +31,11 @@ if TYPE_CHECKING:
     from fleetserve.kv_transfer.base import KVConnectorBase
     from fleetserve.scheduler.scheduler import Scheduler
 
-_BYTES = tuple(float(2 ** k) for k in range(12, 34, 2))  # 4 KiB .. 8 GiB
+_BYTES = tuple(float(2**k) for k in range(12, 34, 2))  # 4 KiB .. 8 GiB
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-def step_kv_stats(scheduler: Scheduler, connector: KVConnectorBase,
-                  runner_output: ModelRunnerOutput) -> dict[str, Any]:
+def step_kv_stats(scheduler: Scheduler, connector: KVConnectorBase, runner_output: ModelRunnerOutput) -> dict[str, Any]:
     """This step's transfer stats for the metrics: the workers' (merged across ranks), the
     scheduler half's counts added, and the blocks held for transfers."""
     stats: dict[str, Any] = dict(runner_output.kv_connector_stats or {})
@@ -64,27 +63,41 @@ class KVTransferMetrics:
         self.bytes_sent = hist("vllm:kv_transfer_bytes_sent", "Bytes of KV exported per transfer.", _BYTES)
         self.bytes_recv = hist("vllm:kv_transfer_bytes_received", "Bytes of KV loaded per transfer.", _BYTES)
         self.seconds_sent = hist("vllm:kv_transfer_send_seconds", "Seconds to export a transfer.", _SECONDS)
-        self.seconds_recv = hist("vllm:kv_transfer_receive_seconds",
-                                 "Seconds from starting a load to its blocks being usable.", _SECONDS)
-        self.failed = counter("vllm:kv_transfer_failed_loads",
-                              "KV loads refused or incomplete (missing, corrupt, stale, foreign).")
+        self.seconds_recv = hist(
+            "vllm:kv_transfer_receive_seconds", "Seconds from starting a load to its blocks being usable.", _SECONDS
+        )
+        self.failed = counter(
+            "vllm:kv_transfer_failed_loads", "KV loads refused or incomplete (missing, corrupt, stale, foreign)."
+        )
         self.expired = counter("vllm:kv_transfer_expired_loads", "KV loads past their deadline.")
-        self.dropped_saves = counter("vllm:kv_transfer_dropped_saves",
-                                     "KV saves that never reached their store (export failed, or "
-                                     "still pending past kv_save_timeout_s when the engine stopped).")
-        self.blocks_held = Gauge("vllm:kv_transfer_blocks_held",
-                                 "KV blocks held for transfers (being received or kept for a send).",
-                                 labels, registry=registry).labels(*values)
-        self._by_source = Counter("vllm:prompt_tokens_by_source",
-                                  "Prompt tokens by where their KV came from.",
-                                  list(labels) + ["source"], registry=registry)
+        self.dropped_saves = counter(
+            "vllm:kv_transfer_dropped_saves",
+            "KV saves that never reached their store (export failed, or "
+            "still pending past kv_save_timeout_s when the engine stopped).",
+        )
+        self.blocks_held = Gauge(
+            "vllm:kv_transfer_blocks_held",
+            "KV blocks held for transfers (being received or kept for a send).",
+            labels,
+            registry=registry,
+        ).labels(*values)
+        self._by_source = Counter(
+            "vllm:prompt_tokens_by_source",
+            "Prompt tokens by where their KV came from.",
+            list(labels) + ["source"],
+            registry=registry,
+        )
 
     def observe_step(self, stats: Optional[Mapping[str, Any]]) -> None:
         """One step's stats (step_kv_stats, or a count the engine adds: dropped saves)."""
         if not stats:
             return
-        for hist, key in ((self.bytes_sent, "bytes_sent"), (self.bytes_recv, "bytes_recv"),
-                          (self.seconds_sent, "seconds_sent"), (self.seconds_recv, "seconds_recv")):
+        for hist, key in (
+            (self.bytes_sent, "bytes_sent"),
+            (self.bytes_recv, "bytes_recv"),
+            (self.seconds_sent, "seconds_sent"),
+            (self.seconds_recv, "seconds_recv"),
+        ):
             for value in stats.get(key, ()):
                 hist.observe(value)
         self.failed.inc(stats.get("failed_loads", 0))

@@ -33,8 +33,7 @@ def validate_kv_transfer_params(params: Optional[dict[str, Any]]) -> Optional[di
     if decode or prefill:
         tid = out.get("transfer_id")
         if not isinstance(tid, str) or not _ID.match(tid):
-            raise ValueError("kv_transfer_params.transfer_id must be 1-128 characters of "
-                             "[A-Za-z0-9_.:-]")
+            raise ValueError("kv_transfer_params.transfer_id must be 1-128 characters of [A-Za-z0-9_.:-]")
     if prefill:
         n = out.get("remote_num_tokens")
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:

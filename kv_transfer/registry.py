@@ -33,8 +33,9 @@ def connector_qualname(name: str) -> str:
     name = canonical_connector_name(name)
     qualname = REGISTRY.get(name, name)
     if ":" not in qualname and "." not in qualname:
-        raise ValueError(f"unknown KV connector {name!r}: use one of {sorted(ALIASES)}, "
-                         f"{sorted(REGISTRY)} or 'package.module:Class'")
+        raise ValueError(
+            f"unknown KV connector {name!r}: use one of {sorted(ALIASES)}, {sorted(REGISTRY)} or 'package.module:Class'"
+        )
     return qualname
 
 
@@ -46,8 +47,7 @@ CONNECTOR_BASE = "fleetserve.kv_transfer.base:KVConnectorBase"
 
 def is_connector_class(obj: object) -> bool:
     """Whether `obj` is a class deriving from KVConnectorBase (CONNECTOR_BASE)."""
-    return isinstance(obj, type) and any(f"{k.__module__}:{k.__qualname__}" == CONNECTOR_BASE
-                                         for k in obj.__mro__)
+    return isinstance(obj, type) and any(f"{k.__module__}:{k.__qualname__}" == CONNECTOR_BASE for k in obj.__mro__)
 
 
 def check_connector_name(name: str) -> str:
@@ -74,13 +74,14 @@ OPTIONS: dict[str, tuple[frozenset[str], dict[str, type]]] = {
     "SharedStorageConnector": (frozenset({"path"}), {"path": str, "max_bytes": int, "fsync": bool}),
     "RayObjectStoreConnector": (frozenset(), _RAY),
     "P2PConnector": (frozenset(), {**_RAY, "host": str, "p2p_max_groups": int, "stream_chunk_bytes": int}),
-    "FaultInjectionConnector": (frozenset({"inner"}), {"inner": str, "inner_extra": dict,
-                                                       "faults": dict, "seed": int}),
+    "FaultInjectionConnector": (frozenset({"inner"}), {"inner": str, "inner_extra": dict, "faults": dict, "seed": int}),
 }
 _KINDS = {str: "a string", int: "an integer", bool: "true or false", dict: "a JSON object"}
 _AT_LEAST = {"max_bytes": 1, "p2p_max_groups": 1, "staging_max_bytes": 0, "stream_chunk_bytes": 1}
-_EXAMPLES = {"path": '{"path": "/mnt/kv"}', "inner": '{"inner": "SharedStorageConnector", '
-                                                    '"inner_extra": {"path": "/tmp/kv"}}'}
+_EXAMPLES = {
+    "path": '{"path": "/mnt/kv"}',
+    "inner": '{"inner": "SharedStorageConnector", "inner_extra": {"path": "/tmp/kv"}}',
+}
 
 
 def check_connector_options(name: str, extra: dict[str, Any], where: str = "") -> None:
@@ -103,16 +104,14 @@ def _check_options(name: str, extra: object) -> None:
     for key in sorted(required):
         value = extra.get(key)
         if value is None or (isinstance(value, str) and not value.strip()):
-            raise ValueError(f"{name} needs kv_connector_extra_config.{key}, "
-                             f"e.g. {_EXAMPLES.get(key, key)}")
+            raise ValueError(f"{name} needs kv_connector_extra_config.{key}, e.g. {_EXAMPLES.get(key, key)}")
     for key, want in {**_COMMON, **types}.items():
         if key not in extra:
             continue
         value = extra[key]
         ok = isinstance(value, want) and not (want is int and isinstance(value, bool))
         if not ok:
-            raise ValueError(f"kv_connector_extra_config.{key} of {name} must be "
-                             f"{_KINDS[want]}, not {value!r}")
+            raise ValueError(f"kv_connector_extra_config.{key} of {name} must be {_KINDS[want]}, not {value!r}")
         if key in _AT_LEAST and value < _AT_LEAST[key]:
             raise ValueError(f"kv_connector_extra_config.{key} must be >= {_AT_LEAST[key]}, not {value}")
     if name == "FaultInjectionConnector":

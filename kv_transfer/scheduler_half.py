@@ -44,8 +44,7 @@ class TransferScheduler(KVConnectorScheduler):
         self.num_expired_loads = 0
         # Layer-wise saves (kv_connector_extra_config.layerwise_save): a hand-off is copied
         # out during the forward that computes the end of its prompt (save_kv_layer).
-        self.layerwise = config.is_producer and bool(
-            config.kv_connector_extra_config.get("layerwise_save", False))
+        self.layerwise = config.is_producer and bool(config.kv_connector_extra_config.get("layerwise_save", False))
         self._track: dict[str, tuple[Request, list[int]]] = {}  # req_id -> (request, block ids)
         self._layer_saved: dict[str, dict[str, Any]] = {}  # req_id -> the params it finishes with
 
@@ -53,8 +52,13 @@ class TransferScheduler(KVConnectorScheduler):
     def _chain_keys(self, request: Request, num_blocks: int) -> list[str]:
         memo = self._keys.get(request.request_id)
         if memo is None or memo[0] != request.num_tokens or len(memo[1]) < num_blocks:
-            keys = chain_keys(self.ctx.fingerprint, request.all_token_ids, self.ctx.block_size,
-                              request.num_tokens // self.ctx.block_size, request.cache_salt)
+            keys = chain_keys(
+                self.ctx.fingerprint,
+                request.all_token_ids,
+                self.ctx.block_size,
+                request.num_tokens // self.ctx.block_size,
+                request.cache_salt,
+            )
             memo = (request.num_tokens, keys)
             self._keys[request.request_id] = memo
         return memo[1][:num_blocks]
@@ -65,8 +69,11 @@ class TransferScheduler(KVConnectorScheduler):
 
     # ---- the contract -----------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[Optional[int], bool]:
-        if self.layerwise and self._params(request).get("do_remote_decode") \
-                and request.request_id not in self._layer_saved:
+        if (
+            self.layerwise
+            and self._params(request).get("do_remote_decode")
+            and request.request_id not in self._layer_saved
+        ):
             self._track.setdefault(request.request_id, (request, []))
         if not self.config.is_consumer or request.request_id in self._loaded:
             return 0, False
@@ -75,8 +82,12 @@ class TransferScheduler(KVConnectorScheduler):
         full = request.num_tokens // bs * bs
         if params.get("do_remote_prefill"):
             if params.get("remote_block_size", bs) != bs:
-                logger.warning("request %s: remote block size %s != %d; computing locally",
-                               request.request_id, params.get("remote_block_size"), bs)
+                logger.warning(
+                    "request %s: remote block size %s != %d; computing locally",
+                    request.request_id,
+                    params.get("remote_block_size"),
+                    bs,
+                )
                 return 0, False
             avail = min(int(params.get("remote_num_tokens", 0)) // bs * bs, full)
         elif self.transport.supports_lookup:
@@ -89,8 +100,7 @@ class TransferScheduler(KVConnectorScheduler):
         n = min(avail, request.num_tokens - 1) - num_computed_tokens
         return (n, True) if n > 0 else (0, False)
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int],
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             return
         bs = self.ctx.block_size
@@ -98,10 +108,15 @@ class TransferScheduler(KVConnectorScheduler):
         first, last = local // bs, math.ceil((local + num_external_tokens) / bs)
         params = self._params(request)
         remote = bool(params.get("do_remote_prefill"))
-        spec = LoadSpec(request.request_id, params.get("transfer_id") if remote else None,
-                        list(block_ids[first:last]), self._chain_keys(request, last)[first:],
-                        time.time() + self.config.kv_load_timeout_s,
-                        {k: v for k, v in params.items() if k.startswith("remote_")}, first)
+        spec = LoadSpec(
+            request.request_id,
+            params.get("transfer_id") if remote else None,
+            list(block_ids[first:last]),
+            self._chain_keys(request, last)[first:],
+            time.time() + self.config.kv_load_timeout_s,
+            {k: v for k, v in params.items() if k.startswith("remote_")},
+            first,
+        )
         self._meta.loads.append(spec)
         self._loading[request.request_id] = spec
 
@@ -135,8 +150,16 @@ class TransferScheduler(KVConnectorScheduler):
             if n_full == 0:
                 continue  # nothing to hand over: request_finished says so
             tid = self._params(request).get("transfer_id")
-            self._meta.saves.append(SaveSpec(rid, tid, block_ids[:n_full], self._chain_keys(request, n_full),
-                                             self.config.kv_lease_s, layerwise=True))
+            self._meta.saves.append(
+                SaveSpec(
+                    rid,
+                    tid,
+                    block_ids[:n_full],
+                    self._chain_keys(request, n_full),
+                    self.config.kv_lease_s,
+                    layerwise=True,
+                )
+            )
             self._layer_saved[rid] = self._handoff_params(tid, n_full)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
@@ -169,8 +192,11 @@ class TransferScheduler(KVConnectorScheduler):
         caller ({} for a prefix-cache save), or None when nothing is saved."""
         params = self._params(request)
         remote = bool(params.get("do_remote_decode"))
-        if not self.config.is_producer or not (remote or self.transport.saves_all) \
-                or request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
+        if (
+            not self.config.is_producer
+            or not (remote or self.transport.saves_all)
+            or request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
+        ):
             return None
         bs = self.ctx.block_size
         n_full = min(request.num_computed_tokens, request.num_tokens, len(block_ids) * bs) // bs
@@ -182,19 +208,25 @@ class TransferScheduler(KVConnectorScheduler):
         if n_full <= start:
             return None
         tid = params.get("transfer_id") if remote else None
-        self._meta.saves.append(SaveSpec(request.request_id, tid, list(block_ids[start:n_full]),
-                                         keys[start:], self.config.kv_lease_s))
+        self._meta.saves.append(
+            SaveSpec(request.request_id, tid, list(block_ids[start:n_full]), keys[start:], self.config.kv_lease_s)
+        )
         return self._handoff_params(tid, n_full) if remote else {}
 
     def _handoff_params(self, tid: Optional[str], n_full: int) -> dict[str, Any]:
         """What the consumer needs to find the producer's `n_full` exported blocks."""
         bs = self.ctx.block_size
-        return {"do_remote_prefill": True, "transfer_id": tid,
-                "remote_engine_id": self.ctx.engine_id,
-                "remote_connector": self.config.kv_connector,
-                "remote_num_tokens": n_full * bs, "remote_block_size": bs,
-                "remote_tp_size": self.ctx.tp_size, "remote_lease_s": self.config.kv_lease_s,
-                **self.transport.location(tid)}
+        return {
+            "do_remote_prefill": True,
+            "transfer_id": tid,
+            "remote_engine_id": self.ctx.engine_id,
+            "remote_connector": self.config.kv_connector,
+            "remote_num_tokens": n_full * bs,
+            "remote_block_size": bs,
+            "remote_tp_size": self.ctx.tp_size,
+            "remote_lease_s": self.config.kv_lease_s,
+            **self.transport.location(tid),
+        }
 
     def update_connector_output(self, runner_output: ModelRunnerOutput) -> None:
         for rid in runner_output.finished_recving:
@@ -207,8 +239,11 @@ class TransferScheduler(KVConnectorScheduler):
             if now > spec.deadline + NOTICE_GRACE_S:
                 # The worker failed it at the deadline but its notice never came:
                 # fail every block (the worker writes nothing after the deadline).
-                logger.warning("KV load of %s: no word from the worker %.1f s after its "
-                               "deadline; failing its blocks", rid, NOTICE_GRACE_S)
+                logger.warning(
+                    "KV load of %s: no word from the worker %.1f s after its deadline; failing its blocks",
+                    rid,
+                    NOTICE_GRACE_S,
+                )
                 del self._loading[rid]
                 self._loaded.add(rid)
                 self._meta.cancels.append(rid)

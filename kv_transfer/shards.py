@@ -18,8 +18,7 @@ def local_head_range(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int
     return h, h + 1
 
 
-def producer_shards(heads: tuple[int, int], num_kv_heads: int,
-                    producer_tp: int) -> list[tuple[int, tuple[int, int]]]:
+def producer_shards(heads: tuple[int, int], num_kv_heads: int, producer_tp: int) -> list[tuple[int, tuple[int, int]]]:
     """(producer rank, its head range) of the shards that together hold `heads`, in head
     order, one rank per distinct range: a consumer rank takes the heads it owns from
     whatever TP size the producer ran with."""
@@ -33,8 +32,7 @@ def producer_shards(heads: tuple[int, int], num_kv_heads: int,
 
 def readers_of(shard: tuple[int, int], num_kv_heads: int, consumer_tp: int) -> int:
     """How many consumer ranks read a producer shard (its owner frees it after all did)."""
-    return sum(1 for r in range(consumer_tp)
-               if _overlap(shard, local_head_range(num_kv_heads, consumer_tp, r)))
+    return sum(1 for r in range(consumer_tp) if _overlap(shard, local_head_range(num_kv_heads, consumer_tp, r)))
 
 
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
@@ -51,6 +49,10 @@ def join_shards(batches: list[BlockBatch]) -> BlockBatch:
     data = torch.cat([b.data[:n] for b in batches], dim=3)
     for b in batches:
         b.release()
-    return BlockBatch(batches[0].fingerprint, batches[0].keys[:n], data,
-                      (batches[0].heads[0], batches[-1].heads[1]), digest=batches[0].digest)
-
+    return BlockBatch(
+        batches[0].fingerprint,
+        batches[0].keys[:n],
+        data,
+        (batches[0].heads[0], batches[-1].heads[1]),
+        digest=batches[0].digest,
+    )

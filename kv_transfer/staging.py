@@ -51,4 +51,3 @@ class StagingPool:
     def cached_bytes(self) -> int:
         with self._lock:
             return sum(b.numel() for b in self._free)
-

@@ -91,8 +91,9 @@ class ChunkSink(Protocol):
     its blocks, from the first, passed their digests; `wanted` is how many of the batch's
     blocks, from the first, the load can still use."""
 
-    def begin(self, fingerprint: str, keys: list[str], heads: tuple[int, int], shape: Sequence[int],
-              dtype: torch.dtype) -> None: ...
+    def begin(
+        self, fingerprint: str, keys: list[str], heads: tuple[int, int], shape: Sequence[int], dtype: torch.dtype
+    ) -> None: ...
 
     def wanted(self) -> int: ...
 

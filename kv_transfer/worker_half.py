@@ -58,8 +58,9 @@ class _LayerSave(NamedTuple):
 
 
 class TransferWorker(KVConnectorWorker):
-    def __init__(self, config: KVTransferConfig, ctx: ConnectorContext, transport: Transport,
-                 max_workers: int = 4) -> None:
+    def __init__(
+        self, config: KVTransferConfig, ctx: ConnectorContext, transport: Transport, max_workers: int = 4
+    ) -> None:
         self.config = config
         self.ctx = ctx
         self.transport = transport
@@ -67,13 +68,13 @@ class TransferWorker(KVConnectorWorker):
         self.kv_caches: list[torch.Tensor] = []
         self.cache = LocalCache(ctx.fingerprint, self.heads, self.kv_caches)
         self.uses_layer_hooks = config.is_producer and bool(
-            config.kv_connector_extra_config.get("layerwise_save", False))
+            config.kv_connector_extra_config.get("layerwise_save", False)
+        )
         self.staging = StagingPool(int(config.kv_connector_extra_config.get("staging_max_bytes", 1 << 30)))
         self._payload_device = torch.device("cpu")
         # The engine's set-up for threads that copy (set_thread_initializer), run first on each.
         self._thread_initializer: Optional[Callable[[], None]] = None
-        self._pool = cf.ThreadPoolExecutor(max_workers, thread_name_prefix="kv-transfer",
-                                           initializer=self._init_thread)
+        self._pool = cf.ThreadPoolExecutor(max_workers, thread_name_prefix="kv-transfer", initializer=self._init_thread)
         self._loads: dict[str, Load] = {}
         # A CPU cache is copied off the engine's thread (a big prompt's copy would stall the step:
         # docs/benchmarks/results/2026-11-29-kv-transfer-zen5.md): a load's blocks are written on
@@ -83,8 +84,7 @@ class TransferWorker(KVConnectorWorker):
         # thread, in its stream's order.
         self._copy_off_engine_thread = False
         self._chunk_bytes = int(config.kv_connector_extra_config.get("stream_chunk_bytes", STREAM_CHUNK_BYTES))
-        self._copy_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kv-copy-out",
-                                                initializer=self._init_thread)
+        self._copy_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kv-copy-out", initializer=self._init_thread)
         self._copied_out: queue.SimpleQueue[str] = queue.SimpleQueue()
         # (request id, future) of every copy-out and export not reaped yet.
         self._exports: list[tuple[str, cf.Future[None]]] = []
@@ -120,8 +120,14 @@ class TransferWorker(KVConnectorWorker):
         """Room for `spec`'s blocks: a pooled host buffer, or device memory when the transport
         sends from the device (checked there with wsum64 digests)."""
         first = self.kv_caches[0]
-        shape = (len(spec.block_ids), len(self.kv_caches), first.shape[0], first.shape[1],
-                 first.shape[3], first.shape[4])
+        shape = (
+            len(spec.block_ids),
+            len(self.kv_caches),
+            first.shape[0],
+            first.shape[1],
+            first.shape[3],
+            first.shape[4],
+        )
         if self._payload_device.type == "cpu":
             data, release = self.staging.take(shape, first.dtype)
             return BlockBatch(self.ctx.fingerprint, spec.keys, data, self.heads, on_release=release)
@@ -334,7 +340,7 @@ class TransferWorker(KVConnectorWorker):
     def _write(self, spec: LoadSpec, batch: BlockBatch, offset: int, good: int) -> int:
         """Blocks offset..offset+good-1 of `batch` (this rank's heads) into the spec's first
         `good` blocks; returns the bytes written."""
-        return self.cache.write(spec.block_ids[:good], batch.data[offset:offset + good], batch.heads)
+        return self.cache.write(spec.block_ids[:good], batch.data[offset : offset + good], batch.heads)
 
     def _promote(self, load: Load) -> None:
         """Account for a finished load (and write it, where the transfer thread did not)."""
@@ -400,8 +406,15 @@ class TransferWorker(KVConnectorWorker):
 
     @staticmethod
     def _new_stats() -> TransferStats:
-        return TransferStats(bytes_sent=[], seconds_sent=[], bytes_recv=[], seconds_recv=[],
-                             failed_loads=0, expired_loads=0, dropped_saves=0)
+        return TransferStats(
+            bytes_sent=[],
+            seconds_sent=[],
+            bytes_recv=[],
+            seconds_recv=[],
+            failed_loads=0,
+            expired_loads=0,
+            dropped_saves=0,
+        )
 
     def wait_for_exports(self, timeout: float = 30.0) -> int:
         """Block until every queued export finished (tests, shutdown); returns how many saves

@@ -23,8 +23,7 @@ def name_kv_engine(args: EngineArgs) -> EngineArgs:
     cfg = args.kv_transfer_config
     if cfg is None or cfg.engine_id is not None:
         return args
-    return args.model_copy(update={"kv_transfer_config": cfg.model_copy(
-        update={"engine_id": uuid.uuid4().hex})})
+    return args.model_copy(update={"kv_transfer_config": cfg.model_copy(update={"engine_id": uuid.uuid4().hex})})
 
 
 def kv_model_id(args: EngineArgs) -> str:
@@ -36,8 +35,15 @@ def kv_model_id(args: EngineArgs) -> str:
     return resolve_model(args.model).path.name
 
 
-def make_kv_connector(args: EngineArgs, role: KVConnectorRole, hf_config: Any, dtype: torch.dtype,
-                      device: torch.device, world_size: int = 1, rank: int = 0) -> Optional[KVConnectorBase]:
+def make_kv_connector(
+    args: EngineArgs,
+    role: KVConnectorRole,
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    world_size: int = 1,
+    rank: int = 0,
+) -> Optional[KVConnectorBase]:
     """One half of the connector `args.kv_transfer_config` names (None when there is none); the
     worker half moves rank `rank`'s share of the KV heads."""
     cfg = args.kv_transfer_config
@@ -48,8 +54,7 @@ def make_kv_connector(args: EngineArgs, role: KVConnectorRole, hf_config: Any, d
     from fleetserve.replica.layers.attention import kv_cache_layout
 
     layout = kv_cache_layout(dtype, args.block_size, kv_geometry(hf_config)[2], device)
-    ctx = build_context(cfg, kv_model_id(args), hf_config, dtype, args.block_size, world_size, rank,
-                        key_layout=layout)
+    ctx = build_context(cfg, kv_model_id(args), hf_config, dtype, args.block_size, world_size, rank, key_layout=layout)
     return make_connector(cfg, role, ctx)
 
 
@@ -61,5 +66,6 @@ def make_scheduler_connector(args: EngineArgs, hf_config: Any) -> Optional[KVCon
     from fleetserve.replica.worker.device import select_device, select_dtype
 
     device = select_device(args.device)
-    return make_kv_connector(args, KVConnectorRole.SCHEDULER, hf_config, select_dtype(args.dtype, device),
-                             device, args.tensor_parallel_size)
+    return make_kv_connector(
+        args, KVConnectorRole.SCHEDULER, hf_config, select_dtype(args.dtype, device), device, args.tensor_parallel_size
+    )

@@ -41,8 +41,9 @@ class LLM:
             self.tokenizer.chat_template = self.args.chat_template
         self.core = EngineCore(self.args, self.tokenizer.eos_token_id)
         self.metrics = EngineMetrics(self.args.served_name or source.name)
-        self.input_processor = InputProcessor(self.tokenizer, self.core.max_model_len,
-                                              self.core.hf_config.vocab_size, self.args.lora_table())
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.core.max_model_len, self.core.hf_config.vocab_size, self.args.lora_table()
+        )
         # --generation-config, as the server applies it: the model's own sampling defaults.
         self.generation_defaults = generation_defaults(source, self.args.generation_config)
 
@@ -52,11 +53,13 @@ class LLM:
         `generate` and `chat` use when no sampling params are given."""
         return SamplingParams(**self.generation_defaults)
 
-    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
-                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = True,
-                 lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
-                 ) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: bool = True,
+        lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
+    ) -> list[RequestOutput]:
         """vLLM's forms: a prompt or a list of prompts, each a string, token ids,
         `{"prompt": str}` or `{"prompt_token_ids": [...]}`, mixed freely; one
         `SamplingParams` for all or a list with one per prompt. Outputs come back in
@@ -115,9 +118,13 @@ class LLM:
             return
         left = self.core.flush_kv(on_step=self._observe_kv)
         if left:
-            logger.warning("KV connector: %d saves not finished within kv_save_timeout_s=%g s of "
-                           "generate's last output; they go on with the next call's steps, or are "
-                           "dropped at shutdown", left, self.core.kv_save_timeout_s)
+            logger.warning(
+                "KV connector: %d saves not finished within kv_save_timeout_s=%g s of "
+                "generate's last output; they go on with the next call's steps, or are "
+                "dropped at shutdown",
+                left,
+                self.core.kv_save_timeout_s,
+            )
 
     def _observe_kv(self, result) -> None:
         if result.kv_stats:
@@ -154,21 +161,25 @@ class LLM:
             if held.get(r.lora_name) == r.lora_int_id:
                 continue
             if r.lora_name in held or r.lora_int_id in held.values():
-                raise ValueError(f"LoRARequest({r.lora_name!r}, {r.lora_int_id}): that name or id is "
-                                 "another adapter's here")
+                raise ValueError(
+                    f"LoRARequest({r.lora_name!r}, {r.lora_int_id}): that name or id is another adapter's here"
+                )
             read_adapter_config(r.lora_path)
             self.core.executor.add_lora(r.lora_int_id, r.lora_name, r.lora_path)
             held[r.lora_name] = r.lora_int_id
             self.input_processor.loras[r.lora_name] = (r.lora_int_id, f"{r.lora_name}@{adapter_digest(r.lora_path)}")
         return [None if r is None else r.lora_name for r in requests]
 
-    def chat(self, messages: Union[list[dict], Sequence[list[dict]]],
-             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: Optional[dict[str, Any]] = None,
-             continue_final_message: bool = False,
-             lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
-             ) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: Union[list[dict], Sequence[list[dict]]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
+        continue_final_message: bool = False,
+        lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
+    ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of them, as vLLM's `LLM.chat`.
         The rendered template is tokenized without special tokens (the template has them);
         `chat_template_kwargs` are extra template variables; `continue_final_message` (with
@@ -176,27 +187,33 @@ class LLM:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of messages or of conversations")
         conversations: list[list[dict[str, Any]]] = (
-            [list(messages)] if isinstance(messages[0], dict) else [list(conv) for conv in messages])
+            [list(messages)] if isinstance(messages[0], dict) else [list(conv) for conv in messages]
+        )
         prompts = []
         for conv in conversations:
-            text = apply_chat_template(self.tokenizer, conv, add_generation_prompt, chat_template_kwargs,
-                                       continue_final_message)
-            prompts.append({"prompt": text,
-                            "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+            text = apply_chat_template(
+                self.tokenizer, conv, add_generation_prompt, chat_template_kwargs, continue_final_message
+            )
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
-    def embed(self, prompts: Union[PromptType, Sequence[PromptType]], use_tqdm: bool = True,
-              truncate_prompt_tokens: Optional[int] = None,
-              lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
-              ) -> list["EmbeddingRequestOutput"]:
+    def embed(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: Optional[int] = None,
+        lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
+    ) -> list["EmbeddingRequestOutput"]:
         """vLLM's `LLM.embed`: each prompt's embedding, the normalized hidden state of its
         last token after the final norm (vLLM's LAST pooling; router/embeddings.py), in
         prompt order; `out.outputs.embedding` is a list of floats."""
-        params = SamplingParams(max_tokens=1, temperature=0.0, embed=True,
-                                truncate_prompt_tokens=truncate_prompt_tokens)
+        params = SamplingParams(
+            max_tokens=1, temperature=0.0, embed=True, truncate_prompt_tokens=truncate_prompt_tokens
+        )
         outs = self.generate(prompts, params, use_tqdm, lora_request)
-        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(_embedding_of(o)))
-                for o in outs]
+        return [
+            EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(_embedding_of(o))) for o in outs
+        ]
 
 
 @dataclass(slots=True)
@@ -247,7 +264,8 @@ def _accumulate(results: dict[str, RequestOutput], delta: RequestOutput) -> None
     acc = results.get(delta.request_id)
     if acc is None:
         acc = results[delta.request_id] = RequestOutput(
-            delta.request_id, delta.prompt, delta.prompt_token_ids, [], False)
+            delta.request_id, delta.prompt, delta.prompt_token_ids, [], False
+        )
     merge_deltas(acc, delta)
 
 

@@ -60,13 +60,23 @@ def _train_tokenizer(target_size: Optional[int]):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=base_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=1)
+        vocab_size=base_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=1,
+    )
     # Repeat the corpus a few times so merges have counts; order is fixed -> deterministic.
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
-        unk_token=UNK_TOKEN, model_max_length=4096, clean_up_tokenization_spaces=False)
+        tokenizer_object=tok,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+        model_max_length=4096,
+        clean_up_tokenization_spaces=False,
+    )
     fast.chat_template = CHATML_TEMPLATE
     missing = base_size - len(fast)
     if missing > 0:
@@ -76,12 +86,23 @@ def _train_tokenizer(target_size: Optional[int]):
     return fast
 
 
-def tiny_llama_config(*, vocab_size: int = 384, hidden_size: int = 64, intermediate_size: Optional[int] = None,
-                      num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
-                      head_dim: Optional[int] = None, rope_theta: float = 10000.0,
-                      rope_scaling: Optional[dict[str, Any]] = None, tie_word_embeddings: bool = False,
-                      attention_bias: bool = False, max_position_embeddings: int = 2048,
-                      rms_norm_eps: float = 1e-5, architecture: str = "LlamaForCausalLM"):
+def tiny_llama_config(
+    *,
+    vocab_size: int = 384,
+    hidden_size: int = 64,
+    intermediate_size: Optional[int] = None,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: Optional[int] = None,
+    rope_theta: float = 10000.0,
+    rope_scaling: Optional[dict[str, Any]] = None,
+    tie_word_embeddings: bool = False,
+    attention_bias: bool = False,
+    max_position_embeddings: int = 2048,
+    rms_norm_eps: float = 1e-5,
+    architecture: str = "LlamaForCausalLM",
+):
     """The `transformers.LlamaConfig` that `make_tiny_llama` writes (no files)."""
     from transformers import LlamaConfig
 
@@ -91,21 +112,44 @@ def tiny_llama_config(*, vocab_size: int = 384, hidden_size: int = 64, intermedi
         rope_parameters["rope_type"] = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
         rope_parameters.pop("type", None)
     return LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
         intermediate_size=intermediate_size or 2 * hidden_size + hidden_size // 2,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        head_dim=head_dim, max_position_embeddings=max_position_embeddings, rms_norm_eps=rms_norm_eps,
-        rope_parameters=rope_parameters, tie_word_embeddings=tie_word_embeddings,
-        attention_bias=attention_bias, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID,
-        pad_token_id=EOS_TOKEN_ID, architectures=[architecture])
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=rms_norm_eps,
+        rope_parameters=rope_parameters,
+        tie_word_embeddings=tie_word_embeddings,
+        attention_bias=attention_bias,
+        bos_token_id=BOS_TOKEN_ID,
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=EOS_TOKEN_ID,
+        architectures=[architecture],
+    )
 
 
-def make_tiny_llama(path: str | Path, *, vocab_size: Optional[int] = None, hidden_size: int = 64,
-                    intermediate_size: Optional[int] = None, num_layers: int = 2, num_heads: int = 4,
-                    num_kv_heads: int = 2, head_dim: Optional[int] = None, rope_theta: float = 10000.0,
-                    rope_scaling: Optional[dict[str, Any]] = None, tie_word_embeddings: bool = False,
-                    attention_bias: bool = False, max_position_embeddings: int = 2048,
-                    rms_norm_eps: float = 1e-5, init_std: float = 0.1, seed: int = 0) -> Path:
+def make_tiny_llama(
+    path: str | Path,
+    *,
+    vocab_size: Optional[int] = None,
+    hidden_size: int = 64,
+    intermediate_size: Optional[int] = None,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: Optional[int] = None,
+    rope_theta: float = 10000.0,
+    rope_scaling: Optional[dict[str, Any]] = None,
+    tie_word_embeddings: bool = False,
+    attention_bias: bool = False,
+    max_position_embeddings: int = 2048,
+    rms_norm_eps: float = 1e-5,
+    init_std: float = 0.1,
+    seed: int = 0,
+) -> Path:
     """Write a tiny random Llama HF folder at `path` (created if needed) and return it.
 
     vocab_size=None uses the tokenizer's natural size (384). `init_std` is
@@ -121,11 +165,20 @@ def make_tiny_llama(path: str | Path, *, vocab_size: Optional[int] = None, hidde
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = _train_tokenizer(vocab_size)
     config = tiny_llama_config(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        rope_theta=rope_theta, rope_scaling=rope_scaling, tie_word_embeddings=tie_word_embeddings,
-        attention_bias=attention_bias, max_position_embeddings=max_position_embeddings,
-        rms_norm_eps=rms_norm_eps)
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=tie_word_embeddings,
+        attention_bias=attention_bias,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=rms_norm_eps,
+    )
     config.initializer_range = init_std
 
     # A private generator: seeding must not disturb (or depend on) the caller's RNG.
@@ -138,17 +191,25 @@ def make_tiny_llama(path: str | Path, *, vocab_size: Optional[int] = None, hidde
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(init_std * torch.randn(p.shape, generator=gen))
-    model.generation_config = GenerationConfig(bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID,
-                                               pad_token_id=EOS_TOKEN_ID)
+    model.generation_config = GenerationConfig(
+        bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=EOS_TOKEN_ID
+    )
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 
 
-def make_tiny_lora(model_dir: str | Path, path: str | Path, *, r: int = 8, lora_alpha: int = 16,
-                   target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                      "up_proj", "down_proj"),
-                   use_rslora: bool = False, init_std: float = 0.2, seed: int = 0) -> Path:
+def make_tiny_lora(
+    model_dir: str | Path,
+    path: str | Path,
+    *,
+    r: int = 8,
+    lora_alpha: int = 16,
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    use_rslora: bool = False,
+    init_std: float = 0.2,
+    seed: int = 0,
+) -> Path:
     """Write a PEFT LoRA adapter folder for the tiny model at `model_dir` (written by `peft`
     itself: its adapter_config.json and its key names), with random A and B (PEFT starts B
     at zero, which would make the adapter a no-op) large enough to change greedy outputs."""
@@ -158,8 +219,15 @@ def make_tiny_lora(model_dir: str | Path, path: str | Path, *, r: int = 8, lora_
 
     path = Path(path)
     base = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    cfg = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(target_modules), lora_dropout=0.0,
-                     bias="none", use_rslora=use_rslora, task_type="CAUSAL_LM")
+    cfg = LoraConfig(
+        r=r,
+        lora_alpha=lora_alpha,
+        target_modules=list(target_modules),
+        lora_dropout=0.0,
+        bias="none",
+        use_rslora=use_rslora,
+        task_type="CAUSAL_LM",
+    )
     peft_model = get_peft_model(base, cfg)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -64,8 +64,7 @@ class AccessLog:
         finally:
             status = seen.status
             if self.enabled or (status >= 400 and status != 500):
-                logger.info("%s", request_line(scope, status, time.perf_counter() - t0,
-                                               error_message(seen.body)))
+                logger.info("%s", request_line(scope, status, time.perf_counter() - t0, error_message(seen.body)))
 
 
 def request_line(scope, status: int, seconds: float, error: str = "") -> str:

@@ -52,8 +52,7 @@ def _digest(value: str) -> bytes:
 
 
 class ApiKeyAuth:
-    def __init__(self, api_key: Optional[str],
-                 open_paths: tuple[str, ...] = ("/health", "/ping", "/metrics")) -> None:
+    def __init__(self, api_key: Optional[str], open_paths: tuple[str, ...] = ("/health", "/ping", "/metrics")) -> None:
         self._digest = _digest(api_key) if api_key else None
         self.open_paths = frozenset(open_paths)
 
@@ -70,8 +69,9 @@ class ApiKeyAuth:
         # Compare even when the scheme is wrong: the time taken says nothing either way.
         matches = hmac.compare_digest(presented, self._digest)
         if not (matches and scheme.lower() == "bearer"):
-            raise APIError("Incorrect API key provided: send 'Authorization: Bearer <key>'", 401,
-                           code="invalid_api_key")
+            raise APIError(
+                "Incorrect API key provided: send 'Authorization: Bearer <key>'", 401, code="invalid_api_key"
+            )
 
 
 # The ingress's auth. Serve builds the FastAPI app from a module-level object, so the
@@ -105,4 +105,3 @@ class RequireApiKey:
                 await to_response(e.body)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-

@@ -37,14 +37,18 @@ def origin_pattern(origin: str) -> str:
         return ".*"
     scheme, sep, rest = origin.partition("://")
     if not sep or scheme not in ("http", "https") or not rest or "/" in rest:
-        raise ValueError(f"allowed origin {origin!r} is not an origin like https://app.example.com, "
-                         "http://localhost:*, https://*.example.com or *")
+        raise ValueError(
+            f"allowed origin {origin!r} is not an origin like https://app.example.com, "
+            "http://localhost:*, https://*.example.com or *"
+        )
     any_port = rest.endswith(":*")
     host = rest[:-2] if any_port else rest
     core = host[2:] if host.startswith("*.") else host
     if not core or "*" in core:
-        raise ValueError(f"allowed origin {origin!r}: '*' may only be a whole leading label "
-                         "(https://*.example.com) or the port (http://localhost:*)")
+        raise ValueError(
+            f"allowed origin {origin!r}: '*' may only be a whole leading label "
+            "(https://*.example.com) or the port (http://localhost:*)"
+        )
     pattern = re.escape(host)
     if host.startswith("*."):
         pattern = r"[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*" + re.escape(host[1:])
@@ -91,17 +95,31 @@ class Cors:
             return
         if self._built is None or self._built[0] is not settings:
             regex = settings.origin_regex()
-            self._built = (settings, re.compile(regex), CORSMiddleware(
-                self.app, allow_origin_regex=regex,
-                # "*" with credentials: Starlette answers with the request's origin, as browsers require
-                allow_origins=("*",) if "*" in settings.allowed_origins else (),
-                allow_credentials=settings.allow_credentials,
-                allow_methods=settings.allowed_methods, allow_headers=settings.allowed_headers))
+            self._built = (
+                settings,
+                re.compile(regex),
+                CORSMiddleware(
+                    self.app,
+                    allow_origin_regex=regex,
+                    # "*" with credentials: Starlette answers with the request's origin, as browsers require
+                    allow_origins=("*",) if "*" in settings.allowed_origins else (),
+                    allow_credentials=settings.allow_credentials,
+                    allow_methods=settings.allowed_methods,
+                    allow_headers=settings.allowed_headers,
+                ),
+            )
         _, allowed, cors = self._built
         origin = Headers(scope=scope).get("origin")
-        if origin and origin not in self._refused and not allowed.fullmatch(origin) \
-                and len(self._refused) < _LOGGED_ORIGINS:
+        if (
+            origin
+            and origin not in self._refused
+            and not allowed.fullmatch(origin)
+            and len(self._refused) < _LOGGED_ORIGINS
+        ):
             self._refused.add(origin)
-            logger.info("CORS: refused a request from the web page origin %r (allowed: %s); "
-                        "--allowed-origins admits it", origin, ", ".join(settings.allowed_origins))
+            logger.info(
+                "CORS: refused a request from the web page origin %r (allowed: %s); --allowed-origins admits it",
+                origin,
+                ", ".join(settings.allowed_origins),
+            )
         await cors(scope, receive, send)

@@ -50,9 +50,13 @@ class EnginePools:
     `settings.pd` set) the decode pool, and `prefill` the prefill pool. `on_info` is
     called with the engines' info once it has come."""
 
-    def __init__(self, engine: DeploymentHandle, settings: IngressSettings,
-                 prefill: Optional[DeploymentHandle] = None,
-                 on_info: Optional[Callable[[dict], None]] = None) -> None:
+    def __init__(
+        self,
+        engine: DeploymentHandle,
+        settings: IngressSettings,
+        prefill: Optional[DeploymentHandle] = None,
+        on_info: Optional[Callable[[dict], None]] = None,
+    ) -> None:
         # Serve reads RAY_SERVE_USE_GRPC_BY_DEFAULT once, when ray.serve is imported, into the
         # default of every handle it builds. The engine handle was built in the driver, which
         # imports ray.serve before fleetserve exports the setting, so it arrives here set for
@@ -75,8 +79,7 @@ class EnginePools:
         self._generate = self.stream.generate  # built once: each attribute access makes a new handle
         # One Serve stream per engine replica for all requests' deltas (router.feed);
         # FLEETSERVE_STREAM_FEED=0 streams each request on its own call only.
-        self.feeds = (FeedHub(self.stream)
-                      if os.environ.get("FLEETSERVE_STREAM_FEED", "1") != "0" else None)
+        self.feeds = FeedHub(self.stream) if os.environ.get("FLEETSERVE_STREAM_FEED", "1") != "0" else None
         self._max_migrations = settings.max_migrations
         self._on_info = on_info
         self._info: Optional[dict] = None
@@ -112,11 +115,13 @@ class EnginePools:
 
     async def _fetch_info(self) -> dict:
         try:
-            infos = [await asyncio.wait_for(pool.get_info.remote(), INFO_TIMEOUT_S)
-                     for pool in self.handles]  # each builds this process's router
+            infos = [
+                await asyncio.wait_for(pool.get_info.remote(), INFO_TIMEOUT_S) for pool in self.handles
+            ]  # each builds this process's router
         except asyncio.TimeoutError:
-            raise APIError("the model is still loading (no engine replica has "
-                           "answered yet); retry shortly", 503) from None
+            raise APIError(
+                "the model is still loading (no engine replica has answered yet); retry shortly", 503
+            ) from None
         for pool, pool_info in zip(self.handles, infos):
             self._set_pool_hashing(pool, pool_info)
         info = infos[0]
@@ -178,8 +183,7 @@ class EnginePools:
         return ReplicaStream.open(generate, body, self.feeds, **kwargs)
 
     async def _open_plain(self, body: dict):
-        gen = MigratingStream(lambda b: self._open_call(self._generate, b), body,
-                              max_migrations=self._max_migrations)
+        gen = MigratingStream(lambda b: self._open_call(self._generate, b), body, max_migrations=self._max_migrations)
         try:
             first = await gen.__anext__()
         except BackPressureError:  # Serve's bounded queue in front of the replicas is full
@@ -202,7 +206,7 @@ class EnginePools:
         results = {}
         for pool in self.handles:  # the engine pool; with P/D, the prefill pool too
             router = get_router(pool.app_name, pool.deployment_name)
-            for rid in (router.replica_ids() if router else []):
+            for rid in router.replica_ids() if router else []:
                 call = pool.control.remote(op, **kwargs, **{TARGET_KWARG: rid})
                 r = await asyncio.wait_for(call, timeout_s)
                 results[r["replica"]] = r

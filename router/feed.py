@@ -67,6 +67,7 @@ class FeedLost(RuntimeError):
 
 # -- the engine replica's side ---------------------------------------------------------
 
+
 class FeedChannel:
     """What the requests bound to one ingress's feed produced since the feed last sent.
     Lives on the replica's event loop; `put` never blocks (a slow reader gets bigger
@@ -189,6 +190,7 @@ class FeedChannels:
 
 # -- the ingress's side -----------------------------------------------------------------
 
+
 class Inbox:
     """One request's items, from the feed and from its own call, in arrival order."""
 
@@ -227,9 +229,11 @@ class Inbox:
                         await asyncio.wait_for(self._waiter, grace_s)
                     except asyncio.TimeoutError:
                         if not self.items:
-                            raise FeedLost(f"the replica ended the request, but its last "
-                                           f"outputs did not arrive on the feed within "
-                                           f"{grace_s:g} s") from None
+                            raise FeedLost(
+                                f"the replica ended the request, but its last "
+                                f"outputs did not arrive on the feed within "
+                                f"{grace_s:g} s"
+                            ) from None
                 else:
                     await self._waiter
             finally:
@@ -283,8 +287,7 @@ class FeedHub:
         if inbox is None:
             return
         if replica_id not in self._feeds:  # ended here already: its last items may be lost
-            inbox.fail(FeedLost(f"the feed from replica {replica_id} ended as the request "
-                                "moved onto it"))
+            inbox.fail(FeedLost(f"the feed from replica {replica_id} ended as the request moved onto it"))
             return
         self._bound.setdefault(replica_id, set()).add(key)
         self._replica_of[key] = replica_id
@@ -296,7 +299,8 @@ class FeedHub:
         # A context of its own: Serve's router keys calls by the request context's internal
         # id, and a call sharing the id of the request that started it confuses it.
         self._feeds[replica_id] = asyncio.get_running_loop().create_task(
-            self._run(replica_id), context=contextvars.Context())
+            self._run(replica_id), context=contextvars.Context()
+        )
 
     def open_feeds(self) -> list[str]:
         return list(self._feeds)
@@ -343,5 +347,4 @@ class FeedHub:
                 self._replica_of.pop(key, None)
                 inbox = self._inboxes.get(key)
                 if inbox is not None:
-                    inbox.fail(FeedLost(f"the feed from replica {replica_id} ended while "
-                                        "the request was on it"))
+                    inbox.fail(FeedLost(f"the feed from replica {replica_id} ended while the request was on it"))

@@ -102,8 +102,9 @@ async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
 
 
 class Ingress(GrpcMethods):
-    def __init__(self, engine: DeploymentHandle, settings: IngressSettings,
-                 prefill: Optional[DeploymentHandle] = None) -> None:
+    def __init__(
+        self, engine: DeploymentHandle, settings: IngressSettings, prefill: Optional[DeploymentHandle] = None
+    ) -> None:
         """`engine` is the engine pool requests stream from; with P/D (`prefill` given and
         `settings.pd` set: router/routing/pd.py) it is the decode pool, and `prefill` the
         prefill pool."""
@@ -121,8 +122,9 @@ class Ingress(GrpcMethods):
         self.loras = LoRAAdmin(settings.lora, reserved=self._served)
         self.pools = EnginePools(engine, settings, prefill, on_info=self.loras.learn_keys)
         self.bodies = BodyBuilder(self.pools, self.loras)
-        self._metrics = RouterMetrics(self.pools.routers, self.pools.feeds,
-                                      [flow.metrics for flow in self.pools.flows()])
+        self._metrics = RouterMetrics(
+            self.pools.routers, self.pools.feeds, [flow.metrics for flow in self.pools.flows()]
+        )
         self._auth = ApiKeyAuth(settings.api_key, settings.open_paths)
         _auth.install(self._auth)
         _cors.install(settings.cors)
@@ -160,22 +162,32 @@ class Ingress(GrpcMethods):
     def check_model(self, model: Optional[str]) -> None:
         if model and model not in self._served and model not in self.loras:
             adapters = self.loras.names()
-            raise APIError(f"The model `{model}` does not exist; this server serves "
-                           + ", ".join(f"`{n}`" for n in (self.served_model_name, *self.settings.listed_names))
-                           + (" and the LoRA adapters " + ", ".join(f"`{n}`" for n in adapters)
-                              if adapters else ""), 404, param="model",
-                           code="model_not_found")
+            raise APIError(
+                f"The model `{model}` does not exist; this server serves "
+                + ", ".join(f"`{n}`" for n in (self.served_model_name, *self.settings.listed_names))
+                + (" and the LoRA adapters " + ", ".join(f"`{n}`" for n in adapters) if adapters else ""),
+                404,
+                param="model",
+                code="model_not_found",
+            )
 
     def check_api_key(self, presented: Optional[str]) -> None:
         self._auth.check(presented)
 
-    async def embed(self, inputs: list, add_special_tokens: bool, truncate_prompt_tokens: Optional[int],
-                    priority: int, model: Optional[str] = None) -> tuple[list[list[float]], int]:
+    async def embed(
+        self,
+        inputs: list,
+        add_special_tokens: bool,
+        truncate_prompt_tokens: Optional[int],
+        priority: int,
+        model: Optional[str] = None,
+    ) -> tuple[list[list[float]], int]:
         """(one vector per input, the inputs' tokens) for `/v1/embeddings` and gRPC's Embed:
         each input a request of its own (router/api/embeddings.py: at most `FANOUT` in flight)."""
         emb_api.check_input_count(inputs)
-        bodies = await self.bodies.embedding_bodies(f"embd-{uuid.uuid4().hex}", inputs, add_special_tokens,
-                                                    truncate_prompt_tokens, priority, model)
+        bodies = await self.bodies.embedding_bodies(
+            f"embd-{uuid.uuid4().hex}", inputs, add_special_tokens, truncate_prompt_tokens, priority, model
+        )
         vectors = await emb_api.embed_all(self.pools.open_stream, bodies)
         return vectors, sum(len(b["prompt_token_ids"]) for b in bodies)
 
@@ -192,9 +204,15 @@ class Ingress(GrpcMethods):
         echo = None
         if req.echo:
             tok = (await self.info())["tokenizer"]
-            echo = [completions.Echo(p if isinstance(p, str) and req.truncate_prompt_tokens is None
-                                     else tok.decode(b["prompt_token_ids"]),
-                                     b["prompt_token_ids"]) for p, b in zip(prompts, bodies)]
+            echo = [
+                completions.Echo(
+                    p
+                    if isinstance(p, str) and req.truncate_prompt_tokens is None
+                    else tok.decode(b["prompt_token_ids"]),
+                    b["prompt_token_ids"],
+                )
+                for p, b in zip(prompts, bodies)
+            ]
         gen, first = await completions.MergedStream.open(self.pools.open_stream, bodies, params.n, echo, FANOUT)
         return await self._respond_with(gen, first, rid, req, chat=False, logprobs_n=req.logprobs)
 
@@ -209,16 +227,26 @@ class Ingress(GrpcMethods):
         gen, first = await self.pools.open_stream(body)
         return await self._respond_with(gen, first, body["request_id"], req, chat, logprobs_n, tools)
 
-    async def _respond_with(self, gen, first: dict, rid: str, req, chat: bool,
-                            logprobs_n: Optional[int], tools=None):
+    async def _respond_with(self, gen, first: dict, rid: str, req, chat: bool, logprobs_n: Optional[int], tools=None):
         if is_error(first):
             return to_response(first)
         model = req.model or self.served_model_name
         if req.stream:
-            writer = fmt.ChunkWriter(rid, model, chat, logprobs_n, self.decode_one, tools,
-                                     label=self.token_label(req), reasoning=self.reasoning)
-            return StreamingResponse(self._sse(gen, first, writer, req.include_usage, req.continuous_usage),
-                                     media_type="text/event-stream", headers=_SSE_HEADERS)
+            writer = fmt.ChunkWriter(
+                rid,
+                model,
+                chat,
+                logprobs_n,
+                self.decode_one,
+                tools,
+                label=self.token_label(req),
+                reasoning=self.reasoning,
+            )
+            return StreamingResponse(
+                self._sse(gen, first, writer, req.include_usage, req.continuous_usage),
+                media_type="text/event-stream",
+                headers=_SSE_HEADERS,
+            )
         choices: dict[int, fmt.Choice] = {}
         usage = fmt.Usage()
         prompt_lp = None  # one prompt's, on the item (a merged stream puts them on each choice)
@@ -238,14 +266,29 @@ class Ingress(GrpcMethods):
             for c in choices.values():
                 c.prompt_logprobs = c.prompt_logprobs or prompt_lp
         if chat:
-            return JSONResponse(fmt.chat_body(rid, model, choices, usage, logprobs_n, self.decode_one, tools,
-                                              label=label, prompt_logprobs_n=prompt_n,
-                                              reasoning=self.reasoning))
-        return JSONResponse(fmt.completion_body(rid, model, choices, usage, logprobs_n, self.decode_one,
-                                                label=label, prompt_logprobs_n=prompt_n))
+            return JSONResponse(
+                fmt.chat_body(
+                    rid,
+                    model,
+                    choices,
+                    usage,
+                    logprobs_n,
+                    self.decode_one,
+                    tools,
+                    label=label,
+                    prompt_logprobs_n=prompt_n,
+                    reasoning=self.reasoning,
+                )
+            )
+        return JSONResponse(
+            fmt.completion_body(
+                rid, model, choices, usage, logprobs_n, self.decode_one, label=label, prompt_logprobs_n=prompt_n
+            )
+        )
 
-    async def _sse(self, gen, first: dict, writer: fmt.ChunkWriter,
-                   include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[str]:
+    async def _sse(
+        self, gen, first: dict, writer: fmt.ChunkWriter, include_usage: bool, continuous_usage: bool = False
+    ) -> AsyncIterator[str]:
         usage = fmt.Usage()
         try:
             async for item in stream_items(gen, first):
@@ -282,11 +325,18 @@ class Ingress(GrpcMethods):
         gen, first = await self.pools.open_stream(body)
         if is_error(first):
             return to_response(resp_api.in_responses_terms(first))
-        run = ResponseRun(req, rid, stem, history + req.input_messages(), req.model or self.served_model_name,
-                          self._responses, self.reasoning, tools)
+        run = ResponseRun(
+            req,
+            rid,
+            stem,
+            history + req.input_messages(),
+            req.model or self.served_model_name,
+            self._responses,
+            self.reasoning,
+            tools,
+        )
         if req.stream:
-            return StreamingResponse(run.events(gen, first), media_type="text/event-stream",
-                                     headers=_SSE_HEADERS)
+            return StreamingResponse(run.events(gen, first), media_type="text/event-stream", headers=_SSE_HEADERS)
         error = await drain(gen, first, run.observe)
         return to_response(error) if error is not None else JSONResponse(run.result())
 
@@ -311,16 +361,28 @@ class Ingress(GrpcMethods):
             raise APIError(f"dimensions must be positive, got {req.dimensions}", 400, param="dimensions")
         width = (await self.info()).get("hidden_size") if req.dimensions is not None else None
         if width and req.dimensions != width:  # refused before any input is computed
-            raise APIError(f"this model's embeddings have {width} dimensions; reducing them "
-                           "(dimensions) is not supported", 400, param="dimensions")
-        vectors, prompt_tokens = await self.embed(completions.prompt_list(req.input, "input"),
-                                                  req.add_special_tokens, req.truncate_prompt_tokens,
-                                                  req.priority, req.model)
+            raise APIError(
+                f"this model's embeddings have {width} dimensions; reducing them (dimensions) is not supported",
+                400,
+                param="dimensions",
+            )
+        vectors, prompt_tokens = await self.embed(
+            completions.prompt_list(req.input, "input"),
+            req.add_special_tokens,
+            req.truncate_prompt_tokens,
+            req.priority,
+            req.model,
+        )
         if req.dimensions is not None and req.dimensions != len(vectors[0]):
-            raise APIError(f"this model's embeddings have {len(vectors[0])} dimensions; reducing them "
-                           "(dimensions) is not supported", 400, param="dimensions")
-        return JSONResponse(emb_api.response_body(req.model or self.served_model_name, vectors,
-                                                  req.encoding_format, prompt_tokens))
+            raise APIError(
+                f"this model's embeddings have {len(vectors[0])} dimensions; reducing them "
+                "(dimensions) is not supported",
+                400,
+                param="dimensions",
+            )
+        return JSONResponse(
+            emb_api.response_body(req.model or self.served_model_name, vectors, req.encoding_format, prompt_tokens)
+        )
 
     @app.post("/v1/score")
     @app.post("/score", include_in_schema=False)  # (aliases, as vLLM serves them)
@@ -332,8 +394,11 @@ class Ingress(GrpcMethods):
         except ValueError as e:
             raise APIError(str(e), 400, param="text_2") from None
         scores, tokens = await self._similarities(pairs, req)
-        return JSONResponse(emb_api.score_body(f"score-{uuid.uuid4().hex}", int(time.time()),
-                                               req.model or self.served_model_name, scores, tokens))
+        return JSONResponse(
+            emb_api.score_body(
+                f"score-{uuid.uuid4().hex}", int(time.time()), req.model or self.served_model_name, scores, tokens
+            )
+        )
 
     @app.post("/v1/rerank")
     @app.post("/rerank", include_in_schema=False)
@@ -346,14 +411,16 @@ class Ingress(GrpcMethods):
         if req.top_n < 0:
             raise APIError(f"top_n must be 0 (every document) or more, got {req.top_n}", 400, param="top_n")
         scores, tokens = await self._similarities([(req.query, d) for d in req.documents], req)
-        return JSONResponse(emb_api.rerank_body(f"rerank-{uuid.uuid4().hex}", req.model or self.served_model_name,
-                                                req, scores, tokens))
+        return JSONResponse(
+            emb_api.rerank_body(f"rerank-{uuid.uuid4().hex}", req.model or self.served_model_name, req, scores, tokens)
+        )
 
     async def _similarities(self, pairs: list[tuple[str, str]], req) -> tuple[list[float], int]:
         """Each pair's cosine similarity, every distinct text embedded once; and the tokens read."""
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-        vectors, tokens = await self.embed(texts, req.add_special_tokens, req.truncate_prompt_tokens,
-                                           req.priority, req.model)
+        vectors, tokens = await self.embed(
+            texts, req.add_special_tokens, req.truncate_prompt_tokens, req.priority, req.model
+        )
         by_text = dict(zip(texts, vectors))
         return [emb_api.cosine(by_text[a], by_text[b]) for a, b in pairs], tokens
 
@@ -389,8 +456,14 @@ class Ingress(GrpcMethods):
     def _model_card(self, name: str, info: dict) -> dict:
         if name in self.loras:
             return self.loras.card(name, self.served_model_name, self._created, info["max_model_len"])
-        return {"id": name, "object": "model", "created": self._created, "owned_by": "fleetserve",
-                "root": info["model_name"], "max_model_len": info["max_model_len"]}
+        return {
+            "id": name,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "fleetserve",
+            "root": info["model_name"],
+            "max_model_len": info["max_model_len"],
+        }
 
     @app.api_route("/ping", methods=["GET", "POST"])
     async def ping(self):
@@ -407,14 +480,15 @@ class Ingress(GrpcMethods):
     async def health(self):
         report = await replica_health(self.pools)  # router/health.py: engines asked, not actors
         if not report["healthy"]:
-            return to_response(error_body(
-                f"no healthy engine replica: {report['unhealthy'] or 'none running'}", 503))
-        body = {"status": "ok" if not report["unhealthy"] else "degraded",
-                "num_replicas": len(report["healthy"]), "unhealthy": report["unhealthy"]}
+            return to_response(error_body(f"no healthy engine replica: {report['unhealthy'] or 'none running'}", 503))
+        body = {
+            "status": "ok" if not report["unhealthy"] else "degraded",
+            "num_replicas": len(report["healthy"]),
+            "unhealthy": report["unhealthy"],
+        }
         prefill = report.get("prefill")
         if prefill is not None:  # P/D: the decode pool above, the prefill pool here
-            body["prefill"] = {"num_replicas": len(prefill["healthy"]),
-                               "unhealthy": prefill["unhealthy"]}
+            body["prefill"] = {"num_replicas": len(prefill["healthy"]), "unhealthy": prefill["unhealthy"]}
             if prefill["unhealthy"] or not prefill["healthy"]:
                 body["status"] = "degraded"  # prompts are recomputed on the decode side
         return body
@@ -426,10 +500,12 @@ class Ingress(GrpcMethods):
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of prompt or messages", 400, param="prompt")
         if req.messages is not None:
-            text = await self.bodies.apply_chat_template([m.flat() for m in req.messages],
-                                                         req.add_generation_prompt,
-                                                         template_kwargs=req.chat_template_kwargs,
-                                                         continue_final_message=req.continue_final_message)
+            text = await self.bodies.apply_chat_template(
+                [m.flat() for m in req.messages],
+                req.add_generation_prompt,
+                template_kwargs=req.chat_template_kwargs,
+                continue_final_message=req.continue_final_message,
+            )
             ids = await self.bodies.tokenize_prompt(text, False, "messages")
         else:
             ids = await self.bodies.tokenize_prompt(req.prompt, req.add_special_tokens, "prompt")
@@ -449,8 +525,9 @@ class Ingress(GrpcMethods):
             results = await self.pools.replica_calls("metrics_text")
         except Exception as e:  # a replica is down or slow: say so, don't 500
             return to_response(error_body(f"replicas unreachable: {e!r}", 503))
-        return PlainTextResponse(self._metrics.exposition({rid: r["text"] for rid, r in results.items()}),
-                                 media_type=METRICS_CONTENT_TYPE)
+        return PlainTextResponse(
+            self._metrics.exposition({rid: r["text"] for rid, r in results.items()}), media_type=METRICS_CONTENT_TYPE
+        )
 
     # -- request parsing -------------------------------------------------------
 
@@ -472,8 +549,9 @@ class Ingress(GrpcMethods):
         try:
             return await asyncio.wait_for(self._read_body_unbounded(request), timeout_s)
         except asyncio.TimeoutError:
-            raise APIError(f"the request body did not arrive within {timeout_s:g} s", 408,
-                           code="request_timeout") from None
+            raise APIError(
+                f"the request body did not arrive within {timeout_s:g} s", 408, code="request_timeout"
+            ) from None
 
     async def _read_body_unbounded(self, request: Request) -> bytes:
         limit = self.settings.max_body_bytes
@@ -490,10 +568,17 @@ class Ingress(GrpcMethods):
 
 
 # /openapi.json describes the bodies the routes parse themselves (router/api/openapi.py).
-add_request_bodies(app, {"/v1/completions": CompletionRequest,
-                         "/v1/chat/completions": ChatCompletionRequest,
-                         "/v1/responses": resp_api.ResponsesRequest,
-                         "/v1/embeddings": emb_api.EmbeddingRequest,
-                         "/v1/score": emb_api.ScoreRequest, "/v1/rerank": emb_api.RerankRequest,
-                         "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest})
+add_request_bodies(
+    app,
+    {
+        "/v1/completions": CompletionRequest,
+        "/v1/chat/completions": ChatCompletionRequest,
+        "/v1/responses": resp_api.ResponsesRequest,
+        "/v1/embeddings": emb_api.EmbeddingRequest,
+        "/v1/score": emb_api.ScoreRequest,
+        "/v1/rerank": emb_api.RerankRequest,
+        "/tokenize": TokenizeRequest,
+        "/detokenize": DetokenizeRequest,
+    },
+)
 IngressDeployment = serve.ingress(app)(Ingress)

@@ -42,9 +42,11 @@ class LoRAAdmin:
         self._allow_updates = settings.allow_runtime_updating
         self._lock = asyncio.Lock()
         self._runtime: dict[str, dict] = {}  # those loaded at run time: name -> {"path", "key"}
-        self._registry = (RuntimeLoRAs(settings.app_name, settings.instance_id)
-                          if settings.allow_runtime_updating and settings.app_name and settings.instance_id
-                          else None)
+        self._registry = (
+            RuntimeLoRAs(settings.app_name, settings.instance_id)
+            if settings.allow_runtime_updating and settings.app_name and settings.instance_id
+            else None
+        )
         if self._registry is not None:
             self._restore(self._registry)
 
@@ -57,8 +59,10 @@ class LoRAAdmin:
                 self._keys[name] = entry["key"]
             self._runtime[name] = entry
         if self._runtime:
-            logger.info("ingress restarted: LoRA adapters loaded at run time before, served again: %s",
-                        ", ".join(sorted(self._runtime)))
+            logger.info(
+                "ingress restarted: LoRA adapters loaded at run time before, served again: %s",
+                ", ".join(sorted(self._runtime)),
+            )
 
     # -- what requests ask ---------------------------------------------------------
 
@@ -86,16 +90,25 @@ class LoRAAdmin:
 
     def card(self, name: str, base_model: str, created: int, max_model_len: int) -> dict:
         """vLLM's /v1/models card of an adapter: its path, and the base model as its parent."""
-        return {"id": name, "object": "model", "created": created, "owned_by": "fleetserve",
-                "root": self._paths[name], "parent": self._parents.get(name, base_model),
-                "max_model_len": max_model_len}
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "fleetserve",
+            "root": self._paths[name],
+            "parent": self._parents.get(name, base_model),
+            "max_model_len": max_model_len,
+        }
 
     # -- administration at run time ------------------------------------------------
 
     def _check_updates(self) -> None:
         if not self._allow_updates:
-            raise APIError("loading and unloading LoRA adapters at run time is off; start the server "
-                           "with --enable-lora --allow-runtime-lora-updating", 404)
+            raise APIError(
+                "loading and unloading LoRA adapters at run time is off; start the server "
+                "with --enable-lora --allow-runtime-lora-updating",
+                404,
+            )
 
     async def load(self, name: str, path: str, replica_calls: ReplicaCalls) -> int:
         """Load an adapter on every engine replica (both pools with P/D); a replica that
@@ -106,20 +119,27 @@ class LoRAAdmin:
         async with self._lock:
             if name in self._reserved or name in self._paths:
                 what = "LoRA adapter" if name in self._paths else "model name"
-                raise APIError(f"The {what} '{name}' is already in use; unload it first or pick "
-                               "another name", 400, param="lora_name")
+                raise APIError(
+                    f"The {what} '{name}' is already in use; unload it first or pick another name",
+                    400,
+                    param="lora_name",
+                )
             # replace: a replica's copy under a name this ingress does not serve is left over
             # (from an ingress of an earlier config, which forgot it): the new weights win.
-            results = await replica_calls("load_lora", timeout_s=LORA_LOAD_TIMEOUT_S + 10, name=name,
-                                          path=path, replace=True)
+            results = await replica_calls(
+                "load_lora", timeout_s=LORA_LOAD_TIMEOUT_S + 10, name=name, path=path, replace=True
+            )
             if not results:
                 raise APIError("no engine replica is running to load the adapter on", 503)
             failed = [r for r in results.values() if "error" in r]
             if failed:
                 await replica_calls("unload_lora", name=name)
                 busy = [r for r in failed if r.get("status") == 429]
-                raise APIError(f"LoRA adapter '{name}' could not be loaded: {(busy or failed)[0]['error']}",
-                               429 if busy else 400, param="lora_path")
+                raise APIError(
+                    f"LoRA adapter '{name}' could not be loaded: {(busy or failed)[0]['error']}",
+                    429 if busy else 400,
+                    param="lora_path",
+                )
             keys = {r["key"] for r in results.values()}
             if len(keys) > 1:
                 logger.warning("LoRA adapter %r: the replicas read different files at %s (%s)", name, path, keys)
@@ -136,8 +156,9 @@ class LoRAAdmin:
         self._check_updates()
         async with self._lock:
             if name not in self._paths:
-                raise APIError(f"The LoRA adapter '{name}' cannot be found.", 404, param="lora_name",
-                               code="model_not_found")
+                raise APIError(
+                    f"The LoRA adapter '{name}' cannot be found.", 404, param="lora_name", code="model_not_found"
+                )
             del self._paths[name]
             self._parents.pop(name, None)
             self._keys.pop(name, None)

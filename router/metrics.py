@@ -108,25 +108,40 @@ class PDMetrics(_OwnRegistry):
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.prompt_tokens = Counter(
-            "fleetserve:pd_decode_prompt_tokens", "Prompt tokens on the decode side by source: "
+            "fleetserve:pd_decode_prompt_tokens",
+            "Prompt tokens on the decode side by source: "
             "loaded (through the KV connector), cached (decode's own prefix cache), recomputed",
-            ["source"], registry=self.registry)
+            ["source"],
+            registry=self.registry,
+        )
         self.requests = Counter(
-            "fleetserve:pd_requests", "Requests by P/D path: pd (prefill, then load on decode), "
+            "fleetserve:pd_requests",
+            "Requests by P/D path: pd (prefill, then load on decode), "
             "decode_only (decode's cache covered the prompt or it was short), prefill_failed "
             "(the decode replica recomputed after failed prefill calls), prefill_only (an "
-            "embedding: prompt work alone, answered by the prefill pool)", ["path"],
-            registry=self.registry)
+            "embedding: prompt work alone, answered by the prefill pool)",
+            ["path"],
+            registry=self.registry,
+        )
         self.retries = Counter(
-            "fleetserve:pd_retries", "Calls tried again: a prefill call, or a decode call after "
-            "its KV load failed", ["stage"], registry=self.registry)
+            "fleetserve:pd_retries",
+            "Calls tried again: a prefill call, or a decode call after its KV load failed",
+            ["stage"],
+            registry=self.registry,
+        )
         self.prefill_seconds = Histogram(
-            "fleetserve:pd_prefill_seconds", "Prefill call, sent to its final item received",
-            buckets=BUCKETS, registry=self.registry)
+            "fleetserve:pd_prefill_seconds",
+            "Prefill call, sent to its final item received",
+            buckets=BUCKETS,
+            registry=self.registry,
+        )
         self.handoff_seconds = Histogram(
-            "fleetserve:pd_handoff_seconds", "Prefill's final item received to the decode "
+            "fleetserve:pd_handoff_seconds",
+            "Prefill's final item received to the decode "
             "replica's first item (KV load + one token + the router's work)",
-            buckets=BUCKETS, registry=self.registry)
+            buckets=BUCKETS,
+            registry=self.registry,
+        )
 
 
 class ReuseMetrics(_OwnRegistry):
@@ -135,16 +150,25 @@ class ReuseMetrics(_OwnRegistry):
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            "fleetserve:prefix_reuse_requests", "Requests whose prefix another replica cached: "
+            "fleetserve:prefix_reuse_requests",
+            "Requests whose prefix another replica cached: "
             "exported (the chosen replica was handed the peer's KV), export_failed (it computed "
-            "the prefix), load_failed (sent again without the KV)", ["outcome"],
-            registry=self.registry)
+            "the prefix), load_failed (sent again without the KV)",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.prompt_tokens = Counter(
-            "fleetserve:prefix_reuse_prompt_tokens", "Prompt tokens of reuse requests by source: "
-            "loaded from a peer, cached locally, recomputed", ["source"], registry=self.registry)
+            "fleetserve:prefix_reuse_prompt_tokens",
+            "Prompt tokens of reuse requests by source: loaded from a peer, cached locally, recomputed",
+            ["source"],
+            registry=self.registry,
+        )
         self.export_seconds = Histogram(
-            "fleetserve:prefix_reuse_export_seconds", "The holder's export call, sent to done",
-            buckets=BUCKETS, registry=self.registry)
+            "fleetserve:prefix_reuse_export_seconds",
+            "The holder's export call, sent to done",
+            buckets=BUCKETS,
+            registry=self.registry,
+        )
 
 
 class MigrationCounts:
@@ -156,10 +180,16 @@ class MigrationCounts:
         self.not_migrated = 0
 
     def collect(self) -> Iterator[Metric]:
-        yield CounterMetricFamily("fleetserve:request_migrations_total", "Streams continued on "
-                                  "another replica after theirs failed.", value=self.migrated)
-        yield CounterMetricFamily("fleetserve:request_migration_failures_total", "Failed streams "
-                                  "that could not be continued.", value=self.not_migrated)
+        yield CounterMetricFamily(
+            "fleetserve:request_migrations_total",
+            "Streams continued on another replica after theirs failed.",
+            value=self.migrated,
+        )
+        yield CounterMetricFamily(
+            "fleetserve:request_migration_failures_total",
+            "Failed streams that could not be continued.",
+            value=self.not_migrated,
+        )
 
 
 MIGRATIONS = MigrationCounts()
@@ -180,16 +210,17 @@ class RoutingCollector:
         routers = list(self._routers())
         if not routers:
             return
-        ongoing = GaugeMetricFamily("fleetserve:router_ongoing_requests",
-                                    "Requests this ingress has in flight per replica.", labels=["replica"])
+        ongoing = GaugeMetricFamily(
+            "fleetserve:router_ongoing_requests", "Requests this ingress has in flight per replica.", labels=["replica"]
+        )
         for _, router in routers:
             for rid, n in sorted(router.ongoing().items()):
                 ongoing.add_metric([rid], n)
         yield ongoing
-        yield from _index_families([i for i in (getattr(r.policy, "kv_index", None) for _, r in routers)
-                                    if i is not None])
-        yield from _prefix_routed([(dep, r.policy) for dep, r in routers
-                                   if hasattr(r.policy, "num_prefix_routed")])
+        yield from _index_families(
+            [i for i in (getattr(r.policy, "kv_index", None) for _, r in routers) if i is not None]
+        )
+        yield from _prefix_routed([(dep, r.policy) for dep, r in routers if hasattr(r.policy, "num_prefix_routed")])
         if self._feeds is not None:
             yield from _feed_families(self._feeds)
 
@@ -197,24 +228,31 @@ class RoutingCollector:
 def _index_families(indexes: list) -> Iterable[Metric]:
     if not indexes:
         return
-    blocks = GaugeMetricFamily("fleetserve:router_kv_index_blocks", "Block hashes the router's prefix "
-                               "index holds per replica (from the engines' KV events).", labels=["replica"])
+    blocks = GaugeMetricFamily(
+        "fleetserve:router_kv_index_blocks",
+        "Block hashes the router's prefix index holds per replica (from the engines' KV events).",
+        labels=["replica"],
+    )
     for index in indexes:
         for rid in sorted(index.replicas()):
             blocks.add_metric([rid], len(index.hashes_of(rid)))
     yield blocks
-    yield CounterMetricFamily("fleetserve:router_kv_index_resyncs_total", "Snapshots the prefix index "
-                              "loaded (first contact, restarts, sequence gaps).",
-                              value=sum(i.num_resyncs for i in indexes))
+    yield CounterMetricFamily(
+        "fleetserve:router_kv_index_resyncs_total",
+        "Snapshots the prefix index loaded (first contact, restarts, sequence gaps).",
+        value=sum(i.num_resyncs for i in indexes),
+    )
 
 
 def _prefix_routed(counted: list[tuple[str, Any]]) -> Iterable[Metric]:
     if not counted:
         return
     family = CounterMetricFamily(
-        "fleetserve:router_prefix_routed_requests_total", "Requests a prefix policy routed, by whether "
+        "fleetserve:router_prefix_routed_requests_total",
+        "Requests a prefix policy routed, by whether "
         "the replica it chose caches (or is computing) the prompt's first block (prefix_match) or not.",
-        labels=["deployment", "prefix_match"])
+        labels=["deployment", "prefix_match"],
+    )
     for deployment, policy in counted:
         family.add_metric([deployment, "true"], policy.num_prefix_routed)
         family.add_metric([deployment, "false"], policy.num_routed - policy.num_prefix_routed)
@@ -222,20 +260,24 @@ def _prefix_routed(counted: list[tuple[str, Any]]) -> Iterable[Metric]:
 
 
 def _feed_families(feeds: Any) -> Iterable[Metric]:
-    yield CounterMetricFamily("fleetserve:router_feed_batches_total", "Per-step feed messages this "
-                              "ingress received from engine replicas (router/feed.py).", value=feeds.batches)
-    yield CounterMetricFamily("fleetserve:router_feed_items_total", "Request deltas those messages carried.",
-                              value=feeds.items)
-    yield GaugeMetricFamily("fleetserve:router_feeds_open", "Engine replicas this ingress has a feed from.",
-                            value=len(feeds.open_feeds()))
+    yield CounterMetricFamily(
+        "fleetserve:router_feed_batches_total",
+        "Per-step feed messages this ingress received from engine replicas (router/feed.py).",
+        value=feeds.batches,
+    )
+    yield CounterMetricFamily(
+        "fleetserve:router_feed_items_total", "Request deltas those messages carried.", value=feeds.items
+    )
+    yield GaugeMetricFamily(
+        "fleetserve:router_feeds_open", "Engine replicas this ingress has a feed from.", value=len(feeds.open_feeds())
+    )
 
 
 class RouterMetrics:
     """One ingress's registry: the routing state, its P/D or reuse flow's counters
     (`flows`: their PDMetrics / ReuseMetrics), and this process's migrations."""
 
-    def __init__(self, routers: RoutersOf, feeds: Optional[Any] = None,
-                 flows: Sequence[_OwnRegistry] = ()) -> None:
+    def __init__(self, routers: RoutersOf, feeds: Optional[Any] = None, flows: Sequence[_OwnRegistry] = ()) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(RoutingCollector(routers, feeds))
         for flow in flows:

@@ -37,8 +37,7 @@ logger = logging.getLogger("ray.serve")
 class EngineReplica:
     """Deployment class; `router.app.build_app` wraps it with `serve.deployment`."""
 
-    def __init__(self, engine_args: dict, engine_cls: str,
-                 reliability: Optional[dict] = None) -> None:
+    def __init__(self, engine_args: dict, engine_cls: str, reliability: Optional[dict] = None) -> None:
         args = EngineArgs.model_validate(engine_args)
         cls = resolve_obj_by_qualname(engine_cls)
         self.engine = cls(args)
@@ -55,8 +54,7 @@ class EngineReplica:
 
     # -- generation ------------------------------------------------------------
 
-    async def generate(self, body: dict, _fleetserve_target: Optional[str] = None
-                       ) -> AsyncIterator[Any]:
+    async def generate(self, body: dict, _fleetserve_target: Optional[str] = None) -> AsyncIterator[Any]:
         """Stream one request. `body["kv_transfer_params"]` (set by the router's P/D flow,
         never taken from a client) asks the engine to export or load the prompt's KV;
         `_fleetserve_target` pins the call to this replica (router.request_router).
@@ -71,8 +69,7 @@ class EngineReplica:
         fell_back = False  # a feed closed under it: never bind again (order across streams)
         key = 0  # this request's key on `channel`, set when it binds
         try:
-            async with contextlib.aclosing(
-                    self._items(body, batching=lambda: channel is None)) as items:
+            async with contextlib.aclosing(self._items(body, batching=lambda: channel is None)) as items:
                 async for item in items:
                     if channel is not None:
                         if channel.open:
@@ -116,8 +113,11 @@ class EngineReplica:
         prompt_len = len(body["prompt_token_ids"])
         # A migrated request's continuation was admitted once already: never refuse it.
         admitted = bool(body.get(MIGRATED_KEY))
-        refusal = None if admitted else admission_refusal(
-            self.engine.get_load(), prompt_len, self.block_size, self._max_queued_kv_ratio)
+        refusal = (
+            None
+            if admitted
+            else admission_refusal(self.engine.get_load(), prompt_len, self.block_size, self._max_queued_kv_ratio)
+        )
         if refusal is not None:
             yield error_body(refusal, status=429)
             return
@@ -125,15 +125,18 @@ class EngineReplica:
         kv_params = body.get("kv_transfer_params")
         prompt_logprobs_sent = False
         outputs = self.engine.generate(
-            body["prompt_token_ids"], params, body["request_id"],
-            priority=int(body.get("priority", 0)), cache_salt=body.get("cache_salt"),
+            body["prompt_token_ids"],
+            params,
+            body["request_id"],
+            priority=int(body.get("priority", 0)),
+            cache_salt=body.get("cache_salt"),
             **({"admitted": True} if admitted else {}),
             # The adapter's folder too: a replica that lacks it (one loaded at run time before this
             # replica started, or evicted here by --max-cpu-loras) loads it first, as Ray Serve's
             # multiplexed models are.
-            **({"lora_name": body["lora_name"], "lora_path": body.get("lora_path")}
-               if body.get("lora_name") else {}),
-            **({"kv_transfer_params": kv_params} if kv_params is not None else {}))
+            **({"lora_name": body["lora_name"], "lora_path": body.get("lora_path")} if body.get("lora_name") else {}),
+            **({"kv_transfer_params": kv_params} if kv_params is not None else {}),
+        )
         try:
             async with contextlib.aclosing(ready_batches(outputs, batching)) as batches:
                 async for batch in batches:
@@ -149,8 +152,7 @@ class EngineReplica:
                             items[-1]["embedding"] = out.embedding
                     yield items[0] if len(items) == 1 else items
         except QueueFullError as e:
-            yield error_body(str(e) or "the replica's waiting queue is full; retry later",
-                             status=429)
+            yield error_body(str(e) or "the replica's waiting queue is full; retry later", status=429)
         except ValueError as e:
             yield error_body(str(e), param=_param_of(str(e)), code=_code_of(str(e)))
         except EngineDeadError as e:
@@ -158,8 +160,9 @@ class EngineReplica:
             # (router/migration.py) until Serve replaces it.
             yield {**error_body(str(e), status=503, code=ENGINE_DEAD), "replica": self.replica_id}
 
-    async def feed(self, feed_id: str, replica_id: Optional[str] = None,
-                   _fleetserve_target: Optional[str] = None) -> AsyncIterator[list]:
+    async def feed(
+        self, feed_id: str, replica_id: Optional[str] = None, _fleetserve_target: Optional[str] = None
+    ) -> AsyncIterator[list]:
         """One ingress's per-step feed (router.feed): lists of (request key, item) of the
         requests bound to it, until no request has been bound for `FEED_IDLE_S` or the
         caller goes away. A call meant for another replica (`replica_id`: Serve routes a
@@ -182,8 +185,9 @@ class EngineReplica:
         """Calls the ingress pins to this replica (see router.request_router)."""
         if op == "load_lora":
             try:
-                key = await self.engine.add_lora(kwargs["name"], kwargs["path"],
-                                                 replace=bool(kwargs.get("replace", False)))
+                key = await self.engine.add_lora(
+                    kwargs["name"], kwargs["path"], replace=bool(kwargs.get("replace", False))
+                )
             except QueueFullError as e:  # every adapter it may hold is busy (--max-cpu-loras)
                 return {"replica": self.replica_id, "error": str(e), "status": 429}
             except ValueError as e:
@@ -200,12 +204,21 @@ class EngineReplica:
                 self.check_health()
             except Exception as e:  # noqa: BLE001 - reported to /health, which says why
                 return {"replica": self.replica_id, "healthy": False, "reason": str(e)}
-            return {"replica": self.replica_id, "healthy": True, "load": self.engine.get_load(),
-                    "core_pid": getattr(self.engine, "core_pid", None)}
+            return {
+                "replica": self.replica_id,
+                "healthy": True,
+                "load": self.engine.get_load(),
+                "core_pid": getattr(self.engine, "core_pid", None),
+            }
         raise ValueError(f"unknown control op {op!r}")
 
-    async def kv_events(self, since_seq: int = -1, instance: Optional[str] = None,
-                        wait_s: float = 1.0, _fleetserve_target: Optional[str] = None) -> dict:
+    async def kv_events(
+        self,
+        since_seq: int = -1,
+        instance: Optional[str] = None,
+        wait_s: float = 1.0,
+        _fleetserve_target: Optional[str] = None,
+    ) -> dict:
         """The engine's KV events after `since_seq` of `instance` (a long poll: waits up to
         `wait_s` for the first new batch), or a snapshot when those batches are gone or the
         caller followed another engine. See `scheduler.kv_events.KVEventLog.read`."""
@@ -221,14 +234,18 @@ class EngineReplica:
 
     def get_info(self) -> dict:
         """What the ingress needs to tokenize and validate on its own."""
-        return {"replica": self.replica_id, "tokenizer": self.engine.tokenizer,
-                "model_name": self.engine.model_name,
-                "max_model_len": self.engine.max_model_len, "block_size": self.block_size,
-                "hidden_size": getattr(self.engine, "hidden_size", None),
-                "hash_algo": self.hash_algo,
-                "generation_defaults": dict(getattr(self.engine, "generation_defaults", {})),
-                "kv_events": getattr(self.engine, "kv_events", None) is not None,
-                "lora_keys": dict(getattr(self.engine, "lora_keys", {}))}
+        return {
+            "replica": self.replica_id,
+            "tokenizer": self.engine.tokenizer,
+            "model_name": self.engine.model_name,
+            "max_model_len": self.engine.max_model_len,
+            "block_size": self.block_size,
+            "hidden_size": getattr(self.engine, "hidden_size", None),
+            "hash_algo": self.hash_algo,
+            "generation_defaults": dict(getattr(self.engine, "generation_defaults", {})),
+            "kv_events": getattr(self.engine, "kv_events", None) is not None,
+            "lora_keys": dict(getattr(self.engine, "lora_keys", {})),
+        }
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve calls this every `request_routing_stats_period_s`; routers read it (with the
@@ -295,8 +312,9 @@ class AppendWaiter:
                 fut.set_result(None)
 
 
-async def ready_batches(outputs: AsyncGenerator[Any, None],
-                        batching: Callable[[], bool] = lambda: True) -> AsyncGenerator[list[Any], None]:
+async def ready_batches(
+    outputs: AsyncGenerator[Any, None], batching: Callable[[], bool] = lambda: True
+) -> AsyncGenerator[list[Any], None]:
     """The engine's outputs in batches: each output is sent as soon as it exists (no
     waiting for more), but outputs that are already there when the previous send is
     done go out together, as one stream item.
@@ -348,9 +366,17 @@ def _encode(out: Any, replica_id: str, prompt_len: Optional[int]) -> dict:
         "replica": replica_id,
         "finished": out.finished,
         "num_cached_tokens": out.num_cached_tokens,
-        "outputs": [{"index": c.index, "text": c.text, "token_ids": list(c.token_ids),
-                     "logprobs": c.logprobs, "finish_reason": c.finish_reason,
-                     "stop_reason": c.stop_reason} for c in out.outputs],
+        "outputs": [
+            {
+                "index": c.index,
+                "text": c.text,
+                "token_ids": list(c.token_ids),
+                "logprobs": c.logprobs,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in out.outputs
+        ],
     }
     if prompt_len is not None:
         item["prompt_tokens"] = prompt_len

@@ -48,14 +48,22 @@ class RuntimeLoRAs:
             raw = kv._internal_kv_get(self.key, namespace=NAMESPACE) if kv is not None else None
             data = json.loads(raw) if raw else {}
         except Exception as e:  # noqa: BLE001 - a registry that cannot be read is an empty one
-            logger.warning("runtime LoRA adapters: could not read %s from Ray's GCS (%r); starting "
-                           "with none", self.key, e)
+            logger.warning(
+                "runtime LoRA adapters: could not read %s from Ray's GCS (%r); starting with none", self.key, e
+            )
             return {}
         if not isinstance(data, dict) or data.get("instance") != self.instance_id:
             return {}
         adapters = data.get("adapters")
-        return {name: dict(entry) for name, entry in adapters.items()
-                if isinstance(entry, dict) and isinstance(entry.get("path"), str)} if isinstance(adapters, dict) else {}
+        return (
+            {
+                name: dict(entry)
+                for name, entry in adapters.items()
+                if isinstance(entry, dict) and isinstance(entry.get("path"), str)
+            }
+            if isinstance(adapters, dict)
+            else {}
+        )
 
     def drop(self) -> None:
         """Forget the list, if it is this deployment's (an ingress stopping for good; the one
@@ -76,11 +84,18 @@ class RuntimeLoRAs:
             kv = self._kv()
             if kv is None:
                 return "Ray is not initialized in this process"
-            kv._internal_kv_put(self.key, json.dumps({"instance": self.instance_id, "adapters": adapters}),
-                                overwrite=True, namespace=NAMESPACE)
+            kv._internal_kv_put(
+                self.key,
+                json.dumps({"instance": self.instance_id, "adapters": adapters}),
+                overwrite=True,
+                namespace=NAMESPACE,
+            )
         except Exception as e:  # noqa: BLE001 - the adapter is loaded all the same
-            logger.warning("runtime LoRA adapters: could not save the list to Ray's GCS (%r): a "
-                           "restarted ingress will not know them", e)
+            logger.warning(
+                "runtime LoRA adapters: could not save the list to Ray's GCS (%r): a "
+                "restarted ingress will not know them",
+                e,
+            )
             return repr(e)
         return None
 

@@ -69,7 +69,8 @@ def apply(bind_host: Optional[str]) -> None:
         return
     original = default_impl.add_grpc_address
     default_impl.add_grpc_address = lambda grpc_server, server_address: original(
-        grpc_server, _grpc_address(bind_host, server_address))
+        grpc_server, _grpc_address(bind_host, server_address)
+    )
     _applied_host = bind_host
 
 
@@ -99,8 +100,9 @@ def _listened(host: str, port: int) -> bool:
     return False
 
 
-def wait_for_pinned_ports(host: Optional[str], timeout_s: float, ports: Optional[list[int]] = None,
-                          poll_s: float = 0.25) -> bool:
+def wait_for_pinned_ports(
+    host: Optional[str], timeout_s: float, ports: Optional[list[int]] = None, poll_s: float = 0.25
+) -> bool:
     """Block until no live listener holds any of `ports` (default: `pinned_ports()`) on
     `host`, or `timeout_s` passed (then log which, and let Serve's bind report it). True
     when every port is free."""
@@ -111,12 +113,20 @@ def wait_for_pinned_ports(host: Optional[str], timeout_s: float, ports: Optional
     for port in ports:
         while _listened(host, port):
             if time.monotonic() >= deadline:
-                logger.warning("ingress: port %s:%d is still held by another listener after %.0f s "
-                               "(the ingress this one replaces?); starting anyway", host, port, timeout_s)
+                logger.warning(
+                    "ingress: port %s:%d is still held by another listener after %.0f s "
+                    "(the ingress this one replaces?); starting anyway",
+                    host,
+                    port,
+                    timeout_s,
+                )
                 return False
             if not waited:
-                logger.info("ingress: waiting for %s:%d to be released (the ingress this one "
-                            "replaces is still stopping)", host, port)
+                logger.info(
+                    "ingress: waiting for %s:%d to be released (the ingress this one replaces is still stopping)",
+                    host,
+                    port,
+                )
                 waited = True
             time.sleep(poll_s)
     return True

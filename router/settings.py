@@ -65,8 +65,7 @@ class IngressSettings:
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be 0 or more, got {self.max_migrations}")
         if self.graceful_shutdown_timeout_s < 0:
-            raise ValueError(f"graceful_shutdown_timeout_s must be 0 or more, got "
-                             f"{self.graceful_shutdown_timeout_s}")
+            raise ValueError(f"graceful_shutdown_timeout_s must be 0 or more, got {self.graceful_shutdown_timeout_s}")
         if self.pd is not None and self.reuse is not None:
             raise ValueError("pd and reuse exclude each other (prefix reuse is for colocated apps)")
 

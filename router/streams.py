@@ -52,7 +52,6 @@ async def stream_items(gen, first: dict) -> AsyncIterator[dict]:
             item = error_body(f"internal error: {type(e).__name__}: {e}", 500)
 
 
-
 class ReplicaStream:
     """A replica's `generate` stream, one delta at a time. The replica sends a list
     when several deltas were ready at once (router.replica.ready_batches); they are
@@ -66,8 +65,9 @@ class ReplicaStream:
     a hub, everything comes on the call as before; a first item from a replica that has no
     feed from us opens one (the replica moves this request onto it once it is open)."""
 
-    def __init__(self, gen, hub: Optional[FeedHub] = None, key: Optional[int] = None,
-                 inbox: Optional[Inbox] = None) -> None:
+    def __init__(
+        self, gen, hub: Optional[FeedHub] = None, key: Optional[int] = None, inbox: Optional[Inbox] = None
+    ) -> None:
         self._gen = gen
         self._ready: collections.deque = collections.deque()
         self._hub, self._key, self._inbox = hub, key, inbox
@@ -116,8 +116,12 @@ class ReplicaStream:
         if isinstance(item, list):
             self._ready.extend(item[1:])
             item = item[0]
-        if self._watcher is None and isinstance(item, dict) and (
-                item.get("finished") or is_error(item)) and not self._ready:
+        if (
+            self._watcher is None
+            and isinstance(item, dict)
+            and (item.get("finished") or is_error(item))
+            and not self._ready
+        ):
             self._finish()
         return item
 

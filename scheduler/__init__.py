@@ -31,8 +31,9 @@ from fleetserve.scheduler.scheduler import Scheduler, SchedulerStats
 from fleetserve.scheduler.structured_outputs import StructuredOutputsParams
 
 
-def create_scheduler(scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                     connector: KVConnectorScheduler | None = None) -> Scheduler:
+def create_scheduler(
+    scheduler_config: SchedulerConfig, cache_config: CacheConfig, connector: KVConnectorScheduler | None = None
+) -> Scheduler:
     """Build the scheduler class named by `scheduler_config.scheduler_cls`."""
     cls = resolve_obj_by_qualname(scheduler_config.scheduler_cls)
     if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
@@ -41,9 +42,32 @@ def create_scheduler(scheduler_config: SchedulerConfig, cache_config: CacheConfi
 
 
 __all__ = [
-    "AllBlocksCleared", "BlockPool", "BlockRemoved", "BlockStored", "CacheConfig", "CachedRequestData",
-    "EngineCoreOutput", "KVCacheBlock", "KVCacheManager", "KVCacheMirror", "KVConnectorScheduler",
-    "KVEventBatch", "KVEventLog", "ModelRunnerOutput", "NewRequestData", "Request", "RequestStatus",
-    "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats", "SequenceGap",
-    "StructuredOutputsParams", "create_scheduler", "hash_token_blocks", "prefix_salt", "resolve_obj_by_qualname",
+    "AllBlocksCleared",
+    "BlockPool",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheConfig",
+    "CachedRequestData",
+    "EngineCoreOutput",
+    "KVCacheBlock",
+    "KVCacheManager",
+    "KVCacheMirror",
+    "KVConnectorScheduler",
+    "KVEventBatch",
+    "KVEventLog",
+    "ModelRunnerOutput",
+    "NewRequestData",
+    "Request",
+    "RequestStatus",
+    "SamplingParams",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "SchedulerStats",
+    "SequenceGap",
+    "StructuredOutputsParams",
+    "create_scheduler",
+    "hash_token_blocks",
+    "prefix_salt",
+    "resolve_obj_by_qualname",
 ]

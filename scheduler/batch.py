@@ -45,8 +45,14 @@ class StepBatch:
         self.new_blocks.pop(rid, None)
         self.preempted.append(request)
 
-    def to_output(self, running: list[Request], requests: dict[str, Request], kv: KVCacheManager,
-                  num_tokens_sent: dict[str, int], finished_req_ids: set[str]) -> SchedulerOutput:
+    def to_output(
+        self,
+        running: list[Request],
+        requests: dict[str, Request],
+        kv: KVCacheManager,
+        num_tokens_sent: dict[str, int],
+        finished_req_ids: set[str],
+    ) -> SchedulerOutput:
         """The step as the workers get it. `num_tokens_sent` (tokens each worker-known
         request has been sent) is brought up to date; requests advance their counters."""
         new_data = _new_request_data(self.new_reqs, kv, num_tokens_sent)
@@ -63,19 +69,29 @@ class StepBatch:
         )
 
 
-def _new_request_data(new_reqs: list[Request], kv: KVCacheManager,
-                      num_tokens_sent: dict[str, int]) -> list[NewRequestData]:
+def _new_request_data(
+    new_reqs: list[Request], kv: KVCacheManager, num_tokens_sent: dict[str, int]
+) -> list[NewRequestData]:
     out = []
     for r in new_reqs:
-        out.append(NewRequestData(
-            r.request_id, r.prompt_token_ids, list(r.output_token_ids), r.sampling_params,
-            kv.get_block_ids(r.request_id), r.num_computed_tokens, r.lora_id))
+        out.append(
+            NewRequestData(
+                r.request_id,
+                r.prompt_token_ids,
+                list(r.output_token_ids),
+                r.sampling_params,
+                kv.get_block_ids(r.request_id),
+                r.num_computed_tokens,
+                r.lora_id,
+            )
+        )
         num_tokens_sent[r.request_id] = r.num_tokens
     return out
 
 
-def _cached_request_data(running: list[Request], batch: StepBatch,
-                         num_tokens_sent: dict[str, int]) -> list[CachedRequestData]:
+def _cached_request_data(
+    running: list[Request], batch: StepBatch, num_tokens_sent: dict[str, int]
+) -> list[CachedRequestData]:
     """Diffs for the scheduled running requests the workers already hold."""
     new_ids = {r.request_id for r in batch.new_reqs}
     num_scheduled, new_blocks = batch.num_scheduled, batch.new_blocks

@@ -125,8 +125,9 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: int, parent_hash: Optional[int] = None,
-                    token_ids: Sequence[int] = ()) -> None:
+    def cache_block(
+        self, block: KVCacheBlock, block_hash: int, parent_hash: Optional[int] = None, token_ids: Sequence[int] = ()
+    ) -> None:
         """Register a full block under its chained hash (first writer wins).
 
         `parent_hash` (None for a first block) and `token_ids` only describe the

@@ -19,27 +19,33 @@ class SchedulerConfig(BaseModel):
 
     # The fields a user sets (EngineArgs takes them from here, description and all:
     # `same_field`); the rest the engine derives.
-    max_num_batched_tokens: int = Field(2048, ge=1, description=(
-        "Token budget of one engine step (prefill chunks and decodes together)."))
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description=("Token budget of one engine step (prefill chunks and decodes together).")
+    )
     max_num_seqs: int = Field(64, ge=1, description="Most requests in the running batch.")
     max_model_len: int = Field(2048, ge=2)
     # A prefill chunk gets at most this many tokens per step (0: no cap), so a
     # long prompt cannot starve decodes of the budget.
-    long_prefill_token_threshold: int = Field(0, ge=0, description=(
-        "Most prompt tokens one request may prefill in one step (0: no limit)."))
-    enable_chunked_prefill: bool = Field(True, description=(
-        "Split long prompts across steps so decodes keep running."))
-    policy: Literal["fcfs", "priority"] = Field("fcfs", description=(
-        "Order of the waiting queue: first come first served, or by request priority."))
+    long_prefill_token_threshold: int = Field(
+        0, ge=0, description=("Most prompt tokens one request may prefill in one step (0: no limit).")
+    )
+    enable_chunked_prefill: bool = Field(True, description=("Split long prompts across steps so decodes keep running."))
+    policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description=("Order of the waiting queue: first come first served, or by request priority.")
+    )
     capacity_policy: Literal["max_utilization", "guaranteed_no_evict"] = Field(
-        "max_utilization", description=(
+        "max_utilization",
+        description=(
             "Admission: admit while KV blocks exist and preempt under pressure "
             "(max_utilization), or admit only requests whose blocks to completion are "
-            "free (guaranteed_no_evict, never preempts)."))
+            "free (guaranteed_no_evict, never preempts)."
+        ),
+    )
     # Qualified name ("package.module:Class" or "package.module.Class") of a
     # Scheduler subclass to use instead of ours, as vLLM's scheduler_cls.
-    scheduler_cls: str = Field("fleetserve.scheduler.scheduler:Scheduler", description=(
-        "The scheduler class, 'module:Class'."))
+    scheduler_cls: str = Field(
+        "fleetserve.scheduler.scheduler:Scheduler", description=("The scheduler class, 'module:Class'.")
+    )
     # Speculative decoding: at most this many draft tokens per request and
     # step (0: off), and KV slots reserved past them for a draft model that
     # writes its own KV ahead of the target (0 for n-gram lookup).
@@ -62,7 +68,8 @@ class SchedulerConfig(BaseModel):
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                 f"max_model_len ({self.max_model_len}) when chunked prefill is disabled, "
-                "or no long prompt could ever be scheduled")
+                "or no long prompt could ever be scheduled"
+            )
         return self
 
 
@@ -72,19 +79,26 @@ class CacheConfig(BaseModel):
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV cache block.")
     # None until the replica sizes the cache from its memory budget.
     num_blocks: Optional[int] = Field(None, ge=1)
-    enable_prefix_caching: bool = Field(True, description=(
-        "Reuse the KV blocks of prompt prefixes seen before."))
+    enable_prefix_caching: bool = Field(True, description=("Reuse the KV blocks of prompt prefixes seen before."))
     # Publish KV cache events (scheduler.kv_events) for the router's prefix index.
-    enable_kv_cache_events: bool = Field(False, description=(
-        "Publish KV cache events (block stored / removed / all cleared) for the router's "
-        "prefix index (vLLM: --kv-events-config); on by itself with --routing-policy "
-        "prefix_aware."))
+    enable_kv_cache_events: bool = Field(
+        False,
+        description=(
+            "Publish KV cache events (block stored / removed / all cleared) for the router's "
+            "prefix index (vLLM: --kv-events-config); on by itself with --routing-policy "
+            "prefix_aware."
+        ),
+    )
     # Block hashes of the prefix cache: "builtin" (Python's tuple hash: fast, for trusted
     # traffic) or "sha256" (collision-resistant, for tenants who must not share or probe
     # each other's cached prefixes; vLLM's --prefix-caching-hash-algo).
-    prefix_caching_hash_algo: Literal["builtin", "sha256"] = Field("builtin", description=(
-        "Prefix-cache block hashes: builtin (fast; trusted traffic) or sha256 (tenants that "
-        "must not collide with or probe each other's prefixes; see docs, Security)."))
+    prefix_caching_hash_algo: Literal["builtin", "sha256"] = Field(
+        "builtin",
+        description=(
+            "Prefix-cache block hashes: builtin (fast; trusted traffic) or sha256 (tenants that "
+            "must not collide with or probe each other's prefixes; see docs, Security)."
+        ),
+    )
 
 
 def same_field(model: type[BaseModel], name: str) -> FieldInfo:

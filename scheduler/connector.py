@@ -58,21 +58,15 @@ from fleetserve.scheduler.request import Request
 
 class KVConnectorScheduler(abc.ABC):
     @abc.abstractmethod
-    def get_num_new_matched_tokens(
-            self, request: Request, num_computed_tokens: int) -> tuple[Optional[int], bool]:
-        ...
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[Optional[int], bool]: ...
 
     @abc.abstractmethod
-    def update_state_after_alloc(
-            self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
-        ...
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None: ...
 
     @abc.abstractmethod
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
-        ...
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any: ...
 
-    def request_finished(
-            self, request: Request, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         return False, None
 
     def update_connector_output(self, runner_output: ModelRunnerOutput) -> None:
@@ -90,5 +84,5 @@ class KVConnectorScheduler(abc.ABC):
         return 0
 
     def load_failure_policy(self, request: Request) -> str:
-        """"recompute" (from the first bad block) or "fail" (finish with an error)."""
+        """ "recompute" (from the first bad block) or "fail" (finish with an error)."""
         return "recompute"

@@ -45,24 +45,32 @@ def _sha256_block(parent_hash: int, tokens: tuple[int, ...], extra: int) -> int:
     """vLLM's `--prefix-caching-hash-algo sha256`: a cryptographic chain, so nobody can
     craft a prompt whose block collides with another tenant's (the 64-bit tuple hash is
     fast but not collision-resistant). 128 bits of the digest, as an int."""
-    data = (parent_hash.to_bytes(16, "little", signed=True) + extra.to_bytes(8, "little")
-            + b"".join(t.to_bytes(4, "little") for t in tokens))
+    data = (
+        parent_hash.to_bytes(16, "little", signed=True)
+        + extra.to_bytes(8, "little")
+        + b"".join(t.to_bytes(4, "little") for t in tokens)
+    )
     return int.from_bytes(hashlib.sha256(data).digest()[:16], "little", signed=True)
 
 
 HASH_ALGOS = {"builtin": hash_block_tokens, "sha256": _sha256_block}
 
 
-def hash_token_blocks(token_ids: list[int], block_size: int,
-                      cache_salt: Optional[str] = None, start: int = 0,
-                      parent: int = NONE_HASH, algo: str = "builtin") -> list[int]:
+def hash_token_blocks(
+    token_ids: list[int],
+    block_size: int,
+    cache_salt: Optional[str] = None,
+    start: int = 0,
+    parent: int = NONE_HASH,
+    algo: str = "builtin",
+) -> list[int]:
     """Chained hashes of the full blocks of `token_ids`, from block `start`."""
     salt = salt_to_int(cache_salt)
     block_hash = HASH_ALGOS[algo]
     out = []
     for i in range(start, len(token_ids) // block_size):
         extra = salt if i == 0 else 0
-        parent = block_hash(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), extra)
+        parent = block_hash(parent, tuple(token_ids[i * block_size : (i + 1) * block_size]), extra)
         out.append(parent)
     return out
 
@@ -72,13 +80,20 @@ def update_block_hashes(request: Request, block_size: int, algo: str = "builtin"
     hashes = request.block_hashes
     if len(hashes) < request.num_tokens // block_size:
         parent = hashes[-1] if hashes else NONE_HASH
-        hashes.extend(hash_token_blocks(
-            request.all_token_ids, block_size, request.cache_salt, len(hashes), parent, algo))
+        hashes.extend(
+            hash_token_blocks(request.all_token_ids, block_size, request.cache_salt, len(hashes), parent, algo)
+        )
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 enable_kv_cache_events: bool = False, hash_algo: str = "builtin") -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        enable_kv_cache_events: bool = False,
+        hash_algo: str = "builtin",
+    ) -> None:
         if hash_algo not in HASH_ALGOS:
             raise ValueError(f"prefix_caching_hash_algo must be one of {sorted(HASH_ALGOS)}")
         self.hash_algo = hash_algo
@@ -131,8 +146,9 @@ class KVCacheManager:
         self.prefix_cache_queries += num_queried
         self.prefix_cache_hits += num_hit
 
-    def num_blocks_to_allocate(self, request: Request, num_tokens: int,
-                               new_computed_blocks: Sequence[KVCacheBlock] = ()) -> int:
+    def num_blocks_to_allocate(
+        self, request: Request, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock] = ()
+    ) -> int:
         """Free blocks that holding `num_tokens` tokens of `request` would consume."""
         owned = len(self.req_to_blocks.get(request.request_id, ())) + len(new_computed_blocks)
         # Hits that sit in the free queue are taken out of it, costing a free block each.
@@ -202,8 +218,7 @@ class KVCacheManager:
         else:  # subscribers also get each block's parent and tokens
             bs, tokens = self.block_size, request.all_token_ids
             for i in range(done, num_full):
-                self.pool.cache_block(blocks[i], hashes[i], hashes[i - 1] if i else None,
-                                      tokens[i * bs:(i + 1) * bs])
+                self.pool.cache_block(blocks[i], hashes[i], hashes[i - 1] if i else None, tokens[i * bs : (i + 1) * bs])
         self.num_cached_blocks[rid] = num_full
 
     def free(self, request: Request) -> None:

@@ -76,16 +76,13 @@ class KVEventRecorder:
         self.seq = 0  # of the last batch taken
         self._events: list[KVEvent] = []
 
-    def stored(self, block_hash: BlockHash, parent_hash: Optional[BlockHash],
-               token_ids: Sequence[int]) -> None:
+    def stored(self, block_hash: BlockHash, parent_hash: Optional[BlockHash], token_ids: Sequence[int]) -> None:
         last = self._events[-1] if self._events else None
-        if (isinstance(last, BlockStored) and parent_hash is not None
-                and last.block_hashes[-1] == parent_hash):
+        if isinstance(last, BlockStored) and parent_hash is not None and last.block_hashes[-1] == parent_hash:
             last.block_hashes.append(block_hash)
             last.token_ids.extend(token_ids)
             return
-        self._events.append(BlockStored([block_hash], parent_hash, list(token_ids),
-                                        self.block_size))
+        self._events.append(BlockStored([block_hash], parent_hash, list(token_ids), self.block_size))
 
     def removed(self, block_hash: BlockHash) -> None:
         last = self._events[-1] if self._events else None
@@ -131,8 +128,7 @@ class KVCacheMirror:
         self.seq = seq
 
 
-def apply_events(hashes: set[BlockHash],
-                 events: Iterable[KVEvent]) -> tuple[list[BlockHash], list[BlockHash]]:
+def apply_events(hashes: set[BlockHash], events: Iterable[KVEvent]) -> tuple[list[BlockHash], list[BlockHash]]:
     """Apply events to a set of hashes; returns (added, removed) (a clear removes all)."""
     added: list[BlockHash] = []
     removed: list[BlockHash] = []
@@ -198,6 +194,8 @@ class KVEventLog:
                     return {"instance": self.instance, "batches": []}
                 if self._batches and self._batches[0].seq <= since_seq + 1:
                     start = since_seq + 1 - self._batches[0].seq
-                    return {"instance": self.instance,
-                            "batches": [self._batches[i] for i in range(start, len(self._batches))]}
+                    return {
+                        "instance": self.instance,
+                        "batches": [self._batches[i] for i in range(start, len(self._batches))],
+                    }
             return {"instance": self.instance, "snapshot": (seq, list(self.mirror.hashes))}

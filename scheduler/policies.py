@@ -165,8 +165,8 @@ class GuaranteedNoEvict:
         reserved."""
         owned = kv.req_to_blocks
         self._reserved = sum(
-            max(0, self._blocks_to_completion(r, kv) - len(owned.get(r.request_id, ())))
-            for r in holders())
+            max(0, self._blocks_to_completion(r, kv) - len(owned.get(r.request_id, ()))) for r in holders()
+        )
 
     def can_admit(self, request: Request, hits: Sequence[KVCacheBlock], kv: KVCacheManager) -> bool:
         if request.request_id in kv.req_to_blocks:
@@ -176,8 +176,9 @@ class GuaranteedNoEvict:
         return need <= kv.num_free_blocks - self._reserved
 
     def admitted(self, request: Request, kv: KVCacheManager) -> None:
-        self._reserved += max(0, self._blocks_to_completion(request, kv)
-                              - len(kv.req_to_blocks.get(request.request_id, ())))
+        self._reserved += max(
+            0, self._blocks_to_completion(request, kv) - len(kv.req_to_blocks.get(request.request_id, ()))
+        )
 
 
 def make_capacity_policy(name: str) -> CapacityPolicy:
@@ -185,7 +186,7 @@ def make_capacity_policy(name: str) -> CapacityPolicy:
 
 
 def resolve_obj_by_qualname(qualname: str, what: str = "scheduler_cls") -> Any:
-    """"pkg.mod:Class" or "pkg.mod.Class" -> the object; ValueError naming `what` (the
+    """ "pkg.mod:Class" or "pkg.mod.Class" -> the object; ValueError naming `what` (the
     setting that gave the name) otherwise. Every "module:Class" setting resolves here."""
     import importlib
 

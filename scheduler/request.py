@@ -68,12 +68,27 @@ def prefix_salt(cache_salt: Optional[str], lora_name: Optional[str] = None) -> O
 
 class Request:
     __slots__ = (
-        "request_id", "prompt_token_ids", "sampling_params", "eos_token_id",
-        "arrival_time", "priority", "cache_salt", "kv_transfer_params",
-        "status", "num_computed_tokens", "output_token_ids", "_all_token_ids",
-        "num_cached_tokens", "num_preemptions", "stop_reason", "block_hashes",
-        "max_tokens", "num_external_computed_tokens", "spec_token_ids",
-        "lora_id", "lora_name",
+        "request_id",
+        "prompt_token_ids",
+        "sampling_params",
+        "eos_token_id",
+        "arrival_time",
+        "priority",
+        "cache_salt",
+        "kv_transfer_params",
+        "status",
+        "num_computed_tokens",
+        "output_token_ids",
+        "_all_token_ids",
+        "num_cached_tokens",
+        "num_preemptions",
+        "stop_reason",
+        "block_hashes",
+        "max_tokens",
+        "num_external_computed_tokens",
+        "spec_token_ids",
+        "lora_id",
+        "lora_name",
     )
 
     def __init__(
@@ -162,8 +177,13 @@ class Request:
         # Heap order for the priority queue: lower priority value first, then
         # earlier arrival, then id for a total order.
         return (self.priority, self.arrival_time, self.request_id) < (
-            other.priority, other.arrival_time, other.request_id)
+            other.priority,
+            other.arrival_time,
+            other.request_id,
+        )
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, status={self.status.name}, "
-                f"computed={self.num_computed_tokens}/{self.num_tokens})")
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

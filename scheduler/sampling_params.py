@@ -92,8 +92,7 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
             # NaN passes every range check below (each comparison is False): a NaN temperature
             # sampled garbage from `LLM`/`fleetserve generate` (HTTP and gRPC refused it first).
@@ -131,16 +130,23 @@ class SamplingParams:
             raise bad("logprobs", "must be in [0, 20]")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             raise bad("prompt_logprobs", "must be in [0, 20]")
-        if self.stream_interval is not None and (isinstance(self.stream_interval, bool)
-                                                 or not isinstance(self.stream_interval, int)
-                                                 or self.stream_interval < 1):
+        if self.stream_interval is not None and (
+            isinstance(self.stream_interval, bool)
+            or not isinstance(self.stream_interval, int)
+            or self.stream_interval < 1
+        ):
             raise bad("stream_interval", "must be a positive integer")
         if self.truncate_prompt_tokens is not None and (
-                isinstance(self.truncate_prompt_tokens, bool) or not isinstance(self.truncate_prompt_tokens, int)
-                or not (self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)):
+            isinstance(self.truncate_prompt_tokens, bool)
+            or not isinstance(self.truncate_prompt_tokens, int)
+            or not (self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)
+        ):
             raise bad("truncate_prompt_tokens", "must be -1 (as many as fit) or a positive integer")
-        if isinstance(self.continued_output_tokens, bool) or not isinstance(self.continued_output_tokens, int) \
-                or self.continued_output_tokens < 0:
+        if (
+            isinstance(self.continued_output_tokens, bool)
+            or not isinstance(self.continued_output_tokens, int)
+            or self.continued_output_tokens < 0
+        ):
             raise bad("continued_output_tokens", "must be a non-negative integer")
         if self.embed and self.n != 1:
             raise ValueError(f"embed needs n=1, got {self.n}")
@@ -193,8 +199,9 @@ def _logit_bias(bias: object) -> dict[int, float]:
 TRUNCATE_DEFAULT_ROOM = 16
 
 
-def truncate_prompt(token_ids: list[int], k: Optional[int], max_model_len: int,
-                    max_tokens: Optional[int] = None) -> list[int]:
+def truncate_prompt(
+    token_ids: list[int], k: Optional[int], max_model_len: int, max_tokens: Optional[int] = None
+) -> list[int]:
     """The prompt's last tokens as `truncate_prompt_tokens=k` asks (vLLM's left truncation):
     k >= 1 keeps the last k; -1 keeps the last ones that leave `max_tokens` (else
     `TRUNCATE_DEFAULT_ROOM`) tokens of the context for the output. ValueError naming the
@@ -207,11 +214,14 @@ def truncate_prompt(token_ids: list[int], k: Optional[int], max_model_len: int,
         room = max_tokens if max_tokens is not None else TRUNCATE_DEFAULT_ROOM
         keep = max_model_len - room
         if keep < 1:
-            raise ValueError(f"truncate_prompt_tokens: max_tokens={room} leaves no room for a prompt in "
-                             f"this model's maximum context length of {max_model_len} tokens")
+            raise ValueError(
+                f"truncate_prompt_tokens: max_tokens={room} leaves no room for a prompt in "
+                f"this model's maximum context length of {max_model_len} tokens"
+            )
     else:
         if k > max_model_len:
-            raise ValueError(f"truncate_prompt_tokens must be at most this model's maximum context "
-                             f"length ({max_model_len}), got {k}")
+            raise ValueError(
+                f"truncate_prompt_tokens must be at most this model's maximum context length ({max_model_len}), got {k}"
+            )
         keep = k
     return list(token_ids[-keep:]) if len(token_ids) > keep else token_ids

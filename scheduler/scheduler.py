@@ -78,18 +78,25 @@ class PrefixLookup(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 connector: Optional[KVConnectorScheduler] = None) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        connector: Optional[KVConnectorScheduler] = None,
+    ) -> None:
         if cache_config.num_blocks is None:
             raise ValueError("cache_config.num_blocks must be set before building a Scheduler")
         self.config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.connector = connector
-        self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
-                                 cache_config.enable_prefix_caching,
-                                 cache_config.enable_kv_cache_events,
-                                 cache_config.prefix_caching_hash_algo)
+        self.kv = KVCacheManager(
+            cache_config.num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            cache_config.enable_kv_cache_events,
+            cache_config.prefix_caching_hash_algo,
+        )
         self.capacity = make_capacity_policy(scheduler_config.capacity_policy)
 
         self.requests: dict[str, Request] = {}
@@ -107,8 +114,9 @@ class Scheduler:
         self._num_tokens_sent: dict[str, int] = {}
         self.num_preemptions = 0
         self.spec_stats = SpecDecodingStats(num_spec_tokens=scheduler_config.num_spec_tokens)
-        self.draft_policy = DraftLengthPolicy(scheduler_config.num_spec_tokens) \
-            if scheduler_config.adaptive_draft_length else None
+        self.draft_policy = (
+            DraftLengthPolicy(scheduler_config.num_spec_tokens) if scheduler_config.adaptive_draft_length else None
+        )
 
     # ---- requests in and out ---------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -146,16 +154,18 @@ class Scheduler:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         # dict.fromkeys: an id listed twice is finished (and freed) once.
-        to_finish = [self.requests[rid] for rid in dict.fromkeys(request_ids)
-                     if rid in self.requests and not self.requests[rid].is_finished]
+        to_finish = [
+            self.requests[rid]
+            for rid in dict.fromkeys(request_ids)
+            if rid in self.requests and not self.requests[rid].is_finished
+        ]
         if not to_finish:
             return []
         running = [r for r in to_finish if r.status == RequestStatus.RUNNING]
         if running:
             drop = {id(r) for r in running}
             self.running = [r for r in self.running if id(r) not in drop]
-        waiting = [r for r in to_finish
-                   if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)]
+        waiting = [r for r in to_finish if r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)]
         if waiting:
             self.waiting.remove_many(waiting)
         for r in to_finish:
@@ -172,9 +182,13 @@ class Scheduler:
         finished ones the workers have not heard of / whose KV is still being sent,
         or work the connector queued for the next step (a save must not wait for
         another request to come)."""
-        return bool(self.has_unfinished_requests() or self._finished_req_ids
-                    or self.sending or self._pending_outputs
-                    or (self.connector is not None and self.connector.has_pending_work()))
+        return bool(
+            self.has_unfinished_requests()
+            or self._finished_req_ids
+            or self.sending
+            or self._pending_outputs
+            or (self.connector is not None and self.connector.has_pending_work())
+        )
 
     def has_pending_outputs(self) -> bool:
         return bool(self._pending_outputs)
@@ -209,8 +223,7 @@ class Scheduler:
         i = 0
         while i < len(running) and batch.budget > 0:
             request = running[i]
-            n = self._num_new_tokens(request.num_tokens_with_spec, request.num_computed_tokens,
-                                     batch.budget)
+            n = self._num_new_tokens(request.num_tokens_with_spec, request.num_computed_tokens, batch.budget)
             if n <= 0:
                 i += 1
                 continue
@@ -305,8 +318,9 @@ class Scheduler:
             # counts the hits itself.
             blocks = None
             if self.capacity.can_admit(request, lookup.hits, kv):
-                blocks = kv.allocate_slots(request, n, lookup.hits, lookup.num_external,
-                                           delay_caching=lookup.load_async)
+                blocks = kv.allocate_slots(
+                    request, n, lookup.hits, lookup.num_external, delay_caching=lookup.load_async
+                )
             if blocks is None:
                 # Waiting requests back from a remote load hold blocks that no
                 # preemption can reclaim: let them go first, or a request that
@@ -334,13 +348,13 @@ class Scheduler:
         and remote loads'); None without LoRA."""
         if not self.config.max_loras:
             return None
-        return ({r.lora_id for r in self.running if r.lora_id}
-                | {r.lora_id for r in self.waiting_for_remote_kvs.values() if r.lora_id})
+        return {r.lora_id for r in self.running if r.lora_id} | {
+            r.lora_id for r in self.waiting_for_remote_kvs.values() if r.lora_id
+        }
 
     def _lora_must_wait(self, request: Request, loras: set[int]) -> bool:
         """A request with yet another adapter waits its turn once the step has max_loras."""
-        return bool(request.lora_id) and request.lora_id not in loras \
-            and len(loras) >= self.config.max_loras
+        return bool(request.lora_id) and request.lora_id not in loras and len(loras) >= self.config.max_loras
 
     def _lookup(self, request: Request) -> Optional[PrefixLookup]:
         """Where a request about to be admitted starts; None when the connector asks to wait."""
@@ -354,8 +368,7 @@ class Scheduler:
         if ext is None:  # the connector does not know yet: ask again later
             return None
         # At least the last prompt token is always computed here.
-        return PrefixLookup(hits, computed, max(0, min(ext, request.num_tokens - 1 - computed)),
-                            load_async)
+        return PrefixLookup(hits, computed, max(0, min(ext, request.num_tokens - 1 - computed)), load_async)
 
     def _num_admitted_tokens(self, request: Request, lookup: PrefixLookup, budget: int) -> Optional[int]:
         """Tokens an admitted request computes this step (none while its KV loads in the
@@ -363,14 +376,20 @@ class Scheduler:
         left of the budget: it is skipped, not cut."""
         if lookup.load_async:
             return 0
-        n = self._num_new_tokens(request.num_tokens, lookup.num_computed + lookup.num_external,
-                                 request.num_tokens)
+        n = self._num_new_tokens(request.num_tokens, lookup.num_computed + lookup.num_external, request.num_tokens)
         if not self.config.enable_chunked_prefill and n > budget:
             return None
         return min(n, budget)
 
-    def _admit(self, request: Request, lookup: PrefixLookup, fresh: bool, num_tokens: int,
-               block_ids: list[int], batch: StepBatch) -> None:
+    def _admit(
+        self,
+        request: Request,
+        lookup: PrefixLookup,
+        fresh: bool,
+        num_tokens: int,
+        block_ids: list[int],
+        batch: StepBatch,
+    ) -> None:
         """`request`, just taken off waiting with its blocks, runs (or parks for its load)."""
         request.num_computed_tokens = lookup.num_computed + lookup.num_external
         if fresh:
@@ -393,29 +412,34 @@ class Scheduler:
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_local_hit + num_external
         if self.connector is not None:
-            self.connector.update_state_after_alloc(
-                request, kv.get_block_ids(request.request_id), num_external)
+            self.connector.update_state_after_alloc(request, kv.get_block_ids(request.request_id), num_external)
         # A parked request holds blocks too: reserve its future ones now.
         self.capacity.admitted(request, kv)
 
     # ---- update ----------------------------------------------------------------
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         if self.connector is not None:
             self.connector.update_connector_output(runner_output)
         if runner_output.invalid_block_ids:
-            outputs.extend(self._handle_invalid_blocks(runner_output.invalid_block_ids,
-                                                       scheduler_output))
+            outputs.extend(self._handle_invalid_blocks(runner_output.invalid_block_ids, scheduler_output))
         self._append_sampled(scheduler_output, runner_output, outputs)
         if runner_output.spec_token_ids:
-            assign_drafts(runner_output.spec_token_ids, self.requests, self.config.num_spec_tokens,
-                          self.draft_policy, self._free_draft_room())
+            assign_drafts(
+                runner_output.spec_token_ids,
+                self.requests,
+                self.config.num_spec_tokens,
+                self.draft_policy,
+                self._free_draft_room(),
+            )
         self._update_from_connector(runner_output)
         return outputs
 
-    def _append_sampled(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
-                        outputs: list[EngineCoreOutput]) -> None:
+    def _append_sampled(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput, outputs: list[EngineCoreOutput]
+    ) -> None:
         """Append each request's sampled tokens up to its first stop, free the requests
         that stopped, and add an output for each request that produced something."""
         num_scheduled = scheduler_output.num_scheduled_tokens
@@ -448,11 +472,20 @@ class Scheduler:
                 stopped.append(request)
                 params = self._free_request(request)
                 reason = request.get_finished_reason()
-            outputs.append(EngineCoreOutput(
-                rid, new_tokens, reason, request.stop_reason,
-                logprobs.get(rid) if logprobs else None, plp, request.num_cached_tokens, params,
-                num_remote_tokens=request.num_external_computed_tokens,
-                embedding=pooled.get(rid) if pooled else None))
+            outputs.append(
+                EngineCoreOutput(
+                    rid,
+                    new_tokens,
+                    reason,
+                    request.stop_reason,
+                    logprobs.get(rid) if logprobs else None,
+                    plp,
+                    request.num_cached_tokens,
+                    params,
+                    num_remote_tokens=request.num_external_computed_tokens,
+                    embedding=pooled.get(rid) if pooled else None,
+                )
+            )
         if stopped:
             drop = {id(r) for r in stopped}
             self.running = [r for r in self.running if id(r) not in drop]
@@ -487,8 +520,7 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token
                 return True
-        if num_output >= request.max_tokens or \
-                request.num_tokens >= self.config.max_model_len:
+        if num_output >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
@@ -526,8 +558,7 @@ class Scheduler:
                 self.kv.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
             self.waiting.prepend(request)
 
-    def _handle_invalid_blocks(self, invalid: set[int],
-                               scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
+    def _handle_invalid_blocks(self, invalid: set[int], scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
         """Roll requests whose KV failed to load back to their first bad block, or fail
         them (the connector's policy). Returns the outputs of the failed ones."""
         self.kv.uncache_blocks(invalid)
@@ -556,9 +587,16 @@ class Scheduler:
         if not failed:
             return []
         self.finish_requests([r.request_id for r in failed], RequestStatus.FINISHED_ERROR)
-        return [EngineCoreOutput(r.request_id, [], r.get_finished_reason(),
-                                 num_cached_tokens=r.num_cached_tokens,
-                                 num_remote_tokens=r.num_external_computed_tokens) for r in failed]
+        return [
+            EngineCoreOutput(
+                r.request_id,
+                [],
+                r.get_finished_reason(),
+                num_cached_tokens=r.num_cached_tokens,
+                num_remote_tokens=r.num_external_computed_tokens,
+            )
+            for r in failed
+        ]
 
     # ---- stats -------------------------------------------------------------------
     def get_stats(self) -> SchedulerStats:
@@ -575,7 +613,9 @@ class Scheduler:
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
             spec_decoding=self.spec_stats.snapshot() if self.config.num_spec_tokens else None,
-            max_loras=max_loras, lora_running=lora_running, lora_waiting=lora_waiting,
+            max_loras=max_loras,
+            lora_running=lora_running,
+            lora_waiting=lora_waiting,
         )
 
     def _lora_counts(self) -> tuple[dict[str, int], dict[str, int]]:
@@ -583,8 +623,11 @@ class Scheduler:
         running: dict[str, int] = {}
         waiting: dict[str, int] = {}
         reqs: Iterable[Request]
-        for reqs, counts in ((self.running, running), (self.waiting, waiting),
-                             (self.waiting_for_remote_kvs.values(), waiting)):
+        for reqs, counts in (
+            (self.running, running),
+            (self.waiting, waiting),
+            (self.waiting_for_remote_kvs.values(), waiting),
+        ):
             for r in reqs:
                 if r.lora_name:
                     counts[r.lora_name] = counts.get(r.lora_name, 0) + 1

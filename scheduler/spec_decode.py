@@ -66,8 +66,13 @@ class SpecDecodingStats:
             per_pos[i] += 1
 
     def snapshot(self) -> "SpecDecodingStats":
-        return SpecDecodingStats(self.num_spec_tokens, self.num_drafts, self.num_draft_tokens,
-                                 self.num_accepted_tokens, list(self.num_accepted_tokens_per_pos))
+        return SpecDecodingStats(
+            self.num_spec_tokens,
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.num_accepted_tokens_per_pos),
+        )
 
 
 def cap_drafts(request: Request, drafts: list[int], num_spec_tokens: int) -> list[int]:
@@ -109,7 +114,7 @@ class DraftLengthPolicy:
         else:
             misses = self._misses[rid] = self._misses.get(rid, 0) + 1
             self._limit[rid] = 1
-            self._wait[rid] = min(self.MAX_WAIT, 2 ** misses)
+            self._wait[rid] = min(self.MAX_WAIT, 2**misses)
 
     def forget(self, rid: str) -> None:
         self._limit.pop(rid, None)
@@ -117,8 +122,13 @@ class DraftLengthPolicy:
         self._wait.pop(rid, None)
 
 
-def assign_drafts(offered: dict[str, list[int]], requests: Mapping[str, Request], num_spec_tokens: int,
-                  policy: Optional[DraftLengthPolicy], free_room: int) -> None:
+def assign_drafts(
+    offered: dict[str, list[int]],
+    requests: Mapping[str, Request],
+    num_spec_tokens: int,
+    policy: Optional[DraftLengthPolicy],
+    free_room: int,
+) -> None:
     """Set each request's drafts for its next step from the worker's `offered` ones.
 
     Drafts follow the last known token, so only a running request whose KV is complete
@@ -132,8 +142,7 @@ def assign_drafts(offered: dict[str, list[int]], requests: Mapping[str, Request]
     running = RequestStatus.RUNNING
     for rid, tokens in offered.items():
         request = requests.get(rid)
-        if request is not None and request.status == running and \
-                request.num_computed_tokens == request.num_tokens - 1:
+        if request is not None and request.status == running and request.num_computed_tokens == request.num_tokens - 1:
             pool = cap_drafts(request, tokens, num_spec_tokens)
             n = len(pool) if policy is None else min(len(pool), policy.limit(rid))
             chosen.append((request, pool, n))

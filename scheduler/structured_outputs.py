@@ -29,8 +29,7 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
-            raise ValueError("structured_outputs needs exactly one of "
-                             f"{', '.join(KINDS)}; got {given or 'none'}")
+            raise ValueError(f"structured_outputs needs exactly one of {', '.join(KINDS)}; got {given or 'none'}")
         if isinstance(self.json, str):
             try:
                 self.json = json.loads(self.json)
@@ -43,8 +42,11 @@ class StructuredOutputsParams:
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
             raise ValueError("structured_outputs.grammar must be a non-empty string")
         if self.choice is not None:
-            if (not isinstance(self.choice, (list, tuple)) or not self.choice
-                    or not all(isinstance(c, str) and c for c in self.choice)):
+            if (
+                not isinstance(self.choice, (list, tuple))
+                or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)
+            ):
                 raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
             self.choice = list(self.choice)
 

@@ -13,8 +13,9 @@ import pytest  # noqa: E402
 def tiny_model_dir(tmp_path_factory):
     from fleetserve.replica.testing import make_tiny_llama
 
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), num_layers=2, hidden_size=64,
-                           num_heads=4, num_kv_heads=2)
+    return make_tiny_llama(
+        tmp_path_factory.mktemp("tiny-llama"), num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2
+    )
 
 
 def pytest_runtest_setup(item):

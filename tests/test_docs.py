@@ -38,8 +38,7 @@ def _first_code_block(text: str) -> list[str]:
 
 def _ci_command() -> str:
     lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
-    commands = [line for line in lines
-                if line and not line.startswith(("#", "set ", "cd "))]
+    commands = [line for line in lines if line and not line.startswith(("#", "set ", "cd "))]
     assert commands, ".ci/run runs no command"
     return commands[-1]
 
@@ -53,9 +52,24 @@ def site(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("site")
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"),
-         "--site-dir", str(out)],
-        check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(ROOT / "mkdocs.yml"),
+            "--site-dir",
+            str(out),
+        ],
+        check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
     return out
 
@@ -72,9 +86,14 @@ def test_cli_reference_lists_every_flag(site: Path):
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     html = (site / "serving" / "cli" / "index.html").read_text()
-    missing = [opt for name, sp in sub.choices.items() for a in sp._actions
-               if not isinstance(a, argparse._HelpAction)
-               for opt in a.option_strings if opt.startswith("--") and f"<code>{opt}</code>" not in html]
+    missing = [
+        opt
+        for name, sp in sub.choices.items()
+        for a in sp._actions
+        if not isinstance(a, argparse._HelpAction)
+        for opt in a.option_strings
+        if opt.startswith("--") and f"<code>{opt}</code>" not in html
+    ]
     assert not missing, f"flags missing from the CLI reference: {missing}"
 
 
@@ -88,7 +107,8 @@ def test_readme_is_a_short_front_page_with_the_two_commands():
     assert len(block) == 2, f"the first code block holds the two commands, found {block}"
     assert block[0].endswith("fleetserve serve"), block[0]
     assert block[1] == _ci_command(), (
-        f"README's second command must be what .ci/run runs:\n  README: {block[1]}\n  .ci/run: {_ci_command()}")
+        f"README's second command must be what .ci/run runs:\n  README: {block[1]}\n  .ci/run: {_ci_command()}"
+    )
 
 
 def _sections() -> list[tuple[str, str, str, str]]:

@@ -27,8 +27,18 @@ MARKER = "<!-- fleetserve-cli-reference -->"
 USAGE_WIDTH = 100
 DEFAULT_RE = re.compile(r"\s*\[default: (.*)\]\s*$", re.DOTALL)
 # Characters that would turn into markdown outside code spans (inside a table cell).
-_ESCAPE = {"\\": "\\\\", "*": "\\*", "_": "\\_", "[": "\\[", "]": "\\]", "|": "\\|",
-           "<": "&lt;", ">": "&gt;", "&": "&amp;", "#": "\\#"}
+_ESCAPE = {
+    "\\": "\\\\",
+    "*": "\\*",
+    "_": "\\_",
+    "[": "\\[",
+    "]": "\\]",
+    "|": "\\|",
+    "<": "&lt;",
+    ">": "&gt;",
+    "&": "&amp;",
+    "#": "\\#",
+}
 
 
 def _text(s: str) -> str:
@@ -82,7 +92,7 @@ def _help_and_default(action: argparse.Action) -> tuple[str, str]:
         text = text.replace("%(default)s", str(action.default))
     m = DEFAULT_RE.search(text)
     if m:
-        return text[:m.start()], m.group(1)
+        return text[: m.start()], m.group(1)
     default = action.default
     if default in (None, argparse.SUPPRESS) or isinstance(action, argparse._VersionAction):
         return text, ""
@@ -124,8 +134,9 @@ def _section(title: str, parser: argparse.ArgumentParser, summary: str) -> list[
         out += [_text(summary), ""]
     out += ["```text", _usage(parser), "```", ""]
     for group in parser._action_groups:
-        actions = [a for a in group._group_actions
-                   if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))]
+        actions = [
+            a for a in group._group_actions if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))
+        ]
         if not actions:
             continue
         out += [f"### {group.title}", ""]
@@ -143,8 +154,11 @@ def render() -> str:
         raise PluginError(f"the CLI reference needs fleetserve importable (pip install -e .): {e}") from e
     parser = build_parser()
     heavy = sorted(m for m in ("ray", "torch", "transformers") if m in sys.modules and m not in before)
-    log.info("cli_reference: parser built in %.2f s%s", time.monotonic() - started,
-             f" (imported {', '.join(heavy)})" if heavy else "")
+    log.info(
+        "cli_reference: parser built in %.2f s%s",
+        time.monotonic() - started,
+        f" (imported {', '.join(heavy)})" if heavy else "",
+    )
 
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     summaries = {c.dest: c.help or "" for c in sub._choices_actions}

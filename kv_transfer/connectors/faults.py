@@ -82,8 +82,9 @@ class FaultyTransport(Transport):
             batch = BlockBatch(batch.fingerprint, batch.keys, data, batch.heads, sums, batch.digest)
         elif self.fires("stale"):
             release, batch.on_release = batch.on_release, None  # the new batch owns the buffer
-            batch = BlockBatch(batch.fingerprint, [k[::-1] for k in batch.keys], batch.data,
-                               batch.heads, sums, batch.digest, release)
+            batch = BlockBatch(
+                batch.fingerprint, [k[::-1] for k in batch.keys], batch.data, batch.heads, sums, batch.digest, release
+            )
         self.inner.export(spec, batch)
         if self.fires("duplicate"):
             self.inner.export(spec, batch)
@@ -137,14 +138,15 @@ class FaultInjectionConnector(KVConnectorBase):
             raise ValueError(f"unknown faults {sorted(unknown)}; known: {FAULTS}")
         inner_cls = resolve_connector_class(inner_name)
         if not issubclass(inner_cls, TransferConnector):
-            raise ValueError(f"FaultInjectionConnector wraps a transfer connector (shared storage, Ray, P2P), "
-                             f"not {inner_name!r}")
-        inner_cfg: KVTransferConfig = self.config.model_copy(update={
-            "kv_connector": inner_name, "kv_connector_extra_config": extra.get("inner_extra", {})})
-        transport = FaultyTransport(inner_cls.transport_cls(inner_cfg, self.ctx, role), faults,
-                                    int(extra.get("seed", 0)) + self.ctx.tp_rank)
+            raise ValueError(
+                f"FaultInjectionConnector wraps a transfer connector (shared storage, Ray, P2P), not {inner_name!r}"
+            )
+        inner_cfg: KVTransferConfig = self.config.model_copy(
+            update={"kv_connector": inner_name, "kv_connector_extra_config": extra.get("inner_extra", {})}
+        )
+        transport = FaultyTransport(
+            inner_cls.transport_cls(inner_cfg, self.ctx, role), faults, int(extra.get("seed", 0)) + self.ctx.tp_rank
+        )
         if role is KVConnectorRole.SCHEDULER:
             return TransferScheduler(self.config, self.ctx, transport)
         return FaultyWorker(self.config, self.ctx, transport)
-
-

@@ -132,8 +132,10 @@ class P2PTransport(Transport):
         ray, owner = self._directory()
         host = str(self._extra.get("host") or ray.util.get_node_ip_address() or "127.0.0.1")
         port = self.server.start(host)
-        ray.get(owner.register.remote(server_name(self.ctx.engine_id, self.ctx.tp_rank), f"{host}:{port}"),
-                timeout=REGISTER_TIMEOUT_S)
+        ray.get(
+            owner.register.remote(server_name(self.ctx.engine_id, self.ctx.tp_rank), f"{host}:{port}"),
+            timeout=REGISTER_TIMEOUT_S,
+        )
 
     def export(self, spec: SaveSpec, batch: BlockBatch) -> None:
         self.server.export(spec.transfer_id, batch, spec.lease_s)
@@ -146,8 +148,7 @@ class P2PTransport(Transport):
         """The blocks of `spec`; with a `sink` and one producer shard, streamed into it chunk by
         chunk as they arrive (the returned batch holds the same bytes)."""
         heads = local_head_range(self.ctx.num_kv_heads, self.ctx.tp_size, self.ctx.tp_rank)
-        shards = producer_shards(heads, self.ctx.num_kv_heads,
-                                 int(spec.source.get("remote_tp_size", self.ctx.tp_size)))
+        shards = producer_shards(heads, self.ctx.num_kv_heads, int(spec.source.get("remote_tp_size", self.ctx.tp_size)))
         sink = sink if len(shards) == 1 else None  # shards are joined first: whole pulls
         return join_shards([self.puller.pull(spec, rank, rng, sink) for rank, rng in shards])
 

@@ -92,13 +92,13 @@ def connect_store(host: str, port: int, timeout: float, deadline: float) -> dist
     with _CONNECTING_LOCK:
         stuck = _CONNECTING.get(addr)
         if stuck is not None and stuck.is_alive():
-            raise TransferError(f"point-to-point server {addr} did not answer an earlier connect; "
-                                "still waiting on it")
+            raise TransferError(f"point-to-point server {addr} did not answer an earlier connect; still waiting on it")
     try:
         socket.create_connection((host, port), timeout=timeout).close()
     except OSError as e:  # refused, unreachable, timed out
-        raise TransferError(f"point-to-point server {host}:{port} unreachable ({e}); "
-                            "stopped, or not reachable from here") from None
+        raise TransferError(
+            f"point-to-point server {host}:{port} unreachable ({e}); stopped, or not reachable from here"
+        ) from None
     box: list[Union[dist.TCPStore, Exception]] = []
     done = threading.Event()
 

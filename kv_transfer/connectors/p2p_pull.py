@@ -88,8 +88,9 @@ class P2PPuller:
         self.staging: Optional[StagingPool] = None
         self.groups: Groups[tuple[str, Group]] = Groups(max_groups)  # address -> (group id, group)
         # Failed receives kept with their group and buffer, so late bytes land nowhere reused.
-        self.quarantine: collections.deque[tuple[Group, list[dist.Work], torch.Tensor]] = \
-            collections.deque(maxlen=QUARANTINE)
+        self.quarantine: collections.deque[tuple[Group, list[dist.Work], torch.Tensor]] = collections.deque(
+            maxlen=QUARANTINE
+        )
         self._addresses: dict[str, str] = {}  # "p2p/<engine>/r<rank>" -> host:port
         # Producer address -> store clients idle between pulls (a new one costs a TCP connect
         # and torch's handshake: docs/benchmarks/results/2026-11-29-kv-transfer-zen5.md).
@@ -177,8 +178,9 @@ class P2PPuller:
         import torch.distributed as dist
 
         host, port = addr.rsplit(":", 1)
-        group_store = dist.TCPStore(host, int(port), is_master=False,
-                                    timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        group_store = dist.TCPStore(
+            host, int(port), is_master=False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S)
+        )
         pg = p2p_net.make_group(group_store, f"g/{gid}", 1, STORE_TIMEOUT_S, "gloo")
         self.groups.put(addr, (gid, pg))
         return pg
@@ -209,8 +211,17 @@ class P2PPuller:
 class _Pull:
     """One pull's state: its store client and id, and the group it names."""
 
-    def __init__(self, puller: P2PPuller, spec: LoadSpec, rank: int, heads: tuple[int, int],
-                 sink: Optional[ChunkSink], addr: str, store: dist.TCPStore, pid: Optional[int]) -> None:
+    def __init__(
+        self,
+        puller: P2PPuller,
+        spec: LoadSpec,
+        rank: int,
+        heads: tuple[int, int],
+        sink: Optional[ChunkSink],
+        addr: str,
+        store: dist.TCPStore,
+        pid: Optional[int],
+    ) -> None:
         self.puller, self.spec, self.rank, self.heads, self.sink = puller, spec, rank, heads, sink
         self.addr, self.store, self.pid = addr, store, pid
         self.gid: Optional[str] = None  # a kept gloo group's id (None: NCCL, a group for this pull)
@@ -218,9 +229,14 @@ class _Pull:
 
     def _request(self, backend: str) -> PullRequest:
         ctx = self.puller.ctx
-        return PullRequest(oid=f"{self.spec.transfer_id}/r{self.rank}", backend=backend, group=self.gid,
-                           new=self.pg is None, stream=self.sink is not None and backend == "gloo",
-                           readers=readers_of(self.heads, ctx.num_kv_heads, ctx.tp_size))
+        return PullRequest(
+            oid=f"{self.spec.transfer_id}/r{self.rank}",
+            backend=backend,
+            group=self.gid,
+            new=self.pg is None,
+            stream=self.sink is not None and backend == "gloo",
+            readers=readers_of(self.heads, ctx.num_kv_heads, ctx.tp_size),
+        )
 
     def ask(self) -> bytes:
         """Ask the producer's server until it answers with a header (again after REGROUP, once;
@@ -262,10 +278,12 @@ class _Pull:
             if off != len(header):
                 raise KVFormatError("trailing bytes after the KV header")
             dtype, shape, nbytes = check_header(meta, ctx.fingerprint)
-            if tuple(shape[1:]) != block_shape(ctx, shape[0], self.heads)[1:] \
-                    or shape[0] > spec.first_block + len(spec.keys):
-                raise KVFormatError(f"blocks of shape {shape} do not fit this request's {len(spec.keys)} "
-                                    f"blocks of heads {self.heads}")
+            if tuple(shape[1:]) != block_shape(ctx, shape[0], self.heads)[1:] or shape[0] > spec.first_block + len(
+                spec.keys
+            ):
+                raise KVFormatError(
+                    f"blocks of shape {shape} do not fit this request's {len(spec.keys)} blocks of heads {self.heads}"
+                )
             chunks: Optional[list[int]] = meta.get("chunks")
             if chunks is not None:
                 if self.sink is None or backend != b"gloo" or self.gid is None or meta.get("digest") != "xxh3_64":
@@ -292,10 +310,26 @@ class _Pull:
             try:
                 if acc.chunks is not None and self.sink is not None:
                     tensor = buf.view(acc.dtype).view(acc.shape)
-                    digests = receive_chunks(pg, self._pid(), buf, acc.chunks, acc.nbytes // acc.shape[0],
-                                             works, tensor, self.sink, self.spec)
-                    return BlockBatch(self.puller.ctx.fingerprint, [str(k) for k in acc.meta["keys"]], tensor,
-                                      self.heads, digests, "xxh3_64", release)
+                    digests = receive_chunks(
+                        pg,
+                        self._pid(),
+                        buf,
+                        acc.chunks,
+                        acc.nbytes // acc.shape[0],
+                        works,
+                        tensor,
+                        self.sink,
+                        self.spec,
+                    )
+                    return BlockBatch(
+                        self.puller.ctx.fingerprint,
+                        [str(k) for k in acc.meta["keys"]],
+                        tensor,
+                        self.heads,
+                        digests,
+                        "xxh3_64",
+                        release,
+                    )
                 works.append(pg.recv([buf], 0, tag(self._pid())))
                 works[0].wait(timeout_until(self.spec.deadline))
             except BaseException:
@@ -314,8 +348,17 @@ class _Pull:
         return self.pid
 
 
-def receive_chunks(pg: Group, pid: int, buf: torch.Tensor, chunks: list[int], per: int, works: list[dist.Work],
-                   tensor: torch.Tensor, sink: ChunkSink, spec: LoadSpec) -> list[int]:
+def receive_chunks(
+    pg: Group,
+    pid: int,
+    buf: torch.Tensor,
+    chunks: list[int],
+    per: int,
+    works: list[dist.Work],
+    tensor: torch.Tensor,
+    sink: ChunkSink,
+    spec: LoadSpec,
+) -> list[int]:
     """A streamed pull: every receive posted at once (status+digests, then bytes, per chunk,
     the bytes straight into their place in `buf`; `works` collects them), then the chunks in
     order as they land, each one's blocks checked against their digests and handed to `sink`
@@ -325,7 +368,7 @@ def receive_chunks(pg: Group, pid: int, buf: torch.Tensor, chunks: list[int], pe
         head = torch.empty(8 * (k + 1), dtype=torch.uint8)
         heads.append(head)
         works.append(pg.recv([head], 0, stream_tag(pid, 2 * c)))
-        works.append(pg.recv([buf[pos * per:(pos + k) * per]], 0, stream_tag(pid, 2 * c + 1)))
+        works.append(pg.recv([buf[pos * per : (pos + k) * per]], 0, stream_tag(pid, 2 * c + 1)))
         pos += k
     digests: list[int] = []
     pos = 0
@@ -335,14 +378,14 @@ def receive_chunks(pg: Group, pid: int, buf: torch.Tensor, chunks: list[int], pe
         if status != 1:
             raise TransferError(f"transfer {spec.transfer_id}: the producer could not gather its blocks")
         works[2 * c + 1].wait(timeout_until(spec.deadline))
-        part = tensor[pos:pos + k]
+        part = tensor[pos : pos + k]
         got = host_digests(part.view(torch.uint8).numpy(), k)
         ok = next((i for i, (a, b) in enumerate(zip(got, sums)) if a != b), k)
         if ok < k:
-            logger.warning("KV load of %s: block %d fails its xxh3_64 digest (corrupt); refused from there",
-                           spec.req_id, pos + ok)
+            logger.warning(
+                "KV load of %s: block %d fails its xxh3_64 digest (corrupt); refused from there", spec.req_id, pos + ok
+            )
         sink.write(pos, part, ok)
         digests += got
         pos += k
     return digests
-

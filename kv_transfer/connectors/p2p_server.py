@@ -83,8 +83,9 @@ class P2PServer:
         """Listen on a free port of `host` and start serving; returns the port."""
         import torch.distributed as dist
 
-        self._store = store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                            timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        self._store = store = dist.TCPStore(
+            host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S)
+        )
         threading.Thread(target=self._loop, args=(store,), name="kv-p2p-server", daemon=True).start()
         threading.Thread(target=self._sweep_loop, name="kv-p2p-leases", daemon=True).start()
         return store.port
@@ -188,8 +189,9 @@ class P2PServer:
         finally:
             self._unref(entry)
 
-    def _send_held(self, store: dist.TCPStore, pid: int, pull: PullRequest, gid: Optional[str],
-                   batch: BlockBatch) -> None:
+    def _send_held(
+        self, store: dist.TCPStore, pid: int, pull: PullRequest, gid: Optional[str], batch: BlockBatch
+    ) -> None:
         backend = "nccl" if pull.get("backend") == "nccl" and batch.data.is_cuda else "gloo"
         # Streamed (chunk by chunk, each as soon as it is gathered) when the consumer asks for
         # it on a kept gloo group; else whole, once every chunk is gathered.
@@ -207,8 +209,9 @@ class P2PServer:
         if stream:
             n = batch.data.shape[0]
             chunks = prog.chunks if prog is not None else plan_chunks(n, batch.nbytes // n)
-        store_set(store, f"hdr/{pid}", backend.encode() + b"\n"
-                  + batch.header([e - s for s, e in chunks] if chunks else None))
+        store_set(
+            store, f"hdr/{pid}", backend.encode() + b"\n" + batch.header([e - s for s, e in chunks] if chunks else None)
+        )
         if store.get(f"go/{pid}") != b"1":
             return  # the consumer refused the header: it never joins the group
         payload = batch.data.reshape(-1).view(torch.uint8)
@@ -228,8 +231,9 @@ class P2PServer:
             self.groups.drop(gid, pg)  # the consumer went away or timed out
             raise
 
-    def _send_chunks(self, pg: Group, pid: int, batch: BlockBatch, chunks: list[tuple[int, int]],
-                     flat: torch.Tensor) -> None:
+    def _send_chunks(
+        self, pg: Group, pid: int, batch: BlockBatch, chunks: list[tuple[int, int]], flat: torch.Tensor
+    ) -> None:
         """Each chunk as two messages: its status and blocks' digests (8 bytes each), then its
         bytes, sent once it is gathered. A chunk that never gets gathered (the copy-out
         failed) goes out as status 0 and nothing after it: both sides drop the group."""
@@ -249,7 +253,7 @@ class P2PServer:
             works.append(pg.send([head], 1, stream_tag(pid, 2 * c)))
             if not ok:
                 break
-            works.append(pg.send([flat[s * per:e * per]], 1, stream_tag(pid, 2 * c + 1)))
+            works.append(pg.send([flat[s * per : e * per]], 1, stream_tag(pid, 2 * c + 1)))
         for w in works:
             w.wait()
         if not ok:
@@ -264,8 +268,9 @@ class P2PServer:
             import torch.distributed as dist
 
             try:
-                waker = dist.TCPStore(self._store.host, self._store.port, is_master=False,
-                                      timeout=datetime.timedelta(seconds=2))
+                waker = dist.TCPStore(
+                    self._store.host, self._store.port, is_master=False, timeout=datetime.timedelta(seconds=2)
+                )
                 waker.set(f"pull/{self._served + 1}", "{}")
             except Exception:  # noqa: BLE001 - the store is gone: the server thread is too
                 logger.debug("could not wake the P2P server thread", exc_info=True)

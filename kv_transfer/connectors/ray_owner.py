@@ -127,8 +127,13 @@ class KVObjectOwner:
 
     def stats(self) -> OwnerStats:
         with self._lock:
-            return OwnerStats(held=len(self._held), bytes=sum(e.nbytes for e in self._held.values()),
-                              expired=self.num_expired, waits=self.num_waits, woken=self.num_woken)
+            return OwnerStats(
+                held=len(self._held),
+                bytes=sum(e.nbytes for e in self._held.values()),
+                expired=self.num_expired,
+                waits=self.num_waits,
+                woken=self.num_woken,
+            )
 
     def _sweep_loop(self, sweep_s: float) -> None:
         while True:
@@ -149,8 +154,10 @@ def connect_ray(extra: dict[str, Any]) -> ModuleType:
     if not ray.is_initialized():
         address = extra.get("ray_address") or os.environ.get("RAY_ADDRESS")
         if not address:
-            raise ValueError("RayObjectStoreConnector: this process is not connected to Ray; set "
-                             "kv_connector_extra_config.ray_address or RAY_ADDRESS")
+            raise ValueError(
+                "RayObjectStoreConnector: this process is not connected to Ray; set "
+                "kv_connector_extra_config.ray_address or RAY_ADDRESS"
+            )
         ray.init(address=address, log_to_driver=False, include_dashboard=False)
     return ray
 
@@ -159,6 +166,6 @@ def get_owner(ray: ModuleType, name: str, namespace: str) -> ActorHandle[KVObjec
     """The cluster's owner actor, created by whoever asks first (detached: it outlives us)."""
     cls = ray.remote(KVObjectOwner)
     handle: ActorHandle[KVObjectOwner] = cls.options(
-        name=name, namespace=namespace, lifetime="detached", get_if_exists=True, num_cpus=0,
-        max_concurrency=1000).remote()
+        name=name, namespace=namespace, lifetime="detached", get_if_exists=True, num_cpus=0, max_concurrency=1000
+    ).remote()
     return handle

@@ -117,8 +117,9 @@ class RayObjectStoreTransport(Transport):
             t0 = time.perf_counter()
             self.mapped_bytes = map_store(self._stop, ensure_mapped)
             if self.mapped_bytes:
-                logger.info("mapped %d MiB of the object store in %.2f s", self.mapped_bytes >> 20,
-                            time.perf_counter() - t0)
+                logger.info(
+                    "mapped %d MiB of the object store in %.2f s", self.mapped_bytes >> 20, time.perf_counter() - t0
+                )
         except Exception:  # noqa: BLE001 - a warm-up only: transfers work without it
             logger.debug("object store warm-up failed", exc_info=True)
             self.mapped_bytes = 0
@@ -142,8 +143,10 @@ class RayObjectStoreTransport(Transport):
     def _owner(self, spec: Optional[LoadSpec] = None) -> tuple[ModuleType, ActorHandle[KVObjectOwner]]:
         """The owner actor a consumer's params name (ours by default), looked up once."""
         ray = self._connect()
-        key = (str(spec.source.get("remote_ray_owner", self.owner_name)) if spec else self.owner_name,
-               str(spec.source.get("remote_ray_namespace", self.namespace)) if spec else self.namespace)
+        key = (
+            str(spec.source.get("remote_ray_owner", self.owner_name)) if spec else self.owner_name,
+            str(spec.source.get("remote_ray_namespace", self.namespace)) if spec else self.namespace,
+        )
         owner = self._owners.get(key)
         if owner is None:
             try:
@@ -177,16 +180,22 @@ class RayObjectStoreTransport(Transport):
         ray, owner = self._owner(spec)
         shards = self._shards(spec)
         sink = sink if len(shards) == 1 else None  # shards are joined first: whole batches
-        return join_shards([self._fetch_one(ray, owner, spec, f"{spec.transfer_id}/r{rank}", sink)
-                            for rank, _ in shards])
+        return join_shards(
+            [self._fetch_one(ray, owner, spec, f"{spec.transfer_id}/r{rank}", sink) for rank, _ in shards]
+        )
 
     def _shards(self, spec: LoadSpec) -> list[tuple[int, tuple[int, int]]]:
         heads = local_head_range(self.ctx.num_kv_heads, self.ctx.tp_size, self.ctx.tp_rank)
-        return producer_shards(heads, self.ctx.num_kv_heads,
-                               int(spec.source.get("remote_tp_size", self.ctx.tp_size)))
+        return producer_shards(heads, self.ctx.num_kv_heads, int(spec.source.get("remote_tp_size", self.ctx.tp_size)))
 
-    def _fetch_one(self, ray: ModuleType, owner: ActorHandle[KVObjectOwner], spec: LoadSpec, oid: str,
-                   sink: Optional[ChunkSink] = None) -> BlockBatch:
+    def _fetch_one(
+        self,
+        ray: ModuleType,
+        owner: ActorHandle[KVObjectOwner],
+        spec: LoadSpec,
+        oid: str,
+        sink: Optional[ChunkSink] = None,
+    ) -> BlockBatch:
         refs: Optional[list[ObjectRef[Export]]] = None
         # An owner actor started by an older fleetserve (detached: it outlives upgrades) may
         # lack wait_lookup: then ask every POLL_S.

@@ -60,8 +60,11 @@ def populate_supported() -> bool:
     return madvise is not None and madvise(None, 0, MADV_POPULATE_WRITE) == 0
 
 
-def map_store(stop: threading.Event, ensure_mapped: Optional[Callable[[], None]] = None,
-              mappings: Optional[list[tuple[int, int, str]]] = None) -> int:
+def map_store(
+    stop: threading.Event,
+    ensure_mapped: Optional[Callable[[], None]] = None,
+    mappings: Optional[list[tuple[int, int, str]]] = None,
+) -> int:
     """Fault in this process's mapping of the object store (`mappings`, default
     `store_mappings()`), where the store's memory is allocated already (else this would
     allocate it all): returns the bytes mapped. `ensure_mapped` is called when the store is

@@ -51,8 +51,14 @@ POLL_S = 0.005  # a hand-off's files may still be on their way: look again this 
 class BlockStore:
     """The folder, one file per (block, head range). Thread- and process-safe."""
 
-    def __init__(self, root: str | os.PathLike[str], fingerprint: str, heads: tuple[int, int],
-                 max_bytes: int = 8 << 30, fsync: bool = False) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        fingerprint: str,
+        heads: tuple[int, int],
+        max_bytes: int = 8 << 30,
+        fsync: bool = False,
+    ) -> None:
         self.dir = Path(root) / fingerprint
         self.tmp = self.dir / "tmp"
         self.tmp.mkdir(parents=True, exist_ok=True)
@@ -99,8 +105,9 @@ class BlockStore:
                 self.evict()
         return written
 
-    def get(self, key: str, heads: tuple[int, int] | None = None,
-            out: Optional[torch.Tensor] = None) -> BlockBatch | None:
+    def get(
+        self, key: str, heads: tuple[int, int] | None = None, out: Optional[torch.Tensor] = None
+    ) -> BlockBatch | None:
         """The block named `key` (for `heads`, default this rank's), or None if absent,
         corrupt, truncated or foreign. Its bytes are read straight into `out` (one block's
         tensor, e.g. a slice of a staging buffer) when given, else into a new buffer."""
@@ -189,8 +196,13 @@ class SharedStorageTransport(Transport):
         if not extra.get("path"):
             raise ValueError("SharedStorageConnector needs kv_connector_extra_config.path")
         self.ranges = [local_head_range(ctx.num_kv_heads, ctx.tp_size, r) for r in range(ctx.tp_size)]
-        self.store = BlockStore(extra["path"], ctx.fingerprint, self.ranges[ctx.tp_rank],
-                                int(extra.get("max_bytes", 8 << 30)), bool(extra.get("fsync", False)))
+        self.store = BlockStore(
+            extra["path"],
+            ctx.fingerprint,
+            self.ranges[ctx.tp_rank],
+            int(extra.get("max_bytes", 8 << 30)),
+            bool(extra.get("fsync", False)),
+        )
 
     def lookup(self, keys: list[str]) -> int:
         """Leading keys stored for every rank's heads (the scheduler half asks for all ranks)."""
@@ -218,10 +230,10 @@ class SharedStorageTransport(Transport):
         data, release = self.staging_pool().take(self.block_shape(len(spec.keys), heads), self.kv_caches[0].dtype)
         digests: list[int] = []
         for i, key in enumerate(spec.keys):
-            batch = self.store.get(key, heads, data[i:i + 1])
+            batch = self.store.get(key, heads, data[i : i + 1])
             while batch is None and spec.transfer_id is not None and time.time() < spec.deadline:
                 time.sleep(POLL_S)
-                batch = self.store.get(key, heads, data[i:i + 1])
+                batch = self.store.get(key, heads, data[i : i + 1])
             if batch is None:
                 break
             digests.append(batch.checksums()[0])  # (verified as it was read)
@@ -229,8 +241,7 @@ class SharedStorageTransport(Transport):
             release()
             raise TransferError(f"no stored block for {spec.keys[0]}")
         n = len(digests)
-        return BlockBatch(self.ctx.fingerprint, list(spec.keys[:n]), data[:n], heads, digests,
-                          on_release=release)
+        return BlockBatch(self.ctx.fingerprint, list(spec.keys[:n]), data[:n], heads, digests, on_release=release)
 
 
 class SharedStorageConnector(TransferConnector):

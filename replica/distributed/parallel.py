@@ -30,8 +30,7 @@ _HALF = (torch.bfloat16, torch.float16)
 class TPGroup:
     """A tensor-parallel group; `TPGroup()` is the world of one."""
 
-    def __init__(self, rank: int = 0, world_size: int = 1, group: Optional[Any] = None,
-                 backend: Optional[str] = None):
+    def __init__(self, rank: int = 0, world_size: int = 1, group: Optional[Any] = None, backend: Optional[str] = None):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"invalid tensor-parallel rank {rank} for world size {world_size}")
         if world_size > 1 and group is None:
@@ -94,8 +93,9 @@ class TPGroup:
             return obj
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         if self.rank == src:
-            payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
-                                       dtype=torch.uint8)
+            payload = torch.frombuffer(
+                bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8
+            )
             size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
             dist.broadcast(size, src=src, group=self.group)
             dist.broadcast(payload.to(device), src=src, group=self.group)
@@ -119,8 +119,9 @@ def get_tp_group() -> TPGroup:
     return _TP_GROUP
 
 
-def init_tp_group(world_size: int, rank: int, init_method: str, backend: Optional[str] = None,
-                  timeout_s: float = 300.0) -> TPGroup:
+def init_tp_group(
+    world_size: int, rank: int, init_method: str, backend: Optional[str] = None, timeout_s: float = 300.0
+) -> TPGroup:
     """Join (creating if needed) the default process group and make it this process's TP group."""
     global _TP_GROUP
     if world_size == 1:
@@ -130,12 +131,18 @@ def init_tp_group(world_size: int, rank: int, init_method: str, backend: Optiona
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            world_size=world_size,
+            rank=rank,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
     elif dist.get_world_size() != world_size or dist.get_rank() != rank:
         raise RuntimeError(
             f"torch.distributed is already initialized as rank {dist.get_rank()} of {dist.get_world_size()}, "
-            f"not rank {rank} of {world_size}")
+            f"not rank {rank} of {world_size}"
+        )
     _TP_GROUP = TPGroup(rank, world_size, group=dist.group.WORLD, backend=backend)
     return _TP_GROUP
 

@@ -51,8 +51,9 @@ logger = logging.getLogger(__name__)
 
 
 class AsyncEngine:
-    def __init__(self, args: Optional[EngineArgs] = None, *, core_process: Optional[bool] = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, args: Optional[EngineArgs] = None, *, core_process: Optional[bool] = None, **kwargs: Any
+    ) -> None:
         self.args = args = args or EngineArgs(**kwargs)
         own_process = use_core_process(args, core_process)
         # The core process imports torch and the engine while this one loads the tokenizer.
@@ -71,8 +72,7 @@ class AsyncEngine:
             self.tokenizer.chat_template = args.chat_template
         self.model_name = args.served_name or source.name
         shape = read_model_shape(source)
-        self.metrics = EngineMetrics(self.model_name,
-                                     args.max_model_len or shape.max_position_embeddings)
+        self.metrics = EngineMetrics(self.model_name, args.max_model_len or shape.max_position_embeddings)
         # Sampling defaults the model ships (`--generation-config`); the ingress applies them.
         self.generation_defaults = generation_defaults(source, args.generation_config)
         self.output_processor = OutputProcessor(self.tokenizer, self.metrics)
@@ -85,15 +85,16 @@ class AsyncEngine:
         self.kv_events: Optional[KVEventLog] = KVEventLog() if args.enable_kv_cache_events else None
         self._client: EngineCoreClient
         if spawned is not None:
-            self._client = ProcessCoreClient(args, self.tokenizer.eos_token_id, self._on_step,
-                                             self._on_failure, spawned=spawned)
+            self._client = ProcessCoreClient(
+                args, self.tokenizer.eos_token_id, self._on_step, self._on_failure, spawned=spawned
+            )
         else:
-            self._client = ThreadCoreClient(args, self.tokenizer.eos_token_id, self._on_step,
-                                            self._on_failure)
+            self._client = ThreadCoreClient(args, self.tokenizer.eos_token_id, self._on_step, self._on_failure)
         self.max_model_len = self._client.info.max_model_len
         self.hidden_size = self._client.info.hidden_size  # an embedding's width
-        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len,
-                                              self._client.info.vocab_size, args.lora_table())
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.max_model_len, self._client.info.vocab_size, args.lora_table()
+        )
         # Adapters loaded at run time take ids after --lora-modules' (one load per name at once).
         self._next_lora_id = len(args.lora_modules or ()) + 1
         self._lora_loading: dict[str, asyncio.Future] = {}
@@ -103,8 +104,7 @@ class AsyncEngine:
         self._lora_active: collections.Counter = collections.Counter()
         self._lora_used: dict[str, float] = {}
         self._refresh_stats()
-        self.metrics.cache_config(args.block_size, self._client.stats().num_blocks,
-                                  args.enable_prefix_caching)
+        self.metrics.cache_config(args.block_size, self._client.stats().num_blocks, args.enable_prefix_caching)
 
     @property
     def core(self) -> Optional[EngineCore]:
@@ -117,17 +117,24 @@ class AsyncEngine:
         return self._client.pid if isinstance(self._client, ProcessCoreClient) else None
 
     # ---- public API ----------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template_kwargs: Optional[dict] = None) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, chat_template_kwargs: Optional[dict] = None
+    ) -> str:
         return apply_chat_template(self.tokenizer, messages, add_generation_prompt, chat_template_kwargs)
 
-    def generate(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None,
-                 request_id: Optional[str] = None, *, priority: int = 0,
-                 kv_transfer_params: Optional[dict] = None,
-                 cache_salt: Optional[str] = None,
-                 admitted: bool = False,
-                 lora_name: Optional[str] = None,
-                 lora_path: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+    def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: Optional[SamplingParams] = None,
+        request_id: Optional[str] = None,
+        *,
+        priority: int = 0,
+        kv_transfer_params: Optional[dict] = None,
+        cache_salt: Optional[str] = None,
+        admitted: bool = False,
+        lora_name: Optional[str] = None,
+        lora_path: Optional[str] = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Stream `prompt`'s outputs (an async generator: nothing runs, and nothing is raised,
         until it is iterated). `admitted=True` skips the waiting-queue bound: for work the
         cluster accepted already (a migrated request's continuation), which refusing would
@@ -135,27 +142,56 @@ class AsyncEngine:
         the LoRA adapter to run with; with `lora_path`, one this engine does not hold (loaded
         at run time elsewhere, or evicted here by --max-cpu-loras) is loaded first."""
         if lora_name is None:
-            return self._stream(prompt, sampling_params, request_id, priority, kv_transfer_params,
-                                cache_salt, admitted, None)
-        return self._lora_stream(prompt, sampling_params, request_id, priority, kv_transfer_params,
-                                 cache_salt, admitted, lora_name, lora_path)
+            return self._stream(
+                prompt, sampling_params, request_id, priority, kv_transfer_params, cache_salt, admitted, None
+            )
+        return self._lora_stream(
+            prompt,
+            sampling_params,
+            request_id,
+            priority,
+            kv_transfer_params,
+            cache_salt,
+            admitted,
+            lora_name,
+            lora_path,
+        )
 
-    async def _lora_stream(self, prompt, sp, request_id, priority, kv_transfer_params, cache_salt,
-                           admitted, lora_name: str, lora_path: Optional[str]) -> AsyncIterator[RequestOutput]:
+    async def _lora_stream(
+        self,
+        prompt,
+        sp,
+        request_id,
+        priority,
+        kv_transfer_params,
+        cache_salt,
+        admitted,
+        lora_name: str,
+        lora_path: Optional[str],
+    ) -> AsyncIterator[RequestOutput]:
         self._lora_active[lora_name] += 1  # in use from here: never the one evicted to make room
         self._lora_used[lora_name] = time.monotonic()
         try:
             if lora_path and lora_name not in self.input_processor.loras:
                 await self.add_lora(lora_name, lora_path)
-            async for item in self._stream(prompt, sp, request_id, priority, kv_transfer_params,
-                                           cache_salt, admitted, lora_name):
+            async for item in self._stream(
+                prompt, sp, request_id, priority, kv_transfer_params, cache_salt, admitted, lora_name
+            ):
                 yield item
         finally:
             self._lora_active[lora_name] -= 1
 
-    async def _stream(self, prompt, sp: Optional[SamplingParams], request_id: Optional[str], priority: int,
-                      kv_transfer_params: Optional[dict], cache_salt: Optional[str], admitted: bool,
-                      lora_name: Optional[str]) -> AsyncIterator[RequestOutput]:
+    async def _stream(
+        self,
+        prompt,
+        sp: Optional[SamplingParams],
+        request_id: Optional[str],
+        priority: int,
+        kv_transfer_params: Optional[dict],
+        cache_salt: Optional[str],
+        admitted: bool,
+        lora_name: Optional[str],
+    ) -> AsyncIterator[RequestOutput]:
         if self._dead is not None:
             raise EngineDeadError(f"the engine is dead: {self._dead}")
         request_id = request_id or uuid.uuid4().hex
@@ -164,13 +200,17 @@ class AsyncEngine:
         sp = sp or SamplingParams()
         kv_transfer_params = self._check_kv_transfer_params(kv_transfer_params)
         text, requests = self.input_processor.process(
-            prompt, sp, request_id, priority=priority, cache_salt=cache_salt,
-            kv_transfer_params=kv_transfer_params, lora_name=lora_name)
+            prompt,
+            sp,
+            request_id,
+            priority=priority,
+            cache_salt=cache_salt,
+            kv_transfer_params=kv_transfer_params,
+            lora_name=lora_name,
+        )
         load = self._client.load()
-        if (not admitted
-                and load["num_waiting"] + self._client.num_pending_adds >= self.args.max_waiting_requests):
-            raise QueueFullError(
-                f"the waiting queue is full ({self.args.max_waiting_requests} requests); retry later")
+        if not admitted and load["num_waiting"] + self._client.num_pending_adds >= self.args.max_waiting_requests:
+            raise QueueFullError(f"the waiting queue is full ({self.args.max_waiting_requests} requests); retry later")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, queue)
@@ -212,16 +252,16 @@ class AsyncEngine:
         if params is None:
             return None
         if self.args.kv_transfer_config is None:
-            raise ValueError("kv_transfer_params given, but this engine has no KV connector "
-                             "(--kv-transfer-config)")
+            raise ValueError("kv_transfer_params given, but this engine has no KV connector (--kv-transfer-config)")
         return validate_kv_transfer_params(params)
 
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)
 
     # ---- LoRA adapters at run time ----------------------------------------------------
-    async def add_lora(self, name: str, path: str, timeout_s: float = LORA_LOAD_TIMEOUT_S,
-                       replace: bool = False) -> str:
+    async def add_lora(
+        self, name: str, path: str, timeout_s: float = LORA_LOAD_TIMEOUT_S, replace: bool = False
+    ) -> str:
         """Load a PEFT adapter on every rank as `name` (vLLM's /v1/load_lora_adapter on one
         engine) and return its key (`name@digest`). Loading a name already held from the same
         folder is a no-op; ValueError when the adapter does not fit, the name is taken by
@@ -251,8 +291,7 @@ class AsyncEngine:
         async with self._lora_admin:  # one eviction and load at a time: the cap holds
             return await self._attach_lora(name, path, key, timeout_s, loop, replace)
 
-    async def _attach_lora(self, name: str, path: str, key: str, timeout_s: float, loop,
-                           replace: bool = False) -> str:
+    async def _attach_lora(self, name: str, path: str, key: str, timeout_s: float, loop, replace: bool = False) -> str:
         held = self.input_processor.loras.get(name)
         if held is not None:
             if held[1] == key:
@@ -265,8 +304,10 @@ class AsyncEngine:
         if cap is not None and len(self.input_processor.loras) >= cap:
             idle = [n for n in self.input_processor.loras if n != name and not self._lora_active[n]]
             if not idle:
-                raise LoRACapacityError(f"the {cap} LoRA adapters this replica may hold (--max-cpu-loras) "
-                                        f"are all in use; {name!r} cannot be loaded now, retry shortly")
+                raise LoRACapacityError(
+                    f"the {cap} LoRA adapters this replica may hold (--max-cpu-loras) "
+                    f"are all in use; {name!r} cannot be loaded now, retry shortly"
+                )
             victim = min(idle, key=lambda n: self._lora_used.get(n, 0.0))
             logger.info("LoRA adapter %r evicted (least recently used) to make room for %r", victim, name)
             await self.remove_lora(victim)

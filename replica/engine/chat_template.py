@@ -13,16 +13,28 @@ from typing import Optional
 
 # A model's chat template renders these itself; a request's `chat_template_kwargs` may not
 # replace them (vLLM drops them; we say so).
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt",
-                                      "continue_final_message", "tokenize", "return_dict",
-                                      "chat_template", "tokenizer"})
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "return_dict",
+        "chat_template",
+        "tokenizer",
+    }
+)
 
 
 def check_continue_final_message(add_generation_prompt: bool, continue_final_message: bool) -> None:
     """vLLM's rule: a reply is either started (the generation prompt) or continued, not both."""
     if add_generation_prompt and continue_final_message:
-        raise ValueError("continue_final_message cannot be combined with add_generation_prompt=true "
-                         "(the default): set add_generation_prompt to false to continue the last message")
+        raise ValueError(
+            "continue_final_message cannot be combined with add_generation_prompt=true "
+            "(the default): set add_generation_prompt to false to continue the last message"
+        )
 
 
 def read_chat_template(value: Optional[str]) -> Optional[str]:
@@ -36,8 +48,10 @@ def read_chat_template(value: Optional[str]) -> Optional[str]:
     if not looks_inline:
         path = os.path.expanduser(value)
         if not os.path.isfile(path):
-            raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template "
-                             "(a template has {{ ... }} or {% ... %})")
+            raise ValueError(
+                f"chat_template {value!r} is neither a file nor a Jinja template "
+                "(a template has {{ ... }} or {% ... %})"
+            )
         try:
             with open(path, encoding="utf-8") as f:
                 value = f.read()
@@ -50,8 +64,9 @@ def read_chat_template(value: Optional[str]) -> Optional[str]:
     import jinja2.ext
     import jinja2.sandbox
 
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=[jinja2.ext.loopcontrols])
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     try:
         env.parse(value)
     except jinja2.TemplateSyntaxError as e:
@@ -68,6 +83,5 @@ def check_template_kwargs(kwargs: Optional[dict]) -> dict:
         raise ValueError("chat_template_kwargs must be an object of template variables")
     clash = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
     if clash:
-        raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}: the request's own "
-                         "fields set them")
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}: the request's own fields set them")
     return dict(kwargs)

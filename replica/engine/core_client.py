@@ -183,8 +183,7 @@ class CoreClientBase(EngineCoreClient):
         load = self._state.load
         has_work = self.num_pending_adds > 0 or load["num_running"] + load["num_waiting"] > 0
         if has_work and idle_s > timeout_s:
-            return (f"the engine core holds work but has made no progress for {idle_s:.0f} s "
-                    f"(limit {timeout_s:g} s)")
+            return f"the engine core holds work but has made no progress for {idle_s:.0f} s (limit {timeout_s:g} s)"
         return None
 
     # -- for the layouts ------------------------------------------------------------

@@ -90,6 +90,7 @@ class CoreInfo:
 
 # ---- commands -------------------------------------------------------------------------
 
+
 @dataclass(frozen=True, slots=True)
 class Init:
     KIND: ClassVar[Kind] = Kind.INIT
@@ -147,6 +148,7 @@ class Shutdown:
 
 # ---- replies --------------------------------------------------------------------------
 
+
 @dataclass(frozen=True, slots=True)
 class Ready:
     KIND: ClassVar[Kind] = Kind.READY
@@ -200,9 +202,26 @@ Command = Union[Init, Add, Abort, Finish, AddLoRA, RemoveLoRA, Ping, Shutdown]
 Reply = Union[Ready, InitFailed, Step, State, Failed, Pong, LoRADone]
 Message = Union[Command, Reply]
 
-_CLASSES: dict[Kind, type] = {cls.KIND: cls for cls in (
-    Init, Add, Abort, Finish, AddLoRA, RemoveLoRA, Ping, Shutdown,
-    Ready, InitFailed, Step, State, Failed, Pong, LoRADone)}
+_CLASSES: dict[Kind, type] = {
+    cls.KIND: cls
+    for cls in (
+        Init,
+        Add,
+        Abort,
+        Finish,
+        AddLoRA,
+        RemoveLoRA,
+        Ping,
+        Shutdown,
+        Ready,
+        InitFailed,
+        Step,
+        State,
+        Failed,
+        Pong,
+        LoRADone,
+    )
+}
 assert set(_CLASSES) == set(Kind), "every kind has its message class"
 
 

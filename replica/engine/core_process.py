@@ -156,8 +156,10 @@ def _start(chan: FrameChannel, init: msg.Init) -> Optional[EngineCore]:
 
 def main(fd: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=os.environ.get("FLEETSERVE_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s engine-core[%(process)d] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("FLEETSERVE_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s engine-core[%(process)d] %(name)s: %(message)s",
+    )
     chan = FrameChannel(fd)
     init = _read_init(chan)
     if init is None:

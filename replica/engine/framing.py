@@ -84,8 +84,10 @@ class FrameChannel:
                     raise ChannelBroken(self._broken) from e
                 wait = None if deadline is None else deadline - time.monotonic()
                 if wait is not None and wait <= 0:
-                    self._broken = (f"a write timed out after {timeout_s:.0f} s with {sent} of "
-                                    f"{total} bytes of a frame written; the stream is torn")
+                    self._broken = (
+                        f"a write timed out after {timeout_s:.0f} s with {sent} of "
+                        f"{total} bytes of a frame written; the stream is torn"
+                    )
                     raise ChannelBroken(self._broken)
                 select.select([], [self._fd], [], 1.0 if wait is None else min(wait, 1.0))
 
@@ -149,7 +151,7 @@ class FrameChannel:
             if len(buf) - pos - HEADER.size < size:
                 break
             start = pos + HEADER.size
-            frames.append(bytes(buf[start:start + size]))
+            frames.append(bytes(buf[start : start + size]))
             pos = start + size
         if pos:
             del buf[:pos]

@@ -31,12 +31,74 @@ else:
     disable_created_metrics()
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-                 7.5, 10.0, 20.0, 40.0, 80.0)
-_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_TPOT_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 _PREFILL_TOKEN_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 _ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FINISH_REASONS = ("stop", "length", "abort")
@@ -78,61 +140,101 @@ class EngineMetrics:
         self.num_running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.num_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.gpu_cache_usage = gauge("vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage. "
-                                     "DEPRECATED: Use vllm:kv_cache_usage_perc instead.")
+        self.gpu_cache_usage = gauge(
+            "vllm:gpu_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
+        )
         self.num_free_blocks = gauge("fleetserve:kv_cache_free_blocks", "Free KV blocks.")
-        self.prefix_queries = counter("vllm:prefix_cache_queries",
-                                      "Prefix cache queries, in terms of number of queried tokens.")
-        self.prefix_hits = counter("vllm:prefix_cache_hits",
-                                   "Prefix cache hits, in terms of number of cached tokens.")
-        self.gpu_prefix_queries = counter("vllm:gpu_prefix_cache_queries", "Prefix cache queries in tokens. "
-                                          "DEPRECATED: Use vllm:prefix_cache_queries instead.")
-        self.gpu_prefix_hits = counter("vllm:gpu_prefix_cache_hits", "Prefix cache hits in tokens. "
-                                       "DEPRECATED: Use vllm:prefix_cache_hits instead.")
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.gpu_prefix_queries = counter(
+            "vllm:gpu_prefix_cache_queries",
+            "Prefix cache queries in tokens. DEPRECATED: Use vllm:prefix_cache_queries instead.",
+        )
+        self.gpu_prefix_hits = counter(
+            "vllm:gpu_prefix_cache_hits", "Prefix cache hits in tokens. DEPRECATED: Use vllm:prefix_cache_hits instead."
+        )
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                          labels + ["finished_reason"], registry=r)
+        success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labels + ["finished_reason"],
+            registry=r,
+        )
         self._success = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}
         self._success_family = success
-        self.request_prompt_tokens = hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
-                                          token_buckets)
-        self.request_generation_tokens = hist("vllm:request_generation_tokens",
-                                              "Number of generation tokens processed.", token_buckets)
-        self.iteration_tokens = hist("vllm:iteration_tokens_total",
-                                     "Histogram of number of tokens per engine_step.", _ITERATION_BUCKETS)
-        self.max_num_generation_tokens = hist("vllm:request_max_num_generation_tokens",
-                                              "Histogram of maximum number of requested generation tokens.",
-                                              token_buckets)
-        self.params_n = hist("vllm:request_params_n", "Histogram of the n request parameter.",
-                             (1, 2, 5, 10, 20))
-        self.params_max_tokens = hist("vllm:request_params_max_tokens",
-                                      "Histogram of the max_tokens request parameter.", token_buckets)
-        self.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                         _TTFT_BUCKETS)
-        self.tpot = hist("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds. "
-                         "DEPRECATED: Use vllm:inter_token_latency_seconds instead.", _TPOT_BUCKETS)
-        self.itl = hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                        _TPOT_BUCKETS)
-        self.request_tpot = hist("vllm:request_time_per_output_token_seconds",
-                                 "Histogram of time_per_output_token_seconds per request.", _TPOT_BUCKETS)
-        self.prefill_token_time = hist("vllm:time_per_prefill_token_request_seconds",
-                                       "Time spent per token during prefill phase in seconds",
-                                       _PREFILL_TOKEN_BUCKETS)
-        self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                        _REQUEST_LATENCY_BUCKETS)
-        self.queue_time = hist("vllm:request_queue_time_seconds",
-                               "Histogram of time spent in WAITING phase for request.", _REQUEST_LATENCY_BUCKETS)
-        self.inference_time = hist("vllm:request_inference_time_seconds",
-                                   "Histogram of time spent in RUNNING phase for request.", _REQUEST_LATENCY_BUCKETS)
-        self.prefill_time = hist("vllm:request_prefill_time_seconds",
-                                 "Histogram of time spent in PREFILL phase for request.", _REQUEST_LATENCY_BUCKETS)
-        self.decode_time = hist("vllm:request_decode_time_seconds",
-                                "Histogram of time spent in DECODE phase for request.", _REQUEST_LATENCY_BUCKETS)
-        self._cache_info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                                 ["engine", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
-                                 registry=r)
+        self.request_prompt_tokens = hist(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self.request_generation_tokens = hist(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", token_buckets
+        )
+        self.iteration_tokens = hist(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", _ITERATION_BUCKETS
+        )
+        self.max_num_generation_tokens = hist(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            token_buckets,
+        )
+        self.params_n = hist("vllm:request_params_n", "Histogram of the n request parameter.", (1, 2, 5, 10, 20))
+        self.params_max_tokens = hist(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", token_buckets
+        )
+        self.ttft = hist(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", _TTFT_BUCKETS
+        )
+        self.tpot = hist(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds. DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
+            _TPOT_BUCKETS,
+        )
+        self.itl = hist(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", _TPOT_BUCKETS
+        )
+        self.request_tpot = hist(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            _TPOT_BUCKETS,
+        )
+        self.prefill_token_time = hist(
+            "vllm:time_per_prefill_token_request_seconds",
+            "Time spent per token during prefill phase in seconds",
+            _PREFILL_TOKEN_BUCKETS,
+        )
+        self.e2e = hist(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", _REQUEST_LATENCY_BUCKETS
+        )
+        self.queue_time = hist(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            _REQUEST_LATENCY_BUCKETS,
+        )
+        self.inference_time = hist(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            _REQUEST_LATENCY_BUCKETS,
+        )
+        self.prefill_time = hist(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            _REQUEST_LATENCY_BUCKETS,
+        )
+        self.decode_time = hist(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            _REQUEST_LATENCY_BUCKETS,
+        )
+        self._cache_info = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            ["engine", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
+            registry=r,
+        )
         self._last_queries = self._last_hits = self._last_preemptions = 0
         # Speculative decoding (vLLM's names), created on the first stats that carry it.
         self._spec: Optional[dict[str, Counter]] = None
@@ -145,11 +247,17 @@ class EngineMetrics:
         (what LoRA-aware gateways, e.g. the Gateway API inference extension, read). The
         previous series goes when the labels change."""
         if self._lora_info is None:
-            self._lora_info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
-                                    ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
-                                    registry=self.registry)
-        labels = (str(stats.max_loras), ",".join(sorted(stats.lora_waiting or ())),
-                  ",".join(sorted(stats.lora_running or ())))
+            self._lora_info = Gauge(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=self.registry,
+            )
+        labels = (
+            str(stats.max_loras),
+            ",".join(sorted(stats.lora_waiting or ())),
+            ",".join(sorted(stats.lora_running or ())),
+        )
         if self._lora_labels is not None and self._lora_labels != labels:
             self._lora_info.remove(*self._lora_labels)
         self._lora_labels = labels
@@ -157,16 +265,16 @@ class EngineMetrics:
 
     def cache_config(self, block_size: int, num_blocks: int, enable_prefix_caching: bool) -> None:
         """vllm:cache_config_info: an info gauge (always 1) whose labels carry the settings."""
-        self._cache_info.labels(ENGINE_INDEX, str(block_size), str(num_blocks),
-                                str(enable_prefix_caching)).set(1)
+        self._cache_info.labels(ENGINE_INDEX, str(block_size), str(num_blocks), str(enable_prefix_caching)).set(1)
 
     def token_gap(self, seconds: float) -> None:
         """Time between two output tokens of one request."""
         self.itl.observe(seconds)
         self.tpot.observe(seconds)
 
-    def request_finished(self, reason: str, metrics=None, num_prompt_tokens: int = 0,
-                         max_tokens: int = 0, n: int = 1) -> None:
+    def request_finished(
+        self, reason: str, metrics=None, num_prompt_tokens: int = 0, max_tokens: int = 0, n: int = 1
+    ) -> None:
         """One finished request (`metrics`: its RequestMetrics; None for an abort before any output)."""
         counter = self._success.get(reason)
         if counter is None:
@@ -234,10 +342,10 @@ class EngineMetrics:
             self._spec = {
                 "num_drafts": counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
                 "num_draft_tokens": counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
-                "num_accepted_tokens": counter("vllm:spec_decode_num_accepted_tokens",
-                                               "Number of accepted tokens."),
-                "per_pos": counter("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                   "Accepted tokens per draft position.", ["position"]),
+                "num_accepted_tokens": counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+                "per_pos": counter(
+                    "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.", ["position"]
+                ),
             }
             self._last_spec = SpecDecodingStats()
         last, m = self._last_spec, self._spec
@@ -246,7 +354,8 @@ class EngineMetrics:
         prev = last.num_accepted_tokens_per_pos
         for pos, count in enumerate(spec.num_accepted_tokens_per_pos):
             m["per_pos"].labels(self.model_name, ENGINE_INDEX, str(pos)).inc(
-                count - (prev[pos] if pos < len(prev) else 0))
+                count - (prev[pos] if pos < len(prev) else 0)
+            )
         self._last_spec = spec
 
     def text(self) -> str:

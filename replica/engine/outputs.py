@@ -51,8 +51,11 @@ class RequestMetrics:
     @property
     def decode_tokens_per_s(self) -> Optional[float]:
         """Output tokens per second after the first token (None until there are two)."""
-        if self.first_token_time is None or self.last_token_time is None \
-                or self.last_token_time <= self.first_token_time:
+        if (
+            self.first_token_time is None
+            or self.last_token_time is None
+            or self.last_token_time <= self.first_token_time
+        ):
             return None
         return (self.num_generation_tokens - 1) / (self.last_token_time - self.first_token_time)
 
@@ -93,9 +96,14 @@ def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     for c in then.outputs:
         mine = by_index.get(c.index)
         if mine is None:  # a copy: later merges extend it, never the caller's delta
-            mine = CompletionOutput(c.index, c.text, list(c.token_ids),
-                                    None if c.logprobs is None else list(c.logprobs),
-                                    c.finish_reason, c.stop_reason)
+            mine = CompletionOutput(
+                c.index,
+                c.text,
+                list(c.token_ids),
+                None if c.logprobs is None else list(c.logprobs),
+                c.finish_reason,
+                c.stop_reason,
+            )
             first.outputs.append(mine)
             by_index[c.index] = mine
             continue

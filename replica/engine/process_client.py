@@ -57,7 +57,10 @@ class SpawnedCore:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "fleetserve.replica.engine.core_process", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()], env=env, close_fds=True)
+                pass_fds=[theirs.fileno()],
+                env=env,
+                close_fds=True,
+            )
         except BaseException:
             ours.close()
             raise
@@ -84,9 +87,16 @@ class SpawnedCore:
 class ProcessCoreClient(CoreClientBase):
     """The EngineCore in the child process `pid` (see the module doc)."""
 
-    def __init__(self, args: EngineArgs, eos_token_id: Optional[int], on_step: StepCallback,
-                 on_failure: FailureCallback, start_timeout_s: float = 600.0,
-                 send_timeout_s: float = 30.0, spawned: Optional[SpawnedCore] = None) -> None:
+    def __init__(
+        self,
+        args: EngineArgs,
+        eos_token_id: Optional[int],
+        on_step: StepCallback,
+        on_failure: FailureCallback,
+        start_timeout_s: float = 600.0,
+        send_timeout_s: float = 30.0,
+        spawned: Optional[SpawnedCore] = None,
+    ) -> None:
         super().__init__()
         self._on_step, self._on_failure = on_step, on_failure
         self._send_timeout_s = send_timeout_s
@@ -102,8 +112,7 @@ class ProcessCoreClient(CoreClientBase):
         self.pid = self._proc.pid
         self._chan = FrameChannel(spawned.take_socket())
         self._outbox: queue.SimpleQueue[Optional[bytes]] = queue.SimpleQueue()
-        self._writer_thread = threading.Thread(target=self._writer, name="fleetserve-core-writer",
-                                               daemon=True)
+        self._writer_thread = threading.Thread(target=self._writer, name="fleetserve-core-writer", daemon=True)
         self._writer_thread.start()
         ready = self._start(args, eos_token_id, start_timeout_s)
         self.info, self._state = ready.info, ready.state
@@ -163,8 +172,11 @@ class ProcessCoreClient(CoreClientBase):
         reason = super().stall_reason(timeout_s)
         now = time.monotonic()
         # A core inside a long step answers the ping after it; its layers moving will do.
-        if reason is None and self._ping_sent is not None and \
-                now - max(self._ping_sent, self._last_progress) > timeout_s:
+        if (
+            reason is None
+            and self._ping_sent is not None
+            and now - max(self._ping_sent, self._last_progress) > timeout_s
+        ):
             reason = f"the engine core did not answer a ping within {timeout_s:g} s"
         if self._ping_sent is None and not self._failed:
             self._ping_seq += 1
@@ -299,13 +311,13 @@ class ProcessCoreClient(CoreClientBase):
             try:
                 frame = self._chan.recv(0.5)
             except EOFError as e:
-                raise RuntimeError(f"the engine core process exited while starting "
-                                   f"({self._exit_text()})") from e
+                raise RuntimeError(f"the engine core process exited while starting ({self._exit_text()})") from e
             if frame is not None:
                 return msg.decode(frame)
             if self._proc.poll() is not None:
-                raise RuntimeError(f"the engine core process exited while starting "
-                                   f"({self._exit_text()}); its log says why")
+                raise RuntimeError(
+                    f"the engine core process exited while starting ({self._exit_text()}); its log says why"
+                )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the engine core did not start within {timeout_s:.0f} s")
 

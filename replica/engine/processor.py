@@ -29,8 +29,9 @@ _PROMPT_KEYS = {"prompt", "prompt_token_ids"}
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, max_model_len: int, vocab_size: int,
-                 loras: Optional[dict[str, tuple[int, str]]] = None) -> None:
+    def __init__(
+        self, tokenizer, max_model_len: int, vocab_size: int, loras: Optional[dict[str, tuple[int, str]]] = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -53,8 +54,9 @@ class InputProcessor:
     def _tokenize_dict(self, prompt: dict) -> tuple[Optional[str], list[int]]:
         unknown = set(prompt) - _PROMPT_KEYS
         if unknown:
-            raise ValueError(f"prompt dict: unsupported keys {sorted(unknown)}; "
-                             "use 'prompt' (text) or 'prompt_token_ids'")
+            raise ValueError(
+                f"prompt dict: unsupported keys {sorted(unknown)}; use 'prompt' (text) or 'prompt_token_ids'"
+            )
         if "prompt_token_ids" in prompt:
             _, ids = self.tokenize(prompt["prompt_token_ids"])
             text = prompt.get("prompt")
@@ -65,11 +67,18 @@ class InputProcessor:
             raise ValueError("prompt dict: needs 'prompt' (a string) or 'prompt_token_ids'")
         return self.tokenize(prompt["prompt"])
 
-    def process(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
-                priority: int = 0, arrival_time: Optional[float] = None,
-                cache_salt: Optional[str] = None,
-                kv_transfer_params: Optional[dict[str, Any]] = None,
-                lora_name: Optional[str] = None) -> tuple[Optional[str], list[Request]]:
+    def process(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        arrival_time: Optional[float] = None,
+        cache_salt: Optional[str] = None,
+        kv_transfer_params: Optional[dict[str, Any]] = None,
+        lora_name: Optional[str] = None,
+    ) -> tuple[Optional[str], list[Request]]:
         lora_id, lora_key = 0, None
         if lora_name is not None:
             if lora_name not in self.loras:
@@ -80,18 +89,22 @@ class InputProcessor:
         if not token_ids:
             raise ValueError("the prompt is empty")
         if sampling_params.truncate_prompt_tokens is not None:
-            kept = truncate_prompt(token_ids, sampling_params.truncate_prompt_tokens, self.max_model_len,
-                                   sampling_params.max_tokens)
+            kept = truncate_prompt(
+                token_ids, sampling_params.truncate_prompt_tokens, self.max_model_len, sampling_params.max_tokens
+            )
             if len(kept) < len(token_ids):
                 text = None  # the text no longer matches the tokens
             token_ids = kept
         if sampling_params.continued_output_tokens >= len(token_ids):
-            raise ValueError(f"continued_output_tokens ({sampling_params.continued_output_tokens}) must be "
-                             f"smaller than the prompt ({len(token_ids)} tokens)")
+            raise ValueError(
+                f"continued_output_tokens ({sampling_params.continued_output_tokens}) must be "
+                f"smaller than the prompt ({len(token_ids)} tokens)"
+            )
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens, but this model's maximum context length "
-                f"is {self.max_model_len} tokens (prompt plus at least one output token)")
+                f"is {self.max_model_len} tokens (prompt plus at least one output token)"
+            )
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is out of the vocabulary (size {self.vocab_size})")
@@ -107,7 +120,8 @@ class InputProcessor:
                 raise ValueError(f"{name}: token id {bad} is out of the vocabulary (size {self.vocab_size})")
         if sampling_params.bad_words and sampling_params.bad_words_token_ids is None:
             sampling_params = sampling_params.replace(
-                bad_words_token_ids=bad_words_token_ids(self.tokenizer, sampling_params.bad_words))
+                bad_words_token_ids=bad_words_token_ids(self.tokenizer, sampling_params.bad_words)
+            )
         if sampling_params.structured_outputs is not None:
             from fleetserve.replica.structured_output.backend import check
 
@@ -123,8 +137,21 @@ class InputProcessor:
                 seed = None if sp.seed is None else sp.seed + i
                 sp = sp.replace(n=1, best_of=None, seed=seed)
             rid = request_id if n == 1 else f"{request_id}#{i}"
-            requests.append(Request(rid, token_ids, sp, self.eos_token_id, arrival, priority,
-                                    cache_salt, kv_transfer_params, lora_name, lora_id, lora_key))
+            requests.append(
+                Request(
+                    rid,
+                    token_ids,
+                    sp,
+                    self.eos_token_id,
+                    arrival,
+                    priority,
+                    cache_salt,
+                    kv_transfer_params,
+                    lora_name,
+                    lora_id,
+                    lora_key,
+                )
+            )
         return text, requests
 
 
@@ -177,9 +204,14 @@ class OutputProcessor:
 
     def add(self, request_id: str, prompt: Optional[str], requests: list[Request]) -> None:
         first = requests[0]
-        parent = _ParentState(request_id, prompt, first.prompt_token_ids,
-                              RequestMetrics(first.arrival_time), len(requests),
-                              max_tokens=first.max_tokens)
+        parent = _ParentState(
+            request_id,
+            prompt,
+            first.prompt_token_ids,
+            RequestMetrics(first.arrival_time),
+            len(requests),
+            max_tokens=first.max_tokens,
+        )
         if first.sampling_params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
             parent.prompt_logprob_ranks = [None]
@@ -202,8 +234,9 @@ class OutputProcessor:
             if child is not None and child.parent.metrics.first_scheduled_time is None:
                 child.parent.metrics.first_scheduled_time = when
 
-    def process(self, outputs: list[EngineCoreOutput],
-                now: Optional[float] = None) -> tuple[list[RequestOutput], list[str]]:
+    def process(
+        self, outputs: list[EngineCoreOutput], now: Optional[float] = None
+    ) -> tuple[list[RequestOutput], list[str]]:
         """Returns the RequestOutput deltas and the child ids a stop string finished."""
         now = time.monotonic() if now is None else now
         by_parent: dict[str, list[CompletionOutput]] = {}
@@ -215,8 +248,12 @@ class OutputProcessor:
                 continue
             parent = child.parent
             # Every child of an n > 1 request computes the prompt's logprobs: keep the first's.
-            if (out.new_prompt_logprobs and parent.prompt_logprobs is not None
-                    and parent.prompt_logprob_ranks is not None and child.index == 0):
+            if (
+                out.new_prompt_logprobs
+                and parent.prompt_logprobs is not None
+                and parent.prompt_logprob_ranks is not None
+                and child.index == 0
+            ):
                 parent.prompt_logprobs.extend(_to_dicts(out.new_prompt_logprobs))
                 parent.prompt_logprob_ranks.extend(rank for _ids, _lps, rank in out.new_prompt_logprobs)
             completion = self._completion(child, out, stopped)
@@ -225,19 +262,34 @@ class OutputProcessor:
             self._observe(parent, len(out.new_token_ids), now)
             by_parent.setdefault(parent.request_id, []).append(completion)
             if out.kv_transfer_params is not None or out.num_cached_tokens or out.embedding is not None:
-                extra[parent.request_id] = {"kv": out.kv_transfer_params, "cached": out.num_cached_tokens,
-                                            "remote": out.num_remote_tokens, "embedding": out.embedding}
+                extra[parent.request_id] = {
+                    "kv": out.kv_transfer_params,
+                    "cached": out.num_cached_tokens,
+                    "remote": out.num_remote_tokens,
+                    "embedding": out.embedding,
+                }
         results = []
         for rid, completions in by_parent.items():
             parent = self.parents[rid]
             finished = parent.num_finished == parent.num_children
             info = extra.get(rid, {})
-            ro = RequestOutput(rid, parent.prompt, parent.prompt_token_ids, completions, finished,
-                               num_cached_tokens=info.get("cached", 0), metrics=parent.metrics,
-                               kv_transfer_params=info.get("kv"),
-                               num_remote_tokens=info.get("remote", 0), embedding=info.get("embedding"))
-            if parent.prompt_logprobs is not None and not parent.prompt_logprobs_sent and \
-                    len(parent.prompt_logprobs) >= len(parent.prompt_token_ids):
+            ro = RequestOutput(
+                rid,
+                parent.prompt,
+                parent.prompt_token_ids,
+                completions,
+                finished,
+                num_cached_tokens=info.get("cached", 0),
+                metrics=parent.metrics,
+                kv_transfer_params=info.get("kv"),
+                num_remote_tokens=info.get("remote", 0),
+                embedding=info.get("embedding"),
+            )
+            if (
+                parent.prompt_logprobs is not None
+                and not parent.prompt_logprobs_sent
+                and len(parent.prompt_logprobs) >= len(parent.prompt_token_ids)
+            ):
                 # Complete once the prompt is: streams can show them (echo) before the end.
                 ro.prompt_logprobs = parent.prompt_logprobs
                 ro.prompt_logprob_ranks = parent.prompt_logprob_ranks
@@ -246,7 +298,8 @@ class OutputProcessor:
                 parent.metrics.finished_time = now
                 if self.metrics is not None:
                     self.metrics.kv_transfer.observe_request(
-                        len(parent.prompt_token_ids), info.get("cached", 0), info.get("remote", 0))
+                        len(parent.prompt_token_ids), info.get("cached", 0), info.get("remote", 0)
+                    )
                 ro.prompt_logprobs = parent.prompt_logprobs
                 ro.prompt_logprob_ranks = parent.prompt_logprob_ranks
                 ro.itl = parent.itl
@@ -254,8 +307,7 @@ class OutputProcessor:
             results.append(ro)
         return results, stopped
 
-    def _completion(self, child: _ChildState, out: EngineCoreOutput,
-                    stopped: list[str]) -> Optional[CompletionOutput]:
+    def _completion(self, child: _ChildState, out: EngineCoreOutput, stopped: list[str]) -> Optional[CompletionOutput]:
         if child.finished:
             return None
         text, stop_str = child.detok.update(out.new_token_ids) if out.new_token_ids else ("", None)
@@ -313,8 +365,9 @@ class OutputProcessor:
     def _count_finished(self, parent: _ParentState, reason: str) -> None:
         if self.metrics is None:
             return
-        self.metrics.request_finished(reason, parent.metrics, len(parent.prompt_token_ids),
-                                      max_tokens=parent.max_tokens, n=parent.num_children)
+        self.metrics.request_finished(
+            reason, parent.metrics, len(parent.prompt_token_ids), max_tokens=parent.max_tokens, n=parent.num_children
+        )
 
 
 def _to_dicts(entries) -> list[dict[int, float]]:

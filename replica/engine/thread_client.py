@@ -30,8 +30,9 @@ class _LayerCount:
 class ThreadCoreClient(CoreClientBase):
     """The EngineCore (`core`, readable by tests) stepping on the thread `fleetserve-engine`."""
 
-    def __init__(self, args: EngineArgs, eos_token_id: Optional[int], on_step: StepCallback,
-                 on_failure: FailureCallback) -> None:
+    def __init__(
+        self, args: EngineArgs, eos_token_id: Optional[int], on_step: StepCallback, on_failure: FailureCallback
+    ) -> None:
         super().__init__()
         from fleetserve.replica.engine.engine_core import EngineCore
 

@@ -76,12 +76,19 @@ def _plain_fast_folder(folder: Path) -> bool:
         config = json.loads((folder / "tokenizer_config.json").read_text())
         if not (folder / "tokenizer.json").is_file():
             return False
-        model_type = json.loads((folder / "config.json").read_text()).get("model_type") \
-            if (folder / "config.json").exists() else None
+        model_type = (
+            json.loads((folder / "config.json").read_text()).get("model_type")
+            if (folder / "config.json").exists()
+            else None
+        )
     except (OSError, ValueError):
         return False
-    return (isinstance(config, dict) and config.get("tokenizer_class") in _PLAIN_CLASSES
-            and "auto_map" not in config and model_type in (None, "llama"))
+    return (
+        isinstance(config, dict)
+        and config.get("tokenizer_class") in _PLAIN_CLASSES
+        and "auto_map" not in config
+        and model_type in (None, "llama")
+    )
 
 
 def _from_folder(folder: Path) -> PreTrainedTokenizerBase:
@@ -140,25 +147,30 @@ def _store(tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
-                        add_generation_prompt: bool = True,
-                        chat_template_kwargs: Optional[dict[str, Any]] = None,
-                        continue_final_message: bool = False) -> str:
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    chat_template_kwargs: Optional[dict[str, Any]] = None,
+    continue_final_message: bool = False,
+) -> str:
     """The prompt text for a conversation, checked first so that bad input is a ValueError.
     `chat_template_kwargs`: extra template variables (vLLM's, e.g. `enable_thinking`);
     `continue_final_message` (vLLM's): the last message is left open, for the model to go on
     with (a prefilled assistant reply)."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model has no chat template; send a plain prompt instead, or "
-                         "start the engine with --chat-template")
+        raise ValueError(
+            "this model has no chat template; send a plain prompt instead, or start the engine with --chat-template"
+        )
     normalized = [_check_message(i, m) for i, m in enumerate(_check_list(messages))]
     extra = check_template_kwargs(chat_template_kwargs)
     check_continue_final_message(add_generation_prompt, continue_final_message)
     if continue_final_message:
         extra["continue_final_message"] = True
     try:
-        text = tokenizer.apply_chat_template(normalized, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt, **extra)
+        text = tokenizer.apply_chat_template(
+            normalized, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
+        )
     except Exception as e:  # jinja2 errors (e.g. `raise_exception` in a template) are the user's input
         if type(e).__module__.startswith("jinja2"):
             raise ValueError(f"the chat template rejected the messages: {e}") from e

@@ -70,14 +70,15 @@ class TPWorkerActor:
         return ip, port
 
     @ray.method
-    def init_worker(self, args: EngineArgs, eos_token_id: Optional[int], rank: int,
-                    world_size: int, init_method: str) -> dict[str, int]:
+    def init_worker(
+        self, args: EngineArgs, eos_token_id: Optional[int], rank: int, world_size: int, init_method: str
+    ) -> dict[str, int]:
         from fleetserve.replica.worker.worker import Worker
 
-        self._worker = worker = Worker(args, eos_token_id, rank=rank, world_size=world_size,
-                                       init_method=init_method, threads_share=world_size)
-        return {"vocab_size": worker.hf_config.vocab_size, "num_threads": worker.num_threads,
-                "pid": os.getpid()}
+        self._worker = worker = Worker(
+            args, eos_token_id, rank=rank, world_size=world_size, init_method=init_method, threads_share=world_size
+        )
+        return {"vocab_size": worker.hf_config.vocab_size, "num_threads": worker.num_threads, "pid": os.getpid()}
 
     @ray.method(num_returns=1)
     def get_hf_config(self) -> ModelConfig:
@@ -132,8 +133,13 @@ def check_tp_size(args: EngineArgs) -> None:
 
 
 class RayTPExecutor(Executor):
-    def __init__(self, args: EngineArgs, eos_token_id: Optional[int],
-                 step_timeout_s: float = 60.0, start_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        args: EngineArgs,
+        eos_token_id: Optional[int],
+        step_timeout_s: float = 60.0,
+        start_timeout_s: float = 300.0,
+    ) -> None:
         check_tp_size(args)
         self._kv_aggregator: Optional[KVOutputAggregator] = None
         if args.kv_transfer_config is not None:
@@ -148,9 +154,13 @@ class RayTPExecutor(Executor):
             # ranks split the real cores between them (see Worker threads_share).
             from fleetserve.replica.worker.device import available_cores
 
-            ray.init(address=os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False,
-                     log_to_driver=False, num_cpus=max(available_cores(), tp + 1),
-                     _node_ip_address="127.0.0.1")
+            ray.init(
+                address=os.environ.get("RAY_ADDRESS") or "local",
+                include_dashboard=False,
+                log_to_driver=False,
+                num_cpus=max(available_cores(), tp + 1),
+                _node_ip_address="127.0.0.1",
+            )
         use_gpu = args.device != "cpu" and torch.cuda.is_available()
         bundle = {"CPU": 1.0, "GPU": 1.0} if use_gpu else {"CPU": 1.0}
         pg = placement_group([dict(bundle) for _ in range(tp)], strategy=args.placement_strategy)
@@ -161,27 +171,40 @@ class RayTPExecutor(Executor):
             ray.util.remove_placement_group(pg)
             raise ExecutorError(
                 f"could not reserve {tp} x {bundle} for tensor parallelism within "
-                f"{start_timeout_s:.0f} s; the cluster lacks resources") from e
+                f"{start_timeout_s:.0f} s; the cluster lacks resources"
+            ) from e
         actor_cls = ray.remote(TPWorkerActor)
         self.workers = [
             actor_cls.options(
-                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                num_cpus=bundle["CPU"],
+                num_gpus=bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=rank),
+                    placement_group=pg, placement_group_bundle_index=rank
+                ),
             ).remote()
             for rank in range(tp)
         ]
         try:
             ip, port = ray.get(self.workers[0].get_rendezvous_address.remote(), timeout=start_timeout_s)
             init_method = f"tcp://{ip}:{port}"
-            infos = self._get([w.init_worker.remote(args, eos_token_id, rank, tp, init_method)
-                               for rank, w in enumerate(self.workers)], start_timeout_s)
+            infos = self._get(
+                [
+                    w.init_worker.remote(args, eos_token_id, rank, tp, init_method)
+                    for rank, w in enumerate(self.workers)
+                ],
+                start_timeout_s,
+            )
             self.hf_config = self._get([self.workers[0].get_hf_config.remote()], start_timeout_s)[0]
         except BaseException:
             self.shutdown()
             raise
-        logger.info("tensor parallel group of %d ranks up at %s (%s); threads per rank: %s",
-                    tp, init_method, "nccl" if use_gpu else "gloo", [i["num_threads"] for i in infos])
+        logger.info(
+            "tensor parallel group of %d ranks up at %s (%s); threads per rank: %s",
+            tp,
+            init_method,
+            "nccl" if use_gpu else "gloo",
+            [i["num_threads"] for i in infos],
+        )
 
     def _get(self, refs: list[ray.ObjectRef[Any]], timeout: float) -> list[Any]:
         """Wait for every ref; the first failure (or the timeout) fails the whole call."""
@@ -216,8 +239,7 @@ class RayTPExecutor(Executor):
         t0 = time.perf_counter()
         # Passed by value: a step's diff is small enough for Ray to inline it in each call,
         # cheaper than ray.put and a reference (figures: docs/deployment/cpu.md, "Figures behind the code").
-        results = self._get([w.execute_model.remote(scheduler_output) for w in self.workers],
-                            self.step_timeout_s)
+        results = self._get([w.execute_model.remote(scheduler_output) for w in self.workers], self.step_timeout_s)
         wall = time.perf_counter() - t0
         # What the fan-out (put, calls, result return) costs on top of the ranks' own work.
         self.step_timings.append((wall, max(t for _, t in results)))

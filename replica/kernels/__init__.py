@@ -54,12 +54,27 @@ def march() -> str:
 
 # Compiler macros a -march turns on -> the /proc/cpuinfo flag the CPU needs for them.
 _MACRO_FLAGS = {
-    "__SSE4_2__": "sse4_2", "__AVX__": "avx", "__AVX2__": "avx2", "__FMA__": "fma", "__F16C__": "f16c",
-    "__BMI2__": "bmi2", "__AVX512F__": "avx512f", "__AVX512BW__": "avx512bw", "__AVX512CD__": "avx512cd",
-    "__AVX512DQ__": "avx512dq", "__AVX512VL__": "avx512vl", "__AVX512BF16__": "avx512_bf16",
-    "__AVX512VNNI__": "avx512_vnni", "__AVX512FP16__": "avx512_fp16", "__AVX512VBMI__": "avx512vbmi",
-    "__AVX512VBMI2__": "avx512_vbmi2", "__AVX512IFMA__": "avx512ifma", "__AVX512BITALG__": "avx512_bitalg",
-    "__AVX512VPOPCNTDQ__": "avx512_vpopcntdq", "__AVXVNNI__": "avx_vnni", "__AMX_TILE__": "amx_tile",
+    "__SSE4_2__": "sse4_2",
+    "__AVX__": "avx",
+    "__AVX2__": "avx2",
+    "__FMA__": "fma",
+    "__F16C__": "f16c",
+    "__BMI2__": "bmi2",
+    "__AVX512F__": "avx512f",
+    "__AVX512BW__": "avx512bw",
+    "__AVX512CD__": "avx512cd",
+    "__AVX512DQ__": "avx512dq",
+    "__AVX512VL__": "avx512vl",
+    "__AVX512BF16__": "avx512_bf16",
+    "__AVX512VNNI__": "avx512_vnni",
+    "__AVX512FP16__": "avx512_fp16",
+    "__AVX512VBMI__": "avx512vbmi",
+    "__AVX512VBMI2__": "avx512_vbmi2",
+    "__AVX512IFMA__": "avx512ifma",
+    "__AVX512BITALG__": "avx512_bitalg",
+    "__AVX512VPOPCNTDQ__": "avx512_vpopcntdq",
+    "__AVXVNNI__": "avx_vnni",
+    "__AMX_TILE__": "amx_tile",
 }
 
 
@@ -72,8 +87,9 @@ def missing_cpu_features(march_value: str) -> list[str]:
     if march_value == "native":
         return []
     cxx = os.environ.get("CXX") or shutil.which("c++") or "c++"
-    done = subprocess.run([cxx, f"-march={march_value}", "-dM", "-E", "-x", "c++", os.devnull],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [cxx, f"-march={march_value}", "-dM", "-E", "-x", "c++", os.devnull], capture_output=True, text=True, timeout=60
+    )
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
         errors = [line for line in lines if "error" in line] or lines
@@ -111,8 +127,9 @@ def _build() -> Any:
     out = build_dir()
     missing = missing_cpu_features(march())
     if missing:  # its code would stop the process with SIGILL on the first such instruction
-        raise RuntimeError(f"FLEETSERVE_CPU_MARCH={march()} needs CPU features this machine lacks: "
-                           f"{', '.join(missing)}")
+        raise RuntimeError(
+            f"FLEETSERVE_CPU_MARCH={march()} needs CPU features this machine lacks: {', '.join(missing)}"
+        )
     out.mkdir(parents=True, exist_ok=True)
     name = "fleetserve_cpu_ops"
     if not (out / f"{name}.so").exists():
@@ -127,9 +144,15 @@ def _build() -> Any:
     # Always through load(): it holds a lock file in the build directory, so processes starting
     # together (Ray replicas, TP workers) wait for one build instead of loading a half-written
     # library; when the library is up to date it only loads it.
-    load(name=name, sources=[str(source)], build_directory=str(out), is_python_module=False,
-         extra_cflags=["-O3", f"-march={march()}", "-fopenmp", "-ffp-contract=off"],
-         extra_ldflags=["-fopenmp"], verbose=False)
+    load(
+        name=name,
+        sources=[str(source)],
+        build_directory=str(out),
+        is_python_module=False,
+        extra_cflags=["-O3", f"-march={march()}", "-fopenmp", "-ffp-contract=off"],
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
     return torch.ops.fleetserve
 
 

@@ -15,6 +15,16 @@ from fleetserve.replica.layers.linear import (
 )
 from fleetserve.replica.layers.rotary import RotaryEmbedding
 
-__all__ = ["ColumnParallelLinear", "MergedColumnParallelLinear", "ParallelLMHead", "QKVParallelLinear",
-           "ReplicatedLinear", "RMSNorm", "RotaryEmbedding", "RowParallelLinear", "SiluAndMul",
-           "VocabParallelEmbedding", "pack_linear_weights"]
+__all__ = [
+    "ColumnParallelLinear",
+    "MergedColumnParallelLinear",
+    "ParallelLMHead",
+    "QKVParallelLinear",
+    "ReplicatedLinear",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "RowParallelLinear",
+    "SiluAndMul",
+    "VocabParallelEmbedding",
+    "pack_linear_weights",
+]

@@ -144,7 +144,8 @@ class AttentionMetadata:
         if hit is None or hit[0] is not prev_keys:
             cur = self.decode_row_keys
             ok = len(cur) == len(prev_keys) and all(
-                r == pr and b == pb and n == pn + 1 for (r, b, n), (pr, pb, pn) in zip(cur, prev_keys))
+                r == pr and b == pb and n == pn + 1 for (r, b, n), (pr, pb, pn) in zip(cur, prev_keys)
+            )
             hit = (prev_keys, ok)
             self._successor[id(prev_keys)] = hit
         return hit[1]
@@ -161,7 +162,8 @@ class AttentionMetadata:
             seq_lens = self._decode_seq_lens()
             valid = torch.arange(width, device=seq_lens.device)[None, :] < seq_lens[:, None]
             bias = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device).masked_fill_(
-                ~valid, float("-inf"))[None, :, None, :]
+                ~valid, float("-inf")
+            )[None, :, None, :]
             self._gather_index[key] = bias
         return bias
 
@@ -192,8 +194,14 @@ class AttentionMetadata:
         return idx
 
     @staticmethod
-    def build(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int,
-              device: torch.device | str = "cpu", request_ids: Optional[list] = None) -> "AttentionMetadata":
+    def build(
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+        request_ids: Optional[list] = None,
+    ) -> "AttentionMetadata":
         """Index tensors for one step. `block_tables[i]` must cover context_lens[i] + query_lens[i] tokens.
 
         `request_ids` (one per request, unique among live requests) lets decode attention carry
@@ -210,8 +218,9 @@ class AttentionMetadata:
                 raise ValueError(f"request {i}: {len(bt)} blocks of {block_size} cannot hold {s} tokens")
         device = torch.device(device)
         max_blocks = max((len(bt) for bt in block_tables), default=1) or 1
-        table = torch.tensor([list(bt) + [0] * (max_blocks - len(bt)) for bt in block_tables],
-                             dtype=torch.long).view(n, max_blocks)
+        table = torch.tensor([list(bt) + [0] * (max_blocks - len(bt)) for bt in block_tables], dtype=torch.long).view(
+            n, max_blocks
+        )
         q_lens = torch.tensor(query_lens, dtype=torch.long)
         ctx = torch.tensor(context_lens, dtype=torch.long)
         starts = torch.cumsum(q_lens, 0) - q_lens
@@ -221,11 +230,17 @@ class AttentionMetadata:
         slots = table[req_of_token, positions // block_size] * block_size + positions % block_size
 
         md = AttentionMetadata(
-            num_tokens=num_tokens, block_size=block_size, query_lens=list(query_lens),
-            context_lens=list(context_lens), slot_mapping=slots.to(device), positions=positions.to(device),
-            last_token_indices=(starts + q_lens - 1).to(device), block_table=table.to(device),
+            num_tokens=num_tokens,
+            block_size=block_size,
+            query_lens=list(query_lens),
+            context_lens=list(context_lens),
+            slot_mapping=slots.to(device),
+            positions=positions.to(device),
+            last_token_indices=(starts + q_lens - 1).to(device),
+            block_table=table.to(device),
             token_req=None if num_tokens == n else req_of_token.to(device),
-            token_seq_lens=(positions + 1).to(device))
+            token_seq_lens=(positions + 1).to(device),
+        )
         decode_rows = [i for i, q in enumerate(query_lens) if q == 1]
         if decode_rows:
             md._build_decodes(decode_rows, table, starts, seq_lens, block_size, device, request_ids)
@@ -280,8 +295,9 @@ class AttentionMetadata:
         return mask
 
     @staticmethod
-    def static_decode(token_ids_positions_slots_lens: torch.Tensor, table: torch.Tensor,
-                      block_size: int) -> "AttentionMetadata":
+    def static_decode(
+        token_ids_positions_slots_lens: torch.Tensor, table: torch.Tensor, block_size: int
+    ) -> "AttentionMetadata":
         """Metadata of a decode-only batch over fixed buffers, for CUDA graphs (worker/cuda_graph.py).
 
         `token_ids_positions_slots_lens` is [4, B] long (rows: token id, position, cache slot,
@@ -294,17 +310,37 @@ class AttentionMetadata:
         seq_lens = token_ids_positions_slots_lens[3]
         contiguous_table = table.contiguous()
         md = AttentionMetadata(
-            num_tokens=B, block_size=block_size, query_lens=[1] * B, context_lens=[],
-            slot_mapping=token_ids_positions_slots_lens[2], positions=token_ids_positions_slots_lens[1],
-            last_token_indices=torch.arange(B, device=table.device), num_decodes=B,
-            decode_slice=slice(0, B), decode_block_ids=contiguous_table.view(-1), decode_max_blocks=W,
-            decode_seq_lens=seq_lens, decode_max_len=W * block_size,
-            block_table=contiguous_table, token_req=None, token_seq_lens=seq_lens, static=True)
+            num_tokens=B,
+            block_size=block_size,
+            query_lens=[1] * B,
+            context_lens=[],
+            slot_mapping=token_ids_positions_slots_lens[2],
+            positions=token_ids_positions_slots_lens[1],
+            last_token_indices=torch.arange(B, device=table.device),
+            num_decodes=B,
+            decode_slice=slice(0, B),
+            decode_block_ids=contiguous_table.view(-1),
+            decode_max_blocks=W,
+            decode_seq_lens=seq_lens,
+            decode_max_len=W * block_size,
+            block_table=contiguous_table,
+            token_req=None,
+            token_seq_lens=seq_lens,
+            static=True,
+        )
         md.decode_bias = md.decode_bias_width(W * block_size)
         return md
 
-    def _build_decodes(self, rows: list[int], table: torch.Tensor, starts: torch.Tensor, seq_lens: list[int],
-                       block_size: int, device: torch.device, request_ids: Optional[list] = None) -> None:
+    def _build_decodes(
+        self,
+        rows: list[int],
+        table: torch.Tensor,
+        starts: torch.Tensor,
+        seq_lens: list[int],
+        block_size: int,
+        device: torch.device,
+        request_ids: Optional[list] = None,
+    ) -> None:
         rows_t = torch.tensor(rows, dtype=torch.long)
         lens = torch.tensor([seq_lens[i] for i in rows], dtype=torch.long)
         max_blocks = -(-int(lens.max()) // block_size)
@@ -318,13 +354,15 @@ class AttentionMetadata:
         self.decode_max_blocks = max_blocks
         self.decode_block_ids = table[rows_t, :max_blocks].reshape(-1).to(device)
         if request_ids is not None:
-            self.decode_row_keys = tuple(zip([request_ids[i] for i in rows], table[rows_t, 0].tolist(),
-                                             lens.tolist()))
+            self.decode_row_keys = tuple(zip([request_ids[i] for i in rows], table[rows_t, 0].tolist(), lens.tolist()))
         self.decode_seq_lens = lens.to(device)
         self.decode_max_len = int(lens.max())
         valid = torch.arange(max_blocks * block_size)[None, :] < lens[:, None]  # [B, L]
-        self.decode_bias = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(
-            ~valid, float("-inf"))[None, :, None, :].to(device)
+        self.decode_bias = (
+            torch.zeros(valid.shape, dtype=torch.float32)
+            .masked_fill_(~valid, float("-inf"))[None, :, None, :]
+            .to(device)
+        )
 
 
 def kv_cache_layout(dtype: torch.dtype, block_size: int, head_dim: int, device: torch.device | str = "cpu") -> str:
@@ -370,8 +408,9 @@ class PagedAttention(nn.Module):
         self._layout_key: Optional[tuple] = None
         self._k_tiled = False
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                md: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor:
         """q [T, heads*d], k/v [T, kv_heads*d] -> [T, heads*d]; writes k/v into `kv_cache`."""
         T, KVH, D = q.shape[0], self.num_kv_heads, self.head_dim
         q = q.view(T, self.num_heads, D)
@@ -388,8 +427,9 @@ class PagedAttention(nn.Module):
             if self.use_attention_kernel:
                 # Every token (prefill chunk, continuation or decode) attends to its request's
                 # first seq_len cached keys, read straight from the blocks.
-                return ops.paged_attention(q, k_cache, v_cache, md.block_table, md.token_seq_lens,
-                                           md.token_req, self.scale, self._k_tiled)
+                return ops.paged_attention(
+                    q, k_cache, v_cache, md.block_table, md.token_seq_lens, md.token_req, self.scale, self._k_tiled
+                )
         else:
             k_cache.view(KVH, -1, D).index_copy_(1, md.slot_mapping, k.transpose(0, 1))
             v_cache.view(KVH, -1, D).index_copy_(1, md.slot_mapping, v.transpose(0, 1))
@@ -402,44 +442,58 @@ class PagedAttention(nn.Module):
             out[rows] = self._decode(q[rows], k[rows], v[rows], k_cache, v_cache, md).view(-1, self.num_heads, D)
         packs = md.prefill_packs if (q.is_cuda if self.pack_prefills is None else self.pack_prefills) else ()
         for pack in packs:
-            out[pack.start:pack.end] = self._prefill_pack(q, k, v, pack, md)
+            out[pack.start : pack.end] = self._prefill_pack(q, k, v, pack, md)
         for chunk in md.prefills:
             if not (packs and chunk.packed):
-                out[chunk.start:chunk.end] = self._prefill(q, k, v, k_cache, v_cache, chunk)
+                out[chunk.start : chunk.end] = self._prefill(q, k, v, k_cache, v_cache, chunk)
         return out.view(T, -1)
 
     def _prefill_pack(self, q, k, v, pack: PrefillPack, md: AttentionMetadata) -> torch.Tensor:
         """Several fresh prompts in one SDPA call under a block-diagonal causal mask. K/V are
         repeated per query head here (small: these tokens' own keys), so the masked call does not
         depend on which of torch's SDPA kernels accept `enable_gqa` together with a mask."""
-        qs = q[pack.start:pack.end].transpose(0, 1)  # [H, L, d]
-        ks = k[pack.start:pack.end].transpose(0, 1)  # [KVH, L, d]
-        vs = v[pack.start:pack.end].transpose(0, 1)
+        qs = q[pack.start : pack.end].transpose(0, 1)  # [H, L, d]
+        ks = k[pack.start : pack.end].transpose(0, 1)  # [KVH, L, d]
+        vs = v[pack.start : pack.end].transpose(0, 1)
         if self.group > 1:
             ks = ks.repeat_interleave(self.group, 0)
             vs = vs.repeat_interleave(self.group, 0)
         mask = md.pack_mask(pack, q.device)
-        o = F.scaled_dot_product_attention(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0),
-                                           attn_mask=mask[None, None], scale=self.scale)
+        o = F.scaled_dot_product_attention(
+            qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), attn_mask=mask[None, None], scale=self.scale
+        )
         return o[0].transpose(0, 1)  # [L, H, d]
 
     def _prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
-        qs = q[chunk.start:chunk.end].transpose(0, 1)  # [H, q, d]
+        qs = q[chunk.start : chunk.end].transpose(0, 1)  # [H, q, d]
         if chunk.context_len == 0:
-            ks = k[chunk.start:chunk.end].transpose(0, 1)  # [KVH, q, d]
-            vs = v[chunk.start:chunk.end].transpose(0, 1)
+            ks = k[chunk.start : chunk.end].transpose(0, 1)  # [KVH, q, d]
+            vs = v[chunk.start : chunk.end].transpose(0, 1)
             mask, causal = None, True
         else:
             n = chunk.context_len + (chunk.end - chunk.start)
             ks = k_cache.index_select(1, chunk.block_ids).flatten(1, 2)[:, :n]  # [KVH, n, d]
             vs = v_cache.index_select(1, chunk.block_ids).flatten(1, 2)[:, :n]
             mask, causal = chunk.mask, False
-        o = F.scaled_dot_product_attention(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), attn_mask=mask,
-                                           is_causal=causal, scale=self.scale, enable_gqa=self.group > 1)
+        o = F.scaled_dot_product_attention(
+            qs.unsqueeze(0),
+            ks.unsqueeze(0),
+            vs.unsqueeze(0),
+            attn_mask=mask,
+            is_causal=causal,
+            scale=self.scale,
+            enable_gqa=self.group > 1,
+        )
         return o[0].transpose(0, 1)  # [q, H, d]
 
-    def _decode_buffer(self, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, md: AttentionMetadata) -> Optional[torch.Tensor]:
+    def _decode_buffer(
+        self,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        md: AttentionMetadata,
+    ) -> Optional[torch.Tensor]:
         """[2, KVH, B, W, D]: every decode row's keys/values, contiguous, kept from step to step.
 
         Gathering the rows' blocks out of the paged cache costs a copy of all their
@@ -454,8 +508,12 @@ class PagedAttention(nn.Module):
         KVH, D = self.num_kv_heads, self.head_dim
         B, bs = md.num_decodes, md.block_size
         state = self._dbuf
-        if (state is not None and state[2] == k_cache.data_ptr() and md.decode_max_len <= state[0].shape[3]
-                and md.continues(state[1])):
+        if (
+            state is not None
+            and state[2] == k_cache.data_ptr()
+            and md.decode_max_len <= state[0].shape[3]
+            and md.continues(state[1])
+        ):
             buf = state[0]
             W = buf.shape[3]
             idx = md.decode_append_index(W)
@@ -478,8 +536,15 @@ class PagedAttention(nn.Module):
         self._dbuf = (buf, md.decode_row_keys, k_cache.data_ptr())
         return buf
 
-    def _decode(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+    def _decode(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
         """q [B, H, d] (one query per request), k_new/v_new its new keys/values -> [B, H * d]."""
         B, H, D = q.shape
         KVH, G = self.num_kv_heads, self.group

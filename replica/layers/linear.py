@@ -100,8 +100,12 @@ def _can_pack(weight: torch.Tensor) -> bool:
 # takes prefill chunks too, as bf16 does: one code path, and a row's result never depends on its
 # batch. Figures: docs/benchmarks/results/2026-11-25-cpu-kernels-epyc-avx512.md ("Prefill chunks on the small-M
 # kernel") and docs/benchmarks/results/2026-11-27-avx2-zen3.md ("Small-M linears in 6-row passes").
-_DEFAULT_ROWS = {("bfloat16", "avx512_bf16"): 4096, ("float32", "avx512_bf16"): 128, ("float32", "avx512"): 128,
-                 ("float32", "avx2"): 4096}
+_DEFAULT_ROWS = {
+    ("bfloat16", "avx512_bf16"): 4096,
+    ("float32", "avx512_bf16"): 128,
+    ("float32", "avx512"): 128,
+    ("float32", "avx2"): 4096,
+}
 
 
 def small_m_rows(dtype: torch.dtype = torch.bfloat16) -> int:
@@ -179,8 +183,7 @@ class PackedWeightMixin:
                 pack, run = ops.pack_linear_bf16, ops.linear_bf16
             else:  # float32 results already
                 pack, run = ops.pack_linear_f32, lambda x, p, b, n, float_out: ops.linear_f32(x, p, b, n)
-            self._small_m = _SmallM(pack(w.detach()), w._version, w.data_ptr(), w.shape[0], run,
-                                    small_m_rows(w.dtype))
+            self._small_m = _SmallM(pack(w.detach()), w._version, w.data_ptr(), w.shape[0], run, small_m_rows(w.dtype))
         if not _can_pack(w):
             return self._small_m is not None
         packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)  # layout tuned for M ~ 64
@@ -196,8 +199,13 @@ class PackedWeightMixin:
         accumulators; the other paths return the weight's dtype)."""
         w = self.weight
         small = _current(self._small_m, w)
-        if (small is not None and x.dim() == 2 and x.shape[0] <= small.max_rows and x.dtype == w.dtype
-                and ops_for(x) is not None):  # None on a GPU tensor or inside kernels.disabled()
+        if (
+            small is not None
+            and x.dim() == 2
+            and x.shape[0] <= small.max_rows
+            and x.dtype == w.dtype
+            and ops_for(x) is not None
+        ):  # None on a GPU tensor or inside kernels.disabled()
             return small.run(x, small.packed, bias, small.out_features, float_out)
         packed = self._packed
         if packed is not None and x.device.type == "cpu" and packed[1] == w._version and packed[2] == w.data_ptr():
@@ -229,11 +237,13 @@ class VocabParallelEmbedding(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         if loaded_weight.shape != (self.num_embeddings, self.embedding_dim):
-            raise ValueError(f"shape mismatch loading the embedding: expected "
-                             f"{(self.num_embeddings, self.embedding_dim)}, got {tuple(loaded_weight.shape)}")
-        shard = loaded_weight[self.vocab_start:self.vocab_end]
-        param.data[:shard.shape[0]].copy_(shard)
-        param.data[shard.shape[0]:].zero_()  # padding rows of the last rank
+            raise ValueError(
+                f"shape mismatch loading the embedding: expected "
+                f"{(self.num_embeddings, self.embedding_dim)}, got {tuple(loaded_weight.shape)}"
+            )
+        shard = loaded_weight[self.vocab_start : self.vocab_end]
+        param.data[: shard.shape[0]].copy_(shard)
+        param.data[shard.shape[0] :].zero_()  # padding rows of the last rank
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
@@ -251,8 +261,7 @@ class ParallelLMHead(PackedWeightMixin, VocabParallelEmbedding):
     sharding of both is the same vocab split, so no extra memory is used.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False,
-                 tp_group: Optional[TPGroup] = None):
+    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False, tp_group: Optional[TPGroup] = None):
         super().__init__(num_embeddings, embedding_dim, tp_group)
         if bias:
             self.bias = _new_param(self.num_per_partition)
@@ -263,9 +272,9 @@ class ParallelLMHead(PackedWeightMixin, VocabParallelEmbedding):
     def _bias_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         if tuple(loaded_weight.shape) != (self.num_embeddings,):
             raise ValueError(f"shape mismatch loading the lm_head bias: got {tuple(loaded_weight.shape)}")
-        shard = loaded_weight[self.vocab_start:self.vocab_end]
-        param.data[:shard.shape[0]].copy_(shard)
-        param.data[shard.shape[0]:].zero_()
+        shard = loaded_weight[self.vocab_start : self.vocab_end]
+        param.data[: shard.shape[0]].copy_(shard)
+        param.data[shard.shape[0] :].zero_()
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
@@ -278,7 +287,7 @@ class ParallelLMHead(PackedWeightMixin, VocabParallelEmbedding):
         logits = self._linear(hidden, self.bias, float_out=True)
         if self.tp.world_size > 1:
             logits = self.tp.all_gather(logits, dim=-1)
-        return logits[..., :self.num_embeddings] if logits.shape[-1] != self.num_embeddings else logits
+        return logits[..., : self.num_embeddings] if logits.shape[-1] != self.num_embeddings else logits
 
 
 # --------------------------------------------------------------------------- linears
@@ -330,8 +339,14 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; each rank returns its slice (or all of it with gather_output)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, gather_output: bool = False,
-                 tp_group: Optional[TPGroup] = None):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        gather_output: bool = False,
+        tp_group: Optional[TPGroup] = None,
+    ):
         tp = tp_group or get_tp_group()
         self.total_output_size = output_size
         super().__init__(input_size, divide(output_size, tp.world_size, "output size"), bias, tp)
@@ -378,8 +393,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     _gated: Optional[_SmallM] = None
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 tp_group: Optional[TPGroup] = None):
+    def __init__(
+        self, input_size: int, output_sizes: list[int], bias: bool = False, tp_group: Optional[TPGroup] = None
+    ):
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(output_sizes), bias, tp_group=tp_group)
 
@@ -388,13 +404,25 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self._gated = None
         w, small = self.weight, self._small_m
         ops = ops_for(w)
-        if (small is not None and ops is not None and w.dtype == torch.bfloat16 and len(self.output_sizes) == 2
-                and self.output_sizes[0] == self.output_sizes[1] and not self.gather_output
-                and env_on("FLEETSERVE_FUSED_SILU_MUL")):
+        if (
+            small is not None
+            and ops is not None
+            and w.dtype == torch.bfloat16
+            and len(self.output_sizes) == 2
+            and self.output_sizes[0] == self.output_sizes[1]
+            and not self.gather_output
+            and env_on("FLEETSERVE_FUSED_SILU_MUL")
+        ):
             d = w.shape[0] // 2
             # No `run`: silu_and_mul calls its own kernel on the packing.
-            self._gated = _SmallM(ops.pack_linear_bf16(interleave_gate_up(w.detach(), d)), w._version,
-                                  w.data_ptr(), d, _no_plain_run, small.max_rows)
+            self._gated = _SmallM(
+                ops.pack_linear_bf16(interleave_gate_up(w.detach(), d)),
+                w._version,
+                w.data_ptr(),
+                d,
+                _no_plain_run,
+                small.max_rows,
+            )
             self._small_m = None
         return packed
 
@@ -434,8 +462,15 @@ class QKVParallelLinear(ColumnParallelLinear):
     num_kv_heads ranks (as vLLM does), which needs tp % num_kv_heads == 0.
     """
 
-    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
-                 bias: bool = False, tp_group: Optional[TPGroup] = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool = False,
+        tp_group: Optional[TPGroup] = None,
+    ):
         tp = tp_group or get_tp_group()
         self.head_dim = head_dim
         self.total_num_heads = total_num_heads
@@ -443,8 +478,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_heads = divide(total_num_heads, tp.world_size, "number of attention heads")
         if tp.world_size >= total_num_kv_heads:
             if tp.world_size % total_num_kv_heads != 0:
-                raise ValueError(f"tensor-parallel size ({tp.world_size}) must be a multiple of the number of "
-                                 f"kv heads ({total_num_kv_heads}) when it exceeds it")
+                raise ValueError(
+                    f"tensor-parallel size ({tp.world_size}) must be a multiple of the number of "
+                    f"kv heads ({total_num_kv_heads}) when it exceeds it"
+                )
             self.num_kv_heads = 1
             self.num_kv_head_replicas = tp.world_size // total_num_kv_heads
         else:

@@ -29,15 +29,18 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _hf_rope_init(rope_type: str, rope_parameters: dict[str, Any], head_dim: int,
-                  max_position: int) -> tuple[torch.Tensor, float]:
+def _hf_rope_init(
+    rope_type: str, rope_parameters: dict[str, Any], head_dim: int, max_position: int
+) -> tuple[torch.Tensor, float]:
     """Other static rope types (yarn, longrope, ...) through transformers' own init functions."""
     from transformers import PretrainedConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if rope_type not in ROPE_INIT_FUNCTIONS or rope_type.startswith("dynamic"):
-        raise ValueError(f"unsupported rope type {rope_type!r} (supported: default, linear, llama3, "
-                         f"and static types known to transformers such as yarn)")
+        raise ValueError(
+            f"unsupported rope type {rope_type!r} (supported: default, linear, llama3, "
+            f"and static types known to transformers such as yarn)"
+        )
     cfg = PretrainedConfig()
     cfg.rope_parameters = dict(rope_parameters)
     cfg.head_dim, cfg.hidden_size, cfg.num_attention_heads = head_dim, head_dim, 1
@@ -56,8 +59,13 @@ class RotaryEmbedding(nn.Module):
 
     cos_sin_cache: torch.Tensor  # [max_position, head_dim]: cos | sin (a buffer)
 
-    def __init__(self, head_dim: int, max_position: int, rope_parameters: Optional[dict[str, Any]] = None,
-                 rope_theta: float = 10000.0):
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        rope_parameters: Optional[dict[str, Any]] = None,
+        rope_theta: float = 10000.0,
+    ):
         super().__init__()
         p = dict(rope_parameters or {})
         rope_type = p.get("rope_type", p.get("type", "default")) or "default"

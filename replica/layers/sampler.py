@@ -149,9 +149,16 @@ class SamplingBatch:
     bad_words_mask: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @classmethod
-    def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
-              output_token_ids: list[list[int]], generators: list[Optional[torch.Generator]],
-              eos_token_id: Optional[int], vocab_size: int, device: Device) -> "SamplingBatch":
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        generators: list[Optional[torch.Generator]],
+        eos_token_id: Optional[int],
+        vocab_size: int,
+        device: Device,
+    ) -> "SamplingBatch":
         n = len(params)
         if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == n):
             raise ValueError("params, prompt_token_ids, output_token_ids and generators must have one entry per row")
@@ -164,7 +171,9 @@ class SamplingBatch:
         # output began on the failed replica (the prompt's last continued_output_tokens).
         seen = [_seen(p, prompt, out) for p, prompt, out in zip(params, prompt_token_ids, output_token_ids)]
         return cls(
-            num_rows=n, vocab_size=vocab_size, device=device,
+            num_rows=n,
+            vocab_size=vocab_size,
+            device=device,
             greedy_rows=_long(greedy, device) if greedy else None,
             random=_build_random(params, random_rows, generators, vocab_size, n, device) if random_rows else None,
             penalties=_build_penalties(params, prompt_token_ids, output_token_ids, seen, device),
@@ -173,16 +182,23 @@ class SamplingBatch:
             logprobs_k=[k for _, k in lp_asked],
             logit_bias=_build_logit_bias(params, vocab_size, device),
             disallowed=_build_disallowed(params, vocab_size, device),
-            bad_words_mask=_build_bad_words(params, seen, vocab_size, device))
+            bad_words_mask=_build_bad_words(params, seen, vocab_size, device),
+        )
 
 
 def _seen(p: SamplingParams, prompt: list[int], out: list[int]) -> list[int]:
     k = p.continued_output_tokens
-    return out if not k else list(prompt[len(prompt) - k:]) + list(out)
+    return out if not k else list(prompt[len(prompt) - k :]) + list(out)
 
 
-def _build_random(params: list[SamplingParams], rows: list[int], generators: list[Optional[torch.Generator]],
-                  vocab_size: int, n: int, device: Device) -> _RandomRows:
+def _build_random(
+    params: list[SamplingParams],
+    rows: list[int],
+    generators: list[Optional[torch.Generator]],
+    vocab_size: int,
+    n: int,
+    device: Device,
+) -> _RandomRows:
     ps = [params[i] for i in rows]
     # top_k >= vocab_size keeps everything: the same as no top-k.
     is_filtered = [0 < p.top_k < vocab_size or p.top_p < 1.0 for p in ps]
@@ -195,18 +211,26 @@ def _build_random(params: list[SamplingParams], rows: list[int], generators: lis
         first_k = min(vocab_size, max(first_k, _TOP_P_CANDIDATES))
     min_ps = [p.min_p for p in ps]
     return _RandomRows(
-        rows=_long(rows, device), all_rows=len(rows) == n,
+        rows=_long(rows, device),
+        all_rows=len(rows) == n,
         temperature=_float([p.temperature for p in ps], device),
         log_min_p=_float(min_ps, device).log() if any(m > 0.0 for m in min_ps) else None,
-        filtered=_TopKTopP(_long(filtered, device), _long(ks, device),
-                           _float([ps[j].top_p for j in filtered], device)) if filtered else None,
+        filtered=_TopKTopP(_long(filtered, device), _long(ks, device), _float([ps[j].top_p for j in filtered], device))
+        if filtered
+        else None,
         unfiltered=_long(unfiltered, device) if unfiltered else None,
         first_k=first_k,
-        generators=[(j, g) for j, g in enumerate(generators[i] for i in rows) if g is not None])
+        generators=[(j, g) for j, g in enumerate(generators[i] for i in rows) if g is not None],
+    )
 
 
-def _build_penalties(params: list[SamplingParams], prompt_token_ids: list[list[int]],
-                     output_token_ids: list[list[int]], seen: list[list[int]], device: Device) -> Optional[_Penalties]:
+def _build_penalties(
+    params: list[SamplingParams],
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    seen: list[list[int]],
+    device: Device,
+) -> Optional[_Penalties]:
     """Repetition counts prompt and output (the prompt already holds continued output);
     frequency and presence count the output as `seen` (continued output included)."""
     rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
@@ -222,19 +246,22 @@ def _build_penalties(params: list[SamplingParams], prompt_token_ids: list[list[i
         pen.repetition = _Repetition(
             torch.repeat_interleave(_long(rep, device), counts),
             _long(list(chain.from_iterable(chain(prompt_token_ids[i], output_token_ids[i]) for i in rep)), device),
-            torch.repeat_interleave(_float([params[i].repetition_penalty for i in rep], device), counts))
+            torch.repeat_interleave(_float([params[i].repetition_penalty for i in rep], device), counts),
+        )
     if out:
         counts = _long([len(seen[i]) for i in out], device)
         pen.output = _OutputPenalties(
             torch.repeat_interleave(_long(out, device), counts),
             _long(list(chain.from_iterable(seen[i] for i in out)), device),
             _float([p.frequency_penalty for p in params], device),
-            _float([p.presence_penalty for p in params], device))
+            _float([p.presence_penalty for p in params], device),
+        )
     return pen
 
 
-def _build_logit_bias(params: list[SamplingParams], vocab_size: int,
-                      device: Device) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def _build_logit_bias(
+    params: list[SamplingParams], vocab_size: int, device: Device
+) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     rows: list[int] = []
     tokens: list[int] = []
     values: list[float] = []
@@ -247,8 +274,9 @@ def _build_logit_bias(params: list[SamplingParams], vocab_size: int,
     return (_long(rows, device), _long(tokens, device), _float(values, device)) if rows else None
 
 
-def _build_disallowed(params: list[SamplingParams], vocab_size: int,
-                      device: Device) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+def _build_disallowed(
+    params: list[SamplingParams], vocab_size: int, device: Device
+) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     allowed = [(i, p.allowed_token_ids) for i, p in enumerate(params) if p.allowed_token_ids]
     if not allowed:
         return None
@@ -258,8 +286,9 @@ def _build_disallowed(params: list[SamplingParams], vocab_size: int,
     return _long([i for i, _ in allowed], device), mask.to(device)
 
 
-def _build_bad_words(params: list[SamplingParams], seen: list[list[int]], vocab_size: int,
-                     device: Device) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+def _build_bad_words(
+    params: list[SamplingParams], seen: list[list[int]], vocab_size: int, device: Device
+) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     rows: list[int] = []
     tokens: list[int] = []
     for i, p in enumerate(params):
@@ -268,15 +297,21 @@ def _build_bad_words(params: list[SamplingParams], seen: list[list[int]], vocab_
         out = seen[i]
         for word in p.bad_words_token_ids:
             before = len(word) - 1
-            if word[-1] < vocab_size and (before == 0 or (
-                    len(out) >= before and list(out[len(out) - before:]) == word[:-1])):
+            if word[-1] < vocab_size and (
+                before == 0 or (len(out) >= before and list(out[len(out) - before :]) == word[:-1])
+            ):
                 rows.append(i)
                 tokens.append(word[-1])
     return (_long(rows, device), _long(tokens, device)) if rows else None
 
 
-def _build_min_tokens(params: list[SamplingParams], output_token_ids: list[list[int]], eos_token_id: Optional[int],
-                      vocab_size: int, device: Device) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+def _build_min_tokens(
+    params: list[SamplingParams],
+    output_token_ids: list[list[int]],
+    eos_token_id: Optional[int],
+    vocab_size: int,
+    device: Device,
+) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     rows: list[int] = []
     tokens: list[int] = []
     for i, p in enumerate(params):
@@ -306,7 +341,7 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
             raise ValueError(f"logits must be [{batch.num_rows}, V], got {tuple(logits.shape)}")
         if logits.shape[1] > batch.vocab_size:  # a padded LM head
-            logits = logits[:, :batch.vocab_size]
+            logits = logits[:, : batch.vocab_size]
         if logits.dtype != torch.float32:
             logits = logits.float()
         # vLLM reports the logprobs of the raw logits, before any processing.
@@ -341,8 +376,7 @@ class Sampler:
         lp_rows = batch.logprobs_rows
         if raw_logprobs is not None and lp_rows is not None:
             chosen = sampled.index_select(0, lp_rows)
-            for row, entry in zip(lp_rows.tolist(),
-                                  _gather_logprobs(raw_logprobs, chosen, batch.logprobs_k)):
+            for row, entry in zip(lp_rows.tolist(), _gather_logprobs(raw_logprobs, chosen, batch.logprobs_k)):
                 logprobs[row] = entry
         return SamplerOutput(sampled_list, logprobs)
 
@@ -399,8 +433,9 @@ def _sample_random(logits: torch.Tensor, rnd: _RandomRows) -> torch.Tensor:
         return _sample_top_k_top_p(probs, filtered.top_k, filtered.top_p, uniforms, rnd.first_k)
     out = torch.empty(len(rnd.temperature), dtype=torch.long, device=probs.device)
     f = filtered.positions
-    out[f] = _sample_top_k_top_p(probs.index_select(0, f), filtered.top_k, filtered.top_p,
-                                 uniforms.index_select(0, f), rnd.first_k)
+    out[f] = _sample_top_k_top_p(
+        probs.index_select(0, f), filtered.top_k, filtered.top_p, uniforms.index_select(0, f), rnd.first_k
+    )
     u = rnd.unfiltered
     out[u] = _inverse_cdf(probs.index_select(0, u), uniforms.index_select(0, u))
     return out
@@ -411,13 +446,13 @@ def _uniforms(num: int, generators: list[tuple[int, torch.Generator]], device: D
     u = torch.rand(num, dtype=torch.float64, device=device)
     if generators:
         pos = _long([j for j, _ in generators], device)
-        u[pos] = torch.cat([torch.rand(1, dtype=torch.float64, device=device, generator=g)
-                            for _, g in generators])
+        u[pos] = torch.cat([torch.rand(1, dtype=torch.float64, device=device, generator=g) for _, g in generators])
     return u
 
 
-def _sample_top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                        uniforms: torch.Tensor, first_k: int) -> torch.Tensor:
+def _sample_top_k_top_p(
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor, first_k: int
+) -> torch.Tensor:
     """Sample rows [F, V] restricted to their top-k, then to their nucleus of mass p.
 
     top-k keeps the k largest probabilities; top-p then keeps, in decreasing
@@ -437,8 +472,7 @@ def _sample_top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
         vals64 = vals.double()
         cum = vals64.cumsum(-1)
         k_eff = ks.clamp(max=k_cand)
-        mass = torch.where(ks < vocab, cum.gather(1, (k_eff - 1).unsqueeze(1)).squeeze(1),
-                           torch.ones_like(cum[:, 0]))
+        mass = torch.where(ks < vocab, cum.gather(1, (k_eff - 1).unsqueeze(1)).squeeze(1), torch.ones_like(cum[:, 0]))
         position = torch.arange(k_cand, device=probs.device).unsqueeze(0)
         keep = ((cum - vals64) < ps.double().unsqueeze(1) * mass.unsqueeze(1)) & (position < k_eff.unsqueeze(1))
         # A row is settled when its cut lies inside the candidates: it has a
@@ -484,8 +518,9 @@ def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return (b * _CDF_BLOCK + j).squeeze(1)
 
 
-def _gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor,
-                     ks: list[int]) -> list[tuple[list[int], list[float], int]]:
+def _gather_logprobs(
+    logprobs: torch.Tensor, chosen: torch.Tensor, ks: list[int]
+) -> list[tuple[list[int], list[float], int]]:
     """Rows of ([chosen] + top-k ids, logprobs, rank of chosen); rank 1 = most likely."""
     chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))  # [L, 1]
     # As vLLM: the rank counts tokens at least as likely as the chosen one.
@@ -508,14 +543,13 @@ def _gather_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor,
     return out
 
 
-def compute_prompt_logprobs(logits: torch.Tensor, target_token_ids: torch.Tensor | Sequence[int],
-                            num: int) -> Logprobs:
+def compute_prompt_logprobs(logits: torch.Tensor, target_token_ids: torch.Tensor | Sequence[int], num: int) -> Logprobs:
     """Entry i: the logprob of target i (prompt token i+1) under logits row i, plus the top-`num`."""
     targets = torch.as_tensor(target_token_ids, dtype=torch.long, device=logits.device)
     if logits.dim() != 2 or logits.shape[0] != targets.shape[0]:
         raise ValueError(f"logits [P, V] and targets [P] disagree: {tuple(logits.shape)} vs {tuple(targets.shape)}")
     out: Logprobs = []
     for start in range(0, logits.shape[0], _PROMPT_LOGPROBS_CHUNK):
-        chunk = logits[start:start + _PROMPT_LOGPROBS_CHUNK].float().log_softmax(-1)
-        out.extend(_gather_logprobs(chunk, targets[start:start + _PROMPT_LOGPROBS_CHUNK], [num] * chunk.shape[0]))
+        chunk = logits[start : start + _PROMPT_LOGPROBS_CHUNK].float().log_softmax(-1)
+        out.extend(_gather_logprobs(chunk, targets[start : start + _PROMPT_LOGPROBS_CHUNK], [num] * chunk.shape[0]))
     return out

@@ -26,10 +26,15 @@ from fleetserve.replica.lora.request import SUPPORTED_TARGETS, read_adapter_conf
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
 # target -> (our module's attribute path in a decoder layer, shard id)
-_MODULES = {"q_proj": ("self_attn.qkv_proj", "q"), "k_proj": ("self_attn.qkv_proj", "k"),
-            "v_proj": ("self_attn.qkv_proj", "v"), "o_proj": ("self_attn.o_proj", None),
-            "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
-            "down_proj": ("mlp.down_proj", None)}
+_MODULES = {
+    "q_proj": ("self_attn.qkv_proj", "q"),
+    "k_proj": ("self_attn.qkv_proj", "k"),
+    "v_proj": ("self_attn.qkv_proj", "v"),
+    "o_proj": ("self_attn.o_proj", None),
+    "gate_proj": ("mlp.gate_up_proj", 0),
+    "up_proj": ("mlp.gate_up_proj", 1),
+    "down_proj": ("mlp.down_proj", None),
+}
 
 
 @dataclass
@@ -68,21 +73,31 @@ def load_lora(name: str, path: str, hf_config, max_lora_rank: int) -> LoRAWeight
     for key, tensor in tensors.items():
         m = _KEY.search(key)
         if m is None:
-            raise ValueError(f"LoRA adapter {path!r}: {key!r} is not a LoRA weight of an attention or MLP "
-                             f"projection (adaptable: {', '.join(SUPPORTED_TARGETS)})")
+            raise ValueError(
+                f"LoRA adapter {path!r}: {key!r} is not a LoRA weight of an attention or MLP "
+                f"projection (adaptable: {', '.join(SUPPORTED_TARGETS)})"
+            )
         layer, target, ab = int(m.group(1)), m.group(2), m.group(3)
         if target not in _MODULES:
-            raise ValueError(f"LoRA adapter {path!r}: module {target!r} cannot be adapted "
-                             f"(adaptable: {', '.join(SUPPORTED_TARGETS)})")
+            raise ValueError(
+                f"LoRA adapter {path!r}: module {target!r} cannot be adapted "
+                f"(adaptable: {', '.join(SUPPORTED_TARGETS)})"
+            )
         pairs.setdefault((layer, target), {})[ab] = tensor
     if not pairs:
         raise ValueError(f"LoRA adapter {path!r}: holds no LoRA weights")
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
-    shapes = {"q_proj": (hidden, hf_config.num_attention_heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
-              "v_proj": (hidden, kv_heads * head_dim), "o_proj": (hf_config.num_attention_heads * head_dim, hidden),
-              "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    shapes = {
+        "q_proj": (hidden, hf_config.num_attention_heads * head_dim),
+        "k_proj": (hidden, kv_heads * head_dim),
+        "v_proj": (hidden, kv_heads * head_dim),
+        "o_proj": (hf_config.num_attention_heads * head_dim, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
     out = LoRAWeights(name, path, 0)
     for (layer, target), ab in sorted(pairs.items()):
         where = f"LoRA adapter {path!r}, layer {layer} {target}"
@@ -94,8 +109,10 @@ def load_lora(name: str, path: str, hf_config, max_lora_rank: int) -> LoRAWeight
         r = a.shape[0]
         n_in, n_out = shapes[target]
         if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != (r, n_in) or tuple(b.shape) != (n_out, r):
-            raise ValueError(f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit this "
-                             f"model's projection ({n_in} -> {n_out}); is the adapter for another base model?")
+            raise ValueError(
+                f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit this "
+                f"model's projection ({n_in} -> {n_out}); is the adapter for another base model?"
+            )
         if r > max_lora_rank:
             raise ValueError(f"{where}: rank {r} is above --max-lora-rank ({max_lora_rank}); raise it")
         alpha = float(cfg["lora_alpha"])
@@ -150,8 +167,7 @@ def _column_part(module: LinearBase, shard_id: Union[int, str], b: torch.Tensor)
     return offset, size, b.narrow(0, tp.rank * size, size)
 
 
-def attach(model: nn.Module, lora_id: int, adapter: LoRAWeights, dtype: torch.dtype,
-           device: torch.device) -> None:
+def attach(model: nn.Module, lora_id: int, adapter: LoRAWeights, dtype: torch.dtype, device: torch.device) -> None:
     """Give each adapted linear of `model` (a LlamaForCausalLM) this rank's slot for `lora_id`."""
     grouped: dict[tuple[int, str], list[tuple[Union[int, str, None], torch.Tensor, torch.Tensor, float]]] = {}
     for (layer, target), (a, b, scaling) in adapter.weights.items():
@@ -175,9 +191,11 @@ def attach(model: nn.Module, lora_id: int, adapter: LoRAWeights, dtype: torch.dt
             r0 += r
         b_full = torch.zeros(module.weight.shape[0], r0)
         for offset, size, c0, c1, b in parts:
-            b_full[offset:offset + size, c0:c1] = b
-        slot = LoRASlot(torch.cat(a_parts).to(dtype=dtype, device=device).contiguous(),
-                        b_full.to(dtype=dtype, device=device).contiguous())
+            b_full[offset : offset + size, c0:c1] = b
+        slot = LoRASlot(
+            torch.cat(a_parts).to(dtype=dtype, device=device).contiguous(),
+            b_full.to(dtype=dtype, device=device).contiguous(),
+        )
         if module.lora is None:
             module.lora = {}
         module.lora[lora_id] = slot

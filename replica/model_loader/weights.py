@@ -117,7 +117,8 @@ def _gguf_config_fields(meta: dict[str, Any], tensor_names: set[str], path: Path
     head_dim = get("attention.key_length") or get("rope.dimension_count") or hidden // heads
     kwargs = dict(
         architectures=[_GGUF_ARCHITECTURES[arch]],
-        vocab_size=int(vocab), hidden_size=hidden,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length", required=True)),
         num_hidden_layers=int(get("block_count", required=True)),
         num_attention_heads=heads,
@@ -218,8 +219,13 @@ def load_hf_config(folder: Path):
         raise ValueError(f"{folder}/config.json: cannot read the model config: {e}") from e
 
 
-def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str = "cpu",
-               tp_group: TPGroup | None = None, max_model_len: int | None = None):
+def load_model(
+    source: ModelSource,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    tp_group: TPGroup | None = None,
+    max_model_len: int | None = None,
+):
     """Build our model for `source` on `device` in `dtype` and load this rank's weight shards.
 
     Returns (model in eval mode, hf_config). `max_model_len` extends the rotary
@@ -279,8 +285,14 @@ def kv_cache_bytes_per_block(hf_config: Any, block_size: int, dtype: torch.dtype
     return per_layer * hf_config.num_hidden_layers * torch.empty((), dtype=dtype).element_size()
 
 
-def allocate_kv_caches(hf_config: Any, num_blocks: int, block_size: int, dtype: torch.dtype,
-                       device: torch.device | str = "cpu", tp_size: int = 1) -> list[torch.Tensor]:
+def allocate_kv_caches(
+    hf_config: Any,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    tp_size: int = 1,
+) -> list[torch.Tensor]:
     """One zeroed cache tensor per layer (zeros: masked-out slots must not hold NaN, since 0 * NaN = NaN).
 
     On CPU with the fused kernels, each is backed by transparent huge pages when the OS allows

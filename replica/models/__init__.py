@@ -17,8 +17,10 @@ def get_model_class(config: Any) -> type:
             return MODEL_REGISTRY[arch]
     if not archs and getattr(config, "model_type", None) in ("llama", "mistral", "qwen2"):
         return LlamaForCausalLM
-    raise ValueError(f"unsupported model architecture {archs or getattr(config, 'model_type', None)!r}; "
-                     f"supported: {', '.join(sorted(MODEL_REGISTRY))}")
+    raise ValueError(
+        f"unsupported model architecture {archs or getattr(config, 'model_type', None)!r}; "
+        f"supported: {', '.join(sorted(MODEL_REGISTRY))}"
+    )
 
 
 __all__ = ["LlamaForCausalLM", "MODEL_REGISTRY", "get_model_class"]

@@ -63,10 +63,17 @@ class LlamaAttention(nn.Module):
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         is_qwen2 = getattr(config, "model_type", "") == "qwen2"
         llama_bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads, num_kv_heads,
-                                          bias=llama_bias or is_qwen2, tp_group=tp)
-        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
-                                        bias=llama_bias and not is_qwen2, tp_group=tp)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            head_dim,
+            config.num_attention_heads,
+            num_kv_heads,
+            bias=llama_bias or is_qwen2,
+            tp_group=tp,
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * head_dim, config.hidden_size, bias=llama_bias and not is_qwen2, tp_group=tp
+        )
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
@@ -77,7 +84,7 @@ class LlamaAttention(nn.Module):
         T = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 KVH) d]
         # Rotate q and k in one go: they are adjacent in the qkv output.
-        qk = qkv[:, :self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
         if isinstance(rope, torch.Tensor):  # positions: the fused kernel rotates qkv in place
             ops = ops_for(qkv)
             assert ops is not None, "positions come instead of (cos, sin) only where the kernels run"
@@ -86,7 +93,7 @@ class LlamaAttention(nn.Module):
             qk = RotaryEmbedding.rotate(qk, *rope)
         qk = qk.view(T, -1)
         q, k = qk.split([self.q_size, self.kv_size], dim=-1)
-        v = qkv[:, self.q_size + self.kv_size:]
+        v = qkv[:, self.q_size + self.kv_size :]
         return self.o_proj(self.attn(q, k, v, kv_cache, md))
 
 
@@ -96,8 +103,9 @@ class LlamaMLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (the Llama family uses silu)")
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
-                                                       bias=bias, tp_group=tp)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias=bias, tp_group=tp
+        )
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, tp_group=tp)
         self.act_fn = SiluAndMul()
 
@@ -116,8 +124,14 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], rope: Rope, kv_cache: torch.Tensor,
-                md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: Optional[torch.Tensor],
+        rope: Rope,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -142,7 +156,7 @@ class _KernelPlan(NamedTuple):
     # while every module keeps those parameters and every packing is still its linear's and
     # matches the weight (a repack, a set-aside, an edit or a new Parameter: not); _plan_holds
     checks: list[tuple]
-    max_rows: int        # the fewest rows any of the packed linears takes
+    max_rows: int  # the fewest rows any of the packed linears takes
     dtype: torch.dtype
     block_size: int
     cos_sin: torch.Tensor
@@ -156,8 +170,9 @@ def _plan_holds(plan: _KernelPlan) -> bool:
         params = state["_parameters"]
         if params["weight"] is not w or params.get("bias") is not b:
             return False
-        if attr is not None and (state.get(attr) is not packing or w._version != packing.version
-                                 or w.data_ptr() != packing.data_ptr):
+        if attr is not None and (
+            state.get(attr) is not packing or w._version != packing.version or w.data_ptr() != packing.data_ptr
+        ):
             return False
     return True
 
@@ -176,7 +191,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group=tp)
         self.rotary_emb = RotaryEmbedding(_head_dim(config), max_position, _rope_parameters(config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary_emb, tp) for _ in range(config.num_hidden_layers))
+            LlamaDecoderLayer(config, self.rotary_emb, tp) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # (key, plan or None, and with None the packings it was refused with): see _kernel_plan
         self._plan: tuple[Optional[tuple], Optional[_KernelPlan], list] = (None, None, [])
@@ -214,8 +230,11 @@ class LlamaModel(nn.Module):
 
     def _packings(self) -> list:
         if self._linear_states is None:
-            self._linear_states = [vars(m) for layer in self.decoder_layers() for m in (
-                layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            self._linear_states = [
+                vars(m)
+                for layer in self.decoder_layers()
+                for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            ]
         return [state.get(attr) for state in self._linear_states for attr in ("_small_m", "_gated")]
 
     def _build_kernel_plan(self, dtype: torch.dtype, block_size: int) -> Optional[_KernelPlan]:
@@ -245,22 +264,46 @@ class LlamaModel(nn.Module):
             sizes += [qkv.out_features, o.out_features, gate_up.out_features, down.out_features]
             eps += [norm1.eps, norm2.eps]
             fused.add(gated is not None)
-            checks += [(vars(m), attr, packing, m.weight, getattr(m, "bias", None)) for m, attr, packing in (
-                (attn.qkv_proj, "_small_m", qkv), (attn.o_proj, "_small_m", o),
-                (mlp.gate_up_proj, "_small_m" if gated is None else "_gated", gate_up),
-                (mlp.down_proj, "_small_m", down), (norm1, None, None), (norm2, None, None))]
+            checks += [
+                (vars(m), attr, packing, m.weight, getattr(m, "bias", None))
+                for m, attr, packing in (
+                    (attn.qkv_proj, "_small_m", qkv),
+                    (attn.o_proj, "_small_m", o),
+                    (mlp.gate_up_proj, "_small_m" if gated is None else "_gated", gate_up),
+                    (mlp.down_proj, "_small_m", down),
+                    (norm1, None, None),
+                    (norm2, None, None),
+                )
+            ]
             rows += [qkv.max_rows, o.max_rows, gate_up.max_rows, down.max_rows]
         if not rows or len(fused) != 1 or any(w.dtype != dtype for w in weights):
             return None
         first = layers[0].self_attn
         D = first.head_dim
-        return _KernelPlan(weights, biases, sizes, eps, fused.pop(), checks, min(rows), dtype, block_size,
-                           self.rotary_emb.cos_sin_cache.float().contiguous(),
-                           (first.num_heads, first.num_kv_heads, D), first.attn.scale,
-                           kv_cache_layout(dtype, block_size, D) == "k_tiled")
+        return _KernelPlan(
+            weights,
+            biases,
+            sizes,
+            eps,
+            fused.pop(),
+            checks,
+            min(rows),
+            dtype,
+            block_size,
+            self.rotary_emb.cos_sin_cache.float().contiguous(),
+            (first.num_heads, first.num_kv_heads, D),
+            first.attn.scale,
+            kv_cache_layout(dtype, block_size, D) == "k_tiled",
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                md: AttentionMetadata, kv_hooks: Optional[KVConnectorWorker] = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        md: AttentionMetadata,
+        kv_hooks: Optional[KVConnectorWorker] = None,
+    ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         ops = ops_for(hidden)
         rope: Rope = positions if ops is not None else self.rotary_emb.cos_sin(positions, hidden.dtype)
@@ -289,17 +332,37 @@ class LlamaModel(nn.Module):
         return hidden
 
     @staticmethod
-    def _run_kernel(ops: Any, plan: _KernelPlan, hidden: torch.Tensor, positions: torch.Tensor,
-                    kv_caches: list[torch.Tensor], md: AttentionMetadata,
-                    progress: Optional[Callable[[], None]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_kernel(
+        ops: Any,
+        plan: _KernelPlan,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        md: AttentionMetadata,
+        progress: Optional[Callable[[], None]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder layers through the `llama_layers` kernel (_kernel_plan): in one call, or,
         for a long step someone follows, one layer per call with progress between."""
+
         def layers(x: torch.Tensor, caches: list[torch.Tensor], first: int, count: int) -> tuple:
             return ops.llama_layers(
-                x, positions, plan.cos_sin, caches, md.slot_mapping, md.block_table, md.token_seq_lens,
-                md.token_req, plan.weights[6 * first:6 * (first + count)], plan.biases[4 * first:4 * (first + count)],
-                plan.sizes[4 * first:4 * (first + count)], plan.eps[2 * first:2 * (first + count)], *plan.dims,
-                plan.scale, plan.k_tiled, plan.fused)
+                x,
+                positions,
+                plan.cos_sin,
+                caches,
+                md.slot_mapping,
+                md.block_table,
+                md.token_seq_lens,
+                md.token_req,
+                plan.weights[6 * first : 6 * (first + count)],
+                plan.biases[4 * first : 4 * (first + count)],
+                plan.sizes[4 * first : 4 * (first + count)],
+                plan.eps[2 * first : 2 * (first + count)],
+                *plan.dims,
+                plan.scale,
+                plan.k_tiled,
+                plan.fused,
+            )
 
         if progress is None or hidden.shape[0] < PROGRESS_SPLIT_ROWS:
             if progress is not None:
@@ -346,8 +409,14 @@ class LlamaForCausalLM(nn.Module):
     def max_position(self) -> int:
         return self.model.rotary_emb.max_position
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata, kv_hooks: Optional[KVConnectorWorker] = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+        kv_hooks: Optional[KVConnectorWorker] = None,
+    ) -> torch.Tensor:
         """input_ids [T], positions [T] -> final hidden states [T, hidden]. `kv_hooks`: a KV
         connector worker whose wait_for_layer_load / save_kv_layer run around each layer."""
         return self.model(input_ids, positions, kv_caches, attn_metadata, kv_hooks)
@@ -394,8 +463,9 @@ class LlamaForCausalLM(nn.Module):
                 name, shard_id = self._target(hf_name)
                 param = params.get(name)
                 if param is None:
-                    raise ValueError(f"{source}: unexpected weight {hf_name!r} (not part of "
-                                     f"{type(self).__name__} for this config)")
+                    raise ValueError(
+                        f"{source}: unexpected weight {hf_name!r} (not part of {type(self).__name__} for this config)"
+                    )
                 loader = weight_loader_of(param)
                 tensor = tensor.to(param.dtype)
                 if shard_id is None:

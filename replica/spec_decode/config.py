@@ -1,7 +1,7 @@
 """`--speculative-config '<json>'`, with vLLM's field names and defaults.
 
-    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
-    {"model": "/path/to/draft", "num_speculative_tokens": 4}
+{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+{"model": "/path/to/draft", "num_speculative_tokens": 4}
 """
 
 from __future__ import annotations

@@ -32,8 +32,16 @@ from fleetserve.replica.spec_decode.proposer import ProposeInput
 
 
 class DraftModelProposer:
-    def __init__(self, model: str, num_speculative_tokens: int, *, device: torch.device,
-                 dtype: torch.dtype, block_size: int, target_hf_config) -> None:
+    def __init__(
+        self,
+        model: str,
+        num_speculative_tokens: int,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        block_size: int,
+        target_hf_config,
+    ) -> None:
         self.k = num_speculative_tokens
         self.device = device
         self.dtype = dtype
@@ -42,15 +50,15 @@ class DraftModelProposer:
         if self.hf_config.vocab_size != target_hf_config.vocab_size:
             raise ValueError(
                 f"the draft model {model!r} has a vocabulary of {self.hf_config.vocab_size} tokens, "
-                f"the target {target_hf_config.vocab_size}: a draft model must share the tokenizer")
+                f"the target {target_hf_config.vocab_size}: a draft model must share the tokenizer"
+            )
         self.kv_caches: list[torch.Tensor] = []
 
     def bytes_per_block(self) -> int:
         return kv_cache_bytes_per_block(self.hf_config, self.block_size, self.dtype)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_caches(self.hf_config, num_blocks, self.block_size,
-                                            self.dtype, self.device)
+        self.kv_caches = allocate_kv_caches(self.hf_config, num_blocks, self.block_size, self.dtype, self.device)
 
     @torch.inference_mode()
     def propose(self, inp: ProposeInput) -> dict[str, list[int]]:
@@ -72,14 +80,20 @@ class DraftModelProposer:
             if not active:
                 break
             ids = [drafts[rid][-1] if j else last[rid] for rid, *_ in active]
-            md = AttentionMetadata.build([1] * len(active), [p0 + j for _, p0, _, _ in active],
-                                         [blocks for *_, blocks in active], bs, self.device)
-            hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device),
-                                md.positions, self.kv_caches, md)
+            md = AttentionMetadata.build(
+                [1] * len(active),
+                [p0 + j for _, p0, _, _ in active],
+                [blocks for *_, blocks in active],
+                bs,
+                self.device,
+            )
+            hidden = self.model(
+                torch.tensor(ids, dtype=torch.long, device=self.device), md.positions, self.kv_caches, md
+            )
             for (rid, *_), tok in zip(active, self._argmax(hidden)):
                 drafts[rid].append(tok)
         return drafts
 
     def _argmax(self, hidden: torch.Tensor) -> list[int]:
-        logits = self.model.compute_logits(hidden)[:, :self.hf_config.vocab_size]  # unpad the LM head
+        logits = self.model.compute_logits(hidden)[:, : self.hf_config.vocab_size]  # unpad the LM head
         return greedy(logits).tolist()

@@ -13,8 +13,9 @@ from fleetserve.replica.spec_decode.ngram import NgramProposer
 from fleetserve.replica.spec_decode.proposer import Proposer
 
 
-def make_proposer(config: Optional[SpeculativeConfig], *, device: torch.device, dtype: torch.dtype,
-                  block_size: int, target_hf_config) -> Optional[Proposer]:
+def make_proposer(
+    config: Optional[SpeculativeConfig], *, device: torch.device, dtype: torch.dtype, block_size: int, target_hf_config
+) -> Optional[Proposer]:
     if config is None:
         return None
     if config.method == "ngram":
@@ -22,5 +23,11 @@ def make_proposer(config: Optional[SpeculativeConfig], *, device: torch.device, 
         assert lo is not None and hi is not None, "SpeculativeConfig sets both for ngram"
         return NgramProposer(config.num_speculative_tokens, lo, hi)
     assert config.model is not None, "SpeculativeConfig requires a model for draft_model"
-    return DraftModelProposer(config.model, config.num_speculative_tokens, device=device,
-                              dtype=dtype, block_size=block_size, target_hf_config=target_hf_config)
+    return DraftModelProposer(
+        config.model,
+        config.num_speculative_tokens,
+        device=device,
+        dtype=dtype,
+        block_size=block_size,
+        target_hf_config=target_hf_config,
+    )

@@ -47,7 +47,7 @@ class NgramProposer:
         # ends[i]: the index right after an earlier occurrence of the last `lo` tokens
         # (windows of tokens[:-1] only, so every occurrence has a continuation).
         windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], lo)
-        ends = np.flatnonzero((windows == tokens[n_tok - lo:]).all(axis=1)) + lo
+        ends = np.flatnonzero((windows == tokens[n_tok - lo :]).all(axis=1)) + lo
         if ends.size == 0:
             return []
         # Extend every candidate backwards, one token at a time, up to prompt_lookup_max.
@@ -64,4 +64,4 @@ class NgramProposer:
         # Longest match; among equals the latest occurrence (the freshest context).
         best = np.flatnonzero(length == length.max())[-1]
         start = ends[best]
-        return tokens[start:start + self.k].tolist()
+        return tokens[start : start + self.k].tolist()

@@ -34,6 +34,7 @@ def choice_ebnf(choices: list[str]) -> str:
     Text goes in as UTF-8, not as \\u escapes: xgrammar 0.2.8 reads hex digits after \\u
     greedily ("\\u00e9a" became U+0E9A; found by the choice tests). A control character
     is a literal of its own, so nothing can follow its escape."""
+
     def literal(text: str) -> str:
         parts: list[str] = []
         run: list[str] = []
@@ -60,8 +61,9 @@ def _source(params: StructuredOutputsParams):
     xgr = _xgr()
     kind = params.kind
     if kind == "json":
-        grammar = xgr.Grammar.from_json_schema(json.dumps(params.json),
-                                               any_whitespace=not params.disable_any_whitespace)
+        grammar = xgr.Grammar.from_json_schema(
+            json.dumps(params.json), any_whitespace=not params.disable_any_whitespace
+        )
         return _json_ebnf(grammar)
     if kind == "json_object":
         return xgr.Grammar.builtin_json_grammar()
@@ -78,8 +80,8 @@ def _source(params: StructuredOutputsParams):
 # `[^"\\\r\n]`, which lets raw control characters (U+0000-U+001F) into a JSON string, where
 # JSON forbids them (found by tests/replica/test_structured_outputs.py: byte 0x10 came out).
 # Its plain strings exclude them; give bounded strings the same class.
-_LOOSE_CHARS = r'[^\"\\\r\n]'
-_JSON_CHARS = r'[^\0-\x1f\"\\\r\n]'
+_LOOSE_CHARS = r"[^\"\\\r\n]"
+_JSON_CHARS = r"[^\0-\x1f\"\\\r\n]"
 
 
 # A \\x, \\u or \\U escape the printer wrote (not an escaped backslash before an "x").
@@ -89,9 +91,11 @@ _ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\(?:x([0-9a-fA-F]{2})|u([0-9a-fA-F]{4}
 def _unescape_non_ascii(text: str) -> str:
     """The printer writes non-ASCII as \\xHH / \\uHHHH, and the parser reads hex digits
     greedily ("\\xe9" + "a" comes back as U+0E9A): put those characters back as UTF-8."""
+
     def sub(m: re.Match) -> str:
         code = int(m.group(2) or m.group(3) or m.group(4), 16)
         return m.group(0) if code < 0x80 else m.group(1) + chr(code)
+
     return _ESCAPE.sub(sub, text)
 
 
@@ -106,23 +110,25 @@ def check(params: StructuredOutputsParams) -> None:
         _source(params)
     except Exception as e:  # xgrammar raises RuntimeError/ValueError with its parser's message
         message = str(e).split("] ", 1)[-1].strip() if "] " in str(e) else str(e)
-        raise ValueError(f"structured_outputs.{params.kind}: invalid {_NAMES[params.kind]}: "
-                         f"{message}") from None
+        raise ValueError(f"structured_outputs.{params.kind}: invalid {_NAMES[params.kind]}: {message}") from None
 
 
-_NAMES = {"json": "JSON schema", "json_object": "JSON", "regex": "regular expression",
-          "choice": "choice list", "grammar": "grammar"}
+_NAMES = {
+    "json": "JSON schema",
+    "json_object": "JSON",
+    "regex": "regular expression",
+    "choice": "choice list",
+    "grammar": "grammar",
+}
 
 
 class XgrammarBackend:
     """Compiles constraints for one tokenizer; thread-safe (xgrammar's compiler is)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_id: Optional[int],
-                 max_threads: int = 2) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_id: Optional[int], max_threads: int = 2) -> None:
         xgr = _xgr()
         stop = [eos_token_id] if eos_token_id is not None else None
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                        stop_token_ids=stop)
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop)
         self.vocab_size = vocab_size
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads)
 

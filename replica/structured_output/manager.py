@@ -114,8 +114,7 @@ class StructuredOutputManager:
         if not self._pending:
             return [], []
         if wait_s > 0 and not any(f.done() for _, f in self._pending.values()):
-            cf.wait([f for _, f in self._pending.values()], timeout=wait_s,
-                    return_when=cf.FIRST_COMPLETED)
+            cf.wait([f for _, f in self._pending.values()], timeout=wait_s, return_when=cf.FIRST_COMPLETED)
         ready, failed = [], []
         for rid, (request, future) in list(self._pending.items()):
             if not future.done():
@@ -131,9 +130,10 @@ class StructuredOutputManager:
             k = request.sampling_params.continued_output_tokens
             if k:  # a migration continuation: the grammar resumes after the output so far
                 prompt = request.prompt_token_ids
-                if not all(matcher.accept(t) for t in prompt[len(prompt) - k:]) or matcher.terminated:
-                    failed.append(EngineCoreOutput(
-                        rid, [], "abort", "the continued output does not follow the request's grammar"))
+                if not all(matcher.accept(t) for t in prompt[len(prompt) - k :]) or matcher.terminated:
+                    failed.append(
+                        EngineCoreOutput(rid, [], "abort", "the continued output does not follow the request's grammar")
+                    )
                     continue
             self._matchers[rid] = matcher
             ready.append(request)

@@ -7,7 +7,7 @@ from typing import Optional
 
 
 def parse_cpu_list(spec: str) -> list[int]:
-    """"0-3,8,10-11" -> [0, 1, 2, 3, 8, 10, 11] (taskset's list form)."""
+    """ "0-3,8,10-11" -> [0, 1, 2, 3, 8, 10, 11] (taskset's list form)."""
     cpus: set[int] = set()
     for part in spec.split(","):
         part = part.strip()

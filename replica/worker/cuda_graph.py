@@ -92,8 +92,17 @@ def width_bucket(blocks: int, max_blocks: int, min_blocks: int = 1) -> int:
 class DecodeGraphs:
     """Captured decode forwards of one model over one set of KV caches."""
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], *, scratch_block: int, block_size: int,
-                 config: DecodeGraphConfig, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        model,
+        kv_caches: list[torch.Tensor],
+        *,
+        scratch_block: int,
+        block_size: int,
+        config: DecodeGraphConfig,
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.model = model
         self.config = config
         self.kv_caches = kv_caches
@@ -110,8 +119,9 @@ class DecodeGraphs:
         self._rows = torch.zeros(4, self.max_batch, dtype=torch.long, device=device)
         self._table = torch.zeros(self.max_batch, self.max_blocks, dtype=torch.long, device=device)
         # Rows' one-hot over the LoRA slots (None without LoRA).
-        self._onehot = (torch.zeros(self.max_batch, config.lora_slots, dtype=dtype, device=device)
-                        if config.lora_slots else None)
+        self._onehot = (
+            torch.zeros(self.max_batch, config.lora_slots, dtype=dtype, device=device) if config.lora_slots else None
+        )
         # (rows, width, with adapters) -> (graph, its output)
         self._graphs: dict[tuple[int, int, bool], tuple[Optional[torch.cuda.CUDAGraph], Optional[torch.Tensor]]] = {}
         self._pool: Optional[_POOL_HANDLE] = None  # the memory pool every graph shares
@@ -130,9 +140,14 @@ class DecodeGraphs:
         for lora in variants:
             for rows, width in shapes:
                 self._graphs[(rows, width, lora)] = self._capture(rows, width, lora)
-        logger.info("captured %d decode CUDA graphs (1..%d rows, up to %d tokens per row%s) in %.1f s",
-                    len(shapes) * len(variants), self.max_batch, shapes[0][1] * self.block_size,
-                    ", each with and without LoRA" if len(variants) == 2 else "", self.capture_seconds - t0)
+        logger.info(
+            "captured %d decode CUDA graphs (1..%d rows, up to %d tokens per row%s) in %.1f s",
+            len(shapes) * len(variants),
+            self.max_batch,
+            shapes[0][1] * self.block_size,
+            ", each with and without LoRA" if len(variants) == 2 else "",
+            self.capture_seconds - t0,
+        )
 
     @property
     def lora_slots(self) -> int:
@@ -150,8 +165,13 @@ class DecodeGraphs:
         """(rows, width) of every shape captured at start: each batch size at each width bucket
         up to `max_tokens` per row (at least the narrowest), the largest first so that the
         shared pool's first blocks are big enough for every later capture."""
-        widths = sorted({width_bucket(b, self.max_blocks, self.min_blocks)
-                         for b in range(1, max(1, -(-max_tokens // self.block_size)) + 1)}, reverse=True)
+        widths = sorted(
+            {
+                width_bucket(b, self.max_blocks, self.min_blocks)
+                for b in range(1, max(1, -(-max_tokens // self.block_size)) + 1)
+            },
+            reverse=True,
+        )
         return [(rows, w) for w in widths for rows in reversed(self.sizes)]
 
     @property
@@ -163,11 +183,19 @@ class DecodeGraphs:
         blocks per row, or None when the step is too big to capture (it runs eagerly)."""
         if num_rows > self.max_batch or max_blocks > self.max_blocks:
             return None
-        return (self.sizes[bisect.bisect_left(self.sizes, num_rows)],
-                width_bucket(max_blocks, self.max_blocks, self.min_blocks))
+        return (
+            self.sizes[bisect.bisect_left(self.sizes, num_rows)],
+            width_bucket(max_blocks, self.max_blocks, self.min_blocks),
+        )
 
-    def run(self, key: tuple[int, int], token_ids: list[int], positions: list[int],
-            block_tables: list[list[int]], lora_onehot: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def run(
+        self,
+        key: tuple[int, int],
+        token_ids: list[int],
+        positions: list[int],
+        block_tables: list[list[int]],
+        lora_onehot: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """Final hidden states [len(token_ids), hidden] of one decode token per row.
         `lora_onehot` ([rows, lora_slots], LoRAStacks.onehot): the rows' adapters, None: none."""
         rows, width = key
@@ -186,7 +214,7 @@ class DecodeGraphs:
         else:
             graph.replay()
             self.num_replays += 1
-        return out[:len(token_ids)]
+        return out[: len(token_ids)]
 
     def _lora_onehot(self, rows: int) -> torch.Tensor:
         """The first `rows` rows of the adapters' one-hot buffer."""
@@ -195,23 +223,33 @@ class DecodeGraphs:
         return self._onehot[:rows]
 
     # ---- internals ------------------------------------------------------------------
-    def _fill(self, rows: int, width: int, token_ids: list[int], positions: list[int],
-              block_tables: list[list[int]]) -> None:
+    def _fill(
+        self, rows: int, width: int, token_ids: list[int], positions: list[int], block_tables: list[list[int]]
+    ) -> None:
         n, bs, scratch = len(token_ids), self.block_size, self.scratch_block
         pad = rows - n
         slots = [bt[p // bs] * bs + p % bs for bt, p in zip(block_tables, positions)]
-        header = torch.tensor([token_ids + [0] * pad, positions + [0] * pad,
-                               slots + [scratch * bs] * pad, [p + 1 for p in positions] + [1] * pad],
-                              dtype=torch.long)
-        table = torch.tensor([bt[:width] + [scratch] * (width - len(bt)) for bt in block_tables]
-                             + [[scratch] * width] * pad, dtype=torch.long)
+        header = torch.tensor(
+            [
+                token_ids + [0] * pad,
+                positions + [0] * pad,
+                slots + [scratch * bs] * pad,
+                [p + 1 for p in positions] + [1] * pad,
+            ],
+            dtype=torch.long,
+        )
+        table = torch.tensor(
+            [bt[:width] + [scratch] * (width - len(bt)) for bt in block_tables] + [[scratch] * width] * pad,
+            dtype=torch.long,
+        )
         self._rows[:, :rows].copy_(header, non_blocking=True)
         self._table[:rows, :width].copy_(table, non_blocking=True)
 
     def _fill_dummy(self, rows: int, width: int) -> None:
         """Inputs that read and write only the scratch block (for warm-up and capture)."""
-        self._rows[:, :rows] = torch.tensor([0, 0, self.scratch_block * self.block_size, 1],
-                                            dtype=torch.long, device=self.device)[:, None]
+        self._rows[:, :rows] = torch.tensor(
+            [0, 0, self.scratch_block * self.block_size, 1], dtype=torch.long, device=self.device
+        )[:, None]
         self._table[:rows, :width] = self.scratch_block
 
     def _forward(self, rows: int, width: int, lora: bool = False) -> torch.Tensor:
@@ -219,8 +257,9 @@ class DecodeGraphs:
         with lora_layers.active(lora_layers.LoRABatch.stacked(self._lora_onehot(rows)) if lora else None):
             return self.model(self._rows[0, :rows], self._rows[1, :rows], self.kv_caches, md)
 
-    def _capture(self, rows: int, width: int,
-                 lora: bool = False) -> tuple[Optional[torch.cuda.CUDAGraph], Optional[torch.Tensor]]:
+    def _capture(
+        self, rows: int, width: int, lora: bool = False
+    ) -> tuple[Optional[torch.cuda.CUDAGraph], Optional[torch.Tensor]]:
         if not self.capture:
             return None, None
         t0 = time.perf_counter()
@@ -240,6 +279,11 @@ class DecodeGraphs:
         if self._pool is None:
             self._pool = graph.pool()
         self.capture_seconds += time.perf_counter() - t0
-        logger.debug("captured a decode CUDA graph for %d rows x %d blocks%s in %.0f ms",
-                     rows, width, " with LoRA" if lora else "", 1e3 * (time.perf_counter() - t0))
+        logger.debug(
+            "captured a decode CUDA graph for %d rows x %d blocks%s in %.0f ms",
+            rows,
+            width,
+            " with LoRA" if lora else "",
+            1e3 * (time.perf_counter() - t0),
+        )
         return graph, out

@@ -133,8 +133,9 @@ def bind_cpus(spec: Optional[str], num_threads: Optional[int], rank: int = 0) ->
         want = num_threads or 1
         cpus = claim_cpus(want, allowed)
         if not cpus:
-            logger.warning("cpu_bind=auto: fewer than %d of this process's cores %s are unclaimed; "
-                           "running unbound", want, allowed)
+            logger.warning(
+                "cpu_bind=auto: fewer than %d of this process's cores %s are unclaimed; running unbound", want, allowed
+            )
             return None
     else:
         ranks = spec.split("|")
@@ -143,8 +144,9 @@ def bind_cpus(spec: Optional[str], num_threads: Optional[int], rank: int = 0) ->
         cpus = parse_cpu_list(ranks[rank] if len(ranks) > 1 else ranks[0])
         outside = sorted(set(cpus) - set(allowed))
         if outside:
-            raise ValueError(f"cpu_bind {spec!r}: cores {outside} are not available to this process "
-                             f"(it may run on {allowed})")
+            raise ValueError(
+                f"cpu_bind {spec!r}: cores {outside} are not available to this process (it may run on {allowed})"
+            )
     os.sched_setaffinity(0, cpus)
     logger.info("bound to cores %s (cpu_bind=%s)", cpus, spec)
     return cpus

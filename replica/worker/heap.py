@@ -87,9 +87,13 @@ def interval_from_env() -> float:
 
 
 class HeapTrimmer:
-    def __init__(self, interval_s: Optional[float] = None, *,
-                 trim: Optional[Callable[[], int]] = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        interval_s: Optional[float] = None,
+        *,
+        trim: Optional[Callable[[], int]] = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.interval_s = interval_from_env() if interval_s is None else interval_s
         self._trim = trim if trim is not None else _libc_trim()
         self._clock = clock

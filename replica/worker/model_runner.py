@@ -76,9 +76,18 @@ class _EagerInputs(NamedTuple):
 
 
 class ModelRunner:
-    def __init__(self, model, hf_config, *, device: torch.device, dtype: torch.dtype,
-                 block_size: int, eos_token_id: Optional[int], tp_size: int = 1,
-                 tp_rank: int = 0) -> None:
+    def __init__(
+        self,
+        model,
+        hf_config,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        block_size: int,
+        eos_token_id: Optional[int],
+        tp_size: int = 1,
+        tp_rank: int = 0,
+    ) -> None:
         self.model = model
         self.hf_config = hf_config
         self.device = device
@@ -107,11 +116,28 @@ class ModelRunner:
         self.lora_stacks: Optional[LoRAStacks] = None
 
     @classmethod
-    def load(cls, source, *, device: torch.device, dtype: torch.dtype, block_size: int,
-             eos_token_id: Optional[int], tp_size: int = 1, tp_rank: int = 0) -> "ModelRunner":
+    def load(
+        cls,
+        source,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        block_size: int,
+        eos_token_id: Optional[int],
+        tp_size: int = 1,
+        tp_rank: int = 0,
+    ) -> "ModelRunner":
         model, hf_config = load_model(source, dtype, device)
-        return cls(model, hf_config, device=device, dtype=dtype, block_size=block_size,
-                   eos_token_id=eos_token_id, tp_size=tp_size, tp_rank=tp_rank)
+        return cls(
+            model,
+            hf_config,
+            device=device,
+            dtype=dtype,
+            block_size=block_size,
+            eos_token_id=eos_token_id,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+        )
 
     # ---- LoRA ------------------------------------------------------------------
     def add_lora_adapter(self, lora_id: int, name: str, path: str, max_lora_rank: int) -> None:
@@ -126,8 +152,9 @@ class ModelRunner:
         self.lora_adapters[lora_id] = name
         if self.lora_stacks is not None and self.lora_stacks.put(lora_id) and self.decode_graphs is not None:
             self.decode_graphs.set_lora_slots(self.lora_stacks.capacity)  # the buffers moved
-        logger.info("LoRA adapter %r (id %d, rank %d, %s) from %s", name, lora_id, adapter.rank,
-                    "/".join(adapter.targets), path)
+        logger.info(
+            "LoRA adapter %r (id %d, rank %d, %s) from %s", name, lora_id, adapter.rank, "/".join(adapter.targets), path
+        )
 
     def remove_lora_adapter(self, lora_id: int) -> None:
         from fleetserve.replica.lora.adapter import detach
@@ -150,8 +177,9 @@ class ModelRunner:
         if self.lora_stacks is not None:
             self.lora_stacks.release()
             self.lora_stacks = None
-        self.kv_caches = allocate_kv_caches(self.hf_config, num_blocks + extra, self.block_size,
-                                            self.dtype, self.device, self.tp_size)
+        self.kv_caches = allocate_kv_caches(
+            self.hf_config, num_blocks + extra, self.block_size, self.dtype, self.device, self.tp_size
+        )
         if self.proposer is not None:
             self.proposer.initialize_kv_cache(num_blocks)
         self.num_blocks = num_blocks
@@ -163,14 +191,25 @@ class ModelRunner:
             if decode_graphs.lora_slots:
                 from fleetserve.replica.lora.stack import LoRAStacks
 
-                self.lora_stacks = LoRAStacks(self.model, max(decode_graphs.lora_slots, len(self.lora_adapters)),
-                                              decode_graphs.max_lora_rank, self.dtype, self.device)
+                self.lora_stacks = LoRAStacks(
+                    self.model,
+                    max(decode_graphs.lora_slots, len(self.lora_adapters)),
+                    decode_graphs.max_lora_rank,
+                    self.dtype,
+                    self.device,
+                )
                 for lora_id in sorted(self.lora_adapters):
                     self.lora_stacks.put(lora_id)
                 decode_graphs = replace(decode_graphs, lora_slots=self.lora_stacks.capacity)
-            self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, scratch_block=num_blocks,
-                                              block_size=self.block_size, config=decode_graphs,
-                                              device=self.device, dtype=self.dtype)
+            self.decode_graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                scratch_block=num_blocks,
+                block_size=self.block_size,
+                config=decode_graphs,
+                device=self.device,
+                dtype=self.dtype,
+            )
 
     # ---- persistent batch -------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -183,8 +222,16 @@ class ModelRunner:
             gen = make_generator(sp.seed, self.device) if sp.seed is not None else None
             output = list(new.output_token_ids)
             self.requests[new.req_id] = CachedRequestState(
-                new.req_id, new.prompt_token_ids, output, new.prompt_token_ids + output,
-                sp, list(new.block_ids), new.num_computed_tokens, gen, new.lora_id)
+                new.req_id,
+                new.prompt_token_ids,
+                output,
+                new.prompt_token_ids + output,
+                sp,
+                list(new.block_ids),
+                new.num_computed_tokens,
+                gen,
+                new.lora_id,
+            )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             if cached.new_token_ids:
@@ -206,20 +253,29 @@ class ModelRunner:
         logprobs: dict[str, list] = {}
         pooled = None
         if batch.sample_rows and self.is_driver:
-            pooled = self._embeddings(batch.req_ids, batch.states, batch.sample_rows, batch.sample_drafts,
-                                      batch.logits_index, hidden)
+            pooled = self._embeddings(
+                batch.req_ids, batch.states, batch.sample_rows, batch.sample_drafts, batch.logits_index, hidden
+            )
         if batch.sample_rows:  # every rank: the LM head's all-gather is a collective
             logits = self.model.compute_logits(
-                hidden[torch.tensor(batch.logits_index, dtype=torch.long, device=self.device)])
+                hidden[torch.tensor(batch.logits_index, dtype=torch.long, device=self.device)]
+            )
             if self.is_driver:
                 self._sample_rows(batch, logits, so.structured_output, sampled, logprobs)
-        prompt_logprobs = self._prompt_logprobs(batch.req_ids, batch.states, batch.query_lens,
-                                                batch.context_lens, hidden)
+        prompt_logprobs = self._prompt_logprobs(
+            batch.req_ids, batch.states, batch.query_lens, batch.context_lens, hidden
+        )
         drafts_out = None
         if self.proposer is not None and self.is_driver:
             drafts_out = self._propose(self.proposer, batch, sampled, eager)
-        return ModelRunnerOutput(batch.req_ids, sampled, logprobs or None, prompt_logprobs or None,
-                                 spec_token_ids=drafts_out, pooler_output=pooled)
+        return ModelRunnerOutput(
+            batch.req_ids,
+            sampled,
+            logprobs or None,
+            prompt_logprobs or None,
+            spec_token_ids=drafts_out,
+            pooler_output=pooled,
+        )
 
     def _prepare_inputs(self, so: SchedulerOutput) -> _StepBatch:
         """The step's tokens, flattened request by request (see the module doc)."""
@@ -234,7 +290,7 @@ class ModelRunner:
             start = state.num_computed_tokens
             drafts: Sequence[int] = spec.get(rid, ()) if spec else ()
             known = n - len(drafts)
-            batch.input_ids.extend(state.token_ids[start:start + known])
+            batch.input_ids.extend(state.token_ids[start : start + known])
             batch.input_ids.extend(drafts)
             batch.positions.extend(range(start, start + n))
             batch.query_lens.append(n)
@@ -261,15 +317,24 @@ class ModelRunner:
         stacks_hold = lora_ids is not None and stacks is not None and stacks.holds(lora_ids)
         graphs = self.decode_graphs
         graph_key = None
-        if (graphs is not None and len(batch.input_ids) == len(batch.req_ids)  # one token per request
-                and self.kv_hooks is None and self.proposer is None and (lora_ids is None or stacks_hold)):
+        if (
+            graphs is not None
+            and len(batch.input_ids) == len(batch.req_ids)  # one token per request
+            and self.kv_hooks is None
+            and self.proposer is None
+            and (lora_ids is None or stacks_hold)
+        ):
             graph_key = graphs.bucket(len(batch.req_ids), -(-(max(batch.positions) + 1) // self.block_size))
         if graphs is not None and graph_key is not None:
             onehot = stacks.onehot(lora_ids) if stacks is not None and lora_ids else None
-            return graphs.run(graph_key, batch.input_ids, batch.positions, [s.block_ids for s in states],
-                              onehot), None
-        if stacks is not None and lora_ids is not None and stacks_hold and lora_batch is not None \
-                and len(lora_batch.groups) > 1:
+            return graphs.run(graph_key, batch.input_ids, batch.positions, [s.block_ids for s in states], onehot), None
+        if (
+            stacks is not None
+            and lora_ids is not None
+            and stacks_hold
+            and lora_batch is not None
+            and len(lora_batch.groups) > 1
+        ):
             # An eager step with several adapters, on a GPU (stacks exist only with graphs): the
             # stacked buffers take them all in three kernels per linear, not two per adapter.
             onehot = stacks.onehot(lora_ids).repeat_interleave(torch.tensor(batch.query_lens), dim=0)
@@ -277,37 +342,64 @@ class ModelRunner:
         eager = _EagerInputs(
             torch.tensor(batch.input_ids, dtype=torch.long, device=device),
             torch.tensor(batch.positions, dtype=torch.long, device=device),
-            AttentionMetadata.build(batch.query_lens, batch.context_lens, [s.block_ids for s in states],
-                                    self.block_size, device, request_ids=batch.req_ids))
+            AttentionMetadata.build(
+                batch.query_lens,
+                batch.context_lens,
+                [s.block_ids for s in states],
+                self.block_size,
+                device,
+                request_ids=batch.req_ids,
+            ),
+        )
         with lora_layers.active(lora_batch):
-            hidden = self.model(eager.input_ids, eager.positions, self.kv_caches, eager.attn_metadata,
-                                self.kv_hooks)
+            hidden = self.model(eager.input_ids, eager.positions, self.kv_caches, eager.attn_metadata, self.kv_hooks)
         return hidden, eager
 
-    def _sample_rows(self, batch: _StepBatch, logits: torch.Tensor, structured_output: Any,
-                     sampled: list[list[int]], logprobs: dict[str, list]) -> None:
+    def _sample_rows(
+        self,
+        batch: _StepBatch,
+        logits: torch.Tensor,
+        structured_output: Any,
+        sampled: list[list[int]],
+        logprobs: dict[str, list],
+    ) -> None:
         """Sample (and verify drafts of) the rows that reach the end of their tokens, into
         `sampled` (per request of the batch) and `logprobs` (per request id that asked)."""
         rows = batch.sample_rows
         tokens, entries = self._sample_and_verify(
-            logits, [batch.states[i] for i in rows], batch.sample_drafts,
-            [batch.req_ids[i] for i in rows], structured_output)
+            logits,
+            [batch.states[i] for i in rows],
+            batch.sample_drafts,
+            [batch.req_ids[i] for i in rows],
+            structured_output,
+        )
         for j, i in enumerate(rows):
             sampled[i] = tokens[j]
             if entries[j] is not None:
                 logprobs[batch.req_ids[i]] = entries[j]
 
-    def _propose(self, proposer: Proposer, batch: _StepBatch, sampled: list[list[int]],
-                 eager: Optional[_EagerInputs]) -> dict[str, list[int]]:
+    def _propose(
+        self, proposer: Proposer, batch: _StepBatch, sampled: list[list[int]], eager: Optional[_EagerInputs]
+    ) -> dict[str, list[int]]:
         """Drafts for the next step. Constrained requests get none: their grammar mask is for
         one position."""
         assert eager is not None, "decode graphs are off with a proposer: its steps run eagerly"
         states = batch.states
-        got = [i for i in batch.sample_rows
-               if sampled[i] and getattr(states[i].sampling_params, "structured_outputs", None) is None]
-        return proposer.propose(ProposeInput(
-            eager.input_ids, eager.positions, eager.attn_metadata, [batch.req_ids[i] for i in got],
-            [states[i].token_ids + sampled[i] for i in got], [states[i].block_ids for i in got]))
+        got = [
+            i
+            for i in batch.sample_rows
+            if sampled[i] and getattr(states[i].sampling_params, "structured_outputs", None) is None
+        ]
+        return proposer.propose(
+            ProposeInput(
+                eager.input_ids,
+                eager.positions,
+                eager.attn_metadata,
+                [batch.req_ids[i] for i in got],
+                [states[i].token_ids + sampled[i] for i in got],
+                [states[i].block_ids for i in got],
+            )
+        )
 
     @staticmethod
     def _embeddings(req_ids, states, sample_rows, sample_drafts, logits_index, hidden) -> Optional[dict]:
@@ -323,8 +415,14 @@ class ModelRunner:
             at += len(drafts) + 1
         return out or None
 
-    def _sample_and_verify(self, logits: torch.Tensor, rows: list[CachedRequestState], drafts: list,
-                           row_ids: list[str], structured_output=None) -> tuple[list[list[int]], list]:
+    def _sample_and_verify(
+        self,
+        logits: torch.Tensor,
+        rows: list[CachedRequestState],
+        drafts: list,
+        row_ids: list[str],
+        structured_output=None,
+    ) -> tuple[list[list[int]], list]:
         """Sample every position of every row; keep each row's drafts while they
         equal what the target sampled, plus the target's token after them.
 
@@ -348,20 +446,21 @@ class ModelRunner:
                 prompts.append(s.prompt_token_ids)
                 outputs.append(s.output_token_ids + list(d[:j]) if j else s.output_token_ids)
                 generators.append(self._generator_at(s, len(s.output_token_ids) + j, j == 0))
-        batch = SamplingBatch.build(params, prompts, outputs, generators, self.eos_token_id,
-                                    self.vocab_size, self.device)
+        batch = SamplingBatch.build(
+            params, prompts, outputs, generators, self.eos_token_id, self.vocab_size, self.device
+        )
         if structured_output is not None:
             batch.token_bitmask = structured_output.for_rows(mask_ids, self.device)
         out = self.sampler(logits, batch)
         tokens, entries = [], []
         r = 0
         for d in drafts:
-            row = out.sampled_token_ids[r:r + len(d) + 1]
+            row = out.sampled_token_ids[r : r + len(d) + 1]
             num = 1
             while num <= len(d) and row[num - 1] == d[num - 1]:
                 num += 1
             tokens.append(row[:num])
-            lp = out.logprobs[r:r + num]
+            lp = out.logprobs[r : r + num]
             entries.append(None if lp[0] is None else lp)
             r += len(d) + 1
         return tokens, entries
@@ -389,8 +488,8 @@ class ModelRunner:
                 # Positions start..start+n-1 predict tokens start+1..start+n (within the prompt).
                 end = min(start + n, num_prompt - 1)
                 if end > start:
-                    logits = self.model.compute_logits(hidden[offset:offset + end - start])
-                    targets = torch.tensor(state.prompt_token_ids[start + 1:end + 1], device=self.device)
+                    logits = self.model.compute_logits(hidden[offset : offset + end - start])
+                    targets = torch.tensor(state.prompt_token_ids[start + 1 : end + 1], device=self.device)
                     out[rid] = compute_prompt_logprobs(logits, targets, num)
                 else:
                     out[rid] = []

@@ -34,9 +34,16 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, args: EngineArgs, eos_token_id: Optional[int], *, rank: int = 0,
-                 world_size: int = 1, init_method: Optional[str] = None,
-                 threads_share: int = 1) -> None:
+    def __init__(
+        self,
+        args: EngineArgs,
+        eos_token_id: Optional[int],
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        init_method: Optional[str] = None,
+        threads_share: int = 1,
+    ) -> None:
         self.args = args
         self.rank = rank
         self.world_size = world_size
@@ -62,15 +69,25 @@ class Worker:
             init_tp_group(world_size, rank, init_method)
         torch.manual_seed(args.seed)
         source = resolve_model(args.model)
-        self.runner = ModelRunner.load(source, device=self.device, dtype=self.dtype,
-                                       block_size=args.block_size, eos_token_id=eos_token_id,
-                                       tp_size=world_size, tp_rank=rank)
+        self.runner = ModelRunner.load(
+            source,
+            device=self.device,
+            dtype=self.dtype,
+            block_size=args.block_size,
+            eos_token_id=eos_token_id,
+            tp_size=world_size,
+            tp_rank=rank,
+        )
         if args.speculative_config is not None:
             from fleetserve.replica.spec_decode.factory import make_proposer
 
             self.runner.proposer = make_proposer(
-                args.speculative_config, device=self.device, dtype=self.dtype,
-                block_size=args.block_size, target_hf_config=self.runner.hf_config)
+                args.speculative_config,
+                device=self.device,
+                dtype=self.dtype,
+                block_size=args.block_size,
+                target_hf_config=self.runner.hf_config,
+            )
         # --lora-modules, every rank its shard, ids as EngineArgs.lora_table numbers them
         for lora_id, m in enumerate(args.lora_modules or (), start=1):
             self.add_lora(lora_id, m.name, m.path)
@@ -89,8 +106,9 @@ class Worker:
         from fleetserve.kv_transfer.base import KVConnectorRole
         from fleetserve.replica.worker.omp_bind import one_core_per_thread
 
-        connector = make_kv_connector(self.args, KVConnectorRole.WORKER, self.hf_config, self.dtype, self.device,
-                                      self.world_size, self.rank)
+        connector = make_kv_connector(
+            self.args, KVConnectorRole.WORKER, self.hf_config, self.dtype, self.device, self.world_size, self.rank
+        )
         if connector is not None:  # its copy threads' torch ops run on one core, beside the forward's
             connector.set_thread_initializer(one_core_per_thread)
         return connector
@@ -106,26 +124,34 @@ class Worker:
             return self.args.num_gpu_blocks_override
         budget = self.args.kv_cache_memory_bytes or default_kv_cache_bytes(self.device)
         self.kv_cache_sizing = (
-            "--kv-cache-memory-bytes" if self.args.kv_cache_memory_bytes else
-            "default: 85% of free GPU memory" if self.device.type == "cuda" else
-            "default on CPU: min(1 GiB, 10% of available memory); "
-            "--kv-cache-memory-bytes or --num-gpu-blocks-override to change")
+            "--kv-cache-memory-bytes"
+            if self.args.kv_cache_memory_bytes
+            else "default: 85% of free GPU memory"
+            if self.device.type == "cuda"
+            else "default on CPU: min(1 GiB, 10% of available memory); "
+            "--kv-cache-memory-bytes or --num-gpu-blocks-override to change"
+        )
         num_blocks = budget // self.runner.bytes_per_block()
         if num_blocks < 1:
             raise ValueError(
                 f"the KV cache budget ({budget} bytes) holds no block of "
-                f"{self.runner.bytes_per_block()} bytes; raise --kv-cache-memory-bytes")
+                f"{self.runner.bytes_per_block()} bytes; raise --kv-cache-memory-bytes"
+            )
         return int(num_blocks)
 
     def _decode_graph_config(self):
         """CUDA graphs for decode steps on a GPU, unless something needs the step eager."""
         if self.device.type != "cuda" or self.args.enforce_eager:
             return None
-        why = [reason for cond, reason in (
-            (self.world_size > 1, "tensor parallelism"),
-            (self.kv_connector is not None, "a KV connector"),
-            (self.runner.proposer is not None, "speculative decoding"),
-        ) if cond]
+        why = [
+            reason
+            for cond, reason in (
+                (self.world_size > 1, "tensor parallelism"),
+                (self.kv_connector is not None, "a KV connector"),
+                (self.runner.proposer is not None, "speculative decoding"),
+            )
+            if cond
+        ]
         if why:
             logger.info("CUDA graphs off (%s): decode steps run eagerly", ", ".join(why))
             return None
@@ -135,26 +161,39 @@ class Worker:
         lora_slots = 0
         if self.args.enable_lora:  # slots for every adapter held (more: the stacks grow, graphs are recaptured)
             lora_slots = self.args.max_cpu_loras or max(4, self.args.max_loras, len(self.args.lora_modules or ()))
-        return DecodeGraphConfig(max_batch=self.args.max_num_seqs, max_len=max_len, lora_slots=lora_slots,
-                                 max_lora_rank=self.args.max_lora_rank)
+        return DecodeGraphConfig(
+            max_batch=self.args.max_num_seqs,
+            max_len=max_len,
+            lora_slots=lora_slots,
+            max_lora_rank=self.args.max_lora_rank,
+        )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks, decode_graphs=self._decode_graph_config())
         graphs = self.runner.decode_graphs
         if graphs is not None:
-            logger.info("decode steps of up to %d rows and %d tokens per row replay CUDA graphs "
-                        "(wider shapes than those captured at start-up are captured on first use; "
-                        "--enforce-eager turns graphs off)", graphs.max_batch,
-                        graphs.max_blocks * self.args.block_size)
+            logger.info(
+                "decode steps of up to %d rows and %d tokens per row replay CUDA graphs "
+                "(wider shapes than those captured at start-up are captured on first use; "
+                "--enforce-eager turns graphs off)",
+                graphs.max_batch,
+                graphs.max_blocks * self.args.block_size,
+            )
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.runner.kv_caches)
             if self.kv_connector.uses_layer_hooks:
                 self.runner.kv_hooks = self.kv_connector
-        logger.info("rank %d: KV cache of %d blocks x %d tokens (%.1f MiB, %s) on %s, %s, "
-                    "%d threads", self.rank, num_blocks, self.args.block_size,
-                    num_blocks * self.runner.bytes_per_block() / 2**20,
-                    getattr(self, "kv_cache_sizing", "set by the caller"), self.device,
-                    str(self.dtype).removeprefix("torch."), self.num_threads)
+        logger.info(
+            "rank %d: KV cache of %d blocks x %d tokens (%.1f MiB, %s) on %s, %s, %d threads",
+            self.rank,
+            num_blocks,
+            self.args.block_size,
+            num_blocks * self.runner.bytes_per_block() / 2**20,
+            getattr(self, "kv_cache_sizing", "set by the caller"),
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            self.num_threads,
+        )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.kv_connector is None:

@@ -51,8 +51,12 @@ def fim_prompt(tokenizer, prompt: PromptInput, suffix: str) -> str:
     vocab = tokenizer.get_vocab()
     missing = [t for t in FIM_TOKENS if t not in vocab]
     if missing:
-        raise APIError("suffix (fill-in-the-middle) is not supported by this model: its tokenizer "
-                       f"has no {', '.join(missing)} tokens", 400, param="suffix")
+        raise APIError(
+            "suffix (fill-in-the-middle) is not supported by this model: its tokenizer "
+            f"has no {', '.join(missing)} tokens",
+            400,
+            param="suffix",
+        )
     if not isinstance(prompt, str):
         raise APIError("suffix needs a text prompt, not token ids", 400, param="suffix")
     prefix, middle_suffix, middle = FIM_TOKENS
@@ -88,8 +92,9 @@ class MergedStream:
     before the stream starts, so a refusal there (a 429) is the request's answer; a later
     prompt's refusal ends the stream with its error."""
 
-    def __init__(self, open_stream: StreamOpener, bodies: list[dict], n: int,
-                 echo: Optional[list[Echo]], window: int) -> None:
+    def __init__(
+        self, open_stream: StreamOpener, bodies: list[dict], n: int, echo: Optional[list[Echo]], window: int
+    ) -> None:
         self._open_stream = open_stream
         self._pending = collections.deque(enumerate(bodies))
         self._gens: dict[int, Any] = {}
@@ -103,8 +108,9 @@ class MergedStream:
         self._num_prompt_tokens: Optional[int] = sum(len(b["prompt_token_ids"]) for b in bodies)
 
     @staticmethod
-    async def open(open_stream: StreamOpener, bodies: list[dict], n: int,
-                   echo: Optional[list[Echo]], window: int) -> tuple["MergedStream", dict]:
+    async def open(
+        open_stream: StreamOpener, bodies: list[dict], n: int, echo: Optional[list[Echo]], window: int
+    ) -> tuple["MergedStream", dict]:
         """(stream, first item); the first item is an error body if a first prompt failed."""
         stream = MergedStream(open_stream, bodies, n, echo, window)
         first: list[tuple[int, asyncio.Future[tuple[Any, dict]]]] = []
@@ -177,8 +183,11 @@ class MergedStream:
         self._ready.append(item)
 
     def _renumber(self, i: int, item: dict) -> dict:
-        out = {k: v for k, v in item.items()
-               if k not in ("prompt_tokens", "outputs", "prompt_logprobs", "prompt_logprob_ranks")}
+        out = {
+            k: v
+            for k, v in item.items()
+            if k not in ("prompt_tokens", "outputs", "prompt_logprobs", "prompt_logprob_ranks")
+        }
         if item.get("prompt_logprobs") is not None:
             self._prompt_logprobs[i] = item["prompt_logprobs"]
             self._prompt_ranks[i] = item.get("prompt_logprob_ranks")
@@ -195,8 +204,10 @@ class MergedStream:
                 self._seen.add(o["index"])
                 echo = self._echo[i]
                 o["text"] = echo.text + o["text"]
-                o["echo"] = {"token_ids": echo.token_ids,
-                             "logprobs": self._prompt_logprobs.get(i) or [None] * len(echo.token_ids)}
+                o["echo"] = {
+                    "token_ids": echo.token_ids,
+                    "logprobs": self._prompt_logprobs.get(i) or [None] * len(echo.token_ids),
+                }
             outputs.append(o)
         out["outputs"] = outputs
         return out

@@ -75,8 +75,9 @@ class ScoreRequest(BaseModel):
         if len(left) == 1:
             return [(left[0], r) for r in right]
         if len(left) != len(right):
-            raise ValueError(f"input lengths must be either 1:1, 1:N or N:N; got {len(left)} text_1 and "
-                             f"{len(right)} text_2")
+            raise ValueError(
+                f"input lengths must be either 1:1, 1:N or N:N; got {len(left)} text_1 and {len(right)} text_2"
+            )
         return list(zip(left, right))
 
 
@@ -101,19 +102,33 @@ def cosine(a: list[float], b: list[float]) -> float:
 
 
 def score_body(request_id: str, created: int, model: str, scores: list[float], prompt_tokens: int) -> dict:
-    return {"id": request_id, "object": "list", "created": created, "model": model,
-            "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
-            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0}}
+    return {
+        "id": request_id,
+        "object": "list",
+        "created": created,
+        "model": model,
+        "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0},
+    }
 
 
 def rerank_body(request_id: str, model: str, req: RerankRequest, scores: list[float], prompt_tokens: int) -> dict:
     order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
     if req.top_n > 0:
-        order = order[:req.top_n]
-    return {"id": request_id, "model": model, "usage": {"total_tokens": prompt_tokens},
-            "results": [{"index": i, "relevance_score": scores[i],
-                         **({"document": {"text": req.documents[i]}} if req.return_documents else {})}
-                        for i in order]}
+        order = order[: req.top_n]
+    return {
+        "id": request_id,
+        "model": model,
+        "usage": {"total_tokens": prompt_tokens},
+        "results": [
+            {
+                "index": i,
+                "relevance_score": scores[i],
+                **({"document": {"text": req.documents[i]}} if req.return_documents else {}),
+            }
+            for i in order
+        ],
+    }
 
 
 def encode(vector: list[float], encoding_format: str) -> Union[list[float], str]:
@@ -123,10 +138,14 @@ def encode(vector: list[float], encoding_format: str) -> Union[list[float], str]
 
 
 def response_body(model: str, vectors: list[list[float]], encoding_format: str, prompt_tokens: int) -> dict:
-    return {"object": "list", "model": model,
-            "data": [{"object": "embedding", "index": i, "embedding": encode(v, encoding_format)}
-                     for i, v in enumerate(vectors)],
-            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+    return {
+        "object": "list",
+        "model": model,
+        "data": [
+            {"object": "embedding", "index": i, "embedding": encode(v, encoding_format)} for i, v in enumerate(vectors)
+        ],
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }
 
 
 def check_input_count(inputs: list) -> None:
@@ -143,8 +162,7 @@ async def embed_all(open_stream: StreamOpener, bodies: list[dict]) -> list[list[
         async with gate:  # (each input its own Serve request: concurrent calls sharing one hang)
             gen, first = await open_as_own_request(open_stream, body)
             got: list = []
-            error = await drain(gen, first, lambda item: got.append(item["embedding"])
-                                if "embedding" in item else None)
+            error = await drain(gen, first, lambda item: got.append(item["embedding"]) if "embedding" in item else None)
         if error is not None:
             e = error["error"]
             raise APIError(e["message"], error.get("status", 500), param=e.get("param"), code=e.get("code"))

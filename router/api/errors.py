@@ -11,16 +11,24 @@ from typing import Optional
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-          404: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
-          429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
 
 
 class APIError(Exception):
     """Raised inside the ingress; becomes one OpenAI error response."""
 
-    def __init__(self, message: str, status: int = 400, param: Optional[str] = None,
-                 code: Optional[str] = None) -> None:
+    def __init__(
+        self, message: str, status: int = 400, param: Optional[str] = None, code: Optional[str] = None
+    ) -> None:
         super().__init__(message)
         self.body = error_body(message, status=status, param=param, code=code)
 
@@ -29,10 +37,11 @@ class APIError(Exception):
         return self.body["status"]
 
 
-def error_body(message: str, status: int = 400, param: Optional[str] = None,
-               code: Optional[str] = None) -> dict:
-    return {"status": status, "error": {"message": message, "type": _TYPES.get(status, "error"),
-                                        "param": param, "code": code}}
+def error_body(message: str, status: int = 400, param: Optional[str] = None, code: Optional[str] = None) -> dict:
+    return {
+        "status": status,
+        "error": {"message": message, "type": _TYPES.get(status, "error"), "param": param, "code": code},
+    }
 
 
 def is_error(item: dict) -> bool:

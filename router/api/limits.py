@@ -44,14 +44,14 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_MESSAGES = 4096
 MAX_JSON_DEPTH = 64
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 # JSON escapes of UTF-16 surrogates (\ud800-\udfff); a valid pair is fine, a lone one is not.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def check_sampling(params, prefix: str = "") -> None:
     """Bounds on a validated `SamplingParams`; APIError(400) naming the field otherwise."""
+
     def bad(name: str, message: str) -> APIError:
         return APIError(f"{prefix}{name} {message}", 400, param=f"{prefix}{name}")
 
@@ -68,8 +68,7 @@ def check_sampling(params, prefix: str = "") -> None:
     if any(len(s) > MAX_STOP_STRING_CHARS for s in params.stop):
         raise bad("stop", f"strings must be at most {MAX_STOP_STRING_CHARS} characters long")
     if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise bad("stop_token_ids", f"may hold at most {MAX_STOP_TOKEN_IDS} ids, "
-                  f"got {len(params.stop_token_ids)}")
+        raise bad("stop_token_ids", f"may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(params.stop_token_ids)}")
     if any(t >= 1 << 31 for t in params.stop_token_ids):
         raise bad("stop_token_ids", "must be token ids")
     if len(params.bad_words or ()) > MAX_STOP_STRINGS:
@@ -99,9 +98,14 @@ def check_prompt_chars(text: str, max_model_len: int, token_chars: int, param: s
     """Refuse a prompt that cannot fit the context, by its length in characters alone."""
     limit = max_model_len * token_chars
     if len(text) > limit:
-        raise APIError(f"This model's maximum context length is {max_model_len} tokens; your "
-                       f"{param} has {len(text)} characters, more than {max_model_len} tokens "
-                       "can hold; shorten it.", 400, param=param, code="context_length_exceeded")
+        raise APIError(
+            f"This model's maximum context length is {max_model_len} tokens; your "
+            f"{param} has {len(text)} characters, more than {max_model_len} tokens "
+            "can hold; shorten it.",
+            400,
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def check_json_shape(raw: bytes, data: Any) -> None:
@@ -131,8 +135,11 @@ def _check_utf8(value: str, path: str) -> None:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        raise APIError(f"{path or 'the body'} contains a lone UTF-16 surrogate (not valid "
-                       "Unicode text)", 400, param=_safe_param(path)) from None
+        raise APIError(
+            f"{path or 'the body'} contains a lone UTF-16 surrogate (not valid Unicode text)",
+            400,
+            param=_safe_param(path),
+        ) from None
 
 
 def _safe_param(path: str) -> Optional[str]:
@@ -156,8 +163,7 @@ def check_prompt_count(count: int, param: str = "prompt") -> None:
 def check_internal_fields(data: dict) -> None:
     for key in data:
         if key in INTERNAL_FIELDS or (isinstance(key, str) and key.startswith("_")):
-            raise APIError(f"{key} is an internal field and cannot be set by a client", 400,
-                           param=_safe_param(key))
+            raise APIError(f"{key} is an internal field and cannot be set by a client", 400, param=_safe_param(key))
 
 
 def parse_json(raw: bytes) -> Any:

@@ -49,9 +49,12 @@ class Usage:
         details = {"cached_tokens": self.cached_tokens}
         if self.remote_tokens is not None:
             details["remote_tokens"] = self.remote_tokens
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": details}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": details,
+        }
 
 
 def observe(item: dict, usage: Usage) -> None:
@@ -86,8 +89,9 @@ def prompt_logprobs_of(item: dict) -> Optional[dict]:
     return {"logprobs": item["prompt_logprobs"], "ranks": item.get("prompt_logprob_ranks")}
 
 
-def prompt_logprobs_body(prompt: Optional[dict], n: int, decode: Decode,
-                         label: Optional[Decode] = None) -> Optional[list]:
+def prompt_logprobs_body(
+    prompt: Optional[dict], n: int, decode: Decode, label: Optional[Decode] = None
+) -> Optional[list]:
     """vLLM's `prompt_logprobs`: per prompt position None (the first: nothing predicts it) or
     {token id: {"logprob", "rank", "decoded_token"}}, the prompt's own token first, then the
     `n` likeliest (ranks 1..n)."""
@@ -102,8 +106,7 @@ def prompt_logprobs_body(prompt: Optional[dict], n: int, decode: Decode,
             continue
         own = int(next(iter(entry)))  # the engine puts the prompt's token first
         rank = ranks[i] if i < len(ranks) else None
-        position = {str(own): {"logprob": float(entry[next(iter(entry))]), "rank": rank,
-                               "decoded_token": label(own)}}
+        position = {str(own): {"logprob": float(entry[next(iter(entry))]), "rank": rank, "decoded_token": label(own)}}
         for r, (t, lp) in enumerate(_top(entry, n), 1):
             position.setdefault(str(t), {"logprob": lp, "rank": r, "decoded_token": label(t)})
         out.append(position)
@@ -112,13 +115,15 @@ def prompt_logprobs_body(prompt: Optional[dict], n: int, decode: Decode,
 
 # -- logprobs ------------------------------------------------------------------
 
+
 def _top(entry: dict, n: int) -> list[tuple[int, float]]:
     ranked = sorted(((int(t), float(lp)) for t, lp in entry.items()), key=lambda x: -x[1])
     return ranked[:n]
 
 
-def completion_logprobs(token_ids: list[int], entries: list[dict], n: int, decode: Decode,
-                        offset: int = 0, label: Optional[Decode] = None) -> dict:
+def completion_logprobs(
+    token_ids: list[int], entries: list[dict], n: int, decode: Decode, offset: int = 0, label: Optional[Decode] = None
+) -> dict:
     """`label`: how tokens are named (default: their text); offsets always count text."""
     label = label or decode
     tokens, token_lps, tops, offsets = [], [], [], []
@@ -133,41 +138,60 @@ def completion_logprobs(token_ids: list[int], entries: list[dict], n: int, decod
             tops.append({label(t): lp for t, lp in _top(entry, n)} if n else None)
         offsets.append(offset)
         offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-            "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_logprobs(token_ids: list[int], entries: list[dict], n: int, decode: Decode,
-                  label: Optional[Decode] = None) -> dict:
+def chat_logprobs(
+    token_ids: list[int], entries: list[dict], n: int, decode: Decode, label: Optional[Decode] = None
+) -> dict:
     """`label`: how tokens are named (default: their text); `bytes` are always the text's."""
     label = label or decode
     content = []
     for tid, entry in zip(token_ids, entries):
         text = decode(tid)
-        content.append({
-            "token": label(tid), "logprob": float(entry.get(tid, entry.get(str(tid), float("-inf")))),
-            "bytes": list(text.encode()),
-            "top_logprobs": [{"token": label(t), "logprob": lp, "bytes": list(decode(t).encode())}
-                             for t, lp in _top(entry, n)]})
+        content.append(
+            {
+                "token": label(tid),
+                "logprob": float(entry.get(tid, entry.get(str(tid), float("-inf")))),
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": label(t), "logprob": lp, "bytes": list(decode(t).encode())} for t, lp in _top(entry, n)
+                ],
+            }
+        )
     return {"content": content}
 
 
 # -- bodies --------------------------------------------------------------------
 
+
 def _base(rid: str, obj: str, model: str, created: int) -> dict:
     return {"id": rid, "object": obj, "created": created, "model": model}
 
 
-def completion_body(rid: str, model: str, choices: dict[int, Choice], usage: Usage,
-                    logprobs_n: Optional[int], decode: Decode, label: Optional[Decode] = None,
-                    prompt_logprobs_n: Optional[int] = None) -> dict:
+def completion_body(
+    rid: str,
+    model: str,
+    choices: dict[int, Choice],
+    usage: Usage,
+    logprobs_n: Optional[int],
+    decode: Decode,
+    label: Optional[Decode] = None,
+    prompt_logprobs_n: Optional[int] = None,
+) -> dict:
     body = _base(rid, "text_completion", model, int(time.time()))
     body["choices"] = []
     for c in sorted(choices.values(), key=lambda c: c.index):
-        choice = {"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-                  "logprobs": (completion_logprobs(*_with_echo(c.echo, c.token_ids, c.logprobs), logprobs_n,
-                                                   decode, label=label)
-                               if logprobs_n is not None else None)}
+        choice = {
+            "index": c.index,
+            "text": c.text,
+            "finish_reason": c.finish_reason,
+            "logprobs": (
+                completion_logprobs(*_with_echo(c.echo, c.token_ids, c.logprobs), logprobs_n, decode, label=label)
+                if logprobs_n is not None
+                else None
+            ),
+        }
         if prompt_logprobs_n is not None:
             choice["prompt_logprobs"] = prompt_logprobs_body(c.prompt_logprobs, prompt_logprobs_n, decode, label)
         body["choices"].append(choice)
@@ -181,10 +205,18 @@ def _with_echo(echo: Optional[dict], token_ids: list[int], entries: list) -> tup
     return echo["token_ids"] + list(token_ids), list(echo["logprobs"]) + list(entries)
 
 
-def chat_body(rid: str, model: str, choices: dict[int, Choice], usage: Usage,
-              logprobs_n: Optional[int], decode: Decode, tools: Optional[ToolPlan] = None,
-              label: Optional[Decode] = None, prompt_logprobs_n: Optional[int] = None,
-              reasoning: Optional[ReasoningParser] = None) -> dict:
+def chat_body(
+    rid: str,
+    model: str,
+    choices: dict[int, Choice],
+    usage: Usage,
+    logprobs_n: Optional[int],
+    decode: Decode,
+    tools: Optional[ToolPlan] = None,
+    label: Optional[Decode] = None,
+    prompt_logprobs_n: Optional[int] = None,
+    reasoning: Optional[ReasoningParser] = None,
+) -> dict:
     """`reasoning`: the server's reasoning parser; the message's `reasoning_content` (and its
     newer name `reasoning`) hold the thinking, `content` (and tool calls) the rest."""
     body = _base(rid, "chat.completion", model, int(time.time()))
@@ -201,10 +233,18 @@ def chat_body(rid: str, model: str, choices: dict[int, Choice], usage: Usage,
             if calls:
                 message["tool_calls"] = calls
             finish = tool_finish_reason(finish, calls)
-        body["choices"].append({
-            "index": c.index, "message": message, "finish_reason": finish,
-            "logprobs": (chat_logprobs(c.token_ids, c.logprobs, logprobs_n, decode, label)
-                         if logprobs_n is not None else None)})
+        body["choices"].append(
+            {
+                "index": c.index,
+                "message": message,
+                "finish_reason": finish,
+                "logprobs": (
+                    chat_logprobs(c.token_ids, c.logprobs, logprobs_n, decode, label)
+                    if logprobs_n is not None
+                    else None
+                ),
+            }
+        )
     if prompt_logprobs_n is not None:  # vLLM's: beside the choices (one prompt)
         first = next((c.prompt_logprobs for c in choices.values() if c.prompt_logprobs), None)
         body["prompt_logprobs"] = prompt_logprobs_body(first, prompt_logprobs_n, decode, label)
@@ -215,9 +255,17 @@ def chat_body(rid: str, model: str, choices: dict[int, Choice], usage: Usage,
 class ChunkWriter:
     """SSE chunks for one streaming request, completions or chat."""
 
-    def __init__(self, rid: str, model: str, chat: bool, logprobs_n: Optional[int],
-                 decode: Decode, tools: Optional[ToolPlan] = None, label: Optional[Decode] = None,
-                 reasoning: Optional[ReasoningParser] = None) -> None:
+    def __init__(
+        self,
+        rid: str,
+        model: str,
+        chat: bool,
+        logprobs_n: Optional[int],
+        decode: Decode,
+        tools: Optional[ToolPlan] = None,
+        label: Optional[Decode] = None,
+        reasoning: Optional[ReasoningParser] = None,
+    ) -> None:
         self.tool_deltas = ToolDeltas(tools) if tools is not None else None
         self.reasoning = reasoning if chat else None
         self._splitters: dict = {}
@@ -242,8 +290,7 @@ class ChunkWriter:
     def choices(self, item: dict) -> list[dict]:
         """The chunk choices (`{"index", "delta" or "text", "logprobs", "finish_reason"}`) of
         one replica item, one per output that says anything (gRPC's Chat sends these too)."""
-        return [self._choice(o) for o in item["outputs"]
-                if o["text"] or o["token_ids"] or o.get("finish_reason")]
+        return [self._choice(o) for o in item["outputs"] if o["text"] or o["token_ids"] or o.get("finish_reason")]
 
     def usage_chunk(self, usage: Usage) -> str:
         body = self._chunk([])
@@ -263,12 +310,16 @@ class ChunkWriter:
                 logprobs = chat_logprobs(o["token_ids"], o["logprobs"], self.logprobs_n, self.decode, self.label)
             else:
                 off = self._offsets.get(idx, 0)
-                logprobs = completion_logprobs(*_with_echo(o.get("echo"), o["token_ids"], o["logprobs"] or []),
-                                               self.logprobs_n, self.decode, off, self.label)
+                logprobs = completion_logprobs(
+                    *_with_echo(o.get("echo"), o["token_ids"], o["logprobs"] or []),
+                    self.logprobs_n,
+                    self.decode,
+                    off,
+                    self.label,
+                )
         self._offsets[idx] = self._offsets.get(idx, 0) + len(o["text"])
         if not self.chat:
-            return {"index": idx, "text": o["text"], "logprobs": logprobs,
-                    "finish_reason": o.get("finish_reason")}
+            return {"index": idx, "text": o["text"], "logprobs": logprobs, "finish_reason": o.get("finish_reason")}
         finish = o.get("finish_reason")
         text, thought = o["text"], ""
         if self.reasoning is not None:

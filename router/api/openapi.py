@@ -27,20 +27,23 @@ def add_request_bodies(app: FastAPI, bodies: dict[str, type[BaseModel]]) -> None
             return app.openapi_schema
         schema = generate()
         models = sorted(set(bodies.values()), key=lambda m: m.__name__)
-        refs, defs = models_json_schema([(m, "validation") for m in models],
-                                        ref_template=REF_TEMPLATE)
-        schema.setdefault("components", {}).setdefault("schemas", {}).update(
-            defs.get("$defs", {}))
+        refs, defs = models_json_schema([(m, "validation") for m in models], ref_template=REF_TEMPLATE)
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
         for path, model in bodies.items():
             operation = schema.get("paths", {}).get(path, {}).get("post")
             if operation is None:
                 continue
-            operation["requestBody"] = {"required": True, "content": {
-                "application/json": {"schema": refs[(model, "validation")]}}}
+            operation["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": refs[(model, "validation")]}},
+            }
             responses = operation.setdefault("responses", {})
-            for status, what in (("400", "Invalid request (the error names the field)"),
-                                 ("404", "Unknown model"), ("413", "Body too large"),
-                                 ("429", "Overloaded: retry after Retry-After seconds")):
+            for status, what in (
+                ("400", "Invalid request (the error names the field)"),
+                ("404", "Unknown model"),
+                ("413", "Body too large"),
+                ("429", "Overloaded: retry after Retry-After seconds"),
+            ):
                 responses.setdefault(status, {"description": what})
         app.openapi_schema = schema
         return schema

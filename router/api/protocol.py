@@ -72,8 +72,7 @@ class _SamplingRequest(StructuredOutputFields):
     def _logprobs(self) -> Optional[int]:
         return None
 
-    def sampling_params(self, default_max_tokens: int,
-                        defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int, defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
         """Validated engine sampling params; `APIError` (400, field named) otherwise.
 
         `defaults`: the model's generation defaults (`--generation-config`), used for
@@ -85,20 +84,33 @@ class _SamplingRequest(StructuredOutputFields):
         if max_tokens is None and defaults.get("max_tokens"):
             default_max_tokens = min(default_max_tokens, int(defaults["max_tokens"]))
         fields: dict[str, Any] = {
-            "n": self.n, "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
-            "seed": self.seed, "stop": self.stop or [], "stop_token_ids": self.stop_token_ids or [],
-            "ignore_eos": self.ignore_eos, "min_tokens": self.min_tokens,
-            "logprobs": self._logprobs(), "skip_special_tokens": self.skip_special_tokens,
+            "n": self.n,
+            "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
+            "seed": self.seed,
+            "stop": self.stop or [],
+            "stop_token_ids": self.stop_token_ids or [],
+            "ignore_eos": self.ignore_eos,
+            "min_tokens": self.min_tokens,
+            "logprobs": self._logprobs(),
+            "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "logit_bias": self.logit_bias,
             "structured_outputs": self.structured_outputs_params(),
             "stream_interval": self.stream_interval,
-            "allowed_token_ids": self.allowed_token_ids, "bad_words": self.bad_words,
+            "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words,
             "truncate_prompt_tokens": self.truncate_prompt_tokens,
             "prompt_logprobs": self.prompt_logprobs,
         }
-        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                     "frequency_penalty", "repetition_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
             value = getattr(self, name)
             if value is None:
                 value = defaults.get(name)
@@ -118,8 +130,9 @@ class _SamplingRequest(StructuredOutputFields):
 
     @property
     def continuous_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage
-                    and self.stream_options.continuous_usage_stats)
+        return bool(
+            self.stream_options and self.stream_options.include_usage and self.stream_options.continuous_usage_stats
+        )
 
 
 class CompletionRequest(_SamplingRequest):
@@ -141,8 +154,7 @@ class CompletionRequest(_SamplingRequest):
     def _logprobs(self) -> Optional[int]:
         return self.logprobs
 
-    def sampling_params(self, default_max_tokens: int,
-                        defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int, defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
         if self.best_of not in (None, self.n):
             raise APIError("best_of different from n is not supported; use n", 400, param="best_of")
         params = super().sampling_params(default_max_tokens, defaults)
@@ -162,8 +174,7 @@ class ChatMessage(BaseModel):
             texts = []
             for part in content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise APIError("only text content parts are supported", 400,
-                                   param="messages.content")
+                    raise APIError("only text content parts are supported", 400, param="messages.content")
                 texts.append(part["text"])
             content = "".join(texts)
         message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
@@ -193,8 +204,7 @@ class ChatCompletionRequest(_SamplingRequest, ToolFields):
                 raise APIError("top_logprobs requires logprobs=true", 400, param="top_logprobs")
             return None
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
-            raise APIError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", 400,
-                           param="top_logprobs")
+            raise APIError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", 400, param="top_logprobs")
         return self.top_logprobs or 0
 
 

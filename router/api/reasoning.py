@@ -87,7 +87,7 @@ class StreamSplitter:
             if self.state == self._OPENING:
                 head = text if p.starts_inside else text.lstrip()
                 if head.startswith(p.start):
-                    text, self.state = head[len(p.start):], self._THINKING
+                    text, self.state = head[len(p.start) :], self._THINKING
                 elif p.start.startswith(head) and not final:
                     self.held = text  # could still become the opening tag
                     break
@@ -100,8 +100,8 @@ class StreamSplitter:
                     text, self.state = after, self._CONTENT
                     continue
                 keep = 0 if final else _partial_suffix(text, p.end)
-                reasoning += text[:len(text) - keep]
-                self.held = text[len(text) - keep:]
+                reasoning += text[: len(text) - keep]
+                self.held = text[len(text) - keep :]
                 break
             else:
                 content += text

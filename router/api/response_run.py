@@ -18,8 +18,17 @@ class ResponseRun:
     conversation. `model`: the name the response reports; `reasoning`: the server's reasoning
     parser, or None; `store`: where a response with `store` set is kept."""
 
-    def __init__(self, req, rid: str, stem: str, conversation: list[dict], model: str,
-                 store: resp_api.ResponseStore, reasoning=None, tools=None) -> None:
+    def __init__(
+        self,
+        req,
+        rid: str,
+        stem: str,
+        conversation: list[dict],
+        model: str,
+        store: resp_api.ResponseStore,
+        reasoning=None,
+        tools=None,
+    ) -> None:
         self.req, self.rid, self.stem = req, rid, stem
         self.tools = tools  # the chat request's ToolPlan, or None
         self.model = model
@@ -56,8 +65,15 @@ class ResponseRun:
             out = resp_api.Output(thought, text, tuple(calls))
         u = self.usage
         response = resp_api.response_object(
-            self.rid, self.stem, self.req, self.model, self.created, out, self.finish,
-            resp_api.usage_of(u.prompt_tokens, u.completion_tokens, u.cached_tokens))
+            self.rid,
+            self.stem,
+            self.req,
+            self.model,
+            self.created,
+            out,
+            self.finish,
+            resp_api.usage_of(u.prompt_tokens, u.completion_tokens, u.cached_tokens),
+        )
         if self.req.store:
             answer: dict[str, Any] = {"role": "assistant", "content": out.text or ""}
             if out.calls:
@@ -94,8 +110,9 @@ class ResponseRun:
             return (writer.reasoning_delta(r) if r else []) + (content(c, final) if c or final else [])
 
         try:
-            started = resp_api.response_object(self.rid, self.stem, self.req, self.model, self.created,
-                                               None, None, None, status="in_progress")
+            started = resp_api.response_object(
+                self.rid, self.stem, self.req, self.model, self.created, None, None, None, status="in_progress"
+            )
             for event in writer.start(started):
                 yield event
             async for item in stream_items(gen, first):
@@ -103,8 +120,17 @@ class ResponseRun:
                     error = item["error"]
                     code = "rate_limit_exceeded" if item.get("status") == 429 else "server_error"
                     failed = resp_api.response_object(
-                        self.rid, self.stem, self.req, self.model, self.created, None, None, None,
-                        status="failed", error={"code": code, "message": error["message"]})
+                        self.rid,
+                        self.stem,
+                        self.req,
+                        self.model,
+                        self.created,
+                        None,
+                        None,
+                        None,
+                        status="failed",
+                        error={"code": code, "message": error["message"]},
+                    )
                     for event in writer.fail(failed, error):
                         yield event
                     return
@@ -113,8 +139,7 @@ class ResponseRun:
                         yield event
             for event in pieces("", True):  # what the splitter and the tool parser held back
                 yield event
-            response = self.result(resp_api.Output(thought or None, writer.message_text or None,
-                                                   tuple(writer.calls)))
+            response = self.result(resp_api.Output(thought or None, writer.message_text or None, tuple(writer.calls)))
             for event in writer.finish(response):
                 yield event
         finally:

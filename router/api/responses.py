@@ -99,16 +99,22 @@ class ResponsesRequest(_SamplingRequest):
             tools = []
             for i, tool in enumerate(self.tools):
                 if tool.get("type") != "function":
-                    raise APIError(f"tools[{i}]: only function tools are supported, got type "
-                                   f"{tool.get('type')!r}", 400, param=f"tools[{i}].type")
+                    raise APIError(
+                        f"tools[{i}]: only function tools are supported, got type {tool.get('type')!r}",
+                        400,
+                        param=f"tools[{i}].type",
+                    )
                 fields = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
                 tools.append({"type": "function", "function": fields})
             out["tools"] = tools
         choice = self.tool_choice
         if isinstance(choice, dict):
             if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-                raise APIError("tool_choice must be none, auto, required or {\"type\": \"function\", "
-                               "\"name\": ...}", 400, param="tool_choice")
+                raise APIError(
+                    'tool_choice must be none, auto, required or {"type": "function", "name": ...}',
+                    400,
+                    param="tool_choice",
+                )
             choice = {"type": "function", "function": {"name": choice["name"]}}
         if choice is not None:
             out["tool_choice"] = choice
@@ -119,12 +125,30 @@ class ResponsesRequest(_SamplingRequest):
     def to_chat(self, history: list[dict]) -> ChatCompletionRequest:
         if self.n != 1:
             raise APIError("n must be 1 on /v1/responses", 400, param="n")
-        messages = ([{"role": "system", "content": self.instructions}] if self.instructions else []) \
-            + history + self.input_messages()
-        data = self.model_dump(exclude={"input", "instructions", "max_output_tokens", "previous_response_id",
-                                        "store", "text", "tools", "tool_choice", "parallel_tool_calls",
-                                        "metadata", "stream", "stream_options", "max_tokens",
-                                        "prompt_logprobs"}, exclude_none=True)
+        messages = (
+            ([{"role": "system", "content": self.instructions}] if self.instructions else [])
+            + history
+            + self.input_messages()
+        )
+        data = self.model_dump(
+            exclude={
+                "input",
+                "instructions",
+                "max_output_tokens",
+                "previous_response_id",
+                "store",
+                "text",
+                "tools",
+                "tool_choice",
+                "parallel_tool_calls",
+                "metadata",
+                "stream",
+                "stream_options",
+                "max_tokens",
+                "prompt_logprobs",
+            },
+            exclude_none=True,
+        )
         data["messages"] = messages
         data.update(self.chat_tools())
         data["max_completion_tokens"] = self._max_tokens()
@@ -134,9 +158,14 @@ class ResponsesRequest(_SamplingRequest):
         elif fmt is not None and fmt.type == "json_schema":
             if fmt.schema_ is None:
                 raise APIError("text.format.schema is required for json_schema", 400, param="text.format.schema")
-            data["response_format"] = {"type": "json_schema", "json_schema": {
-                "name": fmt.name or "response", "schema": fmt.schema_,
-                **({"strict": fmt.strict} if fmt.strict is not None else {})}}
+            data["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": fmt.name or "response",
+                    "schema": fmt.schema_,
+                    **({"strict": fmt.strict} if fmt.strict is not None else {}),
+                },
+            }
         try:
             return ChatCompletionRequest.model_validate(data)
         except ValidationError as e:  # the mapped request names a chat field
@@ -149,8 +178,9 @@ def _message(i: int, item: Any) -> dict:
         raise APIError(f"{param} must be a message object", 400, param=param)
     kind = item.get("type", "message")
     if kind != "message":
-        raise APIError(f"{param}: items of type {kind!r} are not supported; send text messages",
-                       400, param=f"{param}.type")
+        raise APIError(
+            f"{param}: items of type {kind!r} are not supported; send text messages", 400, param=f"{param}.type"
+        )
     role = item.get("role")
     if role not in _ROLES:
         raise APIError(f"{param}.role must be one of {', '.join(_ROLES)}", 400, param=f"{param}.role")
@@ -160,15 +190,20 @@ def _message(i: int, item: Any) -> dict:
     elif isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
-                    or not isinstance(part.get("text"), str):
-                raise APIError(f"{param}.content[{j}]: only text parts (input_text, output_text) are "
-                               "supported", 400, param=f"{param}.content")
+            if (
+                not isinstance(part, dict)
+                or part.get("type") not in ("input_text", "output_text", "text")
+                or not isinstance(part.get("text"), str)
+            ):
+                raise APIError(
+                    f"{param}.content[{j}]: only text parts (input_text, output_text) are supported",
+                    400,
+                    param=f"{param}.content",
+                )
             parts.append(part["text"])
         text = "".join(parts)
     else:
-        raise APIError(f"{param}.content must be a string or a list of text parts", 400,
-                       param=f"{param}.content")
+        raise APIError(f"{param}.content must be a string or a list of text parts", 400, param=f"{param}.content")
     return {"role": "system" if role == "developer" else role, "content": text}
 
 
@@ -178,8 +213,11 @@ def _function_call(i: int, item: dict) -> dict:
     for key in ("call_id", "name", "arguments"):
         if not isinstance(item.get(key), str):
             raise APIError(f"{param}.{key} must be a string", 400, param=f"{param}.{key}")
-    return {"id": item["call_id"], "type": "function",
-            "function": {"name": item["name"], "arguments": item["arguments"]}}
+    return {
+        "id": item["call_id"],
+        "type": "function",
+        "function": {"name": item["name"], "arguments": item["arguments"]},
+    }
 
 
 def _function_output(i: int, item: dict) -> dict:
@@ -189,13 +227,16 @@ def _function_output(i: int, item: dict) -> dict:
         raise APIError(f"{param}.call_id must be a string", 400, param=f"{param}.call_id")
     output = item.get("output")
     if isinstance(output, list):  # text parts
-        if not all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text")
-                   and isinstance(p.get("text"), str) for p in output):
+        if not all(
+            isinstance(p, dict)
+            and p.get("type") in ("input_text", "output_text", "text")
+            and isinstance(p.get("text"), str)
+            for p in output
+        ):
             raise APIError(f"{param}.output: only text parts are supported", 400, param=f"{param}.output")
         output = "".join(p["text"] for p in output)
     if not isinstance(output, str):
-        raise APIError(f"{param}.output must be a string or a list of text parts", 400,
-                       param=f"{param}.output")
+        raise APIError(f"{param}.output must be a string or a list of text parts", 400, param=f"{param}.output")
     return {"role": "tool", "tool_call_id": item["call_id"], "content": output}
 
 
@@ -217,9 +258,12 @@ class ResponseStore:
         try:
             return self._items[response_id]
         except KeyError:
-            raise APIError(f"Response with id '{response_id}' not found (responses are kept in "
-                           f"memory, the newest {self.capacity}, until the server restarts).", 404,
-                           param=param) from None
+            raise APIError(
+                f"Response with id '{response_id}' not found (responses are kept in "
+                f"memory, the newest {self.capacity}, until the server restarts).",
+                404,
+                param=param,
+            ) from None
 
     def delete(self, response_id: str) -> None:
         self.get(response_id)
@@ -266,45 +310,78 @@ def output_items(stem: str, out: Output, status: str) -> list[dict]:
     return items
 
 
-def response_object(rid: str, stem: str, req: ResponsesRequest, model: str, created: float,
-                    output: Optional[Output], finish_reason: Optional[str],
-                    usage: Optional[dict], status: Optional[str] = None, error: Optional[dict] = None) -> dict:
+def response_object(
+    rid: str,
+    stem: str,
+    req: ResponsesRequest,
+    model: str,
+    created: float,
+    output: Optional[Output],
+    finish_reason: Optional[str],
+    usage: Optional[dict],
+    status: Optional[str] = None,
+    error: Optional[dict] = None,
+) -> dict:
     """The `response` object; `output` None before there is any."""
     if status is None:
         status = "incomplete" if finish_reason == "length" else "completed"
-    items = [] if output is None else output_items(stem, output,
-                                                  "completed" if status == "completed" else "incomplete")
+    items = [] if output is None else output_items(stem, output, "completed" if status == "completed" else "incomplete")
     fmt = req.text.format if req.text is not None and req.text.format is not None else TextFormat()
     return {
-        "id": rid, "object": "response", "created_at": created, "model": model, "status": status,
+        "id": rid,
+        "object": "response",
+        "created_at": created,
+        "model": model,
+        "status": status,
         "error": error,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-        "metadata": req.metadata or {}, "output": items,
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "metadata": req.metadata or {},
+        "output": items,
         "parallel_tool_calls": req.parallel_tool_calls is not False,
-        "previous_response_id": req.previous_response_id, "store": req.store,
-        "temperature": req.temperature, "top_p": req.top_p,
+        "previous_response_id": req.previous_response_id,
+        "store": req.store,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
         "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True)},
-        "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "truncation": "disabled",
+        "tool_choice": req.tool_choice or "auto",
+        "tools": req.tools or [],
+        "truncation": "disabled",
         "user": req.user,
         "usage": usage,
     }
 
 
 def message_item(stem: str, text: str, status: str) -> dict:
-    return {"type": "message", "id": f"msg_{stem}", "status": status, "role": "assistant",
-            "content": [output_text(text)]}
+    return {
+        "type": "message",
+        "id": f"msg_{stem}",
+        "status": status,
+        "role": "assistant",
+        "content": [output_text(text)],
+    }
 
 
 def function_call_item(stem: str, j: int, call: dict, status: str) -> dict:
-    return {"type": "function_call", "id": f"fc_{stem}_{j}", "call_id": call["id"],
-            "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-            "status": status}
+    return {
+        "type": "function_call",
+        "id": f"fc_{stem}_{j}",
+        "call_id": call["id"],
+        "name": call["function"]["name"],
+        "arguments": call["function"]["arguments"],
+        "status": status,
+    }
 
 
 def reasoning_item(stem: str, thought: str, status: str) -> dict:
-    return {"type": "reasoning", "id": f"rs_{stem}", "status": status, "summary": [],
-            "content": [{"type": "reasoning_text", "text": thought}]}
+    return {
+        "type": "reasoning",
+        "id": f"rs_{stem}",
+        "status": status,
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": thought}],
+    }
 
 
 def output_text(text: str) -> dict:
@@ -312,10 +389,13 @@ def output_text(text: str) -> dict:
 
 
 def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"input_tokens": prompt_tokens,
-            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
-            "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "input_tokens": prompt_tokens,
+        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 class EventWriter:
@@ -338,21 +418,38 @@ class EventWriter:
         return f"event: {kind}\ndata: {json.dumps(body, separators=(',', ':'))}\n\n"
 
     def start(self, response: dict) -> list[str]:
-        return [self.event("response.created", response=response),
-                self.event("response.in_progress", response=response)]
+        return [
+            self.event("response.created", response=response),
+            self.event("response.in_progress", response=response),
+        ]
 
     def reasoning_delta(self, text: str) -> list[str]:
         out = [] if self._open == "reasoning" else self._close() + self._start("reasoning")
         self._texts["reasoning"] += text
-        out.append(self.event("response.reasoning_text.delta", item_id=f"rs_{self.stem}",
-                              output_index=self._index, content_index=0, delta=text))
+        out.append(
+            self.event(
+                "response.reasoning_text.delta",
+                item_id=f"rs_{self.stem}",
+                output_index=self._index,
+                content_index=0,
+                delta=text,
+            )
+        )
         return out
 
     def delta(self, text: str) -> list[str]:
         out = [] if self._open == "message" else self._close() + self._start("message")
         self._texts["message"] += text
-        out.append(self.event("response.output_text.delta", item_id=f"msg_{self.stem}",
-                              output_index=self._index, content_index=0, delta=text, logprobs=[]))
+        out.append(
+            self.event(
+                "response.output_text.delta",
+                item_id=f"msg_{self.stem}",
+                output_index=self._index,
+                content_index=0,
+                delta=text,
+                logprobs=[],
+            )
+        )
         return out
 
     @property
@@ -368,8 +465,11 @@ class EventWriter:
 
     def call_arguments(self, delta: str) -> list[str]:
         self.calls[-1]["function"]["arguments"] += delta
-        return [self.event("response.function_call_arguments.delta", item_id=self._call_id(),
-                           output_index=self._index, delta=delta)]
+        return [
+            self.event(
+                "response.function_call_arguments.delta", item_id=self._call_id(), output_index=self._index, delta=delta
+            )
+        ]
 
     def _call_id(self) -> str:
         return f"fc_{self.stem}_{len(self.calls) - 1}"
@@ -379,28 +479,45 @@ class EventWriter:
         if self._open != "message" and any(item["type"] == "message" for item in response["output"]):
             out += self._close() + self._start("message")
         out += self._close(response["status"])
-        out.append(self.event("response.completed" if response["status"] == "completed"
-                              else "response.incomplete", response=response))
+        out.append(
+            self.event(
+                "response.completed" if response["status"] == "completed" else "response.incomplete", response=response
+            )
+        )
         return out
 
     def fail(self, response: dict, error: dict) -> list[str]:
-        return [self.event("error", code=error.get("code") or error.get("type"), message=error["message"],
-                           param=error.get("param")),
-                self.event("response.failed", response=response)]
+        return [
+            self.event(
+                "error", code=error.get("code") or error.get("type"), message=error["message"], param=error.get("param")
+            ),
+            self.event("response.failed", response=response),
+        ]
 
     def _start(self, kind: str) -> list[str]:
         self._open, self._index = kind, self._index + 1
         if kind == "function_call":
             return []  # call_start adds the item, which needs the call
         if kind == "reasoning":
-            item = {"type": "reasoning", "id": f"rs_{self.stem}", "status": "in_progress", "summary": [],
-                    "content": []}
+            item = {"type": "reasoning", "id": f"rs_{self.stem}", "status": "in_progress", "summary": [], "content": []}
             return [self.event("response.output_item.added", output_index=self._index, item=item)]
-        item = {"type": "message", "id": f"msg_{self.stem}", "status": "in_progress", "role": "assistant",
-                "content": []}
-        return [self.event("response.output_item.added", output_index=self._index, item=item),
-                self.event("response.content_part.added", item_id=f"msg_{self.stem}",
-                           output_index=self._index, content_index=0, part=output_text(""))]
+        item = {
+            "type": "message",
+            "id": f"msg_{self.stem}",
+            "status": "in_progress",
+            "role": "assistant",
+            "content": [],
+        }
+        return [
+            self.event("response.output_item.added", output_index=self._index, item=item),
+            self.event(
+                "response.content_part.added",
+                item_id=f"msg_{self.stem}",
+                output_index=self._index,
+                content_index=0,
+                part=output_text(""),
+            ),
+        ]
 
     def _close(self, status: str = "completed") -> list[str]:
         kind, self._open = self._open, None
@@ -409,25 +526,54 @@ class EventWriter:
         done = "completed" if status == "completed" else "incomplete"
         if kind == "function_call":
             call = self.calls[-1]
-            return [self.event("response.function_call_arguments.done", item_id=self._call_id(),
-                               output_index=self._index, name=call["function"]["name"],
-                               arguments=call["function"]["arguments"]),
-                    self.event("response.output_item.done", output_index=self._index,
-                               item=function_call_item(self.stem, len(self.calls) - 1, call, done))]
+            return [
+                self.event(
+                    "response.function_call_arguments.done",
+                    item_id=self._call_id(),
+                    output_index=self._index,
+                    name=call["function"]["name"],
+                    arguments=call["function"]["arguments"],
+                ),
+                self.event(
+                    "response.output_item.done",
+                    output_index=self._index,
+                    item=function_call_item(self.stem, len(self.calls) - 1, call, done),
+                ),
+            ]
         text = self._texts[kind]
         if kind == "reasoning":
             item_id = f"rs_{self.stem}"
-            return [self.event("response.reasoning_text.done", item_id=item_id, output_index=self._index,
-                               content_index=0, text=text),
-                    self.event("response.output_item.done", output_index=self._index,
-                               item=reasoning_item(self.stem, text, done))]
+            return [
+                self.event(
+                    "response.reasoning_text.done",
+                    item_id=item_id,
+                    output_index=self._index,
+                    content_index=0,
+                    text=text,
+                ),
+                self.event(
+                    "response.output_item.done", output_index=self._index, item=reasoning_item(self.stem, text, done)
+                ),
+            ]
         item_id = f"msg_{self.stem}"
-        return [self.event("response.output_text.done", item_id=item_id, output_index=self._index,
-                           content_index=0, text=text, logprobs=[]),
-                self.event("response.content_part.done", item_id=item_id, output_index=self._index,
-                           content_index=0, part=output_text(text)),
-                self.event("response.output_item.done", output_index=self._index,
-                           item=message_item(self.stem, text, done))]
+        return [
+            self.event(
+                "response.output_text.done",
+                item_id=item_id,
+                output_index=self._index,
+                content_index=0,
+                text=text,
+                logprobs=[],
+            ),
+            self.event(
+                "response.content_part.done",
+                item_id=item_id,
+                output_index=self._index,
+                content_index=0,
+                part=output_text(text),
+            ),
+            self.event("response.output_item.done", output_index=self._index, item=message_item(self.stem, text, done)),
+        ]
 
 
 def now() -> float:

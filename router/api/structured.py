@@ -62,8 +62,7 @@ class StructuredOutputFields(BaseModel):
             return None
         if len(asked) > 1:
             names = ", ".join(name for name, _ in asked)
-            raise APIError(f"give one structured-output constraint, not several ({names})", 400,
-                           param=asked[1][0])
+            raise APIError(f"give one structured-output constraint, not several ({names})", 400, param=asked[1][0])
         param, fields = asked[0]
         try:
             return StructuredOutputsParams(**fields)
@@ -75,6 +74,5 @@ def _from_response_format(rf: ResponseFormat) -> dict[str, Any]:
     if rf.type == "json_object":
         return {"json_object": True}
     if rf.json_schema is None or rf.json_schema.json_schema is None:
-        raise APIError("response_format json_schema needs json_schema.schema", 400,
-                       param="response_format")
+        raise APIError("response_format json_schema needs json_schema.schema", 400, param="response_format")
     return {"json": rf.json_schema.json_schema}

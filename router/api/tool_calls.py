@@ -84,8 +84,7 @@ class ToolPlan:
     parallel: bool = True  # parallel_tool_calls: false allows one call at most
 
     @staticmethod
-    def of(tools: Optional[list[Tool]], choice: Optional[ToolChoice],
-           parallel: bool = True) -> Optional["ToolPlan"]:
+    def of(tools: Optional[list[Tool]], choice: Optional[ToolChoice], parallel: bool = True) -> Optional["ToolPlan"]:
         if not tools:
             if choice not in (None, "none"):
                 raise APIError("tool_choice needs tools", 400, param="tool_choice")
@@ -97,8 +96,9 @@ class ToolPlan:
             return None
         if isinstance(choice, NamedToolChoice):
             if choice.function.name not in names:
-                raise APIError(f"tool_choice names {choice.function.name!r}, which is not in tools",
-                               400, param="tool_choice")
+                raise APIError(
+                    f"tool_choice names {choice.function.name!r}, which is not in tools", 400, param="tool_choice"
+                )
             return ToolPlan("named", tools, choice.function.name, parallel)
         return ToolPlan(choice or "auto", tools, None, parallel)
 
@@ -112,10 +112,17 @@ class ToolPlan:
             fn = next(t.function for t in self.tools if t.function.name == self.named)
             return StructuredOutputsParams(json=_params_schema(fn))
         if self.mode == "required":
-            calls = [{"type": "object", "properties": {
-                "name": {"type": "string", "enum": [t.function.name]},
-                "parameters": _params_schema(t.function)}, "required": ["name", "parameters"]}
-                for t in self.tools]
+            calls = [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "enum": [t.function.name]},
+                        "parameters": _params_schema(t.function),
+                    },
+                    "required": ["name", "parameters"],
+                }
+                for t in self.tools
+            ]
             array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
             if not self.parallel:
                 array["maxItems"] = 1
@@ -153,8 +160,11 @@ def parse_hermes(text: str) -> tuple[Optional[str], list[dict]]:
 
 
 def _call(name: str, arguments: str) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
 
 
 def finish_reason(reason: Optional[str], calls: Sequence[object]) -> Optional[str]:
@@ -194,18 +204,18 @@ class ToolDeltas:
             if self.plan.mode == "required":
                 return {}, False
             safe = _safe_prefix_end(st.text, st.sent)
-            out, st.sent = st.text[st.sent:safe], safe
+            out, st.sent = st.text[st.sent : safe], safe
             return ({"content": out} if out else {}), False
         content, calls = self.plan.parse(st.text)
         delta: dict[str, Any] = {}
         if calls:
             # Content after what was sent already (text before the first tag).
-            rest = (content or "")[st.sent:] if content and content.startswith(st.text[:st.sent]) else ""
+            rest = (content or "")[st.sent :] if content and content.startswith(st.text[: st.sent]) else ""
             if rest:
                 delta["content"] = rest
             delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
-        elif st.text[st.sent:]:
-            delta["content"] = st.text[st.sent:]
+        elif st.text[st.sent :]:
+            delta["content"] = st.text[st.sent :]
         st.sent = len(st.text)
         return delta, bool(calls)
 

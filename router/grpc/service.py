@@ -36,12 +36,29 @@ if TYPE_CHECKING:
     from fleetserve.router.bodies import BodyBuilder
     from fleetserve.router.engine_pools import EnginePools
 
-_STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
-           404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.INVALID_ARGUMENT,
-           429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-                    "presence_penalty", "frequency_penalty", "repetition_penalty",
-                    "logprobs", "n", "min_tokens", "truncate_prompt_tokens")
+_STATUS = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.INVALID_ARGUMENT,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+_SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logprobs",
+    "n",
+    "min_tokens",
+    "truncate_prompt_tokens",
+)
 
 
 MAX_CLIENT_REQUEST_ID_CHARS = 256
@@ -61,6 +78,7 @@ def _lenient(message_cls):
             return message_cls.FromString(data)
         except (DecodeError, ValueError) as e:
             return UndecodableRequest(message_cls.__name__, str(e) or type(e).__name__)
+
     return parse
 
 
@@ -73,10 +91,14 @@ def add_servicer(servicer, server) -> None:
         "Chat": (grpc.unary_stream_rpc_method_handler, pb.ChatRequest, pb.ChatResponse),
         "Embed": (grpc.unary_unary_rpc_method_handler, pb.EmbedRequest, pb.EmbedResponse),
         "Health": (grpc.unary_unary_rpc_method_handler, pb.HealthRequest, pb.HealthResponse),
-        "ListModels": (grpc.unary_unary_rpc_method_handler, pb.ListModelsRequest, pb.ListModelsResponse)}
-    handlers = {name: make(getattr(servicer, name), request_deserializer=_lenient(req),
-                           response_serializer=resp.SerializeToString)
-                for name, (make, req, resp) in kinds.items()}
+        "ListModels": (grpc.unary_unary_rpc_method_handler, pb.ListModelsRequest, pb.ListModelsResponse),
+    }
+    handlers = {
+        name: make(
+            getattr(servicer, name), request_deserializer=_lenient(req), response_serializer=resp.SerializeToString
+        )
+        for name, (make, req, resp) in kinds.items()
+    }
     generic = grpc.method_handlers_generic_handler("fleetserve.v1.FleetServe", handlers)
     server.add_generic_rpc_handlers((generic,))
     server.add_registered_method_handlers("fleetserve.v1.FleetServe", handlers)
@@ -84,8 +106,7 @@ def add_servicer(servicer, server) -> None:
 
 def _check_decoded(request) -> None:
     if isinstance(request, UndecodableRequest):
-        raise APIError(f"the request is not a valid {request.message_type} message "
-                       f"({request.reason})", 400)
+        raise APIError(f"the request is not a valid {request.message_type} message ({request.reason})", 400)
 
 
 logger = logging.getLogger("ray.serve")
@@ -133,8 +154,7 @@ def sampling_from_proto(msg: "pb.SamplingParams", defaults: Optional[dict] = Non
     for name, value in (defaults or {}).items():
         fields.setdefault(name, min(value, 16) if name == "max_tokens" else value)
     fields.setdefault("max_tokens", 16)
-    fields.update(stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
-                  ignore_eos=msg.ignore_eos)
+    fields.update(stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos)
     if msg.logit_bias:
         fields["logit_bias"] = dict(msg.logit_bias)
     if msg.allowed_token_ids:
@@ -170,8 +190,11 @@ def _json_text(text: str, param: str):
 
 
 def _tool_call_dict(call: "pb.ToolCall") -> dict:
-    return {"id": call.id, "type": call.type or "function",
-            "function": {"name": call.function.name, "arguments": call.function.arguments}}
+    return {
+        "id": call.id,
+        "type": call.type or "function",
+        "function": {"name": call.function.name, "arguments": call.function.arguments},
+    }
 
 
 def chat_request_from_proto(msg: "pb.ChatRequest") -> ChatCompletionRequest:
@@ -190,8 +213,7 @@ def chat_request_from_proto(msg: "pb.ChatRequest") -> ChatCompletionRequest:
         data["messages"].append(turn)
     sp = msg.sampling_params
     if sp.HasField("logprobs"):
-        raise APIError("sampling_params.logprobs: Chat does not return logprobs", 400,
-                       param="sampling_params.logprobs")
+        raise APIError("sampling_params.logprobs: Chat does not return logprobs", 400, param="sampling_params.logprobs")
     data.update({name: getattr(sp, name) for name in _SAMPLING_FIELDS if sp.HasField(name)})
     data.update(stop=list(sp.stop), stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos)
     if sp.logit_bias:
@@ -204,10 +226,15 @@ def chat_request_from_proto(msg: "pb.ChatRequest") -> ChatCompletionRequest:
         so = sp.structured_outputs
         kind = so.WhichOneof("constraint")
         if kind is None:
-            raise APIError("sampling_params.structured_outputs: set one of json, json_object, regex, "
-                           "choice, grammar", 400, param="sampling_params.structured_outputs")
-        data["structured_outputs"] = {kind: list(so.choice.values) if kind == "choice" else getattr(so, kind),
-                                      "disable_any_whitespace": so.disable_any_whitespace}
+            raise APIError(
+                "sampling_params.structured_outputs: set one of json, json_object, regex, choice, grammar",
+                400,
+                param="sampling_params.structured_outputs",
+            )
+        data["structured_outputs"] = {
+            kind: list(so.choice.values) if kind == "choice" else getattr(so, kind),
+            "disable_any_whitespace": so.disable_any_whitespace,
+        }
     if msg.tools:
         data["tools"] = []
         for i, tool in enumerate(msg.tools):
@@ -250,18 +277,33 @@ def chat_request_from_proto(msg: "pb.ChatRequest") -> ChatCompletionRequest:
         raise from_validation_error(e) from e
 
 
-def _chat_response(choice: dict, rid: str, prompt_tokens: int, completion_tokens: int,
-                   token_ids: list[int]) -> "pb.ChatResponse":
+def _chat_response(
+    choice: dict, rid: str, prompt_tokens: int, completion_tokens: int, token_ids: list[int]
+) -> "pb.ChatResponse":
     delta = choice["delta"]
-    calls = [pb.ToolCall(index=c["index"], id=c.get("id", ""), type=c.get("type", ""),
-                         function=pb.FunctionCall(name=c.get("function", {}).get("name", ""),
-                                                  arguments=c.get("function", {}).get("arguments", "")))
-             for c in delta.get("tool_calls", ())]
-    return pb.ChatResponse(request_id=rid, index=choice["index"], role=delta.get("role", ""),
-                           content=delta.get("content") or "", tool_calls=calls,
-                           reasoning_content=delta.get("reasoning_content") or "",
-                           finish_reason=choice["finish_reason"] or "", token_ids=token_ids,
-                           prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+    calls = [
+        pb.ToolCall(
+            index=c["index"],
+            id=c.get("id", ""),
+            type=c.get("type", ""),
+            function=pb.FunctionCall(
+                name=c.get("function", {}).get("name", ""), arguments=c.get("function", {}).get("arguments", "")
+            ),
+        )
+        for c in delta.get("tool_calls", ())
+    ]
+    return pb.ChatResponse(
+        request_id=rid,
+        index=choice["index"],
+        role=delta.get("role", ""),
+        content=delta.get("content") or "",
+        tool_calls=calls,
+        reasoning_content=delta.get("reasoning_content") or "",
+        finish_reason=choice["finish_reason"] or "",
+        token_ids=token_ids,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+    )
 
 
 class GrpcMethods:
@@ -277,16 +319,24 @@ class GrpcMethods:
     reasoning: Optional[ReasoningParser]
 
     if TYPE_CHECKING:
+
         async def info(self) -> dict: ...
         def decode_one(self, token_id: int) -> str: ...
         def model_ids(self) -> list[str]: ...
         def check_model(self, model: Optional[str]) -> None: ...
         def check_api_key(self, presented: Optional[str]) -> None: ...
-        async def embed(self, inputs: list, add_special_tokens: bool, truncate_prompt_tokens: Optional[int],
-                        priority: int, model: Optional[str] = None) -> tuple[list[list[float]], int]: ...
+        async def embed(
+            self,
+            inputs: list,
+            add_special_tokens: bool,
+            truncate_prompt_tokens: Optional[int],
+            priority: int,
+            model: Optional[str] = None,
+        ) -> tuple[list[list[float]], int]: ...
 
-    async def Generate(self, request: "pb.GenerateRequest",
-                       grpc_context: RayServegRPCContext) -> AsyncIterator["pb.GenerateResponse"]:
+    async def Generate(
+        self, request: "pb.GenerateRequest", grpc_context: RayServegRPCContext
+    ) -> AsyncIterator["pb.GenerateResponse"]:
         try:
             self._grpc_auth(grpc_context)
             _check_decoded(request)
@@ -308,9 +358,14 @@ class GrpcMethods:
                     n = completion_tokens.get(out["index"], 0) + len(out["token_ids"])
                     completion_tokens[out["index"]] = n
                     yield pb.GenerateResponse(
-                        request_id=client_id or body["request_id"], index=out["index"], text=out["text"],
-                        token_ids=out["token_ids"], finish_reason=out["finish_reason"] or "",
-                        prompt_tokens=prompt_tokens, completion_tokens=n)
+                        request_id=client_id or body["request_id"],
+                        index=out["index"],
+                        text=out["text"],
+                        token_ids=out["token_ids"],
+                        finish_reason=out["finish_reason"] or "",
+                        prompt_tokens=prompt_tokens,
+                        completion_tokens=n,
+                    )
                 try:
                     item = await gen.__anext__()
                 except StopAsyncIteration:
@@ -318,8 +373,9 @@ class GrpcMethods:
         finally:
             gen.cancel()  # a cancelled call aborts the request in the engine
 
-    async def Chat(self, request: "pb.ChatRequest",
-                   grpc_context: RayServegRPCContext) -> AsyncIterator["pb.ChatResponse"]:
+    async def Chat(
+        self, request: "pb.ChatRequest", grpc_context: RayServegRPCContext
+    ) -> AsyncIterator["pb.ChatResponse"]:
         """`/v1/chat/completions`, streamed as its SSE chunks are (the same ChunkWriter turns
         engine deltas into content and tool-call deltas), one message per chunk."""
         rid = f"grpc-chat-{uuid.uuid4().hex}"
@@ -327,8 +383,9 @@ class GrpcMethods:
             self._grpc_auth(grpc_context)
             _check_decoded(request)
             if len(request.request_id) > MAX_CLIENT_REQUEST_ID_CHARS:
-                raise APIError(f"request_id must be at most {MAX_CLIENT_REQUEST_ID_CHARS} characters",
-                               400, param="request_id")
+                raise APIError(
+                    f"request_id must be at most {MAX_CLIENT_REQUEST_ID_CHARS} characters", 400, param="request_id"
+                )
             req = chat_request_from_proto(request)
             self.check_model(req.model)
             body, _, tools = await self.bodies.chat_body(req, rid)
@@ -337,8 +394,9 @@ class GrpcMethods:
             _fail(grpc_context, e.status, e.body["error"]["message"])
         if is_error(first):
             _fail(grpc_context, first["status"], first["error"]["message"])
-        writer = fmt.ChunkWriter(rid, req.model or self.served_model_name, True, None,
-                                 self.decode_one, tools, reasoning=self.reasoning)
+        writer = fmt.ChunkWriter(
+            rid, req.model or self.served_model_name, True, None, self.decode_one, tools, reasoning=self.reasoning
+        )
         client_id = request.request_id or rid
         prompt_tokens = len(body["prompt_token_ids"])
         completion_tokens: dict[int, int] = {}
@@ -351,8 +409,7 @@ class GrpcMethods:
                 for choice in writer.choices(item):
                     idx = choice["index"]
                     completion_tokens[idx] = completion_tokens.get(idx, 0) + len(token_ids[idx])
-                    yield _chat_response(choice, client_id, prompt_tokens, completion_tokens[idx],
-                                         token_ids[idx])
+                    yield _chat_response(choice, client_id, prompt_tokens, completion_tokens[idx], token_ids[idx])
                 try:
                     item = await gen.__anext__()
                 except StopAsyncIteration:
@@ -360,8 +417,7 @@ class GrpcMethods:
         finally:
             gen.cancel()  # a cancelled call aborts the request in the engine
 
-    async def Embed(self, request: "pb.EmbedRequest",
-                    grpc_context: RayServegRPCContext) -> "pb.EmbedResponse":
+    async def Embed(self, request: "pb.EmbedRequest", grpc_context: RayServegRPCContext) -> "pb.EmbedResponse":
         """`/v1/embeddings` (the ingress's `embed`): texts or token ids, never both."""
         try:
             self._grpc_auth(grpc_context)
@@ -373,29 +429,29 @@ class GrpcMethods:
             if not inputs or any(not i for i in inputs):
                 raise APIError("every input must be non-empty, and there must be one", 400, param="texts")
             truncate = request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None
-            vectors, prompt_tokens = await self.embed(inputs, True, truncate, request.priority,
-                                                      request.model or None)
+            vectors, prompt_tokens = await self.embed(inputs, True, truncate, request.priority, request.model or None)
         except APIError as e:
             _fail(grpc_context, e.status, e.body["error"]["message"])
         return pb.EmbedResponse(embeddings=[pb.Embedding(values=v) for v in vectors], prompt_tokens=prompt_tokens)
 
-    async def Health(self, request: "pb.HealthRequest",
-                     grpc_context: RayServegRPCContext) -> "pb.HealthResponse":
+    async def Health(self, request: "pb.HealthRequest", grpc_context: RayServegRPCContext) -> "pb.HealthResponse":
         report = await replica_health(self.pools)
         if not report["healthy"]:
             _fail(grpc_context, 503, f"no healthy engine replica: {report['unhealthy'] or 'none'}")
         return pb.HealthResponse(ok=True, num_replicas=len(report["healthy"]))
 
-    async def ListModels(self, request: "pb.ListModelsRequest",
-                         grpc_context: RayServegRPCContext) -> "pb.ListModelsResponse":
+    async def ListModels(
+        self, request: "pb.ListModelsRequest", grpc_context: RayServegRPCContext
+    ) -> "pb.ListModelsResponse":
         try:
             self._grpc_auth(grpc_context)
             _check_decoded(request)
             info = await self.info()
         except APIError as e:
             _fail(grpc_context, e.status, e.body["error"]["message"])
-        return pb.ListModelsResponse(models=[pb.ModelInfo(id=name, max_model_len=info["max_model_len"])
-                                             for name in self.model_ids()])
+        return pb.ListModelsResponse(
+            models=[pb.ModelInfo(id=name, max_model_len=info["max_model_len"]) for name in self.model_ids()]
+        )
 
     def _grpc_auth(self, ctx: RayServegRPCContext) -> None:
         metadata = dict(ctx.invocation_metadata() or [])
@@ -408,20 +464,19 @@ class GrpcMethods:
         if which == "prompt":
             token_ids = await self.bodies.tokenize_prompt(request.prompt, True, "prompt", truncating=truncating)
         elif which == "prompt_token_ids":
-            token_ids = await self.bodies.tokenize_prompt(list(request.prompt_token_ids.ids), False,
-                                                          "prompt_token_ids")
+            token_ids = await self.bodies.tokenize_prompt(list(request.prompt_token_ids.ids), False, "prompt_token_ids")
         else:
             raise APIError("one of prompt or prompt_token_ids is required", 400, param="prompt")
-        params = sampling_from_proto(request.sampling_params,
-                                     (await self.info()).get("generation_defaults"))
-        explicit = (request.sampling_params.max_tokens
-                    if request.sampling_params.HasField("max_tokens") else None)
+        params = sampling_from_proto(request.sampling_params, (await self.info()).get("generation_defaults"))
+        explicit = request.sampling_params.max_tokens if request.sampling_params.HasField("max_tokens") else None
         token_ids = await self.bodies.truncate(token_ids, params.truncate_prompt_tokens, params.max_tokens)
         if len(request.request_id) > MAX_CLIENT_REQUEST_ID_CHARS:
-            raise APIError(f"request_id must be at most {MAX_CLIENT_REQUEST_ID_CHARS} characters",
-                           400, param="request_id")
+            raise APIError(
+                f"request_id must be at most {MAX_CLIENT_REQUEST_ID_CHARS} characters", 400, param="request_id"
+            )
         # The engine's id is always ours: a client-chosen one could collide with (and then
         # abort, or be refused as a duplicate of) another client's request.
         rid = f"grpc-{uuid.uuid4().hex}"
-        return await self.bodies.build_body(rid, token_ids, params, request.priority, None, explicit,
-                                            which, request.model or None)
+        return await self.bodies.build_body(
+            rid, token_ids, params, request.priority, None, explicit, which, request.model or None
+        )

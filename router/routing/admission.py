@@ -14,12 +14,13 @@ from __future__ import annotations
 from typing import Optional
 
 
-def admission_refusal(load: dict, prompt_len: int, block_size: int,
-                      max_queued_kv_ratio: float) -> Optional[str]:
+def admission_refusal(load: dict, prompt_len: int, block_size: int, max_queued_kv_ratio: float) -> Optional[str]:
     """Why `load` cannot take a prompt of `prompt_len` tokens now, or None."""
     capacity = max(1, load.get("num_blocks", 0) * block_size)
     queued = load.get("num_queued_tokens", 0)
     if queued == 0 or queued + prompt_len <= max_queued_kv_ratio * capacity:
         return None
-    return (f"the replica is overloaded: {queued} tokens are queued, more than "
-            f"{max_queued_kv_ratio:g}x its KV cache of {capacity} tokens; retry later")
+    return (
+        f"the replica is overloaded: {queued} tokens are queued, more than "
+        f"{max_queued_kv_ratio:g}x its KV cache of {capacity} tokens; retry later"
+    )

@@ -49,8 +49,7 @@ class KVIndex:
         """(engine instance, last batch applied) for the next read of `replica_id`."""
         with self._lock:
             view = self._views.get(replica_id)
-            return (None, -1) if view is None or view.instance is None else \
-                (view.instance, view.mirror.seq)
+            return (None, -1) if view is None or view.instance is None else (view.instance, view.mirror.seq)
 
     def update(self, replica_id: str, reply: dict) -> None:
         """Apply one `KVEventLog.read()` reply from `replica_id`."""

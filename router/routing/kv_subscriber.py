@@ -31,9 +31,16 @@ logger = logging.getLogger("ray.serve")
 
 
 class KVEventSubscriber:
-    def __init__(self, handle, replica_ids: Callable[[], list[str]], index: KVIndex,
-                 poll_interval_s: float = 0.05, wait_s: float = 1.0,
-                 membership_period_s: float = 0.5, call_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        handle,
+        replica_ids: Callable[[], list[str]],
+        index: KVIndex,
+        poll_interval_s: float = 0.05,
+        wait_s: float = 1.0,
+        membership_period_s: float = 0.5,
+        call_timeout_s: float = 10.0,
+    ) -> None:
         self._handle = handle
         self._replica_ids = replica_ids
         self.index = index
@@ -71,8 +78,7 @@ class KVEventSubscriber:
                 self._followers.pop(rid).cancel()
                 self.index.remove_replica(rid)
             for rid in current - set(self._followers):
-                self._followers[rid] = loop.create_task(self._follow(rid),
-                                                        context=contextvars.Context())
+                self._followers[rid] = loop.create_task(self._follow(rid), context=contextvars.Context())
             await asyncio.sleep(self.membership_period_s)
 
     async def _follow(self, replica_id: str) -> None:
@@ -80,9 +86,9 @@ class KVEventSubscriber:
             instance, seq = self.index.cursor(replica_id)
             try:
                 reply = await asyncio.wait_for(
-                    self._handle.kv_events.remote(seq, instance, self.wait_s,
-                                                  **{TARGET_KWARG: replica_id}),
-                    self.wait_s + self.call_timeout_s)
+                    self._handle.kv_events.remote(seq, instance, self.wait_s, **{TARGET_KWARG: replica_id}),
+                    self.wait_s + self.call_timeout_s,
+                )
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - replica restarting or gone: retry, then the
@@ -92,9 +98,11 @@ class KVEventSubscriber:
                 continue
             self.num_polls += 1
             if reply.get("disabled"):
-                logger.warning("replica %s does not publish KV events (engine started without "
-                               "enable_kv_cache_events): prefix routing cannot see its cache",
-                               replica_id)
+                logger.warning(
+                    "replica %s does not publish KV events (engine started without "
+                    "enable_kv_cache_events): prefix routing cannot see its cache",
+                    replica_id,
+                )
                 return
             if reply.get("replica") != replica_id:
                 # A pinned call to a replica that is gone goes anywhere: not its events.

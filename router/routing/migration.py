@@ -65,8 +65,7 @@ def continued_seed(seed: int, num_generated: int) -> int:
     return (seed + num_generated * _SEED_STRIDE_INV) % _SEED_MOD
 
 
-def continuation_body(body: dict, generated: list[int], attempt: int,
-                      avoid: list[str]) -> dict:
+def continuation_body(body: dict, generated: list[int], attempt: int, avoid: list[str]) -> dict:
     """The request that continues `body` after `generated` tokens (one choice)."""
     sp = dict(body["sampling_params"])
     done = len(generated)
@@ -79,16 +78,22 @@ def continuation_body(body: dict, generated: list[int], attempt: int,
         sp["prompt_logprobs"] = None
     # Penalties, bad words and the grammar count the generated tokens as output, not prompt.
     sp["continued_output_tokens"] = sp.get("continued_output_tokens", 0) + done
-    return {**body, "request_id": f"{body['request_id']}-m{attempt}",
-            "prompt_token_ids": list(body["prompt_token_ids"]) + list(generated),
-            "sampling_params": sp, AVOID_KEY: list(avoid), MIGRATED_KEY: attempt}
+    return {
+        **body,
+        "request_id": f"{body['request_id']}-m{attempt}",
+        "prompt_token_ids": list(body["prompt_token_ids"]) + list(generated),
+        "sampling_params": sp,
+        AVOID_KEY: list(avoid),
+        MIGRATED_KEY: attempt,
+    }
 
 
 class MigratingStream:
     """A replica stream (ReplicaStream's interface) that survives its replica."""
 
-    def __init__(self, open_stream: Callable[[dict], Any], body: dict, max_migrations: int,
-                 backoff_s: float = 0.25) -> None:
+    def __init__(
+        self, open_stream: Callable[[dict], Any], body: dict, max_migrations: int, backoff_s: float = 0.25
+    ) -> None:
         self._open = open_stream
         self._body = body
         self._stream = open_stream(body)
@@ -161,10 +166,17 @@ class MigratingStream:
         MIGRATIONS.migrated += 1
         self._stream.cancel()
         generated = self._generated.get(0, [])
-        logger.warning("request %s: replica %s failed after %d tokens (%s: %s); continuing on "
-                       "another replica (migration %d of at most %d)", self._body["request_id"],
-                       self._replicas[-1] if self._replicas else "?", len(generated),
-                       type(error).__name__, str(error)[:200], self.migrations, self._max)
+        logger.warning(
+            "request %s: replica %s failed after %d tokens (%s: %s); continuing on "
+            "another replica (migration %d of at most %d)",
+            self._body["request_id"],
+            self._replicas[-1] if self._replicas else "?",
+            len(generated),
+            type(error).__name__,
+            str(error)[:200],
+            self.migrations,
+            self._max,
+        )
         await asyncio.sleep(self._backoff_s * self.migrations)  # let Serve notice the failure
         body = continuation_body(self._body, generated, self.migrations, self._replicas)
         self._stream = self._open(body)

@@ -58,8 +58,7 @@ class PDSettings:
 
 
 class PDRouter:
-    def __init__(self, decode_handle, prefill_handle, settings: PDSettings,
-                 block_size: int = 16) -> None:
+    def __init__(self, decode_handle, prefill_handle, settings: PDSettings, block_size: int = 16) -> None:
         # block_size: the decode engines' (the ingress sets it from their info).
         self._decode = decode_handle
         self._decode_generate = decode_handle.options(stream=True).generate
@@ -79,8 +78,9 @@ class PDRouter:
             # pool's steps stay free of it (no KV to hand over).
             self.metrics.requests.labels("prefill_only").inc()
             try:
-                final = await asyncio.wait_for(run_to_final(self._prefill_generate.remote(body)),
-                                               self.settings.prefill_timeout_s)
+                final = await asyncio.wait_for(
+                    run_to_final(self._prefill_generate.remote(body)), self.settings.prefill_timeout_s
+                )
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - a dead or stuck prefill replica: the client is told
@@ -92,8 +92,11 @@ class PDRouter:
         t_prefill_done = None
         sp = body["sampling_params"]
         # n > 1 and prompt logprobs need the decode engine to run the prompt itself.
-        if len(prompt) - cached >= max(1, self.settings.min_prefill_tokens) and \
-                sp.get("n", 1) == 1 and sp.get("prompt_logprobs") is None:
+        if (
+            len(prompt) - cached >= max(1, self.settings.min_prefill_tokens)
+            and sp.get("n", 1) == 1
+            and sp.get("prompt_logprobs") is None
+        ):
             params = await self._prefill(body)
             path = "pd" if params is not None else "prefill_failed"
             t_prefill_done = time.perf_counter()
@@ -115,8 +118,9 @@ class PDRouter:
                 break
             # The load failed and the engine's policy is "fail": nothing was streamed yet,
             # so send it again as a plain request (the decode replica computes the prompt).
-            logger.warning("request %s: KV load failed on decode replica %s; recomputing there",
-                           body["request_id"], decode_id)
+            logger.warning(
+                "request %s: KV load failed on decode replica %s; recomputing there", body["request_id"], decode_id
+            )
             gen.cancel()
             self.metrics.retries.labels("decode").inc()
             params = None
@@ -132,9 +136,12 @@ class PDRouter:
         router = get_router(self._decode.app_name, self._decode.deployment_name)
         if router is None:
             return None, 0
-        request = RouteRequest(str(body["request_id"]), body["prompt_token_ids"],
-                               prefix_salt(body.get("cache_salt"), body.get("lora_key")),
-                               body.get("lora_name") or None)
+        request = RouteRequest(
+            str(body["request_id"]),
+            body["prompt_token_ids"],
+            prefix_salt(body.get("cache_salt"), body.get("lora_key")),
+            body.get("lora_name") or None,
+        )
         ranked = router.rank(request)
         if not ranked:
             return None, 0
@@ -150,8 +157,7 @@ class PDRouter:
             p_body = export_body(body, f"{body['request_id']}-p{attempt}", body["prompt_token_ids"], tid)
             t0 = time.perf_counter()
             try:
-                final = await asyncio.wait_for(self._run_prefill(p_body),
-                                               self.settings.prefill_timeout_s)
+                final = await asyncio.wait_for(self._run_prefill(p_body), self.settings.prefill_timeout_s)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - a dead or stuck prefill replica: try again
@@ -162,8 +168,12 @@ class PDRouter:
                 return params
             if not is_error(final):
                 return None  # nothing to hand over (no full block): decode computes it
-            logger.warning("request %s: prefill attempt %d failed: %s", body["request_id"],
-                           attempt + 1, final["error"].get("message"))
+            logger.warning(
+                "request %s: prefill attempt %d failed: %s",
+                body["request_id"],
+                attempt + 1,
+                final["error"].get("message"),
+            )
             if attempt + 1 < self.settings.max_attempts:
                 self.metrics.retries.labels("prefill").inc()
         return None
@@ -181,7 +191,7 @@ async def run_to_final(gen) -> dict:
     last: dict = {}
     try:
         async for item in gen:
-            for one in (item if isinstance(item, list) else [item]):
+            for one in item if isinstance(item, list) else [item]:
                 last = one
                 if is_error(one):
                     return one
@@ -192,10 +202,16 @@ async def run_to_final(gen) -> dict:
 
 def export_body(body: dict, request_id: str, prompt: list[int], transfer_id: str) -> dict:
     """`body` as a one-token request that exports its prompt's KV under `transfer_id`."""
-    sp = dict(body["sampling_params"], max_tokens=1, min_tokens=0, n=1, best_of=None,
-              logprobs=None, prompt_logprobs=None)
-    return dict(body, request_id=request_id, prompt_token_ids=prompt, sampling_params=sp,
-                kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id})
+    sp = dict(
+        body["sampling_params"], max_tokens=1, min_tokens=0, n=1, best_of=None, logprobs=None, prompt_logprobs=None
+    )
+    return dict(
+        body,
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling_params=sp,
+        kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id},
+    )
 
 
 def failed_load(item: dict) -> bool:
@@ -203,8 +219,7 @@ def failed_load(item: dict) -> bool:
     if is_error(item) or not item.get("finished"):
         return False
     outs = item.get("outputs") or []
-    return any(o.get("finish_reason") == "error" for o in outs) and \
-        not any(o.get("token_ids") for o in outs)
+    return any(o.get("finish_reason") == "error" for o in outs) and not any(o.get("token_ids") for o in outs)
 
 
 class _Answered:

@@ -66,9 +66,14 @@ class PrefixReuse:
         if router is None:
             return None
         prompt = body["prompt_token_ids"]
-        ranked = router.rank(RouteRequest(str(body["request_id"]), prompt,
-                                          prefix_salt(body.get("cache_salt"), body.get("lora_key")),
-                                          body.get("lora_name") or None))
+        ranked = router.rank(
+            RouteRequest(
+                str(body["request_id"]),
+                prompt,
+                prefix_salt(body.get("cache_salt"), body.get("lora_key")),
+                body.get("lora_name") or None,
+            )
+        )
         if len(ranked) < 2:
             return None
         chosen, chosen_blocks = ranked[0]
@@ -110,19 +115,23 @@ class PrefixReuse:
         """The holder exports the prompt's first `prefix` tokens (cached there: it computes
         one more token); its kv_transfer_params, or None if that failed."""
         tid = f"{body['request_id']}-x{uuid.uuid4().hex[:12]}"
-        x_body = export_body(body, f"{body['request_id']}-x", body["prompt_token_ids"][:prefix + 1], tid)
+        x_body = export_body(body, f"{body['request_id']}-x", body["prompt_token_ids"][: prefix + 1], tid)
         t0 = time.perf_counter()
         try:
             final = await asyncio.wait_for(
-                run_to_final(self._generate.remote(x_body, **{TARGET_KWARG: holder})),
-                self.settings.export_timeout_s)
+                run_to_final(self._generate.remote(x_body, **{TARGET_KWARG: holder})), self.settings.export_timeout_s
+            )
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - the holder died or is stuck: compute instead
             final = {"error": {"message": f"{type(e).__name__}: {e}"}}
         self.metrics.export_seconds.observe(time.perf_counter() - t0)
         if is_error(final) or final.get("replica") != holder:
-            logger.warning("request %s: prefix export from %s failed: %s", body["request_id"],
-                           holder, final.get("error") or f"answered by {final.get('replica')}")
+            logger.warning(
+                "request %s: prefix export from %s failed: %s",
+                body["request_id"],
+                holder,
+                final.get("error") or f"answered by {final.get('replica')}",
+            )
             return None
         return final.get("kv_transfer_params")

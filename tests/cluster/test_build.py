@@ -20,8 +20,11 @@ from fleetserve.cluster.serve_app import app_builder
 APP = {
     "name": "chat",
     "engine": {"model": "smollm2-135m", "max_num_seqs": 8, "tensor_parallel_size": 1},
-    "num_replicas": 3, "routing_policy": "prefix_aware", "api_key": "k",
-    "http": {"host": "0.0.0.0", "port": 8100}, "grpc": {"port": 9100},
+    "num_replicas": 3,
+    "routing_policy": "prefix_aware",
+    "api_key": "k",
+    "http": {"host": "0.0.0.0", "port": 8100},
+    "grpc": {"port": 9100},
     "placement": {"num_gpus": 1, "label_selector": {"fleetserve.io/pool": "engine"}},
     "autoscaling": {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 32},
     "address": "auto",
@@ -54,13 +57,16 @@ def test_build_grpc_disabled_and_stdout(tmp_path, capsys):
     assert "grpc_options" not in ServeDeploySchema.model_validate(doc).model_dump(exclude_unset=True)
 
 
-@pytest.mark.parametrize("bad, field", [
-    ({"engine": {"max_num_seqs": 0}}, "engine.max_num_seqs"),
-    ({"num_replicas": "two"}, "num_replicas"),
-    ({"enigne": {}}, "enigne"),
-    ({"autoscaling": {"min_replicas": 5, "max_replicas": 2}}, "autoscaling"),
-    ({"placement": {"num_gpus": -1}}, "placement.num_gpus"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ({"engine": {"max_num_seqs": 0}}, "engine.max_num_seqs"),
+        ({"num_replicas": "two"}, "num_replicas"),
+        ({"enigne": {}}, "enigne"),
+        ({"autoscaling": {"min_replicas": 5, "max_replicas": 2}}, "autoscaling"),
+        ({"placement": {"num_gpus": -1}}, "placement.num_gpus"),
+    ],
+)
 def test_build_rejects_bad_config_naming_the_field(tmp_path, capsys, bad, field):
     out = tmp_path / "serve.yaml"
     assert main(["build", write(tmp_path / "app.yaml", bad), "-o", str(out)]) == 2

@@ -33,15 +33,26 @@ def test_every_field_becomes_a_typed_flag_with_help_default_and_choices():
     p, dests = parser()
     assert dests == ["mode", "on", "limit", "extra_config", "inner.depth"]
     help_text = p.format_help()
-    for text in ("--mode {a,b}", "Which mode to run. [default: a]", "--on, --no-on",
-                 "[default: unset]", "--extra-config JSON", "--inner-depth DEPTH",
-                 "How deep it goes. [default: 3]"):
+    for text in (
+        "--mode {a,b}",
+        "Which mode to run. [default: a]",
+        "--on, --no-on",
+        "[default: unset]",
+        "--extra-config JSON",
+        "--inner-depth DEPTH",
+        "How deep it goes. [default: 3]",
+    ):
         assert text in " ".join(help_text.split()), text
-    args = p.parse_args(["--mode", "b", "--no-on", "--limit", "4", "--extra-config",
-                         '{"kv_role": "kv_both"}', "--inner-depth", "5"])
-    assert nested_overrides(args, dests) == {"mode": "b", "on": False, "limit": 4,
-                                             "extra_config": {"kv_role": "kv_both"},
-                                             "inner": {"depth": 5}}
+    args = p.parse_args(
+        ["--mode", "b", "--no-on", "--limit", "4", "--extra-config", '{"kv_role": "kv_both"}', "--inner-depth", "5"]
+    )
+    assert nested_overrides(args, dests) == {
+        "mode": "b",
+        "on": False,
+        "limit": 4,
+        "extra_config": {"kv_role": "kv_both"},
+        "inner": {"depth": 5},
+    }
     assert Schema.model_validate(nested_overrides(args, dests)).inner.depth == 5
 
 

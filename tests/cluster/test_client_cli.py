@@ -27,8 +27,7 @@ def fake_server(chunks: list[bytes], close: bool = True):
             except OSError:
                 return
             conn.recv(65536)
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                         b"Transfer-Encoding: chunked\r\n\r\n")
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
             for data in chunks:
                 conn.sendall(hex(len(data))[2:].encode() + b"\r\n" + data + b"\r\n")
             if close:
@@ -41,21 +40,43 @@ def fake_server(chunks: list[bytes], close: bool = True):
 
 
 def run(url: str, *args: str):
-    return subprocess.run([sys.executable, "-m", "fleetserve.cluster.cli", "complete", "-q", "x",
-                           "--model-name", "m", "--url", url, *args],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fleetserve.cluster.cli",
+            "complete",
+            "-q",
+            "x",
+            "--model-name",
+            "m",
+            "--url",
+            url,
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 PART = b'data: {"choices": [{"index": 0, "text": "part"}]}\n\n'
 
 
-@pytest.mark.parametrize("chunks, close, args, says", [
-    ([PART], True, (), "the server closed the stream before it ended"),
-    ([PART, b'data: {"error": {"message": "engine died", "code": 503}}\n\n'], True, (),
-     "the server ended the reply with an error: engine died"),
-    ([PART, b"data: {not json\n\n"], True, (), "unreadable event in the stream: '{not json'"),
-    ([PART], False, ("--timeout", "1"), "no reply for 1 s (--timeout); gave up"),
-])
+@pytest.mark.parametrize(
+    "chunks, close, args, says",
+    [
+        ([PART], True, (), "the server closed the stream before it ended"),
+        (
+            [PART, b'data: {"error": {"message": "engine died", "code": 503}}\n\n'],
+            True,
+            (),
+            "the server ended the reply with an error: engine died",
+        ),
+        ([PART, b"data: {not json\n\n"], True, (), "unreadable event in the stream: '{not json'"),
+        ([PART], False, ("--timeout", "1"), "no reply for 1 s (--timeout); gave up"),
+    ],
+)
 def test_a_broken_reply_is_one_line_and_status_1(chunks, close, args, says):
     srv, url = fake_server(chunks, close)
     try:

@@ -21,13 +21,42 @@ def test_defaults_match_the_design():
 
 
 def test_cli_flags_use_vllm_names():
-    c = from_cli("--model", "/m", "--max-num-seqs", "4", "--max-num-batched-tokens", "512",
-                 "--max-model-len", "1024", "--tensor-parallel-size", "2", "--no-enable-prefix-caching",
-                 "--dtype", "float32", "--block-size", "32", "--num-gpu-blocks-override", "100",
-                 "--kv-cache-memory-bytes", "1000000", "--num-replicas", "3",
-                 "--routing-policy", "prefix_aware", "--api-key", "k", "--port", "8100",
-                 "--grpc-port", "9100", "--address", "auto", "--return-tokens-as-token-ids",
-                 "--reasoning-parser", "deepseek_r1")
+    c = from_cli(
+        "--model",
+        "/m",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "512",
+        "--max-model-len",
+        "1024",
+        "--tensor-parallel-size",
+        "2",
+        "--no-enable-prefix-caching",
+        "--dtype",
+        "float32",
+        "--block-size",
+        "32",
+        "--num-gpu-blocks-override",
+        "100",
+        "--kv-cache-memory-bytes",
+        "1000000",
+        "--num-replicas",
+        "3",
+        "--routing-policy",
+        "prefix_aware",
+        "--api-key",
+        "k",
+        "--port",
+        "8100",
+        "--grpc-port",
+        "9100",
+        "--address",
+        "auto",
+        "--return-tokens-as-token-ids",
+        "--reasoning-parser",
+        "deepseek_r1",
+    )
     e = c.engine
     assert (e.model, e.max_num_seqs, e.max_num_batched_tokens, e.max_model_len) == ("/m", 4, 512, 1024)
     assert (e.tensor_parallel_size, e.enable_prefix_caching, e.dtype, e.block_size) == (2, False, "float32", 32)
@@ -40,25 +69,30 @@ def test_cli_flags_use_vllm_names():
 
 def test_yaml_then_flags_override(tmp_path):
     f = tmp_path / "app.yaml"
-    f.write_text("engine:\n  model: /from/yaml\n  max_num_seqs: 7\nnum_replicas: 3\n"
-                 "routing_policy: least_loaded\nhttp:\n  port: 8200\n")
+    f.write_text(
+        "engine:\n  model: /from/yaml\n  max_num_seqs: 7\nnum_replicas: 3\n"
+        "routing_policy: least_loaded\nhttp:\n  port: 8200\n"
+    )
     c = from_cli("--config", str(f), "--num-replicas", "1", "--max-num-seqs", "9")
     assert c.engine.model == "/from/yaml" and c.engine.max_num_seqs == 9
     assert c.num_replicas == 1 and c.routing_policy == "least_loaded" and c.http.port == 8200
 
 
-@pytest.mark.parametrize("data,field", [
-    ({"num_replicas": 0}, "num_replicas"),
-    ({"routing_policy": "random"}, "routing_policy"),
-    ({"engine": {"max_num_seqs": 0}}, "engine.max_num_seqs"),
-    ({"engine": {"block_size": 0}}, "engine.block_size"),
-    ({"engine": {"dtype": "int3"}}, "engine.dtype"),
-    ({"engine": {"max_num_sequences": 4}}, "engine.max_num_sequences"),
-    ({"http": {"port": 70000}}, "http.port"),
-    ({"grpc": {"port": -1}}, "grpc.port"),
-    ({"routing": {"min_match_fraction": 0}}, "routing.min_match_fraction"),
-    ({"replicas": 2}, "replicas"),
-])
+@pytest.mark.parametrize(
+    "data,field",
+    [
+        ({"num_replicas": 0}, "num_replicas"),
+        ({"routing_policy": "random"}, "routing_policy"),
+        ({"engine": {"max_num_seqs": 0}}, "engine.max_num_seqs"),
+        ({"engine": {"block_size": 0}}, "engine.block_size"),
+        ({"engine": {"dtype": "int3"}}, "engine.dtype"),
+        ({"engine": {"max_num_sequences": 4}}, "engine.max_num_sequences"),
+        ({"http": {"port": 70000}}, "http.port"),
+        ({"grpc": {"port": -1}}, "grpc.port"),
+        ({"routing": {"min_match_fraction": 0}}, "routing.min_match_fraction"),
+        ({"replicas": 2}, "replicas"),
+    ],
+)
 def test_invalid_config_names_the_field(data, field):
     with pytest.raises(ValidationError) as e:
         AppConfig.model_validate(data)
@@ -143,8 +177,7 @@ def test_serve_on_a_port_in_use_exits_2_before_ray_starts(capsys, monkeypatch):
         check_ports(AppConfig(address="auto", http={"port": taken}))
 
 
-def test_serve_with_a_max_model_len_past_the_model_s_exits_2_before_ray_starts(capsys, monkeypatch,
-                                                                              tiny_model_dir):
+def test_serve_with_a_max_model_len_past_the_model_s_exits_2_before_ray_starts(capsys, monkeypatch, tiny_model_dir):
     """The engine refuses it at start-up: it used to do so in every replica, one after another,
     until Serve gave up ~50 s later."""
     from fleetserve.cluster import lifecycle
@@ -155,8 +188,7 @@ def test_serve_with_a_max_model_len_past_the_model_s_exits_2_before_ray_starts(c
     err = capsys.readouterr().err
     assert "max_model_len=100000 exceeds the model's max_position_embeddings=2048" in err, err
     # A P/D pool's own setting too.
-    assert main(["serve", "--model", model, "--pd", "--pd-decode-engine", '{"max_model_len": 4096}',
-                 *free]) == 2
+    assert main(["serve", "--model", model, "--pd", "--pd-decode-engine", '{"max_model_len": 4096}', *free]) == 2
     assert "max_model_len=4096 exceeds" in capsys.readouterr().err
 
 
@@ -169,14 +201,17 @@ def test_kv_caches_that_cannot_fit_in_memory_are_refused_before_ray_starts(capsy
     model = str(tiny_model_dir)
     shape = read_model_shape(resolve_model(model))
     block32 = shape.kv_bytes_per_block(16, 4)  # float32, as the engine allocates it
-    gib = 2 ** 30
+    gib = 2**30
 
     def check(available: int, **fields) -> None:
         topology.check_kv_memory(AppConfig.model_validate({"engine": {"model": model}, **fields}), available)
 
     check(3 * gib, num_replicas=2, engine={"model": model, "kv_cache_memory_bytes": gib})
-    with pytest.raises(ValueError, match=r"2 replicas x 1\.00 GiB \(--kv-cache-memory-bytes\) = 2\.00 GiB, "
-                                         r"and this machine has 1\.50 GiB"):
+    with pytest.raises(
+        ValueError,
+        match=r"2 replicas x 1\.00 GiB \(--kv-cache-memory-bytes\) = 2\.00 GiB, "
+        r"and this machine has 1\.50 GiB",
+    ):
         check(int(1.5 * gib), num_replicas=2, engine={"model": model, "kv_cache_memory_bytes": gib})
     # --num-gpu-blocks-override: blocks x the block's bytes (float32 here: exact), every TP rank
     over = {"model": model, "dtype": "float32", "num_gpu_blocks_override": 1000, "tensor_parallel_size": 2}
@@ -185,8 +220,12 @@ def test_kv_caches_that_cannot_fit_in_memory_are_refused_before_ray_starts(capsy
     with pytest.raises(ValueError, match=r"1 replica x 2 ranks x .* \(--num-gpu-blocks-override\)"):
         check(need - 1, num_replicas=1, engine=over)
     # P/D: both pools, each with its own engine settings
-    pd = {"enabled": True, "connector": "ray_object_store",
-          "prefill": {"engine": {"kv_cache_memory_bytes": gib}}, "decode": {"num_replicas": 2}}
+    pd = {
+        "enabled": True,
+        "connector": "ray_object_store",
+        "prefill": {"engine": {"kv_cache_memory_bytes": gib}},
+        "decode": {"num_replicas": 2},
+    }
     with pytest.raises(ValueError, match=r"1 prefill replica x 1\.00 GiB .* \+ 2 decode replicas x 1\.00 GiB"):
         check(2 * gib, engine={"model": model, "kv_cache_memory_bytes": gib}, pd=pd)
     # Not checked: the default budget (a share of what is available), a joined cluster, a GPU.
@@ -200,9 +239,8 @@ def test_kv_caches_that_cannot_fit_in_memory_are_refused_before_ray_starts(capsy
         check(64 * gib, pd={**pd, "decode": {"engine": {"kv_cache_memory_bytes": 10}}})
 
     monkeypatch.setattr(lifecycle, "run_server", lambda config: pytest.fail("serve went on to start Ray"))
-    huge = str(64 * (topology._mem_available() or 2 ** 40))
-    assert main(["serve", "--model", model, "--kv-cache-memory-bytes", huge, "--port", "0",
-                 "--grpc-port", "0"]) == 2
+    huge = str(64 * (topology._mem_available() or 2**40))
+    assert main(["serve", "--model", model, "--kv-cache-memory-bytes", huge, "--port", "0", "--grpc-port", "0"]) == 2
     err = capsys.readouterr().err
     assert "fleetserve serve: the KV caches need 2 replicas x" in err and "memory available" in err, err
 

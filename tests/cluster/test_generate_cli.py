@@ -16,19 +16,46 @@ def test_generate_prints_the_engine_output(tiny_dir, capsys):
     from fleetserve.replica.llm import LLM
     from fleetserve.scheduler import SamplingParams
 
-    rc = main(["generate", "The quick brown fox", "--model", tiny_dir, "--dtype", "float32",
-               "--max-tokens", "6", "--ignore-eos", "--quiet", "--num-threads", "1"])
+    rc = main(
+        [
+            "generate",
+            "The quick brown fox",
+            "--model",
+            tiny_dir,
+            "--dtype",
+            "float32",
+            "--max-tokens",
+            "6",
+            "--ignore-eos",
+            "--quiet",
+            "--num-threads",
+            "1",
+        ]
+    )
     assert rc == 0
     printed = capsys.readouterr().out
     llm = LLM(tiny_dir, dtype="float32", num_threads=1)
-    (ref,) = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
-                          use_tqdm=False)
+    (ref,) = llm.generate(
+        "The quick brown fox", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False
+    )
     assert printed == ref.outputs[0].text + "\n"
 
 
 def test_generate_with_speculative_config_prints_the_same(tiny_dir, capsys):
-    argv = ["generate", "def add(a, b):", "--model", tiny_dir, "--dtype", "float32",
-            "--max-tokens", "12", "--ignore-eos", "--quiet", "--num-threads", "1"]
+    argv = [
+        "generate",
+        "def add(a, b):",
+        "--model",
+        tiny_dir,
+        "--dtype",
+        "float32",
+        "--max-tokens",
+        "12",
+        "--ignore-eos",
+        "--quiet",
+        "--num-threads",
+        "1",
+    ]
     assert main(argv) == 0
     plain = capsys.readouterr().out
     spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
@@ -36,15 +63,18 @@ def test_generate_with_speculative_config_prints_the_same(tiny_dir, capsys):
     assert capsys.readouterr().out == plain
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "no-such-model"], "unknown model"),
-    (["--max-tokens", "0"], "max_tokens"),
-    (["--temperature", "-1"], "temperature"),
-    (["--temperature", "nan"], "temperature must be a finite number"),
-    (["--temperature", "inf"], "temperature must be a finite number"),
-    (["--max-num-seqs", "0"], "max_num_seqs"),
-    (["--speculative-config", '{"method": "ngram"}'], "num_speculative_tokens"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "no-such-model"], "unknown model"),
+        (["--max-tokens", "0"], "max_tokens"),
+        (["--temperature", "-1"], "temperature"),
+        (["--temperature", "nan"], "temperature must be a finite number"),
+        (["--temperature", "inf"], "temperature must be a finite number"),
+        (["--max-num-seqs", "0"], "max_num_seqs"),
+        (["--speculative-config", '{"method": "ngram"}'], "num_speculative_tokens"),
+    ],
+)
 def test_generate_bad_input_is_a_clear_message(tiny_dir, capsys, argv, message):
     argv = ["generate", "hi", "--quiet"] + (argv if argv[0] == "--model" else ["--model", tiny_dir] + argv)
     assert main(argv) == 2
@@ -72,8 +102,9 @@ BROKEN_FOLDERS = [
 
 @pytest.mark.parametrize("config, weights, message", BROKEN_FOLDERS)
 @pytest.mark.parametrize("command", ["generate", "serve"])
-def test_a_broken_model_folder_is_refused_before_loading(tmp_path, tiny_dir, capsys, monkeypatch,
-                                                         command, config, weights, message):
+def test_a_broken_model_folder_is_refused_before_loading(
+    tmp_path, tiny_dir, capsys, monkeypatch, command, config, weights, message
+):
     """A folder whose config.json our model cannot read, without weights or with a truncated
     weight file: exit 2 with one line naming the file. It used to be a traceback from
     transformers' tokenizer (generate), or a start of Ray and Serve whose replicas each failed
@@ -97,8 +128,9 @@ def test_a_broken_model_folder_is_refused_before_loading(tmp_path, tiny_dir, cap
             f.write_bytes(data[:8] + b"#" + data[9:])  # not JSON
     if config is not None:
         (folder / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
-    argv = ["generate", "hi", "--quiet"] if command == "generate" else \
-        ["serve", "--port", "0", "--grpc-port", "0"]  # (port 0: no port probe)
+    argv = (
+        ["generate", "hi", "--quiet"] if command == "generate" else ["serve", "--port", "0", "--grpc-port", "0"]
+    )  # (port 0: no port probe)
     assert main(argv + ["--model", str(folder)]) == 2
     err = capsys.readouterr().err
     assert message in err and str(Path(folder)) in err and "Traceback" not in err, err

@@ -38,8 +38,7 @@ def helm():
 def rayservice_validator():
     crds = crd_dir()
     if crds is None:
-        pytest.skip("KubeRay CRDs not found: set FLEETSERVE_K8S_CRDS or put ../shared/k8s/crds "
-                    "beside the checkout")
+        pytest.skip("KubeRay CRDs not found: set FLEETSERVE_K8S_CRDS or put ../shared/k8s/crds beside the checkout")
     return strict_crd_validator(crds / "ray.io_rayservices.yaml")
 
 
@@ -114,12 +113,16 @@ def check_topology(rs, config, values):
         assert probe["httpGet"]["path"] == "/health"
         budget = values.get("probes", {}).get("modelLoadSeconds", 1200)
         assert probe["periodSeconds"] * probe["failureThreshold"] >= budget
-    pools = ({"prefill": config.pd.prefill.placement, "decode": config.pd.decode.placement}
-             if config.pd.enabled else {"engine": config.placement})
+    pools = (
+        {"prefill": config.pd.prefill.placement, "decode": config.pd.decode.placement}
+        if config.pd.enabled
+        else {"engine": config.placement}
+    )
     assert set(pools) == set(groups)
     for pool, placement in pools.items():
-        matching = [n for n, g in groups.items()
-                    if all(g["labels"].get(k) == v for k, v in placement.label_selector.items())]
+        matching = [
+            n for n, g in groups.items() if all(g["labels"].get(k) == v for k, v in placement.label_selector.items())
+        ]
         assert placement.label_selector and matching == [pool]
         assert placement.num_gpus == (1 if gpu and tp == 1 else 0)
 
@@ -131,8 +134,7 @@ def test_gpu_values_details(helm):
     pod = group["template"]["spec"]
     c = pod["containers"][0]
     assert pod["runtimeClassName"] == "nvidia" and pod["priorityClassName"] == "llm-serving"
-    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists",
-                                   "effect": "NoSchedule"}]
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert pod["nodeSelector"] and pod["affinity"] and pod["topologySpreadConstraints"]
     assert {"secretRef": {"name": "hf-token"}} in c["envFrom"]
     api = [e for e in c["env"] if e["name"] == "FLEETSERVE_API_KEY"]
@@ -154,10 +156,9 @@ def test_gpu_values_details(helm):
 
 
 def test_notes_tell_how_to_reach_the_endpoints(helm):
-    r = run_helm(helm, "install", "llm", str(CHART), "--dry-run=client",
-                 "-f", str(CHART / "ci" / "gpu-values.yaml"))
+    r = run_helm(helm, "install", "llm", str(CHART), "--dry-run=client", "-f", str(CHART / "ci" / "gpu-values.yaml"))
     assert r.returncode == 0, r.stderr
-    notes = r.stdout[r.stdout.index("NOTES:"):]
+    notes = r.stdout[r.stdout.index("NOTES:") :]
     assert "port-forward svc/llama-8b 8000 9000" in notes
     assert "Authorization: Bearer" in notes and "fleetserve.v1.FleetServe/Health" in notes
     assert "twice the GPUs" in notes
@@ -192,9 +193,18 @@ def test_lora_values_reach_the_app_config(helm):
     app.allowRuntimeLoraUpdating; the app config the head builds from them validates."""
     from fleetserve.cluster.config import AppConfig
 
-    rs = only(render(helm, [CHART / "ci" / "cpu-small-values.yaml"],
-                     ["engine.lora_modules[0]=sql=/models/adapters/sql", "engine.max_loras=2",
-                      "app.allowRuntimeLoraUpdating=true"]), "RayService")
+    rs = only(
+        render(
+            helm,
+            [CHART / "ci" / "cpu-small-values.yaml"],
+            [
+                "engine.lora_modules[0]=sql=/models/adapters/sql",
+                "engine.max_loras=2",
+                "app.allowRuntimeLoraUpdating=true",
+            ],
+        ),
+        "RayService",
+    )
     config = AppConfig.model_validate(serve_config(rs)["applications"][0]["args"])
     assert config.allow_runtime_lora_updating and config.engine.enable_lora
     assert config.lora_adapters == {"sql": "/models/adapters/sql"} and config.engine.max_loras == 2
@@ -208,8 +218,10 @@ BAD = [
     (["engine.bogus=1"], "bogus"),
     (["app.routingPolicy=random"], "/app/routingPolicy"),
     (["engine.tensor_parallel_size=2", "workers.engine.gpus=4"], "workers.engine.gpus"),
-    (["engine.tensor_parallel_size=2", "workers.engine.resources.limits.nvidia\\.com/gpu=1"],
-     "workers.engine.resources.limits.nvidia.com/gpu"),
+    (
+        ["engine.tensor_parallel_size=2", "workers.engine.resources.limits.nvidia\\.com/gpu=1"],
+        "workers.engine.resources.limits.nvidia.com/gpu",
+    ),
     (["head.resources.limits.nvidia\\.com/gpu=1"], "head.resources"),
     (["workers.engine.minReplicas=3", "workers.engine.maxReplicas=2"], "workers.engine.minReplicas"),
     (["fullnameOverride=" + "x" * 48], "47"),
@@ -219,9 +231,15 @@ BAD = [
     (["workers.engine.rayStartParams.num-gpus=2"], "/workers/engine/rayStartParams/num-gpus"),
     (["upgradeStrategy.type=NewClusterWithIncrementalUpgrade"], "autoscaling.enabled"),
     (["upgradeStrategy.type=Rolling"], "/upgradeStrategy/type"),
-    (["autoscaling.enabled=true", "upgradeStrategy.type=NewClusterWithIncrementalUpgrade",
-      "upgradeStrategy.clusterUpgradeOptions.gatewayClassName=gw",
-      "upgradeStrategy.clusterUpgradeOptions.stepSizePercent=50"], "stepSizePercent"),
+    (
+        [
+            "autoscaling.enabled=true",
+            "upgradeStrategy.type=NewClusterWithIncrementalUpgrade",
+            "upgradeStrategy.clusterUpgradeOptions.gatewayClassName=gw",
+            "upgradeStrategy.clusterUpgradeOptions.stepSizePercent=50",
+        ],
+        "stepSizePercent",
+    ),
     (["pd.enabled=true", "autoscaling.enabled=true"], "autoscaling.enabled"),
     (["model.source=pvc"], "model.pvc.claimName"),
     (["model.source=image"], "model.path"),
@@ -235,8 +253,11 @@ SCHEMA_KEYS = {"replicass", "bogus"}
 
 @pytest.mark.parametrize("sets, named", BAD, ids=[b[1] for b in BAD])
 def test_bad_values_fail_naming_the_key(helm, sets, named):
-    flags = [x for s in sets for x in (("--set-string", s.removeprefix("string:"))
-                                       if s.startswith("string:") else ("--set", s))]
+    flags = [
+        x
+        for s in sets
+        for x in (("--set-string", s.removeprefix("string:")) if s.startswith("string:") else ("--set", s))
+    ]
     r = run_helm(helm, "template", "rel", str(CHART), *flags)
     assert r.returncode != 0, f"{sets} rendered:\n{r.stdout[:2000]}"
     assert named in r.stderr, r.stderr
@@ -254,8 +275,9 @@ def test_values_schema_is_generated_from_engine_args():
     spec = importlib.util.spec_from_file_location("gen", REPO / "helm" / "gen_values_schema.py")
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
-    assert (CHART / "values.schema.json").read_text() == gen.render(), \
+    assert (CHART / "values.schema.json").read_text() == gen.render(), (
         "values.schema.json is stale: run python helm/gen_values_schema.py"
+    )
 
 
 def test_dashboard_queries_name_real_metrics():
@@ -269,14 +291,22 @@ def test_dashboard_queries_name_real_metrics():
     assert used and used <= exposed, used - exposed
 
 
-@pytest.mark.parametrize("mutate, where", [
-    (lambda rs: rs["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]
-     .__setitem__("num-cpus", 0), "rayStartParams"),
-    (lambda rs: rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0].__setitem__("replicas", "2"),
-     "replicas"),
-    (lambda rs: rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
-     ["containers"][0].__setitem__("imagePullPolicyy", "Always"), "imagePullPolicyy"),
-])
+@pytest.mark.parametrize(
+    "mutate, where",
+    [
+        (
+            lambda rs: rs["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"].__setitem__("num-cpus", 0),
+            "rayStartParams",
+        ),
+        (lambda rs: rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0].__setitem__("replicas", "2"), "replicas"),
+        (
+            lambda rs: rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][
+                0
+            ].__setitem__("imagePullPolicyy", "Always"),
+            "imagePullPolicyy",
+        ),
+    ],
+)
 def test_crd_check_catches_what_a_strict_api_server_would(helm, rayservice_validator, mutate, where):
     """The CRD check is not vacuous: the mistakes KubeRay users make are caught."""
     rs = only(render(helm), "RayService")

@@ -38,11 +38,31 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("overload")
     model = make_tiny_llama(tmp / "tiny")
     port, grpc_port = free_port(), free_port()
-    proc = ServeProcess(tmp / "serve.log", [
-        "--model", str(model), "--port", str(port), "--grpc-port", str(grpc_port),
-        "--num-replicas", "2", "--num-cpus-per-replica", "0", "--num-threads", "1",
-        "--max-model-len", "256", "--num-gpu-blocks-override", str(NUM_BLOCKS),
-        "--max-num-seqs", "2", "--max-waiting-requests", "2"]).start()
+    proc = ServeProcess(
+        tmp / "serve.log",
+        [
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(grpc_port),
+            "--num-replicas",
+            "2",
+            "--num-cpus-per-replica",
+            "0",
+            "--num-threads",
+            "1",
+            "--max-model-len",
+            "256",
+            "--num-gpu-blocks-override",
+            str(NUM_BLOCKS),
+            "--max-num-seqs",
+            "2",
+            "--max-waiting-requests",
+            "2",
+        ],
+    ).start()
     try:
         proc.wait_healthy(port)
         proc.port, proc.grpc_port = port, grpc_port
@@ -55,8 +75,7 @@ def server(tmp_path_factory):
 
 
 def _body(prompt: str, stream: bool) -> dict:
-    return {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "stream": stream}
+    return {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": stream}
 
 
 async def _http(client: httpx.AsyncClient, prompt: str, stream: bool) -> dict:
@@ -66,8 +85,9 @@ async def _http(client: httpx.AsyncClient, prompt: str, stream: bool) -> dict:
         out = {"status": r.status_code, "retry_after": r.headers.get("retry-after")}
         if r.status_code == 200:
             choice = r.json()["choices"][0]
-            out.update(text=choice["text"], finish=choice["finish_reason"],
-                       tokens=r.json()["usage"]["completion_tokens"])
+            out.update(
+                text=choice["text"], finish=choice["finish_reason"], tokens=r.json()["usage"]["completion_tokens"]
+            )
         else:
             out["error"] = r.json()["error"]
         return out
@@ -91,8 +111,9 @@ async def _http(client: httpx.AsyncClient, prompt: str, stream: bool) -> dict:
 
 
 async def _grpc(stub, prompt: str) -> dict:
-    req = pb.GenerateRequest(prompt=prompt, sampling_params=pb.SamplingParams(
-        max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    req = pb.GenerateRequest(
+        prompt=prompt, sampling_params=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    )
     ids = []
     try:
         async for m in stub.Generate(req, metadata=(("application", "fleetserve"),), timeout=240):
@@ -106,12 +127,12 @@ async def _burst(server, reference: dict, grpc_reference: dict) -> dict:
     """One burst of 80 concurrent requests, /health polled throughout."""
     health: list[tuple[int, float]] = []
     limits = httpx.Limits(max_connections=HTTP_PER_BURST + 8)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=240,
-                                 limits=limits) as client, \
-            grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+    async with (
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=240, limits=limits) as client,
+        grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel,
+    ):
         stub = pb_grpc.FleetServeStub(channel)
-        tasks = [asyncio.ensure_future(_http(client, PROMPTS[i % 4], stream=i % 2 == 0))
-                 for i in range(HTTP_PER_BURST)]
+        tasks = [asyncio.ensure_future(_http(client, PROMPTS[i % 4], stream=i % 2 == 0)) for i in range(HTTP_PER_BURST)]
         tasks += [asyncio.ensure_future(_grpc(stub, PROMPTS[i % 4])) for i in range(GRPC_PER_BURST)]
         all_done = asyncio.gather(*tasks)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}") as probe:
@@ -134,11 +155,13 @@ async def _burst(server, reference: dict, grpc_reference: dict) -> dict:
         if res["code"] == grpc.StatusCode.OK:
             assert res["ids"] == grpc_reference[PROMPTS[i % 4]]
     assert health and all(status == 200 for status, _ in health), health
-    return {"http_refused": sum(r["status"] == 429 for r in http),
-            "http_ok": sum(r["status"] == 200 for r in http),
-            "grpc_refused": sum(r["code"] == grpc.StatusCode.RESOURCE_EXHAUSTED for r in grpc_results),
-            "grpc_ok": sum(r["code"] == grpc.StatusCode.OK for r in grpc_results),
-            "health_max_s": max(s for _, s in health)}
+    return {
+        "http_refused": sum(r["status"] == 429 for r in http),
+        "http_ok": sum(r["status"] == 200 for r in http),
+        "grpc_refused": sum(r["code"] == grpc.StatusCode.RESOURCE_EXHAUSTED for r in grpc_results),
+        "grpc_ok": sum(r["code"] == grpc.StatusCode.OK for r in grpc_results),
+        "health_max_s": max(s for _, s in health),
+    }
 
 
 def _rss_mib(server) -> float:
@@ -164,8 +187,10 @@ def _replica_blocks(server) -> dict[str, tuple[float, float]]:
 @pytest.mark.slow
 def test_ten_times_overload_is_refused_cleanly_and_admitted_requests_complete(server):
     base = f"http://127.0.0.1:{server.port}"
-    reference = {p: httpx.post(base + "/v1/completions", json=_body(p, False), timeout=120)
-                 .json()["choices"][0]["text"] for p in PROMPTS}
+    reference = {
+        p: httpx.post(base + "/v1/completions", json=_body(p, False), timeout=120).json()["choices"][0]["text"]
+        for p in PROMPTS
+    }
 
     async def grpc_reference():
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
@@ -178,8 +203,10 @@ def test_ten_times_overload_is_refused_cleanly_and_admitted_requests_complete(se
     rss_first = _rss_mib(server)
     second = asyncio.run(_burst(server, reference, grpc_ref))
     rss_second = _rss_mib(server)
-    print(f"bursts: {first} {second}; RSS idle {rss_idle:.0f} MiB, after the first burst "
-          f"{rss_first:.0f}, after the second {rss_second:.0f}")
+    print(
+        f"bursts: {first} {second}; RSS idle {rss_idle:.0f} MiB, after the first burst "
+        f"{rss_first:.0f}, after the second {rss_second:.0f}"
+    )
     for burst in (first, second):
         # Both happened. Which protocol wins the 8 slots is a race: on a busy machine the
         # 16 gRPC calls (one channel) once took all 8 before the 64 HTTP connections opened.

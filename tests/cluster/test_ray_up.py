@@ -70,8 +70,7 @@ def test_gcp_file_own_checks():
         if node.get("guestAccelerators"):
             # a mapping: GCP rejects Ray's example's list form
             assert node["scheduling"] == {"onHostMaintenance": "TERMINATE"}, name
-            assert t["resources"]["GPU"] == sum(a["acceleratorCount"]
-                                                for a in node["guestAccelerators"])
+            assert t["resources"]["GPU"] == sum(a["acceleratorCount"] for a in node["guestAccelerators"])
     assert any("nvidia-smi" in c for c in config["worker_setup_commands"])
 
 
@@ -112,8 +111,7 @@ def test_aws_file_bootstraps_against_mocked_aws(tmp_path, monkeypatch):
     config = prepare_config(load("aws-gpu.yaml"))
     validate_config(config)
     types = {t["node_config"]["InstanceType"] for t in config["available_node_types"].values()}
-    monkeypatch.setattr(node_provider, "list_ec2_instances",
-                        only_these_instance_types(types | {"g5.huge"}))
+    monkeypatch.setattr(node_provider, "list_ec2_instances", only_these_instance_types(types | {"g5.huge"}))
     fill = node_provider.AWSNodeProvider.fillout_available_node_types_resources
     with moto.mock_aws():
         boot = bootstrap_aws(config)

@@ -68,16 +68,20 @@ print(f"stopped {len(mine)} processes of this cluster")
 """
 
 
-
-
 def ensure_sshd() -> str:
     """Path to sshd, installing openssh-server (and rsync, which ray up uses) if absent."""
     if os.geteuid() != 0:
         pytest.skip("needs root to run an sshd (and to apt-get install openssh-server)")
     if not (shutil.which("sshd") or Path("/usr/sbin/sshd").exists()) or not shutil.which("rsync"):
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        r = subprocess.run("apt-get update -q && apt-get install -y -q openssh-server rsync",
-                           shell=True, env=env, capture_output=True, text=True, timeout=600)
+        r = subprocess.run(
+            "apt-get update -q && apt-get install -y -q openssh-server rsync",
+            shell=True,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         if r.returncode:
             pytest.skip(f"could not apt-get install openssh-server rsync: {r.stderr[-400:]}")
     return shutil.which("sshd") or "/usr/sbin/sshd"
@@ -89,8 +93,9 @@ def start_sshd(base: Path, home: Path, port: int) -> subprocess.Popen:
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", base / "hostkey"], check=True)
     shutil.copy(base / "key.pub", base / "authorized_keys")
     login = base / "login.sh"
-    login.write_text(f'#!/bin/bash\nexport HOME={home}\ncd "$HOME"\n'
-                     'exec bash -c "${SSH_ORIGINAL_COMMAND:-bash -l}"\n')
+    login.write_text(
+        f'#!/bin/bash\nexport HOME={home}\ncd "$HOME"\nexec bash -c "${{SSH_ORIGINAL_COMMAND:-bash -l}}"\n'
+    )
     login.chmod(0o755)
     (base / "sshd_config").write_text(f"""Port {port}
 ListenAddress 127.0.0.1
@@ -105,8 +110,9 @@ StrictModes no
 ForceCommand {login}
 """)
     Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation folder
-    proc = subprocess.Popen([sshd, "-D", "-e", "-f", base / "sshd_config"],
-                            stdout=open(base / "sshd.log", "w"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sshd, "-D", "-e", "-f", base / "sshd_config"], stdout=open(base / "sshd.log", "w"), stderr=subprocess.STDOUT
+    )
     deadline = time.time() + 20
     while time.time() < deadline:
         try:
@@ -128,8 +134,11 @@ def cluster_file(base: Path, home: Path, ssh_port: int, app_file: Path, ports: d
     config = yaml.safe_load((REPO / "cluster" / "ray-up" / "onprem.yaml").read_text())
     config["cluster_name"] = f"fsru-{os.getpid()}"
     config["provider"].update(head_ip="127.0.0.1", worker_ips=[])
-    config["auth"] = {"ssh_user": "root", "ssh_private_key": str(base / "key"),
-                      "ssh_proxy_command": f"{sys.executable} {base}/proxy.py 127.0.0.1 {ssh_port}"}
+    config["auth"] = {
+        "ssh_user": "root",
+        "ssh_private_key": str(base / "key"),
+        "ssh_proxy_command": f"{sys.executable} {base}/proxy.py 127.0.0.1 {ssh_port}",
+    }
     assert config["file_mounts"]["~/fleetserve-src"] == "."
     config["file_mounts"]["~/fleetserve-app.yaml"] = str(app_file)
     assert any("pip install" in c for c in config["setup_commands"])
@@ -137,12 +146,16 @@ def cluster_file(base: Path, home: Path, ssh_port: int, app_file: Path, ports: d
     heads = []
     for cmd in config["head_start_ray_commands"]:
         if "ray start --head" in cmd:
-            cmd = replace(cmd, "--port=6379", f"--port={ports['gcs']} --temp-dir={base}/r "
-                          f"--node-ip-address=127.0.0.1 --num-cpus=2 --include-dashboard=true "
-                          f"--dashboard-port={ports['dashboard']} "
-                          f"--dashboard-agent-listen-port={ports['agent']} "
-                          f"--ray-client-server-port={ports['client']} "
-                          f"--metrics-export-port={ports['metrics']}")
+            cmd = replace(
+                cmd,
+                "--port=6379",
+                f"--port={ports['gcs']} --temp-dir={base}/r "
+                f"--node-ip-address=127.0.0.1 --num-cpus=2 --include-dashboard=true "
+                f"--dashboard-port={ports['dashboard']} "
+                f"--dashboard-agent-listen-port={ports['agent']} "
+                f"--ray-client-server-port={ports['client']} "
+                f"--metrics-export-port={ports['metrics']}",
+            )
             cmd = replace(cmd, "--dashboard-host=0.0.0.0", "--dashboard-host=127.0.0.1")
         if "serve deploy" in cmd:
             cmd = replace(cmd, "serve deploy ", f"serve deploy -a http://127.0.0.1:{ports['dashboard']} ")
@@ -163,12 +176,14 @@ def prepare_home(base: Path, home: Path) -> None:
     cache = os.environ.get("FLEETSERVE_CACHE_DIR") or Path.home() / ".cache" / "fleetserve"
     (shim / "ray").write_text(RAY_SHIM.format(python=sys.executable, here=base, ray=pybin / "ray"))
     (shim / "ray").chmod(0o755)
-    bashrc = (f"export PATH={shim}:{pybin}:$PATH\n"
-              f"export PYTHONPATH={home}/fleetserve-src\n"
-              "export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0\n"
-              f"export FLEETSERVE_RAYUP_TEST={base}\n"
-              # the CPU kernels this machine already compiled (not a rebuild in the temp HOME)
-              f"export FLEETSERVE_CACHE_DIR={cache}\n")
+    bashrc = (
+        f"export PATH={shim}:{pybin}:$PATH\n"
+        f"export PYTHONPATH={home}/fleetserve-src\n"
+        "export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0\n"
+        f"export FLEETSERVE_RAYUP_TEST={base}\n"
+        # the CPU kernels this machine already compiled (not a rebuild in the temp HOME)
+        f"export FLEETSERVE_CACHE_DIR={cache}\n"
+    )
     (home / ".bashrc").write_text(bashrc)
     (home / ".bash_profile").write_text("source ~/.bashrc\n")
 
@@ -176,8 +191,10 @@ def prepare_home(base: Path, home: Path) -> None:
 def serve_logs(base: Path) -> str:
     """The tail of the head's Serve logs: why the app is not answering."""
     logs = sorted((base / "r").glob("session_*/logs/serve/*.log"))
-    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in logs[-6:]) \
+    return (
+        "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-1500:]}" for p in logs[-6:])
         or "no Serve logs on the head"
+    )
 
 
 def leftover(base: Path) -> list:
@@ -185,8 +202,7 @@ def leftover(base: Path) -> list:
 
     def ours(p):
         try:
-            return p.environ().get("FLEETSERVE_RAYUP_TEST") == str(base) \
-                or f"{base}/r" in " ".join(p.cmdline())
+            return p.environ().get("FLEETSERVE_RAYUP_TEST") == str(base) or f"{base}/r" in " ".join(p.cmdline())
         except psutil.Error:
             return False
 
@@ -207,11 +223,22 @@ def test_onprem_file_ray_up_serves_and_ray_down(tmp_path):
     sshd = start_sshd(base, home, ssh_port)
     ports = {k: free_port() for k in ("gcs", "dashboard", "agent", "client", "metrics", "http", "grpc")}
     model = make_tiny_llama(base / "model")
-    app = {"name": "onprem", "engine": {"model": str(model), "served_model_name": "tiny",
-                                        "max_model_len": 128, "num_gpu_blocks_override": 32,
-                                        "max_num_seqs": 4, "num_threads": 1},
-           "num_replicas": 1, "num_cpus_per_replica": 1, "api_key": "onprem-key",
-           "http": {"host": "127.0.0.1", "port": ports["http"]}, "grpc": {"port": ports["grpc"]}}
+    app = {
+        "name": "onprem",
+        "engine": {
+            "model": str(model),
+            "served_model_name": "tiny",
+            "max_model_len": 128,
+            "num_gpu_blocks_override": 32,
+            "max_num_seqs": 4,
+            "num_threads": 1,
+        },
+        "num_replicas": 1,
+        "num_cpus_per_replica": 1,
+        "api_key": "onprem-key",
+        "http": {"host": "127.0.0.1", "port": ports["http"]},
+        "grpc": {"port": ports["grpc"]},
+    }
     app_file = base / "app.yaml"
     app_file.write_text(yaml.safe_dump(app))
     config = cluster_file(base, home, ssh_port, app_file, ports)
@@ -226,12 +253,19 @@ def test_onprem_file_ray_up_serves_and_ray_down(tmp_path):
         log.flush()
 
     try:
-        up = subprocess.run([*ray_cli, "up", "-y", "--no-config-cache", str(config)], cwd=REPO,
-                            env=env, stdout=log, stderr=subprocess.STDOUT, timeout=600)
+        up = subprocess.run(
+            [*ray_cli, "up", "-y", "--no-config-cache", str(config)],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=600,
+        )
         stage("ray up returned")
         assert up.returncode == 0, (tmp_path / "ray-up.log").read_text()[-4000:]
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{ports['http']}/v1", api_key="onprem-key",
-                               max_retries=0, timeout=30)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{ports['http']}/v1", api_key="onprem-key", max_retries=0, timeout=30
+        )
         deadline = time.time() + 480  # a loaded 2-core machine: minutes
         while True:  # serve deploy returns at once; the app then starts
             try:
@@ -250,11 +284,14 @@ def test_onprem_file_ray_up_serves_and_ray_down(tmp_path):
         assert (home / "fleetserve-serve.yaml").exists()
         assert (home / "fleetserve-src" / "cluster" / "serve_app.py").exists()
     finally:
-        down = subprocess.run([*ray_cli, "down", "-y", str(config)], cwd=REPO, env=env,
-                              stdout=log, stderr=subprocess.STDOUT, timeout=300)
+        down = subprocess.run(
+            [*ray_cli, "down", "-y", str(config)], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=300
+        )
         stage("ray down returned")
-        print("stages:", [line for line in (tmp_path / "ray-up.log").read_text().splitlines()
-                          if line.startswith("[test]")])
+        print(
+            "stages:",
+            [line for line in (tmp_path / "ray-up.log").read_text().splitlines() if line.startswith("[test]")],
+        )
         stray = leftover(base)
         stray_cmds = []
         for p in stray:  # only this cluster's processes, by pid

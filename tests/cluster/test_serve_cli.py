@@ -21,12 +21,24 @@ def test_fleetserve_serve_chat_returns_english(tmp_path):
     pytest.importorskip("gguf")
     port, grpc_port = free_port(), free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    cmd = [sys.executable, "-c", "from fleetserve.cluster.cli import main; raise SystemExit(main())", "serve",
-           "--port", str(port), "--grpc-port", str(grpc_port), "--num-replicas", "1",
-           "--max-model-len", "1024", "--num-threads", "1"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from fleetserve.cluster.cli import main; raise SystemExit(main())",
+        "serve",
+        "--port",
+        str(port),
+        "--grpc-port",
+        str(grpc_port),
+        "--num-replicas",
+        "1",
+        "--max-model-len",
+        "1024",
+        "--num-threads",
+        "1",
+    ]
     log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.time() + 240
         while time.time() < deadline:
@@ -50,8 +62,11 @@ def test_fleetserve_serve_chat_returns_english(tmp_path):
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         r = client.chat.completions.create(
-            model="smollm2-135m", max_tokens=24, temperature=0,
-            messages=[{"role": "user", "content": "What is the capital of France?"}])
+            model="smollm2-135m",
+            max_tokens=24,
+            temperature=0,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+        )
         text = r.choices[0].message.content
         words = re.findall(r"[A-Za-z]+", text)
         assert len(words) >= 3, text

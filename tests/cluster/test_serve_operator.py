@@ -27,20 +27,28 @@ from tests.cluster.serve_process import ServeProcess, free_port, leave_time_wait
 # vLLM v1's families that dashboards read (vllm/v1/metrics/loggers.py), with their types.
 # The parser reports a counter's family without its `_total`.
 VLLM_METRICS = {
-    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
-    "vllm:kv_cache_usage_perc": "gauge", "vllm:gpu_cache_usage_perc": "gauge",
-    "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter",
-    "vllm:num_preemptions": "counter", "vllm:prompt_tokens": "counter",
-    "vllm:generation_tokens": "counter", "vllm:request_success": "counter",
-    "vllm:request_prompt_tokens": "histogram", "vllm:request_generation_tokens": "histogram",
-    "vllm:iteration_tokens_total": "histogram", "vllm:request_params_n": "histogram",
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:gpu_cache_usage_perc": "gauge",
+    "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter",
+    "vllm:num_preemptions": "counter",
+    "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter",
+    "vllm:request_success": "counter",
+    "vllm:request_prompt_tokens": "histogram",
+    "vllm:request_generation_tokens": "histogram",
+    "vllm:iteration_tokens_total": "histogram",
+    "vllm:request_params_n": "histogram",
     "vllm:request_params_max_tokens": "histogram",
     "vllm:request_max_num_generation_tokens": "histogram",
     "vllm:time_to_first_token_seconds": "histogram",
     "vllm:time_per_output_token_seconds": "histogram",
     "vllm:inter_token_latency_seconds": "histogram",
     "vllm:request_time_per_output_token_seconds": "histogram",
-    "vllm:e2e_request_latency_seconds": "histogram", "vllm:request_queue_time_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram",
     "vllm:request_inference_time_seconds": "histogram",
     "vllm:request_prefill_time_seconds": "histogram",
     "vllm:request_decode_time_seconds": "histogram",
@@ -56,11 +64,26 @@ def tiny_model(tmp_path_factory):
     return str(make_tiny_llama(tmp_path_factory.mktemp("tiny")))
 
 
-def tiny_args(model: str, port: int, grpc_port: int, *extra: str, max_model_len: int = 256,
-              blocks: int = 64) -> list[str]:
-    return ["--model", model, "--port", str(port), "--grpc-port", str(grpc_port),
-            "--num-replicas", "1", "--max-model-len", str(max_model_len), "--num-threads", "1",
-            "--num-gpu-blocks-override", str(blocks), *extra]
+def tiny_args(
+    model: str, port: int, grpc_port: int, *extra: str, max_model_len: int = 256, blocks: int = 64
+) -> list[str]:
+    return [
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--grpc-port",
+        str(grpc_port),
+        "--num-replicas",
+        "1",
+        "--max-model-len",
+        str(max_model_len),
+        "--num-threads",
+        "1",
+        "--num-gpu-blocks-override",
+        str(blocks),
+        *extra,
+    ]
 
 
 class Served:
@@ -71,9 +94,11 @@ class Served:
     def __init__(self, model: str, tmp_path) -> None:
         self.port, self.grpc_port = free_port(), free_port()
         (tmp_path / "app.yaml").write_text(
-            "reliability: {graceful_shutdown_timeout_s: 120, graceful_shutdown_wait_loop_s: 0.5}\n")
-        self.args = tiny_args(model, self.port, self.grpc_port, "--config", str(tmp_path / "app.yaml"),
-                              max_model_len=1024, blocks=256)
+            "reliability: {graceful_shutdown_timeout_s: 120, graceful_shutdown_wait_loop_s: 0.5}\n"
+        )
+        self.args = tiny_args(
+            model, self.port, self.grpc_port, "--config", str(tmp_path / "app.yaml"), max_model_len=1024, blocks=256
+        )
         self.tmp_path, self.runs = tmp_path, 0
         self.current: ServeProcess | None = None
 
@@ -101,8 +126,13 @@ def served(tiny_model, tmp_path_factory):
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "400"}  # --help: one line per flag's help
-    return subprocess.run([sys.executable, "-m", "fleetserve.cluster.cli", *args],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "fleetserve.cluster.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 # -- fails fast, says why -------------------------------------------------------------
@@ -121,9 +151,11 @@ def test_tp_size_the_model_cannot_split_is_refused_when_arguments_are_read(tiny_
 
 def test_a_lora_folder_that_is_no_adapter_is_refused_before_ray_starts(tiny_model, tmp_path):
     (tmp_path / "empty").mkdir()
-    for value, says in ((f"sql={tmp_path / 'missing'}", "no such folder"),
-                        (f"sql={tmp_path / 'empty'}", "no adapter_config.json"),
-                        ("sql", "expected name=path")):
+    for value, says in (
+        (f"sql={tmp_path / 'missing'}", "no such folder"),
+        (f"sql={tmp_path / 'empty'}", "no adapter_config.json"),
+        ("sql", "expected name=path"),
+    ):
         r = _cli("serve", "--model", tiny_model, "--lora-modules", value)
         out = r.stdout + r.stderr
         assert r.returncode == 2 and says in out and "Traceback" not in out, out
@@ -144,12 +176,18 @@ def test_default_model_tp_2_names_the_sizes_it_allows():
 def test_impossible_topology_is_refused_in_seconds_with_the_numbers(tiny_model, tmp_path):
     # A joined cluster of 1 CPU; one replica at TP=2 needs 1 + 2 x 1 = 3 CPUs.
     helper = subprocess.Popen(
-        [sys.executable, "-c",
-         "import ray, sys; ray.init(address='local', num_cpus=1, include_dashboard=False, "
-         "_node_ip_address='127.0.0.1', log_to_driver=False); "
-         "print('GCS', ray.get_runtime_context().gcs_address, flush=True); sys.stdin.read()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+        [
+            sys.executable,
+            "-c",
+            "import ray, sys; ray.init(address='local', num_cpus=1, include_dashboard=False, "
+            "_node_ip_address='127.0.0.1', log_to_driver=False); "
+            "print('GCS', ray.get_runtime_context().gcs_address, flush=True); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+    )
     try:
         address = ""
         for line in helper.stdout:
@@ -157,9 +195,10 @@ def test_impossible_topology_is_refused_in_seconds_with_the_numbers(tiny_model, 
                 address = line.split()[1]
                 break
         assert address, "the helper Ray did not start"
-        server = ServeProcess(tmp_path / "serve.log",
-                              tiny_args(tiny_model, free_port(), free_port(), "--address", address,
-                                        "--tensor-parallel-size", "2"))
+        server = ServeProcess(
+            tmp_path / "serve.log",
+            tiny_args(tiny_model, free_port(), free_port(), "--address", address, "--tensor-parallel-size", "2"),
+        )
         t0 = time.time()
         server.start()
         rc = server.proc.wait(timeout=120)
@@ -202,19 +241,24 @@ def test_autoscaling_adds_a_replica_under_load(tiny_model, tmp_path):
 
     (tmp_path / "app.yaml").write_text(
         "autoscaling: {min_replicas: 1, max_replicas: 2, target_ongoing_requests: 1,\n"
-        "              upscale_delay_s: 0, downscale_delay_s: 600}\n")
+        "              upscale_delay_s: 0, downscale_delay_s: 600}\n"
+    )
     port = free_port()
-    server = ServeProcess(tmp_path / "serve.log",
-                          tiny_args(tiny_model, port, free_port(), "--config", str(tmp_path / "app.yaml"),
-                                    "--num-cpus-per-replica", "0"))
+    server = ServeProcess(
+        tmp_path / "serve.log",
+        tiny_args(tiny_model, port, free_port(), "--config", str(tmp_path / "app.yaml"), "--num-cpus-per-replica", "0"),
+    )
     server.start()
     try:
         server.wait_healthy(port)
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()["num_replicas"] == 1
 
         def one(i: int) -> int:
-            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
-                           json={"prompt": f"load {i}", "max_tokens": 200, "ignore_eos": True})
+            r = httpx.post(
+                f"http://127.0.0.1:{port}/v1/completions",
+                timeout=120,
+                json={"prompt": f"load {i}", "max_tokens": 200, "ignore_eos": True},
+            )
             assert r.status_code == 200, r.text
             return r.json()["usage"]["completion_tokens"]
 
@@ -247,8 +291,7 @@ def test_help_gives_every_flag_a_sentence_and_its_default():
         assert action.help and len(action.help.split()) >= 3, action.option_strings
         assert "[default:" in action.help, action.option_strings
     dests = {a.dest for a in flags}
-    missing = ({p for p, _, _ in schema_fields(AppConfig, skip=APP_SKIP)}
-               | set(EngineArgs.model_fields)) - dests
+    missing = ({p for p, _, _ in schema_fields(AppConfig, skip=APP_SKIP)} | set(EngineArgs.model_fields)) - dests
     assert not missing, f"schema fields without a flag: {missing}"
     r = _cli("serve", "--help")
     assert r.returncode == 0
@@ -268,11 +311,15 @@ def test_client_errors_log_one_info_line_and_no_traceback(served):
     with grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}") as channel:
         stub = pb_grpc.FleetServeStub(channel)
         with pytest.raises(grpc.RpcError) as err:
-            list(stub.Generate(pb.GenerateRequest(model="no-such-model", prompt="hi"),
-                               metadata=[("application", "fleetserve")], timeout=30))
+            list(
+                stub.Generate(
+                    pb.GenerateRequest(model="no-such-model", prompt="hi"),
+                    metadata=[("application", "fleetserve")],
+                    timeout=30,
+                )
+            )
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
-    r = httpx.post(served.url("/v1/completions"), json={"model": "no-such-http-model", "prompt": "hi"},
-                   timeout=30)
+    r = httpx.post(served.url("/v1/completions"), json={"model": "no-such-http-model", "prompt": "hi"}, timeout=30)
     assert r.status_code == 404
     ok = httpx.post(served.url("/v1/completions"), json={"prompt": "hi", "max_tokens": 3}, timeout=60)
     assert ok.status_code == 200  # still serves
@@ -305,8 +352,11 @@ def test_metrics_have_vllm_names_types_and_labels(served):
             continue
         for sample in families[name].samples:
             assert {"model_name", "engine", "replica"} <= set(sample.labels), (name, sample.labels)
-    reasons = {s.labels["finished_reason"]: s.value for s in families["vllm:request_success"].samples
-               if s.name.endswith("_total")}
+    reasons = {
+        s.labels["finished_reason"]: s.value
+        for s in families["vllm:request_success"].samples
+        if s.name.endswith("_total")
+    }
     assert reasons.get("length", 0) >= 1 and {"stop", "abort"} <= set(reasons)
 
 
@@ -315,9 +365,11 @@ def test_http_and_grpc_bind_only_the_host(served):
 
     server = served.ensure_running()
     # gRPC listens on an IPv6 socket bound to the IPv4-mapped loopback (::ffff:127.0.0.1).
-    listening = {(c.laddr.ip.removeprefix("::ffff:"), c.laddr.port)
-                 for c in psutil.net_connections(kind="inet")
-                 if c.status == psutil.CONN_LISTEN and c.laddr.port in (served.port, served.grpc_port)}
+    listening = {
+        (c.laddr.ip.removeprefix("::ffff:"), c.laddr.port)
+        for c in psutil.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port in (served.port, served.grpc_port)
+    }
     assert listening == {("127.0.0.1", served.port), ("127.0.0.1", served.grpc_port)}, listening
     assert f"gRPC:           127.0.0.1:{served.grpc_port}" in server.log()
 
@@ -335,8 +387,9 @@ def test_embedded_ray_housekeeping_runs_at_the_slower_pace(served):
     for env in controller + gcs:
         for key, value in EMBEDDED_RAY_ENV_DEFAULTS.items():
             assert env.get(key) == value, (key, env.get(key))
-    r = httpx.post(served.url("/v1/completions"), timeout=60,
-                   json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True})
+    r = httpx.post(
+        served.url("/v1/completions"), timeout=60, json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True}
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
@@ -364,9 +417,18 @@ DRAIN_STREAMS, DRAIN_TOKENS = 4, 600
 
 def _stream(port: int, i: int, progress: dict) -> dict:
     text_chunks, last = 0, None
-    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=300,
-                      json={"prompt": f"story {i}", "max_tokens": DRAIN_TOKENS, "ignore_eos": True,
-                            "stream": True, "stream_options": {"include_usage": True}}) as r:
+    with httpx.stream(
+        "POST",
+        f"http://127.0.0.1:{port}/v1/completions",
+        timeout=300,
+        json={
+            "prompt": f"story {i}",
+            "max_tokens": DRAIN_TOKENS,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if not line.startswith("data: "):
@@ -465,9 +527,11 @@ def test_a_wedged_ingress_is_replaced_and_its_replacement_binds_the_ports(tiny_m
     port, grpc_port = free_port(), free_port()
     (tmp_path / "app.yaml").write_text(
         "reliability: {health_check_period_s: 1, health_check_timeout_s: 2,\n"
-        "              graceful_shutdown_timeout_s: 2, graceful_shutdown_wait_loop_s: 0.5}\n")
-    server = ServeProcess(tmp_path / "serve.log",
-                          tiny_args(tiny_model, port, grpc_port, "--config", str(tmp_path / "app.yaml")))
+        "              graceful_shutdown_timeout_s: 2, graceful_shutdown_wait_loop_s: 0.5}\n"
+    )
+    server = ServeProcess(
+        tmp_path / "serve.log", tiny_args(tiny_model, port, grpc_port, "--config", str(tmp_path / "app.yaml"))
+    )
     server.start()
     try:
         server.wait_healthy(port)
@@ -477,9 +541,15 @@ def test_a_wedged_ingress_is_replaced_and_its_replacement_binds_the_ports(tiny_m
         while True:
             new = [p for p in _ingress_processes(server) if p.pid != old.pid]
             try:
-                ok = new and httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=10,
-                                        json={"prompt": "again", "max_tokens": 3,
-                                              "ignore_eos": True}).status_code == 200
+                ok = (
+                    new
+                    and httpx.post(
+                        f"http://127.0.0.1:{port}/v1/completions",
+                        timeout=10,
+                        json={"prompt": "again", "max_tokens": 3, "ignore_eos": True},
+                    ).status_code
+                    == 200
+                )
             except httpx.HTTPError:
                 ok = False
             if ok:

@@ -14,8 +14,7 @@ def config(**kw) -> AppConfig:
 def test_tp_ranks_count_on_top_of_each_replica():
     needs = resource_needs(config(num_replicas=2, tensor_parallel_size=3))
     assert (needs.cpus, needs.gpus) == (8, 0)
-    assert needs.describe(2) == ("8 CPUs (2 replicas x (1 CPU for the replica + "
-                                 "3 tensor-parallel ranks x 1 CPU))")
+    assert needs.describe(2) == ("8 CPUs (2 replicas x (1 CPU for the replica + 3 tensor-parallel ranks x 1 CPU))")
     assert resource_needs(config(num_replicas=3, num_cpus_per_replica=0)).cpus == 0
     gpu = resource_needs(config(num_replicas=1, tensor_parallel_size=2, device="cuda"))
     assert (gpu.cpus, gpu.gpus) == (3, 2) and "1 GPU" in gpu.describe(1)

@@ -23,10 +23,20 @@ from fleetserve.kv_transfer.keys import chain_keys, kv_fingerprint
 from fleetserve.kv_transfer.shards import local_head_range
 from fleetserve.kv_transfer.staging import StagingPool
 
-CFG = types.SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
-                            num_hidden_layers=3, vocab_size=384, model_type="llama", rope_theta=1e4)
+CFG = types.SimpleNamespace(
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    hidden_size=64,
+    num_hidden_layers=3,
+    vocab_size=384,
+    model_type="llama",
+    rope_theta=1e4,
+)
 LAYOUTS = [  # (layers, kv heads, block size, head dim)
-    (3, 2, 4, 16), (2, 1, 16, 64), (1, 3, 8, 8)]
+    (3, 2, 4, 16),
+    (2, 1, 16, 64),
+    (1, 3, 8, 8),
+]
 
 
 def random_caches(layers, heads, num_blocks, bs, hd, dtype, seed=0):
@@ -92,8 +102,15 @@ def test_fingerprints_differ_with_the_rope():
     scaled = types.SimpleNamespace(**{**vars(CFG), "rope_scaling": {"type": "linear", "factor": 2.0}})
     assert kv_fingerprint("m", scaled, torch.float32, 4) != old
     # What an engine fingerprints with: its ModelConfig from config.json.
-    fields = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=384)
+    fields = dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=384,
+    )
     a = ModelConfig.from_dict({**fields, "rope_theta": 1e4})
     b = ModelConfig.from_dict({**fields, "rope_theta": 5e5})
     assert kv_fingerprint("m", a, torch.float32, 4) != kv_fingerprint("m", b, torch.float32, 4)
@@ -101,8 +118,12 @@ def test_fingerprints_differ_with_the_rope():
 
 def test_corrupt_truncated_and_foreign_payloads_are_refused():
     fp = kv_fingerprint("m", CFG, torch.float32, 4)
-    batch = BlockBatch(fp, chain_keys(fp, list(range(8)), 4, 2),
-                       gather_blocks(random_caches(3, 2, 4, 4, 16, torch.float32), [0, 1]), (0, 2))
+    batch = BlockBatch(
+        fp,
+        chain_keys(fp, list(range(8)), 4, 2),
+        gather_blocks(random_caches(3, 2, 4, 4, 16, torch.float32), [0, 1]),
+        (0, 2),
+    )
     raw = bytearray(encode_to_bytes(batch))
     flipped = bytearray(raw)
     flipped[-5] ^= 0x40
@@ -119,8 +140,7 @@ def test_corrupt_truncated_and_foreign_payloads_are_refused():
 def test_store_refuses_and_removes_bad_files_and_never_sees_half_writes(tmp_path):
     fp = kv_fingerprint("m", CFG, torch.float32, 4)
     keys = chain_keys(fp, list(range(12)), 4, 3)
-    batch = BlockBatch(fp, keys, gather_blocks(random_caches(3, 2, 4, 4, 16, torch.float32), [0, 1, 2]),
-                       (0, 2))
+    batch = BlockBatch(fp, keys, gather_blocks(random_caches(3, 2, 4, 4, 16, torch.float32), [0, 1, 2]), (0, 2))
     store = BlockStore(tmp_path, fp, (0, 2))
     store.put(batch)
     # Corrupt block 0, truncate block 1, rename block 2 under another key (stale).
@@ -249,9 +269,11 @@ def test_block_runs_and_their_slices():
 def test_scatter_refuses_blocks_that_do_not_fit_the_cache():
     dst = random_caches(2, 2, 8, 4, 8, torch.float32)
     before = [d.clone() for d in dst]
-    for data in (torch.zeros(2, 2, 2, 1, 4, 8),  # one head where the cache has two
-                 torch.zeros(3, 2, 2, 2, 4, 8),  # three blocks for two ids
-                 torch.zeros(2, 1, 2, 2, 4, 8)):  # one layer for two
+    for data in (
+        torch.zeros(2, 2, 2, 1, 4, 8),  # one head where the cache has two
+        torch.zeros(3, 2, 2, 2, 4, 8),  # three blocks for two ids
+        torch.zeros(2, 1, 2, 2, 4, 8),
+    ):  # one layer for two
         with pytest.raises(ValueError, match="do not fit"):
             scatter_blocks(dst, [1, 2], data)
     assert all(torch.equal(a, b) for a, b in zip(dst, before))
@@ -355,7 +377,7 @@ def test_a_verified_delivery_hands_over_chunks_in_order_up_to_the_first_damaged_
     assert [s for s, _, _ in sink.writes] == [s for s, _ in chunks]
     for (s, data, n_ok), (_, e) in zip(sink.writes, chunks):
         assert n_ok == (bad_block - s if bad_block is not None and s <= bad_block < e else e - s)
-        assert torch.equal(data[:n_ok], batch.data[s:s + n_ok])
+        assert torch.equal(data[:n_ok], batch.data[s : s + n_ok])
     assert sum(n for _, _, n in sink.writes) == (7 if bad_block is None else bad_block)
     assert back.keys == keys and back.digests == batch.checksums()
 

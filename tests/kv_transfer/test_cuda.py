@@ -66,8 +66,9 @@ def test_gather_and_scatter_between_gpu_caches_via_host_and_device(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_wsum64_on_the_gpu_equals_the_cpu_and_catches_a_changed_word(dtype):
-    data = gather_blocks(caches(dtype, 3), [4, 8, 15], out=torch.empty(
-        (3, LAYERS, 2, HEADS, BS, HD), dtype=dtype, device="cuda"))
+    data = gather_blocks(
+        caches(dtype, 3), [4, 8, 15], out=torch.empty((3, LAYERS, 2, HEADS, BS, HD), dtype=dtype, device="cuda")
+    )
     assert device_digests(data) == device_digests(data.cpu())  # int64 wraps alike on both
     batch = BlockBatch("fp", ["a", "b", "c"], data, (0, HEADS), digest="wsum64")
     meta, _ = parse_header(batch.header())
@@ -86,18 +87,20 @@ def test_wsum64_on_the_gpu_equals_the_cpu_and_catches_a_changed_word(dtype):
 
 
 def storage_cfg(path, role):
-    return {"kv_connector": "SharedStorageConnector", "kv_role": role,
-            "kv_connector_extra_config": {"path": str(path)}, "kv_load_failure_policy": "fail"}
+    return {
+        "kv_connector": "SharedStorageConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"path": str(path)},
+        "kv_load_failure_policy": "fail",
+    }
 
 
 @pytest.mark.parametrize("prod_dev,cons_dev", [("cuda", "cpu"), ("cpu", "cuda")])
-def test_shared_storage_hand_off_between_a_gpu_engine_and_a_cpu_engine(tiny_model_dir, tmp_path,
-                                                                       prod_dev, cons_dev):
+def test_shared_storage_hand_off_between_a_gpu_engine_and_a_cpu_engine(tiny_model_dir, tmp_path, prod_dev, cons_dev):
     """fp32, row-major keys on both sides: one fingerprint, so a GPU producer's blocks load
     into a CPU consumer and back. B's greedy tokens equal a plain engine's on B's device."""
     prod = engine(tiny_model_dir, storage_cfg(tmp_path, "kv_producer"), device=prod_dev)
-    cons = engine(tiny_model_dir, storage_cfg(tmp_path, "kv_consumer"), core_process=False,
-                  device=cons_dev)
+    cons = engine(tiny_model_dir, storage_cfg(tmp_path, "kv_consumer"), core_process=False, device=cons_dev)
     ref = engine(tiny_model_dir, core_process=False, device=cons_dev)
     try:
         rng = random.Random(11)

@@ -13,8 +13,12 @@ from tests.kv_transfer.utils import BLOCK, collect, engine, greedy, hand_off, ru
 
 
 def storage_cfg(path, role):
-    return {"kv_connector": "SharedStorageConnector", "kv_role": role,
-            "kv_connector_extra_config": {"path": str(path)}, "kv_load_failure_policy": "fail"}
+    return {
+        "kv_connector": "SharedStorageConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"path": str(path)},
+        "kv_load_failure_policy": "fail",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +30,7 @@ def reference(tiny_model_dir):
 
 def prompts(n, seed=0):
     rng = random.Random(seed)
-    return [[rng.randrange(3, 380) for _ in range(length)] for length in
-            rng.sample(range(9, 60), n)]
+    return [[rng.randrange(3, 380) for _ in range(length)] for length in rng.sample(range(9, 60), n)]
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +82,14 @@ def test_shared_storage_is_a_prefix_cache_across_engines(tiny_model_dir, tmp_pat
 
 # ---- Ray object store ---------------------------------------------------------------
 def ray_cfg(role, **extra):
-    return {"kv_connector": "RayObjectStoreConnector", "kv_role": role, "kv_lease_s": 5.0,
-            "kv_load_timeout_s": 10.0, "kv_connector_extra_config": extra,
-            "kv_load_failure_policy": "fail"}
+    return {
+        "kv_connector": "RayObjectStoreConnector",
+        "kv_role": role,
+        "kv_lease_s": 5.0,
+        "kv_load_timeout_s": 10.0,
+        "kv_connector_extra_config": extra,
+        "kv_load_failure_policy": "fail",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +135,9 @@ def test_ray_object_store_hand_off_matches_one_engine(ray_pair, reference, local
 def test_ray_lease_ends_an_unclaimed_export(ray_pair, local_ray):
     """A producer's export nobody reads is dropped when its lease (5 s) ends."""
     prod, _ = ray_pair
-    _, pfinal = run(collect(prod, prompts(1, seed=9)[0], greedy(1),
-                            {"do_remote_decode": True, "transfer_id": "unclaimed-1"}))
+    _, pfinal = run(
+        collect(prod, prompts(1, seed=9)[0], greedy(1), {"do_remote_decode": True, "transfer_id": "unclaimed-1"})
+    )
     assert pfinal.kv_transfer_params is not None
     wait_all_free(prod)  # the KV blocks are free at once: the object holds the copy
     deadline = time.monotonic() + 5
@@ -178,11 +187,9 @@ def test_ray_producer_killed_before_the_consumer_reads(ray_pair, reference, loca
     prod, cons = ray_pair
     durable = engine(tiny_model_dir, ray_cfg("kv_producer", durable_owner=True))  # its own process
     try:  # (two prompts: the consumer's prefix cache must not already hold the second)
-        for producer, tid, prompt in zip((prod, durable), ("killed-1", "killed-durable-1"),
-                                         prompts(2, seed=11)):
+        for producer, tid, prompt in zip((prod, durable), ("killed-1", "killed-durable-1"), prompts(2, seed=11)):
             want, _ = run(collect(reference, prompt, greedy(6)))
-            _, pfinal = run(collect(producer, prompt, greedy(1),
-                                    {"do_remote_decode": True, "transfer_id": tid}))
+            _, pfinal = run(collect(producer, prompt, greedy(1), {"do_remote_decode": True, "transfer_id": tid}))
             # The export lands just after the reply: wait until the owner holds this one (a
             # count of held exports also moves when an earlier one's release arrives late, and
             # a durable producer killed before its adopt finished leaves nothing to load).
@@ -205,8 +212,13 @@ def test_ray_producer_killed_before_the_consumer_reads(ray_pair, reference, loca
 
 # ---- torch.distributed point to point ----------------------------------------------
 def test_p2p_hand_off_matches_one_engine(tiny_model_dir, local_ray, reference):
-    cfg = {"kv_connector": "P2PConnector", "kv_role": "kv_both", "kv_load_timeout_s": 20.0,
-           "kv_connector_extra_config": {"host": "127.0.0.1"}, "kv_load_failure_policy": "fail"}
+    cfg = {
+        "kv_connector": "P2PConnector",
+        "kv_role": "kv_both",
+        "kv_load_timeout_s": 20.0,
+        "kv_connector_extra_config": {"host": "127.0.0.1"},
+        "kv_load_failure_policy": "fail",
+    }
     prod = engine(tiny_model_dir, cfg)  # its own process
     # No local prefix cache on the consumer: a repeated prompt must go to the producer again.
     cons = engine(tiny_model_dir, cfg, core_process=False, enable_prefix_caching=False)
@@ -217,8 +229,9 @@ def test_p2p_hand_off_matches_one_engine(tiny_model_dir, local_ray, reference):
             assert got == want
             assert final.num_remote_tokens == min(len(prompt) // BLOCK * BLOCK, len(prompt) - 1)
         # A transfer the producer does not hold (taken already): a clear error, in time.
-        _, pfinal = run(collect(prod, prompts(1, seed=8)[0], greedy(1),
-                                {"do_remote_decode": True, "transfer_id": "once"}))
+        _, pfinal = run(
+            collect(prod, prompts(1, seed=8)[0], greedy(1), {"do_remote_decode": True, "transfer_id": "once"})
+        )
         params = pfinal.kv_transfer_params
         run(collect(cons, prompts(1, seed=8)[0], greedy(2), params))
         t0 = time.monotonic()
@@ -231,8 +244,9 @@ def test_p2p_hand_off_matches_one_engine(tiny_model_dir, local_ray, reference):
         import os
         import signal
 
-        _, pfinal = run(collect(prod, prompts(1, seed=12)[0], greedy(1),
-                                {"do_remote_decode": True, "transfer_id": "killed-2"}))
+        _, pfinal = run(
+            collect(prod, prompts(1, seed=12)[0], greedy(1), {"do_remote_decode": True, "transfer_id": "killed-2"})
+        )
         os.kill(prod.core_pid, signal.SIGKILL)
         t0 = time.monotonic()
         tokens, final = run(collect(cons, prompts(1, seed=12)[0], greedy(2), pfinal.kv_transfer_params))
@@ -308,8 +322,9 @@ def test_layerwise_save_copies_each_layer_during_the_prefill_forward(tiny_model_
 
 # ---- a hand-off to a consumer that caches a prefix of the prompt ------------------------
 @pytest.mark.parametrize("kind", ["storage", "ray", "p2p"])
-def test_hand_off_to_a_consumer_caching_a_prefix_loads_only_the_rest(kind, tiny_model_dir, local_ray,
-                                                                     tmp_path, reference):
+def test_hand_off_to_a_consumer_caching_a_prefix_loads_only_the_rest(
+    kind, tiny_model_dir, local_ray, tmp_path, reference
+):
     """The consumer already caches the prompt's first blocks (an earlier turn of the chat): it
     asks for the rest only, and the producer's batch (the whole prompt, from block 0) is read
     from that block on. It used to fail every such load (the batch's first key was compared
@@ -319,9 +334,13 @@ def test_hand_off_to_a_consumer_caching_a_prefix_loads_only_the_rest(kind, tiny_
     elif kind == "ray":
         prod_cfg, cons_cfg = ray_cfg("kv_producer"), ray_cfg("kv_consumer")
     else:
-        prod_cfg = cons_cfg = {"kv_connector": "p2p", "kv_role": "kv_both", "kv_load_timeout_s": 20.0,
-                               "kv_connector_extra_config": {"host": "127.0.0.1"},
-                               "kv_load_failure_policy": "fail"}
+        prod_cfg = cons_cfg = {
+            "kv_connector": "p2p",
+            "kv_role": "kv_both",
+            "kv_load_timeout_s": 20.0,
+            "kv_connector_extra_config": {"host": "127.0.0.1"},
+            "kv_load_failure_policy": "fail",
+        }
     prod = engine(tiny_model_dir, prod_cfg, core_process=False)
     cons = engine(tiny_model_dir, cons_cfg, core_process=False)
     try:

@@ -13,10 +13,17 @@ PROMPT = [7 + (i * 13) % 300 for i in range(37)]  # 9 full blocks + 1 token
 
 
 def faulty(path, role, policy, faults, timeout_s=10.0):
-    return {"kv_connector": "FaultInjectionConnector", "kv_role": role,
-            "kv_load_failure_policy": policy, "kv_load_timeout_s": timeout_s,
-            "kv_connector_extra_config": {"inner": "SharedStorageConnector",
-                                          "inner_extra": {"path": str(path)}, "faults": faults}}
+    return {
+        "kv_connector": "FaultInjectionConnector",
+        "kv_role": role,
+        "kv_load_failure_policy": policy,
+        "kv_load_timeout_s": timeout_s,
+        "kv_connector_extra_config": {
+            "inner": "SharedStorageConnector",
+            "inner_extra": {"path": str(path)},
+            "faults": faults,
+        },
+    }
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +47,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,pfaults,cfaults,policy,timeout_s,expect", CASES,
-                         ids=[c[0] for c in CASES])
-def test_fault_ends_right_or_clearly_and_frees_everything(tiny_model_dir, tmp_path, want, name,
-                                                          pfaults, cfaults, policy, timeout_s, expect):
+@pytest.mark.parametrize("name,pfaults,cfaults,policy,timeout_s,expect", CASES, ids=[c[0] for c in CASES])
+def test_fault_ends_right_or_clearly_and_frees_everything(
+    tiny_model_dir, tmp_path, want, name, pfaults, cfaults, policy, timeout_s, expect
+):
     prod = engine(tiny_model_dir, faulty(tmp_path, "kv_producer", policy, pfaults), core_process=False)
-    cons = engine(tiny_model_dir, faulty(tmp_path, "kv_consumer", policy, cfaults, timeout_s),
-                  core_process=False)
+    cons = engine(tiny_model_dir, faulty(tmp_path, "kv_consumer", policy, cfaults, timeout_s), core_process=False)
     try:
         t0 = time.monotonic()
         tokens, final, _ = run(hand_off(prod, cons, PROMPT, 6))

@@ -26,8 +26,14 @@ from tests.scheduler.utils import (
 )
 
 BS, LAYERS, HEADS, HD, NUM_BLOCKS = 4, 2, 2, 8, 32
-CFG = types.SimpleNamespace(num_attention_heads=2, num_key_value_heads=HEADS, hidden_size=16,
-                            num_hidden_layers=LAYERS, vocab_size=97, model_type="llama")
+CFG = types.SimpleNamespace(
+    num_attention_heads=2,
+    num_key_value_heads=HEADS,
+    hidden_size=16,
+    num_hidden_layers=LAYERS,
+    vocab_size=97,
+    model_type="llama",
+)
 FP = kv_fingerprint("m", CFG, torch.float32, BS)
 CTX = ConnectorContext("e", FP, BS, LAYERS, HEADS, HD)
 
@@ -51,8 +57,11 @@ class GatedConnector(TransferConnector):
 
 
 def build(timeout_s=0.3, policy="recompute"):
-    cfg = KVTransferConfig(kv_connector="tests.kv_transfer.test_halves:GatedConnector",
-                           kv_load_timeout_s=timeout_s, kv_load_failure_policy=policy)
+    cfg = KVTransferConfig(
+        kv_connector="tests.kv_transfer.test_halves:GatedConnector",
+        kv_load_timeout_s=timeout_s,
+        kv_load_failure_policy=policy,
+    )
     sched_half = GatedConnector(cfg, KVConnectorRole.SCHEDULER, CTX)
     worker = GatedConnector(cfg, KVConnectorRole.WORKER, CTX)
     caches = [torch.zeros((2, HEADS, NUM_BLOCKS, BS, HD)) for _ in range(LAYERS)]
@@ -64,9 +73,12 @@ def build(timeout_s=0.3, policy="recompute"):
     prompt = [1 + i for i in range(18)]
     keys = chain_keys(FP, prompt, BS, 4)
     GatedTransport.batch = BlockBatch(FP, keys, torch.ones((4, LAYERS, 2, HEADS, BS, HD)), (0, HEADS))
-    req = Request("r0", prompt, SamplingParams(max_tokens=3, ignore_eos=True),
-                  kv_transfer_params={"do_remote_prefill": True, "transfer_id": "t1",
-                                      "remote_num_tokens": 16})
+    req = Request(
+        "r0",
+        prompt,
+        SamplingParams(max_tokens=3, ignore_eos=True),
+        kv_transfer_params={"do_remote_prefill": True, "transfer_id": "t1", "remote_num_tokens": 16},
+    )
     return sched, runner, worker, caches, req
 
 
@@ -161,8 +173,7 @@ def test_a_cpu_cache_is_written_on_the_transfer_thread_not_the_engines(monkeypat
 
     writers = []
     real = loads.scatter_blocks
-    monkeypatch.setattr(loads, "scatter_blocks",
-                        lambda *a: writers.append(threading.current_thread()) or real(*a))
+    monkeypatch.setattr(loads, "scatter_blocks", lambda *a: writers.append(threading.current_thread()) or real(*a))
     sched, runner, worker, caches, req = build(timeout_s=10)
     GatedTransport.gate.set()
     load_in_time(sched, runner, req)

@@ -31,13 +31,17 @@ FULL = PROMPT_LEN // BS
 
 
 def storage_cfg(path, connector="SharedStorageConnector", **kw) -> dict:
-    return {"kv_connector": connector, "kv_role": "kv_both",
-            "kv_connector_extra_config": {"path": str(path)}, **kw}
+    return {"kv_connector": connector, "kv_role": "kv_both", "kv_connector_extra_config": {"path": str(path)}, **kw}
 
 
 def engine_kwargs(path, **kw) -> dict:
-    return dict(dtype="float32", block_size=BS, num_gpu_blocks_override=NUM_BLOCKS,
-                max_model_len=MAX_LEN, kv_transfer_config=storage_cfg(path, **kw))
+    return dict(
+        dtype="float32",
+        block_size=BS,
+        num_gpu_blocks_override=NUM_BLOCKS,
+        max_model_len=MAX_LEN,
+        kv_transfer_config=storage_cfg(path, **kw),
+    )
 
 
 def the_prompt(seed=0) -> list[int]:
@@ -141,14 +145,17 @@ os._exit(0)
 
 
 def run_engine_process(script, model_dir, store, out, prompt) -> dict:
-    proc = subprocess.run([sys.executable, str(script), str(model_dir), str(store), str(out),
-                           json.dumps(prompt)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(model_dir), str(store), str(out), json.dumps(prompt)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(Path(out).read_text())
 
 
-def test_a_second_engine_process_loads_every_full_block_the_first_one_computed(tiny_model_dir,
-                                                                                tmp_path):
+def test_a_second_engine_process_loads_every_full_block_the_first_one_computed(tiny_model_dir, tmp_path):
     script = tmp_path / "engine.py"
     script.write_text(ENGINE_SCRIPT)
     store = tmp_path / "kv"
@@ -164,8 +171,7 @@ def test_a_second_engine_process_loads_every_full_block_the_first_one_computed(t
 
 # ---- an AsyncEngine that goes idle ------------------------------------------------------------
 @pytest.mark.parametrize("core_process", [True, False], ids=["core-process", "core-thread"])
-def test_an_async_engine_idle_after_its_last_request_writes_its_blocks(tiny_model_dir, tmp_path,
-                                                                       core_process):
+def test_an_async_engine_idle_after_its_last_request_writes_its_blocks(tiny_model_dir, tmp_path, core_process):
     prompt = the_prompt(seed=3)
     eng = AsyncEngine(model=str(tiny_model_dir), core_process=core_process, **engine_kwargs(tmp_path))
 

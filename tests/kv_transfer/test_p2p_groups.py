@@ -21,8 +21,15 @@ from fleetserve.kv_transfer.keys import chain_keys
 from tests.kv_transfer.utils import load_before_export
 
 BS, LAYERS, HEADS, HD, NUM_BLOCKS = 4, 2, 2, 8, 64
-CFG = types.SimpleNamespace(num_attention_heads=4, num_key_value_heads=HEADS, hidden_size=32,
-                            num_hidden_layers=LAYERS, vocab_size=97, model_type="llama", head_dim=HD)
+CFG = types.SimpleNamespace(
+    num_attention_heads=4,
+    num_key_value_heads=HEADS,
+    hidden_size=32,
+    num_hidden_layers=LAYERS,
+    vocab_size=97,
+    model_type="llama",
+    head_dim=HD,
+)
 
 
 @pytest.fixture
@@ -39,14 +46,16 @@ def pair(local_ray, monkeypatch):
     monkeypatch.setattr(p2p_net, "make_group", counting)
     halves = []
     for seed, role in ((0, "kv_producer"), (1, "kv_consumer")):
-        cfg = KVTransferConfig(kv_connector="p2p", kv_role=role, kv_load_timeout_s=20,
-                               kv_connector_extra_config={"host": "127.0.0.1"},
-                               engine_id=f"groups-{role}-{time.monotonic_ns()}")
-        w = p2p.P2PConnector(cfg, KVConnectorRole.WORKER,
-                             build_context(cfg, "m", CFG, torch.float32, BS))
+        cfg = KVTransferConfig(
+            kv_connector="p2p",
+            kv_role=role,
+            kv_load_timeout_s=20,
+            kv_connector_extra_config={"host": "127.0.0.1"},
+            engine_id=f"groups-{role}-{time.monotonic_ns()}",
+        )
+        w = p2p.P2PConnector(cfg, KVConnectorRole.WORKER, build_context(cfg, "m", CFG, torch.float32, BS))
         g = torch.Generator().manual_seed(seed)
-        w.register_kv_caches([torch.randn((2, HEADS, NUM_BLOCKS, BS, HD), generator=g)
-                              for _ in range(LAYERS)])
+        w.register_kv_caches([torch.randn((2, HEADS, NUM_BLOCKS, BS, HD), generator=g) for _ in range(LAYERS)])
         halves.append(w)
     yield halves[0], halves[1], formations
     for w in halves:
@@ -67,9 +76,14 @@ def hand_off(prod, cons, tids: list[str], blocks_each: int = 3, timeout_s: float
     prod.half.wait_for_exports(30)
     prod.clear_connector_metadata()
     deadline = time.time() + timeout_s
-    cons.bind_connector_metadata(ConnectorMetadata(loads=[
-        LoadSpec(r, t, b, k, deadline, {"remote_tp_size": 1, "remote_engine_id": prod.ctx.engine_id})
-        for r, t, b, k in specs]))
+    cons.bind_connector_metadata(
+        ConnectorMetadata(
+            loads=[
+                LoadSpec(r, t, b, k, deadline, {"remote_tp_size": 1, "remote_engine_id": prod.ctx.engine_id})
+                for r, t, b, k in specs
+            ]
+        )
+    )
     cons.start_load_kv()
     cons.clear_connector_metadata()
     done: set[str] = set()
@@ -82,8 +96,7 @@ def hand_off(prod, cons, tids: list[str], blocks_each: int = 3, timeout_s: float
 
 
 def same_blocks(prod, cons, blocks: list[int]) -> bool:
-    return all(torch.equal(p[:, :, blocks], c[:, :, blocks])
-               for p, c in zip(prod.half.kv_caches, cons.half.kv_caches))
+    return all(torch.equal(p[:, :, blocks], c[:, :, blocks]) for p, c in zip(prod.half.kv_caches, cons.half.kv_caches))
 
 
 def test_one_group_carries_every_pull_and_the_blocks_arrive_intact(pair):
@@ -134,7 +147,7 @@ def test_a_receive_past_its_deadline_fails_one_load_then_a_new_group_serves(pair
     prod, cons, formations = pair
     assert hand_off(prod, cons, ["ok"]) == set()
     served = prod.half.transport.server.groups
-    (gid, pg), = served._groups.items()
+    ((gid, pg),) = served._groups.items()
     served.put(gid, SlowSends(pg, 2.0))
     failed = hand_off(prod, cons, ["stalled"], timeout_s=0.7)
     assert failed == {0, 1, 2}
@@ -142,7 +155,7 @@ def test_a_receive_past_its_deadline_fails_one_load_then_a_new_group_serves(pair
     while cons.half.transport.kept_groups() != (0, 0) and time.monotonic() - t0 < 5:
         time.sleep(0.01)
     assert cons.half.transport.kept_groups() == (0, 0)
-    (_, _, late_buf), = cons.half.transport.puller.quarantine
+    ((_, _, late_buf),) = cons.half.transport.puller.quarantine
     time.sleep(2.0)  # the stalled send completes into the quarantined buffer
     for c in cons.half.kv_caches:
         c[:, :, :3] = -1.0
@@ -160,15 +173,30 @@ def test_a_pull_that_overtakes_its_export_waits_for_it(pair):
     taken is a clear "no" at once."""
     prod, cons, _ = pair
     keys = chain_keys(prod.ctx.fingerprint, list(range(1, 1 + 3 * BS)), BS, 3)
-    assert load_before_export(prod, cons, "late", keys, [0, 1, 2], 0.5,
-                              {"remote_tp_size": 1, "remote_engine_id": prod.ctx.engine_id}) >= 0.4
+    assert (
+        load_before_export(
+            prod, cons, "late", keys, [0, 1, 2], 0.5, {"remote_tp_size": 1, "remote_engine_id": prod.ctx.engine_id}
+        )
+        >= 0.4
+    )
     assert not cons.get_block_ids_with_load_errors()
     assert same_blocks(prod, cons, [0, 1, 2])
     # Asked again, the same transfer is gone: the load fails at once, not at its deadline.
     t0 = time.monotonic()
-    cons.bind_connector_metadata(ConnectorMetadata(loads=[LoadSpec(
-        "r1", "late", [3, 4, 5], keys, time.time() + 20,
-        {"remote_tp_size": 1, "remote_engine_id": prod.ctx.engine_id})]))
+    cons.bind_connector_metadata(
+        ConnectorMetadata(
+            loads=[
+                LoadSpec(
+                    "r1",
+                    "late",
+                    [3, 4, 5],
+                    keys,
+                    time.time() + 20,
+                    {"remote_tp_size": 1, "remote_engine_id": prod.ctx.engine_id},
+                )
+            ]
+        )
+    )
     cons.start_load_kv()
     cons.clear_connector_metadata()
     while "r1" not in cons.get_finished(set())[1]:
@@ -265,9 +293,20 @@ def test_an_unclaimed_export_ends_with_its_lease_while_the_server_idles(pair):
         time.sleep(0.02)  # (the sweep releases the buffer just after it left the outbox)
     assert prod.half.staging.cached_bytes > 0  # the buffer went back
     t0 = time.monotonic()
-    cons.bind_connector_metadata(ConnectorMetadata(loads=[LoadSpec(
-        "r0", "unclaimed", [3, 4, 5], keys, time.time() + 20,
-        {"remote_tp_size": 1, "remote_engine_id": prod.ctx.engine_id})]))
+    cons.bind_connector_metadata(
+        ConnectorMetadata(
+            loads=[
+                LoadSpec(
+                    "r0",
+                    "unclaimed",
+                    [3, 4, 5],
+                    keys,
+                    time.time() + 20,
+                    {"remote_tp_size": 1, "remote_engine_id": prod.ctx.engine_id},
+                )
+            ]
+        )
+    )
     cons.start_load_kv()
     cons.clear_connector_metadata()
     while "r0" not in cons.get_finished(set())[1]:
@@ -277,8 +316,11 @@ def test_an_unclaimed_export_ends_with_its_lease_while_the_server_idles(pair):
     assert hand_off(prod, cons, ["still-serves"]) == set()  # and the server still serves
 
     def server_threads():  # this producer's (a thread's target is a bound method of its server)
-        return [t for t in threading.enumerate() if t.is_alive()
-                and getattr(getattr(t, "_target", None), "__self__", None) is prod.half.transport.server]
+        return [
+            t
+            for t in threading.enumerate()
+            if t.is_alive() and getattr(getattr(t, "_target", None), "__self__", None) is prod.half.transport.server
+        ]
 
     assert {t.name for t in server_threads()} == {"kv-p2p-server", "kv-p2p-leases"}
     prod.shutdown()
@@ -300,8 +342,9 @@ def test_an_export_read_by_several_consumer_ranks_stays_until_each_pulled_it(pai
     prod.start_load_kv()
     prod.half.wait_for_exports(30)
     prod.clear_connector_metadata()
-    spec = LoadSpec("x", "twice", [0, 1, 2], keys, time.time() + 20,
-                    {"remote_tp_size": 1, "remote_engine_id": prod.ctx.engine_id})
+    spec = LoadSpec(
+        "x", "twice", [0, 1, 2], keys, time.time() + 20, {"remote_tp_size": 1, "remote_engine_id": prod.ctx.engine_id}
+    )
     pooled = prod.half.staging.cached_bytes
     for left in (1, 0):
         batch = cons.half.transport.fetch(spec)

@@ -27,23 +27,34 @@ from fleetserve.replica.worker.omp_bind import one_core_per_thread
 
 BS, LAYERS, HEADS, HD, NUM_BLOCKS = 4, 2, 2, 8, 64
 N = 9  # blocks per hand-off: chunks of 2 blocks (the last one 1)
-CFG = types.SimpleNamespace(num_attention_heads=4, num_key_value_heads=HEADS, hidden_size=32,
-                            num_hidden_layers=LAYERS, vocab_size=97, model_type="llama", head_dim=HD)
+CFG = types.SimpleNamespace(
+    num_attention_heads=4,
+    num_key_value_heads=HEADS,
+    hidden_size=32,
+    num_hidden_layers=LAYERS,
+    vocab_size=97,
+    model_type="llama",
+    head_dim=HD,
+)
 
 
 def make_pair(dtype=torch.float32):
     halves = []
     block_bytes = LAYERS * 2 * HEADS * BS * HD * torch.empty((), dtype=dtype).element_size()
     for seed, role in ((0, "kv_producer"), (1, "kv_consumer")):
-        cfg = KVTransferConfig(kv_connector="p2p", kv_role=role, kv_load_timeout_s=20,
-                               kv_connector_extra_config={"host": "127.0.0.1",
-                                                          "stream_chunk_bytes": 2 * block_bytes},
-                               engine_id=f"stream-{role}-{time.monotonic_ns()}")
+        cfg = KVTransferConfig(
+            kv_connector="p2p",
+            kv_role=role,
+            kv_load_timeout_s=20,
+            kv_connector_extra_config={"host": "127.0.0.1", "stream_chunk_bytes": 2 * block_bytes},
+            engine_id=f"stream-{role}-{time.monotonic_ns()}",
+        )
         w = p2p.P2PConnector(cfg, KVConnectorRole.WORKER, build_context(cfg, "m", CFG, dtype, BS))
         w.set_thread_initializer(one_core_per_thread)  # as the replica's worker does
         g = torch.Generator().manual_seed(seed)
-        w.register_kv_caches([torch.randn((2, HEADS, NUM_BLOCKS, BS, HD), generator=g).to(dtype)
-                              for _ in range(LAYERS)])
+        w.register_kv_caches(
+            [torch.randn((2, HEADS, NUM_BLOCKS, BS, HD), generator=g).to(dtype) for _ in range(LAYERS)]
+        )
         halves.append(w)
     return halves
 
@@ -64,8 +75,9 @@ def start(prod, cons, tid: str, blocks: list[int], timeout_s: float = 20.0) -> N
     prod.bind_connector_metadata(ConnectorMetadata(saves=[SaveSpec("p", tid, blocks, keys, 60)]))
     prod.start_load_kv()
     prod.clear_connector_metadata()
-    spec = LoadSpec("c", tid, blocks, keys, time.time() + timeout_s,
-                    {"remote_tp_size": 1, "remote_engine_id": prod.ctx.engine_id})
+    spec = LoadSpec(
+        "c", tid, blocks, keys, time.time() + timeout_s, {"remote_tp_size": 1, "remote_engine_id": prod.ctx.engine_id}
+    )
     cons.bind_connector_metadata(ConnectorMetadata(loads=[spec]))
     cons.start_load_kv()
     cons.clear_connector_metadata()
@@ -88,8 +100,7 @@ def finish(prod, cons, timeout_s: float = 20.0) -> set[int]:
 
 
 def same(prod, cons, blocks) -> bool:
-    return all(torch.equal(p[:, :, blocks], c[:, :, blocks])
-               for p, c in zip(prod.half.kv_caches, cons.half.kv_caches))
+    return all(torch.equal(p[:, :, blocks], c[:, :, blocks]) for p, c in zip(prod.half.kv_caches, cons.half.kv_caches))
 
 
 def scribble(cons, blocks) -> None:
@@ -106,8 +117,9 @@ def test_a_streamed_hand_off_arrives_bit_identical_in_chunks(local_ray, monkeypa
     prod, cons = make_pair(dtype)
     writes = []
     real = loads.Sink.write
-    monkeypatch.setattr(loads.Sink, "write", lambda self, s, d, n: (writes.append((s, d.shape[0], n)),
-                                                                       real(self, s, d, n)))
+    monkeypatch.setattr(
+        loads.Sink, "write", lambda self, s, d, n: (writes.append((s, d.shape[0], n)), real(self, s, d, n))
+    )
     try:
         blocks = [3, 17, 4, 40, 41, 42, 9, 60, 1]  # scattered, as a busy engine's are
         start(prod, cons, "bits", blocks)
@@ -249,8 +261,11 @@ def test_a_consumer_that_does_not_stream_gets_the_whole_batch(pair):
     prod.bind_connector_metadata(ConnectorMetadata(saves=[SaveSpec("p", "whole", blocks, keys, 60)]))
     prod.start_load_kv()
     prod.clear_connector_metadata()
-    batch = cons.half.transport.fetch(LoadSpec("x", "whole", blocks, keys, time.time() + 20,
-                                               {"remote_tp_size": 1, "remote_engine_id": prod.ctx.engine_id}))
+    batch = cons.half.transport.fetch(
+        LoadSpec(
+            "x", "whole", blocks, keys, time.time() + 20, {"remote_tp_size": 1, "remote_engine_id": prod.ctx.engine_id}
+        )
+    )
     try:
         assert batch.keys == keys and len(batch.digests) == N
         for layer, kv in enumerate(prod.half.kv_caches):
@@ -290,10 +305,15 @@ def test_streamed_headers_are_checked():
     meta, _ = parse_header(batch.header([2, 1]))
     assert meta["digests"] is None and meta["chunks"] == [2, 1]
     check_header(meta, fp)
-    for bad in ({"chunks": [2, 2]}, {"chunks": [3, 0]}, {"chunks": []}, {"chunks": "3"},
-                {"digests": [1, 2, 3]}, {"chunks": [1] * (MAX_CHUNKS + 1)},
-                {"shape": [MAX_CHUNKS + 1, 2, 2, 1, 4, 8], "keys": ["k"] * (MAX_CHUNKS + 1),
-                 "chunks": [1] * (MAX_CHUNKS + 1)}):
+    for bad in (
+        {"chunks": [2, 2]},
+        {"chunks": [3, 0]},
+        {"chunks": []},
+        {"chunks": "3"},
+        {"digests": [1, 2, 3]},
+        {"chunks": [1] * (MAX_CHUNKS + 1)},
+        {"shape": [MAX_CHUNKS + 1, 2, 2, 1, 4, 8], "keys": ["k"] * (MAX_CHUNKS + 1), "chunks": [1] * (MAX_CHUNKS + 1)},
+    ):
         with pytest.raises(KVFormatError):
             check_header({**meta, **bad}, fp)
     with pytest.raises(KVFormatError, match="streamed"):  # its digests are not in the header

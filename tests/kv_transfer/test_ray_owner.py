@@ -22,21 +22,32 @@ from fleetserve.kv_transfer.keys import chain_keys
 from tests.kv_transfer.utils import load_before_export
 
 BS, LAYERS, HEADS, HD, NUM_BLOCKS = 4, 2, 2, 8, 16
-CFG = types.SimpleNamespace(num_attention_heads=4, num_key_value_heads=HEADS, hidden_size=32,
-                            num_hidden_layers=LAYERS, vocab_size=97, model_type="llama", head_dim=HD)
+CFG = types.SimpleNamespace(
+    num_attention_heads=4,
+    num_key_value_heads=HEADS,
+    hidden_size=32,
+    num_hidden_layers=LAYERS,
+    vocab_size=97,
+    model_type="llama",
+    head_dim=HD,
+)
 
 
 def make_pair(owner_name: str, **extra):
     halves = []
     for seed, role in ((0, "kv_producer"), (1, "kv_consumer")):
-        cfg = KVTransferConfig(kv_connector="RayObjectStoreConnector", kv_role=role, kv_load_timeout_s=20,
-                               kv_connector_extra_config={"owner_name": owner_name, **extra},
-                               engine_id=f"owner-{role}-{time.monotonic_ns()}")
-        w = ray_store.RayObjectStoreConnector(cfg, KVConnectorRole.WORKER,
-                                              build_context(cfg, "m", CFG, torch.float32, BS))
+        cfg = KVTransferConfig(
+            kv_connector="RayObjectStoreConnector",
+            kv_role=role,
+            kv_load_timeout_s=20,
+            kv_connector_extra_config={"owner_name": owner_name, **extra},
+            engine_id=f"owner-{role}-{time.monotonic_ns()}",
+        )
+        w = ray_store.RayObjectStoreConnector(
+            cfg, KVConnectorRole.WORKER, build_context(cfg, "m", CFG, torch.float32, BS)
+        )
         g = torch.Generator().manual_seed(seed)
-        w.register_kv_caches([torch.randn((2, HEADS, NUM_BLOCKS, BS, HD), generator=g)
-                              for _ in range(LAYERS)])
+        w.register_kv_caches([torch.randn((2, HEADS, NUM_BLOCKS, BS, HD), generator=g) for _ in range(LAYERS)])
         halves.append(w)
     return halves
 
@@ -82,8 +93,11 @@ def test_a_consumer_early_for_its_export_is_answered_when_it_lands(local_ray, ow
 
 def test_an_owner_without_wait_lookup_still_serves_by_polling(local_ray, owner_name):
     old = type("OldKVObjectOwner", (ray_owner.KVObjectOwner,), {"wait_lookup": None})
-    handle = local_ray.remote(old).options(name=owner_name, namespace="fleetserve", lifetime="detached",
-                                           num_cpus=0, max_concurrency=16).remote()
+    handle = (
+        local_ray.remote(old)
+        .options(name=owner_name, namespace="fleetserve", lifetime="detached", num_cpus=0, max_concurrency=16)
+        .remote()
+    )
     local_ray.get(handle.stats.remote())
     prod, cons = make_pair(owner_name)
     try:
@@ -103,8 +117,9 @@ def test_a_load_is_written_chunk_by_chunk_up_to_its_first_damaged_block(local_ra
     prod, cons = make_pair(owner_name, stream_chunk_bytes=per_block)  # one block a chunk
     deliveries = []
     real_deliver = ray_store.deliver_verified
-    monkeypatch.setattr(ray_store, "deliver_verified",
-                        lambda *a, **k: deliveries.append(a[-1]) or real_deliver(*a, **k))
+    monkeypatch.setattr(
+        ray_store, "deliver_verified", lambda *a, **k: deliveries.append(a[-1]) or real_deliver(*a, **k)
+    )
     transport = prod.half.transport
     real_export = transport.export
 
@@ -172,8 +187,9 @@ def test_the_store_mapping_warm_up_maps_allocated_memory_and_leaves_sparse_memor
                 mms.append(mmap.mmap(fd, size, mmap.MAP_SHARED))
             finally:
                 os.close(fd)
-            maps[kind] = next(m for m in ray_store_warmup.store_mappings()
-                              if os.readlink(f"/proc/self/map_files/{m[2]}") == path)
+            maps[kind] = next(
+                m for m in ray_store_warmup.store_mappings() if os.readlink(f"/proc/self/map_files/{m[2]}") == path
+            )
         try:
             for lo, hi, _ in maps.values():
                 assert hi - lo == size and rss_kib(lo) == 0

@@ -14,16 +14,33 @@ from tests.kv_transfer.utils import collect, greedy, hand_off, run, wait_all_fre
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 ray = pytest.importorskip("ray")
 
-QUESTION = [{"role": "user", "content": "Explain what a CPU does in two sentences, for a child "
-                                        "who is curious about computers and about how they think."}]
+QUESTION = [
+    {
+        "role": "user",
+        "content": "Explain what a CPU does in two sentences, for a child "
+        "who is curious about computers and about how they think.",
+    }
+]
 
 
 def smollm(tp: int) -> AsyncEngine:
-    kv = {"kv_connector": "RayObjectStoreConnector", "kv_role": "kv_both",
-          "kv_load_failure_policy": "fail", "kv_load_timeout_s": 60.0}
-    return AsyncEngine(model="smollm2-135m", dtype="float32", block_size=16, max_model_len=512,
-                       num_gpu_blocks_override=64, tensor_parallel_size=tp, num_threads=1,
-                       enable_prefix_caching=False, kv_transfer_config=kv)
+    kv = {
+        "kv_connector": "RayObjectStoreConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "fail",
+        "kv_load_timeout_s": 60.0,
+    }
+    return AsyncEngine(
+        model="smollm2-135m",
+        dtype="float32",
+        block_size=16,
+        max_model_len=512,
+        num_gpu_blocks_override=64,
+        tensor_parallel_size=tp,
+        num_threads=1,
+        enable_prefix_caching=False,
+        kv_transfer_config=kv,
+    )
 
 
 def test_smollm2_tp1_to_tp3_and_back():
@@ -31,8 +48,9 @@ def test_smollm2_tp1_to_tp3_and_back():
     started = not ray.is_initialized()
     for attempt in range(3 if started else 0):  # a loaded machine can miss Ray's 30 s start-up
         try:
-            ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-                     _node_ip_address="127.0.0.1")
+            ray.init(
+                address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1"
+            )
             break
         except Exception:  # noqa: BLE001 - Ray raises a bare Exception here
             ray.shutdown()

@@ -20,36 +20,65 @@ from fleetserve.kv_transfer.factory import build_context, resolve_connector_clas
 from fleetserve.kv_transfer.keys import chain_keys
 
 BS, LAYERS, HEADS, HD, NUM_BLOCKS = 4, 2, 2, 8, 16
-CFG = types.SimpleNamespace(num_attention_heads=4, num_key_value_heads=HEADS, hidden_size=32,
-                            num_hidden_layers=LAYERS, vocab_size=97, model_type="llama", head_dim=HD)
+CFG = types.SimpleNamespace(
+    num_attention_heads=4,
+    num_key_value_heads=HEADS,
+    hidden_size=32,
+    num_hidden_layers=LAYERS,
+    vocab_size=97,
+    model_type="llama",
+    head_dim=HD,
+)
 BLOCKS = [0, 1, 2]
 
 
 def half(name: str, role: str, extra: dict, model: str = "m", faults: dict | None = None):
     if faults:
         name, extra = "FaultInjectionConnector", {"inner": name, "inner_extra": extra, "faults": faults}
-    cfg = KVTransferConfig(kv_connector=name, kv_role=role, kv_load_timeout_s=10,
-                           kv_connector_extra_config=extra, engine_id=f"refuse-{role}-{time.monotonic_ns()}")
+    cfg = KVTransferConfig(
+        kv_connector=name,
+        kv_role=role,
+        kv_load_timeout_s=10,
+        kv_connector_extra_config=extra,
+        engine_id=f"refuse-{role}-{time.monotonic_ns()}",
+    )
     w = resolve_connector_class(name)(cfg, KVConnectorRole.WORKER, build_context(cfg, model, CFG, torch.float32, BS))
     seed = 0 if role == "kv_producer" else 1
-    w.register_kv_caches([torch.randn((2, HEADS, NUM_BLOCKS, BS, HD), generator=torch.Generator().manual_seed(seed))
-                          for _ in range(LAYERS)])
+    w.register_kv_caches(
+        [
+            torch.randn((2, HEADS, NUM_BLOCKS, BS, HD), generator=torch.Generator().manual_seed(seed))
+            for _ in range(LAYERS)
+        ]
+    )
     return w
 
 
 def hand_off(prod, cons, tid: str) -> set[int]:
-    keys = chain_keys(prod.ctx.fingerprint, [(hash(tid) + j) % 90 + 1 for j in range(len(BLOCKS) * BS)],
-                      BS, len(BLOCKS))
+    keys = chain_keys(
+        prod.ctx.fingerprint, [(hash(tid) + j) % 90 + 1 for j in range(len(BLOCKS) * BS)], BS, len(BLOCKS)
+    )
     prod.bind_connector_metadata(ConnectorMetadata(saves=[SaveSpec("p", tid, BLOCKS, keys, 60)]))
     prod.start_load_kv()
     prod.clear_connector_metadata()
     prod.half.wait_for_exports(10)
     # The consumer's own keys: its fingerprint (another model's differs) over the same tokens.
-    ckeys = chain_keys(cons.ctx.fingerprint, [(hash(tid) + j) % 90 + 1 for j in range(len(BLOCKS) * BS)],
-                       BS, len(BLOCKS))
-    cons.bind_connector_metadata(ConnectorMetadata(loads=[LoadSpec(
-        "c", tid, BLOCKS, ckeys, time.time() + 10,
-        {"remote_tp_size": 1, "remote_engine_id": prod.ctx.engine_id, **prod.half.transport.location(tid)})]))
+    ckeys = chain_keys(
+        cons.ctx.fingerprint, [(hash(tid) + j) % 90 + 1 for j in range(len(BLOCKS) * BS)], BS, len(BLOCKS)
+    )
+    cons.bind_connector_metadata(
+        ConnectorMetadata(
+            loads=[
+                LoadSpec(
+                    "c",
+                    tid,
+                    BLOCKS,
+                    ckeys,
+                    time.time() + 10,
+                    {"remote_tp_size": 1, "remote_engine_id": prod.ctx.engine_id, **prod.half.transport.location(tid)},
+                )
+            ]
+        )
+    )
     cons.start_load_kv()
     cons.clear_connector_metadata()
     deadline = time.monotonic() + 15
@@ -85,8 +114,9 @@ def test_bad_blocks_are_refused_and_none_of_their_bytes_land(local_ray, connecto
                 assert time.monotonic() < deadline, "the refused export is still held"
                 time.sleep(0.02)
         assert hand_off(good_prod, cons, f"good-{bad}") == set()
-        assert all(torch.equal(p[:, :, BLOCKS], c[:, :, BLOCKS])
-                   for p, c in zip(good_prod.half.kv_caches, cons.half.kv_caches))
+        assert all(
+            torch.equal(p[:, :, BLOCKS], c[:, :, BLOCKS]) for p, c in zip(good_prod.half.kv_caches, cons.half.kv_caches)
+        )
     finally:
         for w in (prod, cons, good_prod):
             w.shutdown()

@@ -24,17 +24,24 @@ def engines(tiny_model_dir, request, tmp_path_factory):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     started = not ray.is_initialized()
     if started:
-        ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False,
-                 _node_ip_address="127.0.0.1")
-    kv = {"kv_connector": request.param, "kv_role": "kv_both",
-          "kv_load_failure_policy": "fail", "kv_load_timeout_s": 20.0,
-          "kv_connector_extra_config": {
-              "P2PConnector": {"host": "127.0.0.1"},
-              "SharedStorageConnector": {"path": str(tmp_path_factory.mktemp("kv-tp"))}}.get(request.param, {})}
+        ray.init(
+            address="local", num_cpus=6, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1"
+        )
+    kv = {
+        "kv_connector": request.param,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "fail",
+        "kv_load_timeout_s": 20.0,
+        "kv_connector_extra_config": {
+            "P2PConnector": {"host": "127.0.0.1"},
+            "SharedStorageConnector": {"path": str(tmp_path_factory.mktemp("kv-tp"))},
+        }.get(request.param, {}),
+    }
     # No local prefix cache: every hand-off below must come through the connector.
-    made = {name: engine(tiny_model_dir, kv, tensor_parallel_size=tp, enable_prefix_caching=False,
-                         num_threads=1)
-            for name, tp in (("tp1", 1), ("tp2a", 2), ("tp2b", 2))}
+    made = {
+        name: engine(tiny_model_dir, kv, tensor_parallel_size=tp, enable_prefix_caching=False, num_threads=1)
+        for name, tp in (("tp1", 1), ("tp2a", 2), ("tp2b", 2))
+    }
     yield made
     for e in made.values():
         e.shutdown()

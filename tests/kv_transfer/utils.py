@@ -16,9 +16,15 @@ NUM_BLOCKS = 128
 
 def engine(model_dir, kv: Optional[dict] = None, **kw) -> AsyncEngine:
     kw.setdefault("core_process", True)
-    return AsyncEngine(model=str(model_dir), dtype="float32", block_size=BLOCK,
-                       num_gpu_blocks_override=NUM_BLOCKS, max_model_len=256,
-                       kv_transfer_config=kv, **kw)
+    return AsyncEngine(
+        model=str(model_dir),
+        dtype="float32",
+        block_size=BLOCK,
+        num_gpu_blocks_override=NUM_BLOCKS,
+        max_model_len=256,
+        kv_transfer_config=kv,
+        **kw,
+    )
 
 
 async def collect(eng: AsyncEngine, prompt, sp: SamplingParams, params: Optional[dict] = None):
@@ -33,8 +39,14 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
-async def hand_off(prod: AsyncEngine, cons: AsyncEngine, prompt: list[int], max_tokens: int,
-                   transfer_id: Optional[str] = None, mutate=None):
+async def hand_off(
+    prod: AsyncEngine,
+    cons: AsyncEngine,
+    prompt: list[int],
+    max_tokens: int,
+    transfer_id: Optional[str] = None,
+    mutate=None,
+):
     """Prefill on `prod` (max_tokens=1), decode on `cons` with the producer's params."""
     tid = transfer_id or uuid.uuid4().hex
     _, pfinal = await collect(prod, prompt, greedy(1), {"do_remote_decode": True, "transfer_id": tid})
@@ -51,8 +63,7 @@ def wait_all_free(eng: AsyncEngine, timeout_s: float = 10.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         load = eng.get_load()
-        if load["num_free_blocks"] == load["num_blocks"] and load["num_running"] == 0 \
-                and load["num_waiting"] == 0:
+        if load["num_free_blocks"] == load["num_blocks"] and load["num_running"] == 0 and load["num_waiting"] == 0:
             return load
         if time.monotonic() > deadline:
             raise AssertionError(f"blocks still held: {load}")
@@ -63,8 +74,16 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def load_before_export(prod, cons, tid: str, keys: list[str], blocks: list[int], delay_s: float,
-                       source: Optional[dict] = None, timeout_s: float = 20.0) -> float:
+def load_before_export(
+    prod,
+    cons,
+    tid: str,
+    keys: list[str],
+    blocks: list[int],
+    delay_s: float,
+    source: Optional[dict] = None,
+    timeout_s: float = 20.0,
+) -> float:
     """Worker halves: the consumer asks for `tid` into `blocks` first, the producer exports its
     same blocks `delay_s` later (on a thread). Returns the seconds the load took; fails the
     test if it does not finish within `timeout_s`."""
@@ -73,8 +92,7 @@ def load_before_export(prod, cons, tid: str, keys: list[str], blocks: list[int],
     from fleetserve.kv_transfer.base import ConnectorMetadata, LoadSpec, SaveSpec
 
     deadline = time.time() + timeout_s
-    cons.bind_connector_metadata(ConnectorMetadata(loads=[LoadSpec("r0", tid, blocks, keys, deadline,
-                                                                   source or {})]))
+    cons.bind_connector_metadata(ConnectorMetadata(loads=[LoadSpec("r0", tid, blocks, keys, deadline, source or {})]))
     cons.start_load_kv()
     cons.clear_connector_metadata()
 

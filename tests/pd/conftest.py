@@ -61,12 +61,14 @@ class PDServer:
         return [s for fam in self.metrics() if fam.name == name for s in fam.samples]
 
     def pd_tokens(self) -> dict[str, float]:
-        return {s.labels["source"]: s.value for s in self.samples("fleetserve:pd_decode_prompt_tokens")
-                if s.name.endswith("_total")}
+        return {
+            s.labels["source"]: s.value
+            for s in self.samples("fleetserve:pd_decode_prompt_tokens")
+            if s.name.endswith("_total")
+        }
 
     def pd_paths(self) -> dict[str, float]:
-        return {s.labels["path"]: s.value for s in self.samples("fleetserve:pd_requests")
-                if s.name.endswith("_total")}
+        return {s.labels["path"]: s.value for s in self.samples("fleetserve:pd_requests") if s.name.endswith("_total")}
 
     def kill(self, pool: str) -> int:
         """SIGKILL the (one) replica process of `pool`; returns its pid."""
@@ -106,8 +108,9 @@ class PDServer:
             try:
                 fams = {f.name: f for f in self.metrics()}
                 usage = [s.value for s in fams["vllm:kv_cache_usage_perc"].samples]
-                busy = [s.value for n in ("vllm:num_requests_running", "vllm:num_requests_waiting")
-                        for s in fams[n].samples]
+                busy = [
+                    s.value for n in ("vllm:num_requests_running", "vllm:num_requests_waiting") for s in fams[n].samples
+                ]
                 if len(usage) == 2 and all(u == 0 for u in usage) and not any(busy):
                     return
                 state = (usage, busy)
@@ -133,19 +136,36 @@ def _start_server(tmp_path, model_dir, pd: dict, name: str = APP, **top):
     port, grpc_port = free_port(), free_port()
     config = {
         "name": name,
-        "engine": {"model": str(model_dir), "served_model_name": "tiny", "max_model_len": 256,
-                   "num_gpu_blocks_override": 96, "max_num_seqs": 8, "num_threads": 1,
-                   "block_size": BLOCK, "dtype": "float32", **top.pop("engine", {})},
-        "num_cpus_per_replica": 0, "routing_policy": "prefix_aware",
-        "http": {"port": port}, "grpc": {"port": grpc_port},
-        "pd": pd, **top,
+        "engine": {
+            "model": str(model_dir),
+            "served_model_name": "tiny",
+            "max_model_len": 256,
+            "num_gpu_blocks_override": 96,
+            "max_num_seqs": 8,
+            "num_threads": 1,
+            "block_size": BLOCK,
+            "dtype": "float32",
+            **top.pop("engine", {}),
+        },
+        "num_cpus_per_replica": 0,
+        "routing_policy": "prefix_aware",
+        "http": {"port": port},
+        "grpc": {"port": grpc_port},
+        "pd": pd,
+        **top,
     }
     path = tmp_path / "app.yaml"
     path.write_text(yaml.safe_dump(config))
     log_path = tmp_path / "serve.log"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    cmd = [sys.executable, "-c", "from fleetserve.cluster.cli import main; raise SystemExit(main())",
-           "serve", "--config", str(path)]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from fleetserve.cluster.cli import main; raise SystemExit(main())",
+        "serve",
+        "--config",
+        str(path),
+    ]
     log = open(log_path, "w+")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     server = PDServer(port, log_path, grpc_port, name)
@@ -180,11 +200,20 @@ def stop_server(proc) -> None:
 @pytest.fixture(scope="module")
 def pd_server(tmp_path_factory, pd_model_dir, pd_lora_dir):
     tmp = tmp_path_factory.mktemp("pd-app")
-    proc, server = start_server(tmp, pd_model_dir, engine={"lora_modules": [f"tiny-lora={pd_lora_dir}"]}, pd={
-        "enabled": True, "connector": "ray_object_store",
-        # 60 s: an engine's first transfer also connects its engine-core process to Ray and
-        # starts the KV owner actor (tens of seconds on a loaded 2-core machine).
-        "min_prefill_tokens": 32, "kv_lease_s": 60.0, "kv_load_timeout_s": 60.0})
+    proc, server = start_server(
+        tmp,
+        pd_model_dir,
+        engine={"lora_modules": [f"tiny-lora={pd_lora_dir}"]},
+        pd={
+            "enabled": True,
+            "connector": "ray_object_store",
+            # 60 s: an engine's first transfer also connects its engine-core process to Ray and
+            # starts the KV owner actor (tens of seconds on a loaded 2-core machine).
+            "min_prefill_tokens": 32,
+            "kv_lease_s": 60.0,
+            "kv_load_timeout_s": 60.0,
+        },
+    )
     yield server
     stop_server(proc)
 
@@ -195,11 +224,18 @@ def slow_load_server(tmp_path_factory, pd_model_dir):
     load times out (the decode engine's policy: fail, so the router recomputes). The 3 s
     in WAITING_FOR_REMOTE_KVS are long enough for a test to see them in /metrics."""
     tmp = tmp_path_factory.mktemp("pd-slow-app")
-    proc, server = start_server(tmp, pd_model_dir, {
-        "enabled": True, "connector": "FaultInjectionConnector",
-        "kv_connector_extra_config": {"inner": "RayObjectStoreConnector",
-                                      "faults": {"delay_s": 4.0}},
-        "min_prefill_tokens": 32, "kv_lease_s": 10.0, "kv_load_timeout_s": 3.0})
+    proc, server = start_server(
+        tmp,
+        pd_model_dir,
+        {
+            "enabled": True,
+            "connector": "FaultInjectionConnector",
+            "kv_connector_extra_config": {"inner": "RayObjectStoreConnector", "faults": {"delay_s": 4.0}},
+            "min_prefill_tokens": 32,
+            "kv_lease_s": 10.0,
+            "kv_load_timeout_s": 3.0,
+        },
+    )
     yield server
     stop_server(proc)
 
@@ -211,15 +247,22 @@ def reuse_server(tmp_path_factory, pd_model_dir):
     their blocks with sha256 in blocks of REUSE_BLOCK tokens (neither is the default): the
     router must take both from the engines' info to find a holder in its index."""
     tmp = tmp_path_factory.mktemp("reuse-app")
-    proc, server = start_server(tmp, pd_model_dir, {"enabled": False}, num_replicas=2,
-                                engine={"prefix_caching_hash_algo": "sha256",
-                                        "block_size": REUSE_BLOCK, "max_model_len": REUSE_LEN,
-                                        "num_gpu_blocks_override": 3 * REUSE_LEN // REUSE_BLOCK},
-                                routing={"imbalance_threshold": 1, "stats_period_s": 0.2},
-                                # 60 s: the first transfer of an engine connects its core
-                                # process to Ray (tens of seconds on a loaded 2-core machine)
-                                cluster_reuse={"enabled": True, "min_tokens": 32,
-                                               "kv_load_timeout_s": 60.0})
+    proc, server = start_server(
+        tmp,
+        pd_model_dir,
+        {"enabled": False},
+        num_replicas=2,
+        engine={
+            "prefix_caching_hash_algo": "sha256",
+            "block_size": REUSE_BLOCK,
+            "max_model_len": REUSE_LEN,
+            "num_gpu_blocks_override": 3 * REUSE_LEN // REUSE_BLOCK,
+        },
+        routing={"imbalance_threshold": 1, "stats_period_s": 0.2},
+        # 60 s: the first transfer of an engine connects its core
+        # process to Ray (tens of seconds on a loaded 2-core machine)
+        cluster_reuse={"enabled": True, "min_tokens": 32, "kv_load_timeout_s": 60.0},
+    )
     yield server
     stop_server(proc)
 
@@ -230,19 +273,28 @@ def colocated(pd_model_dir, pd_lora_dir):
     `lora=True`: with pd_server's adapter."""
     from fleetserve import LLM, LoRARequest, SamplingParams
 
-    llm = LLM(str(pd_model_dir), dtype="float32", block_size=BLOCK, max_model_len=256,
-              num_gpu_blocks_override=96, num_threads=1, enable_lora=True)
+    llm = LLM(
+        str(pd_model_dir),
+        dtype="float32",
+        block_size=BLOCK,
+        max_model_len=256,
+        num_gpu_blocks_override=96,
+        num_threads=1,
+        enable_lora=True,
+    )
     cache: dict[tuple, str] = {}
 
     def text(prompt_ids: list[int], n: int = MAX_TOKENS, lora: bool = False) -> str:
         key = (tuple(prompt_ids), n, lora)
         if key not in cache:
-            out = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=n,
-                                                          ignore_eos=True), use_tqdm=False,
-                               lora_request=LoRARequest("tiny-lora", 1, str(pd_lora_dir)) if lora else None)
+            out = llm.generate(
+                prompt_ids,
+                SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                use_tqdm=False,
+                lora_request=LoRARequest("tiny-lora", 1, str(pd_lora_dir)) if lora else None,
+            )
             cache[key] = out[0].outputs[0].text
         return cache[key]
 
     text.llm = llm  # (embeddings: tests/pd/test_pd_e2e.py)
     yield text
-

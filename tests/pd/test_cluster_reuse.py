@@ -23,13 +23,15 @@ pytestmark = pytest.mark.slow
 
 
 def reuse_counts(server) -> dict[str, float]:
-    return {s.labels["outcome"]: s.value for s in server.samples("fleetserve:prefix_reuse_requests")
-            if s.name.endswith("_total")}
+    return {
+        s.labels["outcome"]: s.value
+        for s in server.samples("fleetserve:prefix_reuse_requests")
+        if s.name.endswith("_total")
+    }
 
 
 def prompt_tokens_by_replica(server) -> dict[str, float]:
-    return {s.labels["replica"]: s.value for s in server.samples("vllm:prompt_tokens")
-            if s.name.endswith("_total")}
+    return {s.labels["replica"]: s.value for s in server.samples("vllm:prompt_tokens") if s.name.endswith("_total")}
 
 
 def settle(server, timeout_s: float = 30.0) -> None:
@@ -63,14 +65,19 @@ def test_replica_without_the_prefix_loads_it_from_its_busy_peer(reuse_server, co
             break
         tries.append((details, reuse_counts(s)))
     else:
-        pytest.fail(f"the question never went to the replica lacking the prefix in 3 tries "
-                    f"(usage details, reuse counts: {tries})")
+        pytest.fail(
+            f"the question never went to the replica lacking the prefix in 3 tries "
+            f"(usage details, reuse counts: {tries})"
+        )
     assert details["remote_tokens"] >= len(tokenize(s, prompt=prefix)) // REUSE_BLOCK * REUSE_BLOCK - REUSE_BLOCK
     assert len(ids) - details["cached_tokens"] <= 2 * REUSE_BLOCK  # computed only the new tail
     after = reuse_counts(s)
     assert after.get("exported", 0) == before.get("exported", 0) + 1
-    loaded = {x.labels["source"]: x.value for x in s.samples("fleetserve:prefix_reuse_prompt_tokens")
-              if x.name.endswith("_total")}
+    loaded = {
+        x.labels["source"]: x.value
+        for x in s.samples("fleetserve:prefix_reuse_prompt_tokens")
+        if x.name.endswith("_total")
+    }
     assert loaded["loaded"] >= details["remote_tokens"]
     s.wait_all_free()
 
@@ -80,8 +87,7 @@ def _question_while_holder_streams(s, prefix: str, prompt: str, ids: list[int], 
     `prompt` meanwhile; the question's usage details (its answer checked)."""
     stop, streaming = threading.Event(), threading.Event()
     # Ends when the question is answered (the client disconnects: the engine aborts it).
-    body = {"model": "tiny", "prompt": prefix + " busy", "max_tokens": 1800, "ignore_eos": True,
-            "stream": True}
+    body = {"model": "tiny", "prompt": prefix + " busy", "max_tokens": 1800, "ignore_eos": True, "stream": True}
 
     def hold() -> None:
         with httpx.Client(timeout=120) as http:
@@ -108,9 +114,11 @@ LINGER_S = 1.0  # PrefixAwarePolicy.linger_s: how long a finished request's hint
 
 
 def routed(server) -> dict[str, float]:
-    return {x.labels["prefix_match"]: x.value
-            for x in server.samples("fleetserve:router_prefix_routed_requests")
-            if x.name.endswith("_total")}
+    return {
+        x.labels["prefix_match"]: x.value
+        for x in server.samples("fleetserve:router_prefix_routed_requests")
+        if x.name.endswith("_total")
+    }
 
 
 def index_blocks(server) -> float:
@@ -136,7 +144,8 @@ def test_precise_routing_hits_with_sha256_block_hashes(reuse_server):
         before = routed(s)
         out = complete(s, prefix + " again", n=1)
         after = routed(s)
-        assert after.get("true", 0) - before.get("true", 0) == 1, \
+        assert after.get("true", 0) - before.get("true", 0) == 1, (
             f"prefix {i}: routed without a match in the index ({before} -> {after})"
+        )
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 2 * REUSE_BLOCK, out["usage"]
     s.wait_all_free()

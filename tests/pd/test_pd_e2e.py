@@ -43,9 +43,15 @@ def check_usage(usage, prompt_len: int) -> None:
 
 def stream_chat(c: openai.OpenAI, model: str, messages: list, n: int):
     """(text, usage, finish_reason) of a streamed greedy chat of `n` tokens (EOS ignored)."""
-    chunks = c.chat.completions.create(model=model, messages=messages, max_tokens=n, temperature=0,
-                                       stream=True, stream_options={"include_usage": True},
-                                       extra_body={"ignore_eos": True})
+    chunks = c.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=n,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     text, usage, finish = "", None, None
     for ch in chunks:
         usage = ch.usage or usage
@@ -60,8 +66,9 @@ def completion_equals_colocated(server, colocated, prompt: str) -> None:
     engine's text, and the decode side computed at most its last block."""
     ids = tokenize(server, prompt=prompt)
     assert len(ids) > 2 * BLOCK
-    r = client(server).completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS,
-                                          temperature=0, extra_body={"ignore_eos": True})
+    r = client(server).completions.create(
+        model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].text == colocated(ids)
     check_usage(r.usage, len(ids))
 
@@ -87,16 +94,16 @@ def test_completions_equal_colocated_and_decode_computes_at_most_a_block(pd_serv
 def test_streaming_chat_equals_colocated(pd_server, colocated):
     c = client(pd_server)
     rng = random.Random(2)
-    messages = [{"role": "system", "content": long_prompt(rng, 30)},
-                {"role": "user", "content": "Say something."}]
+    messages = [{"role": "system", "content": long_prompt(rng, 30)}, {"role": "user", "content": "Say something."}]
     ids = tokenize(pd_server, messages=messages)
     text, usage, finish = stream_chat(c, "tiny", messages, MAX_TOKENS)
     assert finish == "length"
     assert text == colocated(ids)
     check_usage(usage, len(ids))
     # Not streamed, the same conversation: the same answer.
-    r = c.chat.completions.create(model="tiny", messages=messages, max_tokens=MAX_TOKENS,
-                                  temperature=0, extra_body={"ignore_eos": True})
+    r = c.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].message.content == text
     pd_server.wait_all_free()
 
@@ -125,14 +132,14 @@ def test_short_prompt_skips_the_prefill_pool(pd_server, colocated):
     prompt = "hi there"
     ids = tokenize(pd_server, prompt=prompt)
     assert len(ids) < 32
-    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                             extra_body={"ignore_eos": True})
+    r = c.completions.create(
+        model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].text == colocated(ids)
     after = pd_server.pd_paths()
     assert after.get("decode_only", 0) == before.get("decode_only", 0) + 1
     assert after.get("pd", 0) == before.get("pd", 0)
     pd_server.wait_all_free()
-
 
 
 def test_embeddings_run_on_the_prefill_pool_and_equal_one_engine(pd_server, colocated):
@@ -146,8 +153,7 @@ def test_embeddings_run_on_the_prefill_pool_and_equal_one_engine(pd_server, colo
     ids = [tokenize(pd_server, prompt=t) for t in texts]
     want = colocated.llm.embed([{"prompt_token_ids": i} for i in ids], use_tqdm=False)
     for got, w in zip(r.data, want):
-        torch.testing.assert_close(torch.tensor(got.embedding), torch.tensor(w.outputs.embedding),
-                                   atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(torch.tensor(got.embedding), torch.tensor(w.outputs.embedding), atol=1e-5, rtol=1e-4)
     assert r.usage.prompt_tokens == sum(map(len, ids))
     assert pd_server.pd_paths().get("prefill_only", 0) == before + 2
     pd_server.wait_all_free()
@@ -161,19 +167,25 @@ def test_grpc_generate_goes_through_pd_too(pd_server, colocated):
 
     ids = tokenize(pd_server, prompt=long_prompt(random.Random(5)))
     before = pd_server.pd_paths().get("pd", 0)
-    req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=ids), sampling_params=pb.SamplingParams(
-        max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    req = pb.GenerateRequest(
+        prompt_token_ids=pb.TokenIds(ids=ids),
+        sampling_params=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+    )
     with grpc.insecure_channel(pd_server.grpc_target) as channel:
-        msgs = list(pb_grpc.FleetServeStub(channel).Generate(
-            req, metadata=(("application", pd_server.app),), timeout=120))
+        msgs = list(
+            pb_grpc.FleetServeStub(channel).Generate(req, metadata=(("application", pd_server.app),), timeout=120)
+        )
     assert "".join(m.text for m in msgs) == colocated(ids)
     assert pd_server.pd_paths().get("pd", 0) == before + 1
     pd_server.wait_all_free()
 
 
 def complete(server, prompt: str, n: int = MAX_TOKENS) -> dict:
-    r = httpx.post(server.base_url + "/v1/completions", timeout=120, json={
-        "model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True})
+    r = httpx.post(
+        server.base_url + "/v1/completions",
+        timeout=120,
+        json={"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -189,8 +201,9 @@ def test_prefill_replica_dies_decode_recomputes_then_pd_resumes(pd_server, coloc
     pd_server.wait_replaced("prefill", old)  # (/metrics answers 503 while a replica is down)
     paths = pd_server.pd_paths()
     # It was counted on one path: prefill_failed, or pd if Serve had already replaced it.
-    assert paths.get("prefill_failed", 0) + paths.get("pd", 0) == \
-        before.get("prefill_failed", 0) + before.get("pd", 0) + 1
+    assert (
+        paths.get("prefill_failed", 0) + paths.get("pd", 0) == before.get("prefill_failed", 0) + before.get("pd", 0) + 1
+    )
     prompt = long_prompt(rng)
     body = complete(pd_server, prompt)
     assert body["choices"][0]["text"] == colocated(tokenize(pd_server, prompt=prompt))
@@ -203,8 +216,11 @@ def test_decode_replica_restart(pd_server, colocated):
     old = pd_server.kill("decode")
     # While it is down a request fails with a clear error (never a silent empty answer), or
     # is served by the replacement.
-    r = httpx.post(pd_server.base_url + "/v1/completions", timeout=120, json={
-        "model": "tiny", "prompt": long_prompt(rng), "max_tokens": 4, "stream": True})
+    r = httpx.post(
+        pd_server.base_url + "/v1/completions",
+        timeout=120,
+        json={"model": "tiny", "prompt": long_prompt(rng), "max_tokens": 4, "stream": True},
+    )
     if r.status_code == 200:
         events = [line for line in r.text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]"

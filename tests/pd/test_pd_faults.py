@@ -58,13 +58,16 @@ def test_client_abort_while_waiting_for_remote_kv(slow_load_server):
     a raw socket, closed while the decode replica waits for the KV."""
     s = slow_load_server
     aborted = _aborted(s)
-    body = json.dumps({"model": "tiny", "prompt": long_prompt(random.Random(13)), "max_tokens": 8,
-                       "stream": True, "ignore_eos": True}).encode()
+    body = json.dumps(
+        {"model": "tiny", "prompt": long_prompt(random.Random(13)), "max_tokens": 8, "stream": True, "ignore_eos": True}
+    ).encode()
     host, port = s.base_url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)))
     try:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                     b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        )
         deadline = time.time() + 60
         while not _decode_waiting(s):
             assert time.time() < deadline, "the request never reached decode"
@@ -79,8 +82,11 @@ def test_client_abort_while_waiting_for_remote_kv(slow_load_server):
 
 
 def _aborted(s) -> float:
-    return sum(x.value for x in s.samples("vllm:request_success")
-               if x.name.endswith("_total") and x.labels.get("finished_reason") == "abort")
+    return sum(
+        x.value
+        for x in s.samples("vllm:request_success")
+        if x.name.endswith("_total") and x.labels.get("finished_reason") == "abort"
+    )
 
 
 def _decode_waiting(s) -> bool:
@@ -88,5 +94,8 @@ def _decode_waiting(s) -> bool:
 
 
 def _retries(s) -> float:
-    return sum(sm.value for sm in s.samples("fleetserve:pd_retries")
-               if sm.name.endswith("_total") and sm.labels.get("stage") == "decode")
+    return sum(
+        sm.value
+        for sm in s.samples("fleetserve:pd_retries")
+        if sm.name.endswith("_total") and sm.labels.get("stage") == "decode"
+    )

@@ -17,9 +17,18 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def p2p_server(tmp_path_factory, pd_model_dir):
-    proc, server = start_server(tmp_path_factory.mktemp("pd-p2p-app"), pd_model_dir, {
-        "enabled": True, "connector": "p2p", "kv_connector_extra_config": {"host": "127.0.0.1"},
-        "min_prefill_tokens": 32, "kv_lease_s": 60.0, "kv_load_timeout_s": 60.0})
+    proc, server = start_server(
+        tmp_path_factory.mktemp("pd-p2p-app"),
+        pd_model_dir,
+        {
+            "enabled": True,
+            "connector": "p2p",
+            "kv_connector_extra_config": {"host": "127.0.0.1"},
+            "min_prefill_tokens": 32,
+            "kv_lease_s": 60.0,
+            "kv_load_timeout_s": 60.0,
+        },
+    )
     yield server
     stop_server(proc)
 
@@ -29,8 +38,7 @@ def test_p2p_hand_offs_equal_colocated(p2p_server, colocated):
     before = p2p_server.pd_tokens()
     for _ in range(2):
         completion_equals_colocated(p2p_server, colocated, long_prompt(rng))
-    messages = [{"role": "system", "content": long_prompt(rng, 30)},
-                {"role": "user", "content": "Say something."}]
+    messages = [{"role": "system", "content": long_prompt(rng, 30)}, {"role": "user", "content": "Say something."}]
     ids = tokenize(p2p_server, messages=messages)
     text, usage, finish = stream_chat(client(p2p_server), "tiny", messages, MAX_TOKENS)
     assert finish == "length" and text == colocated(ids)

@@ -26,8 +26,18 @@ pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 MODEL = "smollm2-135m"
 N = 10  # output tokens per request
-ENGINE = ["--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "512",
-          "--num-gpu-blocks-override", "96", "--num-threads", "1"]
+ENGINE = [
+    "--dtype",
+    "float32",
+    "--block-size",
+    str(BLOCK),
+    "--max-model-len",
+    "512",
+    "--num-gpu-blocks-override",
+    "96",
+    "--num-threads",
+    "1",
+]
 PROMPTS = [
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
     "combined movable metal type, oil-based ink and a wooden screw press. Books that had taken a "
@@ -39,20 +49,20 @@ PROMPTS = [
     "the gas the yeast makes while the dough rises and give the loaf its open crumb. What happens "
     "if you skip the kneading?",
 ]
-SYSTEM = ("You are a careful assistant for a museum of natural history. Answer visitors' questions "
-          "about fossils, minerals and the animals on display in plain words, in two sentences.")
+SYSTEM = (
+    "You are a careful assistant for a museum of natural history. Answer visitors' questions "
+    "about fossils, minerals and the animals on display in plain words, in two sentences."
+)
 
 
 def one_engine():
     """Greedy text of one engine that computes the whole prompt itself."""
     from fleetserve import LLM, SamplingParams
 
-    llm = LLM(MODEL, dtype="float32", block_size=BLOCK, max_model_len=512,
-              num_gpu_blocks_override=96, num_threads=1)
+    llm = LLM(MODEL, dtype="float32", block_size=BLOCK, max_model_len=512, num_gpu_blocks_override=96, num_threads=1)
 
     def text(ids: list[int]) -> str:
-        out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True),
-                           use_tqdm=False)
+        out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True), use_tqdm=False)
         return out[0].outputs[0].text
 
     return text
@@ -63,14 +73,35 @@ def pd_cli_server(tmp_path_factory):
     pytest.importorskip("gguf")
     tmp = tmp_path_factory.mktemp("pd-real")
     port, grpc_port = free_port(), free_port()
-    cmd = [sys.executable, "-c", "from fleetserve.cluster.cli import main; raise SystemExit(main())",
-           "serve", "--pd", "--num-prefill-replicas", "1", "--num-decode-replicas", "1",
-           "--kv-connector", "ray_object_store", "--pd-min-prefill-tokens", "32",
-           "--port", str(port), "--grpc-port", str(grpc_port), *ENGINE]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from fleetserve.cluster.cli import main; raise SystemExit(main())",
+        "serve",
+        "--pd",
+        "--num-prefill-replicas",
+        "1",
+        "--num-decode-replicas",
+        "1",
+        "--kv-connector",
+        "ray_object_store",
+        "--pd-min-prefill-tokens",
+        "32",
+        "--port",
+        str(port),
+        "--grpc-port",
+        str(grpc_port),
+        *ENGINE,
+    ]
     log_path = tmp / "serve.log"
     log = open(log_path, "w+")
-    proc = subprocess.Popen(cmd, env={**os.environ, "RAY_AUTH_MODE": "disabled"}, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     server = PDServer(port, log_path, grpc_port, app="fleetserve")
     server.model = MODEL
     try:
@@ -103,13 +134,16 @@ def test_smollm2_pd_completions_and_streamed_chat_equal_one_engine(pd_cli_server
     for prompt in PROMPTS:
         ids = tokenize(server, prompt=prompt)
         assert len(ids) > 2 * BLOCK
-        r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=N, temperature=0,
-                                 extra_body={"ignore_eos": True})
+        r = c.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=N, temperature=0, extra_body={"ignore_eos": True}
+        )
         assert r.choices[0].text == reference(ids)
         check_usage(r.usage, len(ids))
 
-    messages = [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": "How old is the oldest fossil here?"}]
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "How old is the oldest fossil here?"},
+    ]
     ids = tokenize(server, messages=messages)
     text, usage, finish = stream_chat(c, MODEL, messages, N)
     assert finish == "length"

@@ -9,18 +9,25 @@ def tiny_loras(tiny_model_dir, tmp_path_factory):
     from fleetserve.replica.testing import make_tiny_lora
 
     root = tmp_path_factory.mktemp("loras")
-    return {"a": make_tiny_lora(tiny_model_dir, root / "a", seed=1),
-            "b": make_tiny_lora(tiny_model_dir, root / "b", r=4, lora_alpha=8, target_modules=("q_proj", "v_proj"),
-                                seed=2),
-            "rs": make_tiny_lora(tiny_model_dir, root / "rs", r=16, lora_alpha=4, use_rslora=True,
-                                 target_modules=("o_proj", "gate_proj", "down_proj"), seed=3)}
+    return {
+        "a": make_tiny_lora(tiny_model_dir, root / "a", seed=1),
+        "b": make_tiny_lora(tiny_model_dir, root / "b", r=4, lora_alpha=8, target_modules=("q_proj", "v_proj"), seed=2),
+        "rs": make_tiny_lora(
+            tiny_model_dir,
+            root / "rs",
+            r=16,
+            lora_alpha=4,
+            use_rslora=True,
+            target_modules=("o_proj", "gate_proj", "down_proj"),
+            seed=3,
+        ),
+    }
 
 
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread():
     # Two cores shared by everything: tests take one thread each.
     torch.set_num_threads(1)
-
 
 
 def hf_greedy(model_dir, prompts_ids, max_new_tokens, dtype=torch.float32):
@@ -35,5 +42,5 @@ def hf_greedy(model_dir, prompts_ids, max_new_tokens, dtype=torch.float32):
             for _ in range(max_new_tokens):
                 logits = model(torch.tensor([seq])).logits[0, -1]
                 seq.append(int(logits.argmax()))
-            outs.append(seq[len(ids):])
+            outs.append(seq[len(ids) :])
     return outs

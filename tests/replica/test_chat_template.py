@@ -10,8 +10,10 @@ from pydantic import ValidationError
 from fleetserve.replica.engine.chat_template import check_template_kwargs, read_chat_template
 from fleetserve.replica.engine.engine_args import EngineArgs
 
-TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}[assistant]{% endif %}{% if mood is defined %} ({{ mood }}){% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant]{% endif %}{% if mood is defined %} ({{ mood }}){% endif %}"
+)
 
 
 def test_a_file_is_read_and_text_is_taken_as_it_is(tmp_path):
@@ -24,11 +26,14 @@ def test_a_file_is_read_and_text_is_taken_as_it_is(tmp_path):
     assert read_chat_template(None) is None
 
 
-@pytest.mark.parametrize("value, says", [
-    ("no/such/file.jinja", "neither a file nor a Jinja template"),
-    ("{% for m in messages %}{{ m }}", "not a valid Jinja template"),
-    ("   ", "empty"),
-])
+@pytest.mark.parametrize(
+    "value, says",
+    [
+        ("no/such/file.jinja", "neither a file nor a Jinja template"),
+        ("{% for m in messages %}{{ m }}", "not a valid Jinja template"),
+        ("   ", "empty"),
+    ],
+)
 def test_what_is_neither_is_refused_with_the_reason(value, says):
     with pytest.raises(ValueError, match=says):
         read_chat_template(value)
@@ -45,7 +50,8 @@ def test_a_broken_template_file_names_the_file_and_the_line(tmp_path):
 
 def test_reserved_kwargs_are_refused():
     assert check_template_kwargs(None) == {} and check_template_kwargs({"enable_thinking": False}) == {
-        "enable_thinking": False}
+        "enable_thinking": False
+    }
     with pytest.raises(ValueError, match="may not set messages, tools"):
         check_template_kwargs({"tools": [], "messages": [], "x": 1})
 
@@ -54,8 +60,13 @@ def test_llm_chat_renders_with_the_configured_template_and_kwargs(tmp_path):
     from fleetserve import LLM, SamplingParams
     from fleetserve.replica.testing import make_tiny_llama
 
-    llm = LLM(str(make_tiny_llama(tmp_path / "tiny")), chat_template=TEMPLATE, max_model_len=128,
-              num_gpu_blocks_override=16, num_threads=1)
+    llm = LLM(
+        str(make_tiny_llama(tmp_path / "tiny")),
+        chat_template=TEMPLATE,
+        max_model_len=128,
+        num_gpu_blocks_override=16,
+        num_threads=1,
+    )
     conv = [{"role": "user", "content": "hi"}]
     sp = SamplingParams(max_tokens=1, temperature=0)
     assert llm.chat(conv, sp, use_tqdm=False)[0].prompt == "[user] hi\n[assistant]"

@@ -25,8 +25,7 @@ def _until_unhealthy(engine, timeout_s: float, limit_s: float = 20.0) -> str:
 
 
 def test_stopped_core_fails_health_then_recovers_then_dies(tiny_model_dir):
-    engine = AsyncEngine(model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64,
-                         core_process=True)
+    engine = AsyncEngine(model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64, core_process=True)
     pid = engine.core_pid
     try:
         for _ in range(3):  # pings answered while idle
@@ -79,13 +78,22 @@ def test_a_step_longer_than_the_stall_timeout_is_progress_not_a_wedge(tmp_path):
 
     from fleetserve.replica.testing import make_tiny_llama
 
-    model = make_tiny_llama(tmp_path / "deep", hidden_size=256, num_layers=12, num_heads=4,
-                            num_kv_heads=2, max_position_embeddings=4096)
+    model = make_tiny_llama(
+        tmp_path / "deep", hidden_size=256, num_layers=12, num_heads=4, num_kv_heads=2, max_position_embeddings=4096
+    )
     core_process = True  # the layout served by default
-    engine = AsyncEngine(model=str(model), dtype="float32", num_gpu_blocks_override=600,
-                         max_model_len=4096, max_num_batched_tokens=4096, num_threads=1,
-                         enable_prefix_caching=False, core_process=core_process)
+    engine = AsyncEngine(
+        model=str(model),
+        dtype="float32",
+        num_gpu_blocks_override=600,
+        max_model_len=4096,
+        max_num_batched_tokens=4096,
+        num_threads=1,
+        enable_prefix_caching=False,
+        core_process=core_process,
+    )
     try:
+
         async def prefill(first: int) -> float:
             start = time.monotonic()
             prompt = [(first + i) % 300 + 10 for i in range(2000)]  # one step: the whole prompt

@@ -19,11 +19,20 @@ from fleetserve.scheduler import Request, SamplingParams, SchedulerStats
 
 
 def _state() -> msg.CoreState:
-    load = msg.EngineLoad(num_running=1, num_waiting=2, num_queued_tokens=30, kv_cache_usage=0.5,
-                          num_free_blocks=8, num_blocks=16)
-    stats = SchedulerStats(num_running=1, num_waiting=2, num_waiting_for_remote_kvs=0, kv_cache_usage=0.5,
-                           num_free_blocks=8, num_blocks=16, prefix_cache_queries=3, prefix_cache_hits=1,
-                           num_preemptions=0)
+    load = msg.EngineLoad(
+        num_running=1, num_waiting=2, num_queued_tokens=30, kv_cache_usage=0.5, num_free_blocks=8, num_blocks=16
+    )
+    stats = SchedulerStats(
+        num_running=1,
+        num_waiting=2,
+        num_waiting_for_remote_kvs=0,
+        kv_cache_usage=0.5,
+        num_free_blocks=8,
+        num_blocks=16,
+        prefix_cache_queries=3,
+        prefix_cache_hits=1,
+        num_preemptions=0,
+    )
     return msg.CoreState(load, stats, adds_seen=4)
 
 

@@ -33,8 +33,7 @@ def _wait_gone(pid: int, timeout_s: float = 20.0) -> bool:
 
 def test_start_up_error_names_the_cause(tiny_model_dir):
     with pytest.raises(RuntimeError, match="engine core failed to start.*KV cache budget"):
-        AsyncEngine(model=str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=16,
-                    core_process=True)
+        AsyncEngine(model=str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=16, core_process=True)
 
 
 def test_core_started_before_a_failing_tokenizer_is_stopped(tiny_model_dir, monkeypatch):
@@ -59,8 +58,9 @@ def test_core_started_before_a_failing_tokenizer_is_stopped(tiny_model_dir, monk
     assert len(started) == 1
     assert started[0].proc.poll() is not None and _wait_gone(started[0].proc.pid)
     monkeypatch.undo()
-    engine = AsyncEngine(model=str(tiny_model_dir), dtype="float32", core_process=True,
-                         kv_cache_memory_bytes=8 << 20)  # and a real start still works
+    engine = AsyncEngine(
+        model=str(tiny_model_dir), dtype="float32", core_process=True, kv_cache_memory_bytes=8 << 20
+    )  # and a real start still works
     try:
         assert engine.core_pid is not None and engine.check_health() is None
     finally:
@@ -70,8 +70,7 @@ def test_core_started_before_a_failing_tokenizer_is_stopped(tiny_model_dir, monk
 def test_stop_string_frees_blocks_and_serves_on(tiny_model_dir):
     """A stop string is found here (detokenizer) but the request lives in the core process:
     the finish crosses over, and its blocks go back to the pool."""
-    engine = AsyncEngine(model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64,
-                         core_process=True)
+    engine = AsyncEngine(model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64, core_process=True)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
     async def text_of(sp):
@@ -83,10 +82,9 @@ def test_stop_string_frees_blocks_and_serves_on(tiny_model_dir):
 
     try:
         full, _ = asyncio.run(text_of(greedy))
-        stop = full[len(full) // 2:len(full) // 2 + 2]
+        stop = full[len(full) // 2 : len(full) // 2 + 2]
         assert stop.strip(), f"no usable stop string in {full!r}"
-        cut, final = asyncio.run(text_of(SamplingParams(temperature=0, max_tokens=200,
-                                                        ignore_eos=True, stop=[stop])))
+        cut, final = asyncio.run(text_of(SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, stop=[stop])))
         assert final.outputs[0].finish_reason == "stop" and stop not in cut
         assert full.startswith(cut)
         for _ in range(100):
@@ -102,8 +100,7 @@ def test_stop_string_frees_blocks_and_serves_on(tiny_model_dir):
 
 
 def test_core_killed_mid_stream_fails_requests_and_health(tiny_model_dir):
-    engine = AsyncEngine(model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64,
-                         core_process=True)
+    engine = AsyncEngine(model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64, core_process=True)
     pid = engine.core_pid
 
     async def main():
@@ -129,16 +126,17 @@ def test_core_killed_mid_stream_fails_requests_and_health(tiny_model_dir):
 def test_core_process_exits_with_its_parent(tiny_model_dir, tmp_path):
     """A parent killed with SIGKILL runs no cleanup; the core sees its pipe close and exits."""
     script = tmp_path / "parent.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import sys, time
         from fleetserve.replica.engine.async_engine import AsyncEngine
         e = AsyncEngine(model={str(tiny_model_dir)!r}, dtype="float32", num_gpu_blocks_override=16,
                         core_process=True)
         print(e.core_pid, flush=True)
         time.sleep(600)
-    """))
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                              cwd=os.getcwd())
+    """)
+    )
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
     try:
         child_pid = int(parent.stdout.readline())
         assert psutil.pid_exists(child_pid)

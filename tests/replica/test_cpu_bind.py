@@ -105,8 +105,14 @@ def _engine_child(model_dir, lock_dir, conn):
 
     llm = LLM(model_dir, dtype="float32", cpu_bind="auto", num_threads=1, max_model_len=64)
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    conn.send((sorted(os.sched_getaffinity(0)), torch.get_num_threads(), len(out[0].outputs[0].token_ids),
-               llm.core.executor.worker.cpus))
+    conn.send(
+        (
+            sorted(os.sched_getaffinity(0)),
+            torch.get_num_threads(),
+            len(out[0].outputs[0].token_ids),
+            llm.core.executor.worker.cpus,
+        )
+    )
     llm.core.shutdown()
 
 

@@ -53,9 +53,23 @@ def variant_runs(tmp_path_factory):
         env = {**os.environ, "FLEETSERVE_CPU_MARCH": march, "FLEETSERVE_EXPECT_CPU_ISA": expected}
         log = open(out / f"{march}.log", "w+")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-             "tests/replica/test_cpu_kernels.py", "tests/replica/test_model_vs_hf.py"],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-x",
+                "tests/replica/test_cpu_kernels.py",
+                "tests/replica/test_model_vs_hf.py",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         runs[march] = (proc, log)
     yield runs
     for run in runs.values():

@@ -45,7 +45,7 @@ def test_rms_norm_and_fused_add(dtype, n):
     if dtype == torch.bfloat16:
         differ = ours != theirs
         assert differ.float().mean() <= 0.002
-        one_step = theirs.float().abs() * 2.0 ** -7
+        one_step = theirs.float().abs() * 2.0**-7
         assert ((ours.float() - theirs.float()).abs()[differ] <= one_step[differ]).all()
     else:
         torch.testing.assert_close(ours, theirs, **tol(dtype))
@@ -61,13 +61,13 @@ def test_rotary_in_place_on_a_strided_view(dtype, head_dim):
     g = torch.Generator().manual_seed(1)
     qkv = torch.randn(T, (H + 2 * KVH) * head_dim, generator=g).to(dtype)
     positions = torch.tensor([0, 5, 6, 100, 101, 102, 511])
-    qk = qkv[:, :(H + KVH) * head_dim].view(T, H + KVH, head_dim)  # rows strided: v follows
-    v_before = qkv[:, (H + KVH) * head_dim:].clone()
+    qk = qkv[:, : (H + KVH) * head_dim].view(T, H + KVH, head_dim)  # rows strided: v follows
+    v_before = qkv[:, (H + KVH) * head_dim :].clone()
     cos, sin = rope.cos_sin(positions, torch.float64)
     expected = RotaryEmbedding.rotate(qk.double(), cos.double(), sin.double())
     ops.rotary_embedding_(qk, rope.cos_sin_cache, positions)
     torch.testing.assert_close(qk.double(), expected, **tol(dtype))
-    assert torch.equal(qkv[:, (H + KVH) * head_dim:], v_before)  # v untouched
+    assert torch.equal(qkv[:, (H + KVH) * head_dim :], v_before)  # v untouched
     with pytest.raises(RuntimeError, match="position 512 out of range"):
         ops.rotary_embedding_(qk, rope.cos_sin_cache, torch.full((T,), 512))
 
@@ -113,7 +113,7 @@ def test_bf16_stores_round_half_to_even_and_keep_specials():
     n = 64  # whole vectors on every path
     ones = torch.ones(4, n, dtype=torch.bfloat16)
     # 1 + k * 2^-8: exactly halfway between bf16 neighbours (step 2^-7) for odd k.
-    half_steps = (torch.arange(4 * n).view(4, n) % 7) * 2.0 ** -8
+    half_steps = (torch.arange(4 * n).view(4, n) % 7) * 2.0**-8
     x = ones.clone()
     r = half_steps.to(torch.bfloat16)
     x[0, 3], r[1, 5], x[2, 9], r[3, 11] = float("nan"), float("inf"), float("-inf"), float("nan")
@@ -134,7 +134,7 @@ def test_reshape_and_cache(dtype):
     k_cache = torch.zeros(KVH, NB, BS, D, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     kv = torch.randn(T, 2 * KVH * D).to(dtype)
-    k, v = kv[:, :KVH * D].view(T, KVH, D), kv[:, KVH * D:].view(T, KVH, D)
+    k, v = kv[:, : KVH * D].view(T, KVH, D), kv[:, KVH * D :].view(T, KVH, D)
     slots = torch.tensor([0, 5, 39, 17, -1])
     ops.reshape_and_cache_(k, v, k_cache, v_cache, slots)
     for t, s in enumerate(slots.tolist()):
@@ -163,8 +163,10 @@ def reference_decode(q, k_cache, v_cache, tables, lens, scale):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size",
-                         [(9, 3, 64, 16), (4, 4, 32, 8), (6, 2, 24, 16), (10, 2, 64, 16), (8, 1, 128, 32)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size",
+    [(9, 3, 64, 16), (4, 4, 32, 8), (6, 2, 24, 16), (10, 2, 64, 16), (8, 1, 128, 32)],
+)
 def test_paged_attention_decode_rows(dtype, heads, kv_heads, head_dim, block_size):
     g = torch.Generator().manual_seed(3)
     NB = 64
@@ -175,18 +177,17 @@ def test_paged_attention_decode_rows(dtype, heads, kv_heads, head_dim, block_siz
     tables, pos = [], 0
     for n in lens:
         nb = -(-n // block_size) + 1  # one spare block in the table: must be ignored
-        tables.append(perm[pos:pos + nb].tolist())
+        tables.append(perm[pos : pos + nb].tolist())
         pos += nb
     width = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     # q as a strided view, like the model passes it (rows of the qkv projection).
     qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
-    q = qkv[:, :heads * head_dim].view(len(lens), heads, head_dim)
+    q = qkv[:, : heads * head_dim].view(len(lens), heads, head_dim)
     scale = 1 / math.sqrt(head_dim)
     out = ops.paged_attention(q, k_cache, v_cache, table, torch.tensor(lens), None, scale)
     assert out.shape == (len(lens), heads * head_dim) and out.dtype == dtype
-    torch.testing.assert_close(out.double(), reference_decode(q, k_cache, v_cache, tables, lens, scale),
-                               **tol(dtype))
+    torch.testing.assert_close(out.double(), reference_decode(q, k_cache, v_cache, tables, lens, scale), **tol(dtype))
     with pytest.raises(RuntimeError, match="does not fit"):
         ops.paged_attention(q, k_cache, v_cache, table[:, :1], torch.tensor(lens), None, scale)
 
@@ -237,7 +238,7 @@ def _chunk_vs_lone(dtype, layout, heads, kv_heads, head_dim):
     tables, token_req, seq_lens, pos = [], [], [], 0
     for r, (ctx, n) in enumerate(reqs):
         nb = -(-(ctx + n) // BS)
-        tables.append(perm[pos:pos + nb])
+        tables.append(perm[pos : pos + nb])
         pos += nb
         k = torch.randn(ctx + n, KVH, D, generator=g).to(dtype)
         v = torch.randn(ctx + n, KVH, D, generator=g).to(dtype)
@@ -251,12 +252,21 @@ def _chunk_vs_lone(dtype, layout, heads, kv_heads, head_dim):
     q = torch.randn(T, H, D, generator=g).to(dtype)
     extra = (True,) if layout == "k_tiled" else ()
     scale = 1 / math.sqrt(D)
-    chunked = ops.paged_attention(q, k_cache, v_cache, table, torch.tensor(seq_lens), torch.tensor(token_req),
-                                  scale, *extra)
+    chunked = ops.paged_attention(
+        q, k_cache, v_cache, table, torch.tensor(seq_lens), torch.tensor(token_req), scale, *extra
+    )
     # Every token on its own: a batch of lone tokens (one block-table row each), in reverse order.
     order = list(reversed(range(T)))
-    lone = ops.paged_attention(q[order], k_cache, v_cache, table[[token_req[t] for t in order]],
-                               torch.tensor([seq_lens[t] for t in order]), None, scale, *extra)
+    lone = ops.paged_attention(
+        q[order],
+        k_cache,
+        v_cache,
+        table[[token_req[t] for t in order]],
+        torch.tensor([seq_lens[t] for t in order]),
+        None,
+        scale,
+        *extra,
+    )
     assert torch.equal(chunked, lone.flip(0))
     if layout == "rows":  # and right (the tiled layout's reference check: test_tiled_keys_written_and_read)
         ref = reference_decode(q, k_cache, v_cache, [tables[r] for r in token_req], seq_lens, scale)
@@ -319,6 +329,7 @@ def test_small_m_linear_bf16_matches_float64_and_is_batch_invariant():
         with pytest.raises(RuntimeError, match="AVX-512 BF16"):
             ops.linear_bf16(x, ops.pack_linear_bf16(w), b, 40)
         from fleetserve.replica.layers.linear import _can_pack_small_m
+
         assert not _can_pack_small_m(w)
         return
     for n, k in [(96, 64), (80, 48), (37, 33), (5, 2), (960, 576)]:
@@ -328,7 +339,7 @@ def test_small_m_linear_bf16_matches_float64_and_is_batch_invariant():
             got = ops.linear_bf16(x, packed, b, n)
             assert got.dtype == torch.bfloat16 and got.shape == (21, n)
             ref = x.double() @ w.double().t() + (b.double() if bias else 0)
-            step = ref.abs() * 2.0 ** -8 + 1e-3  # half a bf16 step, plus float accumulation
+            step = ref.abs() * 2.0**-8 + 1e-3  # half a bf16 step, plus float accumulation
             assert ((got.double() - ref).abs() <= 2 * step).all(), (n, k, bias)
             for m in (1, 3, 8, 9, 21):  # rows alone, in chunks, and past one 8-row pass
                 assert torch.equal(ops.linear_bf16(x[:m], packed, b, n), got[:m])
@@ -347,7 +358,7 @@ def test_small_m_linear_bf16_matches_float64_and_is_batch_invariant():
     packed = ops.pack_linear_bf16(w)
     got = ops.linear_bf16(x, packed, b, 80)
     ref = x.double() @ w.double().t() + b.double()
-    assert ((got.double() - ref).abs() <= 2 * (ref.abs() * 2.0 ** -8 + 1e-3)).all()
+    assert ((got.double() - ref).abs() <= 2 * (ref.abs() * 2.0**-8 + 1e-3)).all()
     for lo, hi in [(0, 1), (250, 262), (255, 257), (256, 600), (599, 600)]:
         assert torch.equal(ops.linear_bf16(x[lo:hi], packed, b, 80), got[lo:hi]), (lo, hi)
 
@@ -396,7 +407,7 @@ def test_fused_gate_up_silu_mul_matches_float64_and_is_batch_invariant():
             assert got.dtype == torch.bfloat16 and got.shape == (m, d)
             pre = x.double() @ w.double().t() + (b.double() if bias else 0)
             ref = F.silu(pre[:, :d]) * pre[:, d:]
-            step = ref.abs() * 2.0 ** -8 + 1e-2
+            step = ref.abs() * 2.0**-8 + 1e-2
             assert ((got.double() - ref).abs() <= 2 * step).all(), (d, k, bias)
             two_ops = ops.silu_and_mul(ops.linear_bf16(x, ops.pack_linear_bf16(w), b, 2 * d))
             assert (got.double() - ref).abs().mean() <= (two_ops.double() - ref).abs().mean()
@@ -421,6 +432,7 @@ def test_small_m_linear_f32_matches_float64_and_is_batch_invariant():
         with pytest.raises(RuntimeError, match="AVX2"):
             ops.linear_f32(torch.randn(2, 33), packed, None, 37)
         from fleetserve.replica.layers.linear import _can_pack_small_m
+
         assert not _can_pack_small_m(w)
         return
     for n, k in [(96, 64), (80, 48), (37, 33), (5, 2), (960, 576)]:
@@ -439,8 +451,9 @@ def test_small_m_linear_f32_matches_float64_and_is_batch_invariant():
             assert torch.equal(ops.linear_f32(wide[:, :k], packed, b, n), got)
     x = torch.randn(600, k, generator=g)  # past 256 rows: row blocks across threads
     got = ops.linear_f32(x, packed, b, n)
-    torch.testing.assert_close(got.double(), x.double() @ w.double().t() + (b.double() if bias else 0),
-                               atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(
+        got.double(), x.double() @ w.double().t() + (b.double() if bias else 0), atol=1e-4, rtol=1e-5
+    )
     # row blocks of 256 rows (AVX-512, 8 a pass) or 252 (AVX2, 6 a pass)
     for lo, hi in [(0, 1), (251, 253), (255, 257), (256, 600), (504, 600)]:
         assert torch.equal(ops.linear_f32(x[lo:hi], packed, b, n), got[lo:hi]), (lo, hi)
@@ -453,8 +466,10 @@ def test_small_m_linear_f32_matches_float64_and_is_batch_invariant():
 TILED = ops is not None and ops.k_tiled_supported(torch.bfloat16, 16, 64)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size",
-                         [(9, 3, 64, 16), (4, 4, 32, 32), (8, 1, 128, 16), (10, 2, 64, 16), (2, 1, 256, 16)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size",
+    [(9, 3, 64, 16), (4, 4, 32, 32), (8, 1, 128, 16), (10, 2, 64, 16), (2, 1, 256, 16)],
+)
 def test_tiled_keys_written_and_read(heads, kv_heads, head_dim, block_size):
     """k_tiled: reshape_and_cache_ stores each key block as [D/2][BS][2] (values unchanged) and
     paged_attention reads it back: the float64 reference's answer within bf16 rounding, and the
@@ -468,8 +483,16 @@ def test_tiled_keys_written_and_read(heads, kv_heads, head_dim, block_size):
         assert not ops.k_tiled_supported(torch.bfloat16, BS, D) and kv_cache_layout(torch.bfloat16, BS, D) == "rows"
         kc = torch.zeros(KVH, NB, BS, D, dtype=torch.bfloat16)
         with pytest.raises(RuntimeError, match="k_tiled"):
-            ops.paged_attention(torch.zeros(1, H, D, dtype=torch.bfloat16), kc, kc.clone(), torch.tensor([[0]]),
-                                torch.tensor([1]), None, 0.125, True)
+            ops.paged_attention(
+                torch.zeros(1, H, D, dtype=torch.bfloat16),
+                kc,
+                kc.clone(),
+                torch.tensor([[0]]),
+                torch.tensor([1]),
+                None,
+                0.125,
+                True,
+            )
         return
     g = torch.Generator().manual_seed(6)
     reqs = [(0, 37), (2 * BS + 3, 4), (3 * BS - 1, 1), (0, 1)]  # (cached context, new tokens)
@@ -480,7 +503,7 @@ def test_tiled_keys_written_and_read(heads, kv_heads, head_dim, block_size):
     token_req, seq_lens, pos = [], [], 0
     for r, (ctx, n) in enumerate(reqs):
         nb = -(-(ctx + n) // BS)
-        tables.append(perm[pos:pos + nb])
+        tables.append(perm[pos : pos + nb])
         pos += nb
         k = torch.randn(ctx + n, KVH, D, generator=g).bfloat16()
         v = torch.randn(ctx + n, KVH, D, generator=g).bfloat16()
@@ -491,8 +514,7 @@ def test_tiled_keys_written_and_read(heads, kv_heads, head_dim, block_size):
         seq_lens += [ctx + i + 1 for i in range(n)]
     (k_rows, v_rows), (k_tiled, v_tiled) = caches[False], caches[True]
     assert torch.equal(v_rows, v_tiled)
-    assert torch.equal(k_tiled.view(KVH, NB, D // 2, BS, 2),
-                       k_rows.view(KVH, NB, BS, D // 2, 2).permute(0, 1, 3, 2, 4))
+    assert torch.equal(k_tiled.view(KVH, NB, D // 2, BS, 2), k_rows.view(KVH, NB, BS, D // 2, 2).permute(0, 1, 3, 2, 4))
     width = max(map(len, tables))
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     q = torch.randn(len(token_req), H, D, generator=g).bfloat16()
@@ -501,7 +523,7 @@ def test_tiled_keys_written_and_read(heads, kv_heads, head_dim, block_size):
     rows_out = ops.paged_attention(q, k_rows, v_rows, *args)
     expected = reference_decode(q, k_rows, v_rows, [tables[r] for r in token_req], seq_lens, 1 / math.sqrt(D))
     torch.testing.assert_close(tiled_out.double(), expected, **tol(torch.bfloat16))
-    ulp = rows_out.float().abs().clamp_min(1e-30) * 2.0 ** -7
+    ulp = rows_out.float().abs().clamp_min(1e-30) * 2.0**-7
     assert bool(((tiled_out.float() - rows_out.float()).abs() <= ulp).all())
 
 
@@ -555,7 +577,7 @@ def test_results_do_not_depend_on_how_tasks_are_split_between_threads(dtype):
     tables, pos = [], 0
     for n in lens:
         nb = -(-n // BS)
-        tables.append((perm * 4)[pos:pos + nb])  # blocks shared between rows: fine for reading
+        tables.append((perm * 4)[pos : pos + nb])  # blocks shared between rows: fine for reading
         pos += nb
     table = torch.tensor([t + [0] * (13 - len(t)) for t in tables])
     q = torch.randn(len(lens), H, D, generator=g).to(dtype)
@@ -563,8 +585,10 @@ def test_results_do_not_depend_on_how_tasks_are_split_between_threads(dtype):
     vector_f32 = ops.isa() != "scalar"
 
     def run():
-        out = {"attn": ops.paged_attention(q, k_cache, v_cache, table, torch.tensor(lens), None, 0.125),
-               "argmax": ops.argmax_rows(logits)}
+        out = {
+            "attn": ops.paged_attention(q, k_cache, v_cache, table, torch.tensor(lens), None, 0.125),
+            "argmax": ops.argmax_rows(logits),
+        }
         if vector_f32:
             packed = ops.pack_linear_f32(w)
             out["linear"] = ops.linear_f32(x, packed, None, 700)
@@ -583,8 +607,9 @@ def test_results_do_not_depend_on_how_tasks_are_split_between_threads(dtype):
     for other in results[1:]:
         for name, got in other.items():
             assert torch.equal(got, first[name]), name
-    torch.testing.assert_close(first["attn"].double(), reference_decode(q, k_cache, v_cache, tables, lens, 0.125),
-                               **tol(dtype))
+    torch.testing.assert_close(
+        first["attn"].double(), reference_decode(q, k_cache, v_cache, tables, lens, 0.125), **tol(dtype)
+    )
     assert torch.equal(first["argmax"], logits.argmax(-1))
     if vector_f32:
         torch.testing.assert_close(first["linear"].double(), x.double() @ w.double().t(), atol=1e-4, rtol=1e-5)

@@ -29,8 +29,9 @@ BLOCK = 4
 def model_dir(tmp_path_factory):
     from fleetserve.replica.testing import make_tiny_llama
 
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny-cuda"), num_layers=3, hidden_size=64,
-                           num_heads=4, num_kv_heads=2, seed=3)
+    return make_tiny_llama(
+        tmp_path_factory.mktemp("tiny-cuda"), num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2, seed=3
+    )
 
 
 @pytest.fixture(scope="module")
@@ -64,14 +65,15 @@ def test_paged_forward_on_cuda_matches_hf(model_dir, hf_cpu):
         return [free.pop() for _ in range(-(-n // BLOCK))]
 
     def step(chunks):
-        md = AttentionMetadata.build([len(c[0]) for c in chunks], [c[1] for c in chunks],
-                                     [c[2] for c in chunks], BLOCK, device="cuda")
+        md = AttentionMetadata.build(
+            [len(c[0]) for c in chunks], [c[1] for c in chunks], [c[2] for c in chunks], BLOCK, device="cuda"
+        )
         ids = torch.tensor([t for c in chunks for t in c[0]], device="cuda")
         with torch.no_grad():
             logits = model.compute_logits(model(ids, md.positions, caches, md)).cpu()
         out, start = [], 0
         for c in chunks:
-            out.append(logits[start:start + len(c[0])])
+            out.append(logits[start : start + len(c[0])])
             start += len(c[0])
         return out
 
@@ -92,7 +94,7 @@ def test_paged_forward_on_cuda_matches_hf(model_dir, hf_cpu):
     table = t_cont + blocks(len(longer) - len(t_cont) * BLOCK)
     expect = ref(longer)
     for t in range(len(cont), len(longer)):
-        (d,) = step([(longer[t:t + 1], t, table)])
+        (d,) = step([(longer[t : t + 1], t, table)])
         torch.testing.assert_close(d[0], expect[t], atol=1e-4, rtol=0)
 
 
@@ -103,7 +105,7 @@ def _hf_greedy(hf, prompts, n):
             seq = list(ids)
             for _ in range(n):
                 seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
-            outs.append(seq[len(ids):])
+            outs.append(seq[len(ids) :])
     return outs
 
 
@@ -116,12 +118,20 @@ def test_llm_greedy_on_cuda_matches_hf(model_dir, hf_cpu, enforce_eager):
     from fleetserve.scheduler import SamplingParams
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    llm = LLM(str(model_dir), device="cuda", dtype="float32", num_gpu_blocks_override=24,
-              block_size=BLOCK, max_num_seqs=8, enforce_eager=enforce_eager)
+    llm = LLM(
+        str(model_dir),
+        device="cuda",
+        dtype="float32",
+        num_gpu_blocks_override=24,
+        block_size=BLOCK,
+        max_num_seqs=8,
+        enforce_eager=enforce_eager,
+    )
     assert llm.core.executor.worker.device.type == "cuda"
     prompts = [_prompt(n, 10 + n, 380) for n in (5, 11, 17, 8, 23, 3)]
-    outs = llm.generate([list(p) for p in prompts],
-                        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        [list(p) for p in prompts], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False
+    )
     assert [list(o.outputs[0].token_ids) for o in outs] == _hf_greedy(hf_cpu, prompts, 12)
     graphs = llm.core.executor.worker.runner.decode_graphs
     if enforce_eager:
@@ -144,18 +154,30 @@ def test_cuda_graphs_equal_eager_as_the_batch_changes(model_dir):
 
     torch.backends.cuda.matmul.allow_tf32 = False
     prompts = [_prompt(3 + (7 * i) % 29, 100 + i, 380) for i in range(24)]
-    params = [SamplingParams(max_tokens=4 + (5 * i) % 23, temperature=0, ignore_eos=True, logprobs=1)
-              for i in range(24)]
+    params = [
+        SamplingParams(max_tokens=4 + (5 * i) % 23, temperature=0, ignore_eos=True, logprobs=1) for i in range(24)
+    ]
     results = {}
     for eager in (True, False):
-        llm = LLM(str(model_dir), device="cuda", dtype="float32", num_gpu_blocks_override=40,
-                  block_size=BLOCK, max_num_seqs=8, enforce_eager=eager)
+        llm = LLM(
+            str(model_dir),
+            device="cuda",
+            dtype="float32",
+            num_gpu_blocks_override=40,
+            block_size=BLOCK,
+            max_num_seqs=8,
+            enforce_eager=eager,
+        )
         runner = llm.core.executor.worker.runner
         if not eager:
             graphs = runner.decode_graphs  # 1, 2, 4, 8 rows x widths up to 2048 tokens, at start
             assert graphs.num_graphs == len(graphs.start_shapes(2048)) == 16 and graphs.num_replays == 0
-            runner.initialize_kv_cache(40, decode_graphs=DecodeGraphConfig(
-                max_batch=8, max_len=40, min_width_tokens=BLOCK, start_width_tokens=BLOCK))
+            runner.initialize_kv_cache(
+                40,
+                decode_graphs=DecodeGraphConfig(
+                    max_batch=8, max_len=40, min_width_tokens=BLOCK, start_width_tokens=BLOCK
+                ),
+            )
             assert runner.decode_graphs.num_graphs == 4  # one block wide at start; the rest on first use
         outs = llm.generate([list(p) for p in prompts], params, use_tqdm=False)
         results[eager] = [o.outputs[0] for o in outs]
@@ -181,9 +203,19 @@ def test_bf16_sampling_and_prefix_cache_on_cuda(model_dir):
     llm = LLM(str(model_dir), device="cuda", num_gpu_blocks_override=256, block_size=BLOCK)
     assert llm.core.executor.worker.dtype == torch.bfloat16
     prompt = _prompt(40, 5, 380)
-    sp = SamplingParams(max_tokens=16, temperature=0.9, top_k=50, top_p=0.9, min_p=0.01,
-                        repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.1,
-                        seed=1234, logprobs=3, ignore_eos=True)
+    sp = SamplingParams(
+        max_tokens=16,
+        temperature=0.9,
+        top_k=50,
+        top_p=0.9,
+        min_p=0.01,
+        repetition_penalty=1.1,
+        presence_penalty=0.2,
+        frequency_penalty=0.1,
+        seed=1234,
+        logprobs=3,
+        ignore_eos=True,
+    )
     a, b = llm.generate([list(prompt), list(prompt)], [sp, sp], use_tqdm=False)
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert len(a.outputs[0].token_ids) == 16
@@ -191,8 +223,7 @@ def test_bf16_sampling_and_prefix_cache_on_cuda(model_dir):
     (c,) = llm.generate([list(prompt)], sp, use_tqdm=False)  # served from the prefix cache
     assert c.num_cached_tokens >= 32
     assert c.outputs[0].token_ids == a.outputs[0].token_ids
-    greedy = llm.generate([list(prompt)] * 3, SamplingParams(max_tokens=8, temperature=0),
-                          use_tqdm=False)
+    greedy = llm.generate([list(prompt)] * 3, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     assert len({tuple(o.outputs[0].token_ids) for o in greedy}) == 1
     stats = llm.core.scheduler.get_stats()
     assert stats.num_free_blocks == stats.num_blocks
@@ -205,13 +236,13 @@ def test_async_engine_streams_and_aborts_on_cuda(model_dir):
     from fleetserve.replica.engine.async_engine import AsyncEngine
     from fleetserve.scheduler import SamplingParams
 
-    engine = AsyncEngine(model=str(model_dir), device="cuda", num_gpu_blocks_override=128,
-                         block_size=BLOCK)
+    engine = AsyncEngine(model=str(model_dir), device="cuda", num_gpu_blocks_override=128, block_size=BLOCK)
 
     async def run_one(i):
         text = ""
-        async for out in engine.generate(f"Hello number {i}",
-                                         SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)):
+        async for out in engine.generate(
+            f"Hello number {i}", SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+        ):
             text += out.outputs[0].text
         return text
 
@@ -252,10 +283,19 @@ def cuda_loras(model_dir, tmp_path_factory):
     from fleetserve.replica.testing import make_tiny_lora
 
     root = tmp_path_factory.mktemp("cuda-loras")
-    return {"a": make_tiny_lora(model_dir, root / "a", seed=1),
-            "b": make_tiny_lora(model_dir, root / "b", r=4, lora_alpha=8, target_modules=("q_proj", "v_proj"), seed=2),
-            "rs": make_tiny_lora(model_dir, root / "rs", r=16, lora_alpha=4, use_rslora=True,
-                                 target_modules=("o_proj", "gate_proj", "down_proj"), seed=3)}
+    return {
+        "a": make_tiny_lora(model_dir, root / "a", seed=1),
+        "b": make_tiny_lora(model_dir, root / "b", r=4, lora_alpha=8, target_modules=("q_proj", "v_proj"), seed=2),
+        "rs": make_tiny_lora(
+            model_dir,
+            root / "rs",
+            r=16,
+            lora_alpha=4,
+            use_rslora=True,
+            target_modules=("o_proj", "gate_proj", "down_proj"),
+            seed=3,
+        ),
+    }
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
@@ -272,17 +312,31 @@ def test_lora_adapters_on_cuda_match_peft(model_dir, cuda_loras, enforce_eager):
     from fleetserve.scheduler import SamplingParams
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    llm = LLM(str(model_dir), device="cuda", dtype="float32", num_gpu_blocks_override=64, block_size=BLOCK,
-              max_num_seqs=8, enforce_eager=enforce_eager, enable_lora=True, max_loras=2, max_cpu_loras=2,
-              lora_modules=[f"a={cuda_loras['a']}"])
+    llm = LLM(
+        str(model_dir),
+        device="cuda",
+        dtype="float32",
+        num_gpu_blocks_override=64,
+        block_size=BLOCK,
+        max_num_seqs=8,
+        enforce_eager=enforce_eager,
+        enable_lora=True,
+        max_loras=2,
+        max_cpu_loras=2,
+        lora_modules=[f"a={cuda_loras['a']}"],
+    )
     runner = llm.core.executor.worker.runner
     if not enforce_eager:
         assert runner.lora_stacks.capacity == 2 and runner.decode_graphs.num_graphs == 2 * 16
     requests = {n: LoRARequest(n, i, str(cuda_loras[n])) for i, n in enumerate(("a", "b", "rs"), start=1)}
     names = [None, "a", "b", "rs", "a", None, "rs", "b"]
     prompts = [_prompt(3 + 5 * i, 40 + i, 380) for i in range(len(names))]
-    outs = llm.generate([list(p) for p in prompts], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
-                        use_tqdm=False, lora_request=[requests.get(n) for n in names])
+    outs = llm.generate(
+        [list(p) for p in prompts],
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        use_tqdm=False,
+        lora_request=[requests.get(n) for n in names],
+    )
     want = []
     for name, ids in zip(names, prompts):
         base = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

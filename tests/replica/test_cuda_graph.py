@@ -26,8 +26,14 @@ def test_capture_sizes_and_buckets():
     assert capture_sizes(100)[-2:] == [96, 104]
     assert [width_bucket(b, 40) for b in (1, 2, 3, 5, 16, 17, 40)] == [1, 2, 4, 8, 16, 32, 40]
     assert [width_bucket(b, 40, 16) for b in (1, 16, 17)] == [16, 16, 32]
-    g = DecodeGraphs(None, [], scratch_block=9, block_size=BLOCK, device=torch.device("cpu"),
-                     config=DecodeGraphConfig(max_batch=6, max_len=30, capture=False, min_width_tokens=8))
+    g = DecodeGraphs(
+        None,
+        [],
+        scratch_block=9,
+        block_size=BLOCK,
+        device=torch.device("cpu"),
+        config=DecodeGraphConfig(max_batch=6, max_len=30, capture=False, min_width_tokens=8),
+    )
     assert g.max_batch == 8 and g.max_blocks == 8
     assert g.bucket(3, 1) == (4, 2)
     assert g.bucket(3, 3) == (4, 4)
@@ -38,32 +44,42 @@ def test_capture_sizes_and_buckets():
     assert g.start_shapes(16) == [(8, 4), (4, 4), (2, 4), (1, 4), (8, 2), (4, 2), (2, 2), (1, 2)]
     assert g.start_shapes(1) == [(8, 2), (4, 2), (2, 2), (1, 2)]  # at least the narrowest
     assert g.start_shapes(1000)[0] == (8, 8)  # capped at max_seq_len_to_capture
-    big = DecodeGraphs(None, [], scratch_block=0, block_size=16, device=torch.device("cpu"),
-                       config=DecodeGraphConfig(max_batch=64, max_len=8192, capture=False))
+    big = DecodeGraphs(
+        None,
+        [],
+        scratch_block=0,
+        block_size=16,
+        device=torch.device("cpu"),
+        config=DecodeGraphConfig(max_batch=64, max_len=8192, capture=False),
+    )
     assert len(big.start_shapes(2048)) == 11 * 4  # 1..64 rows x 256, 512, 1024, 2048 tokens
 
 
 def _prompts(n: int, vocab: int = 380) -> list[list[int]]:
     g = torch.Generator().manual_seed(7)
-    return [torch.randint(3, vocab, (int(torch.randint(2, 14, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(3, vocab, (int(torch.randint(2, 14, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
 def _run(model_dir, dtype: str, static: bool):
-    llm = LLM(str(model_dir), dtype=dtype, num_gpu_blocks_override=NUM_BLOCKS, block_size=BLOCK, max_num_seqs=6,
-              device="cpu")
+    llm = LLM(
+        str(model_dir), dtype=dtype, num_gpu_blocks_override=NUM_BLOCKS, block_size=BLOCK, max_num_seqs=6, device="cpu"
+    )
     runner = llm.core.executor.worker.runner
     if static:
         # Rows up to 6 (padded to 8) and 32 tokens per row: the larger steps of this workload
         # (7+ rows can't happen; rows past 32 tokens can) run eagerly, the rest through the buffers.
-        runner.initialize_kv_cache(NUM_BLOCKS, decode_graphs=DecodeGraphConfig(
-            max_batch=6, max_len=32, capture=False, min_width_tokens=1))
+        runner.initialize_kv_cache(
+            NUM_BLOCKS, decode_graphs=DecodeGraphConfig(max_batch=6, max_len=32, capture=False, min_width_tokens=1)
+        )
         assert runner.kv_caches[0].shape[2] == NUM_BLOCKS + 1  # the scratch block
     # Varied lengths: rows join and leave (batch sizes 1..6 padded), contexts cross width
     # buckets and the capture limit, and 40 blocks of 4 tokens force preemptions.
     prompts = _prompts(10)
-    params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True, logprobs=2)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True, logprobs=2) for i in range(len(prompts))
+    ]
     outs = llm.generate(prompts, params, use_tqdm=False)
     stats = llm.core.scheduler.get_stats()
     assert stats.num_free_blocks == stats.num_blocks  # nothing leaked
@@ -106,22 +122,37 @@ def loras(tiny_loras):
 def _run_lora(model_dir, loras, static: bool):
     from fleetserve.replica.lora import LoRARequest
 
-    llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=NUM_BLOCKS, block_size=BLOCK, max_num_seqs=6,
-              device="cpu", enable_lora=True, max_loras=3, lora_modules=[f"a={loras['a']}", f"b={loras['b']}"])
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        num_gpu_blocks_override=NUM_BLOCKS,
+        block_size=BLOCK,
+        max_num_seqs=6,
+        device="cpu",
+        enable_lora=True,
+        max_loras=3,
+        lora_modules=[f"a={loras['a']}", f"b={loras['b']}"],
+    )
     runner = llm.core.executor.worker.runner
     if static:
         # Two slots for the two adapters loaded at start; the third (loaded when a request
         # names it) doubles the stacks, and the graphs start over with the new buffers.
-        runner.initialize_kv_cache(NUM_BLOCKS, decode_graphs=DecodeGraphConfig(
-            max_batch=6, max_len=32, capture=False, min_width_tokens=1, lora_slots=2))
+        runner.initialize_kv_cache(
+            NUM_BLOCKS,
+            decode_graphs=DecodeGraphConfig(max_batch=6, max_len=32, capture=False, min_width_tokens=1, lora_slots=2),
+        )
         assert runner.lora_stacks.capacity == runner.decode_graphs.lora_slots == 2
         assert runner.lora_stacks.slot_of == {1: 0, 2: 1}
-    requests = {"a": LoRARequest("a", 1, str(loras["a"])), "b": LoRARequest("b", 2, str(loras["b"])),
-                "rs": LoRARequest("rs", 3, str(loras["rs"]))}
+    requests = {
+        "a": LoRARequest("a", 1, str(loras["a"])),
+        "b": LoRARequest("b", 2, str(loras["b"])),
+        "rs": LoRARequest("rs", 3, str(loras["rs"])),
+    }
     names = [None, "a", "b", "rs", "a", None, "rs", "b", None, "a"]
     prompts = _prompts(len(names))
-    params = [SamplingParams(temperature=0, max_tokens=5 + 3 * i, ignore_eos=True, logprobs=2)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=0, max_tokens=5 + 3 * i, ignore_eos=True, logprobs=2) for i in range(len(prompts))
+    ]
     outs = llm.generate(prompts, params, use_tqdm=False, lora_request=[requests.get(n) for n in names])
     stats = llm.core.scheduler.get_stats()
     assert stats.num_free_blocks == stats.num_blocks  # nothing leaked
@@ -148,7 +179,7 @@ def test_static_decode_path_with_lora_adapters_matches_eager(tiny_model_dir, lor
     assert len({tuple(o.token_ids) for o in static}) > 3
     qkv = runner.model.model.layers[0].self_attn.qkv_proj.lora_stack
     rc = qkv.rc
-    assert qkv.a[rc:2 * rc].abs().sum() > 0  # b's q and v
+    assert qkv.a[rc : 2 * rc].abs().sum() > 0  # b's q and v
     # Base-model steps take the graphs without the adapters' kernels, and give the same tokens.
     steps, lora_steps = graphs.num_steps, graphs.num_lora_steps
     again = llm.generate(_prompts(1), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
@@ -156,9 +187,9 @@ def test_static_decode_path_with_lora_adapters_matches_eager(tiny_model_dir, lor
     assert graphs.num_steps > steps and graphs.num_lora_steps == lora_steps
     assert {lora for _, _, lora in graphs._graphs} == {False, True}
     llm.core.executor.remove_lora(2)
-    assert 2 not in stacks.slot_of and qkv.a[rc:2 * rc].abs().sum() == 0 and qkv.b[:, rc:2 * rc].abs().sum() == 0
+    assert 2 not in stacks.slot_of and qkv.a[rc : 2 * rc].abs().sum() == 0 and qkv.b[:, rc : 2 * rc].abs().sum() == 0
     llm.core.executor.add_lora(4, "b2", str(loras["b"]))
-    assert stacks.slot_of[4] == 1 and qkv.a[rc:2 * rc].abs().sum() > 0 and stacks.capacity == 4
+    assert stacks.slot_of[4] == 1 and qkv.a[rc : 2 * rc].abs().sum() > 0 and stacks.capacity == 4
     llm.core.shutdown()
 
 
@@ -173,8 +204,7 @@ def test_which_workers_would_capture(tiny_model_dir, monkeypatch, caplog):
     """The worker's choice on a GPU (its device faked: nothing is captured here): graphs with
     the run's batch and length limits, none with --enforce-eager, TP, a KV connector or a
     speculative proposer (and the log says why)."""
-    llm = LLM(str(tiny_model_dir), num_gpu_blocks_override=16, device="cpu", max_num_seqs=24,
-              max_model_len=300)
+    llm = LLM(str(tiny_model_dir), num_gpu_blocks_override=16, device="cpu", max_num_seqs=24, max_model_len=300)
     worker = llm.core.executor.worker
     monkeypatch.setattr(worker, "device", torch.device("cuda"))
     cfg = worker._decode_graph_config()

@@ -30,7 +30,7 @@ def stream(tok, prompt_ids, output_ids, chunks=1, flush=True, **params):
     detok = IncrementalDetokenizer(tok, prompt_ids, SamplingParams(**params))
     deltas, stop = [], None
     for i in range(0, len(output_ids), chunks):
-        delta, stop = detok.update(output_ids[i:i + chunks])
+        delta, stop = detok.update(output_ids[i : i + chunks])
         deltas.append(delta)
         if stop is not None:
             break
@@ -43,7 +43,7 @@ def stream(tok, prompt_ids, output_ids, chunks=1, flush=True, **params):
 def full_decode(tok, prompt_ids, output_ids, skip=True):
     """The output's text as a whole decode shows it (after the prompt's text)."""
     prompt_text = tok.decode(prompt_ids, skip_special_tokens=skip)
-    return tok.decode(prompt_ids + output_ids, skip_special_tokens=skip)[len(prompt_text):]
+    return tok.decode(prompt_ids + output_ids, skip_special_tokens=skip)[len(prompt_text) :]
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -95,7 +95,7 @@ def test_stop_string_truncates_and_never_leaks(tok, stop):
     ids = tok.encode(text)
     deltas, matched = stream(tok, [], ids, stop=[stop])
     assert matched == stop
-    check_no_leak(deltas, text[:text.index(stop)])
+    check_no_leak(deltas, text[: text.index(stop)])
 
 
 def test_stop_string_spanning_tokens_is_held_back(tok):
@@ -155,7 +155,7 @@ def test_multibyte_stop_string(tok):
 
 def test_stop_within_min_tokens_is_ignored(tok):
     ids = tok.encode("ab ab ab")
-    per_token = [tok.decode(ids[:i + 1]) for i in range(len(ids))]
+    per_token = [tok.decode(ids[: i + 1]) for i in range(len(ids))]
     first_ab = next(i for i, t in enumerate(per_token) if "ab" in t) + 1
     deltas, matched = stream(tok, [], ids, stop=["ab"], min_tokens=first_ab)
     assert matched == "ab"
@@ -193,13 +193,16 @@ def test_each_update_decodes_a_short_window(tok):
     assert counting.backend_tokenizer.longest <= 12  # a few ids, however long the output
 
 
-@pytest.mark.parametrize("text,stops,min_tokens", [
-    ("Hello world, how are you today?", ["o wor"], 0),
-    ("Hello world, how are you today?", ["wonder", "you t"], 0),
-    ("héllo 🎉 世界 naïve café", ["🎉 世"], 0),
-    ("héllo 🎉 世界 naïve café", [], 0),
-    ("ab ab ab ab", ["ab"], 4),
-])
+@pytest.mark.parametrize(
+    "text,stops,min_tokens",
+    [
+        ("Hello world, how are you today?", ["o wor"], 0),
+        ("Hello world, how are you today?", ["wonder", "you t"], 0),
+        ("héllo 🎉 世界 naïve café", ["🎉 世"], 0),
+        ("héllo 🎉 世界 naïve café", [], 0),
+        ("ab ab ab ab", ["ab"], 4),
+    ],
+)
 def test_a_continuation_replays_the_cut_output_and_goes_on_as_without_the_cut(tok, text, stops, min_tokens):
     """A migration continuation (continued_output_tokens=c) cut at every point: what the first
     detokenizer handed out before the cut plus what the continuation's hands out equals the
@@ -213,7 +216,13 @@ def test_a_continuation_replays_the_cut_output_and_goes_on_as_without_the_cut(to
         sent, stop = first.update(ids[:cut])
         if stop is not None:
             break  # ended before the cut: nothing to continue
-        rest, rest_stop = stream(tok, prompt + ids[:cut], ids[cut:], stop=stops,
-                                 min_tokens=max(0, min_tokens - cut), continued_output_tokens=cut)
+        rest, rest_stop = stream(
+            tok,
+            prompt + ids[:cut],
+            ids[cut:],
+            stop=stops,
+            min_tokens=max(0, min_tokens - cut),
+            continued_output_tokens=cut,
+        )
         assert sent + "".join(rest) == "".join(whole), (cut, sent, rest)
         assert rest_stop == whole_stop, cut

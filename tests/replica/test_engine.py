@@ -45,8 +45,9 @@ ENGINE_VARIANTS = {
     # 24 blocks x 4 tokens: the longest request (71 + 12 tokens) fits alone, all five do not.
     "preemption_tiny_pool": dict(num_gpu_blocks_override=24, block_size=4),
     "no_chunking": dict(enable_chunked_prefill=False, max_num_batched_tokens=2048),
-    "priority_no_evict": dict(scheduling_policy="priority", capacity_policy="guaranteed_no_evict",
-                              num_gpu_blocks_override=24, block_size=4),
+    "priority_no_evict": dict(
+        scheduling_policy="priority", capacity_policy="guaranteed_no_evict", num_gpu_blocks_override=24, block_size=4
+    ),
 }
 
 
@@ -80,8 +81,13 @@ def test_step_trace_records_every_step(tiny_model_dir, tmp_path, monkeypatch):
     from fleetserve.replica.engine.engine_core import STEP_TRACE_ENV, StepTrace
 
     monkeypatch.setenv(STEP_TRACE_ENV, str(tmp_path / "trace"))
-    llm = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=128,
-              enable_prefix_caching=False, max_num_batched_tokens=32)
+    llm = LLM(
+        str(tiny_model_dir),
+        dtype="float32",
+        num_gpu_blocks_override=128,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=32,
+    )
     ids = [llm.tokenizer.encode(p) for p in PROMPTS[:3]]
     sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     outs = llm.generate(ids, sp, use_tqdm=False)
@@ -121,11 +127,12 @@ def test_stop_string_never_leaks(tiny_model_dir, reference):
     full = llm.tokenizer.decode(expected[1], skip_special_tokens=True)
     stop = full[3:6]
     assert stop.strip(), "the reference continuation is too short for this test"
-    (out,) = llm.generate([ids[1]], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
-                                                    stop=[stop]), use_tqdm=False)
+    (out,) = llm.generate(
+        [ids[1]], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, stop=[stop]), use_tqdm=False
+    )
     c = out.outputs[0]
     assert c.finish_reason == "stop" and c.stop_reason == stop
-    assert c.text == full[:full.index(stop)]
+    assert c.text == full[: full.index(stop)]
     assert stop not in c.text
     assert_no_leak(llm.core)
 
@@ -134,10 +141,13 @@ def test_stop_token_ids_and_min_tokens(tiny_model_dir, reference):
     ids, expected = reference
     llm = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=128)
     stop_tok = expected[0][4]
-    (out,) = llm.generate([ids[0]], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
-                                                    stop_token_ids=[stop_tok]), use_tqdm=False)
+    (out,) = llm.generate(
+        [ids[0]],
+        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, stop_token_ids=[stop_tok]),
+        use_tqdm=False,
+    )
     first = expected[0].index(stop_tok)
-    assert out.outputs[0].token_ids == expected[0][:first + 1]
+    assert out.outputs[0].token_ids == expected[0][: first + 1]
     assert out.outputs[0].stop_reason == stop_tok
 
 
@@ -177,8 +187,13 @@ def test_unknown_model_and_corrupt_weights(tmp_path, tiny_model_dir):
 def async_engine(tiny_model_dir, request):
     """Every AsyncEngine test runs on both layouts: the EngineCore in its own process (the
     default) and on a thread of the caller's process."""
-    engine = AsyncEngine(model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=128,
-                         max_waiting_requests=64, core_process=request.param == "core-process")
+    engine = AsyncEngine(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        num_gpu_blocks_override=128,
+        max_waiting_requests=64,
+        core_process=request.param == "core-process",
+    )
     assert (engine.core_pid is not None) == (request.param == "core-process")
     yield engine
     engine.shutdown()
@@ -219,8 +234,7 @@ def test_stream_interval_batches_tokens_after_the_first(tiny_model_dir, referenc
     least 4 new tokens, the last whatever is left; same tokens and text as interval 1, with
     logprobs kept in step; a request's stream_interval raises the engine's, never lowers it."""
     ids, expected = reference
-    engine = AsyncEngine(model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=128,
-                         stream_interval=4)
+    engine = AsyncEngine(model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=128, stream_interval=4)
 
     async def sizes(prompt, sp, rid):
         out = []
@@ -232,9 +246,11 @@ def test_stream_interval_batches_tokens_after_the_first(tiny_model_dir, referenc
 
     async def main():
         with_lp = GREEDY.replace(logprobs=1)
-        return await asyncio.gather(sizes(ids[0], with_lp, "a"),
-                                    sizes(ids[1], GREEDY.replace(stream_interval=5), "b"),
-                                    sizes(ids[2], GREEDY.replace(stream_interval=2), "c"))
+        return await asyncio.gather(
+            sizes(ids[0], with_lp, "a"),
+            sizes(ids[1], GREEDY.replace(stream_interval=5), "b"),
+            sizes(ids[2], GREEDY.replace(stream_interval=2), "c"),
+        )
 
     try:
         results = asyncio.run(main())
@@ -249,8 +265,12 @@ def test_stream_interval_batches_tokens_after_the_first(tiny_model_dir, referenc
             SamplingParams(stream_interval=0)
     finally:
         engine.shutdown()
-    ref_text = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64).generate(
-        [ids[0]], GREEDY, use_tqdm=False)[0].outputs[0].text
+    ref_text = (
+        LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64)
+        .generate([ids[0]], GREEDY, use_tqdm=False)[0]
+        .outputs[0]
+        .text
+    )
     assert "".join(text for *_, text in results[0]) == ref_text
 
 
@@ -292,8 +312,9 @@ def test_async_bad_input_keeps_serving(async_engine, reference):
 
 
 def test_async_queue_full(tiny_model_dir):
-    engine = AsyncEngine(model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64,
-                         max_waiting_requests=2, max_num_seqs=1)
+    engine = AsyncEngine(
+        model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64, max_waiting_requests=2, max_num_seqs=1
+    )
     long = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
 
     async def main():
@@ -401,8 +422,9 @@ def test_a_followed_long_step_computes_what_the_one_call_kernel_does(tiny_model_
     assert hook_layers(model, lambda: bumps.append(1))
     after = llm.generate(prompt, sp, use_tqdm=False)[0]
     assert after.outputs[0].token_ids == before.outputs[0].token_ids
-    for a, b in zip(after.prompt_logprobs[1:] + after.outputs[0].logprobs,
-                    before.prompt_logprobs[1:] + before.outputs[0].logprobs):
+    for a, b in zip(
+        after.prompt_logprobs[1:] + after.outputs[0].logprobs, before.prompt_logprobs[1:] + before.outputs[0].logprobs
+    ):
         assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-4 for k in a)
     num_layers = len(model.model.layers) if hasattr(model, "model") else len(model.layers)
     assert len(bumps) >= num_layers  # the prefill step bumped at every layer

@@ -6,10 +6,15 @@ from __future__ import annotations
 from fleetserve.replica.engine.engine_args import EngineArgs
 from fleetserve.scheduler import CacheConfig, SchedulerConfig
 
-SHARED = {"max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
-          "long_prefill_token_threshold": "long_prefill_token_threshold",
-          "enable_chunked_prefill": "enable_chunked_prefill", "scheduling_policy": "policy",
-          "capacity_policy": "capacity_policy", "scheduler_cls": "scheduler_cls"}
+SHARED = {
+    "max_num_seqs": "max_num_seqs",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "long_prefill_token_threshold": "long_prefill_token_threshold",
+    "enable_chunked_prefill": "enable_chunked_prefill",
+    "scheduling_policy": "policy",
+    "capacity_policy": "capacity_policy",
+    "scheduler_cls": "scheduler_cls",
+}
 SHARED_CACHE = ("block_size", "enable_prefix_caching", "enable_kv_cache_events", "prefix_caching_hash_algo")
 
 
@@ -23,10 +28,17 @@ def test_shared_fields_have_one_default_and_one_description():
 
 
 def test_every_setting_reaches_the_scheduler():
-    args = EngineArgs(max_num_seqs=7, max_num_batched_tokens=300, long_prefill_token_threshold=33,
-                      scheduling_policy="priority", capacity_policy="guaranteed_no_evict",
-                      block_size=8, enable_prefix_caching=False, enable_kv_cache_events=True,
-                      prefix_caching_hash_algo="sha256")
+    args = EngineArgs(
+        max_num_seqs=7,
+        max_num_batched_tokens=300,
+        long_prefill_token_threshold=33,
+        scheduling_policy="priority",
+        capacity_policy="guaranteed_no_evict",
+        block_size=8,
+        enable_prefix_caching=False,
+        enable_kv_cache_events=True,
+        prefix_caching_hash_algo="sha256",
+    )
     sched, cache = args.scheduler_config(256), args.cache_config(12)
     for ours, theirs in SHARED.items():
         assert getattr(sched, theirs) == getattr(args, ours), ours

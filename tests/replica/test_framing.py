@@ -44,7 +44,7 @@ def test_reader_reassembles_frames_split_anywhere():
     stream = b"".join(HEADER.pack(len(p)) + p for p in (b"one", b"", b"three" * 1000))
     out = []
     for i in range(0, len(stream), 7):  # seven bytes at a time: headers split too
-        a.sendall(stream[i:i + 7])
+        a.sendall(stream[i : i + 7])
         out += right.recv_ready()
     assert out == [b"one", b"", b"three" * 1000]
     a.close()
@@ -81,8 +81,7 @@ def test_engine_core_under_uvloop_takes_a_huge_command(tiny_model_dir):
     from fleetserve.replica.engine.async_engine import AsyncEngine
     from fleetserve.scheduler import SamplingParams
 
-    engine = AsyncEngine(model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64,
-                         core_process=True)
+    engine = AsyncEngine(model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64, core_process=True)
 
     async def run(sp):
         """(final output, tokens of choice 0): outputs are deltas."""
@@ -93,8 +92,9 @@ def test_engine_core_under_uvloop_takes_a_huge_command(tiny_model_dir):
         # Keep the core stepping, so it is not sitting in a read when the big command comes.
         busy = asyncio.ensure_future(run(SamplingParams(max_tokens=150, ignore_eos=True)))
         await asyncio.sleep(0.3)
-        huge = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
-                              stop=[f"never-{i:06d}" for i in range(100_000)])
+        huge = SamplingParams(
+            temperature=0, max_tokens=3, ignore_eos=True, stop=[f"never-{i:06d}" for i in range(100_000)]
+        )
         big, n = await asyncio.wait_for(run(huge), 120)
         assert big.finished and n == 3
         wide, n = await asyncio.wait_for(run(SamplingParams(n=64, max_tokens=2, ignore_eos=True)), 120)

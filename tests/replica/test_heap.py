@@ -24,8 +24,7 @@ def test_trims_at_most_once_per_interval():
     assert t.maybe_trim() and calls == [110.0, 125.0] and t.num_trims == 2
 
 
-@pytest.mark.parametrize("raw,expected", [("", 10.0), ("2.5", 2.5), ("0", 0.0), ("-3", 0.0),
-                                          ("soon", 10.0)])
+@pytest.mark.parametrize("raw,expected", [("", 10.0), ("2.5", 2.5), ("0", 0.0), ("-3", 0.0), ("soon", 10.0)])
 def test_interval_from_the_environment(monkeypatch, raw, expected):
     monkeypatch.setenv(heap.ENV, raw)
     assert heap.interval_from_env() == expected
@@ -79,8 +78,13 @@ def _faults(tune: str) -> tuple[str, int]:
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, **{heap.TUNE_ENV: tune})).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", _FAULTS_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, **{heap.TUNE_ENV: tune}),
+    ).stdout.split()
     return out[0], int(out[1])
 
 

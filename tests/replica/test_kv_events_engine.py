@@ -16,9 +16,17 @@ from fleetserve.scheduler import SamplingParams
 
 def make_engine(model_dir, core_process: bool) -> AsyncEngine:
     # 24 blocks of 4 tokens: the workload below overflows it many times (evictions).
-    return AsyncEngine(model=str(model_dir), dtype="float32", num_gpu_blocks_override=24,
-                       block_size=4, max_num_seqs=4, max_model_len=96, num_threads=1,
-                       enable_kv_cache_events=True, core_process=core_process)
+    return AsyncEngine(
+        model=str(model_dir),
+        dtype="float32",
+        num_gpu_blocks_override=24,
+        block_size=4,
+        max_num_seqs=4,
+        max_model_len=96,
+        num_threads=1,
+        enable_kv_cache_events=True,
+        core_process=core_process,
+    )
 
 
 async def workload(engine: AsyncEngine, rng: random.Random, n: int) -> None:
@@ -46,8 +54,7 @@ def sync(index: KVIndex, replica_id: str, engine: AsyncEngine) -> None:
 async def wait_idle(engine: AsyncEngine) -> None:
     for _ in range(200):
         load = engine.get_load()
-        if load["num_running"] == 0 and load["num_waiting"] == 0 \
-                and load["num_free_blocks"] == load["num_blocks"]:
+        if load["num_running"] == 0 and load["num_waiting"] == 0 and load["num_free_blocks"] == load["num_blocks"]:
             return
         await asyncio.sleep(0.02)
     raise AssertionError(f"engine not idle: {engine.get_load()}")
@@ -117,8 +124,9 @@ def test_old_batches_gone_from_the_log_means_a_snapshot(tiny_model_dir):
 
 
 def test_events_off_unless_asked(tiny_model_dir):
-    engine = AsyncEngine(model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=16,
-                         num_threads=1, core_process=False)
+    engine = AsyncEngine(
+        model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=16, num_threads=1, core_process=False
+    )
     try:
         assert engine.kv_events is None
     finally:

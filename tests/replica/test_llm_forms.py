@@ -17,8 +17,9 @@ def llm(tiny_model_dir):
 @pytest.fixture(scope="module")
 def plain(llm):
     """token ids of each prompt, and its greedy output, one plain call per prompt."""
-    return {p: (llm.tokenizer.encode(p), llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
-            for p in PROMPTS}
+    return {
+        p: (llm.tokenizer.encode(p), llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids) for p in PROMPTS
+    }
 
 
 def tokens(outs):
@@ -28,8 +29,15 @@ def tokens(outs):
 def test_every_prompt_form_matches_the_plain_call(llm, plain):
     p = PROMPTS[0]
     ids, expected = plain[p]
-    for form in (p, [p], ids, [ids], {"prompt": p}, {"prompt_token_ids": ids},
-                 [{"prompt_token_ids": ids, "prompt": p}]):
+    for form in (
+        p,
+        [p],
+        ids,
+        [ids],
+        {"prompt": p},
+        {"prompt_token_ids": ids},
+        [{"prompt_token_ids": ids, "prompt": p}],
+    ):
         outs = llm.generate(form, GREEDY, use_tqdm=False)
         assert tokens(outs) == [expected], form
     # The text of a token prompt is what the dict says (or None).
@@ -63,22 +71,29 @@ def test_vllm_sampling_extras_in_the_engine(llm, plain):
     out = llm.generate(long, GREEDY.replace(truncate_prompt_tokens=len(ids)), use_tqdm=False)[0]
     assert out.prompt_token_ids == ids and out.outputs[0].token_ids == expected
     # A bad word the plain output holds as one token: gone, and the output changed.
-    token, word = next((t, llm.tokenizer.decode([t])) for t in expected
-                       if llm.tokenizer.encode(llm.tokenizer.decode([t]).strip()) == [t])
+    token, word = next(
+        (t, llm.tokenizer.decode([t]))
+        for t in expected
+        if llm.tokenizer.encode(llm.tokenizer.decode([t]).strip()) == [t]
+    )
     banned = llm.generate(p, GREEDY.replace(bad_words=[word]), use_tqdm=False)[0].outputs[0].token_ids
     assert token not in banned and banned != expected
     allowed = llm.generate(p, GREEDY.replace(allowed_token_ids=[expected[-1]]), use_tqdm=False)
     assert allowed[0].outputs[0].token_ids == [expected[-1]] * 6
     with pytest.raises(ValueError, match="allowed_token_ids: token id"):
-        llm.generate(p, GREEDY.replace(allowed_token_ids=[10 ** 6]), use_tqdm=False)
+        llm.generate(p, GREEDY.replace(allowed_token_ids=[10**6]), use_tqdm=False)
     with pytest.raises(ValueError, match="truncate_prompt_tokens must be at most"):
-        llm.generate(p, GREEDY.replace(truncate_prompt_tokens=10 ** 6), use_tqdm=False)
+        llm.generate(p, GREEDY.replace(truncate_prompt_tokens=10**6), use_tqdm=False)
     assert tokens(llm.generate(p, GREEDY, use_tqdm=False)) == [expected]
 
 
 def test_bad_prompt_forms_are_value_errors(llm):
-    for bad, match in (({"text": "x"}, "unsupported keys"), ({"prompt": 3}, "needs 'prompt'"),
-                       ({"prompt_token_ids": ["a"]}, "list of token ids"), ([], "empty")):
+    for bad, match in (
+        ({"text": "x"}, "unsupported keys"),
+        ({"prompt": 3}, "needs 'prompt'"),
+        ({"prompt_token_ids": ["a"]}, "list of token ids"),
+        ([], "empty"),
+    ):
         with pytest.raises(ValueError, match=match):
             llm.generate(bad, GREEDY, use_tqdm=False)
     # Nothing was left behind: the engine still serves and holds no blocks.
@@ -114,8 +129,7 @@ def test_generation_config_gives_the_default_sampling_params(tiny_model_dir, tmp
     defaults = llm.get_default_sampling_params()
     assert (defaults.temperature, defaults.max_tokens) == (0.0, 5)
     out = llm.generate(PROMPTS[0], use_tqdm=False)[0].outputs[0]
-    explicit = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=5),
-                            use_tqdm=False)[0].outputs[0]
+    explicit = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == explicit.token_ids and len(out.token_ids) <= 5
     plain = LLM(str(folder), dtype="float32", num_gpu_blocks_override=64, generation_config="vllm")
     assert plain.get_default_sampling_params() == SamplingParams()
@@ -134,8 +148,9 @@ def test_embed_is_the_normalized_last_token_state_batched_or_alone(llm, tiny_mod
     for o in outs:
         with torch.no_grad():
             last = hf(torch.tensor([o.prompt_token_ids]), output_hidden_states=True).hidden_states[-1][0, -1]
-        torch.testing.assert_close(torch.tensor(o.outputs.embedding), torch.nn.functional.normalize(last, dim=-1),
-                                   atol=2e-4, rtol=1e-3)
+        torch.testing.assert_close(
+            torch.tensor(o.outputs.embedding), torch.nn.functional.normalize(last, dim=-1), atol=2e-4, rtol=1e-3
+        )
     alone = llm.embed(PROMPTS[2], use_tqdm=False)[0].outputs.embedding
     torch.testing.assert_close(torch.tensor(alone), torch.tensor(outs[2].outputs.embedding), atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="embed needs n=1"):

@@ -14,8 +14,12 @@ import torch
 from fleetserve.replica.lora import LoRARequest
 from fleetserve.scheduler import SamplingParams
 
-PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Hello, world! How are you today?",
-           "def add(a, b):\n    return a + b", "Ray Serve routes requests to replicas; each replica"]
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello, world! How are you today?",
+    "def add(a, b):\n    return a + b",
+    "Ray Serve routes requests to replicas; each replica",
+]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
@@ -39,9 +43,8 @@ def peft(tiny_model_dir, adapters):
 
 def peft_greedy(model, ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                             pad_token_id=2)
-    return out[0, len(ids):].tolist()
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=2)
+    return out[0, len(ids) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +52,17 @@ def llm(tiny_model_dir, adapters):
     from fleetserve.replica.llm import LLM
 
     # Small steps: prompts prefill in chunks beside other requests' decodes.
-    return LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=128, block_size=4, num_threads=1,
-               enable_lora=True, max_loras=3, max_num_batched_tokens=24, long_prefill_token_threshold=8)
+    return LLM(
+        str(tiny_model_dir),
+        dtype="float32",
+        num_gpu_blocks_override=128,
+        block_size=4,
+        num_threads=1,
+        enable_lora=True,
+        max_loras=3,
+        max_num_batched_tokens=24,
+        long_prefill_token_threshold=8,
+    )
 
 
 def lora(adapters, name):
@@ -99,8 +111,15 @@ def test_embeddings_and_prefix_cache_are_per_adapter(llm, adapters, peft):
 def test_max_loras_bounds_a_step(tiny_model_dir, adapters):
     from fleetserve.replica.llm import LLM
 
-    llm = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64, block_size=4, num_threads=1,
-              lora_modules=[f"a={adapters['a']}", f"b={adapters['b']}"], max_loras=1)
+    llm = LLM(
+        str(tiny_model_dir),
+        dtype="float32",
+        num_gpu_blocks_override=64,
+        block_size=4,
+        num_threads=1,
+        lora_modules=[f"a={adapters['a']}", f"b={adapters['b']}"],
+        max_loras=1,
+    )
     assert llm.args.enable_lora  # --lora-modules turns it on
     core = llm.core
     seen, stats = [], []
@@ -190,8 +209,14 @@ def test_async_engine_loads_and_unloads_while_serving(tiny_model_dir, adapters, 
 
     long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     want = llm.generate(PROMPTS[0], long, use_tqdm=False, lora_request=lora(adapters, "a"))[0].outputs[0].token_ids
-    engine = AsyncEngine(model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64, num_threads=1,
-                         enable_lora=True, core_process=core_process)
+    engine = AsyncEngine(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        num_gpu_blocks_override=64,
+        num_threads=1,
+        enable_lora=True,
+        core_process=core_process,
+    )
 
     async def main():
         keys = await asyncio.gather(*(engine.add_lora("a", str(adapters["a"])) for _ in range(3)))
@@ -212,8 +237,9 @@ def test_async_engine_loads_and_unloads_while_serving(tiny_model_dir, adapters, 
         assert not await engine.remove_lora("a")
         key = await engine.add_lora("a", str(adapters["a"]))  # back, under a new id
         assert key == keys[0]
-        again = [t async for out in engine.generate(PROMPTS[0], long, "r3", lora_name="a")
-                 for t in out.outputs[0].token_ids]
+        again = [
+            t async for out in engine.generate(PROMPTS[0], long, "r3", lora_name="a") for t in out.outputs[0].token_ids
+        ]
         assert again == want
 
     try:
@@ -233,8 +259,10 @@ def test_adapter_rows_by_slice_or_by_index_add_the_same_delta():
 
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(7, 5, generator=g), torch.randn(7, 6, generator=g)
-    slots = {1: LoRASlot(torch.randn(3, 5, generator=g), torch.randn(6, 3, generator=g)),
-             2: LoRASlot(torch.randn(2, 5, generator=g), torch.randn(6, 2, generator=g))}
+    slots = {
+        1: LoRASlot(torch.randn(3, 5, generator=g), torch.randn(6, 3, generator=g)),
+        2: LoRASlot(torch.randn(2, 5, generator=g), torch.randn(6, 2, generator=g)),
+    }
     lens, ids = [2, 1, 3, 1], [1, 0, 1, 3]  # adapter 1 apart: rows 0-1 and 3-5; 3: not here
     batch = LoRABatch.build(ids, lens, torch.device("cpu"))
     assert [(lid, type(rows).__name__) for lid, rows in batch.groups] == [(1, "Tensor"), (3, "slice")]
@@ -262,8 +290,15 @@ def test_max_cpu_loras_evicts_the_least_recently_used_idle_adapter(tiny_model_di
 
     from fleetserve.replica.engine.async_engine import AsyncEngine, LoRACapacityError
 
-    engine = AsyncEngine(model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64, num_threads=1,
-                         enable_lora=True, max_cpu_loras=2, core_process=False)
+    engine = AsyncEngine(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        num_gpu_blocks_override=64,
+        num_threads=1,
+        enable_lora=True,
+        max_cpu_loras=2,
+        core_process=False,
+    )
     long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 
     def start(name, rid, sp=GREEDY):
@@ -307,10 +342,21 @@ def test_speculative_decoding_with_an_adapter_gives_its_tokens(tiny_model_dir, a
     from fleetserve.replica.llm import LLM
 
     prompt = "one two three four one two three four one two three four one two"
-    spec = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64, block_size=4, num_threads=1,
-               enable_lora=True, max_loras=2,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                                   "prompt_lookup_max": 3})
+    spec = LLM(
+        str(tiny_model_dir),
+        dtype="float32",
+        num_gpu_blocks_override=64,
+        block_size=4,
+        num_threads=1,
+        enable_lora=True,
+        max_loras=2,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+        },
+    )
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     loras = [lora(adapters, "a"), None, lora(adapters, "b")]
     got = [o.outputs[0].token_ids for o in spec.generate([prompt] * 3, sp, use_tqdm=False, lora_request=loras)]

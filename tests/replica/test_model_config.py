@@ -11,9 +11,23 @@ import pytest
 
 from fleetserve.replica.model_loader.model_config import FAMILY_DEFAULTS, ModelConfig, read_model_config
 
-FIELDS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-          "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "hidden_act", "tie_word_embeddings",
-          "bos_token_id", "eos_token_id", "pad_token_id", "architectures", "model_type"]
+FIELDS = [
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "hidden_act",
+    "tie_word_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "architectures",
+    "model_type",
+]
 
 
 def effective(config) -> dict:
@@ -25,8 +39,12 @@ def effective(config) -> dict:
     rope.pop("type", None)
     out = {f: getattr(config, f, None) for f in FIELDS}
     out["num_key_value_heads"] = out["num_key_value_heads"] or out["num_attention_heads"]
-    out.update(head_dim=_head_dim(config), rope=rope, attention_bias=bool(getattr(config, "attention_bias", False)),
-               mlp_bias=bool(getattr(config, "mlp_bias", False)))
+    out.update(
+        head_dim=_head_dim(config),
+        rope=rope,
+        attention_bias=bool(getattr(config, "attention_bias", False)),
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+    )
     return out
 
 
@@ -34,19 +52,57 @@ CASES = [
     {"model_type": "llama"},
     {"model_type": "mistral"},
     {"model_type": "qwen2"},
-    {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 160,
-     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 384,
-     "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "rope_theta": 500000.0, "max_position_embeddings": 16384,
-     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192}},
-    {"model_type": "llama", "hidden_size": 96, "num_attention_heads": 4, "head_dim": 32, "attention_bias": True,
-     "mlp_bias": True, "rope_scaling": {"type": "linear", "factor": 2.0}},
-    {"model_type": "llama", "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 20000.0,
-                                                "original_max_position_embeddings": 512}},
+    {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 384,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 16384,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    },
+    {
+        "model_type": "llama",
+        "hidden_size": 96,
+        "num_attention_heads": 4,
+        "head_dim": 32,
+        "attention_bias": True,
+        "mlp_bias": True,
+        "rope_scaling": {"type": "linear", "factor": 2.0},
+    },
+    {
+        "model_type": "llama",
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "rope_theta": 20000.0,
+            "original_max_position_embeddings": 512,
+        },
+    },
     {"model_type": "mistral", "sliding_window": None, "num_key_value_heads": 4, "pad_token_id": 0},
     {"model_type": "llama", "bos_token_id": None, "num_key_value_heads": None, "head_dim": None},
-    {"model_type": "qwen2", "hidden_size": 128, "num_attention_heads": 8, "num_key_value_heads": 2,
-     "tie_word_embeddings": True, "rope_theta": 1000000.0, "bos_token_id": 151643, "eos_token_id": 151645},
+    {
+        "model_type": "qwen2",
+        "hidden_size": 128,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": True,
+        "rope_theta": 1000000.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
 ]
 
 
@@ -69,15 +125,20 @@ def test_family_defaults_cover_what_the_model_reads():
         assert config.head_dim == defaults["hidden_size"] // defaults["num_attention_heads"]
 
 
-@pytest.mark.parametrize("raw, message", [
-    ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]},
-     r"unsupported model architecture \['GPT2LMHeadModel'\]"),
-    ({}, "unsupported model architecture None"),
-    ({"model_type": "llama", "hidden_size": 100, "num_attention_heads": 3}, "not a multiple"),
-    ({"model_type": "llama", "hidden_size": "big"}, "hidden_size must be a positive integer"),
-    ({"model_type": "llama", "num_hidden_layers": 0}, "num_hidden_layers must be a positive integer"),
-    ({"model_type": "llama", "rope_scaling": "fast"}, "must be an object"),
-])
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (
+            {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]},
+            r"unsupported model architecture \['GPT2LMHeadModel'\]",
+        ),
+        ({}, "unsupported model architecture None"),
+        ({"model_type": "llama", "hidden_size": 100, "num_attention_heads": 3}, "not a multiple"),
+        ({"model_type": "llama", "hidden_size": "big"}, "hidden_size must be a positive integer"),
+        ({"model_type": "llama", "num_hidden_layers": 0}, "num_hidden_layers must be a positive integer"),
+        ({"model_type": "llama", "rope_scaling": "fast"}, "must be an object"),
+    ],
+)
 def test_bad_configs_are_value_errors(raw, message, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match=message):
@@ -114,20 +175,26 @@ def test_gguf_config_matches_transformers(tmp_path):
     finally:
         gguf.close()
     assert effective(ours) == effective(theirs)
-    assert (ours.hidden_size, ours.num_hidden_layers, ours.num_key_value_heads, ours.tie_word_embeddings) == \
-        (576, 30, 3, True)
+    assert (ours.hidden_size, ours.num_hidden_layers, ours.num_key_value_heads, ours.tie_word_embeddings) == (
+        576,
+        30,
+        3,
+        True,
+    )
 
 
 def test_engine_process_does_not_import_transformers(tiny_model_dir):
     """Building the engine (model, KV cache, scheduler) imports neither transformers nor its
     config machinery: ~3 s of CPU in every engine process that starts."""
-    code = ("import sys\n"
-            "from fleetserve.replica.engine.engine_args import EngineArgs\n"
-            "from fleetserve.replica.engine.engine_core import EngineCore\n"
-            f"core = EngineCore(EngineArgs(model={str(tiny_model_dir)!r}, max_model_len=256,"
-            " num_gpu_blocks_override=32, num_threads=1), 2)\n"
-            "core.shutdown()\n"
-            "print(sorted(m for m in ('transformers',) if m in sys.modules))\n")
+    code = (
+        "import sys\n"
+        "from fleetserve.replica.engine.engine_args import EngineArgs\n"
+        "from fleetserve.replica.engine.engine_core import EngineCore\n"
+        f"core = EngineCore(EngineArgs(model={str(tiny_model_dir)!r}, max_model_len=256,"
+        " num_gpu_blocks_override=32, num_threads=1), 2)\n"
+        "core.shutdown()\n"
+        "print(sorted(m for m in ('transformers',) if m in sys.modules))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"

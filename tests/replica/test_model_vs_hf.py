@@ -25,11 +25,23 @@ CONFIGS = {
     "mha_tied": dict(num_heads=4, num_kv_heads=4, tie_word_embeddings=True),
     "mqa_bias": dict(num_heads=6, num_kv_heads=1, hidden_size=96, attention_bias=True),
     "linear_rope": dict(num_heads=4, num_kv_heads=2, rope_scaling={"rope_type": "linear", "factor": 4.0}),
-    "llama3_rope": dict(num_heads=8, num_kv_heads=2, rope_theta=500000.0, rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16}),
-    "yarn_rope": dict(num_heads=4, num_kv_heads=2, rope_scaling={
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
+    "llama3_rope": dict(
+        num_heads=8,
+        num_kv_heads=2,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ),
+    "yarn_rope": dict(
+        num_heads=4,
+        num_kv_heads=2,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+    ),
     "three_layers_headdim32": dict(num_layers=3, hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32),
 }
 
@@ -66,23 +78,23 @@ class Setup:
 
     def step(self, chunks: list[tuple[list[int], int, list[int]]]) -> list[torch.Tensor]:
         """chunks: (new token ids, context_len, block table) per request -> logits per request [q, V]."""
-        md = AttentionMetadata.build([len(c[0]) for c in chunks], [c[1] for c in chunks],
-                                     [c[2] for c in chunks], BLOCK)
+        md = AttentionMetadata.build([len(c[0]) for c in chunks], [c[1] for c in chunks], [c[2] for c in chunks], BLOCK)
         ids = torch.tensor([t for c in chunks for t in c[0]])
         with torch.no_grad():
             logits = self.model.compute_logits(self.model(ids, md.positions, self.caches, md))
         assert logits.dtype == torch.float32
         out, start = [], 0
         for c in chunks:
-            out.append(logits[start:start + len(c[0])])
+            out.append(logits[start : start + len(c[0])])
             start += len(c[0])
         return out
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def model_dir(request, tmp_path_factory):
-    return make_tiny_llama(tmp_path_factory.mktemp(request.param), seed=sorted(CONFIGS).index(request.param),
-                           **CONFIGS[request.param])
+    return make_tiny_llama(
+        tmp_path_factory.mktemp(request.param), seed=sorted(CONFIGS).index(request.param), **CONFIGS[request.param]
+    )
 
 
 @pytest.fixture
@@ -102,7 +114,7 @@ def test_full_prefill_then_paged_decode(setup):
     (prefill,) = setup.step([(ids[:15], 0, table)])
     torch.testing.assert_close(prefill, ref[:15], atol=ATOL, rtol=0)
     for t in range(15, len(ids)):
-        (dec,) = setup.step([(ids[t:t + 1], t, table)])
+        (dec,) = setup.step([(ids[t : t + 1], t, table)])
         torch.testing.assert_close(dec[0], ref[t], atol=ATOL, rtol=0)
 
 
@@ -122,8 +134,9 @@ def test_mixed_batch(setup, order):
     """Fresh prefill, prefill continuation and two decodes in one forward."""
     v = setup.cfg.vocab_size
     fresh, cont, dec1, dec2 = _prompt(9, 3, v), _prompt(17, 4, v), _prompt(12, 5, v), _prompt(6, 6, v)
-    tables = {name: setup.blocks_for(len(s)) for name, s in
-              [("fresh", fresh), ("cont", cont), ("dec1", dec1), ("dec2", dec2)]}
+    tables = {
+        name: setup.blocks_for(len(s)) for name, s in [("fresh", fresh), ("cont", cont), ("dec1", dec1), ("dec2", dec2)]
+    }
     # Earlier steps: the continuation has 10 tokens cached, the decodes all but their last token.
     setup.step([(cont[:10], 0, tables["cont"]), (dec1[:11], 0, tables["dec1"])])
     setup.step([(dec2[:5], 0, tables["dec2"])])
@@ -157,8 +170,13 @@ def test_packed_fresh_prompts(setup, monkeypatch, max_pack):
     cont_table = setup.blocks_for(len(cont))
     setup.step([(cont[:4], 0, cont_table)])
     # tokens: fresh0 [0, 9), fresh1 [9, 23) | cont [23, 31) | fresh2 [31, 36), fresh3 [36, 47)
-    chunks = [(fresh[0], 0, tables[0]), (fresh[1], 0, tables[1]), (cont[4:], 4, cont_table),
-              (fresh[2], 0, tables[2]), (fresh[3], 0, tables[3])]
+    chunks = [
+        (fresh[0], 0, tables[0]),
+        (fresh[1], 0, tables[1]),
+        (cont[4:], 4, cont_table),
+        (fresh[2], 0, tables[2]),
+        (fresh[3], 0, tables[3]),
+    ]
     md = AttentionMetadata.build([len(c[0]) for c in chunks], [c[1] for c in chunks], [c[2] for c in chunks], BLOCK)
     packs = [(p.start, p.end, p.seg_lens) for p in md.prefill_packs]
     if max_pack == 2048:
@@ -169,7 +187,7 @@ def test_packed_fresh_prompts(setup, monkeypatch, max_pack):
     got = setup.step(chunks)
     for c, g in zip(chunks, got):
         ids = c[0] if c[1] == 0 else cont
-        torch.testing.assert_close(g, setup.reference(ids)[c[1]:], atol=ATOL, rtol=0)
+        torch.testing.assert_close(g, setup.reference(ids)[c[1] :], atol=ATOL, rtol=0)
 
 
 def test_decode_batch_of_different_lengths(setup):
@@ -219,10 +237,12 @@ def test_metadata_indices():
         AttentionMetadata.build([4], [1], [[0]], 4)
 
 
-@pytest.mark.parametrize("dtype,fused_silu", [(torch.float32, True), (torch.bfloat16, True),
-                                              (torch.bfloat16, False)], ids=["fp32", "bf16", "bf16-unfused"])
-def test_kernel_layer_loop_equals_the_modules_bit_for_bit(tmp_path, monkeypatch, attention_path, dtype,
-                                                          fused_silu):
+@pytest.mark.parametrize(
+    "dtype,fused_silu",
+    [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)],
+    ids=["fp32", "bf16", "bf16-unfused"],
+)
+def test_kernel_layer_loop_equals_the_modules_bit_for_bit(tmp_path, monkeypatch, attention_path, dtype, fused_silu):
     """Where every linear is packed for the small-M kernel (one rank, CPU kernels built),
     LlamaModel runs its layers in one kernel call (`llama_layers`, a C++ loop over the same kernels;
     _kernel_plan) instead of through the modules. Same ops, same order: logits and KV caches equal
@@ -244,8 +264,12 @@ def test_kernel_layer_loop_equals_the_modules_bit_for_bit(tmp_path, monkeypatch,
     seqs = [_prompt(n, 40 + n, v) for n in (9, 17, 12, 6)]
     tables = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(4)]
     first = [(seqs[1][:10], 0, tables[1]), (seqs[2][:11], 0, tables[2]), (seqs[3][:5], 0, tables[3])]
-    mixed = [(seqs[0], 0, tables[0]), (seqs[2][11:], 11, tables[2]), (seqs[1][10:], 10, tables[1]),
-             (seqs[3][5:], 5, tables[3])]
+    mixed = [
+        (seqs[0], 0, tables[0]),
+        (seqs[2][11:], 11, tables[2]),
+        (seqs[1][10:], 10, tables[1]),
+        (seqs[3][5:], 5, tables[3]),
+    ]
 
     def run(kernel_layers: bool, kv_hooks=None):
         monkeypatch.setenv("FLEETSERVE_KERNEL_LAYERS", "1" if kernel_layers else "0")
@@ -253,8 +277,9 @@ def test_kernel_layer_loop_equals_the_modules_bit_for_bit(tmp_path, monkeypatch,
         layer_calls.clear()
         out = []
         for chunks in (first, mixed):
-            md = AttentionMetadata.build([len(c[0]) for c in chunks], [c[1] for c in chunks],
-                                         [c[2] for c in chunks], BLOCK)
+            md = AttentionMetadata.build(
+                [len(c[0]) for c in chunks], [c[1] for c in chunks], [c[2] for c in chunks], BLOCK
+            )
             ids = torch.tensor([t for c in chunks for t in c[0]])
             with torch.no_grad():
                 out.append(model.compute_logits(model(ids, md.positions, caches, md, kv_hooks)))
@@ -269,8 +294,12 @@ def test_kernel_layer_loop_equals_the_modules_bit_for_bit(tmp_path, monkeypatch,
         assert torch.equal(a, b)
 
     class Hooks:  # a KV connector's layer-wise hooks: they need the modules' per-layer loop
-        def wait_for_layer_load(self, i): pass
-        def save_kv_layer(self, i, kv, md): pass
+        def wait_for_layer_load(self, i):
+            pass
+
+        def save_kv_layer(self, i, kv, md):
+            pass
+
     hooked, _, calls = run(True, Hooks())
     assert calls == 2 and all(torch.equal(a, b) for a, b in zip(hooked, ref))
     if not expect_loop:

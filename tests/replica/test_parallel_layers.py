@@ -57,8 +57,9 @@ def test_rmsnorm_fused_residual():
     torch.testing.assert_close(out, norm(x + r))
 
 
-def _tp_worker(rank: int, world_size: int, init_file: str, model_dir: str, out_file: str,
-               backend: str = "gloo") -> None:
+def _tp_worker(
+    rank: int, world_size: int, init_file: str, model_dir: str, out_file: str, backend: str = "gloo"
+) -> None:
     torch.set_num_threads(1)
     from fleetserve.replica.distributed.parallel import destroy_tp_group, init_tp_group
     from fleetserve.replica.layers.attention import AttentionMetadata
@@ -115,8 +116,12 @@ def _run_tp(model_dir, world_size, tmp_path, backend: str = "gloo"):
             md = AttentionMetadata.build([1], [10], [[5, 2, 9]], 4)
             decode = model.compute_logits(model(ids[10:], md.positions, caches, md))
         return {"prefill": prefill, "decode": decode}
-    mp.spawn(_tp_worker, args=(world_size, str(tmp_path / f"init-{backend}"), str(model_dir), str(out), backend),
-             nprocs=world_size, join=True)
+    mp.spawn(
+        _tp_worker,
+        args=(world_size, str(tmp_path / f"init-{backend}"), str(model_dir), str(out), backend),
+        nprocs=world_size,
+        join=True,
+    )
     return torch.load(out)
 
 
@@ -126,8 +131,14 @@ def test_tp2_gloo_matches_tp1(tmp_path, num_kv_heads):
     """Odd vocab (padded vocab shards), GQA split or replicated, biases: 2 ranks == 1 rank."""
     from fleetserve.replica.testing import make_tiny_llama
 
-    path = make_tiny_llama(tmp_path / "m", vocab_size=301, num_heads=4, num_kv_heads=num_kv_heads,
-                           attention_bias=True, tie_word_embeddings=(num_kv_heads == 1))
+    path = make_tiny_llama(
+        tmp_path / "m",
+        vocab_size=301,
+        num_heads=4,
+        num_kv_heads=num_kv_heads,
+        attention_bias=True,
+        tie_word_embeddings=(num_kv_heads == 1),
+    )
     ref = _run_tp(path, 1, tmp_path)
     got = _run_tp(path, 2, tmp_path)
     for key in ("prefill", "decode"):
@@ -187,7 +198,7 @@ def test_gate_up_silu_mul_fused_where_the_kernel_runs(fused, monkeypatch):
     assert "fleetserve::linear_bf16_silu_mul" in {e.name for e in prof.events()}
     pre = F.linear(x.double(), layer.weight.double(), layer.bias.double())
     ref = F.silu(pre[:, :40]) * pre[:, 40:]
-    assert got.shape == (9, 40) and ((got.double() - ref).abs() <= ref.abs() * 2.0 ** -7 + 1e-2).all()
+    assert got.shape == (9, 40) and ((got.double() - ref).abs() <= ref.abs() * 2.0**-7 + 1e-2).all()
     assert layer.silu_and_mul(torch.randn(rows + 1, 48).bfloat16()) is None  # oneDNN and SiluAndMul
     with torch.no_grad():
         layer.weight.mul_(2)  # an edited weight: the stale packed copy is not used
@@ -242,7 +253,7 @@ def test_packed_cpu_linear_matches_f_linear_and_follows_weight_edits(dtype, smal
             assert torch.equal(got, want)  # oneDNN packed: bit-identical to F.linear
         elif dtype == torch.bfloat16:  # another summation order: within one bf16 step
             ref = F.linear(x.double(), layer.weight.double(), layer.bias.double())
-            assert ((got.double() - ref).abs() <= ref.abs() * 2.0 ** -7 + 1e-3).all()
+            assert ((got.double() - ref).abs() <= ref.abs() * 2.0**-7 + 1e-3).all()
         else:
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     # An edited weight is used as edited (the stale packed copies are ignored).

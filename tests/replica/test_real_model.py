@@ -30,9 +30,14 @@ def reference():
     expected = []
     with torch.inference_mode():
         for x in ids:
-            out = hf.generate(torch.tensor([x]), max_new_tokens=MAX_NEW, do_sample=False,
-                              eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
-            expected.append(out[0, len(x):].tolist())
+            out = hf.generate(
+                torch.tensor([x]),
+                max_new_tokens=MAX_NEW,
+                do_sample=False,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.eos_token_id,
+            )
+            expected.append(out[0, len(x) :].tolist())
     return ids, expected
 
 
@@ -40,8 +45,7 @@ def reference():
 VARIANTS = {
     "prefix_cache+chunked_small_budget": dict(enable_prefix_caching=True, max_num_batched_tokens=16),
     # 16 blocks x 8 tokens: the four requests (~40 + 24 tokens each) cannot all fit.
-    "no_prefix_cache+preemption": dict(enable_prefix_caching=False, num_gpu_blocks_override=16,
-                                       block_size=8),
+    "no_prefix_cache+preemption": dict(enable_prefix_caching=False, num_gpu_blocks_override=16, block_size=8),
 }
 
 
@@ -71,6 +75,9 @@ def test_chat_answers_in_english():
     from fleetserve.replica.llm import LLM
 
     llm = LLM("smollm2-135m", num_gpu_blocks_override=64)
-    (out,) = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                      SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+    (out,) = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=20),
+        use_tqdm=False,
+    )
     assert "Paris" in out.outputs[0].text

@@ -18,12 +18,13 @@ from fleetserve.scheduler.sampling_params import SamplingParams
 EOS = 2
 
 
-def run(logits: torch.Tensor, params: list[SamplingParams], prompts=None, outputs=None, generators=None,
-        vocab_size=None):
+def run(
+    logits: torch.Tensor, params: list[SamplingParams], prompts=None, outputs=None, generators=None, vocab_size=None
+):
     n, v = logits.shape
     batch = SamplingBatch.build(
-        params, prompts or [[]] * n, outputs or [[]] * n, generators or [None] * n,
-        EOS, vocab_size or v, "cpu")
+        params, prompts or [[]] * n, outputs or [[]] * n, generators or [None] * n, EOS, vocab_size or v, "cpu"
+    )
     return Sampler()(logits.clone(), batch)
 
 
@@ -86,8 +87,9 @@ def test_greedy_is_argmax():
 
 def test_mixed_batch_greedy_rows_stay_exact():
     logits = torch.randn(8, 500)
-    params = [SamplingParams(temperature=0.0) if i % 2 == 0 else SamplingParams(temperature=1.0, top_p=0.9)
-              for i in range(8)]
+    params = [
+        SamplingParams(temperature=0.0) if i % 2 == 0 else SamplingParams(temperature=1.0, top_p=0.9) for i in range(8)
+    ]
     out = run(logits, params)
     for i in range(0, 8, 2):
         assert out.sampled_token_ids[i] == int(logits[i].argmax())
@@ -112,8 +114,9 @@ def test_temperature_distribution(logits_300, temperature):
 
 def test_temperature_sharpens_and_flattens(logits_300):
     top = int(logits_300.argmax())
-    share = {t: float((draws(logits_300, SamplingParams(temperature=t)) == top).double().mean())
-             for t in (0.3, 1.0, 3.0)}
+    share = {
+        t: float((draws(logits_300, SamplingParams(temperature=t)) == top).double().mean()) for t in (0.3, 1.0, 3.0)
+    }
     assert share[0.3] > share[1.0] > share[3.0]
 
 
@@ -214,8 +217,12 @@ def test_seeded_rows_reproducible_in_any_batch(logits_300):
 def test_different_seeds_differ(logits_300):
     def seq(seed):
         gen = make_generator(seed, "cpu")
-        return [run(logits_300.unsqueeze(0), [SamplingParams(temperature=1.0, seed=seed)],
-                    generators=[gen]).sampled_token_ids[0] for _ in range(20)]
+        return [
+            run(
+                logits_300.unsqueeze(0), [SamplingParams(temperature=1.0, seed=seed)], generators=[gen]
+            ).sampled_token_ids[0]
+            for _ in range(20)
+        ]
 
     assert seq(1) == seq(1)
     assert seq(1) != seq(2)
@@ -238,16 +245,23 @@ def test_penalties_match_dense_reference():
     g = torch.Generator().manual_seed(3)
     n, v = 48, 200
     logits = torch.randn(n, v, generator=g) * 2
-    prompts = [torch.randint(0, v, (int(torch.randint(0, 30, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(n)]
-    outputs = [torch.randint(0, 40, (int(torch.randint(0, 30, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(n)]
-    params = [SamplingParams(temperature=0.0, repetition_penalty=[1.0, 1.3, 0.8][i % 3],
-                             frequency_penalty=[0.0, 0.4, -0.3, 1.5][i % 4],
-                             presence_penalty=[0.0, 0.7, -1.0][i % 3 - 1]) for i in range(n)]
+    prompts = [
+        torch.randint(0, v, (int(torch.randint(0, 30, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
+    outputs = [
+        torch.randint(0, 40, (int(torch.randint(0, 30, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            repetition_penalty=[1.0, 1.3, 0.8][i % 3],
+            frequency_penalty=[0.0, 0.4, -0.3, 1.5][i % 4],
+            presence_penalty=[0.0, 0.7, -1.0][i % 3 - 1],
+        )
+        for i in range(n)
+    ]
     out = run(logits, params, prompts, outputs)
-    expected = [int(reference_penalties(logits[i], prompts[i], outputs[i], params[i]).argmax())
-                for i in range(n)]
+    expected = [int(reference_penalties(logits[i], prompts[i], outputs[i], params[i]).argmax()) for i in range(n)]
     assert out.sampled_token_ids == expected
 
 
@@ -335,10 +349,17 @@ def test_bad_words_ban_the_token_that_would_complete_a_word():
 
 
 def test_sampling_params_check_the_vllm_extras():
-    for bad in ({"allowed_token_ids": []}, {"allowed_token_ids": [-1]}, {"allowed_token_ids": "12"},
-                {"bad_words": "word"}, {"bad_words": [""]}, {"bad_words": [3]},
-                {"truncate_prompt_tokens": 0}, {"truncate_prompt_tokens": -2},
-                {"truncate_prompt_tokens": True}):
+    for bad in (
+        {"allowed_token_ids": []},
+        {"allowed_token_ids": [-1]},
+        {"allowed_token_ids": "12"},
+        {"bad_words": "word"},
+        {"bad_words": [""]},
+        {"bad_words": [3]},
+        {"truncate_prompt_tokens": 0},
+        {"truncate_prompt_tokens": -2},
+        {"truncate_prompt_tokens": True},
+    ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
     assert SamplingParams(allowed_token_ids=(3, 1)).allowed_token_ids == [3, 1]
@@ -350,9 +371,11 @@ def test_sampling_params_check_the_vllm_extras():
 def test_logprobs_are_raw_with_rank():
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(3, 100, generator=g)
-    params = [SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=2.0),
-              SamplingParams(temperature=0.5, top_k=10, logprobs=0),
-              SamplingParams(temperature=0.0)]
+    params = [
+        SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=2.0),
+        SamplingParams(temperature=0.5, top_k=10, logprobs=0),
+        SamplingParams(temperature=0.0),
+    ]
     out = run(logits, params, prompts=[list(range(50)), [], []])
     raw = logits.log_softmax(-1)
     ids, lps, rank = out.logprobs[0]

@@ -17,8 +17,40 @@ from fleetserve.replica.model_loader.weights import allocate_kv_caches, load_mod
 
 pytestmark = pytest.mark.real_model
 
-PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3714, 314, 1786, 12756, 314, 2, 198, 1,
-          4093, 198, 19556, 28, 638, 359, 346, 47, 2, 198, 1, 520, 9531, 198]
+PROMPT = [
+    1,
+    9690,
+    198,
+    2683,
+    359,
+    253,
+    5356,
+    5646,
+    11173,
+    3365,
+    3714,
+    314,
+    1786,
+    12756,
+    314,
+    2,
+    198,
+    1,
+    4093,
+    198,
+    19556,
+    28,
+    638,
+    359,
+    346,
+    47,
+    2,
+    198,
+    1,
+    520,
+    9531,
+    198,
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +68,9 @@ def hf_logits(source):
     pytest.importorskip("accelerate")
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(source.path.parent, gguf_file=source.path.name,
-                                              dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        source.path.parent, gguf_file=source.path.name, dtype=torch.float32
+    ).eval()
     with torch.no_grad():
         return hf(torch.tensor([PROMPT])).logits[0]
 
@@ -92,7 +125,7 @@ def test_bf16_tracks_fp32_greedy(source, ours, kernels_on):
                 if len(seq) <= i:
                     seq.append(int(logits[-1].argmax()))
                 md = AttentionMetadata.build([1], [i], [table], 16, request_ids=["r"])
-                logits.append(model.compute_logits(model(torch.tensor(seq[i:i + 1]), md.positions, caches, md)))
+                logits.append(model.compute_logits(model(torch.tensor(seq[i : i + 1]), md.positions, caches, md)))
         return seq, torch.cat(logits)
 
     seq32, ref = run(model32, torch.float32)

@@ -49,8 +49,9 @@ def other_draft_dir(tmp_path_factory):
     from fleetserve.replica.testing import make_tiny_llama
 
     # Same tokenizer, different random weights: most drafts are rejected.
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny-draft"), num_layers=1, hidden_size=32,
-                           num_heads=2, num_kv_heads=1, seed=7)
+    return make_tiny_llama(
+        tmp_path_factory.mktemp("tiny-draft"), num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, seed=7
+    )
 
 
 VARIANTS = {
@@ -96,16 +97,24 @@ def test_seeded_sampling_with_penalties_and_logprobs_unchanged(tiny_model_dir, p
     penalties of the outputs before it: the same tokens and logprobs as plain decoding."""
     base, ids, _ = plain
     ids = ids + [base.tokenizer.encode("a b c a b c a b c a b c")] * 2
-    penalties = dict(repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.2,
-                     min_tokens=5, top_k=50, top_p=0.95)
+    penalties = dict(
+        repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.2, min_tokens=5, top_k=50, top_p=0.95
+    )
     # Penalised rows rarely repeat themselves (few drafts); the low-temperature
     # ones do, so drafts are both accepted and rejected.
-    sps = [SamplingParams(temperature=0.9 if i % 2 else 0.05, seed=11 + i, max_tokens=20,
-                          ignore_eos=True, logprobs=2, **(penalties if i % 2 else {}))
-           for i in range(len(ids))]
+    sps = [
+        SamplingParams(
+            temperature=0.9 if i % 2 else 0.05,
+            seed=11 + i,
+            max_tokens=20,
+            ignore_eos=True,
+            logprobs=2,
+            **(penalties if i % 2 else {}),
+        )
+        for i in range(len(ids))
+    ]
     want = base.generate(ids, sps, use_tqdm=False)
-    llm = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=256,
-              speculative_config=NGRAM)
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=256, speculative_config=NGRAM)
     got = llm.generate(ids, sps, use_tqdm=False)
     for w, g in zip(want, got):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
@@ -131,10 +140,10 @@ def test_sampling_preserves_the_target_distribution(tiny_model_dir):
     num, positions = 1000, (1, 2, 3)
     sp = SamplingParams(temperature=0.3, max_tokens=4, ignore_eos=True)
     samples = {}
-    for name, spec in (("plain", None),
-                       ("spec", {"model": str(tiny_model_dir), "num_speculative_tokens": 3})):
-        llm = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=512,
-                  max_num_seqs=256, speculative_config=spec)
+    for name, spec in (("plain", None), ("spec", {"model": str(tiny_model_dir), "num_speculative_tokens": 3})):
+        llm = LLM(
+            str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=512, max_num_seqs=256, speculative_config=spec
+        )
         ids = llm.tokenizer.encode("The quick brown fox")
         samples[name] = np.array(_tokens(llm, [ids] * num, sp))
         if spec is not None:
@@ -145,8 +154,7 @@ def test_sampling_preserves_the_target_distribution(tiny_model_dir):
         a, b = samples["plain"][:, pos], samples["spec"][:, pos]
         cats, counts = np.unique(np.concatenate([a, b]), return_counts=True)
         common = cats[counts >= 20]  # expected >= 10 per cell; the rest pooled in one column
-        table = np.array([[np.sum(x == c) for c in common] + [np.sum(~np.isin(x, common))]
-                          for x in (a, b)])
+        table = np.array([[np.sum(x == c) for c in common] + [np.sum(~np.isin(x, common))] for x in (a, b)])
         table = table[:, table.sum(0) > 0]
         p = chi2_contingency(table)[1]
         assert p > 1e-3 / len(positions), (pos, p, table)
@@ -160,9 +168,15 @@ def test_async_engine_core_process_streams_drafts_and_exports_metrics(tiny_model
     from fleetserve.replica.engine.async_engine import AsyncEngine
 
     _, ids, want = plain
-    engine = AsyncEngine(model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=128,
-                         core_process=True, speculative_config=NGRAM)
+    engine = AsyncEngine(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        num_gpu_blocks_override=128,
+        core_process=True,
+        speculative_config=NGRAM,
+    )
     try:
+
         async def collect(prompt, rid):
             tokens = []
             async for out in engine.generate(prompt, GREEDY, rid):
@@ -173,15 +187,20 @@ def test_async_engine_core_process_streams_drafts_and_exports_metrics(tiny_model
             return await asyncio.gather(*[collect(p, f"s{i}") for i, p in enumerate(ids)])
 
         assert asyncio.run(main()) == want
-        samples = {(s.name, s.labels.get("position")): s.value
-                   for fam in text_string_to_metric_families(engine.metrics_text())
-                   for s in fam.samples if fam.name.startswith("vllm:spec_decode")}
+        samples = {
+            (s.name, s.labels.get("position")): s.value
+            for fam in text_string_to_metric_families(engine.metrics_text())
+            for s in fam.samples
+            if fam.name.startswith("vllm:spec_decode")
+        }
         drafts = samples[("vllm:spec_decode_num_draft_tokens_total", None)]
         accepted = samples[("vllm:spec_decode_num_accepted_tokens_total", None)]
         assert samples[("vllm:spec_decode_num_drafts_total", None)] > 0 and 0 < accepted <= drafts
         assert samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", "0")] > 0
-        assert sum(v for (name, pos), v in samples.items()
-                   if name == "vllm:spec_decode_num_accepted_tokens_per_pos_total") == accepted
+        assert (
+            sum(v for (name, pos), v in samples.items() if name == "vllm:spec_decode_num_accepted_tokens_per_pos_total")
+            == accepted
+        )
         assert engine.get_load()["num_free_blocks"] == engine.get_load()["num_blocks"]
     finally:
         engine.shutdown()
@@ -217,18 +236,30 @@ def test_bad_speculative_configs_are_refused_clearly(tiny_model_dir, other_draft
     with pytest.raises(ValidationError, match="num_speculative_tokens"):
         EngineArgs(speculative_config={"method": "ngram"})
     with pytest.raises(ValidationError, match="prompt_lookup_min"):
-        EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                                       "prompt_lookup_min": 4, "prompt_lookup_max": 2})
+        EngineArgs(
+            speculative_config={
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_min": 4,
+                "prompt_lookup_max": 2,
+            }
+        )
     with pytest.raises(ValidationError, match="tensor_parallel_size 1"):
-        EngineArgs(tensor_parallel_size=2,
-                   speculative_config={"model": str(other_draft_dir), "num_speculative_tokens": 2})
+        EngineArgs(
+            tensor_parallel_size=2, speculative_config={"model": str(other_draft_dir), "num_speculative_tokens": 2}
+        )
     from fleetserve.replica.testing import make_tiny_llama
 
-    other_vocab = make_tiny_llama(tmp_path / "v", vocab_size=300, num_layers=1, hidden_size=32,
-                                  num_heads=2, num_kv_heads=1)
+    other_vocab = make_tiny_llama(
+        tmp_path / "v", vocab_size=300, num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1
+    )
     with pytest.raises(ValueError, match="share the tokenizer"):
-        LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64,
-            speculative_config={"model": str(other_vocab), "num_speculative_tokens": 2})
+        LLM(
+            str(tiny_model_dir),
+            dtype="float32",
+            num_gpu_blocks_override=64,
+            speculative_config={"model": str(other_vocab), "num_speculative_tokens": 2},
+        )
 
 
 @pytest.mark.real_model
@@ -238,19 +269,30 @@ def test_real_model_copy_prompts_greedy_identical_and_mostly_accepted():
     accepted, and the answer is token for token the plain engine's."""
     from fleetserve.replica.engine.tokenizer import apply_chat_template
 
-    passage = ("The lighthouse stood at the end of a narrow spit of rock, and for ninety years its "
-               "keepers climbed the same one hundred and twelve steps every evening to light the lamp.")
-    chats = [[{"role": "user", "content": f"Repeat the following text exactly:\n\n{passage}"}],
-             [{"role": "user", "content": f"Copy this text and add a title to it:\n\n{passage}"}]]
+    passage = (
+        "The lighthouse stood at the end of a narrow spit of rock, and for ninety years its "
+        "keepers climbed the same one hundred and twelve steps every evening to light the lamp."
+    )
+    chats = [
+        [{"role": "user", "content": f"Repeat the following text exactly:\n\n{passage}"}],
+        [{"role": "user", "content": f"Copy this text and add a title to it:\n\n{passage}"}],
+    ]
     sp = SamplingParams(temperature=0.0, max_tokens=40)
     kw = dict(dtype="float32", num_gpu_blocks_override=64, max_num_batched_tokens=64)
     plain = LLM("smollm2-135m", **kw)
-    ids = [plain.tokenizer.encode(apply_chat_template(plain.tokenizer, c), add_special_tokens=False)
-           for c in chats]
+    ids = [plain.tokenizer.encode(apply_chat_template(plain.tokenizer, c), add_special_tokens=False) for c in chats]
     want = _tokens(plain, ids, sp)
     del plain
-    llm = LLM("smollm2-135m", speculative_config={"method": "ngram", "num_speculative_tokens": 5,
-                                                  "prompt_lookup_min": 2, "prompt_lookup_max": 4}, **kw)
+    llm = LLM(
+        "smollm2-135m",
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 5,
+            "prompt_lookup_min": 2,
+            "prompt_lookup_max": 4,
+        },
+        **kw,
+    )
     assert _tokens(llm, ids, sp) == want
     stats = llm.core.scheduler.get_stats().spec_decoding
     assert stats.num_accepted_tokens > 0.5 * stats.num_draft_tokens

@@ -17,9 +17,13 @@ from fleetserve.scheduler import SamplingParams, StructuredOutputsParams
 
 # Few examples, each a batch of many constraints: a step costs the same for 1 or 16 rows.
 # No shrinking: each example is a batch on a model, and shrinking one took minutes.
-SETTINGS = settings(max_examples=5, deadline=None, derandomize=True,
-                    phases=[Phase.explicit, Phase.reuse, Phase.generate],
-                    suppress_health_check=list(HealthCheck))
+SETTINGS = settings(
+    max_examples=5,
+    deadline=None,
+    derandomize=True,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    suppress_health_check=list(HealthCheck),
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +38,14 @@ def run(llm, constraint: dict, seeds=range(4), max_tokens=64, prompt="Answer:"):
 
 def run_many(llm, constraints: list[dict], seeds, max_tokens, prompt="Answer:"):
     """One batch: per constraint, its outputs for each seed."""
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=max_tokens,
-                             structured_outputs=StructuredOutputsParams(**c))
-              for c in constraints for s in seeds]
+    params = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=max_tokens, structured_outputs=StructuredOutputsParams(**c))
+        for c in constraints
+        for s in seeds
+    ]
     outs = [o.outputs[0] for o in llm.generate([prompt] * len(params), params, use_tqdm=False)]
     k = len(list(seeds))
-    return [outs[i * k:(i + 1) * k] for i in range(len(constraints))]
+    return [outs[i * k : (i + 1) * k] for i in range(len(constraints))]
 
 
 def assert_clean(llm):
@@ -54,11 +60,17 @@ def assert_clean(llm):
 names = st.text(alphabet="abcdefghij_", min_size=1, max_size=6)
 leaves = st.one_of(
     st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 6)),
-    st.builds(lambda vs: {"enum": vs}, st.lists(st.text(alphabet="xyz AB", max_size=4), min_size=1,
-                                                 max_size=3, unique=True)),
-    st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
-              st.integers(-50, 50), st.integers(0, 100)),
-    st.just({"type": "boolean"}), st.just({"type": "null"}), st.just({"type": "number"}),
+    st.builds(
+        lambda vs: {"enum": vs}, st.lists(st.text(alphabet="xyz AB", max_size=4), min_size=1, max_size=3, unique=True)
+    ),
+    st.builds(
+        lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
+        st.integers(-50, 50),
+        st.integers(0, 100),
+    ),
+    st.just({"type": "boolean"}),
+    st.just({"type": "null"}),
+    st.just({"type": "number"}),
 )
 
 
@@ -66,15 +78,18 @@ def objects(children):
     def build(props, data):
         required = [k for k in props if data.draw(st.booleans())]
         return {"type": "object", "properties": props, "required": required}
+
     return st.builds(build, st.dictionaries(names, children, min_size=1, max_size=3), st.data())
 
 
 schemas = st.recursive(
-    leaves, lambda children: st.one_of(
+    leaves,
+    lambda children: st.one_of(
         objects(children),
-        st.builds(lambda items, n: {"type": "array", "items": items, "maxItems": n}, children,
-                  st.integers(0, 3))),
-    max_leaves=5)
+        st.builds(lambda items, n: {"type": "array", "items": items, "maxItems": n}, children, st.integers(0, 3)),
+    ),
+    max_leaves=5,
+)
 
 
 def test_json_schemas_validate_whatever_the_weights(llm):
@@ -127,8 +142,7 @@ def test_regexes(llm):
 
 
 def test_choices(llm):
-    choice_lists = st.lists(st.text(alphabet="abc xyz,!é", min_size=1, max_size=8), min_size=1,
-                            max_size=4, unique=True)
+    choice_lists = st.lists(st.text(alphabet="abc xyz,!é", min_size=1, max_size=8), min_size=1, max_size=4, unique=True)
 
     @SETTINGS
     @given(lists=st.lists(choice_lists, min_size=8, max_size=8))
@@ -140,8 +154,7 @@ def test_choices(llm):
 
     check()
     # With a short list, everything finishes: the grammar ends after a handful of tokens.
-    assert all(o.finish_reason == "stop" and o.text in ("yes", "no")
-               for o in run(llm, {"choice": ["yes", "no"]}))
+    assert all(o.finish_reason == "stop" and o.text in ("yes", "no") for o in run(llm, {"choice": ["yes", "no"]}))
     assert_clean(llm)
 
 
@@ -156,8 +169,12 @@ def test_ebnf_grammar(llm):
 
 def test_grammar_end_stops_even_with_ignore_eos(llm):
     """The grammar terminating ends the request with "stop", EOS or not."""
-    sp = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
-                        structured_outputs=StructuredOutputsParams(choice=["alpha", "beta"]))
+    sp = SamplingParams(
+        temperature=0.0,
+        max_tokens=30,
+        ignore_eos=True,
+        structured_outputs=StructuredOutputsParams(choice=["alpha", "beta"]),
+    )
     (out,) = llm.generate("Pick:", sp, use_tqdm=False)
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text in ("alpha", "beta")
     assert_clean(llm)
@@ -165,18 +182,28 @@ def test_grammar_end_stops_even_with_ignore_eos(llm):
 
 # ---- batches mixing constrained and free requests ----------------------------------------------
 
+
 def test_free_requests_unchanged_by_constrained_neighbours(llm):
     prompts = ["The quick brown fox", "Hello, world!", "def add(a, b):", "Numbers 0 1 2"]
-    free = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-            SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True),
-            SamplingParams(temperature=0.7, top_k=20, seed=9, max_tokens=12, ignore_eos=True)]
+    free = [
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.7, top_k=20, seed=9, max_tokens=12, ignore_eos=True),
+    ]
     alone = llm.generate(prompts[:3], free, use_tqdm=False)
-    constrained = [SamplingParams(temperature=1.0, seed=s, max_tokens=12, structured_outputs=so)
-                   for s, so in enumerate([StructuredOutputsParams(regex="[0-9]{3,9}"),
-                                           StructuredOutputsParams(json_object=True),
-                                           StructuredOutputsParams(choice=["yes", "no"])])]
-    mixed = llm.generate(prompts[3:] + prompts[:3] + prompts[3:] * 2,
-                         [constrained[0]] + free + constrained[1:], use_tqdm=False)
+    constrained = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=12, structured_outputs=so)
+        for s, so in enumerate(
+            [
+                StructuredOutputsParams(regex="[0-9]{3,9}"),
+                StructuredOutputsParams(json_object=True),
+                StructuredOutputsParams(choice=["yes", "no"]),
+            ]
+        )
+    ]
+    mixed = llm.generate(
+        prompts[3:] + prompts[:3] + prompts[3:] * 2, [constrained[0]] + free + constrained[1:], use_tqdm=False
+    )
     assert [o.outputs[0].token_ids for o in mixed[1:4]] == [o.outputs[0].token_ids for o in alone]
     assert re.fullmatch("[0-9]{3,9}", mixed[0].outputs[0].text) or mixed[0].outputs[0].finish_reason == "length"
     assert mixed[-1].outputs[0].text in ("yes", "no")
@@ -185,18 +212,21 @@ def test_free_requests_unchanged_by_constrained_neighbours(llm):
 
 # ---- bad constraints --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("constraint,match", [
-    ({"json": {"type": "nonsense"}}, "invalid JSON schema"),
-    ({"json": "{not json"}, "not valid JSON"),
-    ({"regex": "a(b"}, "invalid regular expression"),
-    ({"grammar": "root ::= undefined_rule"}, "invalid grammar"),
-    ({"choice": []}, "non-empty list"),
-    ({"regex": "a", "choice": ["b"]}, "exactly one"),
-])
+
+@pytest.mark.parametrize(
+    "constraint,match",
+    [
+        ({"json": {"type": "nonsense"}}, "invalid JSON schema"),
+        ({"json": "{not json"}, "not valid JSON"),
+        ({"regex": "a(b"}, "invalid regular expression"),
+        ({"grammar": "root ::= undefined_rule"}, "invalid grammar"),
+        ({"choice": []}, "non-empty list"),
+        ({"regex": "a", "choice": ["b"]}, "exactly one"),
+    ],
+)
 def test_bad_constraints_are_value_errors(llm, constraint, match):
     with pytest.raises(ValueError, match=match):
-        llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(**constraint)),
-                     use_tqdm=False)
+        llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(**constraint)), use_tqdm=False)
     # Still serves, nothing held.
     assert run(llm, {"choice": ["ok"]}, seeds=[0])[0].text == "ok"
     assert_clean(llm)

@@ -26,7 +26,8 @@ def test_hf_folder_tokenizer(tiny_tok):
 def test_chat_template_chatml(tiny_tok):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert apply_chat_template(tiny_tok, messages) == (
-        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert apply_chat_template(tiny_tok, messages, add_generation_prompt=False).endswith("Hi<|im_end|>\n")
 
 
@@ -35,16 +36,19 @@ def test_chat_template_text_parts(tiny_tok):
     assert "user\nHello there<|im_end|>" in apply_chat_template(tiny_tok, [{"role": "user", "content": parts}])
 
 
-@pytest.mark.parametrize("messages, fragment", [
-    ("hello", "must be a list"),
-    ([], "must not be empty"),
-    (["hello"], r"messages\[0\] must be an object"),
-    ([{"content": "x"}], r"messages\[0\].role"),
-    ([{"role": "wizard", "content": "x"}], r"messages\[0\].role"),
-    ([{"role": "user", "content": "a"}, {"role": "user", "content": 5}], r"messages\[1\].content"),
-    ([{"role": "user"}], r"messages\[0\].content"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "only text parts"),
-])
+@pytest.mark.parametrize(
+    "messages, fragment",
+    [
+        ("hello", "must be a list"),
+        ([], "must not be empty"),
+        (["hello"], r"messages\[0\] must be an object"),
+        ([{"content": "x"}], r"messages\[0\].role"),
+        ([{"role": "wizard", "content": "x"}], r"messages\[0\].role"),
+        ([{"role": "user", "content": "a"}, {"role": "user", "content": 5}], r"messages\[1\].content"),
+        ([{"role": "user"}], r"messages\[0\].content"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "only text parts"),
+    ],
+)
 def test_malformed_messages_are_value_errors(tiny_tok, messages, fragment):
     with pytest.raises(ValueError, match=fragment):
         apply_chat_template(tiny_tok, messages)
@@ -52,15 +56,22 @@ def test_malformed_messages_are_value_errors(tiny_tok, messages, fragment):
 
 def test_template_exceptions_become_value_errors(tiny_model_dir):
     tok = load_tokenizer(ModelSource("tiny", "hf", tiny_model_dir))
-    tok.chat_template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}"
-                         "{% endif %}{{ messages[0]['content'] }}")
+    tok.chat_template = (
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}"
+        "{% endif %}{{ messages[0]['content'] }}"
+    )
     assert apply_chat_template(tok, [{"role": "user", "content": "ok"}]) == "ok"
     with pytest.raises(ValueError, match="first must be user"):
         apply_chat_template(tok, [{"role": "assistant", "content": "no"}])
 
 
-_SAMPLES = ["Hello world", "  leading spaces and\ttabs\n", "héllo 你好 🎉 naïve", "def f(x):\n    return x",
-            "<|im_start|>user\nhi<|im_end|>\n"]
+_SAMPLES = [
+    "Hello world",
+    "  leading spaces and\ttabs\n",
+    "héllo 你好 🎉 naïve",
+    "def f(x):\n    return x",
+    "<|im_start|>user\nhi<|im_end|>\n",
+]
 
 
 def assert_same_as_auto(tok, folder) -> None:
@@ -69,8 +80,12 @@ def assert_same_as_auto(tok, folder) -> None:
 
     auto = AutoTokenizer.from_pretrained(str(folder))
     assert type(tok) is type(auto)
-    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, len(tok)) == \
-        (auto.bos_token_id, auto.eos_token_id, auto.pad_token_id, len(auto))
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, len(tok)) == (
+        auto.bos_token_id,
+        auto.eos_token_id,
+        auto.pad_token_id,
+        len(auto),
+    )
     assert tok.chat_template == auto.chat_template
     for text in _SAMPLES:
         assert tok.encode(text) == auto.encode(text)
@@ -113,20 +128,22 @@ def test_replica_side_imports_neither_torch_nor_the_engine(tiny_model_dir):
     import subprocess
     import sys
 
-    code = ("import sys\n"
-            "from fleetserve.replica.engine.async_engine import AsyncEngine\n"
-            "from fleetserve.replica.engine.tokenizer import load_tokenizer\n"
-            "from pathlib import Path\n"
-            "from fleetserve.replica.model_loader.registry import ModelSource\n"
-            "from fleetserve.replica.engine.step_result import StepResult\n"
-            "import pickle\n"
-            f"tok = load_tokenizer(ModelSource('tiny', 'hf', Path({str(tiny_model_dir)!r})))\n"
-            "assert tok.encode('hi')\n"
-            "pickle.loads(pickle.dumps(StepResult([])))\n"
-            "from fleetserve.replica.engine.engine_args import EngineArgs\n"
-            "EngineArgs(model='tiny', cpu_bind='0-1|2')\n"
-            "import fleetserve.router.replica\n"
-            "print(sorted(m for m in ('torch', 'fleetserve.replica.engine.engine_core') if m in sys.modules))\n")
+    code = (
+        "import sys\n"
+        "from fleetserve.replica.engine.async_engine import AsyncEngine\n"
+        "from fleetserve.replica.engine.tokenizer import load_tokenizer\n"
+        "from pathlib import Path\n"
+        "from fleetserve.replica.model_loader.registry import ModelSource\n"
+        "from fleetserve.replica.engine.step_result import StepResult\n"
+        "import pickle\n"
+        f"tok = load_tokenizer(ModelSource('tiny', 'hf', Path({str(tiny_model_dir)!r})))\n"
+        "assert tok.encode('hi')\n"
+        "pickle.loads(pickle.dumps(StepResult([])))\n"
+        "from fleetserve.replica.engine.engine_args import EngineArgs\n"
+        "EngineArgs(model='tiny', cpu_bind='0-1|2')\n"
+        "import fleetserve.router.replica\n"
+        "print(sorted(m for m in ('torch', 'fleetserve.replica.engine.engine_core') if m in sys.modules))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
@@ -192,8 +209,10 @@ def test_smollm_chat_template(smollm_tok, smollm_source):
     embedded = GGUFReader(str(smollm_source.path)).fields["tokenizer.chat_template"].contents()
     assert smollm_tok.chat_template == embedded
     text = apply_chat_template(smollm_tok, [{"role": "user", "content": "What is 2+2?"}])
-    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
-                    "<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+        "<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    )
     ids = smollm_tok.encode(text)
     assert ids[0] == 1 and ids.count(2) == 2
 

@@ -18,8 +18,9 @@ def local_ray():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     started = not ray.is_initialized()
     if started:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-                 _node_ip_address="127.0.0.1")
+        ray.init(
+            address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1"
+        )
     yield
     if started:
         ray.shutdown()
@@ -28,8 +29,15 @@ def local_ray():
 def _run(model_dir, tp, **kw):
     from fleetserve.replica.llm import LLM
 
-    llm = LLM(str(model_dir), dtype="float32", num_gpu_blocks_override=64, block_size=4,
-              tensor_parallel_size=tp, num_threads=1, **kw)
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        num_gpu_blocks_override=64,
+        block_size=4,
+        tensor_parallel_size=tp,
+        num_threads=1,
+        **kw,
+    )
     try:
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         sched = llm.core.scheduler
@@ -66,11 +74,20 @@ def test_tp2_lora_matches_tp1(local_ray, tiny_model_dir, tmp_path):
     for tp in (1, 2):
         from fleetserve.replica.llm import LLM
 
-        llm = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64, block_size=4,
-                  tensor_parallel_size=tp, num_threads=1, enable_lora=True, max_loras=2)
+        llm = LLM(
+            str(tiny_model_dir),
+            dtype="float32",
+            num_gpu_blocks_override=64,
+            block_size=4,
+            tensor_parallel_size=tp,
+            num_threads=1,
+            enable_lora=True,
+            max_loras=2,
+        )
         try:
-            outs[tp] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False,
-                                                                     lora_request=loras)]
+            outs[tp] = [
+                o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
+            ]
         finally:
             llm.core.shutdown()
     assert outs[1] == outs[2]
@@ -83,8 +100,14 @@ def test_tp2_with_preemption(local_ray, tiny_model_dir):
     ref = _run(tiny_model_dir, 1)
     from fleetserve.replica.llm import LLM
 
-    llm = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=9, block_size=4,
-              tensor_parallel_size=2, num_threads=1)
+    llm = LLM(
+        str(tiny_model_dir),
+        dtype="float32",
+        num_gpu_blocks_override=9,
+        block_size=4,
+        tensor_parallel_size=2,
+        num_threads=1,
+    )
     try:
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
@@ -97,8 +120,7 @@ def test_tp_size_not_dividing_heads_is_refused(local_ray, tiny_model_dir):
     from fleetserve.replica.llm import LLM
 
     with pytest.raises(Exception, match="divisible|divide"):
-        LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=16, tensor_parallel_size=3,
-            num_threads=1)
+        LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=16, tensor_parallel_size=3, num_threads=1)
 
 
 @pytest.mark.slow
@@ -107,8 +129,9 @@ def test_killed_worker_fails_requests_not_hang(local_ray, tiny_model_dir):
 
     from fleetserve.replica.engine.async_engine import AsyncEngine, EngineDeadError
 
-    engine = AsyncEngine(model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64,
-                         tensor_parallel_size=2, num_threads=1)
+    engine = AsyncEngine(
+        model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64, tensor_parallel_size=2, num_threads=1
+    )
     sp = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     executor = engine.core.executor
 
@@ -140,8 +163,7 @@ def test_smollm2_tp3_matches_tp1(local_ray):
     sp = SamplingParams(temperature=0.0, max_tokens=12)
     outs = {}
     for tp in (1, 3):
-        llm = LLM("smollm2-135m", dtype="float32", num_gpu_blocks_override=64, tensor_parallel_size=tp,
-                  num_threads=1)
+        llm = LLM("smollm2-135m", dtype="float32", num_gpu_blocks_override=64, tensor_parallel_size=tp, num_threads=1)
         try:
             outs[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         finally:

@@ -70,10 +70,12 @@ def lora_dirs(tiny_model_dir, tmp_path_factory):
     from fleetserve.replica.testing import make_tiny_lora
 
     root = tmp_path_factory.mktemp("loras")
-    return {LORA_A: make_tiny_lora(tiny_model_dir, root / "a", seed=1),
-            LORA_B: make_tiny_lora(tiny_model_dir, root / "b", r=4, target_modules=("q_proj", "v_proj"), seed=2),
-            # loaded at run time by the tests (/v1/load_lora_adapter)
-            "c": make_tiny_lora(tiny_model_dir, root / "c", r=2, target_modules=("gate_proj", "o_proj"), seed=3)}
+    return {
+        LORA_A: make_tiny_lora(tiny_model_dir, root / "a", seed=1),
+        LORA_B: make_tiny_lora(tiny_model_dir, root / "b", r=4, target_modules=("q_proj", "v_proj"), seed=2),
+        # loaded at run time by the tests (/v1/load_lora_adapter)
+        "c": make_tiny_lora(tiny_model_dir, root / "c", r=2, target_modules=("gate_proj", "o_proj"), seed=3),
+    }
 
 
 @pytest.fixture(scope="session")
@@ -85,32 +87,44 @@ def server(tiny_model_dir, lora_dirs):
     from fleetserve.cluster.config import AppConfig
     from fleetserve.cluster.deploy import connect_ray, deploy, start_serve
 
-    config = AppConfig.model_validate({
-        "name": APP,
-        # --chat-template: the tiny model's own ChatML, plus a line that only a request's
-        # chat_template_kwargs turns on (tests/router/test_chat_template.py)
-        # float32 on every CPU: the embeddings and LoRA tests compare with HF and PEFT in float32,
-        # and `auto` is bfloat16 on a CPU with AVX-512 BF16
-        "engine": {"model": str(tiny_model_dir), "dtype": "float32",
-                   "served_model_name": ["tiny", SECOND_NAME], "max_model_len": 2048,
-                   "chat_template": NOTE_TEMPLATE + CHATML_TEMPLATE,
-                   "num_gpu_blocks_override": 160, "max_num_seqs": 8, "num_threads": 1,
-                   "max_waiting_requests": 64,
-                   "enable_lora": True,
-                   "lora_modules": [f"{LORA_A}={lora_dirs[LORA_A]}",
-                                    {"name": LORA_B, "path": str(lora_dirs[LORA_B]),
-                                     "base_model_name": SECOND_NAME}], "max_loras": 1},
-        "num_replicas": 2, "routing_policy": "prefix_aware", "num_cpus_per_replica": 0,
-        "routing": {"imbalance_threshold": 3},
-        "http": {"port": free_port(), "max_body_bytes": 64 * 1024},
-        "grpc": {"port": free_port()},
-        "api_key": API_KEY,
-        # Every chat test runs through the reasoning splitter (a no-op for output that does not
-        # open with <think>); tests/router/test_reasoning.py forces some that does.
-        "reasoning_parser": "qwen3",
-        "allow_runtime_lora_updating": True,
-        "reliability": {"body_timeout_s": 3},
-    })
+    config = AppConfig.model_validate(
+        {
+            "name": APP,
+            # --chat-template: the tiny model's own ChatML, plus a line that only a request's
+            # chat_template_kwargs turns on (tests/router/test_chat_template.py)
+            # float32 on every CPU: the embeddings and LoRA tests compare with HF and PEFT in float32,
+            # and `auto` is bfloat16 on a CPU with AVX-512 BF16
+            "engine": {
+                "model": str(tiny_model_dir),
+                "dtype": "float32",
+                "served_model_name": ["tiny", SECOND_NAME],
+                "max_model_len": 2048,
+                "chat_template": NOTE_TEMPLATE + CHATML_TEMPLATE,
+                "num_gpu_blocks_override": 160,
+                "max_num_seqs": 8,
+                "num_threads": 1,
+                "max_waiting_requests": 64,
+                "enable_lora": True,
+                "lora_modules": [
+                    f"{LORA_A}={lora_dirs[LORA_A]}",
+                    {"name": LORA_B, "path": str(lora_dirs[LORA_B]), "base_model_name": SECOND_NAME},
+                ],
+                "max_loras": 1,
+            },
+            "num_replicas": 2,
+            "routing_policy": "prefix_aware",
+            "num_cpus_per_replica": 0,
+            "routing": {"imbalance_threshold": 3},
+            "http": {"port": free_port(), "max_body_bytes": 64 * 1024},
+            "grpc": {"port": free_port()},
+            "api_key": API_KEY,
+            # Every chat test runs through the reasoning splitter (a no-op for output that does not
+            # open with <think>); tests/router/test_reasoning.py forces some that does.
+            "reasoning_parser": "qwen3",
+            "allow_runtime_lora_updating": True,
+            "reliability": {"body_timeout_s": 3},
+        }
+    )
     connect_ray(config, num_cpus=2, log_to_driver=False)
     start_serve(config)
     deploy(config)
@@ -156,8 +170,10 @@ class ServerInfo:
         deadline = time.time() + timeout_s
         while True:
             loads = self.replica_loads()
-            if all(load["num_running"] == 0 and load["num_waiting"] == 0
-                   and load["num_free_blocks"] == load["num_blocks"] for load in loads.values()):
+            if all(
+                load["num_running"] == 0 and load["num_waiting"] == 0 and load["num_free_blocks"] == load["num_blocks"]
+                for load in loads.values()
+            ):
                 return loads
             if time.time() > deadline:
                 raise AssertionError(f"replicas not idle (leaked requests or blocks?): {loads}")

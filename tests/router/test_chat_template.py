@@ -11,8 +11,9 @@ MESSAGES = [{"role": "user", "content": "hello there"}]
 
 
 def post(server, path: str, **body) -> httpx.Response:
-    return httpx.post(server.base_url + path, headers=server.headers(), timeout=120,
-                      json={"model": server.model, **body})
+    return httpx.post(
+        server.base_url + path, headers=server.headers(), timeout=120, json={"model": server.model, **body}
+    )
 
 
 def test_the_configured_template_renders_and_request_kwargs_reach_it(server):
@@ -21,11 +22,13 @@ def test_the_configured_template_renders_and_request_kwargs_reach_it(server):
     assert plain.status_code == 200 and noted.status_code == 200, (plain.text, noted.text)
     text = post(server, "/detokenize", tokens=noted.json()["tokens"]).json()["prompt"]
     assert text.startswith("<note>be brief</note>\n<|im_start|>user\nhello there<|im_end|>"), text
-    assert post(server, "/detokenize", tokens=plain.json()["tokens"]).json()["prompt"].startswith(
-        "<|im_start|>user\nhello there")
+    assert (
+        post(server, "/detokenize", tokens=plain.json()["tokens"])
+        .json()["prompt"]
+        .startswith("<|im_start|>user\nhello there")
+    )
 
-    r = post(server, "/v1/chat/completions", messages=MESSAGES, max_tokens=2,
-             chat_template_kwargs={"note": "be brief"})
+    r = post(server, "/v1/chat/completions", messages=MESSAGES, max_tokens=2, chat_template_kwargs={"note": "be brief"})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == noted.json()["count"]
     server.wait_idle()
@@ -56,17 +59,30 @@ def test_grpc_chat_takes_the_kwargs_as_json_text(server):
         stub = pb_grpc.FleetServeStub(channel)
 
         def chat(kwargs: str):
-            return list(stub.Chat(pb.ChatRequest(
-                messages=[pb.ChatMessage(role="user", content="hello there")], chat_template_kwargs=kwargs,
-                sampling_params=pb.SamplingParams(max_tokens=2, temperature=0.0)), metadata=meta, timeout=120))
+            return list(
+                stub.Chat(
+                    pb.ChatRequest(
+                        messages=[pb.ChatMessage(role="user", content="hello there")],
+                        chat_template_kwargs=kwargs,
+                        sampling_params=pb.SamplingParams(max_tokens=2, temperature=0.0),
+                    ),
+                    metadata=meta,
+                    timeout=120,
+                )
+            )
 
         assert chat('{"note": "be brief"}')[-1].prompt_tokens == noted["count"]
-        for bad, says in (("{note", "not valid JSON"), ('["note"]', "chat_template_kwargs"),
-                          ('{"tools": []}', "may not set tools")):
+        for bad, says in (
+            ("{note", "not valid JSON"),
+            ('["note"]', "chat_template_kwargs"),
+            ('{"tools": []}', "may not set tools"),
+        ):
             with pytest.raises(grpc.RpcError) as err:
                 chat(bad)
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in err.value.details(), \
-                (bad, err.value.details())
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in err.value.details(), (
+                bad,
+                err.value.details(),
+            )
     server.wait_idle()
 
 
@@ -79,35 +95,48 @@ def test_continue_final_message_goes_on_with_the_prefilled_reply(server):
     from fleetserve.router.grpc.proto import fleetserve_pb2_grpc as pb_grpc
 
     prefilled = MESSAGES + [{"role": "assistant", "content": "Sure, here it"}]
-    opened = post(server, "/tokenize", messages=prefilled, add_generation_prompt=False,
-                  continue_final_message=True)
+    opened = post(server, "/tokenize", messages=prefilled, add_generation_prompt=False, continue_final_message=True)
     assert opened.status_code == 200, opened.text
     text = post(server, "/detokenize", tokens=opened.json()["tokens"]).json()["prompt"]
     assert text.endswith("<|im_start|>assistant\nSure, here it"), text
     # The prompt is the asked-for reply's start plus the prefill: the model continues it.
     asked = post(server, "/tokenize", messages=MESSAGES).json()["tokens"]
-    assert opened.json()["tokens"][:len(asked)] == asked
-    r = post(server, "/v1/chat/completions", messages=prefilled, add_generation_prompt=False,
-             continue_final_message=True, max_tokens=4, temperature=0, ignore_eos=True)
+    assert opened.json()["tokens"][: len(asked)] == asked
+    r = post(
+        server,
+        "/v1/chat/completions",
+        messages=prefilled,
+        add_generation_prompt=False,
+        continue_final_message=True,
+        max_tokens=4,
+        temperature=0,
+        ignore_eos=True,
+    )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == opened.json()["count"]
-    plain = post(server, "/v1/completions", prompt=opened.json()["tokens"], max_tokens=4, temperature=0,
-                 ignore_eos=True).json()["choices"][0]["text"]
+    plain = post(
+        server, "/v1/completions", prompt=opened.json()["tokens"], max_tokens=4, temperature=0, ignore_eos=True
+    ).json()["choices"][0]["text"]
     assert r.json()["choices"][0]["message"]["content"] == plain
 
     # With the generation prompt (the default) it cannot be: 400, then the app serves on.
-    refused = post(server, "/v1/chat/completions", messages=prefilled, continue_final_message=True,
-                   max_tokens=2)
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "continue_final_message", \
-        refused.text
+    refused = post(server, "/v1/chat/completions", messages=prefilled, continue_final_message=True, max_tokens=2)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "continue_final_message", refused.text
     meta = (("application", server.app), ("authorization", f"Bearer {server.api_key}"))
     with grpc.insecure_channel(server.grpc_target) as channel:
         stub = pb_grpc.FleetServeStub(channel)
-        msgs = list(stub.Chat(pb.ChatRequest(
-            messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in prefilled],
-            add_generation_prompt=False, continue_final_message=True,
-            sampling_params=pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)),
-            metadata=meta, timeout=120))
+        msgs = list(
+            stub.Chat(
+                pb.ChatRequest(
+                    messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in prefilled],
+                    add_generation_prompt=False,
+                    continue_final_message=True,
+                    sampling_params=pb.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                ),
+                metadata=meta,
+                timeout=120,
+            )
+        )
     assert "".join(m.content for m in msgs) == plain
     assert msgs[-1].prompt_tokens == opened.json()["count"]
     server.wait_idle()

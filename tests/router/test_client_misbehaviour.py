@@ -16,21 +16,23 @@ import httpx
 
 from tests.router.test_routing_e2e import feed_items, router_ongoing
 
-REFERENCE = {"prompt": "The reference request says", "max_tokens": 24, "temperature": 0,
-             "ignore_eos": True}
+REFERENCE = {"prompt": "The reference request says", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
 
 
 def _reference(server) -> str:
-    r = httpx.post(server.base_url + "/v1/completions", headers=server.headers(), timeout=120,
-                   json=REFERENCE)
+    r = httpx.post(server.base_url + "/v1/completions", headers=server.headers(), timeout=120, json=REFERENCE)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 
 
 async def _disconnecting_stream(client: httpx.AsyncClient, rng: random.Random, i: int) -> str:
     """A stream the client abandons: before the headers, after a few chunks, or near the end."""
-    body = {"prompt": f"Disconnect {i} " + "word " * rng.randrange(1, 40),
-            "max_tokens": rng.randrange(8, 64), "ignore_eos": True, "stream": True}
+    body = {
+        "prompt": f"Disconnect {i} " + "word " * rng.randrange(1, 40),
+        "max_tokens": rng.randrange(8, 64),
+        "ignore_eos": True,
+        "stream": True,
+    }
     when = rng.choice(("headers", "chunks", "chunks", "late"))
     if when == "headers":  # gone before the first byte of the answer
         task = asyncio.ensure_future(client.post("/v1/completions", json=body))
@@ -59,8 +61,10 @@ async def _storm(server, n: int, concurrency: int, seed: int) -> dict:
     rng = random.Random(seed)
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=0)
-    async with httpx.AsyncClient(base_url=server.base_url, headers=server.headers(), timeout=120,
-                                 limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=server.base_url, headers=server.headers(), timeout=120, limits=limits
+    ) as client:
+
         async def one(i: int) -> str:
             async with sem:
                 return await _disconnecting_stream(client, rng, i)
@@ -98,16 +102,22 @@ def test_slow_reader_and_never_reading_client_do_not_stall_others(server):
     server.wait_idle()
     expected = _reference(server)
     # A client that asks for a long stream and never reads a byte of it (nor closes).
-    body = (b'{"prompt": "Never read", "max_tokens": 200, "ignore_eos": true, "stream": true}')
+    body = b'{"prompt": "Never read", "max_tokens": 200, "ignore_eos": true, "stream": true}'
     silent = socket.create_connection(("127.0.0.1", server.config.http.port))
-    silent.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                   + f"Authorization: Bearer {server.api_key}\r\n".encode()
-                   + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    silent.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {server.api_key}\r\n".encode()
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
     try:
         with httpx.Client(timeout=120) as http:
-            with http.stream("POST", server.base_url + "/v1/completions", headers=server.headers(),
-                             json={"prompt": "Slowly read", "max_tokens": 48, "temperature": 0,
-                                   "ignore_eos": True, "stream": True}) as slow:
+            with http.stream(
+                "POST",
+                server.base_url + "/v1/completions",
+                headers=server.headers(),
+                json={"prompt": "Slowly read", "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream": True},
+            ) as slow:
                 assert slow.status_code == 200
                 lines = slow.iter_lines()
                 chunks, finish = 0, None

@@ -10,8 +10,7 @@ PROMPTS = ["The quick brown fox", "Hello, world!", "def add(a, b):"]
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=server.api_key, max_retries=0,
-                         timeout=60)
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=server.api_key, max_retries=0, timeout=60)
 
 
 def greedy(client, server, prompt, **kw):
@@ -27,8 +26,7 @@ def singles(client, server):
 def tokenize(server, text):
     import httpx
 
-    return httpx.post(server.base_url + "/tokenize", headers=server.headers(),
-                      json={"prompt": text}).json()["tokens"]
+    return httpx.post(server.base_url + "/tokenize", headers=server.headers(), json={"prompt": text}).json()["tokens"]
 
 
 def test_prompt_list_one_choice_per_prompt_and_n(client, server, singles):
@@ -49,8 +47,7 @@ def test_token_id_prompts_match_text_prompts(client, server, singles):
 def test_prompt_list_streaming(client, server, singles):
     texts: dict[int, str] = {}
     finish: dict[int, str] = {}
-    for chunk in greedy(client, server, PROMPTS, n=2, stream=True,
-                        stream_options={"include_usage": True}):
+    for chunk in greedy(client, server, PROMPTS, n=2, stream=True, stream_options={"include_usage": True}):
         for c in chunk.choices:
             texts[c.index] = texts.get(c.index, "") + c.text
             if c.finish_reason:
@@ -85,11 +82,18 @@ def test_logit_bias(client, server, singles):
     # A ban on the greedy first token changes the first token; a tiny bias changes nothing.
     first = tokenize(server, PROMPTS[0] + singles[0])[len(tokenize(server, PROMPTS[0]))]
     banned = greedy(client, server, PROMPTS[0], logit_bias={str(first): -100}, max_tokens=1)
-    assert banned.choices[0].text != singles[0][:len(banned.choices[0].text)] or \
-        tokenize(server, PROMPTS[0] + banned.choices[0].text)[len(tokenize(server, PROMPTS[0]))] != first
-    chat = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
-                                          max_tokens=3, temperature=0, logit_bias={str(token): 100},
-                                          extra_body={"ignore_eos": True})
+    assert (
+        banned.choices[0].text != singles[0][: len(banned.choices[0].text)]
+        or tokenize(server, PROMPTS[0] + banned.choices[0].text)[len(tokenize(server, PROMPTS[0]))] != first
+    )
+    chat = client.chat.completions.create(
+        model=server.model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0,
+        logit_bias={str(token): 100},
+        extra_body={"ignore_eos": True},
+    )
     assert chat.choices[0].message.content == "aaa"
 
 
@@ -105,8 +109,12 @@ def test_unset_max_tokens_runs_to_the_end_of_the_context(client, server):
     (the fixture's) the prompt leaves; the fuzzing in test_schemathesis.py bounds it instead."""
     for kw in ({}, {"max_tokens": None}):
         r = client.chat.completions.create(
-            model=server.model, messages=[{"role": "user", "content": "Count to ten."}],
-            temperature=0, extra_body={"ignore_eos": True}, **kw)
+            model=server.model,
+            messages=[{"role": "user", "content": "Count to ten."}],
+            temperature=0,
+            extra_body={"ignore_eos": True},
+            **kw,
+        )
         assert r.choices[0].finish_reason == "length"
         assert r.usage.prompt_tokens + r.usage.completion_tokens == server.config.engine.max_model_len, r.usage
     server.wait_idle()

@@ -9,8 +9,7 @@ import pytest
 
 from fleetserve.router import cors
 
-PREFLIGHT = {"Access-Control-Request-Method": "POST",
-             "Access-Control-Request-Headers": "authorization,content-type"}
+PREFLIGHT = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
 
 
 def test_local_pages_may_call_the_api_and_other_sites_may_not(server):
@@ -26,8 +25,13 @@ def test_local_pages_may_call_the_api_and_other_sites_may_not(server):
     # A 401 is readable by the page (it says what is wrong), and a stream carries the header.
     r = httpx.post(url, headers={"Origin": "http://localhost:3000"}, json=body, timeout=30)
     assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
-    with httpx.stream("POST", url, headers={"Origin": "http://localhost:3000", **server.headers()},
-                      json={**body, "stream": True}, timeout=60) as s:
+    with httpx.stream(
+        "POST",
+        url,
+        headers={"Origin": "http://localhost:3000", **server.headers()},
+        json={**body, "stream": True},
+        timeout=60,
+    ) as s:
         assert s.headers["access-control-allow-origin"] == "http://localhost:3000"
         assert any(line == "data: [DONE]" for line in s.iter_lines())
     for origin in ("https://evil.example", "http://localhost.evil.example", "https://localhost:3000"):
@@ -91,23 +95,29 @@ def test_any_origin_credentials_and_subdomains(app_with):
     r = client.post("/v1/completions", headers={"Origin": "https://anywhere.example"})
     assert r.headers["access-control-allow-origin"] == "https://anywhere.example"
     assert r.headers["access-control-allow-credentials"] == "true"
-    client = app_with(allowed_origins=("https://*.example.com", "https://app.io"),
-                      allowed_methods=("POST",))
-    for origin, ok in (("https://chat.example.com", True), ("https://a.b.example.com", True),
-                       ("https://example.com", False), ("https://evilexample.com", False),
-                       ("https://app.io", True), ("https://app.io:8443", False)):
+    client = app_with(allowed_origins=("https://*.example.com", "https://app.io"), allowed_methods=("POST",))
+    for origin, ok in (
+        ("https://chat.example.com", True),
+        ("https://a.b.example.com", True),
+        ("https://example.com", False),
+        ("https://evilexample.com", False),
+        ("https://app.io", True),
+        ("https://app.io:8443", False),
+    ):
         pre = client.options("/v1/completions", headers={"Origin": origin, **PREFLIGHT})
         assert (pre.status_code == 200) == ok, (origin, pre.status_code)
-    pre = client.options("/v1/completions", headers={"Origin": "https://app.io",
-                                                     "Access-Control-Request-Method": "DELETE"})
+    pre = client.options(
+        "/v1/completions", headers={"Origin": "https://app.io", "Access-Control-Request-Method": "DELETE"}
+    )
     assert pre.status_code == 400
     client = app_with(allowed_origins=())  # CORS off: no headers at all
     r = client.post("/v1/completions", headers={"Origin": "http://localhost:3000"})
     assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
 
 
-@pytest.mark.parametrize("origin", ["localhost", "http://*", "http://a*b.example", "ftp://x", "http://x/",
-                                    "https://*.*.example.com"])
+@pytest.mark.parametrize(
+    "origin", ["localhost", "http://*", "http://a*b.example", "ftp://x", "http://x/", "https://*.*.example.com"]
+)
 def test_what_is_not_an_origin_is_refused_with_the_forms_that_are(origin):
     from pydantic import ValidationError
 

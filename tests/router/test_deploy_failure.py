@@ -28,8 +28,9 @@ def test_a_failed_deploy_is_reported_with_what_each_deployment_died_of(server, c
         with pytest.raises(RuntimeError, match="Deploying application"):
             serve.run(Broken.bind(), name=BROKEN, route_prefix=None)
         details = deploy_failure_details(BROKEN)
-        assert details == ["deployment 'Broken': ValueError: corrupt or unreadable weight file "
-                           "/models/x.safetensors"], details
+        assert details == [
+            "deployment 'Broken': ValueError: corrupt or unreadable weight file /models/x.safetensors"
+        ], details
         assert deploy_failure_details("no-such-app") == []
         assert deploy_failure_details(server.app) == []  # a healthy app: nothing failed
         with caplog.at_level(logging.ERROR, logger="fleetserve"):
@@ -39,6 +40,10 @@ def test_a_failed_deploy_is_reported_with_what_each_deployment_died_of(server, c
     finally:
         serve.delete(BROKEN)
     # The suite's app was not disturbed.
-    r = httpx.post(server.base_url + "/v1/completions", headers=server.headers(), timeout=60,
-                   json={"model": server.model, "prompt": "hi", "max_tokens": 2})
+    r = httpx.post(
+        server.base_url + "/v1/completions",
+        headers=server.headers(),
+        timeout=60,
+        json={"model": server.model, "prompt": "hi", "max_tokens": 2},
+    )
     assert r.status_code == 200, r.text

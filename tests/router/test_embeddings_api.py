@@ -42,12 +42,17 @@ def test_embeddings_are_the_last_token_hidden_state_normalized(client, server, t
         assert got.shape == expected.shape and abs(got.norm().item() - 1) < 1e-5
         torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-3)
     # Token ids in, base64 out (little-endian float32): the same vectors.
-    raw = httpx.post(server.base_url + "/v1/embeddings", headers=server.headers(), timeout=60,
-                     json={"model": server.model, "input": ids, "encoding_format": "base64"}).json()
+    raw = httpx.post(
+        server.base_url + "/v1/embeddings",
+        headers=server.headers(),
+        timeout=60,
+        json={"model": server.model, "input": ids, "encoding_format": "base64"},
+    ).json()
     for d, want in zip(raw["data"], r.data):
         data = base64.b64decode(d["embedding"])
-        torch.testing.assert_close(torch.tensor(struct.unpack(f"<{len(data) // 4}f", data)),
-                                   torch.tensor(want.embedding))
+        torch.testing.assert_close(
+            torch.tensor(struct.unpack(f"<{len(data) // 4}f", data)), torch.tensor(want.embedding)
+        )
     server.wait_idle()
 
 
@@ -65,20 +70,24 @@ def test_many_inputs_come_back_in_order_and_a_cached_prefix_changes_nothing(clie
     server.wait_idle()
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"input": ""}, "input"),
-    ({"input": []}, "input"),
-    ({"input": ["ok", ""]}, "input"),
-    ({"input": [[1, 2, 99_999_999]]}, "input"),
-    ({"input": "x " * 3000}, "input"),
-    ({"input": "hi", "dimensions": 7}, "dimensions"),
-    ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
-    ({"input": "hi", "truncate_prompt_tokens": 5000}, "truncate_prompt_tokens"),
-    ({"input": ["a"] * 2049}, "input"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"input": ""}, "input"),
+        ({"input": []}, "input"),
+        ({"input": ["ok", ""]}, "input"),
+        ({"input": [[1, 2, 99_999_999]]}, "input"),
+        ({"input": "x " * 3000}, "input"),
+        ({"input": "hi", "dimensions": 7}, "dimensions"),
+        ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": "hi", "truncate_prompt_tokens": 5000}, "truncate_prompt_tokens"),
+        ({"input": ["a"] * 2049}, "input"),
+    ],
+)
 def test_bad_input_is_refused_naming_the_field_and_the_app_still_serves(client, server, body, param):
-    r = httpx.post(server.base_url + "/v1/embeddings", headers=server.headers(), timeout=60,
-                   json={"model": server.model, **body})
+    r = httpx.post(
+        server.base_url + "/v1/embeddings", headers=server.headers(), timeout=60, json={"model": server.model, **body}
+    )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
     assert len(client.embeddings.create(model=server.model, input="still here").data[0].embedding) > 0
@@ -99,14 +108,21 @@ def test_grpc_embed_gives_the_http_vectors_and_refuses_bad_input(client, server)
         r = stub.Embed(pb.EmbedRequest(texts=texts), metadata=meta, timeout=60)
         assert r.prompt_tokens == sum(len(ids_of(server, t)) for t in texts)
         for got, want in zip(r.embeddings, http):
-            torch.testing.assert_close(torch.tensor(list(got.values)), torch.tensor(want.embedding),
-                                       atol=1e-5, rtol=1e-4)
-        by_ids = stub.Embed(pb.EmbedRequest(token_ids=[pb.TokenIds(ids=ids_of(server, texts[0]))]),
-                            metadata=meta, timeout=60)
-        torch.testing.assert_close(torch.tensor(list(by_ids.embeddings[0].values)), torch.tensor(http[0].embedding),
-                                   atol=1e-5, rtol=1e-4)
-        for bad in (pb.EmbedRequest(), pb.EmbedRequest(texts=["a"], token_ids=[pb.TokenIds(ids=[1])]),
-                    pb.EmbedRequest(texts=["a", ""]), pb.EmbedRequest(texts=["a"], truncate_prompt_tokens=0)):
+            torch.testing.assert_close(
+                torch.tensor(list(got.values)), torch.tensor(want.embedding), atol=1e-5, rtol=1e-4
+            )
+        by_ids = stub.Embed(
+            pb.EmbedRequest(token_ids=[pb.TokenIds(ids=ids_of(server, texts[0]))]), metadata=meta, timeout=60
+        )
+        torch.testing.assert_close(
+            torch.tensor(list(by_ids.embeddings[0].values)), torch.tensor(http[0].embedding), atol=1e-5, rtol=1e-4
+        )
+        for bad in (
+            pb.EmbedRequest(),
+            pb.EmbedRequest(texts=["a"], token_ids=[pb.TokenIds(ids=[1])]),
+            pb.EmbedRequest(texts=["a", ""]),
+            pb.EmbedRequest(texts=["a"], truncate_prompt_tokens=0),
+        ):
             with pytest.raises(grpc.RpcError) as e:
                 stub.Embed(bad, metadata=meta, timeout=60)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (bad, e.value.details())
@@ -125,13 +141,23 @@ def test_score_and_rerank_are_the_cosine_of_the_embeddings(client, server):
     and /v2/rerank): each score is the cosine similarity of the two texts' /v1/embeddings
     vectors; rerank orders the documents by it and keeps top_n."""
     query = "Where is the Eiffel tower?"
-    docs = ["The Eiffel tower is in Paris.", "Bananas are yellow.", "Paris is the capital of France.",
-            "The Eiffel tower is in Paris."]  # a repeat: embedded once, scored twice
-    vec = {t: d.embedding for t, d in zip([query, *docs[:3]],
-                                          client.embeddings.create(model=server.model, input=[query, *docs[:3]]).data)}
+    docs = [
+        "The Eiffel tower is in Paris.",
+        "Bananas are yellow.",
+        "Paris is the capital of France.",
+        "The Eiffel tower is in Paris.",
+    ]  # a repeat: embedded once, scored twice
+    vec = {
+        t: d.embedding
+        for t, d in zip([query, *docs[:3]], client.embeddings.create(model=server.model, input=[query, *docs[:3]]).data)
+    }
     want = [_dot(vec[query], vec[d]) for d in docs]
-    r = httpx.post(server.base_url + "/v1/score", headers=server.headers(), timeout=60,
-                   json={"model": server.model, "text_1": query, "text_2": docs})
+    r = httpx.post(
+        server.base_url + "/v1/score",
+        headers=server.headers(),
+        timeout=60,
+        json={"model": server.model, "text_1": query, "text_2": docs},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "list" and body["model"] == server.model and body["id"].startswith("score-")
@@ -139,34 +165,49 @@ def test_score_and_rerank_are_the_cosine_of_the_embeddings(client, server):
     assert all(abs(d["score"] - w) < 1e-4 for d, w in zip(body["data"], want)), (body["data"], want)
     tokens = sum(len(ids_of(server, t)) for t in [query, *docs[:3]])
     assert body["usage"]["prompt_tokens"] == tokens
-    r = httpx.post(server.base_url + "/score", headers=server.headers(), timeout=60,  # N:N
-                   json={"text_1": [query, docs[1]], "text_2": [docs[2], docs[1]]})
+    r = httpx.post(
+        server.base_url + "/score",
+        headers=server.headers(),
+        timeout=60,  # N:N
+        json={"text_1": [query, docs[1]], "text_2": [docs[2], docs[1]]},
+    )
     got = [d["score"] for d in r.json()["data"]]
     assert abs(got[0] - _dot(vec[query], vec[docs[2]])) < 1e-4 and abs(got[1] - 1.0) < 1e-4
     order = sorted(range(4), key=lambda i: (-want[i], i))
     for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
-        r = httpx.post(server.base_url + path, headers=server.headers(), timeout=60,
-                       json={"model": server.model, "query": query, "documents": docs, "top_n": 3})
+        r = httpx.post(
+            server.base_url + path,
+            headers=server.headers(),
+            timeout=60,
+            json={"model": server.model, "query": query, "documents": docs, "top_n": 3},
+        )
         assert r.status_code == 200, r.text
         results = r.json()["results"]
         assert [x["index"] for x in results] == order[:3]
         assert all(abs(x["relevance_score"] - want[x["index"]]) < 1e-4 for x in results)
         assert [x["document"]["text"] for x in results] == [docs[i] for i in order[:3]]
-    r = httpx.post(server.base_url + "/v1/rerank", headers=server.headers(), timeout=60,
-                   json={"query": query, "documents": docs[:2], "return_documents": False})
+    r = httpx.post(
+        server.base_url + "/v1/rerank",
+        headers=server.headers(),
+        timeout=60,
+        json={"query": query, "documents": docs[:2], "return_documents": False},
+    )
     assert len(r.json()["results"]) == 2 and "document" not in r.json()["results"][0]
     server.wait_idle()
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
-    ("/v1/score", {"text_1": [], "text_2": "c"}, "text_2"),
-    ("/v1/score", {"text_1": "a"}, "text_2"),
-    ("/v1/score", {"text_1": "a", "text_2": "b", "model": "no-such-model"}, "model"),
-    ("/v1/rerank", {"query": "q", "documents": []}, "documents"),
-    ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
-    ("/v1/rerank", {"query": 3, "documents": ["a"]}, "query"),
-])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
+        ("/v1/score", {"text_1": [], "text_2": "c"}, "text_2"),
+        ("/v1/score", {"text_1": "a"}, "text_2"),
+        ("/v1/score", {"text_1": "a", "text_2": "b", "model": "no-such-model"}, "model"),
+        ("/v1/rerank", {"query": "q", "documents": []}, "documents"),
+        ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
+        ("/v1/rerank", {"query": 3, "documents": ["a"]}, "query"),
+    ],
+)
 def test_bad_score_and_rerank_input_is_a_400_and_the_app_serves_on(client, server, path, body, param):
     r = httpx.post(server.base_url + path, headers=server.headers(), timeout=60, json=body)
     assert r.status_code in (400, 404), r.text
@@ -182,8 +223,12 @@ def test_a_dimensions_other_than_the_models_is_refused_before_any_input_is_compu
 
     def prompt_tokens() -> float:
         text = httpx.get(server.base_url + "/metrics", headers=server.headers(), timeout=30).text
-        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                   if s.name == "vllm:prompt_tokens_total")
+        return sum(
+            s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == "vllm:prompt_tokens_total"
+        )
 
     width = len(client.embeddings.create(model=server.model, input="how wide").data[0].embedding)
     server.wait_idle()
@@ -191,13 +236,22 @@ def test_a_dimensions_other_than_the_models_is_refused_before_any_input_is_compu
     while (now := prompt_tokens()) != before and time.monotonic() - t0 < 10:  # settled
         before = now
         time.sleep(0.5)
-    r = httpx.post(server.base_url + "/v1/embeddings", headers=server.headers(), timeout=60,
-                   json={"model": server.model, "dimensions": width // 2,
-                         "input": [f"input number {i} of many" for i in range(64)]})
+    r = httpx.post(
+        server.base_url + "/v1/embeddings",
+        headers=server.headers(),
+        timeout=60,
+        json={
+            "model": server.model,
+            "dimensions": width // 2,
+            "input": [f"input number {i} of many" for i in range(64)],
+        },
+    )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "dimensions" and str(width) in r.json()["error"]["message"]
     time.sleep(1.0)
     assert prompt_tokens() == before
-    assert len(client.embeddings.create(model=server.model, input="still here", dimensions=width)
-               .data[0].embedding) == width
+    assert (
+        len(client.embeddings.create(model=server.model, input="still here", dimensions=width).data[0].embedding)
+        == width
+    )
     server.wait_idle()

@@ -47,16 +47,16 @@ def _replica_health(server) -> dict[str, dict]:
 
 
 def _grpc_request(prompt):
-    return pb.GenerateRequest(prompt=prompt, sampling_params=pb.SamplingParams(
-        max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    return pb.GenerateRequest(
+        prompt=prompt, sampling_params=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    )
 
 
 def _grpc_ids(server, prompt, progress: dict, key: int) -> list[int]:
     meta = (("application", server.app), ("authorization", f"Bearer {server.api_key}"))
     with grpc.insecure_channel(server.grpc_target) as channel:
         ids = []
-        for m in pb_grpc.FleetServeStub(channel).Generate(_grpc_request(prompt), metadata=meta,
-                                                          timeout=240):
+        for m in pb_grpc.FleetServeStub(channel).Generate(_grpc_request(prompt), metadata=meta, timeout=240):
             ids += m.token_ids
             progress[key] = progress.get(key, 0) + 1
     return ids
@@ -64,10 +64,20 @@ def _grpc_ids(server, prompt, progress: dict, key: int) -> list[int]:
 
 def _stream(server, prompt, progress: dict, key: int) -> dict:
     text, events = "", []
-    with httpx.stream("POST", server.base_url + "/v1/completions", headers=server.headers(),
-                      timeout=180, json={"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                                         "ignore_eos": True, "stream": True,
-                                         "stream_options": {"include_usage": True}}) as r:
+    with httpx.stream(
+        "POST",
+        server.base_url + "/v1/completions",
+        headers=server.headers(),
+        timeout=180,
+        json={
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if not line.startswith("data: "):
@@ -99,8 +109,7 @@ def _wait_healthy(server, n: int, timeout_s: float) -> dict:
         time.sleep(1)
 
 
-def _streams_survive_a_kill(server, kill, wait_for_feed: bool = False,
-                            dead_engine_reported: bool = False) -> None:
+def _streams_survive_a_kill(server, kill, wait_for_feed: bool = False, dead_engine_reported: bool = False) -> None:
     """Six streams (4 gRPC, 2 SSE) on both replicas; once each has sent tokens (and, with
     `wait_for_feed`, tokens have come over a per-step feed), `kill(replica id)` hits the
     replica running the most of them. Every stream must finish with the token ids of an
@@ -118,8 +127,9 @@ def _streams_survive_a_kill(server, kill, wait_for_feed: bool = False,
                 ids = [pool.submit(_grpc_ids, server, p, progress, i) for i, p in enumerate(PROMPTS[:4])]
                 sse = [pool.submit(_stream, server, p, progress, i + 4) for i, p in enumerate(PROMPTS[4:])]
                 deadline = time.monotonic() + 60
-                while min(progress.get(i, 0) for i in range(len(PROMPTS))) < 3 or \
-                        (wait_for_feed and feed_items(server) <= fed_before):
+                while min(progress.get(i, 0) for i in range(len(PROMPTS))) < 3 or (
+                    wait_for_feed and feed_items(server) <= fed_before
+                ):
                     assert time.monotonic() < deadline, (progress, feed_items(server), fed_before)
                     time.sleep(0.02)
                 # Every stream has sent tokens. The victim is the replica running the most of
@@ -169,8 +179,7 @@ def test_engine_core_killed_mid_stream_streams_migrate(server):
     _wait_healthy(server, 2, 120)
     pids = {rid: h["core_pid"] for rid, h in _replica_health(server).items()}
     assert len(pids) == 2 and all(pids.values()), pids
-    _streams_survive_a_kill(server, lambda victim: os.kill(pids[victim], signal.SIGKILL),
-                            dead_engine_reported=True)
+    _streams_survive_a_kill(server, lambda victim: os.kill(pids[victim], signal.SIGKILL), dead_engine_reported=True)
 
 
 def test_replica_killed_while_its_streams_ride_the_feed_streams_migrate(server):
@@ -180,7 +189,6 @@ def test_replica_killed_while_its_streams_ride_the_feed_streams_migrate(server):
     import ray
 
     def kill(victim: str) -> None:
-        ray.kill(ray.get_actor(f"SERVE_REPLICA::{server.app}#engine#{victim}", namespace="serve"),
-                 no_restart=True)
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::{server.app}#engine#{victim}", namespace="serve"), no_restart=True)
 
     _streams_survive_a_kill(server, kill, wait_for_feed=True)

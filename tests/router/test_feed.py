@@ -77,17 +77,28 @@ class Handle:
 
 @pytest.fixture(scope="module")
 def replica(tiny_model_dir):
-    r = EngineReplica({"model": str(tiny_model_dir), "max_model_len": 256, "max_num_seqs": 8,
-                       "num_threads": 1, "num_gpu_blocks_override": 64},
-                      "fleetserve.replica.engine.async_engine:AsyncEngine")
+    r = EngineReplica(
+        {
+            "model": str(tiny_model_dir),
+            "max_model_len": 256,
+            "max_num_seqs": 8,
+            "num_threads": 1,
+            "num_gpu_blocks_override": 64,
+        },
+        "fleetserve.replica.engine.async_engine:AsyncEngine",
+    )
     yield r
     r.engine.shutdown()
 
 
 def body(rid: str, ids: list[int], **params) -> dict:
     params.setdefault("temperature", 0.0)
-    return {"request_id": rid, "prompt_token_ids": ids,
-            "sampling_params": sampling_dict(SamplingParams(**params)), "priority": 0}
+    return {
+        "request_id": rid,
+        "prompt_token_ids": ids,
+        "sampling_params": sampling_dict(SamplingParams(**params)),
+        "priority": 0,
+    }
 
 
 async def read_all(stream) -> tuple[list[int], list[dict]]:
@@ -110,17 +121,20 @@ def assert_no_leak(replica) -> None:
     deadline = time.monotonic() + 10
     while True:
         load = replica.engine.get_load()
-        if load["num_running"] == 0 and load["num_waiting"] == 0 and \
-                load["num_free_blocks"] == load["num_blocks"]:
+        if load["num_running"] == 0 and load["num_waiting"] == 0 and load["num_free_blocks"] == load["num_blocks"]:
             return
         assert time.monotonic() < deadline, load
         time.sleep(0.02)
 
 
 def aborted(replica) -> float:
-    return sum(s.value for fam in text_string_to_metric_families(replica.engine.metrics_text())
-               if fam.name == "vllm:request_success" for s in fam.samples
-               if s.name.endswith("_total") and s.labels.get("finished_reason") == "abort")
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(replica.engine.metrics_text())
+        if fam.name == "vllm:request_success"
+        for s in fam.samples
+        if s.name.endswith("_total") and s.labels.get("finished_reason") == "abort"
+    )
 
 
 async def with_open_feed(replica):
@@ -141,9 +155,14 @@ def test_feed_carries_every_stream_and_matches_the_direct_path(replica, monkeypa
     async def go():
         handle = Handle(replica)
         hub = FeedHub(handle)
-        expected = [(await read_all(ReplicaStream.open(
-                        handle.generate, body(f"d{i}", p, max_tokens=12, ignore_eos=True), None)))[0]
-                    for i, p in enumerate(PROMPTS)]
+        expected = [
+            (
+                await read_all(
+                    ReplicaStream.open(handle.generate, body(f"d{i}", p, max_tokens=12, ignore_eos=True), None)
+                )
+            )[0]
+            for i, p in enumerate(PROMPTS)
+        ]
         # The first request reaches a replica without a feed from us: it streams on its
         # own call, and its first item opens the feed.
         first = ReplicaStream.open(handle.generate, body("f", PROMPTS[0], max_tokens=12, ignore_eos=True), hub)
@@ -151,8 +170,10 @@ def test_feed_carries_every_stream_and_matches_the_direct_path(replica, monkeypa
         await wait_until(lambda: len(replica._feeds) == 1, "the feed opened on the replica")
         assert hub.open_feeds() == [replica.replica_id]
         fed_before = hub.items  # (the first request may have moved onto it mid-stream)
-        streams = [ReplicaStream.open(handle.generate, body(f"r{i}", p, max_tokens=12, ignore_eos=True), hub)
-                   for i, p in enumerate(PROMPTS)]
+        streams = [
+            ReplicaStream.open(handle.generate, body(f"r{i}", p, max_tokens=12, ignore_eos=True), hub)
+            for i, p in enumerate(PROMPTS)
+        ]
         results = await asyncio.gather(*[read_all(s) for s in streams])
         for (tokens, items), want in zip(results, expected):
             assert tokens == want  # greedy: the same tokens as the direct path, in order
@@ -174,18 +195,25 @@ def test_a_burst_sent_before_the_feed_opened_moves_onto_it_mid_stream(replica):
     server (no feed) hit by a burst still gets the burst's tokens over one feed. On a fast CPU a
     burst can end before its feed opens (nothing to move: the precondition, not the feed, is
     missed), so a burst that moved nothing runs again, with a fresh hub, up to 3 times."""
+
     async def go():
         handle = Handle(replica)
         # 120 tokens each: 6 x 8 blocks of the replica's 64
-        expected = [(await read_all(ReplicaStream.open(
-                        handle.generate, body(f"e{i}", p, max_tokens=120, ignore_eos=True), None)))[0]
-                    for i, p in enumerate(PROMPTS)]
+        expected = [
+            (
+                await read_all(
+                    ReplicaStream.open(handle.generate, body(f"e{i}", p, max_tokens=120, ignore_eos=True), None)
+                )
+            )[0]
+            for i, p in enumerate(PROMPTS)
+        ]
         for attempt in range(3):
             await wait_until(lambda: not len(replica._feeds), "the last burst's feed closed")
             hub = FeedHub(handle)
-            streams = [ReplicaStream.open(handle.generate,
-                                          body(f"b{attempt}-{i}", p, max_tokens=120, ignore_eos=True), hub)
-                       for i, p in enumerate(PROMPTS)]
+            streams = [
+                ReplicaStream.open(handle.generate, body(f"b{attempt}-{i}", p, max_tokens=120, ignore_eos=True), hub)
+                for i, p in enumerate(PROMPTS)
+            ]
             results = await asyncio.gather(*[read_all(s) for s in streams])
             assert [tokens for tokens, _ in results] == expected  # in order, none lost or repeated
             moved = sum(s._watcher is not None for s in streams)
@@ -225,11 +253,13 @@ def test_a_feed_that_ends_under_a_request_fails_it_over_without_a_gap(replica):
     the items in flight are gone, so the request fails with FeedLost, and the ingress's
     migration continues it from what the client has: the same tokens as an uninterrupted
     run, none lost, none repeated."""
+
     async def go():
         handle = Handle(replica)
         hub = FeedHub(handle)
-        direct, _ = await read_all(ReplicaStream.open(
-            handle.generate, body("x", PROMPTS[3], max_tokens=40, ignore_eos=True), None))
+        direct, _ = await read_all(
+            ReplicaStream.open(handle.generate, body("x", PROMPTS[3], max_tokens=40, ignore_eos=True), None)
+        )
         hub.ensure(replica.replica_id)
         await wait_until(lambda: len(replica._feeds) == 1, "feed open")
         stream = ReplicaStream.open(handle.generate, body("y", PROMPTS[3], max_tokens=40, ignore_eos=True), hub)
@@ -247,9 +277,12 @@ def test_a_feed_that_ends_under_a_request_fails_it_over_without_a_gap(replica):
         # The same through the ingress's MigratingStream: the client's stream goes on.
         hub.ensure(replica.replica_id)
         await wait_until(lambda: len(replica._feeds) == 1, "feed open again")
-        migrating = MigratingStream(lambda b: ReplicaStream.open(handle.generate, b, hub),
-                                    body("m", PROMPTS[3], max_tokens=40, ignore_eos=True),
-                                    max_migrations=2, backoff_s=0)
+        migrating = MigratingStream(
+            lambda b: ReplicaStream.open(handle.generate, b, hub),
+            body("m", PROMPTS[3], max_tokens=40, ignore_eos=True),
+            max_migrations=2,
+            backoff_s=0,
+        )
         got = []
         for _ in range(4):
             got += (await migrating.__anext__())["outputs"][0]["token_ids"]
@@ -267,6 +300,7 @@ def test_a_feed_that_ends_under_a_request_fails_it_over_without_a_gap(replica):
 def test_a_call_that_fails_while_its_items_ride_the_feed_raises_to_the_reader(replica):
     """The replica died: its calls fail (Serve raises in the reader). The stream raises that
     error (migration decides what next) instead of waiting on the feed."""
+
     async def go():
         handle, hub = await with_open_feed(replica)
         stream = ReplicaStream.open(handle.generate, body("z", PROMPTS[4], max_tokens=200, ignore_eos=True), hub)
@@ -293,25 +327,30 @@ def test_items_a_closed_feed_never_sent_go_out_on_the_call_in_order(replica, whe
     the rest on its own call, in order, so an ingress that never heard of the feed's end
     still gets every token. Also when the request had put its last item in already: its
     call waits for the feed to take them (`FeedChannel.drained`) instead of ending."""
+
     async def go():
-        direct, _ = await read_all(ReplicaStream.open(
-            Handle(replica).generate, body("p", PROMPTS[5], max_tokens=30, ignore_eos=True), None))
+        direct, _ = await read_all(
+            ReplicaStream.open(Handle(replica).generate, body("p", PROMPTS[5], max_tokens=30, ignore_eos=True), None)
+        )
         channel = replica._feeds.open("stuck-ingress")
-        gen = Call(replica.generate({**body("q", PROMPTS[5], max_tokens=30, ignore_eos=True),
-                                     FEED_KEY: ("stuck-ingress", 7)}))  # pumped, as Serve does
+        gen = Call(
+            replica.generate({**body("q", PROMPTS[5], max_tokens=30, ignore_eos=True), FEED_KEY: ("stuck-ingress", 7)})
+        )  # pumped, as Serve does
         first = await gen.__anext__()
         first = first[-1] if isinstance(first, list) else first
         assert first.pop("feed") is True and channel.bound == 1
         held = 5 if when == "mid-request" else len(direct) - len(first["outputs"][0]["token_ids"])
-        await wait_until(lambda: sum(len(p["outputs"][0]["token_ids"]) for _, p in channel._pending) >= held,
-                         "items held by the unread feed")
+        await wait_until(
+            lambda: sum(len(p["outputs"][0]["token_ids"]) for _, p in channel._pending) >= held,
+            "items held by the unread feed",
+        )
         if when != "mid-request":
             await asyncio.sleep(0.05)
             assert not gen._task.done()  # the call waits for the feed to take its items
         replica._feeds.close("stuck-ingress", channel)
         tokens = list(first["outputs"][0]["token_ids"])
         async for item in gen:
-            for i in (item if isinstance(item, list) else [item]):
+            for i in item if isinstance(item, list) else [item]:
                 assert "feed" not in i
                 tokens += i["outputs"][0]["token_ids"]
         assert tokens == direct  # the held items, then the rest: nothing lost, in order

@@ -21,8 +21,9 @@ def hf_folder(tmp_path, generation_config):
 
 
 def test_auto_reads_generation_config_json_and_vllm_ignores_it(tmp_path):
-    src = hf_folder(tmp_path, {"temperature": 0.6, "top_p": 0.95, "max_new_tokens": 50,
-                               "bos_token_id": 1, "top_k": None})
+    src = hf_folder(
+        tmp_path, {"temperature": 0.6, "top_p": 0.95, "max_new_tokens": 50, "bos_token_id": 1, "top_k": None}
+    )
     assert generation_defaults(src, "auto") == {"temperature": 0.6, "top_p": 0.95, "max_tokens": 50}
     assert generation_defaults(src, "vllm") == {}
 
@@ -54,8 +55,9 @@ def test_defaults_fill_unset_fields_and_the_request_wins():
     req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
     p = req.sampling_params(default_max_tokens=1000, defaults=defaults)
     assert (p.temperature, p.top_p, p.max_tokens) == (0.2, 0.9, 50)
-    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
-                                                "temperature": 0, "max_tokens": 7})
+    req = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], "temperature": 0, "max_tokens": 7}
+    )
     p = req.sampling_params(default_max_tokens=1000, defaults=defaults)
     assert (p.temperature, p.top_p, p.max_tokens) == (0.0, 0.9, 7)
     p = CompletionRequest.model_validate({"prompt": "x"}).sampling_params(16, defaults)

@@ -38,6 +38,7 @@ def _pools(monkeypatch, pools: dict[str, dict]):
 
     async def info():
         return {}
+
     return SimpleNamespace(handles=handles, info=info)
 
 
@@ -48,8 +49,7 @@ def test_colocated_report(monkeypatch):
 
 
 def test_pd_reports_the_prefill_pool_without_letting_it_decide(monkeypatch):
-    pools = _pools(monkeypatch, {"decode": {"d1": Actor()},
-                                     "prefill": {"p1": Actor("wedged"), "p2": Actor(hang=True)}})
+    pools = _pools(monkeypatch, {"decode": {"d1": Actor()}, "prefill": {"p1": Actor("wedged"), "p2": Actor(hang=True)}})
     report = asyncio.run(health.replica_health(pools, timeout_s=0.2))
     assert report["healthy"] == ["d1"] and report["unhealthy"] == {}
     assert report["prefill"]["healthy"] == []

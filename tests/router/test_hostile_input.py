@@ -22,38 +22,48 @@ CMPL = "/v1/completions"
 # (name, path, raw JSON body, status, param)
 RAW_CASES = [
     ("lone surrogate in prompt", CMPL, b'{"prompt": "a\\ud800b", "max_tokens": 2}', 400, "prompt"),
-    ("lone surrogate in chat", CHAT,
-     b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, "messages.0.content"),
+    (
+        "lone surrogate in chat",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+        400,
+        "messages.0.content",
+    ),
     ("lone surrogate in model", CMPL, b'{"model": "\\ud800", "prompt": "a"}', 400, "model"),
     ("lone surrogate in /tokenize", "/tokenize", b'{"prompt": "\\ud834"}', 400, "prompt"),
     ("nested 10,000 deep", CMPL, b'{"prompt": ' + b"[" * 10_000 + b"]" * 10_000 + b"}", 400, None),
-    ("nested 100 deep in chat", CHAT,
-     b'{"messages": [{"role": "user", "content": [' + b'{"a":' * 100 + b"1" + b"}" * 100 + b"]}]}",
-     400, None),
+    (
+        "nested 100 deep in chat",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": [' + b'{"a":' * 100 + b"1" + b"}" * 100 + b"]}]}",
+        400,
+        None,
+    ),
     ("temperature NaN", CMPL, b'{"prompt": "a", "temperature": NaN}', 400, "temperature"),
     ("temperature inf", CMPL, b'{"prompt": "a", "temperature": Infinity}', 400, "temperature"),
     ("top_p NaN", CMPL, b'{"prompt": "a", "top_p": NaN}', 400, "top_p"),
     ("min_p NaN", CHAT, b'{"messages": [{"role": "user", "content": "a"}], "min_p": NaN}', 400, "min_p"),
     ("presence_penalty NaN", CMPL, b'{"prompt": "a", "presence_penalty": NaN}', 400, "presence_penalty"),
-    ("repetition_penalty -inf", CMPL, b'{"prompt": "a", "repetition_penalty": -Infinity}', 400,
-     "repetition_penalty"),
+    ("repetition_penalty -inf", CMPL, b'{"prompt": "a", "repetition_penalty": -Infinity}', 400, "repetition_penalty"),
 ]
 
 CASES = [
     ("n too large", CMPL, {"prompt": "a", "n": 1000}, 400, "n"),
     ("too many stop strings", CMPL, {"prompt": "a", "stop": [f"s{i}" for i in range(40)]}, 400, "stop"),
-    ("stop string too long", CHAT, {"messages": [{"role": "user", "content": "a"}],
-                                    "stop": ["x" * 300]}, 400, "stop"),
-    ("too many stop_token_ids", CMPL, {"prompt": "a", "stop_token_ids": list(range(300))}, 400,
-     "stop_token_ids"),
+    ("stop string too long", CHAT, {"messages": [{"role": "user", "content": "a"}], "stop": ["x" * 300]}, 400, "stop"),
+    ("too many stop_token_ids", CMPL, {"prompt": "a", "stop_token_ids": list(range(300))}, 400, "stop_token_ids"),
     ("seed beyond 64 bits", CMPL, {"prompt": "a", "seed": 1 << 70}, 400, "seed"),
     ("100,000 stop strings", CMPL, {"prompt": "a", "stop": [f"s{i}" for i in range(100_000)]}, 413, None),
 ]
 
 
 def _post(server, path, raw: bytes):
-    return httpx.post(server.base_url + path, content=raw, timeout=60,
-                      headers={"Content-Type": "application/json", **server.headers()})
+    return httpx.post(
+        server.base_url + path,
+        content=raw,
+        timeout=60,
+        headers={"Content-Type": "application/json", **server.headers()},
+    )
 
 
 def _assert_error(r, status, param):
@@ -78,8 +88,11 @@ def test_megabyte_prompt_refused_by_characters_before_tokenizing(server):
     """A prompt with more characters than max_model_len tokens can hold: 400 at once, from the
     character bound (the message says characters), for completions and /tokenize alike."""
     prompt = "lorem ipsum " * 5000  # 60,000 characters, under the 64 KiB body limit
-    for path, body in ((CMPL, {"prompt": prompt}), ("/tokenize", {"prompt": prompt}),
-                       (CHAT, {"messages": [{"role": "user", "content": prompt}]})):
+    for path, body in (
+        (CMPL, {"prompt": prompt}),
+        ("/tokenize", {"prompt": prompt}),
+        (CHAT, {"messages": [{"role": "user", "content": prompt}]}),
+    ):
         r = _post(server, path, json.dumps(body).encode())
         _assert_error(r, 400, None)
         assert "characters" in r.json()["error"]["message"]
@@ -100,13 +113,23 @@ def test_long_prompt_with_truncation_tokenizes_only_its_tail(server, tiny_model_
     prompt = "".join(f"w{i % 97} " for i in range(12_000))[:60_000]  # under the 64 KiB body limit
     assert len(prompt) > (server.config.engine.max_model_len + TAIL_SLACK_TOKENS) * max_token_chars(tok)
     want = tok(prompt, add_special_tokens=True).input_ids[-16:]
-    r = _post(server, CMPL, json.dumps({"prompt": prompt, "truncate_prompt_tokens": 16, "max_tokens": 1,
-                                        "echo": True, "logprobs": 0}).encode())
+    r = _post(
+        server,
+        CMPL,
+        json.dumps(
+            {"prompt": prompt, "truncate_prompt_tokens": 16, "max_tokens": 1, "echo": True, "logprobs": 0}
+        ).encode(),
+    )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == 16
     assert r.json()["choices"][0]["text"].startswith(tok.decode(want))
-    r = _post(server, CHAT, json.dumps({"messages": [{"role": "user", "content": prompt}],
-                                        "truncate_prompt_tokens": 16, "max_tokens": 1}).encode())
+    r = _post(
+        server,
+        CHAT,
+        json.dumps(
+            {"messages": [{"role": "user", "content": prompt}], "truncate_prompt_tokens": 16, "max_tokens": 1}
+        ).encode(),
+    )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == 16
     server.wait_idle()
@@ -117,9 +140,13 @@ def test_body_shorter_than_content_length_times_out_cleanly(server):
     (3 s in the test config) instead of holding its connection with no answer."""
     host, port = server.base_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as s:
-        s.sendall((f"POST {CMPL} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                   f"Authorization: Bearer {server.api_key}\r\nContent-Length: 1000\r\n\r\n"
-                   '{"prompt":').encode())
+        s.sendall(
+            (
+                f"POST {CMPL} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Authorization: Bearer {server.api_key}\r\nContent-Length: 1000\r\n\r\n"
+                '{"prompt":'
+            ).encode()
+        )
         start = time.monotonic()
         reply = s.recv(65536).decode(errors="replace")
         assert time.monotonic() - start < 20
@@ -133,6 +160,7 @@ def test_body_shorter_than_content_length_times_out_cleanly(server):
 
 
 # -- gRPC ---------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def channel(server):
@@ -155,14 +183,14 @@ def test_grpc_huge_n_and_stop_lists_under_load_are_refused(channel, server):
     """The original wedge over gRPC: n=1000 or 100,000 stop strings, sent while other streams
     run. Each is INVALID_ARGUMENT; the streams finish; the replicas serve on, nothing leaks."""
     stub = pb_grpc.FleetServeStub(channel)
-    ok = pb.GenerateRequest(prompt="keep going", sampling_params=pb.SamplingParams(
-        max_tokens=40, ignore_eos=True))
+    ok = pb.GenerateRequest(prompt="keep going", sampling_params=pb.SamplingParams(max_tokens=40, ignore_eos=True))
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        load = [pool.submit(lambda: list(stub.Generate(ok, metadata=_meta(server), timeout=120)))
-                for _ in range(4)]
+        load = [pool.submit(lambda: list(stub.Generate(ok, metadata=_meta(server), timeout=120))) for _ in range(4)]
         time.sleep(0.5)
-        for sp in (pb.SamplingParams(n=1000, max_tokens=4),
-                   pb.SamplingParams(stop=[f"never-{i}" for i in range(100_000)], max_tokens=4)):
+        for sp in (
+            pb.SamplingParams(n=1000, max_tokens=4),
+            pb.SamplingParams(stop=[f"never-{i}" for i in range(100_000)], max_tokens=4),
+        ):
             code, details = _grpc_code(channel, server, pb.GenerateRequest(prompt="x", sampling_params=sp))
             assert code == grpc.StatusCode.INVALID_ARGUMENT, details
             assert "sampling_params." in details
@@ -180,8 +208,9 @@ def test_grpc_nan_and_garbage_are_invalid_argument(channel, server):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in details
     inf = pb.GenerateRequest(prompt="x", sampling_params=pb.SamplingParams(top_p=float("inf")))
     assert _grpc_code(channel, server, inf)[0] == grpc.StatusCode.INVALID_ARGUMENT
-    raw = channel.unary_stream("/fleetserve.v1.FleetServe/Generate",
-                               request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    raw = channel.unary_stream(
+        "/fleetserve.v1.FleetServe/Generate", request_serializer=lambda b: b, response_deserializer=lambda b: b
+    )
     for garbage in (b"\xff\xff\xff\xff", b"\x12\x05\xff\xfe\xfd\xfc\xfb"):  # junk; bad UTF-8 prompt
         with pytest.raises(grpc.RpcError) as e:
             list(raw(garbage, metadata=_meta(server), timeout=30))
@@ -192,11 +221,11 @@ def test_grpc_client_request_id_is_echoed_but_not_used_by_the_engine(channel, se
     """Two concurrent calls with the same client request_id both complete (the engine's ids
     are the server's own), and each sees its own id echoed."""
     stub = pb_grpc.FleetServeStub(channel)
-    req = pb.GenerateRequest(prompt="same id", request_id="mine", sampling_params=pb.SamplingParams(
-        max_tokens=8, ignore_eos=True))
+    req = pb.GenerateRequest(
+        prompt="same id", request_id="mine", sampling_params=pb.SamplingParams(max_tokens=8, ignore_eos=True)
+    )
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(lambda _: list(stub.Generate(req, metadata=_meta(server), timeout=60)),
-                                range(2)))
+        results = list(pool.map(lambda _: list(stub.Generate(req, metadata=_meta(server), timeout=60)), range(2)))
     for msgs in results:
         assert msgs[-1].completion_tokens == 8 and {m.request_id for m in msgs} == {"mine"}
     server.wait_idle()
@@ -205,8 +234,12 @@ def test_grpc_client_request_id_is_echoed_but_not_used_by_the_engine(channel, se
 def test_serves_and_no_leaks_after_hostile_input(server):
     for _, path, raw, *_ in RAW_CASES:
         _post(server, path, raw)
-    r = httpx.post(server.base_url + CMPL, headers=server.headers(), timeout=60,
-                   json={"prompt": "still alive?", "max_tokens": 3, "ignore_eos": True})
+    r = httpx.post(
+        server.base_url + CMPL,
+        headers=server.headers(),
+        timeout=60,
+        json={"prompt": "still alive?", "max_tokens": 3, "ignore_eos": True},
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     health = httpx.get(server.base_url + "/health", headers=server.headers(), timeout=30)
     assert health.status_code == 200 and health.json()["num_replicas"] == 2

@@ -57,6 +57,7 @@ class LoadingEngine:
         async def answer():
             await self.ready.wait()
             return {"max_model_len": 64, "tokenizer": None}
+
         return answer()
 
 
@@ -82,9 +83,16 @@ def test_a_request_while_the_model_loads_gets_503_not_silence(monkeypatch):
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("field, value", [("served_model_name", ""), ("max_body_bytes", 0),
-                                          ("body_timeout_s", 0.0), ("max_migrations", -1),
-                                          ("graceful_shutdown_timeout_s", -1.0)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("served_model_name", ""),
+        ("max_body_bytes", 0),
+        ("body_timeout_s", 0.0),
+        ("max_migrations", -1),
+        ("graceful_shutdown_timeout_s", -1.0),
+    ],
+)
 def test_settings_refuse_bad_values_naming_the_field(field, value):
     kwargs = {"served_model_name": "m", field: value}
     with pytest.raises(ValueError, match=field):
@@ -99,11 +107,16 @@ def test_deploy_builds_the_settings_from_the_app_config():
     from fleetserve.router.routing.pd import PDSettings
     from fleetserve.router.routing.prefix_reuse import ReuseSettings
 
-    config = AppConfig.model_validate({
-        "engine": {"model": "m", "served_model_name": ["a", "b"]}, "api_key": "k",
-        "api_key_open_paths": ["/health"], "http": {"host": "127.0.0.2", "max_body_bytes": 4096},
-        "reliability": {"body_timeout_s": 3, "max_migrations": 1, "graceful_shutdown_timeout_s": 5},
-        "reasoning_parser": "qwen3"})
+    config = AppConfig.model_validate(
+        {
+            "engine": {"model": "m", "served_model_name": ["a", "b"]},
+            "api_key": "k",
+            "api_key_open_paths": ["/health"],
+            "http": {"host": "127.0.0.2", "max_body_bytes": 4096},
+            "reliability": {"body_timeout_s": 3, "max_migrations": 1, "graceful_shutdown_timeout_s": 5},
+            "reasoning_parser": "qwen3",
+        }
+    )
     s = ingress_settings(config, ("b",), ("m",))
     assert (s.served_model_name, s.listed_names, s.model_aliases) == ("a", ("b",), ("m",))
     assert s.served_names == {"a", "b", "m"}

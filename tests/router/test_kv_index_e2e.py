@@ -39,6 +39,7 @@ class LoopThread:
     def run(self, awaitable, timeout_s: float = 60.0):
         async def wait():
             return await awaitable
+
         return asyncio.run_coroutine_threadsafe(wait(), self.loop).result(timeout_s)
 
     def close(self) -> None:
@@ -51,8 +52,7 @@ async def call_info(handle) -> dict:
 
 
 def random_workload(server, rng: random.Random, n: int) -> None:
-    heads = [" ".join(f"w{rng.randrange(1000)}" for _ in range(rng.randrange(20, 60)))
-             for _ in range(5)]
+    heads = [" ".join(f"w{rng.randrange(1000)}" for _ in range(rng.randrange(20, 60))) for _ in range(5)]
 
     def one(i: int) -> None:
         prompt = f"{rng.choice(heads)} q{i} " + " ".join(str(rng.randrange(99)) for _ in range(8))
@@ -64,8 +64,12 @@ def random_workload(server, rng: random.Random, n: int) -> None:
 
 def index_blocks_in_metrics(server) -> dict[str, float]:
     text = httpx.get(server.base_url + "/metrics", timeout=30).text
-    return {s.labels["replica"]: s.value for fam in text_string_to_metric_families(text)
-            if fam.name == "fleetserve:router_kv_index_blocks" for s in fam.samples}
+    return {
+        s.labels["replica"]: s.value
+        for fam in text_string_to_metric_families(text)
+        if fam.name == "fleetserve:router_kv_index_blocks"
+        for s in fam.samples
+    }
 
 
 def test_index_equals_engine_caches_after_evictions_and_a_restart(server):
@@ -90,12 +94,18 @@ def test_index_equals_engine_caches_after_evictions_and_a_restart(server):
                 truth = {rid: lt.run(snapshot(rid)) for rid in ids}
                 mine = {rid: index.hashes_of(rid) for rid in ids}
                 ingress = index_blocks_in_metrics(server)
-                if (len(ids) == 2 and mine == truth and sorted(index.replicas()) == ids
-                        and ingress == {rid: float(len(h)) for rid, h in truth.items()}):
+                if (
+                    len(ids) == 2
+                    and mine == truth
+                    and sorted(index.replicas()) == ids
+                    and ingress == {rid: float(len(h)) for rid, h in truth.items()}
+                ):
                     return truth
                 if time.time() > deadline:
-                    raise AssertionError(f"index != engines: sizes {({r: len(h) for r, h in mine.items()})}"
-                                         f" vs {({r: len(h) for r, h in truth.items()})}, ingress {ingress}")
+                    raise AssertionError(
+                        f"index != engines: sizes { ({r: len(h) for r, h in mine.items()}) }"
+                        f" vs { ({r: len(h) for r, h in truth.items()}) }, ingress {ingress}"
+                    )
                 time.sleep(0.3)
 
         server.wait_idle()
@@ -107,14 +117,17 @@ def test_index_equals_engine_caches_after_evictions_and_a_restart(server):
         # The ingress's own index counts its snapshots too (declared as `..._total`, or
         # Prometheus parsers drop the sample).
         text = httpx.get(server.base_url + "/metrics", timeout=30).text
-        resyncs = [s.value for fam in text_string_to_metric_families(text)
-                   if fam.name == "fleetserve:router_kv_index_resyncs" for s in fam.samples]
+        resyncs = [
+            s.value
+            for fam in text_string_to_metric_families(text)
+            if fam.name == "fleetserve:router_kv_index_resyncs"
+            for s in fam.samples
+        ]
         assert resyncs and resyncs[0] >= 2, resyncs
 
         # Restart one replica: Serve replaces it under a new id, with an empty cache.
         victim = sorted(truth)[0]
-        ray.kill(ray.get_actor(f"SERVE_REPLICA::{server.app}#engine#{victim}", namespace="serve"),
-                 no_restart=True)
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::{server.app}#engine#{victim}", namespace="serve"), no_restart=True)
         deadline = time.time() + 120
         while victim in router.replica_ids() or len(router.replica_ids()) < 2:
             assert time.time() < deadline, "the killed replica was not replaced"

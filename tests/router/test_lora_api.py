@@ -29,9 +29,20 @@ def ids_of(server, text: str) -> list[int]:
 
 
 def complete(server, model: str, prompt, max_tokens: int = 8) -> dict:
-    r = httpx.post(server.base_url + "/v1/completions", headers=server.headers(), timeout=120,
-                   json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                         "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True})
+    r = httpx.post(
+        server.base_url + "/v1/completions",
+        headers=server.headers(),
+        timeout=120,
+        json={
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        },
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -53,9 +64,10 @@ def peft_greedy(tiny_model_dir, lora_dirs):
 
     def run(name, ids: list[int], n: int) -> list[int]:
         with torch.no_grad():
-            out = models[name].generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                                        eos_token_id=None, pad_token_id=2)
-        return out[0, len(ids):].tolist()
+            out = models[name].generate(
+                torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=2
+            )
+        return out[0, len(ids) :].tolist()
 
     return run
 
@@ -109,8 +121,11 @@ def test_chat_streaming_grpc_and_embeddings_take_the_adapter(server):
     kw = dict(messages=messages, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
     whole = client.chat.completions.create(model=LORA_A, **kw)
     assert whole.model == LORA_A
-    streamed = "".join(c.choices[0].delta.content or "" for c in
-                       client.chat.completions.create(model=LORA_A, stream=True, **kw) if c.choices)
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(model=LORA_A, stream=True, **kw)
+        if c.choices
+    )
     assert streamed == whole.choices[0].message.content
     base = client.chat.completions.create(model=server.model, **kw).choices[0].message.content
     assert base != whole.choices[0].message.content
@@ -119,8 +134,11 @@ def test_chat_streaming_grpc_and_embeddings_take_the_adapter(server):
     with grpc.insecure_channel(server.grpc_target) as channel:
         stub = pb_grpc.FleetServeStub(channel)
         meta = (("application", server.app), ("authorization", f"Bearer {server.api_key}"))
-        req = pb.GenerateRequest(model=LORA_B, prompt_token_ids=pb.TokenIds(ids=ids), sampling_params=pb.SamplingParams(
-            max_tokens=8, temperature=0.0, ignore_eos=True))
+        req = pb.GenerateRequest(
+            model=LORA_B,
+            prompt_token_ids=pb.TokenIds(ids=ids),
+            sampling_params=pb.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+        )
         got = [t for m in stub.Generate(req, metadata=meta, timeout=60) for t in m.token_ids]
         assert got == token_ids(complete(server, LORA_B, ids))
         models = [m.id for m in stub.ListModels(pb.ListModelsRequest(), metadata=meta, timeout=30).models]
@@ -129,13 +147,18 @@ def test_chat_streaming_grpc_and_embeddings_take_the_adapter(server):
     vectors = {m: client.embeddings.create(model=m, input=PROMPT).data[0].embedding for m in (server.model, LORA_A)}
     assert vectors[server.model] != vectors[LORA_A]
     assert client.embeddings.create(model=LORA_A, input=PROMPT).data[0].embedding == pytest.approx(
-        vectors[LORA_A], abs=1e-5)
+        vectors[LORA_A], abs=1e-5
+    )
     server.wait_idle()
 
 
 def test_an_unknown_adapter_is_a_404_and_the_app_serves_on(server, peft_greedy):
-    r = httpx.post(server.base_url + "/v1/completions", headers=server.headers(), timeout=60,
-                   json={"model": "tiny-lora-c", "prompt": "hi", "max_tokens": 2})
+    r = httpx.post(
+        server.base_url + "/v1/completions",
+        headers=server.headers(),
+        timeout=60,
+        json={"model": "tiny-lora-c", "prompt": "hi", "max_tokens": 2},
+    )
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
     assert f"`{LORA_A}`, `{LORA_B}`" in r.json()["error"]["message"]
     ids = ids_of(server, PROMPT)
@@ -168,10 +191,11 @@ def test_load_and_unload_at_run_time(server, lora_dirs, peft_greedy, tmp_path):
     # Refused: a name in use, a folder that is no adapter, an adapter of another shape; the
     # app serves on (and no replica kept a half-loaded adapter under the refused name).
     for body, status, text in (
-            ({"lora_name": "tiny-lora-c", "lora_path": str(lora_dirs["c"])}, 400, "already in use"),
-            ({"lora_name": server.model, "lora_path": str(lora_dirs["c"])}, 400, "already in use"),
-            ({"lora_name": "x", "lora_path": str(tmp_path / "nothing")}, 400, "no such folder"),
-            ({"lora_name": "x"}, 400, "lora_path")):
+        ({"lora_name": "tiny-lora-c", "lora_path": str(lora_dirs["c"])}, 400, "already in use"),
+        ({"lora_name": server.model, "lora_path": str(lora_dirs["c"])}, 400, "already in use"),
+        ({"lora_name": "x", "lora_path": str(tmp_path / "nothing")}, 400, "no such folder"),
+        ({"lora_name": "x"}, 400, "lora_path"),
+    ):
         r = post(server, "/v1/load_lora_adapter", body)
         assert r.status_code == status and text in r.json()["error"]["message"], r.text
     assert complete(server, server.model, ids, 2)["choices"][0]["finish_reason"] == "length"
@@ -201,8 +225,10 @@ def test_a_replica_without_a_runtime_adapter_loads_it_on_first_use(server, lora_
     async def unload_everywhere():
         await handle.get_info.remote()
         router = get_router(server.app, "engine")
-        return [await handle.control.remote("unload_lora", name="tiny-lora-c2", **{TARGET_KWARG: rid})
-                for rid in router.replica_ids()]
+        return [
+            await handle.control.remote("unload_lora", name="tiny-lora-c2", **{TARGET_KWARG: rid})
+            for rid in router.replica_ids()
+        ]
 
     assert all(r["removed"] for r in asyncio.run(unload_everywhere()))
     ids = ids_of(server, PROMPT)
@@ -289,12 +315,15 @@ def test_requests_for_an_adapter_go_to_a_replica_that_holds_it(server, lora_dirs
     async def on_each(op: str) -> dict[str, dict]:
         await handle.get_info.remote()
         router = get_router(server.app, "engine")
-        return {rid: await handle.control.remote(op, name=name, **{TARGET_KWARG: rid})
-                for rid in sorted(router.replica_ids())}
+        return {
+            rid: await handle.control.remote(op, name=name, **{TARGET_KWARG: rid})
+            for rid in sorted(router.replica_ids())
+        }
 
     replicas = sorted(asyncio.run(on_each("unload_lora")))
     assert len(replicas) == 2
     holder, victim = replicas
+
     async def load_on_holder():
         return await handle.control.remote("load_lora", name=name, path=str(lora_dirs["c"]), **{TARGET_KWARG: holder})
 

@@ -12,8 +12,7 @@ def replica_text(running: float, tokens: float) -> str:
     r = CollectorRegistry()
     Gauge("vllm:num_requests_running", "Running.", ["model_name"], registry=r).labels("m").set(running)
     Counter("vllm:prompt_tokens", "Prompt tokens.", ["model_name"], registry=r).labels("m").inc(tokens)
-    h = Histogram("vllm:time_to_first_token_seconds", "TTFT.", ["model_name"], registry=r,
-                  buckets=[0.1, 1.0])
+    h = Histogram("vllm:time_to_first_token_seconds", "TTFT.", ["model_name"], registry=r, buckets=[0.1, 1.0])
     h.labels("m").observe(0.05)
     return generate_latest(r).decode()
 
@@ -23,8 +22,7 @@ def test_merge_labels_every_sample_and_keeps_families_whole():
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     running = {s.labels["replica"]: s.value for s in fams["vllm:num_requests_running"].samples}
     assert running == {"r1": 1.0, "r2": 3.0}
-    tokens = {s.labels["replica"]: s.value for s in fams["vllm:prompt_tokens"].samples
-              if s.name.endswith("_total")}
+    tokens = {s.labels["replica"]: s.value for s in fams["vllm:prompt_tokens"].samples if s.name.endswith("_total")}
     assert tokens == {"r1": 10.0, "r2": 5.0}
     hist = fams["vllm:time_to_first_token_seconds"]
     assert hist.type == "histogram"

@@ -22,8 +22,9 @@ from fleetserve.scheduler import SamplingParams
 def engine(tiny_model_dir):
     from fleetserve.replica.engine.async_engine import AsyncEngine
 
-    e = AsyncEngine(model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64,
-                    core_process=False, num_threads=1)
+    e = AsyncEngine(
+        model=str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=64, core_process=False, num_threads=1
+    )
     yield e
     e.shutdown()
 
@@ -34,21 +35,25 @@ def _tokens(engine, prompt_ids, sp_dict, rid):
         async for out in engine.generate(list(prompt_ids), SamplingParams(**sp_dict), rid):
             ids += out.outputs[0].token_ids
         return ids
+
     return asyncio.run(go())
 
 
-@pytest.mark.parametrize("sampling", [
-    {"temperature": 0.0},
-    {"temperature": 1.0, "seed": 1234},
-    {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 7, "repetition_penalty": 1.2},
-    {"temperature": 0.0, "frequency_penalty": 2.0, "presence_penalty": 1.5},
-    {"temperature": 1.0, "seed": 99, "frequency_penalty": -2.0},
-], ids=["greedy", "seeded", "seeded-top-p-k-repetition", "greedy-frequency-presence", "seeded-frequency"])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"temperature": 0.0},
+        {"temperature": 1.0, "seed": 1234},
+        {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 7, "repetition_penalty": 1.2},
+        {"temperature": 0.0, "frequency_penalty": 2.0, "presence_penalty": 1.5},
+        {"temperature": 1.0, "seed": 99, "frequency_penalty": -2.0},
+    ],
+    ids=["greedy", "seeded", "seeded-top-p-k-repetition", "greedy-frequency-presence", "seeded-frequency"],
+)
 def test_continuation_equals_uninterrupted_run(engine, sampling):
     prompt = [5, 17, 42, 99, 3, 250, 77]
     sp = {"max_tokens": 24, "ignore_eos": True, "min_tokens": 10, **sampling}
-    body = {"request_id": f"orig-{sampling.get('seed')}", "prompt_token_ids": prompt,
-            "sampling_params": sp}
+    body = {"request_id": f"orig-{sampling.get('seed')}", "prompt_token_ids": prompt, "sampling_params": sp}
     full = _tokens(engine, prompt, sp, body["request_id"])
     assert len(full) == 24
     for cut in (1, 9, 23):
@@ -56,8 +61,7 @@ def test_continuation_equals_uninterrupted_run(engine, sampling):
         assert cont["sampling_params"]["max_tokens"] == 24 - cut
         assert cont["sampling_params"]["min_tokens"] == max(0, 10 - cut)
         assert cont["_fleetserve_avoid_replicas"] == ["dead-replica"]
-        rest = _tokens(engine, cont["prompt_token_ids"], cont["sampling_params"],
-                       f"{cont['request_id']}-{cut}")
+        rest = _tokens(engine, cont["prompt_token_ids"], cont["sampling_params"], f"{cont['request_id']}-{cut}")
         assert full[:cut] + rest == full, (cut, full, rest)
     load = engine.get_load()
     assert load["num_running"] == 0 and load["num_free_blocks"] == load["num_blocks"]
@@ -70,7 +74,7 @@ def test_bad_words_and_grammars_split_by_the_failure_stay_whole(engine):
     plain = {"max_tokens": 16, "ignore_eos": True, "temperature": 0.0}
     free = _tokens(engine, prompt, plain, "bw-free")
     # Ban the two tokens around the cut (their first occurrence): the run must avoid the second.
-    cut = next(c for c in range(2, len(free)) if (free[c - 1], free[c]) not in set(zip(free[:c - 1], free[1:c])))
+    cut = next(c for c in range(2, len(free)) if (free[c - 1], free[c]) not in set(zip(free[: c - 1], free[1:c])))
     banned = {**plain, "bad_words_token_ids": [[free[cut - 1], free[cut]]]}
     regex = {**plain, "max_tokens": 30, "structured_outputs": {"regex": r"\((a|b|c)+, (d|e)+\)"}}
     for i, sp in enumerate((banned, regex)):
@@ -88,6 +92,7 @@ def test_bad_words_and_grammars_split_by_the_failure_stay_whole(engine):
 
     async def one():
         return [o async for o in engine.generate(prompt, SamplingParams(**wrong), "split-wrong")][-1]
+
     last = asyncio.run(one())
     assert last.finished and last.outputs[0].finish_reason == "abort"
     with pytest.raises(ValueError, match="continued_output_tokens"):
@@ -125,29 +130,38 @@ class _FakeStream:
 
 
 def _out(replica, tokens_by_choice, finished=False):
-    return {"replica": replica, "outputs": [
-        {"index": i, "text": "", "token_ids": ids, "finish_reason": "length" if finished else None}
-        for i, ids in enumerate(tokens_by_choice)]}
+    return {
+        "replica": replica,
+        "outputs": [
+            {"index": i, "text": "", "token_ids": ids, "finish_reason": "length" if finished else None}
+            for i, ids in enumerate(tokens_by_choice)
+        ],
+    }
 
 
 def _dead(replica):
-    return {"status": 503, "replica": replica,
-            "error": {"message": "the engine is dead", "type": "ServiceUnavailableError", "code": ENGINE_DEAD}}
+    return {
+        "status": 503,
+        "replica": replica,
+        "error": {"message": "the engine is dead", "type": "ServiceUnavailableError", "code": ENGINE_DEAD},
+    }
 
 
 def _collect(stream):
     async def go():
         return [item async for item in stream]
+
     return asyncio.run(go())
 
 
 @pytest.mark.parametrize("first", ["dead-item", "raised"])
 def test_n_gt_1_before_any_token_is_sent_again_whole(first):
-    body = {"request_id": "r", "prompt_token_ids": [1, 2, 3],
-            "sampling_params": {"n": 2, "max_tokens": 2, "seed": 9}}
+    body = {"request_id": "r", "prompt_token_ids": [1, 2, 3], "sampling_params": {"n": 2, "max_tokens": 2, "seed": 9}}
     opened = []
-    streams = [_FakeStream([_dead("A") if first == "dead-item" else RuntimeError("actor died")]),
-               _FakeStream([_out("B", [[7], [8]]), _out("B", [[9], [10]], finished=True)])]
+    streams = [
+        _FakeStream([_dead("A") if first == "dead-item" else RuntimeError("actor died")]),
+        _FakeStream([_out("B", [[7], [8]]), _out("B", [[9], [10]], finished=True)]),
+    ]
 
     def open_stream(b):
         opened.append(b)
@@ -167,8 +181,7 @@ def test_n_gt_1_before_any_token_is_sent_again_whole(first):
 
 
 def test_n_gt_1_after_tokens_is_not_continued():
-    body = {"request_id": "r", "prompt_token_ids": [1, 2, 3],
-            "sampling_params": {"n": 2, "max_tokens": 4}}
+    body = {"request_id": "r", "prompt_token_ids": [1, 2, 3], "sampling_params": {"n": 2, "max_tokens": 4}}
     streams = [_FakeStream([_out("A", [[7], [8]]), RuntimeError("actor died")])]
     stream = MigratingStream(lambda b: streams.pop(0), body, max_migrations=2, backoff_s=0)
 
@@ -177,4 +190,5 @@ def test_n_gt_1_after_tokens_is_not_continued():
         with pytest.raises(RuntimeError, match="actor died"):
             await stream.__anext__()
         return got
+
     assert len(asyncio.run(go())) == 1 and stream.migrations == 0

@@ -31,18 +31,29 @@ def test_429_and_503_carry_retry_after():
 
 @pytest.fixture(scope="module")
 def replica(tiny_model_dir):
-    r = EngineReplica({"model": str(tiny_model_dir), "max_model_len": 128, "max_num_seqs": 1,
-                       "max_waiting_requests": 16, "num_threads": 1, "num_gpu_blocks_override": 32},
-                      "fleetserve.replica.engine.async_engine:AsyncEngine",
-                      {"max_queued_kv_ratio": 0.5})  # 32 blocks x 16 = 512 tokens: refuse > 256
+    r = EngineReplica(
+        {
+            "model": str(tiny_model_dir),
+            "max_model_len": 128,
+            "max_num_seqs": 1,
+            "max_waiting_requests": 16,
+            "num_threads": 1,
+            "num_gpu_blocks_override": 32,
+        },
+        "fleetserve.replica.engine.async_engine:AsyncEngine",
+        {"max_queued_kv_ratio": 0.5},
+    )  # 32 blocks x 16 = 512 tokens: refuse > 256
     yield r
     r.engine.shutdown()
 
 
 def _body(rid, n, max_tokens):
-    return {"request_id": rid, "prompt_token_ids": [(7 * i + len(rid)) % 300 + 1 for i in range(n)],
-            "sampling_params": sampling_dict(SamplingParams(max_tokens=max_tokens, ignore_eos=True)),
-            "priority": 0}
+    return {
+        "request_id": rid,
+        "prompt_token_ids": [(7 * i + len(rid)) % 300 + 1 for i in range(n)],
+        "sampling_params": sampling_dict(SamplingParams(max_tokens=max_tokens, ignore_eos=True)),
+        "priority": 0,
+    }
 
 
 def test_queued_tokens_beyond_kv_room_get_429(replica):

@@ -51,8 +51,11 @@ def test_make_policy_names():
 
 def test_least_loaded_orders_by_load_then_tokens_then_kv():
     p = LeastLoadedPolicy(seed=0)
-    reps = [ReplicaLoad("a", num_ongoing=3), ReplicaLoad("b", num_ongoing=1, ongoing_tokens=900),
-            ReplicaLoad("c", num_ongoing=1, ongoing_tokens=10)]
+    reps = [
+        ReplicaLoad("a", num_ongoing=3),
+        ReplicaLoad("b", num_ongoing=1, ongoing_tokens=900),
+        ReplicaLoad("c", num_ongoing=1, ongoing_tokens=10),
+    ]
     assert p.rank(reps, None) == [["c"], ["b"], ["a"]]
     # Engine-reported load counts when it is higher than what this router sent.
     reps = [ReplicaLoad("a", num_ongoing=0, num_running=5), ReplicaLoad("b", num_ongoing=2)]
@@ -153,9 +156,12 @@ def test_block_hashes_match_the_engine_cache_hashes():
 def test_a_lora_request_prefers_a_replica_that_holds_its_adapter():
     from fleetserve.router.routing.policies import prefer_adapter_holders
 
-    loads = {"r0": ReplicaLoad("r0", num_ongoing=1), "r1": ReplicaLoad("r1", num_ongoing=3, loras=frozenset({"sql"})),
-             "r2": ReplicaLoad("r2", num_ongoing=2, loras=frozenset({"sql", "chat"})),
-             "r3": ReplicaLoad("r3", num_ongoing=9, loras=frozenset({"chat"}))}
+    loads = {
+        "r0": ReplicaLoad("r0", num_ongoing=1),
+        "r1": ReplicaLoad("r1", num_ongoing=3, loras=frozenset({"sql"})),
+        "r2": ReplicaLoad("r2", num_ongoing=2, loras=frozenset({"sql", "chat"})),
+        "r3": ReplicaLoad("r3", num_ongoing=9, loras=frozenset({"chat"})),
+    }
     ranked = [["r0"], ["r2"], ["r1"], ["r3"]]  # the policy's order
     # r0 lacks sql: the least loaded holder (r2) goes first, the rest keep their order.
     assert prefer_adapter_holders(ranked, loads, "sql", slack=4) == [["r2"], ["r0"], ["r1"], ["r3"]]

@@ -22,11 +22,16 @@ CMPL = "/v1/completions"
 
 
 def _post(server, body: dict, timeout: float = 120):
-    return httpx.post(server.base_url + CMPL, content=json.dumps(body).encode(), timeout=timeout,
-                      headers={"Content-Type": "application/json", **server.headers()})
+    return httpx.post(
+        server.base_url + CMPL,
+        content=json.dumps(body).encode(),
+        timeout=timeout,
+        headers={"Content-Type": "application/json", **server.headers()},
+    )
 
 
 # -- MergedStream, over a fake opener (the real interface: (stream, first item)) -----------
+
 
 class _FakeStream:
     """An engine request of `steps` items; counts how many are open at once."""
@@ -41,8 +46,11 @@ class _FakeStream:
         finished = self.left == 0
         if finished:
             self.live["now"] -= 1
-        return {"outputs": [{"index": 0, "text": f"p{self.i}", "token_ids": [self.i]}],
-                "finished": finished, "num_cached_tokens": 0}
+        return {
+            "outputs": [{"index": 0, "text": f"p{self.i}", "token_ids": [self.i]}],
+            "finished": finished,
+            "num_cached_tokens": 0,
+        }
 
     async def __anext__(self) -> dict:
         await asyncio.sleep(0.001)
@@ -58,9 +66,9 @@ def _opener(live: dict, steps: int = 3, refuse: frozenset = frozenset()):
         await asyncio.sleep(0.001)
         stream = _FakeStream(i, steps, live)
         if i in refuse:
-            return stream, {"error": {"message": "overloaded", "type": "x", "param": None, "code": None},
-                            "status": 429}
+            return stream, {"error": {"message": "overloaded", "type": "x", "param": None, "code": None}, "status": 429}
         return stream, stream.item()
+
     return open_stream
 
 
@@ -96,8 +104,7 @@ def test_merged_stream_refusal_of_a_first_prompt_is_the_answer_and_a_later_one_e
     live = {"now": 0, "max": 0, "cancelled": 0}
 
     async def first_refused():
-        stream, first = await MergedStream.open(_opener(live, refuse=frozenset({2})), _bodies(10), 1,
-                                                None, window=4)
+        stream, first = await MergedStream.open(_opener(live, refuse=frozenset({2})), _bodies(10), 1, None, window=4)
         return first
 
     first = asyncio.run(first_refused())
@@ -106,8 +113,7 @@ def test_merged_stream_refusal_of_a_first_prompt_is_the_answer_and_a_later_one_e
     live = {"now": 0, "max": 0, "cancelled": 0}
 
     async def later_refused():
-        stream, first = await MergedStream.open(_opener(live, refuse=frozenset({7})), _bodies(10), 1,
-                                                None, window=4)
+        stream, first = await MergedStream.open(_opener(live, refuse=frozenset({7})), _bodies(10), 1, None, window=4)
         items = await _drain(stream, first)
         stream.cancel()
         return items
@@ -119,14 +125,20 @@ def test_merged_stream_refusal_of_a_first_prompt_is_the_answer_and_a_later_one_e
 
 # -- through the real server ---------------------------------------------------------------
 
+
 def test_huge_prompt_list_is_refused_at_once_while_a_stream_runs(server):
     """12,000 prompts (all the 64 KiB test body holds): a 400 naming `prompt` in well under a
     second, while a concurrent stream keeps its pace; the server serves after, nothing leaks."""
+
     def stream_once() -> list[float]:
         gaps, last = [], None
-        with httpx.stream("POST", server.base_url + CMPL, timeout=120, headers=server.headers(),
-                          json={"prompt": "a steady stream", "max_tokens": 64, "ignore_eos": True,
-                                "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            server.base_url + CMPL,
+            timeout=120,
+            headers=server.headers(),
+            json={"prompt": "a steady stream", "max_tokens": 64, "ignore_eos": True, "stream": True},
+        ) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
@@ -165,8 +177,9 @@ def test_the_largest_prompt_list_is_served_in_windows(server):
     def watch() -> None:
         while not done["flag"]:
             loads = server.replica_loads()
-            peak["running"] = max(peak["running"], sum(load["num_running"] + load["num_waiting"]
-                                                       for load in loads.values()))
+            peak["running"] = max(
+                peak["running"], sum(load["num_running"] + load["num_waiting"] for load in loads.values())
+            )
             time.sleep(0.05)
 
     server.replica_loads()  # this process's router exists before the watch starts

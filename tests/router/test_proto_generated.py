@@ -21,7 +21,12 @@ def test_messages_belong_to_the_package():
 
     assert pb.ChatRequest.__module__ == "fleetserve.router.grpc.proto.fleetserve_pb2"
     assert [m.name for m in pb.DESCRIPTOR.services_by_name["FleetServe"].methods] == [
-        "Generate", "Chat", "Embed", "Health", "ListModels"]
+        "Generate",
+        "Chat",
+        "Embed",
+        "Health",
+        "ListModels",
+    ]
 
 
 def test_the_old_import_paths_name_the_same_objects():

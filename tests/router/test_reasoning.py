@@ -21,15 +21,19 @@ BODY = {"messages": MESSAGES, "max_tokens": 40, "temperature": 0, "structured_ou
 
 
 def post(server, path, body):
-    r = httpx.post(server.base_url + path, headers=server.headers(), timeout=60,
-                   json={"model": server.model, **body})
+    r = httpx.post(server.base_url + path, headers=server.headers(), timeout=60, json={"model": server.model, **body})
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def sse(server, path, body) -> list[dict]:
-    with httpx.stream("POST", server.base_url + path, headers=server.headers(), timeout=60,
-                      json={"model": server.model, **body, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        server.base_url + path,
+        headers=server.headers(),
+        timeout=60,
+        json={"model": server.model, **body, "stream": True},
+    ) as r:
         assert r.status_code == 200
         return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
 
@@ -47,24 +51,38 @@ def test_thinking_is_split_off_on_chat_streamed_or_not_and_on_grpc(server):
     assert all("<think>" not in (d.get("content") or "") + d.get("reasoning_content", "") for d in deltas)
     meta = (("application", server.app), ("authorization", f"Bearer {server.api_key}"))
     with grpc.insecure_channel(server.grpc_target) as channel:
-        msgs = list(pb_grpc.FleetServeStub(channel).Chat(pb.ChatRequest(
-            messages=[pb.ChatMessage(role="user", content=MESSAGES[0]["content"])],
-            sampling_params=pb.SamplingParams(max_tokens=40, temperature=0.0,
-                                              structured_outputs=pb.StructuredOutputs(regex=REGEX))),
-            metadata=meta, timeout=60))
+        msgs = list(
+            pb_grpc.FleetServeStub(channel).Chat(
+                pb.ChatRequest(
+                    messages=[pb.ChatMessage(role="user", content=MESSAGES[0]["content"])],
+                    sampling_params=pb.SamplingParams(
+                        max_tokens=40, temperature=0.0, structured_outputs=pb.StructuredOutputs(regex=REGEX)
+                    ),
+                ),
+                metadata=meta,
+                timeout=60,
+            )
+        )
     assert "".join(m.reasoning_content for m in msgs) == message["reasoning_content"]
     assert "".join(m.content for m in msgs) == message["content"]
     # Output that does not open with <think> is all content, untouched (every other chat test).
-    plain = post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4, "temperature": 0,
-                                                  "structured_outputs": {"regex": "[a-z]{4}"}})
+    plain = post(
+        server,
+        "/v1/chat/completions",
+        {"messages": MESSAGES, "max_tokens": 4, "temperature": 0, "structured_outputs": {"regex": "[a-z]{4}"}},
+    )
     assert plain["choices"][0]["message"]["reasoning_content"] is None
     assert len(plain["choices"][0]["message"]["content"]) == 4
     server.wait_idle()
 
 
 def test_responses_api_returns_a_reasoning_item_then_the_message(server):
-    body = {"input": MESSAGES[0]["content"], "max_output_tokens": 40, "temperature": 0,
-            "structured_outputs": {"regex": REGEX}}
+    body = {
+        "input": MESSAGES[0]["content"],
+        "max_output_tokens": 40,
+        "temperature": 0,
+        "structured_outputs": {"regex": REGEX},
+    }
     chat = post(server, "/v1/chat/completions", BODY)["choices"][0]["message"]
     r = post(server, "/v1/responses", body)
     Response.model_validate(r)

@@ -35,9 +35,9 @@ def test_every_way_of_streaming_reads_as_the_whole(name, text):
     parser = get_parser(name)
     whole = parser.split(text)
     for cuts in ([i] for i in range(len(text) + 1)):
-        pieces = [text[:cuts[0]], text[cuts[0]:]]
+        pieces = [text[: cuts[0]], text[cuts[0] :]]
         for step in (1, 2, 3):  # and char by char, in pairs, in threes
-            pieces_s = [text[i:i + step] for i in range(0, len(text), step)]
+            pieces_s = [text[i : i + step] for i in range(0, len(text), step)]
             for ps in (pieces, pieces_s):
                 s = parser.streamer()
                 got = [s.feed(p, final=(k == len(ps) - 1)) for k, p in enumerate(ps)]

@@ -15,16 +15,28 @@ from fleetserve.scheduler import SamplingParams
 
 @pytest.fixture(scope="module")
 def replica(tiny_model_dir):
-    r = EngineReplica({"model": str(tiny_model_dir), "max_model_len": 128, "max_num_seqs": 1,
-                       "max_waiting_requests": 1, "num_threads": 1, "num_gpu_blocks_override": 32},
-                      "fleetserve.replica.engine.async_engine:AsyncEngine")
+    r = EngineReplica(
+        {
+            "model": str(tiny_model_dir),
+            "max_model_len": 128,
+            "max_num_seqs": 1,
+            "max_waiting_requests": 1,
+            "num_threads": 1,
+            "num_gpu_blocks_override": 32,
+        },
+        "fleetserve.replica.engine.async_engine:AsyncEngine",
+    )
     yield r
     r.engine.shutdown()
 
 
 def body(rid: str, ids: list[int], **params) -> dict:
-    return {"request_id": rid, "prompt_token_ids": ids,
-            "sampling_params": sampling_dict(SamplingParams(**params)), "priority": 0}
+    return {
+        "request_id": rid,
+        "prompt_token_ids": ids,
+        "sampling_params": sampling_dict(SamplingParams(**params)),
+        "priority": 0,
+    }
 
 
 async def first_item(agen):
@@ -54,8 +66,7 @@ def test_queue_full_is_a_429_item_and_nothing_leaks(replica):
         refused = await first_item(replica.generate(body("c", [5, 6, 9], max_tokens=4)))
         assert refused["status"] == 429 and refused["error"]["message"]
         # A migrated request's continuation was admitted once: it queues past the bound.
-        migrated = replica.generate({**body("c-m1", [5, 6, 9, 11], max_tokens=4, ignore_eos=True),
-                                     MIGRATED_KEY: 1})
+        migrated = replica.generate({**body("c-m1", [5, 6, 9, 11], max_tokens=4, ignore_eos=True), MIGRATED_KEY: 1})
         migrated_first = asyncio.ensure_future(migrated.__anext__())
         await running.aclose()  # the caller goes away: aborted
         assert "outputs" in await waiter
@@ -80,8 +91,9 @@ def test_queue_full_is_a_429_item_and_nothing_leaks(replica):
 
 def test_bad_params_and_too_long_prompt_are_400_items(replica):
     async def go():
-        bad = await first_item(replica.generate({"request_id": "x", "prompt_token_ids": [5],
-                                                 "sampling_params": {"max_tokens": 0}}))
+        bad = await first_item(
+            replica.generate({"request_id": "x", "prompt_token_ids": [5], "sampling_params": {"max_tokens": 0}})
+        )
         assert bad["status"] == 400 and bad["error"]["param"] == "max_tokens"
         long = await first_item(replica.generate(body("y", [5] * 500, max_tokens=2)))
         assert long["status"] == 400 and long["error"]["message"]

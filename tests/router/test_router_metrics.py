@@ -30,40 +30,60 @@ class Router:
 
 def families(text: str) -> dict:
     """name -> (type, {(sample name, sorted labels): value})"""
-    return {f.name: (f.type, {(s.name, tuple(sorted(s.labels.items()))): s.value for s in f.samples})
-            for f in text_string_to_metric_families(text)}
+    return {
+        f.name: (f.type, {(s.name, tuple(sorted(s.labels.items()))): s.value for s in f.samples})
+        for f in text_string_to_metric_families(text)
+    }
 
 
 def test_every_router_family_keeps_its_name_type_and_labels(monkeypatch):
     monkeypatch.setattr(MIGRATIONS, "migrated", 2)
     monkeypatch.setattr(MIGRATIONS, "not_migrated", 1)
     prefix = SimpleNamespace(kv_index=Index(), num_prefix_routed=4, num_routed=7)
-    routers = [("decode", Router({"d1": 2, "d0": 1}, prefix)),
-               ("prefill", Router({"p0": 0}, SimpleNamespace()))]
+    routers = [("decode", Router({"d1": 2, "d0": 1}, prefix)), ("prefill", Router({"p0": 0}, SimpleNamespace()))]
     feeds = SimpleNamespace(batches=5, items=9, open_feeds=lambda: ["d0"])
     pd = PDMetrics()
     pd.requests.labels("pd").inc()
     got = families(RouterMetrics(lambda: routers, feeds, [pd]).text())
 
-    assert got["fleetserve:router_ongoing_requests"] == ("gauge", {
-        ("fleetserve:router_ongoing_requests", (("replica", "d0"),)): 1,
-        ("fleetserve:router_ongoing_requests", (("replica", "d1"),)): 2,
-        ("fleetserve:router_ongoing_requests", (("replica", "p0"),)): 0})
-    assert got["fleetserve:router_kv_index_blocks"] == ("gauge", {
-        ("fleetserve:router_kv_index_blocks", (("replica", "r1"),)): 2,
-        ("fleetserve:router_kv_index_blocks", (("replica", "r2"),)): 1})
-    assert got["fleetserve:router_kv_index_resyncs"] == ("counter", {
-        ("fleetserve:router_kv_index_resyncs_total", ()): 3})
-    assert got["fleetserve:router_prefix_routed_requests"] == ("counter", {
-        ("fleetserve:router_prefix_routed_requests_total", (("deployment", "decode"), ("prefix_match", "true"))): 4,
-        ("fleetserve:router_prefix_routed_requests_total", (("deployment", "decode"), ("prefix_match", "false"))): 3})
+    assert got["fleetserve:router_ongoing_requests"] == (
+        "gauge",
+        {
+            ("fleetserve:router_ongoing_requests", (("replica", "d0"),)): 1,
+            ("fleetserve:router_ongoing_requests", (("replica", "d1"),)): 2,
+            ("fleetserve:router_ongoing_requests", (("replica", "p0"),)): 0,
+        },
+    )
+    assert got["fleetserve:router_kv_index_blocks"] == (
+        "gauge",
+        {
+            ("fleetserve:router_kv_index_blocks", (("replica", "r1"),)): 2,
+            ("fleetserve:router_kv_index_blocks", (("replica", "r2"),)): 1,
+        },
+    )
+    assert got["fleetserve:router_kv_index_resyncs"] == (
+        "counter",
+        {("fleetserve:router_kv_index_resyncs_total", ()): 3},
+    )
+    assert got["fleetserve:router_prefix_routed_requests"] == (
+        "counter",
+        {
+            ("fleetserve:router_prefix_routed_requests_total", (("deployment", "decode"), ("prefix_match", "true"))): 4,
+            (
+                "fleetserve:router_prefix_routed_requests_total",
+                (("deployment", "decode"), ("prefix_match", "false")),
+            ): 3,
+        },
+    )
     assert got["fleetserve:router_feed_batches"] == ("counter", {("fleetserve:router_feed_batches_total", ()): 5})
     assert got["fleetserve:router_feed_items"] == ("counter", {("fleetserve:router_feed_items_total", ()): 9})
     assert got["fleetserve:router_feeds_open"] == ("gauge", {("fleetserve:router_feeds_open", ()): 1})
     assert got["fleetserve:pd_requests"][1][("fleetserve:pd_requests_total", (("path", "pd"),))] == 1
     assert got["fleetserve:request_migrations"] == ("counter", {("fleetserve:request_migrations_total", ()): 2})
-    assert got["fleetserve:request_migration_failures"] == ("counter", {
-        ("fleetserve:request_migration_failures_total", ()): 1})
+    assert got["fleetserve:request_migration_failures"] == (
+        "counter",
+        {("fleetserve:request_migration_failures_total", ()): 1},
+    )
 
 
 def test_routing_families_wait_for_a_router_and_flows_are_their_own():
@@ -81,5 +101,5 @@ def test_routing_families_wait_for_a_router_and_flows_are_their_own():
 def test_exposition_puts_the_replicas_first_relabelled():
     replica = "# HELP x_total A counter.\n# TYPE x_total counter\nx_total 4.0\n"
     text = RouterMetrics(lambda: []).exposition({"r1": replica})
-    assert text.startswith("# HELP x_total A counter.\n# TYPE x_total counter\nx_total{replica=\"r1\"} 4.0\n")
+    assert text.startswith('# HELP x_total A counter.\n# TYPE x_total counter\nx_total{replica="r1"} 4.0\n')
     assert "fleetserve:request_migrations_total" in text

@@ -25,23 +25,35 @@ def prompt_tokens_by_replica(server) -> dict[str, float]:
 
 def aborted_requests(server) -> float:
     text = httpx.get(server.base_url + "/metrics", timeout=30).text
-    return sum(s.value for fam in text_string_to_metric_families(text)
-               if fam.name == "vllm:request_success" for s in fam.samples
-               if s.name.endswith("_total") and s.labels.get("finished_reason") == "abort")
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(text)
+        if fam.name == "vllm:request_success"
+        for s in fam.samples
+        if s.name.endswith("_total") and s.labels.get("finished_reason") == "abort"
+    )
 
 
 def router_ongoing(server) -> float:
     text = httpx.get(server.base_url + "/metrics", timeout=30).text
-    return sum(s.value for fam in text_string_to_metric_families(text)
-               if fam.name == "fleetserve:router_ongoing_requests" for s in fam.samples)
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(text)
+        if fam.name == "fleetserve:router_ongoing_requests"
+        for s in fam.samples
+    )
 
 
 def feed_items(server) -> float:
     """Deltas the ingress received over its per-step feeds (router/feed.py)."""
     text = httpx.get(server.base_url + "/metrics", timeout=30).text
-    return sum(s.value for fam in text_string_to_metric_families(text)
-               if fam.name == "fleetserve:router_feed_items" for s in fam.samples
-               if s.name.endswith("_total"))
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(text)
+        if fam.name == "fleetserve:router_feed_items"
+        for s in fam.samples
+        if s.name.endswith("_total")
+    )
 
 
 def delta(before: dict, after: dict) -> dict:
@@ -49,8 +61,12 @@ def delta(before: dict, after: dict) -> dict:
 
 
 def complete(server, prompt: str, max_tokens: int = 2) -> dict:
-    r = httpx.post(server.base_url + "/v1/completions", headers=server.headers(), timeout=120,
-                   json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True})
+    r = httpx.post(
+        server.base_url + "/v1/completions",
+        headers=server.headers(),
+        timeout=120,
+        json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -98,11 +114,9 @@ def test_client_disconnect_mid_stream_frees_blocks(server):
     # tiny model): it must still be running when the client leaves below. With 200 tokens a
     # fast CI machine had finished all of them while the checks inside the block ran.
     max_tokens = server.config.engine.max_model_len - 24
-    body = {"prompt": "Tell me a long story.", "max_tokens": max_tokens, "ignore_eos": True,
-            "stream": True}
+    body = {"prompt": "Tell me a long story.", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as http:
-        with http.stream("POST", server.base_url + "/v1/completions", json=body,
-                         headers=server.headers()) as r:
+        with http.stream("POST", server.base_url + "/v1/completions", json=body, headers=server.headers()) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
             got = [next(lines) for _ in range(6)]

@@ -49,8 +49,16 @@ def _node_id_for_schemathesis(request):
 
 def test_schema_describes_every_request_body(api_schema):
     raw = api_schema.raw_schema
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v1/score",
-                 "/v1/rerank", "/tokenize", "/detokenize"):
+    for path in (
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/embeddings",
+        "/v1/score",
+        "/v1/rerank",
+        "/tokenize",
+        "/detokenize",
+    ):
         body = raw["paths"][path]["post"]["requestBody"]
         assert body["required"] and "$ref" in body["content"]["application/json"]["schema"], path
     assert "prompt" in raw["components"]["schemas"]["CompletionRequest"]["required"]
@@ -61,8 +69,9 @@ def test_schema_describes_every_request_body(api_schema):
 # No shrinking: against a live server a failure is often a timeout, and hypothesis would re-run
 # variations of it for up to five minutes per operation (a wedged server then costs an hour of
 # CI); the failing case is reported as generated.
-@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck),
-          phases=[Phase.explicit, Phase.generate])
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate]
+)
 def test_no_server_error_and_no_hang(case, server):
     # Bounded work per request: generated max_tokens / n can ask for a lot on 2 CPU cores, and
     # an unset (or null) length means the rest of the context (test_completions_api.py tests
@@ -71,30 +80,40 @@ def test_no_server_error_and_no_hang(case, server):
         for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             if isinstance(case.body.get(key), int) and case.body[key] > 8:
                 case.body[key] = 8
-        if (case.path in ("/v1/completions", "/v1/chat/completions", "/v1/responses")
-                and all(case.body.get(k) is None for k in ("max_tokens", "max_completion_tokens",
-                                                          "max_output_tokens"))):
+        if case.path in ("/v1/completions", "/v1/chat/completions", "/v1/responses") and all(
+            case.body.get(k) is None for k in ("max_tokens", "max_completion_tokens", "max_output_tokens")
+        ):
             case.body["max_tokens"] = 8
         if isinstance(case.body.get("n"), int) and case.body["n"] > 2:
             case.body["n"] = 2
         for key in ("documents", "text_1", "text_2"):  # score / rerank: a few texts to embed
             if isinstance(case.body.get(key), list) and len(case.body[key]) > 3:
                 case.body[key] = case.body[key][:3]
-    response = case.call(base_url=server.base_url, headers=server.headers(),
-                         timeout=REQUEST_TIMEOUT_S)
+    response = case.call(base_url=server.base_url, headers=server.headers(), timeout=REQUEST_TIMEOUT_S)
     SEEN.setdefault(f"{case.method.upper()} {case.path}", set()).add(response.status_code)
     assert not response.stream_cut_short, (
         f"the event stream did not end within {REQUEST_TIMEOUT_S} s "
-        f"({len(response.content)} bytes read); {case.method} {case.path} {json.dumps(case.body)}")
+        f"({len(response.content)} bytes read); {case.method} {case.path} {json.dumps(case.body)}"
+    )
     case.validate_response(response, checks=[not_a_server_error])
 
 
 def test_serves_after_fuzzing(server):
     # The fuzzing reached the handlers: generated bodies were both accepted and refused.
-    for op in ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "POST /v1/embeddings",
-               "POST /tokenize", "POST /detokenize"):
+    for op in (
+        "POST /v1/completions",
+        "POST /v1/chat/completions",
+        "POST /v1/responses",
+        "POST /v1/embeddings",
+        "POST /tokenize",
+        "POST /detokenize",
+    ):
         assert 200 in SEEN.get(op, ()) and any(400 <= s < 500 for s in SEEN.get(op, ())), SEEN
-    r = httpx.post(server.base_url + "/v1/completions", headers=server.headers(), timeout=60,
-                   json={"prompt": "after the fuzzing", "max_tokens": 4, "ignore_eos": True})
+    r = httpx.post(
+        server.base_url + "/v1/completions",
+        headers=server.headers(),
+        timeout=60,
+        json={"prompt": "after the fuzzing", "max_tokens": 4, "ignore_eos": True},
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     server.wait_idle()

@@ -15,11 +15,20 @@ from fleetserve.router.grpc.proto import fleetserve_pb2_grpc as pb_grpc
 BODY = {"prompt": "hi", "max_tokens": 2}
 
 
-@pytest.mark.parametrize("header,ok", [
-    ("Bearer test-key", True), ("bearer test-key", True), ("Bearer  test-key ", True),
-    ("test-key", False), ("Basic test-key", False), ("Bearer test-keyX", False),
-    ("Bearer", False), ("", False), (None, False),
-])
+@pytest.mark.parametrize(
+    "header,ok",
+    [
+        ("Bearer test-key", True),
+        ("bearer test-key", True),
+        ("Bearer  test-key ", True),
+        ("test-key", False),
+        ("Basic test-key", False),
+        ("Bearer test-keyX", False),
+        ("Bearer", False),
+        ("", False),
+        (None, False),
+    ],
+)
 def test_bearer_only(header, ok):
     auth = ApiKeyAuth("test-key")
     if ok:
@@ -56,16 +65,22 @@ def test_every_path_but_the_open_ones_needs_the_key(server):
     base = server.base_url
     assert httpx.get(base + "/health", timeout=30).status_code == 200
     assert httpx.get(base + "/metrics", timeout=60).status_code == 200  # open by default
-    for method, path in (("GET", "/openapi.json"),
-                         ("GET", "/v1/models"), ("POST", "/tokenize"), ("POST", "/v1/completions"),
-                         ("GET", "/docs"), ("GET", "/no-such-path")):
+    for method, path in (
+        ("GET", "/openapi.json"),
+        ("GET", "/v1/models"),
+        ("POST", "/tokenize"),
+        ("POST", "/v1/completions"),
+        ("GET", "/docs"),
+        ("GET", "/no-such-path"),
+    ):
         for headers in ({}, {"Authorization": server.api_key}, {"Authorization": "Bearer nope"}):
             r = httpx.request(method, base + path, headers=headers, json=BODY, timeout=30)
             assert r.status_code == 401, (path, headers, r.status_code, r.text[:200])
             assert r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(base + "/openapi.json", headers=server.headers(), timeout=30).status_code == 200
-    r = httpx.post(base + "/v1/completions", headers={"Authorization": f"bearer {server.api_key}"},
-                   json=BODY, timeout=60)
+    r = httpx.post(
+        base + "/v1/completions", headers={"Authorization": f"bearer {server.api_key}"}, json=BODY, timeout=60
+    )
     assert r.status_code == 200
 
 
@@ -74,11 +89,14 @@ def test_key_never_shows_in_metrics(server):
     assert server.api_key not in text
 
 
-@pytest.mark.parametrize("field", ["kv_transfer_params", "_fleetserve_avoid_replicas",
-                                   "_fleetserve_target"])
+@pytest.mark.parametrize("field", ["kv_transfer_params", "_fleetserve_avoid_replicas", "_fleetserve_target"])
 def test_internal_fields_refused(server, field):
-    r = httpx.post(server.base_url + "/v1/completions", headers=server.headers(), timeout=30,
-                   json={**BODY, field: {"do_remote_decode": True}})
+    r = httpx.post(
+        server.base_url + "/v1/completions",
+        headers=server.headers(),
+        timeout=30,
+        json={**BODY, field: {"do_remote_decode": True}},
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == field
 
 
@@ -89,11 +107,12 @@ def test_grpc_needs_bearer_metadata(server):
         stub = pb_grpc.FleetServeStub(channel)
         for value in (server.api_key, "Bearer wrong"):
             with pytest.raises(grpc.RpcError) as e:
-                list(stub.Generate(req, metadata=(("application", server.app),
-                                                  ("authorization", value)), timeout=30))
+                list(stub.Generate(req, metadata=(("application", server.app), ("authorization", value)), timeout=30))
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        ok = list(stub.Generate(req, metadata=(("application", server.app),
-                                               ("authorization", f"Bearer {server.api_key}")),
-                                timeout=60))
+        ok = list(
+            stub.Generate(
+                req, metadata=(("application", server.app), ("authorization", f"Bearer {server.api_key}")), timeout=60
+            )
+        )
         assert ok[-1].completion_tokens == 2
     server.wait_idle()

@@ -35,9 +35,16 @@ def test_http_socket_binds_over_time_wait_but_not_over_a_listener():
                 second.bind(("127.0.0.1", port))  # a live server keeps its port
 
 
-@pytest.mark.parametrize("host,expected", [("127.0.0.1", "127.0.0.1:9000"), ("0.0.0.0", "0.0.0.0:9000"),
-                                           ("::", "[::]:9000"), ("::1", "[::1]:9000"),
-                                           ("localhost", "localhost:9000")])
+@pytest.mark.parametrize(
+    "host,expected",
+    [
+        ("127.0.0.1", "127.0.0.1:9000"),
+        ("0.0.0.0", "0.0.0.0:9000"),
+        ("::", "[::]:9000"),
+        ("::1", "[::1]:9000"),
+        ("localhost", "localhost:9000"),
+    ],
+)
 def test_grpc_address_takes_the_configured_host(host, expected):
     assert serve_patches._grpc_address(host, "[::]:9000") == expected
     assert serve_patches._grpc_address(host, "10.0.0.1:9000") == "10.0.0.1:9000"

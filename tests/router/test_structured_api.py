@@ -10,32 +10,52 @@ import jsonschema
 import openai
 import pytest
 
-SCHEMA = {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 8},
-    "population": {"type": "integer", "minimum": 0, "maximum": 1000},
-    "capital": {"type": "boolean"}}, "required": ["city", "population", "capital"]}
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["C", "F"]}},
-        "required": ["city", "unit"]}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {
-        "zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "population": {"type": "integer", "minimum": 0, "maximum": 1000},
+        "capital": {"type": "boolean"},
+    },
+    "required": ["city", "population", "capital"],
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]},
+    },
+}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=server.api_key, max_retries=0,
-                         timeout=120)
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=server.api_key, max_retries=0, timeout=120)
 
 
 def test_chat_response_format_json_schema(client, server):
     r = client.chat.completions.create(
-        model=server.model, messages=MESSAGES, n=4, temperature=1.0, seed=3, max_tokens=80,
-        response_format={"type": "json_schema",
-                         "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}})
+        model=server.model,
+        messages=MESSAGES,
+        n=4,
+        temperature=1.0,
+        seed=3,
+        max_tokens=80,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}},
+    )
     stopped = [c for c in r.choices if c.finish_reason == "stop"]
     assert stopped
     for c in stopped:
@@ -43,45 +63,63 @@ def test_chat_response_format_json_schema(client, server):
 
 
 def test_chat_json_object_and_completion_fields(client, server):
-    r = client.chat.completions.create(model=server.model, messages=MESSAGES, n=3, seed=1,
-                                       max_tokens=60, response_format={"type": "json_object"})
+    r = client.chat.completions.create(
+        model=server.model, messages=MESSAGES, n=3, seed=1, max_tokens=60, response_format={"type": "json_object"}
+    )
     for c in r.choices:
         if c.finish_reason == "stop":
             assert isinstance(json.loads(c.message.content), (dict, list))
-    choice = client.completions.create(model=server.model, prompt="Pick one:", max_tokens=10,
-                                       extra_body={"guided_choice": ["red", "green", "blue"]})
+    choice = client.completions.create(
+        model=server.model, prompt="Pick one:", max_tokens=10, extra_body={"guided_choice": ["red", "green", "blue"]}
+    )
     assert choice.choices[0].text in ("red", "green", "blue")
     assert choice.choices[0].finish_reason == "stop"
     texts = {}
     for chunk in client.completions.create(
-            model=server.model, prompt="Code:", max_tokens=12, n=2, seed=4, stream=True,
-            extra_body={"structured_outputs": {"regex": "[A-F]{2}-[0-9]{1,3}"}}):
+        model=server.model,
+        prompt="Code:",
+        max_tokens=12,
+        n=2,
+        seed=4,
+        stream=True,
+        extra_body={"structured_outputs": {"regex": "[A-F]{2}-[0-9]{1,3}"}},
+    ):
         for c in chunk.choices:
             texts[c.index] = texts.get(c.index, "") + c.text
     assert all(re.fullmatch("[A-F]{2}-[0-9]{1,3}", t) for t in texts.values()), texts
 
 
-@pytest.mark.parametrize("extra,param", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
-     "structured_outputs.json"),
-    ({"guided_regex": "a(b"}, "structured_outputs.regex"),
-    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_regex"),
-    ({"guided_grammar": "root ::= nothing"}, "structured_outputs.grammar"),
-    ({"response_format": {"type": "json_object"}, "guided_choice": ["b"]}, "guided_choice"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-     "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
-])
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+            "structured_outputs.json",
+        ),
+        ({"guided_regex": "a(b"}, "structured_outputs.regex"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_regex"),
+        ({"guided_grammar": "root ::= nothing"}, "structured_outputs.grammar"),
+        ({"response_format": {"type": "json_object"}, "guided_choice": ["b"]}, "guided_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+    ],
+)
 def test_bad_constraints_are_400(client, server, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=4,
-                                       extra_body=extra)
+        client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=4, extra_body=extra)
     assert e.value.body["param"] == param, e.value.body
 
 
 def test_named_tool_call_valid_for_any_model(client, server):
-    kw = dict(model=server.model, messages=MESSAGES, tools=[WEATHER, TIME], temperature=1.0,
-              seed=11, max_tokens=60, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    kw = dict(
+        model=server.model,
+        messages=MESSAGES,
+        tools=[WEATHER, TIME],
+        temperature=1.0,
+        seed=11,
+        max_tokens=60,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     r = client.chat.completions.create(**kw)
     c = r.choices[0]
     assert c.finish_reason == "tool_calls", c
@@ -101,8 +139,17 @@ def test_named_tool_call_valid_for_any_model(client, server):
 
 
 def test_required_tool_calls(client, server):
-    kw = dict(model=server.model, messages=MESSAGES, tools=[WEATHER, TIME], tool_choice="required",
-              parallel_tool_calls=False, temperature=1.0, max_tokens=160, n=6, seed=5)
+    kw = dict(
+        model=server.model,
+        messages=MESSAGES,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=1.0,
+        max_tokens=160,
+        n=6,
+        seed=5,
+    )
     r = client.chat.completions.create(**kw)
     done = [c for c in r.choices if c.finish_reason == "tool_calls"]
     assert done
@@ -124,9 +171,15 @@ def test_auto_and_none_answer_in_text(client, server):
     """The tiny model's ChatML template has no tool format: auto renders nothing extra, and
     its random text has no <tool_call> tags, so the answer is content."""
     for choice in ("auto", "none"):
-        r = client.chat.completions.create(model=server.model, messages=MESSAGES, tools=[WEATHER],
-                                           tool_choice=choice, max_tokens=5, temperature=0,
-                                           extra_body={"ignore_eos": True})
+        r = client.chat.completions.create(
+            model=server.model,
+            messages=MESSAGES,
+            tools=[WEATHER],
+            tool_choice=choice,
+            max_tokens=5,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         c = r.choices[0]
         assert isinstance(c.message.content, str) and not c.message.tool_calls
         assert c.finish_reason == "length"

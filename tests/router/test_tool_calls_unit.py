@@ -8,10 +8,21 @@ import pytest
 from fleetserve.router.api.errors import APIError
 from fleetserve.router.api.tool_calls import NamedToolChoice, Tool, ToolDeltas, ToolPlan, parse_hermes
 
-TOOLS = [Tool.model_validate({"function": {"name": "add", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-    "required": ["a", "b"]}}}),
-    Tool.model_validate({"function": {"name": "now"}})]
+TOOLS = [
+    Tool.model_validate(
+        {
+            "function": {
+                "name": "add",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                    "required": ["a", "b"],
+                },
+            }
+        }
+    ),
+    Tool.model_validate({"function": {"name": "now"}}),
+]
 
 
 def test_plan_modes_and_errors():
@@ -35,12 +46,16 @@ def test_plan_modes_and_errors():
 
 
 def test_hermes_parser():
-    text = ('Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
-            '<tool_call>{"name": "now", "arguments": {}}</tool_call>')
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+        '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
+    )
     content, calls = parse_hermes(text)
     assert content == "Let me check."
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
-        [("add", {"a": 1, "b": 2}), ("now", {})]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("add", {"a": 1, "b": 2}),
+        ("now", {}),
+    ]
     assert parse_hermes("plain answer") == ("plain answer", [])
     broken = "<tool_call>{not json}</tool_call>"
     assert parse_hermes(broken) == (broken, [])
@@ -55,6 +70,7 @@ def test_auto_stream_holds_back_the_tag():
     final, called = deltas.delta(0, "", True)
     assert called and final["tool_calls"][0]["function"]["name"] == "now" and "content" not in final
     plain = ToolDeltas(ToolPlan.of(TOOLS, "auto"))
-    got = [plain.delta(0, p, False)[0].get("content", "") for p in ["a <", "b"]] + \
-        [plain.delta(0, "", True)[0].get("content", "")]
+    got = [plain.delta(0, p, False)[0].get("content", "") for p in ["a <", "b"]] + [
+        plain.delta(0, "", True)[0].get("content", "")
+    ]
     assert "".join(got) == "a <b"

@@ -19,8 +19,7 @@ def post(server, path, body, timeout=60):
 
 
 def complete(server, prompt, **kw):
-    body = {"model": server.model, "prompt": prompt, "max_tokens": 8, "temperature": 0,
-            "ignore_eos": True, **kw}
+    body = {"model": server.model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, **kw}
     r = post(server, "/v1/completions", body)
     assert r.status_code == 200, r.text
     return r.json()
@@ -37,8 +36,9 @@ def stub(server):
 
 
 def grpc_tokens(stub, server, prompt, **kw) -> list[int]:
-    req = pb.GenerateRequest(prompt=prompt, sampling_params=pb.SamplingParams(
-        max_tokens=8, temperature=0.0, ignore_eos=True, **kw))
+    req = pb.GenerateRequest(
+        prompt=prompt, sampling_params=pb.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, **kw)
+    )
     meta = (("application", server.app), ("authorization", f"Bearer {server.api_key}"))
     return [t for m in stub.Generate(req, metadata=meta, timeout=60) for t in m.token_ids]
 
@@ -47,12 +47,22 @@ def test_allowed_token_ids_limit_what_is_sampled(server):
     (a,) = tokenize(server, "a")
     (b,) = tokenize(server, "b")
     assert complete(server, PROMPT, allowed_token_ids=[a])["choices"][0]["text"] == "a" * 8
-    sampled = complete(server, PROMPT, allowed_token_ids=[a, b], temperature=1.0, seed=3,
-                       max_tokens=16)["choices"][0]["text"]
+    sampled = complete(server, PROMPT, allowed_token_ids=[a, b], temperature=1.0, seed=3, max_tokens=16)["choices"][0][
+        "text"
+    ]
     assert len(sampled) == 16 and set(sampled) <= {"a", "b"}
-    chat = post(server, "/v1/chat/completions", {
-        "model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-        "temperature": 0, "ignore_eos": True, "allowed_token_ids": [b]}).json()
+    chat = post(
+        server,
+        "/v1/chat/completions",
+        {
+            "model": server.model,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "temperature": 0,
+            "ignore_eos": True,
+            "allowed_token_ids": [b],
+        },
+    ).json()
     assert chat["choices"][0]["message"]["content"] == "bbbb"
 
 
@@ -60,9 +70,12 @@ def test_bad_words_never_appear_and_grpc_agrees(server, stub):
     free = grpc_tokens(stub, server, PROMPT)
     # A word the greedy output contains that is one token however it is written: banning it
     # must change the output, which then never holds that token.
-    word, token = next((w, t) for t in free for w in [post(server, "/detokenize", {"tokens": [t]})
-                                                      .json()["prompt"]]
-                       if w.strip().isalpha() and tokenize(server, w.strip()) == [t])
+    word, token = next(
+        (w, t)
+        for t in free
+        for w in [post(server, "/detokenize", {"tokens": [t]}).json()["prompt"]]
+        if w.strip().isalpha() and tokenize(server, w.strip()) == [t]
+    )
     banned = grpc_tokens(stub, server, PROMPT, bad_words=[word])
     assert token not in banned and banned != free
     http = complete(server, PROMPT, bad_words=[word])["choices"][0]["text"]
@@ -84,25 +97,34 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(server, stub):
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
     r = complete(server, long, truncate_prompt_tokens=-1, max_tokens=4)
     assert r["usage"]["prompt_tokens"] == max_len - 4 and r["choices"][0]["finish_reason"] == "length"
-    chat = post(server, "/v1/chat/completions", {
-        "model": server.model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2,
-        "truncate_prompt_tokens": 10}).json()
+    chat = post(
+        server,
+        "/v1/chat/completions",
+        {
+            "model": server.model,
+            "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": 2,
+            "truncate_prompt_tokens": 10,
+        },
+    ).json()
     assert chat["usage"]["prompt_tokens"] == 10
     assert sum(1 for _ in grpc_tokens(stub, server, PROMPT, truncate_prompt_tokens=12)) == 8
     echoed = complete(server, PROMPT, truncate_prompt_tokens=12, echo=True, max_tokens=1)
-    assert echoed["choices"][0]["text"].startswith(
-        post(server, "/detokenize", {"tokens": ids[-12:]}).json()["prompt"])
+    assert echoed["choices"][0]["text"].startswith(post(server, "/detokenize", {"tokens": ids[-12:]}).json()["prompt"])
 
 
-@pytest.mark.parametrize("fields,param", [
-    ({"truncate_prompt_tokens": 100000}, "truncate_prompt_tokens"),
-    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
-    ({"truncate_prompt_tokens": -1, "max_tokens": 4096}, "truncate_prompt_tokens"),
-    ({"allowed_token_ids": [10 ** 6]}, "allowed_token_ids"),
-    ({"allowed_token_ids": []}, "allowed_token_ids"),
-    ({"bad_words": ["w"] * 33}, "bad_words"),
-    ({"bad_words": [""]}, "bad_words"),
-])
+@pytest.mark.parametrize(
+    "fields,param",
+    [
+        ({"truncate_prompt_tokens": 100000}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": -1, "max_tokens": 4096}, "truncate_prompt_tokens"),
+        ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"bad_words": ["w"] * 33}, "bad_words"),
+        ({"bad_words": [""]}, "bad_words"),
+    ],
+)
 def test_bad_values_are_refused_naming_the_field_and_the_app_still_serves(server, fields, param):
     body = {"model": server.model, "prompt": PROMPT, "max_tokens": 4, **fields}
     r = post(server, "/v1/completions", body)
@@ -124,13 +146,31 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server, stub):
     assert named["token_logprobs"] == plain["token_logprobs"] and named["text_offset"] == plain["text_offset"]
     assert all(re.fullmatch(r"token_id:\d+", k) for top in named["top_logprobs"] for k in top)
     # Chat, streamed: content tokens and top_logprobs by id; bytes stay the text's.
-    with httpx.stream("POST", server.base_url + "/v1/chat/completions", headers=server.headers(), timeout=60,
-                      json={"model": server.model, "messages": [{"role": "user", "content": "hi"}],
-                            "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": True,
-                            "top_logprobs": 1, "stream": True, "return_tokens_as_token_ids": True}) as r:
-        entries = [e for line in r.iter_lines() if line.startswith("data: {")
-                   for c in json.loads(line[6:])["choices"] if c.get("logprobs")
-                   for e in c["logprobs"]["content"]]
+    with httpx.stream(
+        "POST",
+        server.base_url + "/v1/chat/completions",
+        headers=server.headers(),
+        timeout=60,
+        json={
+            "model": server.model,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": True,
+            "top_logprobs": 1,
+            "stream": True,
+            "return_tokens_as_token_ids": True,
+        },
+    ) as r:
+        entries = [
+            e
+            for line in r.iter_lines()
+            if line.startswith("data: {")
+            for c in json.loads(line[6:])["choices"]
+            if c.get("logprobs")
+            for e in c["logprobs"]["content"]
+        ]
     assert len(entries) == 4 and all(re.fullmatch(r"token_id:\d+", e["token"]) for e in entries)
     assert all(re.fullmatch(r"token_id:\d+", t["token"]) for e in entries for t in e["top_logprobs"])
     text = post(server, "/detokenize", {"tokens": [int(entries[0]["token"][9:])]}).json()["prompt"]
@@ -158,11 +198,14 @@ def test_prompt_logprobs_are_vllm_s_shape_with_true_ranks(server):
     for mine, theirs, token in zip(two[0]["prompt_logprobs"][1:], plp[1:], ids[1:]):
         assert list(mine) == [str(token)] and mine[str(token)]["rank"] == theirs[str(token)]["rank"]
         assert mine[str(token)]["logprob"] == pytest.approx(theirs[str(token)]["logprob"], abs=1e-4)
-    chat = post(server, "/v1/chat/completions", {
-        "model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
-        "prompt_logprobs": 1}).json()
+    chat = post(
+        server,
+        "/v1/chat/completions",
+        {"model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "prompt_logprobs": 1},
+    ).json()
     assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
-    refused = post(server, "/v1/completions", {"model": server.model, "prompt": PROMPT, "stream": True,
-                                                "prompt_logprobs": 1})
+    refused = post(
+        server, "/v1/completions", {"model": server.model, "prompt": PROMPT, "stream": True, "prompt_logprobs": 1}
+    )
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
     server.wait_idle()

@@ -50,8 +50,9 @@ def test_external_tokens_never_include_the_last_prompt_token():
 
 
 def test_async_load_parks_without_budget_and_blocks_nobody():
-    sched, runner, conn = setup({"r0": ConnectorPlan(num_external=8, is_async=True, load_delay=2)},
-                                max_num_batched_tokens=12)
+    sched, runner, conn = setup(
+        {"r0": ConnectorPlan(num_external=8, is_async=True, load_delay=2)}, max_num_batched_tokens=12
+    )
     a, b = create_requests(2, num_tokens=12, max_tokens=3)
     sched.add_request(a)
     sched.add_request(b)
@@ -157,8 +158,11 @@ def test_connector_call_order():
     (r,) = create_requests(1, num_tokens=6, max_tokens=1)
     sched.add_request(r)
     run_to_completion(sched, runner)
-    assert conn.calls[:3] == [("get_num_new_matched_tokens", "r0"),
-                              ("update_state_after_alloc", "r0"), ("build_connector_meta", "")]
+    assert conn.calls[:3] == [
+        ("get_num_new_matched_tokens", "r0"),
+        ("update_state_after_alloc", "r0"),
+        ("build_connector_meta", ""),
+    ]
     assert ("request_finished", "r0") in conn.calls
     # build_connector_meta once per schedule() call.
     assert sum(c[0] == "build_connector_meta" for c in conn.calls) >= 1
@@ -168,9 +172,17 @@ def test_a_request_back_from_a_load_cannot_deadlock_the_queue():
     # Found by hypothesis: r1's loaded block sat in waiting behind r2, which
     # needed the whole pool (r1's block included) and so could never be admitted.
     plans = {"r1": ConnectorPlan(num_external=1, is_async=True)}
-    sched, runner, _ = setup(plans, block_size=2, num_blocks=13, enable_prefix_caching=False,
-                             max_num_batched_tokens=33, max_num_seqs=1, max_model_len=30,
-                             enable_chunked_prefill=False, policy="priority")
+    sched, runner, _ = setup(
+        plans,
+        block_size=2,
+        num_blocks=13,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=33,
+        max_num_seqs=1,
+        max_model_len=30,
+        enable_chunked_prefill=False,
+        policy="priority",
+    )
     (r0,) = create_requests(1, num_tokens=3, max_tokens=1, priority=0)
     (r1,) = create_requests(1, num_tokens=2, max_tokens=1, priority=1, start=1)
     for r in (r0, r1):
@@ -207,8 +219,9 @@ def test_both_preemption_callers_start_a_request_over_the_same_way(caller):
         so, _ = step(sched, runner)
         assert so.preempted_req_ids == {"r1"} and so.num_scheduled_tokens == {"r0": 1}
     else:
-        sched, runner, _ = setup({"r1": ConnectorPlan(num_external=7, is_async=True)},
-                                 num_blocks=3, enable_prefix_caching=False)
+        sched, runner, _ = setup(
+            {"r1": ConnectorPlan(num_external=7, is_async=True)}, num_blocks=3, enable_prefix_caching=False
+        )
         reqs = create_requests(1, num_tokens=4, max_tokens=20) + create_requests(1, num_tokens=8, start=1)
         for r in reqs:
             sched.add_request(r)

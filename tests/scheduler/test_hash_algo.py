@@ -19,8 +19,7 @@ from tests.scheduler.utils import (
 
 
 def _req(rid, prompt, salt=None):
-    return Request(rid, prompt, SamplingParams(max_tokens=2, ignore_eos=True), eos_token_id=EOS,
-                   cache_salt=salt)
+    return Request(rid, prompt, SamplingParams(max_tokens=2, ignore_eos=True), eos_token_id=EOS, cache_salt=salt)
 
 
 @pytest.mark.parametrize("algo", ["builtin", "sha256"])

@@ -35,7 +35,7 @@ def check_stored(ev: BlockStored, salts: set) -> None:
     assert len(ev.token_ids) == len(ev.block_hashes) * bs
     parent = NONE_HASH if ev.parent_block_hash is None else ev.parent_block_hash
     for i, h in enumerate(ev.block_hashes):
-        tokens = tuple(ev.token_ids[i * bs:(i + 1) * bs])
+        tokens = tuple(ev.token_ids[i * bs : (i + 1) * bs])
         if ev.parent_block_hash is None and i == 0:
             # A first block carries the request's salt: one of them must match.
             assert any(hash((NONE_HASH, tokens, salt_to_int(s))) == h for s in salts), ev
@@ -46,10 +46,14 @@ def check_stored(ev: BlockStored, salts: set) -> None:
 
 @st.composite
 def workloads(draw):
-    config = dict(block_size=draw(st.sampled_from([2, 4])),
-                  num_blocks=draw(st.integers(4, 24)),
-                  max_num_batched_tokens=64, max_num_seqs=draw(st.integers(1, 6)),
-                  max_model_len=48, enable_kv_cache_events=True)
+    config = dict(
+        block_size=draw(st.sampled_from([2, 4])),
+        num_blocks=draw(st.integers(4, 24)),
+        max_num_batched_tokens=64,
+        max_num_seqs=draw(st.integers(1, 6)),
+        max_model_len=48,
+        enable_kv_cache_events=True,
+    )
     reqs = []
     for i in range(draw(st.integers(2, 12))):
         plen = draw(st.integers(1, 36))
@@ -58,14 +62,23 @@ def workloads(draw):
         prompt = tail if shared is None else (PREFIXES[shared] + tail)[:plen]
         plan = None
         if draw(st.booleans()):
-            plan = ConnectorPlan(num_external=draw(st.integers(0, 24)), is_async=draw(st.booleans()),
-                                 load_delay=draw(st.integers(0, 2)),
-                                 fail_block=draw(st.one_of(st.none(), st.integers(0, 4))))
-        reqs.append(dict(rid=f"q{i}", prompt=prompt, max_tokens=draw(st.integers(1, 10)),
-                         salt=draw(st.sampled_from([None, None, "s"])),
-                         arrive=draw(st.integers(0, 12)),
-                         abort=draw(st.one_of(st.none(), st.none(), st.integers(0, 30))),
-                         plan=plan))
+            plan = ConnectorPlan(
+                num_external=draw(st.integers(0, 24)),
+                is_async=draw(st.booleans()),
+                load_delay=draw(st.integers(0, 2)),
+                fail_block=draw(st.one_of(st.none(), st.integers(0, 4))),
+            )
+        reqs.append(
+            dict(
+                rid=f"q{i}",
+                prompt=prompt,
+                max_tokens=draw(st.integers(1, 10)),
+                salt=draw(st.sampled_from([None, None, "s"])),
+                arrive=draw(st.integers(0, 12)),
+                abort=draw(st.one_of(st.none(), st.none(), st.integers(0, 30))),
+                plan=plan,
+            )
+        )
     resets = draw(st.lists(st.integers(0, 40), max_size=2))
     return config, reqs, resets
 
@@ -93,9 +106,15 @@ def test_mirror_equals_cache_after_every_step(workload):
     for t in range(3000):
         for r in reqs:
             if r["arrive"] == t:
-                sched.add_request(Request(r["rid"], r["prompt"],
-                                          SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True),
-                                          eos_token_id=EOS, cache_salt=r["salt"]))
+                sched.add_request(
+                    Request(
+                        r["rid"],
+                        r["prompt"],
+                        SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True),
+                        eos_token_id=EOS,
+                        cache_salt=r["salt"],
+                    )
+                )
             if r["abort"] == t:
                 sched.abort_requests([r["rid"]])
         if t in resets:
@@ -118,8 +137,7 @@ def test_mirror_equals_cache_after_every_step(workload):
 def test_batches_coalesce_chains_and_number_without_holes():
     sched = create_scheduler(block_size=4, num_blocks=6, enable_kv_cache_events=True)
     prompt = list(range(1, 14))  # 3 full blocks + 1 token
-    sched.add_request(Request("a", prompt, SamplingParams(max_tokens=1, ignore_eos=True),
-                              eos_token_id=EOS))
+    sched.add_request(Request("a", prompt, SamplingParams(max_tokens=1, ignore_eos=True), eos_token_id=EOS))
     step(sched)
     batch = sched.take_kv_events()
     assert batch.seq == 1
@@ -131,8 +149,14 @@ def test_batches_coalesce_chains_and_number_without_holes():
     assert sched.take_kv_events() is None  # nothing new: no batch, no sequence number used
     # Fill the pool with other prompts: the first chain's blocks are evicted.
     for i in range(2):
-        sched.add_request(Request(f"b{i}", [50 + 10 * i + j for j in range(13)],
-                                  SamplingParams(max_tokens=1, ignore_eos=True), eos_token_id=EOS))
+        sched.add_request(
+            Request(
+                f"b{i}",
+                [50 + 10 * i + j for j in range(13)],
+                SamplingParams(max_tokens=1, ignore_eos=True),
+                eos_token_id=EOS,
+            )
+        )
         step(sched)
     batch = sched.take_kv_events()
     assert batch.seq == 2

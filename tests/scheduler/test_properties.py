@@ -75,12 +75,18 @@ def workloads(draw, with_connector: bool, with_spec: bool = False):
                 ask_later=draw(st.integers(0, 2)),
                 delay_free=draw(st.integers(-1, 2)),
             )
-        reqs.append(dict(
-            rid=f"q{i}", prompt=prompt, sp=sp, priority=draw(st.integers(0, 3)),
-            salt=draw(st.sampled_from([None, None, "a"])),
-            arrive=draw(st.one_of(st.just(0), st.integers(0, 15))),
-            abort=draw(st.one_of(st.none(), st.none(), st.integers(0, 40))),
-            plan=plan))
+        reqs.append(
+            dict(
+                rid=f"q{i}",
+                prompt=prompt,
+                sp=sp,
+                priority=draw(st.integers(0, 3)),
+                salt=draw(st.sampled_from([None, None, "a"])),
+                arrive=draw(st.one_of(st.just(0), st.integers(0, 15))),
+                abort=draw(st.one_of(st.none(), st.none(), st.integers(0, 40))),
+                plan=plan,
+            )
+        )
     return config, reqs
 
 
@@ -101,9 +107,15 @@ def run_workload(config, reqs, with_connector: bool) -> None:
     for t in range(5000):
         for r in reqs:
             if r["arrive"] == t:
-                req = Request(r["rid"], r["prompt"], r["sp"], eos_token_id=EOS,
-                              arrival_time=float(t), priority=r["priority"],
-                              cache_salt=r["salt"])
+                req = Request(
+                    r["rid"],
+                    r["prompt"],
+                    r["sp"],
+                    eos_token_id=EOS,
+                    arrival_time=float(t),
+                    priority=r["priority"],
+                    cache_salt=r["salt"],
+                )
                 by_id[r["rid"]] = req
                 sched.add_request(req)
             if r["abort"] == t and r["rid"] in by_id:
@@ -127,18 +139,20 @@ def run_workload(config, reqs, with_connector: bool) -> None:
         got = tokens.get(rid, [])
         want = reference_tokens(req, config["max_model_len"])
         if rid in aborted:
-            assert got == want[:len(got)], rid
+            assert got == want[: len(got)], rid
             continue
         assert rid in reasons, f"{rid} never finished"
         if req.get_finished_reason() == "length" and not got:
             assert req.num_prompt_tokens >= min(
-                config["max_model_len"], config["num_blocks"] * config["block_size"] + 1)
+                config["max_model_len"], config["num_blocks"] * config["block_size"] + 1
+            )
             continue
         assert got == want, (rid, got, want)
 
 
-SETTINGS = settings(max_examples=100, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 
 
 @SETTINGS

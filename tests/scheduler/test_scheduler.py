@@ -67,10 +67,10 @@ def test_running_first_then_waiting_gets_the_rest():
 
 
 def test_non_chunked_skips_a_prompt_that_does_not_fit_instead_of_cutting_it():
-    sched = create_scheduler(enable_chunked_prefill=False, max_num_batched_tokens=32,
-                             max_model_len=32, long_prefill_token_threshold=5)
-    big, mid, small = (create_requests(1, num_tokens=n, start=i)[0]
-                       for i, n in enumerate((28, 20, 3)))
+    sched = create_scheduler(
+        enable_chunked_prefill=False, max_num_batched_tokens=32, max_model_len=32, long_prefill_token_threshold=5
+    )
+    big, mid, small = (create_requests(1, num_tokens=n, start=i)[0] for i, n in enumerate((28, 20, 3)))
     for r in (big, mid, small):
         sched.add_request(r)
     so, _ = step(sched)
@@ -178,8 +178,9 @@ def test_priority_preempts_largest_priority_even_if_already_scheduled():
 def test_priority_ties_do_not_livelock():
     # Found by hypothesis: with equal (priority, arrival) the victim must be the
     # request the queue ranks last, never the one being scheduled.
-    sched = create_scheduler(num_blocks=6, enable_prefix_caching=False, policy="priority",
-                             long_prefill_token_threshold=3, max_num_seqs=2)
+    sched = create_scheduler(
+        num_blocks=6, enable_prefix_caching=False, policy="priority", long_prefill_token_threshold=3, max_num_seqs=2
+    )
     a, b = create_requests(2, num_tokens=21, max_tokens=2, arrival_time=0.0)
     for r in (a, b):
         sched.add_request(r)
@@ -258,15 +259,13 @@ def test_eos_stops_unless_ignored():
 
 def test_stop_token_ids_and_min_tokens():
     assert _run_with_tokens(dict(max_tokens=10, stop_token_ids=[9]), [5, 9]) == ([5, 9], "stop", 9)
-    got, reason, _ = _run_with_tokens(dict(max_tokens=10, stop_token_ids=[9], min_tokens=3),
-                                      [9, EOS, 9, 4])
+    got, reason, _ = _run_with_tokens(dict(max_tokens=10, stop_token_ids=[9], min_tokens=3), [9, EOS, 9, 4])
     assert got == [9, EOS, 9] and reason == "stop"
 
 
 def test_max_tokens_and_max_model_len():
     assert _run_with_tokens(dict(max_tokens=2), [5, 6, 7])[:2] == ([5, 6], "length")
-    assert _run_with_tokens(dict(max_tokens=None), [5, 6, 7], max_model_len=5)[:2] == \
-        ([5, 6], "length")
+    assert _run_with_tokens(dict(max_tokens=None), [5, 6, 7], max_model_len=5)[:2] == ([5, 6], "length")
 
 
 # ---- prefix caching --------------------------------------------------------------------
@@ -332,8 +331,7 @@ class MyScheduler(Scheduler):
 
 def test_scheduler_cls_resolution():
     assert type(create_scheduler()) is Scheduler
-    for name in ("tests.scheduler.test_scheduler:MyScheduler",
-                 "tests.scheduler.test_scheduler.MyScheduler"):
+    for name in ("tests.scheduler.test_scheduler:MyScheduler", "tests.scheduler.test_scheduler.MyScheduler"):
         assert type(create_scheduler(scheduler_cls=name)) is MyScheduler
     for bad in ("no.such.module:X", "builtins:dict", "noqualname"):
         with pytest.raises(ValueError, match="scheduler_cls"):
@@ -358,8 +356,9 @@ def test_max_tokens_below_one_is_rejected():
             SamplingParams(max_tokens=bad)
 
 
-@pytest.mark.parametrize("name", ["temperature", "top_p", "min_p", "presence_penalty",
-                                  "frequency_penalty", "repetition_penalty"])
+@pytest.mark.parametrize(
+    "name", ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"]
+)
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), "0.5", None])
 def test_float_params_must_be_finite_numbers(name, value):
     """NaN passes every range check (comparisons with NaN are False): a NaN temperature sampled
@@ -395,19 +394,29 @@ def test_abort_in_every_queue_frees_blocks():
     assert_serves_and_no_leaks(sched)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("max_num_seqs", 0), ("max_num_batched_tokens", -1), ("block_size", 0),
-    ("num_blocks", 0), ("policy", "lifo"), ("capacity_policy", "yolo"),
-    ("long_prefill_token_threshold", -5), ("max_model_len", 1),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_num_seqs", 0),
+        ("max_num_batched_tokens", -1),
+        ("block_size", 0),
+        ("num_blocks", 0),
+        ("policy", "lifo"),
+        ("capacity_policy", "yolo"),
+        ("long_prefill_token_threshold", -5),
+        ("max_model_len", 1),
+    ],
+)
 def test_invalid_configs_name_the_field(field, value):
     from pydantic import ValidationError
+
     with pytest.raises(ValidationError, match=field):
         create_scheduler(**{field: value})
 
 
 def test_non_chunked_needs_budget_for_a_whole_prompt():
     from pydantic import ValidationError
+
     with pytest.raises(ValidationError, match="max_num_batched_tokens"):
         create_scheduler(enable_chunked_prefill=False, max_num_batched_tokens=16, max_model_len=64)
 
@@ -416,6 +425,7 @@ def test_unknown_config_field_rejected():
     from pydantic import ValidationError
 
     from fleetserve.scheduler import SchedulerConfig
+
     with pytest.raises(ValidationError, match="max_num_seq"):
         SchedulerConfig(max_num_seq=4)
 

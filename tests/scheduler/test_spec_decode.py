@@ -52,8 +52,7 @@ def test_drafts_are_scheduled_in_the_budget_and_rejected_ones_rolled_back():
 
 def test_stop_conditions_apply_to_every_accepted_token():
     sched = create_scheduler(num_spec_tokens=3, block_size=4, adaptive_draft_length=False)
-    req = Request("s", list(range(1, 7)), SamplingParams(max_tokens=20, stop_token_ids=[52]),
-                  eos_token_id=EOS)
+    req = Request("s", list(range(1, 7)), SamplingParams(max_tokens=20, stop_token_ids=[52]), eos_token_id=EOS)
     sched.add_request(req)
     _step(sched, {"s": [50]}, {"s": [51, 52, 53]})
     _, outs = _step(sched, {"s": [51, 52, 53, 54]})
@@ -70,8 +69,7 @@ def test_drafts_never_pass_max_tokens():
 
 
 def test_budget_cuts_drafts():
-    sched = create_scheduler(num_spec_tokens=3, block_size=4, max_num_batched_tokens=2,
-                             adaptive_draft_length=False)
+    sched = create_scheduler(num_spec_tokens=3, block_size=4, max_num_batched_tokens=2, adaptive_draft_length=False)
     (req,) = create_requests(1, num_tokens=6, max_tokens=20)
     sched.add_request(req)
     for _ in range(2):  # prefill chunks: drafts offered mid-prefill are ignored
@@ -172,8 +170,9 @@ def test_free_drafts_share_the_room_and_stop_for_a_big_step():
     assert so.scheduled_spec_decode_tokens == {"r0": drafts[:4], "r1": drafts[:2]}
     ids = list(so.num_scheduled_tokens)
     sampled = {"r0": drafts[:4] + [9], "r1": drafts[:2] + [9], "r2": [49]}
-    sched.update_from_output(so, ModelRunnerOutput(ids, [sampled[i] for i in ids],
-                                                   spec_token_ids={"r0": drafts, "r1": drafts}))
+    sched.update_from_output(
+        so, ModelRunnerOutput(ids, [sampled[i] for i in ids], spec_token_ids={"r0": drafts, "r1": drafts})
+    )
     assert_invariants(sched)
     # Three decoding now (3 tokens) plus earned drafts 6 + 4 (+ 2 for r2's first):
     # over 8, no top-up; every request keeps what it earned.

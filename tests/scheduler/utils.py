@@ -32,8 +32,7 @@ GARBAGE = -1  # a KV slot computed from wrong or missing KV
 GARBAGE_TOKEN = 1000  # what the fake model samples from such KV
 
 
-def create_scheduler(connector: Optional[KVConnectorScheduler] = None,
-                     **overrides: Any) -> Scheduler:
+def create_scheduler(connector: Optional[KVConnectorScheduler] = None, **overrides: Any) -> Scheduler:
     """A scheduler with small defaults; any SchedulerConfig/CacheConfig field may be overridden."""
     sched_fields = set(SchedulerConfig.model_fields)
     cache_fields = set(CacheConfig.model_fields)
@@ -46,20 +45,34 @@ def create_scheduler(connector: Optional[KVConnectorScheduler] = None,
     return build_scheduler(SchedulerConfig(**s_kwargs), CacheConfig(**c_kwargs), connector)
 
 
-def create_requests(n: int, num_tokens: int = 10, max_tokens: int = 8, *,
-                    prefix: str = "r", same_prompt: bool = False, start: int = 0,
-                    priority: int = 0, arrival_time: Optional[float] = None,
-                    **sampling: Any) -> list[Request]:
+def create_requests(
+    n: int,
+    num_tokens: int = 10,
+    max_tokens: int = 8,
+    *,
+    prefix: str = "r",
+    same_prompt: bool = False,
+    start: int = 0,
+    priority: int = 0,
+    arrival_time: Optional[float] = None,
+    **sampling: Any,
+) -> list[Request]:
     """`n` requests with distinct (or identical) prompts; extra kwargs go to SamplingParams."""
     sampling.setdefault("ignore_eos", True)
     out = []
     for i in range(start, start + n):
         base = 1 if same_prompt else 1 + i * 7
         prompt = [(base + j) % (VOCAB - 1) + 1 for j in range(num_tokens)]
-        out.append(Request(
-            f"{prefix}{i}", prompt, SamplingParams(max_tokens=max_tokens, **sampling),
-            eos_token_id=EOS, priority=priority,
-            arrival_time=float(i) if arrival_time is None else arrival_time))
+        out.append(
+            Request(
+                f"{prefix}{i}",
+                prompt,
+                SamplingParams(max_tokens=max_tokens, **sampling),
+                eos_token_id=EOS,
+                priority=priority,
+                arrival_time=float(i) if arrival_time is None else arrival_time,
+            )
+        )
     return out
 
 
@@ -92,8 +105,9 @@ def reference_tokens(request: Request, max_model_len: int) -> list[int]:
         out.append(tok)
         tokens.append(tok)
         prev = kv_value(prev, tok)
-        if len(out) >= sp.min_tokens and ((tok == request.eos_token_id and not sp.ignore_eos)
-                                          or tok in sp.stop_token_ids):
+        if len(out) >= sp.min_tokens and (
+            (tok == request.eos_token_id and not sp.ignore_eos) or tok in sp.stop_token_ids
+        ):
             return out
         if len(out) >= request.max_tokens or len(tokens) >= max_model_len:
             return out
@@ -108,6 +122,7 @@ class _WorkerReq:
 @dataclass
 class Load:
     """One KV load the connector asked for: positions [start, end) into `block_ids`."""
+
     req_id: str
     tokens: list[int]
     block_ids: list[int]
@@ -126,9 +141,13 @@ class FakeModelRunner:
     that position, then add the model's own token) and returns the
     proposer's drafts for the next step."""
 
-    def __init__(self, num_blocks: int, block_size: int,
-                 connector: Optional["TestConnector"] = None,
-                 proposer: Optional["FakeProposer"] = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        connector: Optional["TestConnector"] = None,
+        proposer: Optional["FakeProposer"] = None,
+    ) -> None:
         self.block_size = block_size
         self.proposer = proposer
         self.slots: list[Optional[int]] = [None] * (num_blocks * block_size)
@@ -141,7 +160,7 @@ class FakeModelRunner:
 
     def _load(self, load: Load) -> set[int]:
         """Write the loaded KV; a failed block is left with garbage. Returns bad block ids."""
-        kv = prefix_kv(load.tokens[:load.end])
+        kv = prefix_kv(load.tokens[: load.end])
         bad: set[int] = set()
         for pos in range(load.start, load.end):
             bi = pos // self.block_size
@@ -158,7 +177,8 @@ class FakeModelRunner:
             self.reqs.pop(rid, None)
         for new in so.scheduled_new_reqs:
             self.reqs[new.req_id] = _WorkerReq(
-                list(new.prompt_token_ids) + list(new.output_token_ids), list(new.block_ids))
+                list(new.prompt_token_ids) + list(new.output_token_ids), list(new.block_ids)
+            )
         for cached in so.scheduled_cached_reqs:
             req = self.reqs[cached.req_id]
             req.tokens.extend(cached.new_token_ids)
@@ -205,11 +225,19 @@ class FakeModelRunner:
         sending = self.connector.take_finished_sending() if self.connector else set()
         drafts_out = None
         if self.proposer is not None:
-            drafts_out = {rid: self.proposer.propose(rid, self.reqs[rid].tokens + out)
-                          for rid, out in zip(req_ids, sampled) if out}
-        return ModelRunnerOutput(req_ids, sampled, finished_sending=sending,
-                                 finished_recving=recving, invalid_block_ids=invalid,
-                                 spec_token_ids=drafts_out)
+            drafts_out = {
+                rid: self.proposer.propose(rid, self.reqs[rid].tokens + out)
+                for rid, out in zip(req_ids, sampled)
+                if out
+            }
+        return ModelRunnerOutput(
+            req_ids,
+            sampled,
+            finished_sending=sending,
+            finished_recving=recving,
+            invalid_block_ids=invalid,
+            spec_token_ids=drafts_out,
+        )
 
     def _verify(self, req: _WorkerReq, drafts: list[int]) -> list[int]:
         """Accepted drafts + the model's token after them, from the KV just written."""
@@ -249,6 +277,7 @@ class FakeProposer:
 @dataclass
 class ConnectorPlan:
     """How the test connector treats one request."""
+
     num_external: int = 0  # tokens it can supply beyond the local hits
     is_async: bool = False
     load_delay: int = 0  # steps before finished_recving
@@ -285,16 +314,24 @@ class TestConnector(KVConnectorScheduler):
         ext = min(plan.num_external, request.num_tokens - 1 - num_computed_tokens)
         return max(0, ext), plan.is_async and ext > 0
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int],
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         self.calls.append(("update_state_after_alloc", request.request_id))
         if num_external_tokens <= 0:
             return
         plan = self.plans[request.request_id]
         start = self._local[request.request_id]
-        self._pending.append(Load(request.request_id, list(request.all_token_ids), list(block_ids),
-                                  start, start + num_external_tokens, plan.is_async,
-                                  plan.fail_block, plan.load_delay))
+        self._pending.append(
+            Load(
+                request.request_id,
+                list(request.all_token_ids),
+                list(block_ids),
+                start,
+                start + num_external_tokens,
+                plan.is_async,
+                plan.fail_block,
+                plan.load_delay,
+            )
+        )
         plan.fail_block = None  # a retry (after preemption) loads fine
         if plan.is_async:
             self._loading.add(request.request_id)
@@ -357,6 +394,7 @@ def assert_invariants(sched: Scheduler) -> None:
     assert len(everyone) == len(set(everyone)), "a request sits in two queues"
     assert len(running) <= sched.config.max_num_seqs
     from fleetserve.scheduler import RequestStatus
+
     for r in sched.running:
         assert r.status == RequestStatus.RUNNING
     for r in sched.waiting:
@@ -365,8 +403,7 @@ def assert_invariants(sched: Scheduler) -> None:
         assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
 
 
-def step(sched: Scheduler, runner: Optional[FakeModelRunner] = None,
-         sampled: Optional[dict[str, list[int]]] = None):
+def step(sched: Scheduler, runner: Optional[FakeModelRunner] = None, sampled: Optional[dict[str, list[int]]] = None):
     """One engine step; returns (SchedulerOutput, outputs by request id)."""
     so = sched.schedule()
     assert so.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
@@ -397,8 +434,7 @@ def run_to_completion(sched: Scheduler, runner: FakeModelRunner, max_steps: int 
     return tokens, reasons
 
 
-def assert_serves_and_no_leaks(sched: Scheduler,
-                               runner: FakeModelRunner | None = None) -> None:
+def assert_serves_and_no_leaks(sched: Scheduler, runner: FakeModelRunner | None = None) -> None:
     """After whatever happened, a new request still runs to the right tokens and,
     once idle, every block is free. `runner`: the one that ran so far, if any."""
     if runner is not None:
@@ -412,8 +448,9 @@ def assert_serves_and_no_leaks(sched: Scheduler,
     # serve prefix hits that an earlier runner computed.
     req = Request("after0", [VOCAB - 1 - i for i in range(6)], SamplingParams(max_tokens=3))
     sched.add_request(req)
-    tokens, reasons = run_to_completion(sched, runner or FakeModelRunner(
-        sched.kv.num_blocks, sched.block_size, sched.connector))
+    tokens, reasons = run_to_completion(
+        sched, runner or FakeModelRunner(sched.kv.num_blocks, sched.block_size, sched.connector)
+    )
     assert tokens["after0"] == reference_tokens(req, sched.config.max_model_len)
     assert reasons["after0"] == "length"
     assert sched.kv.num_free_blocks == sched.kv.num_blocks

@@ -28,8 +28,16 @@ def generate() -> dict[str, str]:
     from grpc_tools import protoc
 
     with tempfile.TemporaryDirectory() as out:
-        rc = protoc.main(["grpc_tools.protoc", f"-I{ROOT}", f"--python_out={out}", f"--pyi_out={out}",
-                          f"--grpc_python_out={out}", str(HERE / "fleetserve.proto")])
+        rc = protoc.main(
+            [
+                "grpc_tools.protoc",
+                f"-I{ROOT}",
+                f"--python_out={out}",
+                f"--pyi_out={out}",
+                f"--grpc_python_out={out}",
+                str(HERE / "fleetserve.proto"),
+            ]
+        )
         if rc != 0:
             raise RuntimeError(f"protoc failed ({rc})")
         texts = {}

@@ -26,5 +26,15 @@ def make_policy(name: str, **kwargs) -> RoutingPolicy:
     return cls(**kwargs)
 
 
-__all__ = ["POLICIES", "ApproxPrefixPolicy", "LeastLoadedPolicy", "PowerOfTwoPolicy", "PrefixAwarePolicy",
-           "ReplicaLoad", "RouteRequest", "RoutingPolicy", "make_policy", "prefer_adapter_holders"]
+__all__ = [
+    "POLICIES",
+    "ApproxPrefixPolicy",
+    "LeastLoadedPolicy",
+    "PowerOfTwoPolicy",
+    "PrefixAwarePolicy",
+    "ReplicaLoad",
+    "RouteRequest",
+    "RoutingPolicy",
+    "make_policy",
+    "prefer_adapter_holders",
+]

@@ -82,8 +82,9 @@ def tiers(ordered: list[ReplicaLoad]) -> list[list[str]]:
     return [[r.replica_id] for r in ordered]
 
 
-def prefer_adapter_holders(ranked: list[list[str]], loads: dict[str, ReplicaLoad], lora_name: Optional[str],
-                           slack: int) -> list[list[str]]:
+def prefer_adapter_holders(
+    ranked: list[list[str]], loads: dict[str, ReplicaLoad], lora_name: Optional[str], slack: int
+) -> list[list[str]]:
     """A request for a LoRA adapter goes to a replica that holds it rather than to the
     policy's pick that does not, unless the holder has more than `slack` requests more than
     that pick: with `--max-cpu-loras`, replicas hold different adapters, and a replica that

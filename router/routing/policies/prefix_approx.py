@@ -20,9 +20,15 @@ from fleetserve.router.routing.policies.prefix_aware import PrefixAwareBase
 class ApproxPrefixPolicy(PrefixAwareBase):
     name = "prefix_aware_approx"
 
-    def __init__(self, block_size: int = 16, imbalance_threshold: int = 4,
-                 min_match_fraction: float = 0.5, max_table_entries: int = 200_000,
-                 seed: Optional[int] = None, **kwargs: object) -> None:
+    def __init__(
+        self,
+        block_size: int = 16,
+        imbalance_threshold: int = 4,
+        min_match_fraction: float = 0.5,
+        max_table_entries: int = 200_000,
+        seed: Optional[int] = None,
+        **kwargs: object,
+    ) -> None:
         super().__init__(block_size, imbalance_threshold, min_match_fraction, seed, **kwargs)
         self.max_table_entries = max_table_entries
         self._table: OrderedDict[int, set[str]] = OrderedDict()

@@ -51,8 +51,14 @@ from fleetserve.scheduler.kv_cache_manager import HASH_ALGOS
 
 
 class PrefixAwareBase(RoutingPolicy):
-    def __init__(self, block_size: int = 16, imbalance_threshold: int = 4,
-                 min_match_fraction: float = 0.5, seed: Optional[int] = None, **_: object) -> None:
+    def __init__(
+        self,
+        block_size: int = 16,
+        imbalance_threshold: int = 4,
+        min_match_fraction: float = 0.5,
+        seed: Optional[int] = None,
+        **_: object,
+    ) -> None:
         self.block_size = block_size
         self.hash_algo = "builtin"
         self.imbalance_threshold = imbalance_threshold
@@ -74,8 +80,7 @@ class PrefixAwareBase(RoutingPolicy):
         self.block_size, self.hash_algo = int(block_size), hash_algo
 
     def block_hashes(self, request: RouteRequest) -> list:
-        return hash_token_blocks(request.prompt_token_ids, self.block_size, request.cache_salt,
-                                 algo=self.hash_algo)
+        return hash_token_blocks(request.prompt_token_ids, self.block_size, request.cache_salt, algo=self.hash_algo)
 
     def rank(self, replicas: list[ReplicaLoad], request: Optional[RouteRequest]) -> list[list[str]]:
         shuffled = list(replicas)
@@ -98,8 +103,9 @@ class PrefixAwareBase(RoutingPolicy):
         the leading blocks each replica holds)."""
         return ordered
 
-    def preferred(self, ordered: list[ReplicaLoad], hashes: list,
-                  matched: Optional[dict[str, int]] = None) -> Optional[ReplicaLoad]:
+    def preferred(
+        self, ordered: list[ReplicaLoad], hashes: list, matched: Optional[dict[str, int]] = None
+    ) -> Optional[ReplicaLoad]:
         """The replica whose prefix match beats load, if any (`ordered` is by load)."""
         if not hashes:
             return None
@@ -127,10 +133,16 @@ class PrefixAwarePolicy(PrefixAwareBase):
     name = "prefix_aware"
     uses_kv_events = True
 
-    def __init__(self, block_size: int = 16, imbalance_threshold: int = 4,
-                 min_match_fraction: float = 0.5, seed: Optional[int] = None,
-                 kv_index: Optional[KVIndex] = None, linger_s: float = 1.0,
-                 **kwargs: object) -> None:
+    def __init__(
+        self,
+        block_size: int = 16,
+        imbalance_threshold: int = 4,
+        min_match_fraction: float = 0.5,
+        seed: Optional[int] = None,
+        kv_index: Optional[KVIndex] = None,
+        linger_s: float = 1.0,
+        **kwargs: object,
+    ) -> None:
         super().__init__(block_size, imbalance_threshold, min_match_fraction, seed, **kwargs)
         self.kv_index = kv_index if kv_index is not None else KVIndex()
         self.linger_s = linger_s
@@ -166,8 +178,10 @@ class PrefixAwarePolicy(PrefixAwareBase):
             n += 1
         if n == 1:
             return ordered
-        held = {r.replica_id: self.kv_index.num_blocks(r.replica_id)
-                + len(self._inflight_hashes.get(r.replica_id, ())) for r in ordered[:n]}
+        held = {
+            r.replica_id: self.kv_index.num_blocks(r.replica_id) + len(self._inflight_hashes.get(r.replica_id, ()))
+            for r in ordered[:n]
+        }
         return sorted(ordered[:n], key=lambda r: (-matched.get(r.replica_id, 0), held[r.replica_id])) + ordered[n:]
 
     def on_routed(self, replica_id: str, request: RouteRequest) -> None:
