@@ -334,8 +334,8 @@ def _engine_deployment(
     router_config = RequestRouterConfig(
         request_router_class=FleetRequestRouter,  # type: ignore[arg-type]
         request_router_kwargs=policy_kwargs,
-        request_routing_stats_period_s=config.routing.stats_period_s,
-    )  # type: ignore[arg-type]
+        request_routing_stats_period_s=config.routing.stats_period_s,  # type: ignore[arg-type]
+    )
     # Autoscaling applies to the colocated engine deployment; P/D pools have fixed sizes.
     scale = (
         {"autoscaling_config": config.autoscaling.serve_config()}
