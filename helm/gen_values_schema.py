@@ -99,6 +99,59 @@ def monitor() -> dict:
     return obj({"enabled": BOOL, "interval": STR, "labels": STR_MAP})
 
 
+def app_schema() -> dict:
+    """The app config the chart renders for Serve."""
+    return obj(
+        {
+            "name": {"type": "string", "minLength": 1},
+            "routingPolicy": {"enum": ["power_of_two", "least_loaded", "prefix_aware"]},
+            "routing": obj(
+                {
+                    "imbalance_threshold": int_min(1),
+                    "min_match_fraction": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+                    "max_table_entries": int_min(16),
+                    "stats_period_s": {"type": "number", "exclusiveMinimum": 0},
+                }
+            ),
+            "numCpusPerReplica": {"type": "number", "minimum": 0},
+            "httpMaxBodyBytes": int_min(1024),
+            "allowRuntimeLoraUpdating": BOOL,
+        }
+    )
+
+
+def autoscaling_schema() -> dict:
+    """Serve's autoscaling of the engine deployment."""
+    return obj(
+        {
+            "enabled": BOOL,
+            "minReplicas": int_min(0),
+            "maxReplicas": int_min(1),
+            "targetOngoingRequests": {"type": "number", "exclusiveMinimum": 0},
+            "upscaleDelaySeconds": {"type": "number", "minimum": 0},
+            "downscaleDelaySeconds": {"type": "number", "minimum": 0},
+            "idleTimeoutSeconds": int_min(0),
+        }
+    )
+
+
+def upgrade_schema() -> dict:
+    """KubeRay's RayService upgrade strategy."""
+    return obj(
+        {
+            "type": {"enum": ["NewCluster", "NewClusterWithIncrementalUpgrade", "None"]},
+            "clusterUpgradeOptions": obj(
+                {
+                    "gatewayClassName": STR,
+                    "stepSizePercent": {"type": "integer", "minimum": 1, "maximum": 100},
+                    "maxSurgePercent": {"type": "integer", "minimum": 1, "maximum": 100},
+                    "intervalSeconds": int_min(1),
+                }
+            ),
+        }
+    )
+
+
 def schema() -> dict:
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
@@ -127,23 +180,7 @@ def schema() -> dict:
                     }
                 ),
                 "engine": engine_schema(),
-                "app": obj(
-                    {
-                        "name": {"type": "string", "minLength": 1},
-                        "routingPolicy": {"enum": ["power_of_two", "least_loaded", "prefix_aware"]},
-                        "routing": obj(
-                            {
-                                "imbalance_threshold": int_min(1),
-                                "min_match_fraction": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-                                "max_table_entries": int_min(16),
-                                "stats_period_s": {"type": "number", "exclusiveMinimum": 0},
-                            }
-                        ),
-                        "numCpusPerReplica": {"type": "number", "minimum": 0},
-                        "httpMaxBodyBytes": int_min(1024),
-                        "allowRuntimeLoraUpdating": BOOL,
-                    }
-                ),
+                "app": app_schema(),
                 "accelerator": obj({"type": {"enum": ["nvidia", "amd", "none"]}, "resourceName": STR}),
                 "auth": obj({"apiKeySecret": obj({"name": STR, "key": STR})}),
                 "modelCredentials": obj({"secretName": STR}),
@@ -159,30 +196,8 @@ def schema() -> dict:
                 "head": obj(pod_keys()),
                 "workers": obj({"engine": worker_group(), "prefill": worker_group(), "decode": worker_group()}),
                 "pd": obj({"enabled": BOOL, "connector": {"type": "string", "minLength": 1}}),
-                "autoscaling": obj(
-                    {
-                        "enabled": BOOL,
-                        "minReplicas": int_min(0),
-                        "maxReplicas": int_min(1),
-                        "targetOngoingRequests": {"type": "number", "exclusiveMinimum": 0},
-                        "upscaleDelaySeconds": {"type": "number", "minimum": 0},
-                        "downscaleDelaySeconds": {"type": "number", "minimum": 0},
-                        "idleTimeoutSeconds": int_min(0),
-                    }
-                ),
-                "upgradeStrategy": obj(
-                    {
-                        "type": {"enum": ["NewCluster", "NewClusterWithIncrementalUpgrade", "None"]},
-                        "clusterUpgradeOptions": obj(
-                            {
-                                "gatewayClassName": STR,
-                                "stepSizePercent": {"type": "integer", "minimum": 1, "maximum": 100},
-                                "maxSurgePercent": {"type": "integer", "minimum": 1, "maximum": 100},
-                                "intervalSeconds": int_min(1),
-                            }
-                        ),
-                    }
-                ),
+                "autoscaling": autoscaling_schema(),
+                "upgradeStrategy": upgrade_schema(),
                 "probes": obj({"modelLoadSeconds": int_min(10), "periodSeconds": int_min(1)}),
                 "monitoring": obj(
                     {

@@ -27,7 +27,8 @@ from fleetserve.scheduler.outputs import (
 from fleetserve.scheduler.policies import resolve_obj_by_qualname
 from fleetserve.scheduler.request import Request, RequestStatus, prefix_salt
 from fleetserve.scheduler.sampling_params import SamplingParams
-from fleetserve.scheduler.scheduler import Scheduler, SchedulerStats
+from fleetserve.scheduler.scheduler import Scheduler
+from fleetserve.scheduler.stats import SchedulerStats
 from fleetserve.scheduler.structured_outputs import StructuredOutputsParams
 
 

@@ -28,12 +28,11 @@ step travel in the SchedulerOutput, and update_from_output rolls
 
 Around this loop: the step's batch and the SchedulerOutput it becomes
 (batch.py), queue order, preemption choice and capacity (policies.py), the
-paged KV cache (kv_cache_manager.py).
+paged KV cache (kv_cache_manager.py), the stats it reports (stats.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple, Optional
 
 from fleetserve.scheduler.batch import StepBatch
@@ -46,24 +45,7 @@ from fleetserve.scheduler.outputs import EngineCoreOutput, ModelRunnerOutput, Sc
 from fleetserve.scheduler.policies import make_capacity_policy, make_waiting_queue, pick_victim
 from fleetserve.scheduler.request import Request, RequestStatus
 from fleetserve.scheduler.spec_decode import DraftLengthPolicy, SpecDecodingStats, assign_drafts, lookahead_slots
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    num_waiting_for_remote_kvs: int
-    kv_cache_usage: float
-    num_free_blocks: int
-    num_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    spec_decoding: Optional[SpecDecodingStats] = None
-    # With LoRA (max_loras > 0): requests per adapter name, running and waiting.
-    max_loras: int = 0
-    lora_running: Optional[dict[str, int]] = None
-    lora_waiting: Optional[dict[str, int]] = None
+from fleetserve.scheduler.stats import SchedulerStats, snapshot
 
 
 class PrefixLookup(NamedTuple):
@@ -600,38 +582,7 @@ class Scheduler:
 
     # ---- stats -------------------------------------------------------------------
     def get_stats(self) -> SchedulerStats:
-        max_loras = self.config.max_loras
-        lora_running, lora_waiting = self._lora_counts() if max_loras else (None, None)
-        return SchedulerStats(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            num_waiting_for_remote_kvs=len(self.waiting_for_remote_kvs),
-            kv_cache_usage=self.kv.usage(),
-            num_free_blocks=self.kv.num_free_blocks,
-            num_blocks=self.kv.num_blocks,
-            prefix_cache_queries=self.kv.prefix_cache_queries,
-            prefix_cache_hits=self.kv.prefix_cache_hits,
-            num_preemptions=self.num_preemptions,
-            spec_decoding=self.spec_stats.snapshot() if self.config.num_spec_tokens else None,
-            max_loras=max_loras,
-            lora_running=lora_running,
-            lora_waiting=lora_waiting,
-        )
-
-    def _lora_counts(self) -> tuple[dict[str, int], dict[str, int]]:
-        """Requests per adapter name: (running, waiting and parked for a remote load)."""
-        running: dict[str, int] = {}
-        waiting: dict[str, int] = {}
-        reqs: Iterable[Request]
-        for reqs, counts in (
-            (self.running, running),
-            (self.waiting, waiting),
-            (self.waiting_for_remote_kvs.values(), waiting),
-        ):
-            for r in reqs:
-                if r.lora_name:
-                    counts[r.lora_name] = counts.get(r.lora_name, 0) + 1
-        return running, waiting
+        return snapshot(self)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

@@ -15,7 +15,7 @@ Each engine owns its own `CollectorRegistry`, so several engines in one process
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -117,6 +117,22 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         scale *= 10
 
 
+class _Family:
+    """Makes the engine's metrics in one registry, each bound to the engine's own labels."""
+
+    def __init__(self, registry: CollectorRegistry, labels: list[str], values: tuple[str, ...]) -> None:
+        self.registry, self.labels, self.values = registry, labels, values
+
+    def gauge(self, name: str, doc: str) -> Any:
+        return Gauge(name, doc, self.labels, registry=self.registry).labels(*self.values)
+
+    def counter(self, name: str, doc: str) -> Any:
+        return Counter(name, doc, self.labels, registry=self.registry).labels(*self.values)
+
+    def hist(self, name: str, doc: str, buckets: Any) -> Any:
+        return Histogram(name, doc, self.labels, buckets=buckets, registry=self.registry).labels(*self.values)
+
+
 class EngineMetrics:
     _lora_info = None  # vllm:lora_requests_info, made with the first LoRA stats
     _lora_labels = None
@@ -126,17 +142,33 @@ class EngineMetrics:
         labels = ["model_name", "engine"]
         self.model_name = model_name
         values = (model_name, ENGINE_INDEX)
-        token_buckets = build_1_2_5_buckets(max(1, max_model_len))
+        family = _Family(r, labels, values)
+        self._declare_state(family)
+        success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labels + ["finished_reason"],
+            registry=r,
+        )
+        self._success = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}
+        self._success_family = success
+        self._declare_token_histograms(family, build_1_2_5_buckets(max(1, max_model_len)))
+        self._declare_latency_histograms(family)
+        self._cache_info = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            ["engine", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
+            registry=r,
+        )
+        self._last_queries = self._last_hits = self._last_preemptions = 0
+        # Speculative decoding (vLLM's names), created on the first stats that carry it.
+        self._spec: Optional[dict[str, Counter]] = None
+        self._last_spec = SpecDecodingStats()
+        self.kv_transfer = KVTransferMetrics(r, labels, values)
 
-        def gauge(name, doc):
-            return Gauge(name, doc, labels, registry=r).labels(*values)
-
-        def counter(name, doc):
-            return Counter(name, doc, labels, registry=r).labels(*values)
-
-        def hist(name, doc, buckets):
-            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(*values)
-
+    def _declare_state(self, family: "_Family") -> None:
+        """The scheduler's gauges and counters (requests, KV cache, prefix cache, tokens)."""
+        gauge, counter = family.gauge, family.counter
         self.num_running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.num_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
@@ -159,14 +191,10 @@ class EngineMetrics:
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        success = Counter(
-            "vllm:request_success",
-            "Count of successfully processed requests.",
-            labels + ["finished_reason"],
-            registry=r,
-        )
-        self._success = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}
-        self._success_family = success
+
+    def _declare_token_histograms(self, family: "_Family", token_buckets: list) -> None:
+        """Per-request token counts and request parameters."""
+        hist = family.hist
         self.request_prompt_tokens = hist(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
         )
@@ -185,6 +213,10 @@ class EngineMetrics:
         self.params_max_tokens = hist(
             "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", token_buckets
         )
+
+    def _declare_latency_histograms(self, family: "_Family") -> None:
+        """Per-token and per-request latencies, by phase."""
+        hist = family.hist
         self.ttft = hist(
             "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", _TTFT_BUCKETS
         )
@@ -229,17 +261,6 @@ class EngineMetrics:
             "Histogram of time spent in DECODE phase for request.",
             _REQUEST_LATENCY_BUCKETS,
         )
-        self._cache_info = Gauge(
-            "vllm:cache_config_info",
-            "Information of the LLMEngine CacheConfig",
-            ["engine", "block_size", "num_gpu_blocks", "enable_prefix_caching"],
-            registry=r,
-        )
-        self._last_queries = self._last_hits = self._last_preemptions = 0
-        # Speculative decoding (vLLM's names), created on the first stats that carry it.
-        self._spec: Optional[dict[str, Counter]] = None
-        self._last_spec = SpecDecodingStats()
-        self.kv_transfer = KVTransferMetrics(r, labels, values)
 
     def _update_lora_info(self, stats: SchedulerStats) -> None:
         """vllm:lora_requests_info, vLLM's: one series whose labels name the adapters of the

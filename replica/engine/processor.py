@@ -79,12 +79,7 @@ class InputProcessor:
         kv_transfer_params: Optional[dict[str, Any]] = None,
         lora_name: Optional[str] = None,
     ) -> tuple[Optional[str], list[Request]]:
-        lora_id, lora_key = 0, None
-        if lora_name is not None:
-            if lora_name not in self.loras:
-                held = ", ".join(map(repr, self.loras)) or "none (start it with --lora-modules)"
-                raise ValueError(f"LoRA adapter {lora_name!r} is not loaded; adapters: {held}")
-            lora_id, lora_key = self.loras[lora_name]
+        lora_id, lora_key = self._lora(lora_name)
         text, token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
@@ -95,29 +90,7 @@ class InputProcessor:
             if len(kept) < len(token_ids):
                 text = None  # the text no longer matches the tokens
             token_ids = kept
-        if sampling_params.continued_output_tokens >= len(token_ids):
-            raise ValueError(
-                f"continued_output_tokens ({sampling_params.continued_output_tokens}) must be "
-                f"smaller than the prompt ({len(token_ids)} tokens)"
-            )
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens, but this model's maximum context length "
-                f"is {self.max_model_len} tokens (prompt plus at least one output token)"
-            )
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is out of the vocabulary (size {self.vocab_size})")
-        bad = next((t for t in sampling_params.stop_token_ids if t >= self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"stop_token_ids: {bad} is out of the vocabulary (size {self.vocab_size})")
-        bad = next((t for t in (sampling_params.logit_bias or {}) if t >= self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"logit_bias: token id {bad} is out of the vocabulary (size {self.vocab_size})")
-        for name in ("allowed_token_ids",):
-            bad = next((t for t in (getattr(sampling_params, name) or ()) if t >= self.vocab_size), None)
-            if bad is not None:
-                raise ValueError(f"{name}: token id {bad} is out of the vocabulary (size {self.vocab_size})")
+        self._check_ids(token_ids, sampling_params)
         if sampling_params.bad_words and sampling_params.bad_words_token_ids is None:
             sampling_params = sampling_params.replace(
                 bad_words_token_ids=bad_words_token_ids(self.tokenizer, sampling_params.bad_words)
@@ -153,6 +126,42 @@ class InputProcessor:
                 )
             )
         return text, requests
+
+    def _lora(self, lora_name: Optional[str]) -> tuple[int, Optional[str]]:
+        """(adapter id, key) of `lora_name`; (0, None) for the base model."""
+        if lora_name is None:
+            return 0, None
+        if lora_name not in self.loras:
+            held = ", ".join(map(repr, self.loras)) or "none (start it with --lora-modules)"
+            raise ValueError(f"LoRA adapter {lora_name!r} is not loaded; adapters: {held}")
+        return self.loras[lora_name]
+
+    def _check_ids(self, token_ids: list[int], sampling_params: SamplingParams) -> None:
+        """The prompt fits the context and every token id (prompt, stop, bias, allowed) the
+        vocabulary; ValueError naming which otherwise."""
+        if sampling_params.continued_output_tokens >= len(token_ids):
+            raise ValueError(
+                f"continued_output_tokens ({sampling_params.continued_output_tokens}) must be "
+                f"smaller than the prompt ({len(token_ids)} tokens)"
+            )
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, but this model's maximum context length "
+                f"is {self.max_model_len} tokens (prompt plus at least one output token)"
+            )
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is out of the vocabulary (size {self.vocab_size})")
+        bad = next((t for t in sampling_params.stop_token_ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: {bad} is out of the vocabulary (size {self.vocab_size})")
+        bad = next((t for t in (sampling_params.logit_bias or {}) if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token id {bad} is out of the vocabulary (size {self.vocab_size})")
+        for name in ("allowed_token_ids",):
+            bad = next((t for t in (getattr(sampling_params, name) or ()) if t >= self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{name}: token id {bad} is out of the vocabulary (size {self.vocab_size})")
 
 
 def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
