@@ -2,11 +2,11 @@
 request's deltas, instead of one Serve streaming item per delta per request.
 
 Why. Each item of a Serve streaming call costs CPU in both processes (cloudpickle, the
-gRPC generator wrapper, a task wake-up on each side): with 64 streams and a step every
-~50 ms that is ~1300 items a second, about half of the engine replica's CPU and a fifth
-of the ingress's at saturation on a 2-core machine (README, "On a third machine"), taken
-from the model's OpenMP threads. vLLM's engine core sends its API server one message per
-step for all requests; this is the same for a Serve deployment pair.
+gRPC generator wrapper, a task wake-up on each side), so one item per delta per request
+grows with the streams in flight and is taken from the model's OpenMP threads (what it
+cost at saturation: docs/design/router.md, "The per-step feed"). vLLM's engine core sends
+its API server one message per step for all requests; this is the same for a Serve
+deployment pair.
 
 How. A request still makes its own `generate` call, routed by the request router as
 before, and that call still owns the request: its first item (the first token, or the

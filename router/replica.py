@@ -319,9 +319,9 @@ async def ready_batches(
     waiting for more), but outputs that are already there when the previous send is
     done go out together, as one stream item.
 
-    Every stream item costs ~1-2 ms of CPU between the replica, the ingress and the
-    proxy (measured, issue 5); with the engine stepping every few ms that can exceed
-    the step time on a busy host, and then items queue up behind each other. Batching
+    Every stream item costs CPU between the replica, the ingress and the proxy, which
+    on a busy host can exceed the step time, and then items queue up behind each other
+    (docs/design/router.md, "Serve settings on the request path"). Batching
     what is already queued keeps the stream from falling behind, and costs nothing
     when it keeps up. While `batching()` is false (the request's items go over a per-step
     feed, which batches across requests: router.feed) each output goes out alone, with no

@@ -5,8 +5,8 @@ instance)` through a call pinned to that replica (the mechanism the ingress uses
 for metrics): the replica answers at once when it has batches the index lacks,
 otherwise when its engine publishes the next one (or after `wait_s`). Between
 polls the task sleeps `poll_interval_s`, so a busy engine's steps reach the index
-in batches of ~that period instead of one call per step (each call costs ~1-2 ms
-of CPU across the processes). The index's own cursor (instance, last sequence
+in batches of ~that period instead of one call per step (each call costs CPU in
+three processes). The index's own cursor (instance, last sequence
 number) makes every read resume exactly where the last one ended; a replica that
 restarted its engine, or a hole in the sequence, gets a snapshot instead.
 

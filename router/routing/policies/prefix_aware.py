@@ -10,7 +10,7 @@ processes) and looks the chain up in two places:
   will hold its blocks a step later, before its events arrive, so a burst of
   one prefix follows its first request. Released `linger_s` after the request
   completes: by then its events have reached the index (they are published at
-  the step that schedules the prompt, and read every ~50 ms), which alone
+  the step that schedules the prompt, and read every `poll_interval_s`), which alone
   decides from then on (eviction included).
 
 Then, for a new prompt:
