@@ -76,8 +76,10 @@ def apply(bind_host: Optional[str]) -> None:
 
 def pinned_ports() -> list[int]:
     """The direct-ingress ports pinned to one value each (cluster/deploy.py pins the
-    configured HTTP and gRPC ports: a range of exactly one port); none otherwise."""
-    if os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":
+    configured HTTP and gRPC ports: a range of exactly one port), when this process is a
+    Serve replica that will bind them; none otherwise (an Ingress built outside Serve, as
+    the unit tests do, binds nothing and must not wait for the live server's ports)."""
+    if os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1" or not _in_serve_replica():
         return []
     ports = []
     for proto in ("HTTP", "GRPC"):
@@ -86,6 +88,17 @@ def pinned_ports() -> list[int]:
         if low.isdigit() and high.isdigit() and int(high) - int(low) == 1:
             ports.append(int(low))
     return ports
+
+
+def _in_serve_replica() -> bool:
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        serve.get_replica_context()
+    except RayServeException:
+        return False
+    return True
 
 
 def _listened(host: str, port: int) -> bool:

@@ -61,6 +61,8 @@ def test_a_replacement_waits_for_its_pinned_port_to_be_released(monkeypatch):
     monkeypatch.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", str(port))
     monkeypatch.setenv("RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", str(port + 1))
     monkeypatch.delenv("RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT", raising=False)
+    assert serve_patches.pinned_ports() == []  # not in a Serve replica: nothing to bind
+    monkeypatch.setattr(serve_patches, "_in_serve_replica", lambda: True)
     assert serve_patches.pinned_ports() == [port]
     old = socket.socket()
     old.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
