@@ -158,8 +158,11 @@ class MergedStream:
 
     def cancel(self) -> None:
         self._pending.clear()
-        for task in self._tasks:
-            task.cancel()
+        for task, i in self._tasks.items():
+            if i not in self._gens and task.done() and not task.cancelled() and task.exception() is None:
+                task.result()[0].cancel()  # opened, not yet read: its engine request is live
+            else:
+                task.cancel()
         self._tasks.clear()
         for gen in self._gens.values():
             gen.cancel()

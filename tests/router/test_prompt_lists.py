@@ -123,6 +123,20 @@ def test_merged_stream_refusal_of_a_first_prompt_is_the_answer_and_a_later_one_e
     assert not any(o["index"] >= 8 for it in items if "outputs" in it for o in it["outputs"])
 
 
+def test_merged_stream_cancel_also_cancels_a_prompt_opened_but_not_yet_read():
+    """A client gone while the next prompt's stream has just opened: that stream is
+    cancelled too (its engine request would otherwise run on with nobody reading it)."""
+    live = {"now": 0, "max": 0, "cancelled": 0}
+
+    async def go():
+        stream, first = await MergedStream.open(_opener(live, steps=1), _bodies(3), 1, None, window=1)
+        await asyncio.sleep(0.05)  # prompt 0 finished at once: prompt 1's opening completes
+        stream.cancel()
+
+    asyncio.run(go())
+    assert live["cancelled"] == 2  # prompt 0's stream, and prompt 1's, opened but unread
+
+
 # -- through the real server ---------------------------------------------------------------
 
 
