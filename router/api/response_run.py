@@ -78,7 +78,8 @@ class ResponseRun:
             answer: dict[str, Any] = {"role": "assistant", "content": out.text or ""}
             if out.calls:
                 answer["tool_calls"] = [dict(c) for c in out.calls]
-            self.store.put(response, self.conversation + [answer])
+            if not self.store.put(response, self.conversation + [answer]):
+                response["store"] = False  # over the store's byte bound on its own: not kept
         return response
 
     async def events(self, gen, first: dict) -> AsyncIterator[str]:

@@ -13,7 +13,11 @@ them.
 
 Stored responses (`store`, true by default as OpenAI's) live in the ingress's memory, the
 newest `MAX_STORED` of them: enough to chain a conversation with `previous_response_id` or
-fetch a result again, gone when the ingress restarts (as vLLM's in-memory store). Hosted
+fetch a result again, gone when the ingress restarts (as vLLM's in-memory store). The store
+is bounded in bytes as well (`MAX_STORED_BYTES`, the JSON size of each entry): a chain with
+`previous_response_id` stores its whole conversation again at every turn, so a count alone
+does not bound the memory. Oldest entries go first; one entry over the byte bound on its own
+is not stored (the response still answers, with `store` reported false). Hosted
 tools (web search, file search, MCP...), images, files and reasoning items are refused with
 a 400 naming the field: with them the answer could not be what the client asked for.
 """
@@ -33,6 +37,7 @@ from fleetserve.router.api.limits import MAX_MESSAGES
 from fleetserve.router.api.protocol import ChatCompletionRequest, _SamplingRequest
 
 MAX_STORED = 1024
+MAX_STORED_BYTES = 256 << 20  # the JSON size of all stored entries together
 _ROLES = ("user", "assistant", "system", "developer")
 
 
@@ -241,33 +246,47 @@ def _function_output(i: int, item: dict) -> dict:
 
 
 class ResponseStore:
-    """The newest `capacity` stored responses: id -> (response object, the conversation it
-    ends: the messages it was given, without instructions, plus its answer)."""
+    """The newest stored responses, at most `capacity` of them and `max_bytes` of JSON:
+    id -> (response object, the conversation it ends: the messages it was given, without
+    instructions, plus its answer)."""
 
-    def __init__(self, capacity: int = MAX_STORED) -> None:
-        self.capacity = capacity
-        self._items: collections.OrderedDict[str, tuple[dict, list[dict]]] = collections.OrderedDict()
+    def __init__(self, capacity: int = MAX_STORED, max_bytes: int = MAX_STORED_BYTES) -> None:
+        self.capacity, self.max_bytes = capacity, max_bytes
+        self._items: collections.OrderedDict[str, tuple[dict, list[dict], int]] = collections.OrderedDict()
+        self.nbytes = 0  # the JSON size of what is stored
 
-    def put(self, response: dict, conversation: list[dict]) -> None:
-        self._items[response["id"]] = (response, conversation)
-        self._items.move_to_end(response["id"])
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+    def put(self, response: dict, conversation: list[dict]) -> bool:
+        """Store it (the newest); False when the entry alone is over the byte bound."""
+        size = len(json.dumps(response, ensure_ascii=False)) + len(json.dumps(conversation, ensure_ascii=False))
+        if size > self.max_bytes:
+            return False
+        rid = response["id"]
+        if rid in self._items:
+            self.nbytes -= self._items.pop(rid)[2]
+        self._items[rid] = (response, conversation, size)
+        self.nbytes += size
+        while len(self._items) > self.capacity or self.nbytes > self.max_bytes:
+            self.nbytes -= self._items.popitem(last=False)[1][2]
+        return True
+
+    def __len__(self) -> int:
+        return len(self._items)
 
     def get(self, response_id: str, param: Optional[str] = None) -> tuple[dict, list[dict]]:
         try:
-            return self._items[response_id]
+            response, conversation, _ = self._items[response_id]
         except KeyError:
             raise APIError(
                 f"Response with id '{response_id}' not found (responses are kept in "
-                f"memory, the newest {self.capacity}, until the server restarts).",
+                f"memory, the newest {self.capacity} up to {self.max_bytes >> 20} MiB, until the server restarts).",
                 404,
                 param=param,
             ) from None
+        return response, conversation
 
     def delete(self, response_id: str) -> None:
         self.get(response_id)
-        del self._items[response_id]
+        self.nbytes -= self._items.pop(response_id)[2]
 
 
 _CHAT_NAMES = ("max_completion_tokens", "max_tokens")
