@@ -128,6 +128,7 @@ class TransferStats(TypedDict, total=False):
     failed_loads: int
     expired_loads: int
     dropped_saves: int
+    staging_refused: int  # transfers refused by the staging pool's cap (kv_transfer.staging)
     blocks_held: int
 
 

@@ -6,6 +6,9 @@
     vllm:kv_transfer_dropped_saves                     counter: saves that never reached their
                                                        store (the export failed, or it was still
                                                        pending past kv_save_timeout_s at shutdown)
+    vllm:kv_transfer_staging_refused                   counter: saves dropped and loads failed
+                                                       because staging them would pass the
+                                                       staging pool's cap (staging_max_bytes)
     vllm:prompt_tokens_by_source{source=...}           counter: local_compute, local_cache_hit,
                                                        external_kv_transfer
     vllm:kv_transfer_blocks_held                       gauge: KV blocks held for transfers
@@ -75,6 +78,10 @@ class KVTransferMetrics:
             "KV saves that never reached their store (export failed, or "
             "still pending past kv_save_timeout_s when the engine stopped).",
         )
+        self.staging_refused = counter(
+            "vllm:kv_transfer_staging_refused",
+            "KV transfers refused by the staging pool's cap (staging_max_bytes): recomputed instead.",
+        )
         self.blocks_held = Gauge(
             "vllm:kv_transfer_blocks_held",
             "KV blocks held for transfers (being received or kept for a send).",
@@ -103,6 +110,7 @@ class KVTransferMetrics:
         self.failed.inc(stats.get("failed_loads", 0))
         self.expired.inc(stats.get("expired_loads", 0))
         self.dropped_saves.inc(stats.get("dropped_saves", 0))
+        self.staging_refused.inc(stats.get("staging_refused", 0))
         if "blocks_held" in stats:
             self.blocks_held.set(stats["blocks_held"])
 

@@ -36,7 +36,7 @@ from fleetserve.kv_transfer.digests import DigestsBehind, host_digests
 from fleetserve.kv_transfer.errors import KVFormatError, TransferError
 from fleetserve.kv_transfer.loads import Fetched, Load, LocalCache, Sink
 from fleetserve.kv_transfer.shards import local_head_range
-from fleetserve.kv_transfer.staging import StagingPool
+from fleetserve.kv_transfer.staging import StagingFull, StagingPool
 from fleetserve.kv_transfer.stream import STREAM_CHUNK_BYTES, ExportProgress, plan_chunks
 from fleetserve.kv_transfer.transport import Transport
 
@@ -93,6 +93,7 @@ class TransferWorker(KVConnectorWorker):
         self._sending_done: set[str] = set()
         self._invalid: set[int] = set()
         self.stats = self._new_stats()
+        self._staging_refused_seen = 0
         # Exports record their sends from transfer threads; the engine's thread takes the dict.
         self._stats_lock = threading.Lock()
 
@@ -160,7 +161,15 @@ class TransferWorker(KVConnectorWorker):
 
     def _start_save(self, spec: SaveSpec) -> None:
         t0 = time.perf_counter()
-        batch = self._empty_batch(spec)
+        try:
+            batch = self._empty_batch(spec)
+        except StagingFull as e:
+            # Dropped, not staged past the cap: the consumer's load fails and it recomputes.
+            logger.warning("KV save of %s dropped: %s", spec.req_id, e)
+            with self._stats_lock:
+                self.stats["dropped_saves"] += 1
+            self._sending_done.add(spec.req_id)  # nothing copies its blocks: free to go
+            return
         idx = block_index(spec.block_ids, self.kv_caches[0].device)
         if spec.layerwise:  # filled by save_kv_layer as this step's forward goes
             self._layer_saves.append(_LayerSave(spec, batch, idx, set(), t0))
@@ -397,7 +406,10 @@ class TransferWorker(KVConnectorWorker):
         return out
 
     def take_stats(self) -> Optional[TransferStats]:
+        refused = self.staging.num_refused  # saves dropped and loads failed for the staging cap
         with self._stats_lock:
+            self.stats["staging_refused"] = refused - self._staging_refused_seen
+            self._staging_refused_seen = refused
             out = self.stats
             if not any(out.values()):
                 return None
@@ -414,6 +426,7 @@ class TransferWorker(KVConnectorWorker):
             failed_loads=0,
             expired_loads=0,
             dropped_saves=0,
+            staging_refused=0,
         )
 
     def wait_for_exports(self, timeout: float = 30.0) -> int:

@@ -287,24 +287,44 @@ def test_staging_pool_reuses_buffers_and_keeps_under_its_cap():
     give_a()  # twice is once
     b, give_b = pool.take((5, 10), torch.float32)  # fits the cached buffer: reused
     assert b.data_ptr() == ptr and pool.cached_bytes == 0
-    c, give_c = pool.take((300,), torch.float32)  # 1200 bytes: over the cap
+    c, give_c = pool.take((150,), torch.float32)  # 600 bytes: 1000 handed out in all
     give_b()
     give_c()
-    assert pool.cached_bytes == 400  # the big one was dropped, not kept (over the cap alone)
+    assert pool.cached_bytes == 1000 and pool.in_use_bytes == 0
+
+
+def test_staging_pool_refuses_what_would_pass_its_cap_and_serves_once_room_comes_back():
+    """Buffers handed out count against the cap (an export held for its consumer keeps its
+    buffer): a take past it is refused, counted, and kept buffers are dropped to make room."""
+    from fleetserve.kv_transfer.staging import StagingFull
+
+    pool = StagingPool(max_bytes=1000)
+    held, give_held = pool.take((600,), torch.uint8)
+    with pytest.raises(StagingFull, match="staging_max_bytes"):
+        pool.take((600,), torch.uint8)
+    with pytest.raises(StagingFull):
+        pool.take((1001,), torch.uint8)  # over the cap on its own
+    assert pool.num_refused == 2 and pool.in_use_bytes == 600
+    small, give_small = pool.take((300,), torch.uint8)  # fits beside it
+    give_small()
+    give_held()
+    assert pool.cached_bytes == 900 and pool.in_use_bytes == 0
+    big, give_big = pool.take((700,), torch.uint8)  # none fits: the kept ones make room
+    assert pool.in_use_bytes + pool.cached_bytes <= 1000
+    give_big()
+    assert pool.in_use_bytes == 0 and pool.cached_bytes <= 1000
 
 
 def test_staging_pool_drops_the_least_recently_given_back_first():
-    pool = StagingPool(max_bytes=1000)
-    bufs = [pool.take((n,), torch.uint8) for n in (400, 500, 300)]
-    ptrs = [t.data_ptr() for t, _ in bufs]
-    for _, give in bufs:
-        give()
-    assert pool.cached_bytes == 800  # 400 + 500 + 300 is over the cap: the 400 went
-    big, give = pool.take((450,), torch.uint8)  # the smallest that fits: the 500
-    assert big.data_ptr() == ptrs[1]
-    give()
-    small, _ = pool.take((100,), torch.uint8)
-    assert small.data_ptr() == ptrs[2] and pool.cached_bytes == 500
+    pool = StagingPool(max_bytes=1200)
+    (_, give_a), (b, give_b) = pool.take((400,), torch.uint8), pool.take((500,), torch.uint8)
+    give_a()
+    give_b()
+    assert pool.cached_bytes == 900
+    c, give_c = pool.take((600,), torch.uint8)  # none fits; 600 + 900 is over the cap: the 400 goes
+    assert pool.cached_bytes == 500 and pool.in_use_bytes == 600
+    again, _ = pool.take((450,), torch.uint8)  # the smallest that fits: the 500 kept
+    assert again.data_ptr() == b.data_ptr()
 
 
 def test_store_reads_blocks_straight_into_a_given_buffer(tmp_path):
