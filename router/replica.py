@@ -27,7 +27,7 @@ from fleetserve.replica.engine.engine_args import EngineArgs
 from fleetserve.replica.engine.errors import EngineDeadError, QueueFullError
 from fleetserve.router.api.errors import error_body
 from fleetserve.router.feed import FEED_END_GRACE_S, FEED_FLAG, FEED_KEY, FeedChannel, FeedChannels
-from fleetserve.router.routing.admission import admission_refusal
+from fleetserve.router.routing.admission import RESERVATION_KEY, Reservations, admission_refusal
 from fleetserve.router.routing.migration import ENGINE_DEAD, MIGRATED_KEY
 from fleetserve.scheduler import SamplingParams, resolve_obj_by_qualname
 
@@ -47,6 +47,7 @@ class EngineReplica:
         self.hash_algo = args.prefix_caching_hash_algo
         self._kv_wake = AppendWaiter()
         self._feeds = FeedChannels()
+        self._reservations = Reservations()  # P/D decode slots held before their prefill runs
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except RayServeException:  # outside Serve (unit tests): a random id
@@ -111,13 +112,12 @@ class EngineReplica:
             yield error_body(str(e), param=_param_of(str(e)))
             return
         prompt_len = len(body["prompt_token_ids"])
-        # A migrated request's continuation was admitted once already: never refuse it.
-        admitted = bool(body.get(MIGRATED_KEY))
-        refusal = (
-            None
-            if admitted
-            else admission_refusal(self.engine.get_load(), prompt_len, self.block_size, self._max_queued_kv_ratio)
+        # A migrated request's continuation was admitted once already, and a P/D request that
+        # reserved its slot here before its prefill was too: never refuse them.
+        admitted = bool(body.get(MIGRATED_KEY)) or (
+            RESERVATION_KEY in body and self._reservations.take(str(body[RESERVATION_KEY]))
         )
+        refusal = None if admitted else self._admission_refusal(prompt_len)
         if refusal is not None:
             yield error_body(refusal, status=429)
             return
@@ -160,6 +160,28 @@ class EngineReplica:
             # (router/migration.py) until Serve replaces it.
             yield {**error_body(str(e), status=503, code=ENGINE_DEAD), "replica": self.replica_id}
 
+    def _admission_refusal(self, prompt_len: int, reserving: bool = False) -> Optional[str]:
+        """Why a new request of `prompt_len` tokens (or, `reserving`, a decode slot for one) is
+        refused here now (429), or None. The slots reserved here count as queued work and as
+        waiting requests (router.routing.admission)."""
+        load = self.engine.get_load()
+        reserved = self._reservations.tokens()
+        refusal = admission_refusal(load, prompt_len, self.block_size, self._max_queued_kv_ratio, reserved)
+        limit = getattr(getattr(self.engine, "args", None), "max_waiting_requests", None)
+        if refusal is None and (reserved or reserving) and isinstance(limit, int):
+            if load.get("num_waiting", 0) + len(self._reservations) >= limit:
+                refusal = "the replica's waiting queue is full (reserved decode slots included); retry later"
+        return refusal
+
+    def _reserve(self, owner: str, prompt_len: int, ttl_s: float) -> dict:
+        """Admit a P/D request before its prefill runs: a slot held for `ttl_s` (its owner's
+        request takes it, or the owner releases it), or the 429 it would get now."""
+        refusal = self._admission_refusal(prompt_len, reserving=True)
+        if refusal is not None:
+            return {"replica": self.replica_id, "error": refusal, "status": 429}
+        self._reservations.reserve(owner, prompt_len, ttl_s)
+        return {"replica": self.replica_id, "reserved": owner}
+
     async def feed(
         self, feed_id: str, replica_id: Optional[str] = None, _fleetserve_target: Optional[str] = None
     ) -> AsyncIterator[list]:
@@ -195,6 +217,10 @@ class EngineReplica:
             return {"replica": self.replica_id, "key": key}
         if op == "unload_lora":
             return {"replica": self.replica_id, "removed": await self.engine.remove_lora(kwargs["name"])}
+        if op == "reserve":
+            return self._reserve(str(kwargs["owner"]), int(kwargs["prompt_len"]), float(kwargs["ttl_s"]))
+        if op == "release_reservation":
+            return {"replica": self.replica_id, "released": self._reservations.release(str(kwargs["owner"]))}
         if op == "metrics_text":
             return {"replica": self.replica_id, "text": self.engine.metrics_text()}
         if op == "get_load":

@@ -89,20 +89,33 @@ def continuation_body(body: dict, generated: list[int], attempt: int, avoid: lis
 
 
 class MigratingStream:
-    """A replica stream (ReplicaStream's interface) that survives its replica."""
+    """A replica stream (ReplicaStream's interface) that survives its replica.
+
+    `first`: the stream already opened for this request, when it is not `open_stream(body)`
+    (the P/D and prefix-reuse flows' pinned call, carrying kv_transfer_params); `body` is then
+    the request as the client sent it, what a continuation continues (no params: the next
+    replica computes the prompt and the tokens sent so far). `replica`: the one `first` was
+    pinned to (avoided by a continuation even when it failed before its first item)."""
 
     def __init__(
-        self, open_stream: Callable[[dict], Any], body: dict, max_migrations: int, backoff_s: float = 0.25
+        self,
+        open_stream: Callable[[dict], Any],
+        body: dict,
+        max_migrations: int,
+        backoff_s: float = 0.25,
+        first: Any = None,
+        replica: Optional[str] = None,
     ) -> None:
         self._open = open_stream
         self._body = body
-        self._stream = open_stream(body)
+        self._stream = first if first is not None else open_stream(body)
         self._max = max_migrations
         self._backoff_s = backoff_s
         self.migrations = 0
         self._generated: dict[int, list[int]] = {}
         self._finished: set[int] = set()
-        self._replicas: list[str] = []  # replicas that served this request, in order
+        # Replicas that served this request, in order (a continuation avoids them).
+        self._replicas: list[str] = [replica] if replica else []
 
     def __aiter__(self):
         return self

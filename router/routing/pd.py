@@ -38,14 +38,21 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from fleetserve.kv_transfer.handoff import release_unused
 from fleetserve.router.api.errors import error_body, is_error
 from fleetserve.router.metrics import PDMetrics
+from fleetserve.router.routing.admission import RESERVATION_KEY
+from fleetserve.router.routing.migration import MIGRATED_KEY, MigratingStream
 from fleetserve.router.routing.policies import RouteRequest
 from fleetserve.router.routing.registry import get_router
 from fleetserve.router.routing.request_router import TARGET_KWARG
 from fleetserve.scheduler import prefix_salt
 
 logger = logging.getLogger("ray.serve")
+
+RESERVE_TIMEOUT_S = 10.0  # a decode replica's answer to a reservation (or its release)
+# A reservation outlives the prefill calls it waits for by this much (then it is released).
+RESERVATION_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -58,13 +65,16 @@ class PDSettings:
 
 
 class PDRouter:
-    def __init__(self, decode_handle, prefill_handle, settings: PDSettings, block_size: int = 16) -> None:
+    def __init__(
+        self, decode_handle, prefill_handle, settings: PDSettings, block_size: int = 16, max_migrations: int = 2
+    ) -> None:
         # block_size: the decode engines' (the ingress sets it from their info).
         self._decode = decode_handle
         self._decode_generate = decode_handle.options(stream=True).generate
         self._prefill_generate = prefill_handle.options(stream=True).generate
         self.settings = settings
         self.block_size = block_size
+        self.max_migrations = max_migrations
         self.metrics = PDMetrics()
 
     # -- the flow --------------------------------------------------------------
@@ -74,38 +84,72 @@ class PDRouter:
         `open_call(generate, body, **kwargs)` makes the call and returns its stream (the
         ingress's `ReplicaStream.open`: the decode stream rides the per-step feed)."""
         if body["sampling_params"].get("embed"):
-            # An embedding is prompt work alone: the prefill pool answers it, and the decode
-            # pool's steps stay free of it (no KV to hand over).
-            self.metrics.requests.labels("prefill_only").inc()
-            try:
-                final = await asyncio.wait_for(
-                    run_to_final(self._prefill_generate.remote(body)), self.settings.prefill_timeout_s
-                )
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - a dead or stuck prefill replica: the client is told
-                final = error_body(f"the prefill pool failed the request: {type(e).__name__}: {e}", 503)
-            return _Answered(), final
+            return await self._embed(body)
         prompt = body["prompt_token_ids"]
         decode_id, cached = self._pick_decode(body)
-        params, path = None, "decode_only"
-        t_prefill_done = None
         sp = body["sampling_params"]
         # n > 1 and prompt logprobs need the decode engine to run the prompt itself.
-        if (
+        wants_prefill = (
             len(prompt) - cached >= max(1, self.settings.min_prefill_tokens)
             and sp.get("n", 1) == 1
             and sp.get("prompt_logprobs") is None
-        ):
-            params = await self._prefill(body)
-            path = "pd" if params is not None else "prefill_failed"
-            t_prefill_done = time.perf_counter()
-        self.metrics.requests.labels(path).inc()
+        )
+        owner = None
+        if wants_prefill and decode_id is not None:
+            # Admitted at the decode side first: a refusal there costs no prefill.
+            owner, refusal = await self._reserve(decode_id, body)
+            if refusal is not None:
+                self.metrics.requests.labels("decode_refused").inc()
+                return _Answered(), refusal
+        params: Optional[dict] = None
+        try:
+            path, t_prefill_done = "decode_only", None
+            if wants_prefill:
+                params = await self._prefill(body)
+                path = "pd" if params is not None else "prefill_failed"
+                t_prefill_done = time.perf_counter()
+            self.metrics.requests.labels(path).inc()
+            stream, first, loaded = await self._open_decode(body, open_call, decode_id, params, owner, t_prefill_done)
+        except BaseException:
+            # The client went away or the decode call failed: the slot and the export go now.
+            if owner is not None and decode_id is not None:
+                soon(self._release_reservation(decode_id, owner))
+            if params is not None:
+                release_soon(body["request_id"], params)
+            raise
+        if params is not None and not loaded:
+            release_soon(body["request_id"], params)  # the decode side never read it
+        return stream, first
+
+    async def _open_decode(
+        self,
+        body: dict,
+        open_call,
+        decode_id: Optional[str],
+        params: Optional[dict],
+        owner: Optional[str],
+        t_prefill_done: Optional[float],
+    ) -> tuple[Any, dict, bool]:
+        """(stream, first item, whether the decode replica read the hand-off `params`). The
+        stream migrates (router.routing.migration) when its decode replica fails, before its
+        first item too: a continuation on another decode replica computes the prompt and the
+        tokens already sent."""
+        loaded = False
         for attempt in range(self.settings.max_attempts):
             d_body = dict(body, request_id=body["request_id"] + (f"-d{attempt}" if attempt else ""))
+            if attempt:
+                d_body[MIGRATED_KEY] = attempt  # admitted already (its reservation was taken)
+            elif owner is not None:
+                d_body[RESERVATION_KEY] = owner
             if params is not None:
                 d_body["kv_transfer_params"] = params
-            gen = open_call(self._decode_generate, d_body, **self._pin(decode_id))
+            gen = MigratingStream(
+                lambda b: open_call(self._decode_generate, b),
+                body,
+                self.max_migrations,
+                first=open_call(self._decode_generate, d_body, **self._pin(decode_id)),
+                replica=decode_id,
+            )
             try:
                 first = await gen.__anext__()
             except BaseException:
@@ -114,6 +158,7 @@ class PDRouter:
             if t_prefill_done is not None:
                 self.metrics.handoff_seconds.observe(time.perf_counter() - t_prefill_done)
                 t_prefill_done = None
+            loaded = params is not None and not gen.migrations and not is_error(first)
             if params is None or not failed_load(first) or attempt + 1 == self.settings.max_attempts:
                 break
             # The load failed and the engine's policy is "fail": nothing was streamed yet,
@@ -124,11 +169,51 @@ class PDRouter:
             gen.cancel()
             self.metrics.retries.labels("decode").inc()
             params = None
-        stream = PDStream(gen, len(prompt), self.metrics, loading=params is not None)
+        stream = PDStream(gen, len(body["prompt_token_ids"]), self.metrics, loading=params is not None)
         if is_error(first):
             gen.cancel()
-            return stream, first
-        return stream, stream.observe(first)
+            return stream, first, loaded
+        return stream, stream.observe(first), loaded
+
+    async def _embed(self, body: dict):
+        """An embedding is prompt work alone: the prefill pool answers it, and the decode
+        pool's steps stay free of it (no KV to hand over)."""
+        self.metrics.requests.labels("prefill_only").inc()
+        try:
+            final = await asyncio.wait_for(
+                run_to_final(self._prefill_generate.remote(body)), self.settings.prefill_timeout_s
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a dead or stuck prefill replica: the client is told
+            final = error_body(f"the prefill pool failed the request: {type(e).__name__}: {e}", 503)
+        return _Answered(), final
+
+    async def _reserve(self, decode_id: str, body: dict) -> tuple[Optional[str], Optional[dict]]:
+        """(the reservation's owner, None), or (None, the decode replica's 429). A replica
+        that cannot answer the reservation reserves nothing: the request goes on as before
+        (its decode call then meets that replica's admission, or its failure)."""
+        owner = f"{body['request_id']}-{uuid.uuid4().hex[:8]}"
+        ttl_s = self.settings.prefill_timeout_s * self.settings.max_attempts + RESERVATION_GRACE_S
+        call = self._decode.control.remote(
+            "reserve", owner=owner, prompt_len=len(body["prompt_token_ids"]), ttl_s=ttl_s, **self._pin(decode_id)
+        )
+        try:
+            answer = await asyncio.wait_for(call, RESERVE_TIMEOUT_S)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a dead or stuck decode replica: no reservation
+            logger.warning("request %s: decode slot not reserved on %s: %r", body["request_id"], decode_id, e)
+            return None, None
+        if answer.get("replica") != decode_id:  # Serve routed it elsewhere: that one is gone
+            return None, None
+        if "error" in answer:
+            return None, error_body(answer["error"], int(answer.get("status", 429)))
+        return owner, None
+
+    async def _release_reservation(self, decode_id: str, owner: str) -> None:
+        call = self._decode.control.remote("release_reservation", owner=owner, **self._pin(decode_id))
+        await asyncio.wait_for(call, RESERVE_TIMEOUT_S)
 
     def _pick_decode(self, body: dict) -> tuple[Optional[str], int]:
         """The decode replica (policy order: load, then its cached prefix) and the prompt
@@ -198,6 +283,38 @@ async def run_to_final(gen) -> dict:
     finally:
         gen.cancel()
     return last
+
+
+_CLEANUPS: set[asyncio.Future] = set()  # clean-ups under way (kept from the GC)
+
+
+def soon(coro) -> None:
+    """Run clean-up `coro` on its own task: the request that asks may be being cancelled."""
+    task = asyncio.ensure_future(coro)
+    _CLEANUPS.add(task)
+    task.add_done_callback(_cleaned)
+
+
+def _cleaned(task: asyncio.Future) -> None:
+    _CLEANUPS.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("P/D clean-up failed (its deadline or lease ends it): %r", task.exception())
+
+
+def release_soon(request_id: str, params: dict) -> None:
+    """Release hand-off `params`, which nobody will load, without waiting for it."""
+    soon(release_export(request_id, params))
+
+
+async def release_export(request_id: str, params: dict) -> None:
+    """End hand-off `params` at once, unread (kv_transfer.handoff), off the event loop."""
+    released = await asyncio.get_running_loop().run_in_executor(None, release_unused, params)
+    logger.info(
+        "request %s: its exported KV (transfer %s) was not loaded: %s",
+        request_id,
+        params.get("transfer_id"),
+        "released" if released else "left to its lease",
+    )
 
 
 def export_body(body: dict, request_id: str, prompt: list[int], transfer_id: str) -> dict:
