@@ -33,7 +33,8 @@ from dataclasses import dataclass
 
 from fleetserve.router.api.errors import is_error
 from fleetserve.router.metrics import ReuseMetrics
-from fleetserve.router.routing.pd import PDStream, export_body, failed_load, run_to_final
+from fleetserve.router.routing.migration import MigratingStream
+from fleetserve.router.routing.pd import PDStream, export_body, failed_load, release_soon, run_to_final
 from fleetserve.router.routing.policies import RouteRequest
 from fleetserve.router.routing.registry import get_router
 from fleetserve.router.routing.request_router import TARGET_KWARG
@@ -49,8 +50,9 @@ class ReuseSettings:
 
 
 class PrefixReuse:
-    def __init__(self, engine_handle, settings: ReuseSettings, block_size: int = 16) -> None:
+    def __init__(self, engine_handle, settings: ReuseSettings, block_size: int = 16, max_migrations: int = 2) -> None:
         # block_size: the engines' (the ingress sets it from their info).
+        self.max_migrations = max_migrations
         self._engine = engine_handle
         self._generate = engine_handle.options(stream=True).generate
         self.settings = settings
@@ -86,28 +88,42 @@ class PrefixReuse:
 
     async def open_stream(self, body: dict, open_call, plain):
         """(stream, first item); `plain(body)` opens an ordinary stream when reuse does not pay.
-        `open_call(generate, body, **kwargs)` makes a call and returns its stream."""
+        `open_call(generate, body, **kwargs)` makes a call and returns its stream. The stream
+        migrates as a plain one does (router.routing.migration) when the chosen replica fails,
+        before its first item too; an export that will not be read is released at once."""
         plan = self.plan(body)
         if plan is None:
             return await plain(body)
         chosen, holder, prefix = plan
         params = await self._export(body, holder, prefix)
         self.metrics.requests.labels("exported" if params else "export_failed").inc()
-        for attempt in range(2):
-            r_body = dict(body, request_id=body["request_id"] + (f"-r{attempt}" if attempt else ""))
-            if params is not None:
-                r_body["kv_transfer_params"] = params
-            gen = open_call(self._generate, r_body, **{TARGET_KWARG: chosen})
-            try:
-                first = await gen.__anext__()
-            except BaseException:
+        exported, loaded = params, False
+        try:
+            for attempt in range(2):
+                r_body = dict(body, request_id=body["request_id"] + (f"-r{attempt}" if attempt else ""))
+                if params is not None:
+                    r_body["kv_transfer_params"] = params
+                gen = MigratingStream(
+                    lambda b: open_call(self._generate, b),
+                    body,
+                    self.max_migrations,
+                    first=open_call(self._generate, r_body, **{TARGET_KWARG: chosen}),
+                    replica=chosen,
+                )
+                try:
+                    first = await gen.__anext__()
+                except BaseException:
+                    gen.cancel()
+                    raise
+                loaded = loaded or (params is not None and not gen.migrations and not is_error(first))
+                if params is None or not failed_load(first):
+                    break
                 gen.cancel()
-                raise
-            if params is None or not failed_load(first):
-                break
-            gen.cancel()
-            self.metrics.requests.labels("load_failed").inc()
-            params = None
+                self.metrics.requests.labels("load_failed").inc()
+                params = None
+        finally:
+            if exported is not None and not loaded:
+                release_soon(body["request_id"], exported)
         stream = PDStream(gen, len(body["prompt_token_ids"]), self.metrics, loading=params is not None)
         return stream, (first if is_error(first) else stream.observe(first))
 

@@ -92,6 +92,22 @@ class ListRouter:
         return list(self.order)
 
 
+def local_ray_session():
+    """A local Ray for the connector's owner actor and object store (a fixture's body)."""
+    import pytest
+
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(
+            address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1"
+        )
+    yield ray
+    if started:
+        ray.shutdown()
+
+
 def register(pool: LocalPool, router: ListRouter) -> None:
     registry.register(pool.app_name, pool.deployment_name, router)
 

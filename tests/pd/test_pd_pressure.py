@@ -8,7 +8,6 @@ KV block, reservation or export is left held."""
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 import pytest
@@ -21,6 +20,7 @@ from tests.pd.local_pools import (
     ListRouter,
     LocalPool,
     kill_core,
+    local_ray_session,
     make_replica,
     open_call,
     read_all,
@@ -51,16 +51,7 @@ def ray_kv(role: str, faults: dict | None = None) -> dict:
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(
-            address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1"
-        )
-    yield ray
-    if started:
-        ray.shutdown()
+    yield from local_ray_session()
 
 
 @pytest.fixture(scope="module")
