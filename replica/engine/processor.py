@@ -90,11 +90,13 @@ class InputProcessor:
             if len(kept) < len(token_ids):
                 text = None  # the text no longer matches the tokens
             token_ids = kept
+        sampling_params = bounded_token_lists(sampling_params)
         self._check_ids(token_ids, sampling_params)
         if sampling_params.bad_words and sampling_params.bad_words_token_ids is None:
             sampling_params = sampling_params.replace(
                 bad_words_token_ids=bad_words_token_ids(self.tokenizer, sampling_params.bad_words)
             )
+        check_satisfiable(sampling_params, self.eos_token_id)
         if sampling_params.structured_outputs is not None:
             from fleetserve.replica.structured_output.backend import check
 
@@ -162,6 +164,56 @@ class InputProcessor:
             bad = next((t for t in (getattr(sampling_params, name) or ()) if t >= self.vocab_size), None)
             if bad is not None:
                 raise ValueError(f"{name}: token id {bad} is out of the vocabulary (size {self.vocab_size})")
+
+
+# Bounds on the per-token maps of one request (every path: HTTP, gRPC, `LLM`). A request's
+# lists become tensors once, when it is added, so a step's cost does not grow with them;
+# the bounds cap what validation, transfer and that one build cost.
+# OpenAI's API refuses a logit_bias of more than 300 entries (each in [-100, 100]).
+MAX_LOGIT_BIAS = 300
+# vLLM bounds allowed_token_ids by the vocabulary only; this is as many ids as half of the
+# largest vocabularies hold (duplicates are counted as sent, then dropped).
+MAX_ALLOWED_TOKEN_IDS = 1 << 17
+
+
+def bounded_token_lists(sampling_params: SamplingParams) -> SamplingParams:
+    """`sampling_params` with allowed_token_ids deduplicated (first occurrence kept; a new
+    object, the caller's is untouched); ValueError naming the field past the bounds above.
+    (logit_bias is a dict: its token ids are unique already.)"""
+    bias, allowed = sampling_params.logit_bias, sampling_params.allowed_token_ids
+    if bias is not None and len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+    if allowed is None:
+        return sampling_params
+    if len(allowed) > MAX_ALLOWED_TOKEN_IDS:
+        raise ValueError(f"allowed_token_ids may hold at most {MAX_ALLOWED_TOKEN_IDS} ids, got {len(allowed)}")
+    unique = list(dict.fromkeys(allowed))
+    return sampling_params if len(unique) == len(allowed) else sampling_params.replace(allowed_token_ids=unique)
+
+
+def check_satisfiable(sampling_params: SamplingParams, eos_token_id: Optional[int]) -> None:
+    """ValueError naming allowed_token_ids when the request's own masks, as validation sees
+    them, leave no token for its first output position: every allowed token is a one-token
+    bad word, or a stop token (EOS unless ignore_eos, stop_token_ids) while min_tokens keeps
+    those masked. (What only sampling can see, e.g. a grammar that forbids every allowed
+    token, ends that request with finish_reason "error".)"""
+    allowed = sampling_params.allowed_token_ids
+    if not allowed:
+        return
+    banned = {w[0] for w in sampling_params.bad_words_token_ids or () if len(w) == 1}
+    why = "bad_words ban" if banned else ""
+    if sampling_params.min_tokens > 0:
+        stops = set(sampling_params.stop_token_ids)
+        if eos_token_id is not None and not sampling_params.ignore_eos:
+            stops.add(eos_token_id)
+        banned |= stops
+        why = f"{why} or " if why else ""
+        why += f"min_tokens={sampling_params.min_tokens} masks (EOS and stop_token_ids until then)"
+    if banned and banned.issuperset(allowed):
+        raise ValueError(
+            f"allowed_token_ids: every allowed token is one that {why}, so no token could be sampled; "
+            "allow another token or relax the other constraint"
+        )
 
 
 def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:

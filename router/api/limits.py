@@ -14,6 +14,8 @@ bound is generous for real use and far below what hurts:
 | stop strings | 32, each <= 256 characters | vLLM has none; OpenAI allows 4 |
 | `stop_token_ids` | 256 ids | |
 | `bad_words` | 32, each <= 256 characters | as stop strings: checked at every step |
+| `logit_bias` | 300 entries, values in [-100, 100] | OpenAI's own limits (`MAX_LOGIT_BIAS`) |
+| `allowed_token_ids` | 131072 ids as sent, duplicates dropped | vLLM: the vocabulary only (`MAX_ALLOWED_TOKEN_IDS`) |
 | chat messages | 4096 | |
 | JSON nesting | 64 levels | a chat body nests ~5; Python's parser recurses |
 | float fields | finite | NaN passes every `< 0` check; inf is no temperature |
@@ -31,6 +33,7 @@ import math
 import re
 from typing import Any, Optional
 
+from fleetserve.replica.engine.processor import MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS
 from fleetserve.router.api.errors import APIError
 
 MAX_N = 128
@@ -75,12 +78,38 @@ def check_sampling(params, prefix: str = "") -> None:
         raise bad("bad_words", f"may hold at most {MAX_STOP_STRINGS} words, got {len(params.bad_words)}")
     if any(len(w) > MAX_STOP_STRING_CHARS for w in params.bad_words or ()):
         raise bad("bad_words", f"must be at most {MAX_STOP_STRING_CHARS} characters long each")
+    check_token_lists(params.logit_bias, params.allowed_token_ids, prefix)
     if any(t >= 1 << 31 for t in params.allowed_token_ids or ()):
         raise bad("allowed_token_ids", "must be token ids")
     if params.seed is not None and not SEED_RANGE[0] <= params.seed <= SEED_RANGE[1]:
         raise bad("seed", "must fit in 64 bits")
     if params.top_k >= 1 << 31:
         raise bad("top_k", "is too large")
+
+
+def check_token_lists(logit_bias: Any, allowed_token_ids: Any, prefix: str = "") -> Optional[list]:
+    """Bound `logit_bias` and `allowed_token_ids` by their sizes as sent, before anything
+    walks them (APIError(400) naming the field); returns allowed_token_ids deduplicated
+    (first occurrence kept), or it unchanged when it is not a list (SamplingParams names
+    what is wrong with it)."""
+    if isinstance(logit_bias, dict) and len(logit_bias) > MAX_LOGIT_BIAS:
+        raise APIError(
+            f"{prefix}logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(logit_bias)}",
+            400,
+            param=f"{prefix}logit_bias",
+        )
+    if not isinstance(allowed_token_ids, list):
+        return allowed_token_ids
+    if len(allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+        raise APIError(
+            f"{prefix}allowed_token_ids may hold at most {MAX_ALLOWED_TOKEN_IDS} ids, got {len(allowed_token_ids)}",
+            400,
+            param=f"{prefix}allowed_token_ids",
+        )
+    try:
+        return list(dict.fromkeys(allowed_token_ids))
+    except TypeError:  # unhashable entries: SamplingParams refuses them, naming the field
+        return allowed_token_ids
 
 
 def max_token_chars(tokenizer) -> int:

@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from fleetserve.router.api.errors import APIError
-from fleetserve.router.api.limits import MAX_MESSAGES, check_prompt_count, check_sampling
+from fleetserve.router.api.limits import MAX_MESSAGES, check_prompt_count, check_sampling, check_token_lists
 from fleetserve.router.api.structured import StructuredOutputFields
 from fleetserve.router.api.tool_calls import ToolFields
 from fleetserve.scheduler import SamplingParams
@@ -97,7 +97,7 @@ class _SamplingRequest(StructuredOutputFields):
             "logit_bias": self.logit_bias,
             "structured_outputs": self.structured_outputs_params(),
             "stream_interval": self.stream_interval,
-            "allowed_token_ids": self.allowed_token_ids,
+            "allowed_token_ids": check_token_lists(self.logit_bias, self.allowed_token_ids),
             "bad_words": self.bad_words,
             "truncate_prompt_tokens": self.truncate_prompt_tokens,
             "prompt_logprobs": self.prompt_logprobs,

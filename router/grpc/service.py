@@ -25,7 +25,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 
 from fleetserve.router.api import openai_format as fmt
 from fleetserve.router.api.errors import APIError, from_validation_error, is_error
-from fleetserve.router.api.limits import check_sampling
+from fleetserve.router.api.limits import check_sampling, check_token_lists
 from fleetserve.router.api.protocol import ChatCompletionRequest
 from fleetserve.router.grpc.proto import fleetserve_pb2 as pb
 from fleetserve.router.health import replica_health
@@ -161,6 +161,10 @@ def sampling_from_proto(msg: "pb.SamplingParams", defaults: Optional[dict] = Non
         fields["allowed_token_ids"] = list(msg.allowed_token_ids)
     if msg.bad_words:
         fields["bad_words"] = list(msg.bad_words)
+    if "logit_bias" in fields or "allowed_token_ids" in fields:
+        fields["allowed_token_ids"] = check_token_lists(
+            fields.get("logit_bias"), fields.get("allowed_token_ids"), "sampling_params."
+        )
     try:
         if msg.HasField("structured_outputs"):
             fields["structured_outputs"] = _structured_from_proto(msg.structured_outputs)
