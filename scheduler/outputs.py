@@ -99,6 +99,9 @@ class ModelRunnerOutput:
     kv_saves_in_flight: int = 0
     # Requests with SamplingParams.embed whose prompt ended this step: their embedding.
     pooler_output: Optional[dict[str, list[float]]] = None
+    # Requests that could not sample (their masks together forbade every token): id -> why.
+    # They have no token this step; the engine core finishes them with "error".
+    sampling_errors: Optional[dict[str, str]] = None
 
     @staticmethod
     def empty() -> "ModelRunnerOutput":

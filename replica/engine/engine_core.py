@@ -32,7 +32,7 @@ from fleetserve.replica.engine.step_result import StepResult
 from fleetserve.replica.executor import Executor, ExecutorError, make_executor
 from fleetserve.replica.kv_connectors import make_scheduler_connector, name_kv_engine
 from fleetserve.replica.structured_output.manager import StructuredOutputManager
-from fleetserve.scheduler import Request, RequestStatus, create_scheduler
+from fleetserve.scheduler import EngineCoreOutput, Request, RequestStatus, create_scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -278,6 +278,8 @@ class EngineCore:
         model_end = time.monotonic()
         self._kv_saves_in_flight = getattr(runner_output, "kv_saves_in_flight", 0)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if runner_output.sampling_errors:
+            self._fail_unsampleable(outputs, runner_output.sampling_errors)
         if self._trace is not None:
             self._trace.write(
                 start,
@@ -335,6 +337,17 @@ class EngineCore:
             return []
         reqs = self.scheduler.requests
         return [rid for rid in so.num_scheduled_tokens if reqs[rid].num_computed_tokens >= reqs[rid].num_tokens]
+
+    def _fail_unsampleable(self, outputs: list[EngineCoreOutput], errors: dict[str, str]) -> None:
+        """Finish with "error" the requests whose masks left no token to sample (the runner
+        gave them only the tokens before that position); one that stopped on those tokens
+        keeps its own finish. The rest of the batch went on as usual."""
+        done = set(self.finish_requests(list(errors), RequestStatus.FINISHED_ERROR))
+        for out in outputs:
+            if out.request_id in done and not out.finished:
+                out.finish_reason, out.stop_reason = "error", errors[out.request_id]
+                done.discard(out.request_id)
+        outputs.extend(EngineCoreOutput(rid, [], "error", errors[rid]) for rid in done)
 
     def _advance_grammars(self, outputs) -> None:
         """Feed sampled tokens to the matchers; a grammar that terminated without the

@@ -13,7 +13,11 @@
 
 Every stage is one tensor operation over the rows that need it, never a
 Python loop over the vocabulary; a stage no row uses costs nothing, and a batch
-of greedy rows with no penalties is one `argmax`.
+of greedy rows with no penalties is one `argmax`. A request's logit_bias and
+allowed_token_ids are tensors built once, when the request is added
+(`RequestSamplingTensors`); a step only gathers them per row. A row that the
+masks together leave without any token fails alone (`SamplerOutput.failed_rows`),
+and the rest of the batch is sampled as without it.
 
 How a row is drawn differs from vLLM on purpose. vLLM divides the
 probabilities by Exponential(1) noise and takes the argmax; on a CPU drawing
@@ -32,13 +36,19 @@ at again with 8x more candidates. Figures for both: docs/deployment/cpu.md, "Fig
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Optional, Sequence, Union
 
 import torch
 
 from fleetserve.replica.kernels import ops_for
+from fleetserve.replica.layers.request_tensors import (
+    RequestSamplingTensors,
+    fail_dead_rows,
+    gather_disallowed,
+    gather_logit_bias,
+)
 from fleetserve.scheduler.outputs import Logprobs
 from fleetserve.scheduler.sampling_params import SamplingParams
 
@@ -158,11 +168,19 @@ class SamplingBatch:
         eos_token_id: Optional[int],
         vocab_size: int,
         device: Device,
+        request_tensors: Optional[Sequence[Optional[RequestSamplingTensors]]] = None,
     ) -> "SamplingBatch":
+        """`request_tensors`: each row's `RequestSamplingTensors` as built when its request
+        was added (a request's draft positions share its entry); None builds them here, from
+        `params` (callers that sample once)."""
         n = len(params)
         if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == n):
             raise ValueError("params, prompt_token_ids, output_token_ids and generators must have one entry per row")
         device = torch.device(device)
+        if request_tensors is None:
+            request_tensors = [RequestSamplingTensors.build(p, vocab_size, device) for p in params]
+        elif len(request_tensors) != n:
+            raise ValueError("request_tensors must have one entry per row")
         greedy = [i for i, p in enumerate(params) if p.greedy]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         lp_asked = [(i, p.logprobs) for i, p in enumerate(params) if p.logprobs is not None]
@@ -180,8 +198,8 @@ class SamplingBatch:
             min_tokens_mask=_build_min_tokens(params, output_token_ids, eos_token_id, vocab_size, device),
             logprobs_rows=_long(lp_rows, device) if lp_rows else None,
             logprobs_k=[k for _, k in lp_asked],
-            logit_bias=_build_logit_bias(params, vocab_size, device),
-            disallowed=_build_disallowed(params, vocab_size, device),
+            logit_bias=gather_logit_bias(request_tensors, device),
+            disallowed=gather_disallowed(request_tensors, device),
             bad_words_mask=_build_bad_words(params, seen, vocab_size, device),
         )
 
@@ -259,33 +277,6 @@ def _build_penalties(
     return pen
 
 
-def _build_logit_bias(
-    params: list[SamplingParams], vocab_size: int, device: Device
-) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    rows: list[int] = []
-    tokens: list[int] = []
-    values: list[float] = []
-    for i, p in enumerate(params):
-        for token, value in (p.logit_bias or {}).items():
-            if token < vocab_size:
-                rows.append(i)
-                tokens.append(token)
-                values.append(value)
-    return (_long(rows, device), _long(tokens, device), _float(values, device)) if rows else None
-
-
-def _build_disallowed(
-    params: list[SamplingParams], vocab_size: int, device: Device
-) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    allowed = [(i, p.allowed_token_ids) for i, p in enumerate(params) if p.allowed_token_ids]
-    if not allowed:
-        return None
-    mask = torch.ones(len(allowed), vocab_size, dtype=torch.bool)
-    for j, (_, ids) in enumerate(allowed):
-        mask[j, [t for t in ids if t < vocab_size]] = False
-    return _long([i for i, _ in allowed], device), mask.to(device)
-
-
 def _build_bad_words(
     params: list[SamplingParams], seen: list[list[int]], vocab_size: int, device: Device
 ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
@@ -332,6 +323,10 @@ class SamplerOutput:
     # Per row: ([sampled] + top-k ids, their raw logprobs, rank of the sampled
     # token), or None for a row that did not ask for logprobs.
     logprobs: list[Optional[tuple[list[int], list[float], int]]]
+    # Rows whose masks together allowed no token at all (e.g. allowed_token_ids that the
+    # grammar forbids): their entry in sampled_token_ids is a placeholder in the
+    # vocabulary, never to be used; every other row is sampled as if they were not there.
+    failed_rows: list[int] = field(default_factory=list)
 
 
 class Sampler:
@@ -363,6 +358,9 @@ class Sampler:
             logits.index_put_(batch.bad_words_mask, torch.tensor(float("-inf"), device=logits.device))
         if batch.penalties is not None:
             _apply_penalties(logits, batch.penalties)
+        failed = fail_dead_rows(
+            logits, (batch.disallowed, batch.token_bitmask, batch.min_tokens_mask, batch.bad_words_mask)
+        )
 
         if batch.random is None:
             sampled = greedy(logits)
@@ -378,7 +376,7 @@ class Sampler:
             chosen = sampled.index_select(0, lp_rows)
             for row, entry in zip(lp_rows.tolist(), _gather_logprobs(raw_logprobs, chosen, batch.logprobs_k)):
                 logprobs[row] = entry
-        return SamplerOutput(sampled_list, logprobs)
+        return SamplerOutput(sampled_list, logprobs, failed)
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:

@@ -25,7 +25,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence
 import torch
 
 from fleetserve.replica.layers.attention import AttentionMetadata
-from fleetserve.replica.layers.sampler import Sampler, SamplingBatch, compute_prompt_logprobs, make_generator
+from fleetserve.replica.layers.sampler import (
+    RequestSamplingTensors,
+    Sampler,
+    SamplingBatch,
+    compute_prompt_logprobs,
+    make_generator,
+)
 from fleetserve.replica.lora import layers as lora_layers
 from fleetserve.replica.model_loader.weights import allocate_kv_caches, kv_cache_bytes_per_block, load_model
 from fleetserve.replica.spec_decode.proposer import ProposeInput, Proposer
@@ -37,6 +43,12 @@ if TYPE_CHECKING:
     from fleetserve.replica.worker.cuda_graph import DecodeGraphs
 
 logger = logging.getLogger(__name__)
+
+# Why a request failed whose masks left no token to sample (ModelRunnerOutput.sampling_errors).
+NO_TOKEN_LEFT = (
+    "no token can be sampled: the request's constraints (allowed_token_ids, its grammar, "
+    "bad_words, min_tokens) together forbid every token"
+)
 
 
 @dataclass(slots=True)
@@ -50,6 +62,8 @@ class CachedRequestState:
     num_computed_tokens: int
     generator: Optional[torch.Generator]
     lora_id: int = 0  # the LoRA adapter it runs with (0: the base model)
+    # Its logit_bias / allowed_token_ids as tensors, built once when it is added (None: neither).
+    sampling_tensors: Optional[RequestSamplingTensors] = None
 
 
 @dataclass(slots=True)
@@ -231,6 +245,7 @@ class ModelRunner:
                 new.num_computed_tokens,
                 gen,
                 new.lora_id,
+                RequestSamplingTensors.build(sp, self.vocab_size, self.device) if self.is_driver else None,
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
@@ -251,6 +266,7 @@ class ModelRunner:
         hidden, eager = self._forward(batch)
         sampled: list[list[int]] = [[] for _ in batch.req_ids]
         logprobs: dict[str, list] = {}
+        errors: dict[str, str] = {}
         pooled = None
         if batch.sample_rows and self.is_driver:
             pooled = self._embeddings(
@@ -261,7 +277,7 @@ class ModelRunner:
                 hidden[torch.tensor(batch.logits_index, dtype=torch.long, device=self.device)]
             )
             if self.is_driver:
-                self._sample_rows(batch, logits, so.structured_output, sampled, logprobs)
+                self._sample_rows(batch, logits, so.structured_output, sampled, logprobs, errors)
         prompt_logprobs = self._prompt_logprobs(
             batch.req_ids, batch.states, batch.query_lens, batch.context_lens, hidden
         )
@@ -275,6 +291,7 @@ class ModelRunner:
             prompt_logprobs or None,
             spec_token_ids=drafts_out,
             pooler_output=pooled,
+            sampling_errors=errors or None,
         )
 
     def _prepare_inputs(self, so: SchedulerOutput) -> _StepBatch:
@@ -362,11 +379,14 @@ class ModelRunner:
         structured_output: Any,
         sampled: list[list[int]],
         logprobs: dict[str, list],
+        errors: dict[str, str],
     ) -> None:
         """Sample (and verify drafts of) the rows that reach the end of their tokens, into
-        `sampled` (per request of the batch) and `logprobs` (per request id that asked)."""
+        `sampled` (per request of the batch) and `logprobs` (per request id that asked); a
+        request whose masks left no token to sample gets an entry in `errors` and only the
+        tokens before the position that failed (most often none)."""
         rows = batch.sample_rows
-        tokens, entries = self._sample_and_verify(
+        tokens, entries, failed = self._sample_and_verify(
             logits,
             [batch.states[i] for i in rows],
             batch.sample_drafts,
@@ -374,6 +394,9 @@ class ModelRunner:
             structured_output,
         )
         for j, i in enumerate(rows):
+            if j in failed:
+                errors[batch.req_ids[i]] = NO_TOKEN_LEFT
+                logger.warning("request %s: %s", batch.req_ids[i], NO_TOKEN_LEFT)
             sampled[i] = tokens[j]
             if entries[j] is not None:
                 logprobs[batch.req_ids[i]] = entries[j]
@@ -422,7 +445,7 @@ class ModelRunner:
         drafts: list,
         row_ids: list[str],
         structured_output=None,
-    ) -> tuple[list[list[int]], list]:
+    ) -> tuple[list[list[int]], list, set[int]]:
         """Sample every position of every row; keep each row's drafts while they
         equal what the target sampled, plus the target's token after them.
 
@@ -436,9 +459,14 @@ class ModelRunner:
         with probability p(x), and on rejection the token is drawn from p
         restricted to tokens != x -- the target distribution, exactly; greedy
         output is identical token for token. Returns (tokens, logprobs
-        entries or None) per row. Constrained (grammar) requests never carry
-        drafts, so their one position takes the step's bitmask row."""
-        params, prompts, outputs, generators, mask_ids = [], [], [], [], []
+        entries or None) per row, and the rows that failed: a position that
+        would be used (its drafts before it all accepted) had no token left
+        to sample (contradictory masks); such a row keeps the tokens before
+        that position. Constrained (grammar) requests never
+        carry drafts, so their one position takes the step's bitmask row.
+        A request's logit_bias / allowed_token_ids tensors, built when it was
+        added, serve all of its positions."""
+        params, prompts, outputs, generators, mask_ids, tensors = [], [], [], [], [], []
         for s, d, rid in zip(rows, drafts, row_ids):
             for j in range(len(d) + 1):
                 mask_ids.append(rid if j == 0 else "")
@@ -446,24 +474,31 @@ class ModelRunner:
                 prompts.append(s.prompt_token_ids)
                 outputs.append(s.output_token_ids + list(d[:j]) if j else s.output_token_ids)
                 generators.append(self._generator_at(s, len(s.output_token_ids) + j, j == 0))
+                tensors.append(s.sampling_tensors)
         batch = SamplingBatch.build(
-            params, prompts, outputs, generators, self.eos_token_id, self.vocab_size, self.device
+            params, prompts, outputs, generators, self.eos_token_id, self.vocab_size, self.device, tensors
         )
         if structured_output is not None:
             batch.token_bitmask = structured_output.for_rows(mask_ids, self.device)
         out = self.sampler(logits, batch)
-        tokens, entries = [], []
+        dead = set(out.failed_rows)
+        tokens, entries, failed = [], [], set()
         r = 0
-        for d in drafts:
+        for k, d in enumerate(drafts):
             row = out.sampled_token_ids[r : r + len(d) + 1]
             num = 1
             while num <= len(d) and row[num - 1] == d[num - 1]:
                 num += 1
+            if dead:  # plain decoding would have stopped at the first used position that failed
+                stop = next((j for j in range(num) if r + j in dead), None)
+                if stop is not None:
+                    failed.add(k)
+                    num = stop
             tokens.append(row[:num])
             lp = out.logprobs[r : r + num]
-            entries.append(None if lp[0] is None else lp)
+            entries.append(None if not lp or lp[0] is None else lp)
             r += len(d) + 1
-        return tokens, entries
+        return tokens, entries, failed
 
     def _generator_at(self, s: CachedRequestState, position: int, reuse: bool) -> Optional[torch.Generator]:
         """The seeded request's generator for output `position`: seeded from

@@ -8,6 +8,7 @@ import grpc
 import httpx
 import pytest
 
+from fleetserve.replica.engine.processor import MAX_LOGIT_BIAS
 from fleetserve.router.grpc.proto import fleetserve_pb2 as pb
 from fleetserve.router.grpc.proto import fleetserve_pb2_grpc as pb_grpc
 
@@ -123,6 +124,12 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(server, stub):
         ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"bad_words": ["w"] * 33}, "bad_words"),
         ({"bad_words": [""]}, "bad_words"),
+        # Bounds (issue 51): OpenAI's 300 logit_bias entries (allowed_token_ids' bound is past
+        # this app's body limit: tests/router/test_token_list_bounds.py).
+        ({"logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}}, "logit_bias"),
+        # Contradictions validation can see: only EOS (id 2) allowed, which min_tokens masks.
+        ({"allowed_token_ids": [2], "min_tokens": 4}, "allowed_token_ids"),
+        ({"allowed_token_ids": [2, 7], "stop_token_ids": [7], "min_tokens": 1}, "allowed_token_ids"),
     ],
 )
 def test_bad_values_are_refused_naming_the_field_and_the_app_still_serves(server, fields, param):
@@ -131,6 +138,27 @@ def test_bad_values_are_refused_naming_the_field_and_the_app_still_serves(server
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and param in error["message"], error
+    assert complete(server, PROMPT)["choices"][0]["finish_reason"] == "length"
+    server.wait_idle()
+
+
+def test_grpc_bounds_logit_bias_and_the_app_still_serves(server, stub):
+    bias = {i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}
+    with pytest.raises(grpc.RpcError) as info:
+        grpc_tokens(stub, server, PROMPT, logit_bias=bias)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling_params.logit_bias" in info.value.details()
+    assert len(grpc_tokens(stub, server, PROMPT, allowed_token_ids=[7, 7, 9])) == 8
+    server.wait_idle()
+
+
+def test_allowed_ids_the_grammar_forbids_end_that_choice_with_error(server):
+    """Only sampling can see it: the request ends with finish_reason "error" (no token), a
+    200, not a failed batch; the app serves afterwards and no block is held."""
+    (a,) = tokenize(server, "a")
+    body = {"allowed_token_ids": [a], "structured_outputs": {"regex": "[0-9]+"}, "temperature": 1.0}
+    choice = complete(server, PROMPT, **body)["choices"][0]
+    assert choice["finish_reason"] == "error" and choice["text"] == ""
     assert complete(server, PROMPT)["choices"][0]["finish_reason"] == "length"
     server.wait_idle()
 
