@@ -49,7 +49,7 @@ FLAG_NAMES = {
 
 # Fields given as several words, as vLLM's flags (`--lora-modules a=/p b=/q`); the schema's
 # validator parses each word.
-NARGS_FIELDS = {"lora_modules": "NAME=PATH"}
+NARGS_FIELDS = {"lora_modules": "NAME=PATH", "lora_roots": "DIR"}
 
 
 def _json_value(text: str) -> Any:

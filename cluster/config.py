@@ -262,16 +262,6 @@ class ReliabilityOptions(BaseModel):
             "its KV cache's capacity in tokens (router/routing/admission.py)."
         ),
     )
-    metrics_report_interval_s: float = Field(
-        default=1.0,
-        gt=0.0,
-        le=60.0,
-        description=(
-            "How often each engine replica reports its metrics to the app's metrics hub; /metrics "
-            "answers from the latest reports and calls no replica (router/metrics_hub.py). A "
-            "report 5 intervals old is left out (its age: fleetserve:replica_metrics_age_seconds)."
-        ),
-    )
 
 
 class AppConfig(BaseModel):
@@ -336,9 +326,21 @@ class AppConfig(BaseModel):
         default_factory=lambda: os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
         description=(
             "Serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which load a PEFT "
-            "folder from the replicas' disks on every engine replica (needs --enable-lora; "
-            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True sets it too). Off: those paths are a 404."
+            "folder from the replicas' disks on every engine replica (needs --enable-lora, and "
+            "--lora-roots or --allow-any-lora-path; VLLM_ALLOW_RUNTIME_LORA_UPDATING=True sets it "
+            "too). Off: those paths are a 404."
         ),
+    )
+    lora_admin_key: Optional[str] = Field(
+        default=None,
+        description=(
+            "The key /v1/load_lora_adapter and /v1/unload_lora_adapter take instead of the API key "
+            "(Authorization: Bearer); unset: --lora-admin-key-file, else $FLEETSERVE_LORA_ADMIN_KEY, "
+            "else those paths take the API key like the others."
+        ),
+    )
+    lora_admin_key_file: Optional[str] = Field(
+        default=None, description=("Or: a file holding the LoRA admin key; keeps it out of `ps`.")
     )
     reasoning_parser: Optional[Literal["deepseek_r1", "qwen3"]] = Field(
         default=None,
@@ -391,6 +393,11 @@ class AppConfig(BaseModel):
                 )
         if self.allow_runtime_lora_updating and not self.engine.enable_lora:
             raise ValueError("allow_runtime_lora_updating needs enable_lora (--enable-lora)")
+        if self.allow_runtime_lora_updating and not (self.engine.lora_roots or self.engine.allow_any_lora_path):
+            raise ValueError(
+                "allow_runtime_lora_updating loads adapters from the folders clients name: give the "
+                "folders they may name (--lora-roots DIR ...), or --allow-any-lora-path"
+            )
         if self.pd.enabled:  # a request's adapter runs on both sides of the hand-off
             held = {
                 pool: tuple(m.name for m in self.pool_engine(pool).lora_modules or ()) for pool in ("prefill", "decode")

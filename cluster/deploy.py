@@ -38,7 +38,7 @@ from ray.serve.config import HTTPOptions, RequestRouterConfig, gRPCOptions
 
 from fleetserve.cluster.app_spec import GRPC_SERVICER, app_args, resolve_api_key
 from fleetserve.cluster.config import AppConfig
-from fleetserve.router.auth import API_KEY_ENV
+from fleetserve.router.auth import SECRET_ENVS, resolve_lora_admin_key
 from fleetserve.router.cors import CorsSettings
 from fleetserve.router.ingress import IngressDeployment
 from fleetserve.router.replica import EngineReplica
@@ -116,7 +116,7 @@ def serve_env() -> dict[str, str]:
     replicas of a joined cluster see what this process sees."""
     env = {k: os.environ.get(k, v) for k, v in SERVE_ENV_DEFAULTS.items()}
     env.update(
-        {k: v for k, v in os.environ.items() if k.startswith("FLEETSERVE_") and k != API_KEY_ENV}
+        {k: v for k, v in os.environ.items() if k.startswith("FLEETSERVE_") and k not in SECRET_ENVS}
     )  # secrets stay out
     return env
 
@@ -288,6 +288,8 @@ def ingress_settings(config: AppConfig, listed: tuple[str, ...], aliases: tuple[
         adapters=config.lora_adapters,
         parents=config.lora_parents,
         allow_runtime_updating=config.allow_runtime_lora_updating,
+        admin_key=resolve_lora_admin_key(config.lora_admin_key, config.lora_admin_key_file),
+        load_timeout_s=config.engine.lora_load_timeout,
         # the app as configured: an ingress that Serve restarts after a crash (same
         # config) takes back the adapters loaded at run time (router/runtime_loras.py)
         app_name=config.name,

@@ -164,8 +164,8 @@ class LLM:
                 raise ValueError(
                     f"LoRARequest({r.lora_name!r}, {r.lora_int_id}): that name or id is another adapter's here"
                 )
-            read_adapter_config(r.lora_path)
-            self.core.executor.add_lora(r.lora_int_id, r.lora_name, r.lora_path)
+            read_adapter_config(r.lora_path)  # (the program's own paths: no --lora-roots)
+            self.core.add_lora(r.lora_int_id, r.lora_name, r.lora_path)  # within --lora-load-timeout
             held[r.lora_name] = r.lora_int_id
             self.input_processor.loras[r.lora_name] = (r.lora_int_id, f"{r.lora_name}@{adapter_digest(r.lora_path)}")
         return [None if r is None else r.lora_name for r in requests]

@@ -15,6 +15,11 @@
   (or `--api-key-file`: a file holding the key), or the environment variable
   `FLEETSERVE_API_KEY`: the last two keep it out of `ps` and shell history. It is
   never logged and never put in a Ray runtime_env (cluster.deploy.serve_env skips it).
+- The LoRA admin key (`--lora-admin-key`, `--lora-admin-key-file` or
+  `FLEETSERVE_LORA_ADMIN_KEY`, kept the same way): when one is set, the admin paths
+  (/v1/load_lora_adapter, /v1/unload_lora_adapter) take it instead of the API key, and
+  nothing else opens them (not the API key, not `api_key_open_paths`); the API key opens
+  every other path as before. Without one, the admin paths need the API key like the rest.
 """
 
 from __future__ import annotations
@@ -30,9 +35,16 @@ from starlette.datastructures import Headers
 from fleetserve.router.api.errors import APIError, to_response
 
 API_KEY_ENV = "FLEETSERVE_API_KEY"
+LORA_ADMIN_KEY_ENV = "FLEETSERVE_LORA_ADMIN_KEY"
+# Environment variables holding keys: never copied into a Ray runtime_env.
+SECRET_ENVS = frozenset({API_KEY_ENV, LORA_ADMIN_KEY_ENV})
+# What the LoRA admin key guards (router/loras.py).
+LORA_ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
-def resolve_api_key(api_key: Optional[str], api_key_file: Optional[str]) -> Optional[str]:
+def resolve_api_key(
+    api_key: Optional[str], api_key_file: Optional[str], env: str = API_KEY_ENV, what: str = "api_key_file"
+) -> Optional[str]:
     """The key from the config, else the file, else the environment; None: no key."""
     if api_key:
         return api_key
@@ -40,38 +52,66 @@ def resolve_api_key(api_key: Optional[str], api_key_file: Optional[str]) -> Opti
         try:
             key = Path(api_key_file).expanduser().read_text().strip()
         except OSError as e:
-            raise ValueError(f"api_key_file {api_key_file!r} cannot be read: {e.strerror}") from e
+            raise ValueError(f"{what} {api_key_file!r} cannot be read: {e.strerror}") from e
         if not key:
-            raise ValueError(f"api_key_file {api_key_file!r} is empty")
+            raise ValueError(f"{what} {api_key_file!r} is empty")
         return key
-    return os.environ.get(API_KEY_ENV) or None
+    return os.environ.get(env) or None
+
+
+def resolve_lora_admin_key(key: Optional[str], key_file: Optional[str]) -> Optional[str]:
+    """`--lora-admin-key`, else `--lora-admin-key-file`, else $FLEETSERVE_LORA_ADMIN_KEY."""
+    return resolve_api_key(key, key_file, LORA_ADMIN_KEY_ENV, "lora_admin_key_file")
 
 
 def _digest(value: str) -> bytes:
     return hashlib.sha256(value.encode("utf-8", "surrogatepass")).digest()
 
 
+def _matches(expected: bytes, authorization: Optional[str]) -> bool:
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    # Compare even when the scheme is wrong: the time taken says nothing either way.
+    matches = hmac.compare_digest(_digest(token.strip()), expected)
+    return matches and scheme.lower() == "bearer"
+
+
 class ApiKeyAuth:
-    def __init__(self, api_key: Optional[str], open_paths: tuple[str, ...] = ("/health", "/ping", "/metrics")) -> None:
+    def __init__(
+        self,
+        api_key: Optional[str],
+        open_paths: tuple[str, ...] = ("/health", "/ping", "/metrics"),
+        admin_key: Optional[str] = None,
+        admin_paths: tuple[str, ...] = LORA_ADMIN_PATHS,
+    ) -> None:
         self._digest = _digest(api_key) if api_key else None
         self.open_paths = frozenset(open_paths)
+        self._admin_digest = _digest(admin_key) if admin_key else None
+        self.admin_paths = frozenset(admin_paths)
 
     @property
     def enabled(self) -> bool:
-        return self._digest is not None
+        return self._digest is not None or self._admin_digest is not None
 
     def check(self, authorization: Optional[str]) -> None:
         """APIError(401) unless `authorization` is `Bearer <the key>` (or no key is set)."""
-        if self._digest is None:
-            return
-        scheme, _, token = (authorization or "").strip().partition(" ")
-        presented = _digest(token.strip())
-        # Compare even when the scheme is wrong: the time taken says nothing either way.
-        matches = hmac.compare_digest(presented, self._digest)
-        if not (matches and scheme.lower() == "bearer"):
+        if self._digest is not None and not _matches(self._digest, authorization):
             raise APIError(
                 "Incorrect API key provided: send 'Authorization: Bearer <key>'", 401, code="invalid_api_key"
             )
+
+    def check_path(self, path: str, authorization: Optional[str]) -> None:
+        """The key `path` needs: the admin key on the admin paths when one is set, else the
+        API key on every path but the open ones."""
+        if self._admin_digest is not None and path in self.admin_paths:
+            if not _matches(self._admin_digest, authorization):
+                raise APIError(
+                    "Incorrect LoRA admin key provided: loading and unloading adapters takes "
+                    "'Authorization: Bearer <lora admin key>'",
+                    401,
+                    code="invalid_api_key",
+                )
+        elif path not in self.open_paths:
+            self.check(authorization)
 
 
 # The ingress's auth. Serve builds the FastAPI app from a module-level object, so the
@@ -98,9 +138,9 @@ class RequireApiKey:
 
     async def __call__(self, scope, receive, send) -> None:
         auth = _installed
-        if scope["type"] == "http" and auth.enabled and scope["path"] not in auth.open_paths:
+        if scope["type"] == "http" and auth.enabled:
             try:
-                auth.check(Headers(scope=scope).get("authorization"))
+                auth.check_path(scope["path"], Headers(scope=scope).get("authorization"))
             except APIError as e:
                 await to_response(e.body)(scope, receive, send)
                 return

@@ -19,7 +19,6 @@ import asyncio
 import logging
 from typing import Awaitable, Callable, Optional
 
-from fleetserve.replica.lora.request import LORA_LOAD_TIMEOUT_S
 from fleetserve.router.api.errors import APIError
 from fleetserve.router.runtime_loras import RuntimeLoRAs
 from fleetserve.router.settings import LoRASettings
@@ -40,6 +39,7 @@ class LoRAAdmin:
         self._keys: dict[str, str] = {}
         self._reserved = reserved
         self._allow_updates = settings.allow_runtime_updating
+        self._load_timeout_s = settings.load_timeout_s
         self._lock = asyncio.Lock()
         self._runtime: dict[str, dict] = {}  # those loaded at run time: name -> {"path", "key"}
         self._registry = (
@@ -113,8 +113,10 @@ class LoRAAdmin:
     async def load(self, name: str, path: str, replica_calls: ReplicaCalls) -> int:
         """Load an adapter on every engine replica (both pools with P/D); a replica that
         starts later loads it with the first request for it. The replicas that took it; an
-        APIError (400 naming the problem, 429 when a replica is busy) after unloading it from
-        those that had taken it, when any replica cannot load it."""
+        APIError after unloading it from those that had taken it, when any replica cannot load
+        it: 404 "not found or cannot be loaded" for a path a replica refuses or cannot read
+        (outside --lora-roots, missing, unreadable: the same words, the reason in the replica's
+        log), 429 when a replica is busy, 400 naming what else is wrong."""
         self._check_updates()
         async with self._lock:
             if name in self._reserved or name in self._paths:
@@ -127,7 +129,7 @@ class LoRAAdmin:
             # replace: a replica's copy under a name this ingress does not serve is left over
             # (from an ingress of an earlier config, which forgot it): the new weights win.
             results = await replica_calls(
-                "load_lora", timeout_s=LORA_LOAD_TIMEOUT_S + 10, name=name, path=path, replace=True
+                "load_lora", timeout_s=self._load_timeout_s + 15, name=name, path=path, replace=True
             )
             if not results:
                 raise APIError("no engine replica is running to load the adapter on", 503)
@@ -135,6 +137,9 @@ class LoRAAdmin:
             if failed:
                 await replica_calls("unload_lora", name=name)
                 busy = [r for r in failed if r.get("status") == 429]
+                missing = [r for r in failed if r.get("status") == 404]
+                if missing and not busy:
+                    raise APIError(missing[0]["error"], 404, param="lora_path", code="model_not_found")
                 raise APIError(
                     f"LoRA adapter '{name}' could not be loaded: {(busy or failed)[0]['error']}",
                     429 if busy else 400,

@@ -25,9 +25,9 @@ from ray.serve.exceptions import RayServeException
 
 from fleetserve.replica.engine.engine_args import EngineArgs
 from fleetserve.replica.engine.errors import EngineDeadError, QueueFullError
+from fleetserve.replica.lora.paths import LoRANotLoadable
 from fleetserve.router.api.errors import error_body
 from fleetserve.router.feed import FEED_END_GRACE_S, FEED_FLAG, FEED_KEY, FeedChannel, FeedChannels
-from fleetserve.router.metrics_hub import DEFAULT_INTERVAL_S, MetricsReporter
 from fleetserve.router.routing.admission import RESERVATION_KEY, Reservations, admission_refusal
 from fleetserve.router.routing.migration import ENGINE_DEAD, MIGRATED_KEY
 from fleetserve.scheduler import SamplingParams, resolve_obj_by_qualname
@@ -49,16 +49,10 @@ class EngineReplica:
         self._kv_wake = AppendWaiter()
         self._feeds = FeedChannels()
         self._reservations = Reservations()  # P/D decode slots held before their prefill runs
-        self.metrics_reporter: Optional[MetricsReporter] = None
         try:
-            context = serve.get_replica_context()
-        except RayServeException:  # outside Serve (unit tests): a random id, no reports
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except RayServeException:  # outside Serve (unit tests): a random id
             self.replica_id = uuid.uuid4().hex[:8]
-        else:
-            self.replica_id = context.replica_id.unique_id
-            # Serve builds the replica on its event loop: the reports start now.
-            interval_s = (reliability or {}).get("metrics_report_interval_s", DEFAULT_INTERVAL_S)
-            self.report_metrics(context.app_name, context.deployment, interval_s)
 
     # -- generation ------------------------------------------------------------
 
@@ -160,6 +154,8 @@ class EngineReplica:
                     yield items[0] if len(items) == 1 else items
         except QueueFullError as e:
             yield error_body(str(e) or "the replica's waiting queue is full; retry later", status=429)
+        except LoRANotLoadable as e:  # its adapter unloaded (or its folder gone) since the body was built
+            yield error_body(str(e), status=404, param="model", code="model_not_found")
         except ValueError as e:
             yield error_body(str(e), param=_param_of(str(e)), code=_code_of(str(e)))
         except EngineDeadError as e:
@@ -219,15 +215,20 @@ class EngineReplica:
                 )
             except QueueFullError as e:  # every adapter it may hold is busy (--max-cpu-loras)
                 return {"replica": self.replica_id, "error": str(e), "status": 429}
+            except LoRANotLoadable as e:  # the path refused or unreadable: said the same way
+                return {"replica": self.replica_id, "error": str(e), "status": 404}
             except ValueError as e:
                 return {"replica": self.replica_id, "error": str(e), "status": 400}
             return {"replica": self.replica_id, "key": key}
-        if op == "unload_lora":
-            return {"replica": self.replica_id, "removed": await self.engine.remove_lora(kwargs["name"])}
+        if op == "unload_lora":  # evict: drop the weights only (a request naming it loads it again)
+            removed = await self.engine.remove_lora(kwargs["name"], evict=bool(kwargs.get("evict", False)))
+            return {"replica": self.replica_id, "removed": removed}
         if op == "reserve":
             return self._reserve(str(kwargs["owner"]), int(kwargs["prompt_len"]), float(kwargs["ttl_s"]))
         if op == "release_reservation":
             return {"replica": self.replica_id, "released": self._reservations.release(str(kwargs["owner"]))}
+        if op == "metrics_text":
+            return {"replica": self.replica_id, "text": self.engine.metrics_text()}
         if op == "get_load":
             return {"replica": self.replica_id, "load": self.engine.get_load()}
         if op == "health":
@@ -262,13 +263,6 @@ class EngineReplica:
             reply = log.read(since_seq, instance)
         reply["replica"] = self.replica_id
         return reply
-
-    def report_metrics(self, app: str, deployment: str, interval_s: float) -> None:
-        """Report the engine's metrics to `app`'s metrics hub every `interval_s`, from a task
-        on the running loop (router/metrics_hub.py: /metrics answers from the reports)."""
-        self.metrics_reporter = MetricsReporter(app, deployment, self.replica_id, self.engine.metrics_text, interval_s)
-        if not self.metrics_reporter.start():
-            logger.warning("no event loop: replica %s does not report its metrics", self.replica_id)
 
     def get_info(self) -> dict:
         """What the ingress needs to tokenize and validate on its own."""

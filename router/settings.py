@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from fleetserve.replica.lora.request import LORA_LOAD_TIMEOUT_S
 from fleetserve.router.cors import CorsSettings
 from fleetserve.router.routing.pd import PDSettings
 from fleetserve.router.routing.prefix_reuse import ReuseSettings
@@ -26,6 +27,8 @@ class LoRASettings:
     adapters: dict[str, str] = field(default_factory=dict)  # name -> path (--lora-modules)
     parents: dict[str, str] = field(default_factory=dict)  # name -> its base_model_name, where given
     allow_runtime_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter
+    admin_key: Optional[str] = field(default=None, repr=False)  # what those take when set (router/auth.py)
+    load_timeout_s: float = LORA_LOAD_TIMEOUT_S  # the engines' --lora-load-timeout
     # Where adapters loaded at run time are kept for a restarted ingress (router/runtime_loras.py):
     # the app's name, and a digest of its config (a restart with the same config takes them back).
     app_name: Optional[str] = None

@@ -19,10 +19,8 @@ that disconnected) aborts its request, and its KV blocks return to the pool.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import threading
-import time
 import uuid
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
@@ -39,7 +37,8 @@ from fleetserve.replica.engine.step_result import StepResult
 from fleetserve.replica.engine.thread_client import ThreadCoreClient
 from fleetserve.replica.engine.tokenizer import apply_chat_template, load_tokenizer
 from fleetserve.replica.executor.base import ExecutorError
-from fleetserve.replica.lora.request import LORA_LOAD_TIMEOUT_S
+from fleetserve.replica.lora.manager import EngineLoRAs
+from fleetserve.replica.lora.paths import LoRANotLoadable
 from fleetserve.replica.model_loader.model_info import generation_defaults, read_model_shape
 from fleetserve.replica.model_loader.registry import resolve_model
 from fleetserve.scheduler import KVEventLog, SamplingParams
@@ -95,14 +94,7 @@ class AsyncEngine:
         self.input_processor = InputProcessor(
             self.tokenizer, self.max_model_len, self._client.info.vocab_size, args.lora_table()
         )
-        # Adapters loaded at run time take ids after --lora-modules' (one load per name at once).
-        self._next_lora_id = len(args.lora_modules or ()) + 1
-        self._lora_loading: dict[str, asyncio.Future] = {}
-        self._lora_admin = asyncio.Lock()
-        # --max-cpu-loras: the adapters' in-flight requests and last use, to evict the least
-        # recently used idle one when a load needs room.
-        self._lora_active: collections.Counter = collections.Counter()
-        self._lora_used: dict[str, float] = {}
+        self.loras = EngineLoRAs(args, self._client, self.input_processor)
         self._refresh_stats()
         self.metrics.cache_config(args.block_size, self._client.stats().num_blocks, args.enable_prefix_caching)
 
@@ -169,17 +161,18 @@ class AsyncEngine:
         lora_name: str,
         lora_path: Optional[str],
     ) -> AsyncIterator[RequestOutput]:
-        self._lora_active[lora_name] += 1  # in use from here: never the one evicted to make room
-        self._lora_used[lora_name] = time.monotonic()
+        self.loras.begin_use(lora_name)
         try:
             if lora_path and lora_name not in self.input_processor.loras:
-                await self.add_lora(lora_name, lora_path)
+                await self.add_lora(lora_name, lora_path, lazy=True)
+                if lora_name not in self.input_processor.loras:  # unloaded as its load ended
+                    raise LoRANotLoadable(lora_name)
             async for item in self._stream(
                 prompt, sp, request_id, priority, kv_transfer_params, cache_salt, admitted, lora_name
             ):
                 yield item
         finally:
-            self._lora_active[lora_name] -= 1
+            self.loras.end_use(lora_name)
 
     async def _stream(
         self,
@@ -258,87 +251,31 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)
 
-    # ---- LoRA adapters at run time ----------------------------------------------------
+    # ---- LoRA adapters at run time (replica/lora/manager.py) ------------------------------
     async def add_lora(
-        self, name: str, path: str, timeout_s: float = LORA_LOAD_TIMEOUT_S, replace: bool = False
+        self, name: str, path: str, timeout_s: Optional[float] = None, replace: bool = False, lazy: bool = False
     ) -> str:
         """Load a PEFT adapter on every rank as `name` (vLLM's /v1/load_lora_adapter on one
-        engine) and return its key (`name@digest`). Loading a name already held from the same
-        folder is a no-op; ValueError when the adapter does not fit, the name is taken by
-        other weights (unless `replace`: those are unloaded first, running requests finishing
-        with them), or the core did not answer within `timeout_s`."""
-        if not self.args.enable_lora:
-            raise ValueError("LoRA adapters need --enable-lora")
-        loading = self._lora_loading.get(name)
-        if loading is not None:  # one load per name at a time; the others wait for it
-            return await asyncio.shield(loading)
-        task = asyncio.ensure_future(self._load_lora(name, path, timeout_s, replace))
-        self._lora_loading[name] = task
-        try:
-            return await asyncio.shield(task)
-        finally:
-            if task.done():
-                self._lora_loading.pop(name, None)
-            else:
-                task.add_done_callback(lambda _: self._lora_loading.pop(name, None))
+        engine) and return its key (`name@digest`): off the engine's step loop, within
+        --lora-load-timeout (`timeout_s`). Loading a name already held from the same folder
+        is a no-op; LoRANotLoadable (a ValueError) when the path is refused or cannot be
+        read; ValueError when the adapter does not fit, the name is taken by other weights
+        (unless `replace`), or the deadline passed. `lazy`: a request's load on first use,
+        refused for a name unloaded here."""
+        return await self.loras.add(name, path, timeout_s, replace, lazy)
 
-    async def _load_lora(self, name: str, path: str, timeout_s: float, replace: bool = False) -> str:
-        from fleetserve.replica.lora.request import adapter_digest, read_adapter_config
-
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, read_adapter_config, path)  # a bad folder: no id spent
-        key = f"{name}@{await loop.run_in_executor(None, adapter_digest, path)}"
-        async with self._lora_admin:  # one eviction and load at a time: the cap holds
-            return await self._attach_lora(name, path, key, timeout_s, loop, replace)
-
-    async def _attach_lora(self, name: str, path: str, key: str, timeout_s: float, loop, replace: bool = False) -> str:
-        held = self.input_processor.loras.get(name)
-        if held is not None:
-            if held[1] == key:
-                return key
-            if not replace:
-                raise ValueError(f"a LoRA adapter named {name!r} is loaded already (other weights); unload it first")
-            logger.info("LoRA adapter %r: the weights held (%s) give way to %s", name, held[1], key)
-            await self.remove_lora(name)
-        cap = self.args.max_cpu_loras
-        if cap is not None and len(self.input_processor.loras) >= cap:
-            idle = [n for n in self.input_processor.loras if n != name and not self._lora_active[n]]
-            if not idle:
-                raise LoRACapacityError(
-                    f"the {cap} LoRA adapters this replica may hold (--max-cpu-loras) "
-                    f"are all in use; {name!r} cannot be loaded now, retry shortly"
-                )
-            victim = min(idle, key=lambda n: self._lora_used.get(n, 0.0))
-            logger.info("LoRA adapter %r evicted (least recently used) to make room for %r", victim, name)
-            await self.remove_lora(victim)
-        lora_id = self._next_lora_id
-        self._next_lora_id += 1
-        future = self._client.add_lora(lora_id, name, path)  # answered on this loop
-        try:
-            error = await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
-        except asyncio.TimeoutError:
-            self._client.remove_lora(lora_id)  # whenever it lands, it goes again
-            raise ValueError(f"loading LoRA adapter {name!r} took over {timeout_s:.0f} s; gave up") from None
-        if error is not None:
-            raise ValueError(error)
-        self.input_processor.loras[name] = (lora_id, key)
-        logger.info("LoRA adapter %r loaded from %s (id %d)", name, path, lora_id)
-        return key
-
-    async def remove_lora(self, name: str) -> bool:
-        """Unload adapter `name`: new requests for it are refused at once; its weights go when
-        the requests running with it end. False when no such adapter is loaded."""
-        held = self.input_processor.loras.pop(name, None)
-        if held is None:
-            return False
-        self._client.remove_lora(held[0])
-        logger.info("LoRA adapter %r unloaded", name)
-        return True
+    async def remove_lora(self, name: str, evict: bool = False) -> bool:
+        """Unload adapter `name`: new requests for it are refused at once (a load of it under
+        way is discarded, and a request built before cannot load it back); its weights go
+        when the requests running with it end. `evict`: drop the weights only, as
+        --max-cpu-loras does (a request naming it with its path loads it again). False when
+        no such adapter is loaded."""
+        return self.loras.evict(name) if evict else self.loras.remove(name)
 
     @property
     def lora_keys(self) -> dict[str, str]:
         """The adapters requests may name: name -> the key their KV blocks are salted with."""
-        return {name: key for name, (_, key) in self.input_processor.loras.items()}
+        return self.loras.keys()
 
     def get_load(self) -> EngineLoad:
         return self._client.load().copy()  # a core process's latest, read now if no loop reads it

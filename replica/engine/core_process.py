@@ -61,6 +61,7 @@ class EngineCoreLoop:
             drained = self._drain(block=not core.has_work())
             if drained is None:
                 return
+            self.send_lora_answers()
             if not core.has_work():
                 if drained:
                     self.send_state()
@@ -74,6 +75,12 @@ class EngineCoreLoop:
                 self.send_state()
                 continue
             self.send(msg.Step(result, self.state()))
+            self.send_lora_answers()
+
+    def send_lora_answers(self) -> None:
+        """LoRA commands answered (a load once installed, off the step loop: lora/loader.py)."""
+        for seq, error in self.core.take_lora_answers():
+            self.send(msg.LoRADone(seq, error))
 
     def _drain(self, block: bool) -> Optional[int]:
         """Carry out the commands waiting on the pipe (waiting for one first if `block`);
@@ -98,8 +105,8 @@ class EngineCoreLoop:
                 return False
             case msg.Ping(seq):  # liveness: answered between steps (the parent's health check)
                 self.send(msg.Pong(seq))
-            case msg.AddLoRA(seq) | msg.RemoveLoRA(seq):  # adapters at run time: answered
-                self.send(msg.LoRADone(seq, self.core.apply(command)))
+            case msg.AddLoRA() | msg.RemoveLoRA():  # adapters at run time: answered by send_lora_answers
+                self.core.apply(command)
             case msg.Add():
                 self.adds_seen += 1
                 if not self.dead:  # the parent refuses new requests once it hears of it

@@ -11,7 +11,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from fleetserve.kv_transfer.config import KVTransferConfig
-from fleetserve.replica.lora.request import LoRAModulePath, read_adapter_config
+from fleetserve.replica.lora.request import LORA_LOAD_TIMEOUT_S, LoRAModulePath, read_adapter_config
 from fleetserve.replica.spec_decode.config import SpeculativeConfig
 from fleetserve.scheduler import CacheConfig, SchedulerConfig
 from fleetserve.scheduler.config import same_field
@@ -195,6 +195,31 @@ class EngineArgs(BaseModel):
             "Most LoRA adapters one engine holds in memory (vLLM's --max-cpu-loras; unset: every one "
             "loaded). Loading one more evicts the least recently used idle one, which the engine "
             "loads again from its folder when a request names it."
+        ),
+    )
+    lora_roots: Optional[tuple[str, ...]] = Field(
+        None,
+        description=(
+            "Folders LoRA adapters loaded at run time (/v1/load_lora_adapter, and a replica's load "
+            "of one on first use) must lie in: the folder's real path, and its files', symlinks "
+            "resolved, must be under one of them. Unset: run-time loads by path are refused unless "
+            "--allow-any-lora-path. (--lora-modules paths are always allowed.)"
+        ),
+    )
+    allow_any_lora_path: bool = Field(
+        False,
+        description=(
+            "Load LoRA adapters at run time from any folder the replica can read, as vLLM does "
+            "(no --lora-roots; trust every caller of /v1/load_lora_adapter with the disk)."
+        ),
+    )
+    lora_load_timeout: float = Field(
+        LORA_LOAD_TIMEOUT_S,
+        gt=0,
+        description=(
+            "Seconds a LoRA adapter may take to load at run time (its checks, and reading and "
+            "converting its weights, off the engine's step loop); past it the load fails and its "
+            "weights are dropped."
         ),
     )
 

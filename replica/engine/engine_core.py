@@ -31,6 +31,7 @@ from fleetserve.replica.engine.engine_args import EngineArgs
 from fleetserve.replica.engine.step_result import StepResult
 from fleetserve.replica.executor import Executor, ExecutorError, make_executor
 from fleetserve.replica.kv_connectors import make_scheduler_connector, name_kv_engine
+from fleetserve.replica.lora.loader import LoRALoader
 from fleetserve.replica.structured_output.manager import StructuredOutputManager
 from fleetserve.scheduler import EngineCoreOutput, Request, RequestStatus, create_scheduler
 
@@ -140,11 +141,13 @@ class EngineCore:
         self._trace = StepTrace.from_env()
         # LoRA adapters unloaded while requests still ran with them: detached once none does.
         self._unloading_loras: set[int] = set()
+        # Adapter loads at run time, off the step loop (replica/lora/loader.py).
+        self.lora_loader = LoRALoader(self.executor, args.lora_load_timeout)
 
     # ---- commands (from either client layout: core_messages) -----------------------
-    def apply(self, command: CoreCommand) -> Optional[str]:
-        """Carry out a client's command between steps; for a LoRA command, the error's text
-        (None: done)."""
+    def apply(self, command: CoreCommand) -> None:
+        """Carry out a client's command between steps. A LoRA command's answer (seq, the
+        error's text or None) comes from `take_lora_answers`: a load's once it is installed."""
         match command:
             case Add(requests):
                 for request in requests:
@@ -153,11 +156,15 @@ class EngineCore:
                 self.abort_requests(request_ids)
             case Finish(request_ids):
                 self.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
-            case AddLoRA(_, lora_id, name, path):
-                return _error_text(self.add_lora, lora_id, name, path)
-            case RemoveLoRA(_, lora_id):
-                return _error_text(self.remove_lora, lora_id)
-        return None
+            case AddLoRA(seq, lora_id, name, path):
+                self._unloading_loras.discard(lora_id)
+                self.lora_loader.start(seq, lora_id, name, path)
+            case RemoveLoRA(seq, lora_id):
+                self.lora_loader.answer(seq, _error_text(self.remove_lora, lora_id))
+
+    def take_lora_answers(self) -> list[tuple[int, Optional[str]]]:
+        """The LoRA commands answered since the last call: (seq, error text or None)."""
+        return self.lora_loader.take_answers()
 
     def fail_in_flight(self, error: Exception) -> tuple[str, bool]:
         """After a step raised (call it in the `except` block): abort everything in flight, log,
@@ -171,17 +178,17 @@ class EngineCore:
 
     # ---- LoRA adapters at run time -------------------------------------------------
     def add_lora(self, lora_id: int, name: str, path: str) -> None:
-        """Load an adapter on every rank, between steps."""
+        """Load an adapter on every rank now, within --lora-load-timeout (the offline LLM,
+        which steps nothing meanwhile; a client's AddLoRA loads off the step loop)."""
         self._unloading_loras.discard(lora_id)
-        try:
-            self.executor.add_lora(lora_id, name, path)
-        except BaseException:
-            self.executor.remove_lora(lora_id)  # ranks that loaded it before one failed
-            raise
+        self.lora_loader.load_now(lora_id, name, path)
 
     def remove_lora(self, lora_id: int) -> None:
         """A removed adapter stays attached until the requests running with it end (the caller
-        already refuses new ones), so none of them switches weights midway."""
+        already refuses new ones), so none of them switches weights midway. One still loading
+        is never installed."""
+        if self.lora_loader.cancel(lora_id):
+            return
         self._unloading_loras.add(lora_id)
         self._detach_unused_loras()
 
@@ -220,7 +227,12 @@ class EngineCore:
         """Whether the loop must keep stepping: requests, grammars compiling, or KV connector
         work (the scheduler counts what its connector queued for the next step; saves the
         workers have in flight count here), so an idle engine has no save pending."""
-        return self.scheduler.has_requests() or self.structured.has_pending() or self._kv_saves_in_flight > 0
+        return (
+            self.scheduler.has_requests()
+            or self.structured.has_pending()
+            or self._kv_saves_in_flight > 0
+            or self.lora_loader.busy()
+        )
 
     def kv_pending(self) -> bool:
         """The KV connector still has work: something queued for the next step, a finished
@@ -260,14 +272,16 @@ class EngineCore:
 
     # ---- the step ----------------------------------------------------------------
     def step(self) -> StepResult:
-        # With nothing else to run, wait a little for a grammar rather than spin.
+        self.lora_loader.poll()  # adapters that finished loading go in between steps
+        # With nothing else to run, wait a little for a grammar (or an adapter) rather than spin.
         kv_busy = self._kv_saves_in_flight > 0  # a connector step polls the workers' saves
         ready, failed = self.structured.take_ready(
             wait_s=0.0 if kv_busy or self.scheduler.has_requests() else _GRAMMAR_WAIT_S
         )
         for request in ready:
             self.scheduler.add_request(request)
-        if not (kv_busy or self.scheduler.has_requests()):  # only grammars compiling: no step
+        if not (kv_busy or self.scheduler.has_requests()):  # only grammars or adapters loading: no step
+            self.lora_loader.wait(_GRAMMAR_WAIT_S)
             return StepResult(failed, [], 0, time.monotonic())
         start, cpu_start = time.monotonic(), (time.process_time() if self._trace is not None else 0.0)
         scheduler_output = self.scheduler.schedule()
@@ -393,6 +407,7 @@ class EngineCore:
             self._trace.close()
             self._trace = None
         self.structured.shutdown()
+        self.lora_loader.shutdown()
         self.executor.shutdown()
         if self.kv_connector is not None:
             self.kv_connector.shutdown()

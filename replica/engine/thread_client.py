@@ -13,7 +13,7 @@ import time
 from typing import TYPE_CHECKING, Optional
 
 from fleetserve.replica.engine.core_client import CoreClientBase, FailureCallback, StepCallback
-from fleetserve.replica.engine.core_messages import Add, AddLoRA, CoreCommand, CoreInfo, CoreState, Finish, RemoveLoRA
+from fleetserve.replica.engine.core_messages import Add, CoreCommand, CoreInfo, CoreState, Finish
 from fleetserve.replica.engine.engine_args import EngineArgs
 
 if TYPE_CHECKING:  # imported when the client starts: the process layout never needs it here
@@ -101,17 +101,22 @@ class ThreadCoreClient(CoreClientBase):
                 self._on_failure(message, dead)
                 self._flush_kv_events()
                 continue
+            self._answer_loras()
             self._report()
             self._on_step(result)
+
+    def _answer_loras(self) -> None:
+        """LoRA commands answered (a load once installed, off the step loop: lora/loader.py)."""
+        for seq, error in self.core.take_lora_answers():
+            self._lora_done(seq, error)
 
     def _drain(self) -> None:
         while self._commands:
             command = self._commands.popleft()
             if isinstance(command, Add):
                 self._adds_seen += 1
-            answer = self.core.apply(command)
-            if isinstance(command, (AddLoRA, RemoveLoRA)):
-                self._lora_done(command.seq, answer)
+            self.core.apply(command)
+        self._answer_loras()
         self._report()
         self._flush_kv_events()
 

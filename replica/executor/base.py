@@ -30,6 +30,20 @@ class Executor(abc.ABC):
         """Load a LoRA adapter on every rank as `lora_id` (ValueError when it does not fit)."""
 
     @abc.abstractmethod
+    def prepare_lora(self, lora_id: int, name: str, path: str) -> None:
+        """Read an adapter and cut every rank's slots of it, attaching nothing: called from a
+        loader thread while steps run (replica/lora/loader.py), so it must not wait on a step
+        (ValueError when it does not fit). The ranks keep it until install_lora/discard_lora."""
+
+    @abc.abstractmethod
+    def install_lora(self, lora_id: int) -> None:
+        """Attach a prepared adapter on every rank (between steps: a swap of references)."""
+
+    @abc.abstractmethod
+    def discard_lora(self, lora_id: int) -> None:
+        """Drop a prepared adapter that will not be installed (nothing where there is none)."""
+
+    @abc.abstractmethod
     def remove_lora(self, lora_id: int) -> None:
         """Drop adapter `lora_id` from every rank (nothing where it is not loaded)."""
 

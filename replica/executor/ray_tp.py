@@ -47,6 +47,9 @@ if TYPE_CHECKING:  # imported in the actor, where the rank runs
 
 logger = logging.getLogger(__name__)
 
+# The actors' concurrency group for adapter loads (TPWorkerActor.prepare_lora).
+LORA_LOAD_GROUP = "lora_load"
+
 
 class TPWorkerActor:
     """Runs in a Ray actor; wraps one rank's `replica.worker.worker.Worker`. Its methods are
@@ -87,6 +90,28 @@ class TPWorkerActor:
     @ray.method
     def add_lora(self, lora_id: int, name: str, path: str) -> None:
         self.worker.add_lora(lora_id, name, path)
+
+    # In a concurrency group of its own (a thread beside the default group's): a rank reads
+    # and cuts an adapter while its steps go on.
+    @ray.method(concurrency_group=LORA_LOAD_GROUP)
+    def prepare_lora(self, lora_id: int, name: str, path: str) -> Optional[tuple[bool, str]]:
+        """None, or (a file problem?, the message) of the ValueError it raised: the driver
+        raises it again as such (lora/loader.py tells a client only what a file problem is)."""
+        from fleetserve.replica.lora.paths import LoRAFileError
+
+        try:
+            self.worker.prepare_lora(lora_id, name, path)
+        except ValueError as e:
+            return isinstance(e, LoRAFileError), str(e)
+        return None
+
+    @ray.method
+    def install_lora(self, lora_id: int) -> None:
+        self.worker.install_lora(lora_id)
+
+    @ray.method
+    def discard_lora(self, lora_id: int) -> None:
+        self.worker.discard_lora(lora_id)
 
     @ray.method
     def remove_lora(self, lora_id: int) -> None:
@@ -173,7 +198,8 @@ class RayTPExecutor(Executor):
                 f"could not reserve {tp} x {bundle} for tensor parallelism within "
                 f"{start_timeout_s:.0f} s; the cluster lacks resources"
             ) from e
-        actor_cls = ray.remote(TPWorkerActor)
+        # (Ray's stubs lack concurrency_groups, which its ray.remote takes for actor classes)
+        actor_cls = ray.remote(concurrency_groups={LORA_LOAD_GROUP: 1})(TPWorkerActor)  # type: ignore[call-overload]
         self.workers = [
             actor_cls.options(
                 num_cpus=bundle["CPU"],
@@ -231,6 +257,20 @@ class RayTPExecutor(Executor):
 
     def add_lora(self, lora_id: int, name: str, path: str) -> None:
         self._get([w.add_lora.remote(lora_id, name, path) for w in self.workers], 120)
+
+    def prepare_lora(self, lora_id: int, name: str, path: str) -> None:
+        # (the engine's loader enforces --lora-load-timeout; this bounds a rank that hangs)
+        from fleetserve.replica.lora.paths import LoRAFileError
+
+        for failed in self._get([w.prepare_lora.remote(lora_id, name, path) for w in self.workers], 600):
+            if failed is not None:
+                raise (LoRAFileError if failed[0] else ValueError)(failed[1])
+
+    def install_lora(self, lora_id: int) -> None:
+        self._get([w.install_lora.remote(lora_id) for w in self.workers], 120)
+
+    def discard_lora(self, lora_id: int) -> None:
+        self._get([w.discard_lora.remote(lora_id) for w in self.workers], 120)
 
     def remove_lora(self, lora_id: int) -> None:
         self._get([w.remove_lora.remote(lora_id) for w in self.workers], 120)

@@ -28,6 +28,15 @@ class UniProcExecutor(Executor):
     def add_lora(self, lora_id: int, name: str, path: str) -> None:
         self.worker.add_lora(lora_id, name, path)
 
+    def prepare_lora(self, lora_id: int, name: str, path: str) -> None:
+        self.worker.prepare_lora(lora_id, name, path)
+
+    def install_lora(self, lora_id: int) -> None:
+        self.worker.install_lora(lora_id)
+
+    def discard_lora(self, lora_id: int) -> None:
+        self.worker.discard_lora(lora_id)
+
     def remove_lora(self, lora_id: int) -> None:
         self.worker.remove_lora(lora_id)
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from fleetserve.replica.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
+from fleetserve.replica.lora.paths import WEIGHT_FILES, LoRAFileError
 from fleetserve.replica.lora.request import SUPPORTED_TARGETS, read_adapter_config
 
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
@@ -52,40 +53,43 @@ class LoRAWeights:
 
 
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:
-    st = os.path.join(path, "adapter_model.safetensors")
-    if os.path.exists(st):
-        from safetensors.torch import load_file
+    """The weights file's tensors; LoRAFileError when there is none or it cannot be read."""
+    st, pt = (os.path.join(path, f) for f in WEIGHT_FILES)
+    try:
+        if os.path.exists(st):
+            from safetensors.torch import load_file
 
-        return load_file(st)
-    pt = os.path.join(path, "adapter_model.bin")
-    if os.path.exists(pt):
-        return torch.load(pt, map_location="cpu", weights_only=True)
-    raise ValueError(f"LoRA adapter {path!r}: no adapter_model.safetensors (or adapter_model.bin)")
+            return load_file(st)
+        if os.path.exists(pt):
+            return torch.load(pt, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - unreadable or not a tensor file: the path's problem
+        raise LoRAFileError(f"LoRA adapter {path!r}: its weights cannot be read: {type(e).__name__}: {e}") from None
+    raise LoRAFileError(f"LoRA adapter {path!r}: no adapter_model.safetensors (or adapter_model.bin)")
 
 
 def load_lora(name: str, path: str, hf_config, max_lora_rank: int) -> LoRAWeights:
-    """Read and check an adapter for a model of `hf_config`: ValueError naming what is wrong
-    (a missing file, a module we cannot adapt, a rank above --max-lora-rank, a shape that
-    is not this model's)."""
-    cfg = read_adapter_config(path)
+    """Read and check an adapter for a model of `hf_config`: LoRAFileError (with the path,
+    for the log) when its files cannot be read, ValueError naming the adapter and what is
+    wrong otherwise (a module we cannot adapt, a rank above --max-lora-rank, a shape that is
+    not this model's)."""
+    label = f"LoRA adapter '{name}'"
+    cfg = read_adapter_config(path, label)
     tensors = _read_tensors(path)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m = _KEY.search(key)
         if m is None:
             raise ValueError(
-                f"LoRA adapter {path!r}: {key!r} is not a LoRA weight of an attention or MLP "
+                f"{label}: {key!r} is not a LoRA weight of an attention or MLP "
                 f"projection (adaptable: {', '.join(SUPPORTED_TARGETS)})"
             )
         layer, target, ab = int(m.group(1)), m.group(2), m.group(3)
         if target not in _MODULES:
-            raise ValueError(
-                f"LoRA adapter {path!r}: module {target!r} cannot be adapted "
-                f"(adaptable: {', '.join(SUPPORTED_TARGETS)})"
-            )
+            adaptable = ", ".join(SUPPORTED_TARGETS)
+            raise ValueError(f"{label}: module {target!r} cannot be adapted (adaptable: {adaptable})")
         pairs.setdefault((layer, target), {})[ab] = tensor
     if not pairs:
-        raise ValueError(f"LoRA adapter {path!r}: holds no LoRA weights")
+        raise ValueError(f"{label}: holds no LoRA weights")
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
@@ -100,7 +104,7 @@ def load_lora(name: str, path: str, hf_config, max_lora_rank: int) -> LoRAWeight
     }
     out = LoRAWeights(name, path, 0)
     for (layer, target), ab in sorted(pairs.items()):
-        where = f"LoRA adapter {path!r}, layer {layer} {target}"
+        where = f"{label}, layer {layer} {target}"
         if not 0 <= layer < hf_config.num_hidden_layers:
             raise ValueError(f"{where}: the model has {hf_config.num_hidden_layers} layers")
         if set(ab) != {"A", "B"}:
@@ -167,8 +171,15 @@ def _column_part(module: LinearBase, shard_id: Union[int, str], b: torch.Tensor)
     return offset, size, b.narrow(0, tp.rank * size, size)
 
 
-def attach(model: nn.Module, lora_id: int, adapter: LoRAWeights, dtype: torch.dtype, device: torch.device) -> None:
-    """Give each adapted linear of `model` (a LlamaForCausalLM) this rank's slot for `lora_id`."""
+# This rank's slot of an adapter in each linear it adapts: (layer, attribute path) -> slot.
+Slots = dict[tuple[int, str], LoRASlot]
+
+
+def shard(model: nn.Module, adapter: LoRAWeights, dtype: torch.dtype, device: torch.device) -> Slots:
+    """This rank's slot in each linear of `model` (a LlamaForCausalLM) that `adapter` adapts, in
+    `dtype` on `device`: the costly part of a load, which touches nothing the model's forward
+    reads (a loader thread runs it while steps run); `install` then hands the slots over."""
+    out: Slots = {}
     grouped: dict[tuple[int, str], list[tuple[Union[int, str, None], torch.Tensor, torch.Tensor, float]]] = {}
     for (layer, target), (a, b, scaling) in adapter.weights.items():
         attr, shard_id = _MODULES[target]
@@ -192,13 +203,25 @@ def attach(model: nn.Module, lora_id: int, adapter: LoRAWeights, dtype: torch.dt
         b_full = torch.zeros(module.weight.shape[0], r0)
         for offset, size, c0, c1, b in parts:
             b_full[offset : offset + size, c0:c1] = b
-        slot = LoRASlot(
+        out[(layer, attr)] = LoRASlot(
             torch.cat(a_parts).to(dtype=dtype, device=device).contiguous(),
             b_full.to(dtype=dtype, device=device).contiguous(),
         )
+    return out
+
+
+def install(model: nn.Module, lora_id: int, slots: Slots) -> None:
+    """Give each linear its slot for `lora_id` (references only: between two steps)."""
+    for (layer, attr), slot in slots.items():
+        module = decoder_linear(model, layer, attr)
         if module.lora is None:
             module.lora = {}
         module.lora[lora_id] = slot
+
+
+def attach(model: nn.Module, lora_id: int, adapter: LoRAWeights, dtype: torch.dtype, device: torch.device) -> None:
+    """Give each adapted linear of `model` (a LlamaForCausalLM) this rank's slot for `lora_id`."""
+    install(model, lora_id, shard(model, adapter, dtype, device))
 
 
 def detach(model: nn.Module, lora_id: int) -> None:
@@ -210,4 +233,4 @@ def detach(model: nn.Module, lora_id: int) -> None:
                 m.lora = None  # no adapter left: its forward skips the LoRA call again
 
 
-__all__ = ["LoRASlot", "LoRAWeights", "attach", "detach", "load_lora"]
+__all__ = ["LoRASlot", "LoRAWeights", "Slots", "attach", "detach", "install", "load_lora", "shard"]

@@ -11,7 +11,10 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-# How long an engine may take to load a LoRA adapter at run time (between two steps).
+from fleetserve.replica.lora.paths import LoRAFileError
+
+# How long an engine may take to load a LoRA adapter at run time, by default
+# (--lora-load-timeout: its checks, reading and converting its weights, off the step loop).
 LORA_LOAD_TIMEOUT_S = 120.0
 
 # The linear layers an adapter may target (the Llama family's names in HF and PEFT).
@@ -82,27 +85,34 @@ def adapter_digest(path: str) -> str:
     return h.hexdigest()
 
 
-def read_adapter_config(path: str) -> dict:
+def read_adapter_config(path: str, label: Optional[str] = None) -> dict:
     """A PEFT adapter folder's adapter_config.json, checked for what fleetserve can apply;
-    ValueError naming the problem otherwise. (The weights are checked when loaded.)"""
+    ValueError naming the problem otherwise (lora.paths.LoRAFileError when the folder or the
+    file cannot be read). `label` names the adapter in the messages (default: the path; a
+    client's load gives its name: a client hears nothing of the file system). (The weights
+    are checked when loaded.)"""
+    where = f"LoRA adapter {path!r}"
     if not os.path.isdir(path):
-        raise ValueError(f"LoRA adapter {path!r}: no such folder")
+        raise LoRAFileError(f"{where}: no such folder")
     cfg_path = os.path.join(path, "adapter_config.json")
     try:
         with open(cfg_path, encoding="utf-8") as f:
             cfg = json.load(f)
     except FileNotFoundError:
-        raise ValueError(
-            f"LoRA adapter {path!r}: no adapter_config.json (a PEFT adapter folder holds "
+        raise LoRAFileError(
+            f"{where}: no adapter_config.json (a PEFT adapter folder holds "
             "adapter_config.json and adapter_model.safetensors)"
         ) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise LoRAFileError(f"{where}: adapter_config.json cannot be read: {e}") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"LoRA adapter {path!r}: adapter_config.json is not valid JSON: {e}") from None
+        raise ValueError(f"{label or where}: adapter_config.json is not valid JSON: {e}") from None
+    where = label or where
     if not isinstance(cfg, dict):
-        raise ValueError(f"LoRA adapter {path!r}: adapter_config.json is not a JSON object")
+        raise ValueError(f"{where}: adapter_config.json is not a JSON object")
     kind = cfg.get("peft_type", "LORA")
     if str(kind).upper() != "LORA":
-        raise ValueError(f"LoRA adapter {path!r}: peft_type {kind!r} is not LORA")
+        raise ValueError(f"{where}: peft_type {kind!r} is not LORA")
     refused = [
         (key, why)
         for key, bad, why in (
@@ -117,12 +127,12 @@ def read_adapter_config(path: str) -> dict:
     ]
     if refused:
         raise ValueError(
-            f"LoRA adapter {path!r}: {refused[0][1]} ({refused[0][0]} in adapter_config.json) "
+            f"{where}: {refused[0][1]} ({refused[0][0]} in adapter_config.json) "
             "not supported; a plain LoRA of the attention and MLP projections is"
         )
     for key in ("r", "lora_alpha"):
         if not isinstance(cfg.get(key), (int, float)) or cfg[key] <= 0:
-            raise ValueError(f"LoRA adapter {path!r}: adapter_config.json needs a positive {key!r}")
+            raise ValueError(f"{where}: adapter_config.json needs a positive {key!r}")
     return cfg
 
 

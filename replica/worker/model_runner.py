@@ -51,6 +51,18 @@ NO_TOKEN_LEFT = (
 )
 
 
+@dataclass
+class PreparedLoRA:
+    """An adapter read and cut into this rank's slots, not attached yet (prepare_lora_adapter)."""
+
+    lora_id: int
+    name: str
+    path: str
+    rank: int
+    targets: list[str]
+    slots: dict
+
+
 @dataclass(slots=True)
 class CachedRequestState:
     req_id: str
@@ -157,17 +169,36 @@ class ModelRunner:
     def add_lora_adapter(self, lora_id: int, name: str, path: str, max_lora_rank: int) -> None:
         """Load a PEFT adapter and attach this rank's shard of it as `lora_id` (ValueError when
         the adapter does not fit the model or --max-lora-rank)."""
-        from fleetserve.replica.lora.adapter import attach, load_lora
+        self.install_lora_adapter(self.prepare_lora_adapter(lora_id, name, path, max_lora_rank))
+
+    def prepare_lora_adapter(self, lora_id: int, name: str, path: str, max_lora_rank: int) -> "PreparedLoRA":
+        """Read and check an adapter and cut this rank's slots of it (the costly part of a load:
+        safe on another thread while steps run, it touches nothing a forward reads)."""
+        from fleetserve.replica.lora.adapter import load_lora, shard
 
         if lora_id < 1:
             raise ValueError(f"LoRA adapter ids start at 1, got {lora_id}")
         adapter = load_lora(name, path, self.hf_config, max_lora_rank)
-        attach(self.model, lora_id, adapter, self.dtype, self.device)
-        self.lora_adapters[lora_id] = name
+        slots = shard(self.model, adapter, self.dtype, self.device)
+        return PreparedLoRA(lora_id, name, path, adapter.rank, adapter.targets, slots)
+
+    def install_lora_adapter(self, prepared: "PreparedLoRA") -> None:
+        """Attach a prepared adapter (between steps: the linears' references, and its slot of the
+        CUDA-graph stacks when they are on)."""
+        from fleetserve.replica.lora.adapter import install
+
+        lora_id = prepared.lora_id
+        install(self.model, lora_id, prepared.slots)
+        self.lora_adapters[lora_id] = prepared.name
         if self.lora_stacks is not None and self.lora_stacks.put(lora_id) and self.decode_graphs is not None:
             self.decode_graphs.set_lora_slots(self.lora_stacks.capacity)  # the buffers moved
         logger.info(
-            "LoRA adapter %r (id %d, rank %d, %s) from %s", name, lora_id, adapter.rank, "/".join(adapter.targets), path
+            "LoRA adapter %r (id %d, rank %d, %s) from %s",
+            prepared.name,
+            lora_id,
+            prepared.rank,
+            "/".join(prepared.targets),
+            prepared.path,
         )
 
     def remove_lora_adapter(self, lora_id: int) -> None:

@@ -88,6 +88,7 @@ class Worker:
                 block_size=args.block_size,
                 target_hf_config=self.runner.hf_config,
             )
+        self._prepared_loras: dict = {}  # lora_id -> model_runner.PreparedLoRA (prepare_lora)
         # --lora-modules, every rank its shard, ids as EngineArgs.lora_table numbers them
         for lora_id, m in enumerate(args.lora_modules or (), start=1):
             self.add_lora(lora_id, m.name, m.path)
@@ -96,7 +97,24 @@ class Worker:
     def add_lora(self, lora_id: int, name: str, path: str) -> None:
         self.runner.add_lora_adapter(lora_id, name, path, self.args.max_lora_rank)
 
+    def prepare_lora(self, lora_id: int, name: str, path: str) -> None:
+        """Read and cut an adapter (on a loader thread, while steps run); kept until
+        install_lora or discard_lora."""
+        prepared = self.runner.prepare_lora_adapter(lora_id, name, path, self.args.max_lora_rank)
+        self._prepared_loras[lora_id] = prepared
+
+    def install_lora(self, lora_id: int) -> None:
+        """Attach what prepare_lora read (between steps)."""
+        prepared = self._prepared_loras.pop(lora_id, None)
+        if prepared is None:
+            raise ValueError(f"LoRA adapter id {lora_id} was not prepared on this rank")
+        self.runner.install_lora_adapter(prepared)
+
+    def discard_lora(self, lora_id: int) -> None:
+        self._prepared_loras.pop(lora_id, None)
+
     def remove_lora(self, lora_id: int) -> None:
+        self._prepared_loras.pop(lora_id, None)
         self.runner.remove_lora_adapter(lora_id)
 
     def _make_kv_connector(self) -> Optional[KVConnectorBase]:

@@ -199,6 +199,7 @@ def test_lora_values_reach_the_app_config(helm):
             [CHART / "ci" / "cpu-small-values.yaml"],
             [
                 "engine.lora_modules[0]=sql=/models/adapters/sql",
+                "engine.lora_roots[0]=/models/adapters",
                 "engine.max_loras=2",
                 "app.allowRuntimeLoraUpdating=true",
             ],
@@ -208,6 +209,7 @@ def test_lora_values_reach_the_app_config(helm):
     config = AppConfig.model_validate(serve_config(rs)["applications"][0]["args"])
     assert config.allow_runtime_lora_updating and config.engine.enable_lora
     assert config.lora_adapters == {"sql": "/models/adapters/sql"} and config.engine.max_loras == 2
+    assert config.engine.lora_roots == ("/models/adapters",)
 
 
 BAD = [

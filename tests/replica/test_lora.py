@@ -215,6 +215,7 @@ def test_async_engine_loads_and_unloads_while_serving(tiny_model_dir, adapters, 
         num_gpu_blocks_override=64,
         num_threads=1,
         enable_lora=True,
+        lora_roots=[str(adapters["a"].parent)],
         core_process=core_process,
     )
 
@@ -223,7 +224,7 @@ def test_async_engine_loads_and_unloads_while_serving(tiny_model_dir, adapters, 
         assert len(set(keys)) == 1 and keys[0].startswith("a@") and engine.lora_keys == {"a": keys[0]}
         with pytest.raises(ValueError, match="loaded already"):
             await engine.add_lora("a", str(adapters["b"]))
-        with pytest.raises(ValueError, match="another base model|no such folder"):
+        with pytest.raises(ValueError, match="not found or cannot be loaded"):
             await engine.add_lora("x", str(adapters["a"]) + "-missing")
         tokens = []
         async for out in engine.generate(PROMPTS[0], long, "r1", lora_name="a"):
@@ -297,6 +298,7 @@ def test_max_cpu_loras_evicts_the_least_recently_used_idle_adapter(tiny_model_di
         num_threads=1,
         enable_lora=True,
         max_cpu_loras=2,
+        lora_roots=[str(adapters["a"].parent)],
         core_process=False,
     )
     long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)

@@ -110,6 +110,8 @@ def server(tiny_model_dir, lora_dirs):
                     {"name": LORA_B, "path": str(lora_dirs[LORA_B]), "base_model_name": SECOND_NAME},
                 ],
                 "max_loras": 1,
+                # /v1/load_lora_adapter loads from here only (replica/lora/paths.py)
+                "lora_roots": [str(lora_dirs[LORA_A].parent)],
             },
             "num_replicas": 2,
             "routing_policy": "prefix_aware",

@@ -188,16 +188,21 @@ def test_load_and_unload_at_run_time(server, lora_dirs, peft_greedy, tmp_path):
     assert want != peft_greedy(None, ids, 8)
     for _ in range(3):  # whichever replica serves it
         assert token_ids(complete(server, "tiny-lora-c", ids)) == want
-    # Refused: a name in use, a folder that is no adapter, an adapter of another shape; the
-    # app serves on (and no replica kept a half-loaded adapter under the refused name).
+    # Refused: a name in use, a folder outside --lora-roots, one missing inside them (the same
+    # words for both: nothing about the file system), no path; the app serves on (and no
+    # replica kept a half-loaded adapter under the refused name).
+    refusals = []
     for body, status, text in (
         ({"lora_name": "tiny-lora-c", "lora_path": str(lora_dirs["c"])}, 400, "already in use"),
         ({"lora_name": server.model, "lora_path": str(lora_dirs["c"])}, 400, "already in use"),
-        ({"lora_name": "x", "lora_path": str(tmp_path / "nothing")}, 400, "no such folder"),
+        ({"lora_name": "x", "lora_path": str(tmp_path / "nothing")}, 404, "not found or cannot be loaded"),
+        ({"lora_name": "x", "lora_path": str(lora_dirs["c"]) + "-none"}, 404, "not found or cannot be loaded"),
         ({"lora_name": "x"}, 400, "lora_path"),
     ):
         r = post(server, "/v1/load_lora_adapter", body)
         assert r.status_code == status and text in r.json()["error"]["message"], r.text
+        refusals.append(r.json()["error"])
+    assert refusals[2] == refusals[3] and str(tmp_path) not in str(refusals[2]), refusals
     assert complete(server, server.model, ids, 2)["choices"][0]["finish_reason"] == "length"
     r = post(server, "/v1/unload_lora_adapter", {"lora_name": "tiny-lora-c"})
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'tiny-lora-c' removed successfully.", r.text
@@ -225,8 +230,8 @@ def test_a_replica_without_a_runtime_adapter_loads_it_on_first_use(server, lora_
     async def unload_everywhere():
         await handle.get_info.remote()
         router = get_router(server.app, "engine")
-        return [
-            await handle.control.remote("unload_lora", name="tiny-lora-c2", **{TARGET_KWARG: rid})
+        return [  # (evict: an unload would also refuse the requests built before it)
+            await handle.control.remote("unload_lora", name="tiny-lora-c2", evict=True, **{TARGET_KWARG: rid})
             for rid in router.replica_ids()
         ]
 
