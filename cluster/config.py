@@ -262,6 +262,16 @@ class ReliabilityOptions(BaseModel):
             "its KV cache's capacity in tokens (router/routing/admission.py)."
         ),
     )
+    metrics_report_interval_s: float = Field(
+        default=1.0,
+        gt=0.0,
+        le=60.0,
+        description=(
+            "How often each engine replica reports its metrics to the app's metrics hub; /metrics "
+            "answers from the latest reports and calls no replica (router/metrics_hub.py). A "
+            "report 5 intervals old is left out (its age: fleetserve:replica_metrics_age_seconds)."
+        ),
+    )
 
 
 class AppConfig(BaseModel):

@@ -11,8 +11,10 @@ pool. `EnginePools` holds their handles and everything the ingress does with the
 * `open_stream(body)`: a request's stream and its first item, by the P/D flow, the
   prefix-reuse flow, or a plain call that migrates on a replica's failure, each call riding
   the per-step feed (router/feed.py) unless FLEETSERVE_STREAM_FEED=0;
-* `replica_calls(op)`: a control call pinned to every replica (metrics, LoRA loads);
-* `routers()`: the pools' request routers, for /metrics and /health.
+* `replica_calls(op)`: a control call pinned to every replica (LoRA loads and unloads);
+* `routers()`: the pools' request routers, for /metrics and /health;
+* `reports`: the replicas' metrics reports /metrics answers from (router/metrics_hub.py:
+  pushed by the replicas, so a scrape calls none of them).
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ import logging
 import os
 from typing import Any, Callable, Optional
 
-from ray.serve.exceptions import BackPressureError
+from ray import serve
+from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle
 
 from fleetserve.router.api.errors import APIError, error_body, is_error
 from fleetserve.router.api.limits import max_token_chars
 from fleetserve.router.feed import FeedHub
+from fleetserve.router.metrics_hub import ReplicaReports
 from fleetserve.router.routing.kv_subscriber import KVEventSubscriber
 from fleetserve.router.routing.migration import MigratingStream
 from fleetserve.router.routing.pd import PDRouter
@@ -85,6 +89,7 @@ class EnginePools:
         self._info: Optional[dict] = None
         self._info_lock = asyncio.Lock()
         self._kv_subscribers: dict[str, KVEventSubscriber] = {}
+        self.reports = ReplicaReports(_app_name(), self.live_replicas)
 
     def flows(self) -> list:
         """The P/D or reuse flow in use (its metrics are exported with the router's)."""
@@ -165,6 +170,11 @@ class EnginePools:
         found = [(h.deployment_name, get_router(h.app_name, h.deployment_name)) for h in self.handles]
         return [(name, router) for name, router in found if router is not None]
 
+    def live_replicas(self) -> dict[str, set[str]]:
+        """Deployment name -> the replica ids its request router lists (pools whose router
+        exists): a metrics report of a replica not listed is left out of /metrics."""
+        return {name: set(router.replica_ids()) for name, router in self.routers()}
+
     # -- requests ------------------------------------------------------------------
 
     async def open_stream(self, body: dict):
@@ -211,3 +221,12 @@ class EnginePools:
                 r = await asyncio.wait_for(call, timeout_s)
                 results[r["replica"]] = r
         return results
+
+
+def _app_name() -> Optional[str]:
+    """This ingress's Serve application (its replicas report to that app's metrics hub);
+    None outside Serve (unit tests): no reports."""
+    try:
+        return serve.get_replica_context().app_name
+    except RayServeException:
+        return None

@@ -12,7 +12,7 @@ What the routes delegate:
     router/engine_pools.py  the engine deployments: info, P/D and reuse flows, migration, the feed
     router/bodies.py        API request -> engine bodies
     router/loras.py         LoRA adapters by name, loaded and unloaded at run time
-    router/metrics.py       /metrics: the replicas' metrics merged, and the router's own
+    router/metrics.py       /metrics: the replicas' reported metrics merged, and the router's own
     router/api/             the API's models, bodies, chunks, errors and limits
     router/grpc/service.py  the gRPC methods, mixed into this class
 """
@@ -521,13 +521,11 @@ class Ingress(GrpcMethods):
 
     @app.get("/metrics")
     async def metrics(self):
-        try:
-            results = await self.pools.replica_calls("metrics_text")
-        except Exception as e:  # a replica is down or slow: say so, don't 500
-            return to_response(error_body(f"replicas unreachable: {e!r}", 503))
-        return PlainTextResponse(
-            self._metrics.exposition({rid: r["text"] for rid, r in results.items()}), media_type=METRICS_CONTENT_TYPE
-        )
+        """The replicas' latest metrics reports, then the router's own. No replica is called
+        (router/metrics_hub.py), so a scrape costs them nothing and answers under overload."""
+        snap = await self.pools.reports.current()
+        body = await self._metrics.render(snap.texts, snap.ages, snap.version)
+        return PlainTextResponse(body, media_type=METRICS_CONTENT_TYPE)
 
     # -- request parsing -------------------------------------------------------
 

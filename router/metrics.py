@@ -3,11 +3,14 @@
 /metrics (router/ingress.py) answers two parts, in this order:
 
 1. the engine replicas' own metrics: each engine keeps its own registry
-   (`AsyncEngine.metrics_text()`), the ingress fetches all of them when /metrics is
-   scraped (pinned calls, router/routing/request_router.py), and `merge_metrics`
-   relabels each sample with `replica="<id>"`, families of one name under one
-   HELP/TYPE header (valid for Prometheus and `text_string_to_metric_families`);
+   (`AsyncEngine.metrics_text()`), each replica reports it every interval to its app's
+   metrics hub, the ingress answers from the latest reports without calling a replica
+   (router/metrics_hub.py), and `merge_metrics` relabels each sample with
+   `replica="<id>"`, families of one name under one HELP/TYPE header (valid for
+   Prometheus and `text_string_to_metric_families`), redone only when a report changed;
 2. this ingress's own, in one prometheus_client `CollectorRegistry` (`RouterMetrics`):
+
+   fleetserve:replica_metrics_age_seconds{replica}             gauge    since each replica's last report
 
    fleetserve:router_ongoing_requests{replica}                 gauge    requests in flight per replica
    fleetserve:router_kv_index_blocks{replica}                  gauge    block hashes the prefix index holds
@@ -27,12 +30,15 @@ counts are this process's (`MIGRATIONS`, counted by router/routing/migration.py)
 
 from __future__ import annotations
 
+import asyncio
 import math
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, Optional, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
+
+from fleetserve.router.metrics_hub import STALE_INTERVALS
 
 # /metrics' content type: Prometheus' text format 0.0.4, which both parts are written in.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -42,7 +48,7 @@ BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 1
 # -- the replicas' metrics ------------------------------------------------------
 
 
-def merge_metrics(texts: dict[str, str], label: str = "replica") -> str:
+def merge_metrics(texts: Mapping[str, str], label: str = "replica") -> str:
     """`texts`: replica id -> that replica's exposition text."""
     families: dict[str, tuple[str, str, list[str]]] = {}  # name -> (type, help, sample lines)
     for replica_id, text in sorted(texts.items()):
@@ -280,13 +286,61 @@ class RouterMetrics:
     def __init__(self, routers: RoutersOf, feeds: Optional[Any] = None, flows: Sequence[_OwnRegistry] = ()) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(RoutingCollector(routers, feeds))
+        self.report_ages = ReportAges()
+        self.registry.register(self.report_ages)
         for flow in flows:
             self.registry.register(flow)
         self.registry.register(MIGRATIONS)
+        self._merged: tuple[Optional[Hashable], str] = (None, "")
+        self._merging: Optional[tuple[Hashable, asyncio.Future]] = None
 
     def text(self) -> str:
         return generate_latest(self.registry).decode()
 
-    def exposition(self, replica_texts: dict[str, str]) -> str:
-        """/metrics' body: the replicas' metrics (replica id -> text), then the router's."""
-        return merge_metrics(replica_texts) + self.text()
+    def exposition(
+        self,
+        replica_texts: Mapping[str, str],
+        ages: Optional[Mapping[str, float]] = None,
+        version: Optional[Hashable] = None,
+    ) -> str:
+        """/metrics' body: the replicas' metrics (replica id -> text), then the router's, with
+        `ages` (replica id -> seconds since its report) as fleetserve:replica_metrics_age_seconds.
+        `version` (None: always merge) names the texts: the same version, the same merge."""
+        if version is None or version != self._merged[0]:
+            self._merged = (version, merge_metrics(replica_texts))
+        self.report_ages.ages = dict(ages or {})
+        return self._merged[1] + self.text()
+
+    async def render(self, replica_texts: Mapping[str, str], ages: Mapping[str, float], version: Hashable) -> str:
+        """`exposition`, with a new version's merge done once (scrapes at once share it) on a
+        worker thread: parsing the replicas' texts never holds the event loop for long."""
+        if version != self._merged[0]:
+            if self._merging is None or self._merging[0] != version:
+                texts = dict(replica_texts)
+                self._merging = (version, asyncio.ensure_future(asyncio.to_thread(merge_metrics, texts)))
+            merging = self._merging
+            merged = await asyncio.shield(merging[1])
+            if self._merging is merging:
+                self._merged, self._merging = (version, merged), None
+        return self.exposition(replica_texts, ages, version)
+
+
+class ReportAges:
+    """fleetserve:replica_metrics_age_seconds{replica}: the ages of the reports the last
+    scrape read (none: no family)."""
+
+    def __init__(self) -> None:
+        self.ages: dict[str, float] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        if not self.ages:
+            return
+        family = GaugeMetricFamily(
+            "fleetserve:replica_metrics_age_seconds",
+            "Seconds since the engine replica's last metrics report; its samples are left out "
+            f"of /metrics once it is {STALE_INTERVALS} report intervals old.",
+            labels=["replica"],
+        )
+        for rid, age in sorted(self.ages.items()):
+            family.add_metric([rid], round(age, 3))
+        yield family

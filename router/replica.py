@@ -28,6 +28,7 @@ from fleetserve.replica.engine.errors import EngineDeadError, QueueFullError
 from fleetserve.replica.lora.paths import LoRANotLoadable
 from fleetserve.router.api.errors import error_body
 from fleetserve.router.feed import FEED_END_GRACE_S, FEED_FLAG, FEED_KEY, FeedChannel, FeedChannels
+from fleetserve.router.metrics_hub import DEFAULT_INTERVAL_S, MetricsReporter
 from fleetserve.router.routing.admission import RESERVATION_KEY, Reservations, admission_refusal
 from fleetserve.router.routing.migration import ENGINE_DEAD, MIGRATED_KEY
 from fleetserve.scheduler import SamplingParams, resolve_obj_by_qualname
@@ -49,10 +50,16 @@ class EngineReplica:
         self._kv_wake = AppendWaiter()
         self._feeds = FeedChannels()
         self._reservations = Reservations()  # P/D decode slots held before their prefill runs
+        self.metrics_reporter: Optional[MetricsReporter] = None
         try:
-            self.replica_id = serve.get_replica_context().replica_id.unique_id
-        except RayServeException:  # outside Serve (unit tests): a random id
+            context = serve.get_replica_context()
+        except RayServeException:  # outside Serve (unit tests): a random id, no reports
             self.replica_id = uuid.uuid4().hex[:8]
+        else:
+            self.replica_id = context.replica_id.unique_id
+            # Serve builds the replica on its event loop: the reports start now.
+            interval_s = (reliability or {}).get("metrics_report_interval_s", DEFAULT_INTERVAL_S)
+            self.report_metrics(context.app_name, context.deployment, interval_s)
 
     # -- generation ------------------------------------------------------------
 
@@ -227,8 +234,6 @@ class EngineReplica:
             return self._reserve(str(kwargs["owner"]), int(kwargs["prompt_len"]), float(kwargs["ttl_s"]))
         if op == "release_reservation":
             return {"replica": self.replica_id, "released": self._reservations.release(str(kwargs["owner"]))}
-        if op == "metrics_text":
-            return {"replica": self.replica_id, "text": self.engine.metrics_text()}
         if op == "get_load":
             return {"replica": self.replica_id, "load": self.engine.get_load()}
         if op == "health":
@@ -263,6 +268,13 @@ class EngineReplica:
             reply = log.read(since_seq, instance)
         reply["replica"] = self.replica_id
         return reply
+
+    def report_metrics(self, app: str, deployment: str, interval_s: float) -> None:
+        """Report the engine's metrics to `app`'s metrics hub every `interval_s`, from a task
+        on the running loop (router/metrics_hub.py: /metrics answers from the reports)."""
+        self.metrics_reporter = MetricsReporter(app, deployment, self.replica_id, self.engine.metrics_text, interval_s)
+        if not self.metrics_reporter.start():
+            logger.warning("no event loop: replica %s does not report its metrics", self.replica_id)
 
     def get_info(self) -> dict:
         """What the ingress needs to tokenize and validate on its own."""

@@ -5,15 +5,51 @@ regular expression, a list of choices, or an EBNF grammar (xgrammar's GBNF diale
 This is a plain description that travels with `SamplingParams` (and so pickles across
 the engine core's pipe); the engine core compiles it (replica/structured_output/).
 `key()` names the compiled grammar, so equal constraints share one compilation.
+
+A JSON schema's `pattern`s (and `patternProperties` keys) are bounded here, before any
+work: xgrammar turns a schema's regular expressions into a grammar in time quadratic in
+their counted repetitions (`a{1,10000}` took seconds, on the replica's event loop, in the
+front end's parse), so a count above `MAX_PATTERN_REPEAT` or counts summing above
+`MAX_PATTERN_REPEAT_TOTAL` are refused (a 400). The errors a grammar's compilation ends a
+request with (`GRAMMAR_ERRORS`) carry their code first, as "<code>: <message>".
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+# Counted repetitions (`{m}`, `{m,}`, `{m,n}`) in a JSON schema's patterns: the largest
+# count one may give, and the most all of a schema's counts may add up to.
+MAX_PATTERN_REPEAT = 1000
+MAX_PATTERN_REPEAT_TOTAL = 4000
+_REPEAT = re.compile(r"\{(\d+)(?:,(\d*))?\}")  # an escaped brace too: the bound errs on the safe side
+
+# How a request whose grammar did not compile ends: finish_reason "error", and as its
+# stop_reason "<code>: <message>" for one of these codes, which the HTTP layer answers with
+# this status (router/replica.py).
+GRAMMAR_ERRORS = {
+    "grammar_compile_timeout": 400,  # its own compile ran past --structured-outputs-compile-timeout
+    "grammar_compile_busy": 503,  # it waited that long for a compile worker
+    "grammar_compile_failed": 500,  # xgrammar failed on a constraint that parsed
+}
+
+
+def grammar_error(code: str, message: str) -> str:
+    """The stop_reason of a request ended by `code` (one of GRAMMAR_ERRORS)."""
+    return f"{code}: {message}"
+
+
+def parse_grammar_error(stop_reason: object) -> Optional[tuple[str, str]]:
+    """(code, message) of a stop_reason made by `grammar_error`, else None."""
+    if not isinstance(stop_reason, str):
+        return None
+    code, sep, message = stop_reason.partition(": ")
+    return (code, message) if sep and code in GRAMMAR_ERRORS else None
 
 
 @dataclass(slots=True)
@@ -37,6 +73,8 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
         if self.json is not None and not isinstance(self.json, (dict, bool)):
             raise ValueError("structured_outputs.json must be a JSON schema object")
+        if isinstance(self.json, dict):
+            _check_patterns(self.json)
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
             raise ValueError("structured_outputs.regex must be a non-empty string")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
@@ -65,3 +103,42 @@ class StructuredOutputsParams:
         else:
             spec = getattr(self, kind)
         return kind, spec
+
+
+def _patterns(schema: Any):
+    """Every regular expression in a JSON schema: `pattern` values and `patternProperties` keys,
+    at any depth (anything else that holds a string is not a schema keyword xgrammar reads)."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        for key, value in node.items():
+            if key == "pattern" and isinstance(value, str):
+                yield value
+            elif key == "patternProperties" and isinstance(value, dict):
+                yield from (k for k in value if isinstance(k, str))
+            if isinstance(value, (dict, list)):
+                stack.append(value)
+
+
+def _check_patterns(schema: dict) -> None:
+    """ValueError when the schema's patterns repeat more than xgrammar converts in bounded time."""
+    total = 0
+    for pattern in _patterns(schema):
+        for m in _REPEAT.finditer(pattern):
+            count = max(int(m.group(1)), int(m.group(2) or 0))
+            if count > MAX_PATTERN_REPEAT:
+                raise ValueError(
+                    f"structured_outputs.json: the pattern repetition {m.group(0)} exceeds "
+                    f"{MAX_PATTERN_REPEAT}; use maxLength/minLength or a smaller count"
+                )
+            total += count
+    if total > MAX_PATTERN_REPEAT_TOTAL:
+        raise ValueError(
+            f"structured_outputs.json: the patterns' repetition counts add up to {total}, "
+            f"over {MAX_PATTERN_REPEAT_TOTAL}; use maxLength/minLength or smaller counts"
+        )

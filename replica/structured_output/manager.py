@@ -11,7 +11,8 @@ matchers. Workers stay stateless about grammars, so TP ranks (Ray actors) and
 preemption need nothing more, and the pickled step carries [R, ceil(V/32)] int32.
 
     add_request ── constrained? ──▶ manager.submit: compile on the thread pool
-         │                             (cached by (kind, spec); tokenizer loaded once)
+         │                             (compiles.py: one per (kind, spec), cached,
+         │                             at most max_workers at once; tokenizer loaded once)
          │ free                        │
          ▼                             ▼  grammar ready (vLLM's WAITING_FOR_FSM ends)
     scheduler.add_request ◀── manager.take_ready() at the start of a step
@@ -21,27 +22,41 @@ preemption need nothing more, and the pickled step carries [R, ceil(V/32)] int32
                                                      finishes its request with "stop"
 
 A request waiting for its grammar is held here, not in the scheduler: the scheduler
-stays pure Python, and a request enters it only when it can run.
+stays pure Python, and a request enters it only when it can run (it holds no KV block
+while it waits). It waits at most `compile_timeout_s`; then it ends with finish_reason
+"error" and a `GRAMMAR_ERRORS` stop_reason, and an abort ends its wait at once.
 """
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures as cf
 import logging
 import threading
+import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from fleetserve.replica.structured_output.backend import Matcher, XgrammarBackend
+from fleetserve.replica.structured_output.compiles import Compile, GrammarCompiles, first_done
 from fleetserve.scheduler import EngineCoreOutput, Request
+from fleetserve.scheduler.structured_outputs import StructuredOutputsParams, grammar_error
 
 logger = logging.getLogger(__name__)
 
 # Compiled grammars kept for reuse (least recently used dropped first).
 _CACHE_SIZE = 256
+# How long a request may wait for its grammar by default (--structured-outputs-compile-timeout).
+DEFAULT_COMPILE_TIMEOUT_S = 15.0
+
+
+@dataclass(slots=True)
+class _Waiting:
+    """A request held for its grammar: the compile it waits for, and until when."""
+
+    request: Request
+    entry: Compile
+    deadline: float  # time.monotonic()
 
 
 @dataclass(slots=True)
@@ -62,37 +77,48 @@ class GrammarBitmask:
 
 
 class StructuredOutputManager:
-    def __init__(self, make_backend: Callable[[], XgrammarBackend], max_workers: int = 2) -> None:
+    """Holds constrained requests until their grammar compiles (or its deadline passes), then
+    keeps their matchers. `compile_timeout_s` bounds a request's wait from its submission:
+    past it the request ends with an error and the others go on (compiles.py says what
+    happens to the compile). `compile_fn(params)` replaces the backend's compile (tests)."""
+
+    def __init__(
+        self,
+        make_backend: Callable[[], XgrammarBackend],
+        max_workers: int = 2,
+        compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+        compile_fn: Optional[Callable[[StructuredOutputsParams], Any]] = None,
+        cache_size: int = _CACHE_SIZE,
+    ) -> None:
         self._make_backend = make_backend
         self._backend: Optional[XgrammarBackend] = None
         self._backend_lock = threading.Lock()
-        self._pool = cf.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fleetserve-grammar")
-        self._cache: collections.OrderedDict[tuple, cf.Future] = collections.OrderedDict()
-        self._pending: dict[str, tuple[Request, cf.Future]] = {}  # compiling: not scheduled yet
+        self.compile_timeout_s = compile_timeout_s
+        self.compiles = GrammarCompiles(
+            compile_fn or self._compile,
+            max_workers,
+            cache_size,
+            prepare_fn=self.backend,
+        )
+        self._pending: dict[str, _Waiting] = {}  # compiling: not scheduled yet
         self._matchers: dict[str, Matcher] = {}
 
     # ---- requests in -----------------------------------------------------------
     def submit(self, request: Request) -> None:
-        """Start (or reuse) the compilation of the request's grammar; hold the request."""
+        """Start (or join, or reuse) the compilation of the request's grammar; hold the request."""
         params = request.sampling_params.structured_outputs
         if params is None:
             raise ValueError(f"request {request.request_id} has no structured output to compile")
-        key = params.key()
-        future = self._cache.get(key)
-        if future is None or (future.done() and future.exception() is not None):
-            future = self._pool.submit(self._compile, params)
-            self._cache[key] = future
-            while len(self._cache) > _CACHE_SIZE:
-                self._cache.popitem(last=False)
-        self._cache.move_to_end(key)
-        self._pending[request.request_id] = (request, future)
+        entry = self.compiles.join(params.key(), params, request.request_id)
+        deadline = time.monotonic() + self.compile_timeout_s
+        self._pending[request.request_id] = _Waiting(request, entry, deadline)
 
     def has_pending(self) -> bool:
         return bool(self._pending)
 
     def pending_requests(self) -> list[Request]:
         """The requests still waiting for their grammar."""
-        return [r for r, _ in self._pending.values()]
+        return [w.request for w in self._pending.values()]
 
     def pending_ids(self) -> list[str]:
         """Requests still waiting for their grammar (not in the scheduler yet)."""
@@ -100,6 +126,11 @@ class StructuredOutputManager:
 
     def is_pending(self, request_id: str) -> bool:
         return request_id in self._pending
+
+    def compiling(self) -> bool:
+        """A compile is running (waited for or not): the core keeps stepping meanwhile, so its
+        reported state (`stalled_since`) stays current."""
+        return bool(self.compiles.running())
 
     def has_matchers(self) -> bool:
         return bool(self._matchers)
@@ -110,39 +141,90 @@ class StructuredOutputManager:
 
     def take_ready(self, wait_s: float = 0.0) -> tuple[list[Request], list[EngineCoreOutput]]:
         """Requests whose grammar is compiled (their matchers made), and outputs finishing
-        those whose compilation failed. Waits up to `wait_s` for one when none is ready."""
+        those whose compilation failed or missed its deadline. Waits up to `wait_s` (never
+        past the nearest deadline) for one when none is ready."""
         if not self._pending:
+            first_done(self.compiles.running(), wait_s)  # compiles nobody waits for: no spin
             return [], []
-        if wait_s > 0 and not any(f.done() for _, f in self._pending.values()):
-            cf.wait([f for _, f in self._pending.values()], timeout=wait_s, return_when=cf.FIRST_COMPLETED)
+        now = time.monotonic()
+        nearest = min(w.deadline for w in self._pending.values())
+        first_done([w.entry for w in self._pending.values()], min(wait_s, nearest - now))
+        now = time.monotonic()
         ready, failed = [], []
-        for rid, (request, future) in list(self._pending.items()):
-            if not future.done():
+        for rid, waiting in list(self._pending.items()):
+            entry = waiting.entry
+            if not entry.future.done() and now < waiting.deadline:
                 continue
             del self._pending[rid]
-            error = future.exception()
+            if not entry.future.done():  # past its deadline (leave may cancel the compile)
+                failed.append(EngineCoreOutput(rid, [], "error", self._timeout_reason(entry, now)))
+                self.compiles.leave(entry, rid)
+                continue
+            self.compiles.leave(entry, rid)
+            error = entry.future.exception()
             if error is not None:
                 # check() accepted it, so this is xgrammar failing, not the user: say so and end it.
                 logger.error("grammar compilation failed for %s: %s", rid, error)
-                failed.append(EngineCoreOutput(rid, [], "abort", f"grammar compilation failed: {error}"))
+                reason = grammar_error(
+                    "grammar_compile_failed", f"structured_outputs: grammar compilation failed: {error}"
+                )
+                failed.append(EngineCoreOutput(rid, [], "error", reason))
                 continue
-            matcher = Matcher(future.result())
-            k = request.sampling_params.continued_output_tokens
-            if k:  # a migration continuation: the grammar resumes after the output so far
-                prompt = request.prompt_token_ids
-                if not all(matcher.accept(t) for t in prompt[len(prompt) - k :]) or matcher.terminated:
-                    failed.append(
-                        EngineCoreOutput(rid, [], "abort", "the continued output does not follow the request's grammar")
-                    )
-                    continue
-            self._matchers[rid] = matcher
-            ready.append(request)
+            output = self._start_matcher(waiting.request, entry.future.result())
+            if output is not None:
+                failed.append(output)
+            else:
+                ready.append(waiting.request)
         return ready, failed
 
+    def stalled_since(self, now: Optional[float] = None) -> float:
+        """Since when (time.monotonic()) no new grammar can compile, or 0.0: every compile
+        worker busy with a compile that has run past the deadline (xgrammar's compiles cannot
+        be stopped). Requests past their deadline are not counted: take_ready ends them
+        between steps, so one long model step would hold them past it without any stall."""
+        now = time.monotonic() if now is None else now
+        youngest = self.compiles.youngest_start()
+        if youngest and youngest + self.compile_timeout_s < now:
+            return youngest + self.compile_timeout_s
+        return 0.0
+
+    def _timeout_reason(self, entry: Compile, now: float) -> str:
+        """Why a request's grammar missed its deadline: its compile ran for most of it (at
+        least half: the grammar is too slow), or it waited for a worker (the others were busy)."""
+        t = self.compile_timeout_s
+        if entry.running_s(now) >= t / 2:
+            logger.warning("grammar compile of %s ran past its %g s deadline", entry.key[0], t)
+            message = (
+                f"structured_outputs: the grammar did not compile within {t:g} s "
+                "(--structured-outputs-compile-timeout); simplify the schema"
+            )
+            return grammar_error("grammar_compile_timeout", message)
+        message = (
+            f"structured_outputs: the grammar waited {t:g} s to compile: the "
+            f"{self.compiles.max_workers} grammar compile workers were busy with other grammars; retry later"
+        )
+        return grammar_error("grammar_compile_busy", message)
+
+    def _start_matcher(self, request: Request, compiled) -> Optional[EngineCoreOutput]:
+        """The request's matcher, made; or the output ending it when a migrated request's
+        output so far does not follow the grammar."""
+        rid = request.request_id
+        matcher = Matcher(compiled)
+        k = request.sampling_params.continued_output_tokens
+        if k:  # a migration continuation: the grammar resumes after the output so far
+            prompt = request.prompt_token_ids
+            if not all(matcher.accept(t) for t in prompt[len(prompt) - k :]) or matcher.terminated:
+                return EngineCoreOutput(rid, [], "abort", "the continued output does not follow the request's grammar")
+        self._matchers[rid] = matcher
+        return None
+
     def remove(self, request_ids) -> None:
-        """Forget finished or aborted requests (pending ones included)."""
+        """Forget finished or aborted requests (pending ones included: they stop waiting,
+        and a compile nobody waits for any more is dropped if it has not started)."""
         for rid in request_ids:
-            self._pending.pop(rid, None)
+            waiting = self._pending.pop(rid, None)
+            if waiting is not None:
+                self.compiles.leave(waiting.entry, rid)
             self._matchers.pop(rid, None)
 
     # ---- the step ------------------------------------------------------------------
@@ -151,7 +233,7 @@ class StructuredOutputManager:
         ids = [rid for rid in sampling_req_ids if rid in self._matchers]
         if not ids:
             return None
-        bitmask = self._get_backend().allocate_bitmask(len(ids))
+        bitmask = self.backend().allocate_bitmask(len(ids))
         for row, rid in enumerate(ids):
             self._matchers[rid].fill(bitmask, row)
         return GrammarBitmask({rid: row for row, rid in enumerate(ids)}, bitmask)
@@ -176,13 +258,15 @@ class StructuredOutputManager:
         return terminated
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.compiles.shutdown()
 
     # ---- compilation (pool threads) ------------------------------------------------
     def _compile(self, params):
-        return self._get_backend().compile(params)
+        return self.backend().compile(params)
 
-    def _get_backend(self) -> XgrammarBackend:
+    def backend(self) -> XgrammarBackend:
+        """The backend, built on first use (by the first compile, before its running time
+        starts; once per engine)."""
         with self._backend_lock:
             if self._backend is None:
                 self._backend = self._make_backend()

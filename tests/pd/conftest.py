@@ -17,6 +17,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.fresh_metrics import fresh_metrics_text
 from tests.router.conftest import free_port  # noqa: F401 (one for all suites; tests import it from here)
 
 APP = "fleetserve-pd-test"
@@ -53,9 +54,8 @@ class PDServer:
         return self.log_path.read_text()[-4000:]
 
     def metrics(self) -> list:
-        r = httpx.get(self.base_url + "/metrics", timeout=30)
-        assert r.status_code == 200, r.text
-        return list(text_string_to_metric_families(r.text))
+        """/metrics with the replicas' reports made after this call began (tests.fresh_metrics)."""
+        return list(text_string_to_metric_families(fresh_metrics_text(self.base_url)))
 
     def samples(self, name: str) -> list:
         return [s for fam in self.metrics() if fam.name == name for s in fam.samples]

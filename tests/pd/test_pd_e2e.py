@@ -198,7 +198,7 @@ def test_prefill_replica_dies_decode_recomputes_then_pd_resumes(pd_server, coloc
     old = pd_server.kill("prefill")
     body = complete(pd_server, prompt)  # the prefill calls fail: decode computes the prompt
     assert body["choices"][0]["text"] == colocated(ids)
-    pd_server.wait_replaced("prefill", old)  # (/metrics answers 503 while a replica is down)
+    pd_server.wait_replaced("prefill", old)  # (until the new replica reports: wait_all_free)
     paths = pd_server.pd_paths()
     # It was counted on one path: prefill_failed, or pd if Serve had already replaced it.
     assert (

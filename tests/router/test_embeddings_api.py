@@ -221,8 +221,10 @@ def test_a_dimensions_other_than_the_models_is_refused_before_any_input_is_compu
     give are refused at once, not after embedding all of them (no prompt token is computed)."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    from tests.fresh_metrics import fresh_metrics_text
+
     def prompt_tokens() -> float:
-        text = httpx.get(server.base_url + "/metrics", headers=server.headers(), timeout=30).text
+        text = fresh_metrics_text(server.base_url, server.headers())  # reports made after the requests
         return sum(
             s.value
             for f in text_string_to_metric_families(text)

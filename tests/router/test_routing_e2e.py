@@ -11,9 +11,11 @@ import concurrent.futures
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.fresh_metrics import fresh_metrics_text
+
 
 def prompt_tokens_by_replica(server) -> dict[str, float]:
-    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    text = fresh_metrics_text(server.base_url)  # the replicas' reports made after the requests
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         if fam.name == "vllm:prompt_tokens":
@@ -24,7 +26,7 @@ def prompt_tokens_by_replica(server) -> dict[str, float]:
 
 
 def aborted_requests(server) -> float:
-    text = httpx.get(server.base_url + "/metrics", timeout=30).text
+    text = fresh_metrics_text(server.base_url)
     return sum(
         s.value
         for fam in text_string_to_metric_families(text)

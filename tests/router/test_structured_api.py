@@ -97,6 +97,17 @@ def test_chat_json_object_and_completion_fields(client, server):
             "structured_outputs.json",
         ),
         ({"guided_regex": "a(b"}, "structured_outputs.regex"),
+        # A pattern xgrammar's schema front end converts in quadratic time (8 s for this one).
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"pattern": "a{1,10000}"}},
+                }
+            },
+            "response_format",
+        ),
+        ({"guided_json": {"type": "string", "pattern": "[a-z]{1000}[0-9]{1000}[a-z]{1000}[0-9]{1001}"}}, "guided_json"),
         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_regex"),
         ({"guided_grammar": "root ::= nothing"}, "structured_outputs.grammar"),
         ({"response_format": {"type": "json_object"}, "guided_choice": ["b"]}, "guided_choice"),
