@@ -17,6 +17,8 @@ from typing import Any, Mapping
 
 logger = logging.getLogger(__name__)
 
+HOLD_WAIT_S = 5.0  # how long a release waits for the export to be held (it may be dropped)
+
 
 def release_unused(params: Mapping[str, Any]) -> bool:
     """Release the hand-off `params` (a producer's kv_transfer_params) unread; True when its
@@ -34,7 +36,14 @@ def release_unused(params: Mapping[str, Any]) -> bool:
         actor = ray.get_actor(str(owner), namespace=params.get("remote_ray_namespace"))
     except ValueError:  # no owner: nothing is held
         return False
+    wait = getattr(actor, "wait_lookup", None)  # (an owner started by an older fleetserve lacks it)
     for rank in range(int(params.get("remote_tp_size", 1))):
+        oid = f"{tid}/r{rank}"
+        if wait is not None:
+            # The producer answers before its export is held (it is saved after the request
+            # finished): a release that came first would find nothing, and the export would
+            # then wait for its lease.
+            ray.get(wait.remote(oid, HOLD_WAIT_S), timeout=HOLD_WAIT_S + 5.0)
         # (one reader of one: the object goes now, whatever consumer ranks said before)
-        actor.release.remote(f"{tid}/r{rank}", 0, 1)
+        actor.release.remote(oid, 0, 1)
     return True

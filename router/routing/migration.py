@@ -12,6 +12,9 @@ step), it sends a continuation to another replica and keeps yielding from there:
 
 so the client sees one stream with no token repeated and none missing. The replica
 that failed is avoided (`AVOID_KEY`, read by the request router) when another exists.
+The P/D and prefix-reuse flows read their pinned call (the one carrying
+kv_transfer_params) through a MigratingStream too (`first`): its continuation is a plain
+request on the same pool, so the next replica computes the prompt instead of loading it.
 At most `max_migrations` continuations per request (then the error reaches the client
 as before: an SSE error event, a gRPC status); what cannot be continued fails at once.
 

@@ -4,23 +4,33 @@
                    prefix it caches (the KV index fed by KV events)
                 2. uncached = prompt - decode's cached prefix; below min_prefill_tokens:
                    the decode replica computes it all itself (no prefill, no transfer)
-                3. else a prefill replica runs the prompt with max_tokens=1 and
+                3. else reserve a slot on the decode replica (`control("reserve")`, an owner
+                   id and a deadline: router.routing.admission.Reservations); a refusal is
+                   the request's 429, and no prefill has run for it
+                4. a prefill replica runs the prompt with max_tokens=1 and
                    kv_transfer_params={"do_remote_decode", transfer_id (minted here)}
                    and returns where its KV is (its final item's kv_transfer_params)
-                4. the decode replica gets the request pinned, with those params: it
-                   loads (WAITING_FOR_REMOTE_KVS), then streams the answer to the client
+                5. the decode replica gets the request pinned, with those params and the
+                   reservation (it is admitted on it): it loads (WAITING_FOR_REMOTE_KVS),
+                   then streams the answer to the client
 
 Failures, none of which reaches the client as garbage or a 5xx when it can be recovered:
 
 * the prefill call fails (its replica died, refused, timed out): tried again up to
   `max_attempts` (Serve sends it to a live replica), then the decode replica computes
-  the prompt itself;
+  the prompt itself (on its reservation);
 * the decode replica's load fails or times out: by the engine's
   `kv_load_failure_policy`, it recomputes (the stream goes on), or it ends the request
   with finish_reason "error" before any token, and the router sends the request
   again without params (a recompute), within `max_attempts`;
-* anything else (the decode replica dies mid-stream) ends the stream with an error
-  event (router.ingress).
+* the decode replica dies, before its first token or mid-stream: the stream migrates
+  (router.routing.migration): another decode replica computes the prompt and the tokens
+  already sent and goes on, with no token repeated or lost;
+* the client goes away or a call fails before the decode replica is streaming: the
+  reservation is released at once (`control("release_reservation")`; otherwise its
+  deadline ends it), and so is a hand-off the decode replica never read
+  (kv_transfer.handoff: the Ray object store's owner drops it; a P2P export waits for
+  its lease).
 
 Silent fallbacks are counted: every decode-side final item carries
 `num_remote_tokens` (prompt tokens loaded through the connector; the usage body's
@@ -241,9 +251,13 @@ class PDRouter:
             tid = f"{body['request_id']}-{uuid.uuid4().hex[:12]}"
             p_body = export_body(body, f"{body['request_id']}-p{attempt}", body["prompt_token_ids"], tid)
             t0 = time.perf_counter()
+            call = asyncio.ensure_future(asyncio.wait_for(self._run_prefill(p_body), self.settings.prefill_timeout_s))
             try:
-                final = await asyncio.wait_for(self._run_prefill(p_body), self.settings.prefill_timeout_s)
+                final = await asyncio.shield(call)
             except asyncio.CancelledError:
+                # The client went away: the prefill (one token) ends on its own, within its
+                # timeout, and what it exported is released then, not left to its lease.
+                soon(release_when_done(body["request_id"], call))
                 raise
             except Exception as e:  # noqa: BLE001 - a dead or stuck prefill replica: try again
                 final = {"error": {"message": f"{type(e).__name__}: {e}"}}
@@ -315,6 +329,18 @@ async def release_export(request_id: str, params: dict) -> None:
         params.get("transfer_id"),
         "released" if released else "left to its lease",
     )
+
+
+async def release_when_done(request_id: str, call: asyncio.Future) -> None:
+    """Release what a prefill `call` nobody waits for any more exports (its final item's
+    hand-off), once it ends."""
+    try:
+        final = await call
+    except Exception:  # noqa: BLE001 - it failed or timed out: nothing was handed over
+        return
+    params = None if is_error(final) else final.get("kv_transfer_params")
+    if params is not None:
+        await release_export(request_id, params)
 
 
 def export_body(body: dict, request_id: str, prompt: list[int], transfer_id: str) -> dict:

@@ -23,21 +23,39 @@ ENGINE_CLS = "fleetserve.replica.engine.async_engine:AsyncEngine"
 
 
 class _Call:
-    """One streaming call: the replica's generate, cancelled as Serve cancels it."""
+    """One streaming call, as Serve makes it: the replica's generator runs on a task of its
+    own (ahead of the reader), and cancelling the call cancels that task."""
 
     def __init__(self, agen) -> None:
-        self._agen = agen
-        self._closing: Optional[asyncio.Task] = None
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._task = asyncio.ensure_future(self._pump(agen))
+
+    async def _pump(self, agen) -> None:
+        try:
+            async for item in agen:
+                self._queue.put_nowait(("item", item))
+            self._queue.put_nowait(("end", None))
+        except asyncio.CancelledError:
+            self._queue.put_nowait(("error", RuntimeError("call cancelled")))
+            raise
+        except Exception as e:  # noqa: BLE001 - handed to the reader, as Serve does
+            self._queue.put_nowait(("error", e))
 
     def __aiter__(self):
         return self
 
     async def __anext__(self):
-        return await self._agen.__anext__()
+        kind, value = await self._queue.get()
+        if kind == "end":
+            self._queue.put_nowait(("end", None))
+            raise StopAsyncIteration
+        if kind == "error":
+            self._queue.put_nowait((kind, value))
+            raise value
+        return value
 
     def cancel(self) -> None:
-        if self._closing is None:
-            self._closing = asyncio.ensure_future(self._agen.aclose())
+        self._task.cancel()
 
 
 class _Method:
@@ -49,6 +67,8 @@ class _Method:
         method = getattr(replica, self._name)
         if self._name == "generate":
             self._pool.calls.append(args[0])
+            return _Call(method(*args, **kwargs))
+        if self._name == "feed":
             return _Call(method(*args, **kwargs))
         return method(*args, **kwargs)  # control: a coroutine, awaited by the caller
 
@@ -65,7 +85,7 @@ class LocalPool:
         return self
 
     def __getattr__(self, name: str) -> _Method:
-        if name in ("generate", "control"):
+        if name in ("generate", "control", "feed"):
             return _Method(self, name)
         raise AttributeError(name)
 
@@ -115,6 +135,15 @@ def register(pool: LocalPool, router: ListRouter) -> None:
 def open_call(generate, body: dict, **kwargs) -> ReplicaStream:
     """The ingress's open_call (router.engine_pools), without the per-step feed."""
     return ReplicaStream.open(generate, body, None, **kwargs)
+
+
+def feed_open_call(hub):
+    """The ingress's open_call with its per-step feed `hub` (router.feed)."""
+
+    def call(generate, body: dict, **kwargs) -> ReplicaStream:
+        return ReplicaStream.open(generate, body, hub, **kwargs)
+
+    return call
 
 
 def make_replica(model_dir, rid: str, kv: Optional[dict] = None, **engine) -> EngineReplica:

@@ -19,6 +19,7 @@ from fleetserve.scheduler import SamplingParams
 from tests.pd.local_pools import (
     ListRouter,
     LocalPool,
+    feed_open_call,
     kill_core,
     local_ray_session,
     make_replica,
@@ -127,13 +128,13 @@ def test_a_full_decode_replica_refuses_before_the_prefill_runs_and_holds_no_expo
         async def go():
             want = await reference(spare, 8)
             router = pd_router({"D1": full, "D2": spare}, prefill)
-            busy = [open_call(replica_pool(full).generate, body(f"busy-{i}", 200)) for i in range(2)]
-            await busy[0].__anext__()
-            second = asyncio.ensure_future(busy[1].__anext__())
+            busy = [open_call(replica_pool(full).generate, body("busy-0", 200))]
+            await busy[0].__anext__()  # running (the one slot)
+            busy.append(open_call(replica_pool(full).generate, body("busy-1", 200)))
             deadline = time.monotonic() + 20
-            while full.engine.get_load()["num_waiting"] < 1:
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.02)
+            while full.engine.get_load()["num_waiting"] < 1:  # waiting (the queue is full)
+                assert time.monotonic() < deadline, full.engine.get_load()
+                await asyncio.sleep(0.01)
             before = prompt_tokens_computed(prefill)
             stream, first = await router.open_stream(body("refused"), open_call)
             assert first.get("status") == 429, first
@@ -144,7 +145,6 @@ def test_a_full_decode_replica_refuses_before_the_prefill_runs_and_holds_no_expo
             assert held_exports(local_ray) == 0
             for b in busy:
                 b.cancel()
-            second.cancel()
             await asyncio.sleep(0.2)
             wait_free(full)
             # The cluster still serves, through P/D, the right tokens.
@@ -252,3 +252,38 @@ def test_client_gone_during_the_prefill_releases_its_decode_slot_at_once(local_r
     asyncio.run(go())
     for r in (spare, prefill):
         wait_free(r)
+
+
+def test_decode_stream_whose_feed_is_lost_goes_on_elsewhere(tiny_model_dir, local_ray, prefill, spare):
+    """The per-step feed the decode stream rides ends under it (FeedLost): the stream migrates."""
+    from fleetserve.router.feed import FeedHub
+
+    victim = make_replica(tiny_model_dir, "D1", ray_kv("kv_consumer"))
+    try:
+
+        async def go():
+            want = await reference(spare, 24)
+            router = pd_router({"D1": victim, "D2": spare}, prefill)
+            hub = FeedHub(router._decode)
+            hub.ensure("D1")
+            deadline = time.monotonic() + 20
+            while not len(victim._feeds):
+                assert time.monotonic() < deadline, "the feed never opened"
+                await asyncio.sleep(0.02)
+            stream, first = await router.open_stream(body("feed", 24), feed_open_call(hub))
+            got = [t for o in first["outputs"] for t in o["token_ids"]]
+            while len(got) < 4:
+                item = await stream.__anext__()
+                got += [t for o in item["outputs"] for t in o["token_ids"]]
+            await hub.close()  # the feed ends while the request rides it
+            rest, items = await read_all(stream, await stream.__anext__())
+            assert got + rest == want  # none repeated, none lost
+            assert items[-1]["finished"] and items[-1]["replica"] == "D2"
+            await hub.close()
+
+        asyncio.run(go())
+        wait_no_exports(local_ray)
+        for r in (victim, spare, prefill):
+            wait_free(r)
+    finally:
+        victim.engine.shutdown()
