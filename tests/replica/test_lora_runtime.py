@@ -98,7 +98,8 @@ def assert_serves_and_no_leak(engine, want_base: list[int]) -> None:
 
 def test_decoding_goes_on_while_an_adapter_loads(tiny_model_dir, tiny_loras, monkeypatch):
     """While the loader reads an adapter (held), a running base-model request keeps getting
-    tokens step after step; once let go, the adapter is installed between steps and serves."""
+    tokens step after step and health stays green (steps go on); once let go, the adapter is
+    installed between steps and serves."""
     held = HeldLoader(monkeypatch)
     engine = make_engine(tiny_model_dir, [tiny_loras["a"].parent])
     try:
@@ -115,6 +116,10 @@ def test_decoding_goes_on_while_an_adapter_loads(tiny_model_dir, tiny_loras, mon
                 assert held.held, "the loader let go before the test did"
                 tokens_while_held += len(out.outputs[0].token_ids)
             assert not load.done() and "a" not in engine.lora_keys
+            # Health stays green through a long load: the engine keeps making steps.
+            await asyncio.sleep(1.5)
+            assert held.held
+            engine.check_health(stall_timeout_s=1.0)
             held.release.set()
             key = await asyncio.wait_for(load, 30)
             assert engine.lora_keys == {"a": key}
