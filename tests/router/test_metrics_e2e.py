@@ -30,7 +30,7 @@ def test_a_scrape_flood_costs_the_replicas_nothing_and_requests_keep_going(serve
     before, t0 = ray.get(hub.stats.remote(), timeout=30), time.monotonic()
     body = {"model": server.model, "prompt": "during the flood", "max_tokens": 4}
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        scrapes = [pool.submit(httpx.get, server.base_url + "/metrics", timeout=30) for _ in range(200)]
+        scrapes = [pool.submit(httpx.get, server.base_url + "/metrics", timeout=30) for _ in range(100)]
         r = httpx.post(server.base_url + "/v1/completions", headers=server.headers(), json=body, timeout=60)
         answers = [f.result() for f in scrapes]
     elapsed = time.monotonic() - t0
@@ -46,7 +46,7 @@ def test_a_scrape_flood_costs_the_replicas_nothing_and_requests_keep_going(serve
         ]
         assert set(running) == replicas
         assert all(age < STALE_INTERVALS * interval for age in ages(a.text).values())
-    # 200 scrapes: the ingress read the hub at most once per half interval, and the replicas
+    # 100 scrapes: the ingress read the hub at most once per half interval, and the replicas
     # reported once per interval each, as they do with no scrape at all.
     assert after["num_reads"] - before["num_reads"] <= elapsed / (interval / 2) + 2
     assert after["num_reports"] - before["num_reports"] <= len(replicas) * (elapsed / interval + 2)

@@ -235,11 +235,11 @@ def test_a_blocked_replica_s_last_report_is_answered_then_marked_stale(local_ray
         side.block(STALE_INTERVALS * INTERVAL_S + 2.0)  # the replica's loop: stuck
         await asyncio.sleep(0.3)
         text, took = await scrape()
-        assert took < 0.5, took  # answered at once, from the last report
+        assert took < 1.0, took  # answered at once, from the last report (a blocked call: 10 s, then 503)
         assert replica_samples(text, rid) and ages(text)[rid] >= 0.2
         await asyncio.sleep(STALE_INTERVALS * INTERVAL_S)
         text, took = await scrape()
-        assert took < 0.5, took
+        assert took < 1.0, took
         assert replica_samples(text, rid) == []  # stale: left out
         assert ages(text)[rid] > STALE_INTERVALS * INTERVAL_S  # and marked by its age
         assert "fleetserve:request_migrations_total" in text
