@@ -15,7 +15,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -178,7 +178,8 @@ Slots = dict[tuple[int, str], LoRASlot]
 def shard(model: nn.Module, adapter: LoRAWeights, dtype: torch.dtype, device: torch.device) -> Slots:
     """This rank's slot in each linear of `model` (a LlamaForCausalLM) that `adapter` adapts, in
     `dtype` on `device`: the costly part of a load, which touches nothing the model's forward
-    reads (a loader thread runs it while steps run); `install` then hands the slots over."""
+    reads (a loader thread runs it on the CPU while steps run: no CUDA work there, which a
+    graph captured meanwhile would trip on); `install` then hands the slots over."""
     out: Slots = {}
     grouped: dict[tuple[int, str], list[tuple[Union[int, str, None], torch.Tensor, torch.Tensor, float]]] = {}
     for (layer, target), (a, b, scaling) in adapter.weights.items():
@@ -210,9 +211,12 @@ def shard(model: nn.Module, adapter: LoRAWeights, dtype: torch.dtype, device: to
     return out
 
 
-def install(model: nn.Module, lora_id: int, slots: Slots) -> None:
-    """Give each linear its slot for `lora_id` (references only: between two steps)."""
+def install(model: nn.Module, lora_id: int, slots: Slots, device: Optional[torch.device] = None) -> None:
+    """Give each linear its slot for `lora_id`, between two steps: references, after a copy of
+    the slots to `device` when they are elsewhere (prepared on the CPU for a GPU model)."""
     for (layer, attr), slot in slots.items():
+        if device is not None and slot.a.device != device:
+            slot = LoRASlot(slot.a.to(device), slot.b.to(device))
         module = decoder_linear(model, layer, attr)
         if module.lora is None:
             module.lora = {}

@@ -172,23 +172,24 @@ class ModelRunner:
         self.install_lora_adapter(self.prepare_lora_adapter(lora_id, name, path, max_lora_rank))
 
     def prepare_lora_adapter(self, lora_id: int, name: str, path: str, max_lora_rank: int) -> "PreparedLoRA":
-        """Read and check an adapter and cut this rank's slots of it (the costly part of a load:
-        safe on another thread while steps run, it touches nothing a forward reads)."""
+        """Read and check an adapter and cut this rank's slots of it, on the CPU (the costly part
+        of a load: safe on another thread while steps run, it touches nothing a forward reads
+        and does no CUDA work)."""
         from fleetserve.replica.lora.adapter import load_lora, shard
 
         if lora_id < 1:
             raise ValueError(f"LoRA adapter ids start at 1, got {lora_id}")
         adapter = load_lora(name, path, self.hf_config, max_lora_rank)
-        slots = shard(self.model, adapter, self.dtype, self.device)
+        slots = shard(self.model, adapter, self.dtype, torch.device("cpu"))  # the device copy: at install
         return PreparedLoRA(lora_id, name, path, adapter.rank, adapter.targets, slots)
 
     def install_lora_adapter(self, prepared: "PreparedLoRA") -> None:
-        """Attach a prepared adapter (between steps: the linears' references, and its slot of the
-        CUDA-graph stacks when they are on)."""
+        """Attach a prepared adapter (between steps: its slots copied to the model's device, the
+        linears' references, and its slot of the CUDA-graph stacks when they are on)."""
         from fleetserve.replica.lora.adapter import install
 
         lora_id = prepared.lora_id
-        install(self.model, lora_id, prepared.slots)
+        install(self.model, lora_id, prepared.slots, self.device)
         self.lora_adapters[lora_id] = prepared.name
         if self.lora_stacks is not None and self.lora_stacks.put(lora_id) and self.decode_graphs is not None:
             self.decode_graphs.set_lora_slots(self.lora_stacks.capacity)  # the buffers moved
