@@ -42,6 +42,7 @@ each request took, plus the time spent in the prefill call and in the hand-off.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 import uuid
@@ -303,8 +304,10 @@ _CLEANUPS: set[asyncio.Future] = set()  # clean-ups under way (kept from the GC)
 
 
 def soon(coro) -> None:
-    """Run clean-up `coro` on its own task: the request that asks may be being cancelled."""
-    task = asyncio.ensure_future(coro)
+    """Run clean-up `coro` on its own task: the request that asks may be being cancelled. (A
+    context of its own: Serve's router keys calls by the request context's internal id, and a
+    call sharing the id of the request that started it confuses it.)"""
+    task = asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
     _CLEANUPS.add(task)
     task.add_done_callback(_cleaned)
 
