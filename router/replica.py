@@ -32,6 +32,7 @@ from fleetserve.router.metrics_hub import DEFAULT_INTERVAL_S, MetricsReporter
 from fleetserve.router.routing.admission import RESERVATION_KEY, Reservations, admission_refusal
 from fleetserve.router.routing.migration import ENGINE_DEAD, MIGRATED_KEY
 from fleetserve.scheduler import SamplingParams, resolve_obj_by_qualname
+from fleetserve.scheduler.structured_outputs import GRAMMAR_ERRORS, parse_grammar_error
 
 logger = logging.getLogger("ray.serve")
 
@@ -148,6 +149,10 @@ class EngineReplica:
         try:
             async with contextlib.aclosing(ready_batches(outputs, batching)) as batches:
                 async for batch in batches:
+                    failure = _grammar_failure(batch[-1])
+                    if failure is not None:  # its grammar never compiled: no token came before
+                        yield failure
+                        return
                     items = []
                     for out in batch:
                         items.append(_encode(out, self.replica_id, prompt_len if first else None))
@@ -433,6 +438,17 @@ def _encode(out: Any, replica_id: str, prompt_len: Optional[int]) -> dict:
         if getattr(out, "num_remote_tokens", 0):
             item["num_remote_tokens"] = out.num_remote_tokens
     return item
+
+
+def _grammar_failure(out) -> Optional[dict]:
+    """The OpenAI error of a request that ended because its grammar did not compile (a
+    `GRAMMAR_ERRORS` stop_reason: a deadline missed, or xgrammar failing), else None."""
+    for c in out.outputs:
+        parsed = parse_grammar_error(c.stop_reason) if c.finish_reason == "error" else None
+        if parsed is not None:
+            code, message = parsed
+            return error_body(message, status=GRAMMAR_ERRORS[code], param=_param_of(message), code=code)
+    return None
 
 
 def _param_of(message: str) -> Optional[str]:

@@ -6,11 +6,14 @@ This is a plain description that travels with `SamplingParams` (and so pickles a
 the engine core's pipe); the engine core compiles it (replica/structured_output/).
 `key()` names the compiled grammar, so equal constraints share one compilation.
 
-A JSON schema's `pattern`s (and `patternProperties` keys) are bounded here, before any
-work: xgrammar turns a schema's regular expressions into a grammar in time quadratic in
-their counted repetitions (`a{1,10000}` took seconds, on the replica's event loop, in the
-front end's parse), so a count above `MAX_PATTERN_REPEAT` or counts summing above
-`MAX_PATTERN_REPEAT_TOTAL` are refused (a 400). The errors a grammar's compilation ends a
+Two shapes of JSON schema that xgrammar handles in time that grows faster than their size
+are bounded here, before any work (a 400): counted repetitions in `pattern`s (and
+`patternProperties` keys), which its schema front end converts in time quadratic in the
+counts (`a{1,10000}` took seconds, on the replica's event loop, before any deadline), past
+`MAX_PATTERN_REPEAT` each or `MAX_PATTERN_REPEAT_TOTAL` in all; and optional properties
+(named in `properties`, not in `required`), whose compile grows much faster than their
+number (2000 in one object: two minutes), past `MAX_OPTIONAL_PROPERTIES` in one object or
+`MAX_OPTIONAL_PROPERTIES_TOTAL` in all. The errors a grammar's compilation ends a
 request with (`GRAMMAR_ERRORS`) carry their code first, as "<code>: <message>".
 """
 
@@ -19,7 +22,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -27,6 +30,9 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # count one may give, and the most all of a schema's counts may add up to.
 MAX_PATTERN_REPEAT = 1000
 MAX_PATTERN_REPEAT_TOTAL = 4000
+# Optional properties: in one object, and in the whole schema.
+MAX_OPTIONAL_PROPERTIES = 256
+MAX_OPTIONAL_PROPERTIES_TOTAL = 1024
 _REPEAT = re.compile(r"\{(\d+)(?:,(\d*))?\}")  # an escaped brace too: the bound errs on the safe side
 
 # How a request whose grammar did not compile ends: finish_reason "error", and as its
@@ -75,6 +81,7 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs.json must be a JSON schema object")
         if isinstance(self.json, dict):
             _check_patterns(self.json)
+            _check_optional_properties(self.json)
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
             raise ValueError("structured_outputs.regex must be a non-empty string")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
@@ -105,27 +112,57 @@ class StructuredOutputsParams:
         return kind, spec
 
 
-def _patterns(schema: Any):
-    """Every regular expression in a JSON schema: `pattern` values and `patternProperties` keys,
-    at any depth (anything else that holds a string is not a schema keyword xgrammar reads)."""
+def _nodes(schema: Any) -> Iterator[dict[str, Any]]:
+    """Every object of a JSON schema, at any depth (subschemas, and maps of them)."""
     stack = [schema]
     while stack:
         node = stack.pop()
         if isinstance(node, list):
             stack.extend(node)
-            continue
-        if not isinstance(node, dict):
-            continue
-        for key, value in node.items():
-            if key == "pattern" and isinstance(value, str):
-                yield value
-            elif key == "patternProperties" and isinstance(value, dict):
-                yield from (k for k in value if isinstance(k, str))
-            if isinstance(value, (dict, list)):
-                stack.append(value)
+        elif isinstance(node, dict):
+            yield node
+            stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
 
 
-def _check_patterns(schema: dict) -> None:
+def _patterns(schema: Any) -> Iterator[str]:
+    """Every regular expression in a JSON schema: `pattern` values and `patternProperties` keys
+    (anything else that holds a string is not a schema keyword xgrammar reads)."""
+    for node in _nodes(schema):
+        if isinstance(node.get("pattern"), str):
+            yield node["pattern"]
+        if isinstance(node.get("patternProperties"), dict):
+            yield from (k for k in node["patternProperties"] if isinstance(k, str))
+
+
+def _check_optional_properties(schema: dict[str, Any]) -> None:
+    """ValueError when an object, or the whole schema, has more optional properties than
+    xgrammar compiles in bounded time."""
+    total = 0
+    for node in _nodes(schema):
+        props = node.get("properties")
+        if not isinstance(props, dict):
+            continue
+        required = node.get("required")
+        named = (
+            set(required) & set(props)
+            if isinstance(required, list) and all(isinstance(r, str) for r in required)
+            else set()
+        )
+        optional = len(props) - len(named)
+        if optional > MAX_OPTIONAL_PROPERTIES:
+            raise ValueError(
+                f"structured_outputs.json: an object with {optional} optional properties (over "
+                f"{MAX_OPTIONAL_PROPERTIES}) compiles too slowly; list them in `required` or split the object"
+            )
+        total += optional
+    if total > MAX_OPTIONAL_PROPERTIES_TOTAL:
+        raise ValueError(
+            f"structured_outputs.json: the schema has {total} optional properties (over "
+            f"{MAX_OPTIONAL_PROPERTIES_TOTAL}) and compiles too slowly; list them in `required`"
+        )
+
+
+def _check_patterns(schema: dict[str, Any]) -> None:
     """ValueError when the schema's patterns repeat more than xgrammar converts in bounded time."""
     total = 0
     for pattern in _patterns(schema):

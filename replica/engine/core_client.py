@@ -177,13 +177,24 @@ class CoreClientBase(EngineCoreClient):
 
     def stall_reason(self, timeout_s: float) -> Optional[str]:
         """Wedged: the core holds work (or has adds it has not taken) but made no progress
-        for `timeout_s`: no step, and no layer of a long step."""
+        for `timeout_s`: no step, and no layer of a long step; or its grammar compile workers
+        have all been stuck past the compile deadline for `timeout_s`."""
         self._note_progress()
         idle_s = time.monotonic() - self._last_progress
         load = self._state.load
         has_work = self.num_pending_adds > 0 or load["num_running"] + load["num_waiting"] > 0
         if has_work and idle_s > timeout_s:
             return f"the engine core holds work but has made no progress for {idle_s:.0f} s (limit {timeout_s:g} s)"
+        # Steps while only grammars compile are empty: they move the clock above, not the
+        # requests. The grammar path counts as stuck once every compile worker has been busy
+        # past the compile deadline (the core's own report) for `timeout_s`.
+        since = load.get("grammar_stalled_since", 0.0)
+        if since and time.monotonic() - since > timeout_s:
+            stuck_s = time.monotonic() - since
+            return (
+                f"grammar compile stalled: every grammar compile worker has been busy past the "
+                f"compile deadline for {stuck_s:.0f} s (limit {timeout_s:g} s); no new grammar can compile"
+            )
         return None
 
     # -- for the layouts ------------------------------------------------------------

@@ -33,7 +33,7 @@ from __future__ import annotations
 import enum
 import pickle
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional, TypedDict, Union, cast
+from typing import Any, ClassVar, NotRequired, Optional, TypedDict, Union, cast
 
 from fleetserve.replica.engine.step_result import StepResult
 from fleetserve.scheduler import Request, SchedulerStats
@@ -68,6 +68,9 @@ class EngineLoad(TypedDict):
     kv_cache_usage: float
     num_free_blocks: int
     num_blocks: int
+    # time.monotonic() since when no grammar can compile: every compile worker busy past the
+    # compile deadline (0.0: not so; StructuredOutputManager.stalled_since). Health reads it.
+    grammar_stalled_since: NotRequired[float]
 
 
 @dataclass(frozen=True, slots=True)

@@ -222,6 +222,16 @@ class EngineArgs(BaseModel):
             "weights are dropped."
         ),
     )
+    structured_outputs_compile_timeout: float = Field(
+        15.0,
+        gt=0,
+        description=(
+            "Seconds a structured-output request may wait for its grammar to compile (queued "
+            "behind other compiles, or compiling); past it the request ends with an error "
+            "(HTTP 400 grammar_compile_timeout, or 503 grammar_compile_busy when it waited for a "
+            "compile worker) and the others go on."
+        ),
+    )
 
     @field_validator("lora_modules", mode="before")
     @classmethod

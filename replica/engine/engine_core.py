@@ -136,7 +136,8 @@ class EngineCore:
             self.max_model_len,
         )
         self.structured = StructuredOutputManager(
-            functools.partial(_grammar_backend, args.model, self.hf_config.vocab_size, eos_token_id)
+            functools.partial(_grammar_backend, args.model, self.hf_config.vocab_size, eos_token_id),
+            compile_timeout_s=args.structured_outputs_compile_timeout,
         )
         self._trace = StepTrace.from_env()
         # LoRA adapters unloaded while requests still ran with them: detached once none does.
@@ -224,12 +225,14 @@ class EngineCore:
         return finished
 
     def has_work(self) -> bool:
-        """Whether the loop must keep stepping: requests, grammars compiling, or KV connector
+        """Whether the loop must keep stepping: requests, grammars compiling (waited for or
+        not: the reported state says when they stall), or KV connector
         work (the scheduler counts what its connector queued for the next step; saves the
         workers have in flight count here), so an idle engine has no save pending."""
         return (
             self.scheduler.has_requests()
             or self.structured.has_pending()
+            or self.structured.compiling()
             or self._kv_saves_in_flight > 0
             or self.lora_loader.busy()
         )
@@ -393,6 +396,7 @@ class EngineCore:
             "kv_cache_usage": stats.kv_cache_usage,
             "num_free_blocks": stats.num_free_blocks,
             "num_blocks": stats.num_blocks,
+            "grammar_stalled_since": self.structured.stalled_since(),
         }
 
     def shutdown(self) -> int:
