@@ -71,13 +71,22 @@ def check_connector_name(name: str) -> str:
 _COMMON = {"staging_max_bytes": int, "layerwise_save": bool, "model_id": str}
 _RAY = {"ray_address": str, "owner_name": str, "namespace": str, "durable_owner": bool}
 OPTIONS: dict[str, tuple[frozenset[str], dict[str, type]]] = {
-    "SharedStorageConnector": (frozenset({"path"}), {"path": str, "max_bytes": int, "fsync": bool}),
+    "SharedStorageConnector": (frozenset({"path"}), {"path": str, "max_bytes": int, "fsync": bool, "digest": str}),
     "RayObjectStoreConnector": (frozenset(), _RAY),
-    "P2PConnector": (frozenset(), {**_RAY, "host": str, "p2p_max_groups": int, "stream_chunk_bytes": int}),
+    "P2PConnector": (
+        frozenset(),
+        {**_RAY, "host": str, "p2p_max_groups": int, "p2p_server_threads": int, "stream_chunk_bytes": int},
+    ),
     "FaultInjectionConnector": (frozenset({"inner"}), {"inner": str, "inner_extra": dict, "faults": dict, "seed": int}),
 }
 _KINDS = {str: "a string", int: "an integer", bool: "true or false", dict: "a JSON object"}
-_AT_LEAST = {"max_bytes": 1, "p2p_max_groups": 1, "staging_max_bytes": 0, "stream_chunk_bytes": 1}
+_AT_LEAST = {
+    "max_bytes": 1,
+    "p2p_max_groups": 1,
+    "p2p_server_threads": 1,
+    "staging_max_bytes": 0,
+    "stream_chunk_bytes": 1,
+}
 _EXAMPLES = {
     "path": '{"path": "/mnt/kv"}',
     "inner": '{"inner": "SharedStorageConnector", "inner_extra": {"path": "/tmp/kv"}}',

@@ -5,8 +5,9 @@ rank that holds them, over a two-rank group (gloo: kept between pulls; NCCL: per
     export: keep the gathered blocks (outbox,      fetch: find the producer rank's server in
       under a lease); a server (a TCPStore on        the Ray directory (owner actor: name
       a free port, registered in the Ray             "p2p/<engine_id>/r<rank>" -> host:port)
-      directory) starts with the engine          pid = store.add("pull_ids", 1);
-    server thread, for each pull id in order:      store.set("pull/<pid>", {oid, backend, group})
+      directory) starts with the engine          new client: check "auth/salt" (the secret)
+    server threads, each pull as it comes:         pid = store.add("pull_ids", 1);
+      pop the PULLS queue (checked, sealed)        queue_push("pulls", {pid, oid, backend, group})
       store.set("hdr/<pid>", backend + header)     check the header (fingerprint, shape,
       wait for "go/<pid>" (the consumer's          digests' count) -> store.set("go/<pid>")
         verdict on the header)                     recv the payload into a staging buffer (gloo)
@@ -51,9 +52,15 @@ failed goes out as status 0 and nothing after it (both sides drop the group); a 
 that does not ask for a stream (several head shards to join, an older consumer) gets
 the whole batch once it is gathered.
 
+With the cluster's KV secret (FLEETSERVE_KV_SECRET or FLEETSERVE_KV_SECRET_FILE: secret.py),
+every value the protocol reads from a store is sealed with it (p2p_auth): a client without
+it can neither ask for an export nor answer a pull nor join a group's rendezvous. Without
+one, pulls work as before and the producer logs one warning.
+
 `kv_connector_extra_config`: `host` (the address peers reach this rank at;
 default Ray's node IP, else 127.0.0.1), `p2p_max_groups` (kept gloo groups per
-side, default 16), `stream_chunk_bytes`, plus the Ray options of connectors.ray_store.
+side, default 16), `p2p_server_threads` (pulls a producer rank serves at once, default 8),
+`stream_chunk_bytes`, plus the Ray options of connectors.ray_store.
 
 The producer's side is `p2p_server.P2PServer`, the consumer's `p2p_pull.P2PPuller`, the
 plumbing they share `p2p_net`; the owner actor (connectors.ray_owner) is the directory.
@@ -73,8 +80,9 @@ from fleetserve.kv_transfer.cache_copy import Device
 from fleetserve.kv_transfer.config import KVTransferConfig
 from fleetserve.kv_transfer.connectors.p2p_net import nccl_usable, server_name
 from fleetserve.kv_transfer.connectors.p2p_pull import P2PPuller
-from fleetserve.kv_transfer.connectors.p2p_server import P2PServer
+from fleetserve.kv_transfer.connectors.p2p_server import SERVER_THREADS, P2PServer
 from fleetserve.kv_transfer.connectors.ray_owner import KVObjectOwner, connect_ray, get_owner
+from fleetserve.kv_transfer.secret import load_secret
 from fleetserve.kv_transfer.shards import join_shards, local_head_range, producer_shards
 from fleetserve.kv_transfer.staging import StagingPool
 from fleetserve.kv_transfer.stream import ChunkSink
@@ -102,8 +110,10 @@ class P2PTransport(Transport):
         self.namespace = str(extra.get("namespace", "fleetserve"))
         self._owner: Optional[ActorHandle[KVObjectOwner]] = None
         max_groups = int(extra.get("p2p_max_groups", 16))
-        self.server = P2PServer(ctx.tp_rank, max_groups)  # producer
-        self.puller = P2PPuller(ctx, max_groups, self._resolve)  # consumer
+        secret = load_secret()  # from this process's environment, never from the config
+        threads = int(extra.get("p2p_server_threads", SERVER_THREADS))
+        self.server = P2PServer(ctx.tp_rank, max_groups, secret, threads)  # producer
+        self.puller = P2PPuller(ctx, max_groups, self._resolve, secret)  # consumer
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor], staging: StagingPool) -> None:
         super().register_kv_caches(kv_caches, staging)

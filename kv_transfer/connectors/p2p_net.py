@@ -1,6 +1,6 @@
 """The torch.distributed plumbing both sides of a P2P pull share: connecting to a producer's
 store within a deadline, two-rank groups (kept ones in an LRU), message tags, and the pull
-request a consumer writes into the producer's store."""
+request a consumer pushes onto the producer's queue (sealed: p2p_auth)."""
 
 from __future__ import annotations
 
@@ -18,15 +18,20 @@ from fleetserve.kv_transfer.errors import TransferError
 if TYPE_CHECKING:
     import torch.distributed as dist
 
+    from fleetserve.kv_transfer.connectors.p2p_auth import Channel
+
 STORE_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 3.0  # a live producer's store accepts at once; a dead one's port refuses
+PULLS = "pulls"  # the queue of pull requests a producer's server threads take from
+PULL_IDS = "pull_ids"  # the counter a consumer takes a pull's id from (names its keys)
 REGROUP = b"!regroup"  # the producer's answer to a pull naming a group it does not have
 NOT_YET = b"!notyet"  # ... to a pull of a transfer it has not exported yet (ask again)
 
 
 class PullRequest(TypedDict):
-    """What a consumer asks a producer's server for (JSON under "pull/<pid>")."""
+    """What a consumer asks a producer's server for (JSON, pushed onto PULLS)."""
 
+    pid: int  # this pull's id: its keys are "hdr/<pid>", "go/<pid>"
     oid: str  # "<transfer id>/r<producer rank>"
     backend: str  # "gloo" or "nccl"
     group: Optional[str]  # a kept gloo group's id (None: a group for this pull only, NCCL)
@@ -166,11 +171,12 @@ class Groups(Generic[V]):
             self._groups.clear()
 
 
-def make_group(store: dist.Store, name: Union[str, int], rank: int, timeout_s: float, backend: str) -> Group:
-    """The two-rank group `name` (a pull id, or a kept group's id; rank 0: the producer)."""
+def make_group(chan: Channel, name: Union[str, int], rank: int, timeout_s: float, backend: str) -> Group:
+    """The two-rank group `name` (a pull id, or a kept group's id; rank 0: the producer),
+    its rendezvous through `chan` (sealed with the cluster's secret when it has one)."""
     import torch.distributed as dist
 
-    prefixed = dist.PrefixStore(f"pg/{name}", store)
+    prefixed = chan.group_store(f"pg/{name}")
     timeout = datetime.timedelta(seconds=max(0.5, timeout_s))
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
@@ -178,8 +184,3 @@ def make_group(store: dist.Store, name: Union[str, int], rank: int, timeout_s: f
         # (torch's stubs give these backends no send/recv; the bindings have them)
         return dist.ProcessGroupNCCL(prefixed, rank, 2, opts)  # type: ignore[return-value]
     return dist.ProcessGroupGloo(prefixed, rank, 2, timeout)  # type: ignore[return-value]
-
-
-def store_set(store: dist.Store, key: str, value: bytes) -> None:
-    """`store.set` of bytes (headers, markers), which torch's binding takes as they are."""
-    store.set(key, value)  # type: ignore[arg-type]  # the stub says str; the binding takes bytes too

@@ -1,8 +1,9 @@
 """The consumer's side of P2P: one pull of one producer shard.
 
     find the producer rank's server (the owner actor's directory, then kept)
-    take a store client (kept between pulls) and the pull's id
-    ask: "pull/<pid>" = PullRequest                   (again on REGROUP, or NOT_YET until the deadline)
+    take a store client (kept between pulls; a new one first checks the producer's
+      "auth/salt": same secret, or none on both sides) and the pull's id (PULL_IDS)
+    ask: push PullRequest onto PULLS                  (again on REGROUP, or NOT_YET until the deadline)
     accept: the header under "hdr/<pid>", checked     -> "go/<pid>" = 1 (or 0: refused, no group op)
     receive: into a staging buffer (gloo) or device memory (NCCL); a streamed batch chunk by
       chunk, each checked against its digests and handed to the load's sink as it lands
@@ -10,7 +11,8 @@
 The store client goes back to the idle ones only if every store op of the pull was answered
 (one that timed out may still be answered later, out of turn). A receive that fails on a kept
 gloo group drops the group and quarantines its buffer: gloo cannot cancel a posted receive,
-so the producer's late bytes may still land there.
+so the producer's late bytes may still land there. Every value read from the store is
+checked against the cluster's secret when there is one (p2p_auth): a forged header is refused.
 """
 
 from __future__ import annotations
@@ -30,9 +32,12 @@ import torch
 from fleetserve.kv_transfer.base import ConnectorContext, LoadSpec
 from fleetserve.kv_transfer.blocks import BlockBatch, Header, batch_from_tensor, check_header, parse_header
 from fleetserve.kv_transfer.connectors import p2p_net
+from fleetserve.kv_transfer.connectors.p2p_auth import Channel, StoreAuth, read_salt
 from fleetserve.kv_transfer.connectors.p2p_net import (
     CONNECT_TIMEOUT_S,
     NOT_YET,
+    PULL_IDS,
+    PULLS,
     REGROUP,
     STORE_TIMEOUT_S,
     Group,
@@ -40,13 +45,13 @@ from fleetserve.kv_transfer.connectors.p2p_net import (
     PullRequest,
     nccl_usable,
     server_name,
-    store_set,
     stream_tag,
     tag,
     timeout_until,
 )
 from fleetserve.kv_transfer.digests import host_digests
 from fleetserve.kv_transfer.errors import KVFormatError, TransferError
+from fleetserve.kv_transfer.secret import ClusterSecret
 from fleetserve.kv_transfer.shards import readers_of
 from fleetserve.kv_transfer.staging import StagingPool
 from fleetserve.kv_transfer.stream import ChunkSink
@@ -81,12 +86,16 @@ class P2PPuller:
     """One consumer rank's pulls: producer addresses, idle store clients and kept gloo groups
     (both per producer address, LRU), quarantined receives."""
 
-    def __init__(self, ctx: ConnectorContext, max_groups: int, resolve: Resolver) -> None:
+    def __init__(
+        self, ctx: ConnectorContext, max_groups: int, resolve: Resolver, secret: Optional[ClusterSecret] = None
+    ) -> None:
         self.ctx = ctx
         self._resolve = resolve
+        self._secret = secret
         self.device = torch.device("cpu")
         self.staging: Optional[StagingPool] = None
-        self.groups: Groups[tuple[str, Group]] = Groups(max_groups)  # address -> (group id, group)
+        # address -> (group id, group, the lock one exchange at a time on it takes)
+        self.groups: Groups[tuple[str, Group, threading.Lock]] = Groups(max_groups)
         # Failed receives kept with their group and buffer, so late bytes land nowhere reused.
         self.quarantine: collections.deque[tuple[Group, list[dist.Work], torch.Tensor]] = collections.deque(
             maxlen=QUARANTINE
@@ -94,7 +103,7 @@ class P2PPuller:
         self._addresses: dict[str, str] = {}  # "p2p/<engine>/r<rank>" -> host:port
         # Producer address -> store clients idle between pulls (a new one costs a TCP connect
         # and torch's handshake: docs/benchmarks/results/2026-11-29-kv-transfer-zen5.md).
-        self.clients: collections.OrderedDict[str, list[dist.TCPStore]] = collections.OrderedDict()
+        self.clients: collections.OrderedDict[str, list[Channel]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def register(self, device: torch.device, staging: StagingPool) -> None:
@@ -105,8 +114,8 @@ class P2PPuller:
         with a `sink`, streamed into it chunk by chunk."""
         addr = self._address(spec, rank)
         host, port = addr.rsplit(":", 1)
-        store, pid = self._client(addr, host, int(port), spec.deadline)
-        pull = _Pull(self, spec, rank, heads, sink, addr, store, pid)
+        chan, pid = self._client(addr, host, int(port), spec.deadline)
+        pull = _Pull(self, spec, rank, heads, sink, addr, chan, pid)
         clean = False
         try:
             try:
@@ -120,7 +129,7 @@ class P2PPuller:
             return pull.receive(accepted)
         finally:
             if clean:
-                self._idle(addr, store)
+                self._idle(addr, chan)
 
     def _address(self, spec: LoadSpec, rank: int) -> str:
         """host:port of the producer rank's server. Engine ids are minted per engine start, so
@@ -138,51 +147,53 @@ class P2PPuller:
             self._addresses[name] = addr
         return addr
 
-    def _client(self, addr: str, host: str, port: int, deadline: float) -> tuple[dist.TCPStore, Optional[int]]:
+    def _client(self, addr: str, host: str, port: int, deadline: float) -> tuple[Channel, Optional[int]]:
         """(a store client of the producer at `addr`, this pull's id when already taken).
 
-        An idle client from an earlier pull is tried first: taking the pull's id is its
-        check, within CONNECT_TIMEOUT_S as for a new connection (a producer that restarted
-        at this address, or died, fails it; then a new client is made, in what is left of
-        that time). A new one connects within CONNECT_TIMEOUT_S (a dead producer fails the
-        load then, not at its deadline). Either then waits for answers up to the deadline."""
+                An idle client from an earlier pull is tried first: taking the pull's id is its
+                check, within CONNECT_TIMEOUT_S as for a new connection (a producer that restarted
+                at this address, or died, fails it; then a new client is made, in what is left of
+                that time). A new one connects within CONNECT_TIMEOUT_S (a dead producer fails the
+                load then, not at its deadline) and checks the producer's secret (AuthError: another
+        secret, or only one side has one). Either then waits for answers up to the deadline."""
         connect_s = max(0.5, min(deadline - time.time(), CONNECT_TIMEOUT_S))
         with self._lock:
             idle = self.clients.get(addr)
-            store = idle.pop() if idle else None
-        if store is not None:
+            kept = idle.pop() if idle else None
+        if kept is not None:
             t0 = time.monotonic()
             try:
-                store.set_timeout(datetime.timedelta(seconds=connect_s))
-                pid = store.add("pull_ids", 1)
-                store.set_timeout(timeout_until(deadline, 0.5))
-                return store, pid
+                kept.store.set_timeout(datetime.timedelta(seconds=connect_s))
+                pid = kept.store.add(PULL_IDS, 1)
+                kept.store.set_timeout(timeout_until(deadline, 0.5))
+                return kept, pid
             except Exception:  # noqa: BLE001 - reset, refused or silent: a new client decides
                 logger.debug("idle store client of %s failed; connecting again", addr, exc_info=True)
                 connect_s = max(0.5, connect_s - (time.monotonic() - t0))
-        return p2p_net.connect_store(host, port, connect_s, deadline), None
+        store = p2p_net.connect_store(host, port, connect_s, deadline)
+        return Channel(store, read_salt(store, self._secret, addr)), None
 
-    def _idle(self, addr: str, store: dist.TCPStore) -> None:
+    def _idle(self, addr: str, chan: Channel) -> None:
         """Keep a client whose every op was answered, for the next pull from `addr`."""
         with self._lock:
             idle = self.clients.setdefault(addr, [])
             self.clients.move_to_end(addr)
             if len(idle) < MAX_IDLE_CLIENTS:
-                idle.append(store)
+                idle.append(chan)
             while len(self.clients) > self.groups.cap:
                 self.clients.popitem(last=False)
 
-    def form_group(self, addr: str, gid: str) -> Group:
+    def form_group(self, addr: str, gid: str, auth: Optional[StoreAuth], lock: threading.Lock) -> Group:
         """A new kept gloo group with the producer at `addr`, through a store client of its
-        own (it outlives this pull's)."""
+        own (it outlives this pull's), its rendezvous sealed with `auth` (the producer's)."""
         import torch.distributed as dist
 
         host, port = addr.rsplit(":", 1)
         group_store = dist.TCPStore(
             host, int(port), is_master=False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S)
         )
-        pg = p2p_net.make_group(group_store, f"g/{gid}", 1, STORE_TIMEOUT_S, "gloo")
-        self.groups.put(addr, (gid, pg))
+        pg = p2p_net.make_group(Channel(group_store, auth), f"g/{gid}", 1, STORE_TIMEOUT_S, "gloo")
+        self.groups.put(addr, (gid, pg, lock))
         return pg
 
     def quarantine_receive(self, addr: str, gid: str, pg: Group, works: list[dist.Work], buf: torch.Tensor) -> None:
@@ -219,17 +230,20 @@ class _Pull:
         heads: tuple[int, int],
         sink: Optional[ChunkSink],
         addr: str,
-        store: dist.TCPStore,
+        chan: Channel,
         pid: Optional[int],
     ) -> None:
         self.puller, self.spec, self.rank, self.heads, self.sink = puller, spec, rank, heads, sink
-        self.addr, self.store, self.pid = addr, store, pid
+        self.addr, self.chan, self.pid = addr, chan, pid
         self.gid: Optional[str] = None  # a kept gloo group's id (None: NCCL, a group for this pull)
         self.pg: Optional[Group] = None  # that group, when it is kept already
+        self.lock: Optional[threading.Lock] = None  # ... and the lock its exchanges take
+        self.quarantined = False  # the receive failed and its buffer is kept out of the pool
 
-    def _request(self, backend: str) -> PullRequest:
+    def _request(self, pid: int, backend: str) -> PullRequest:
         ctx = self.puller.ctx
         return PullRequest(
+            pid=pid,
             oid=f"{self.spec.transfer_id}/r{self.rank}",
             backend=backend,
             group=self.gid,
@@ -246,11 +260,11 @@ class _Pull:
         regroups = 0
         while True:
             if backend == "gloo":
-                self.gid, self.pg = kept if kept is not None else (uuid.uuid4().hex, None)
+                self.gid, self.pg, self.lock = kept if kept is not None else (uuid.uuid4().hex, None, None)
             if self.pid is None:
-                self.pid = self.store.add("pull_ids", 1)
-            self.store.set(f"pull/{self.pid}", json.dumps(self._request(backend)))
-            reply = self.store.get(f"hdr/{self.pid}")  # waits for the server (the store's timeout: the deadline)
+                self.pid = self.chan.store.add(PULL_IDS, 1)
+            self.chan.push(PULLS, json.dumps(self._request(self.pid, backend)).encode())
+            reply = self.chan.take(f"hdr/{self.pid}")  # waits for the server (the store's timeout: the deadline)
             if reply == REGROUP:
                 self.puller.groups.drop(self.addr)
                 kept = None
@@ -290,7 +304,7 @@ class _Pull:
                     raise KVFormatError("a streamed batch this pull did not ask for")
                 self.sink.begin(meta["fingerprint"], [str(k) for k in meta["keys"]], self.heads, shape, dtype)
         except KVFormatError:
-            store_set(self.store, f"go/{self.pid}", b"0")
+            self.chan.put(f"go/{self.pid}", b"0")
             raise
         return _Accepted(backend.decode(), meta, dtype, shape, nbytes, chunks)
 
@@ -299,48 +313,55 @@ class _Pull:
         (unless quarantined)."""
         buf, release = self.puller.take_buffer(acc.nbytes, acc.backend)
         try:
-            store_set(self.store, f"go/{self.pid}", b"1")
             if self.gid is None:  # NCCL: a group for this pull only
-                pg = p2p_net.make_group(self.store, str(self.pid), 1, self.spec.deadline - time.time(), acc.backend)
+                self.chan.put(f"go/{self.pid}", b"1")
+                pg = p2p_net.make_group(self.chan, str(self.pid), 1, self.spec.deadline - time.time(), acc.backend)
                 pg.recv([buf], 0, 0).wait()
                 del pg
                 return batch_from_tensor(acc.meta, buf, self.puller.ctx.fingerprint, release)
-            pg = self.pg if self.pg is not None else self.puller.form_group(self.addr, self.gid)
-            works: list[dist.Work] = []
+            # One exchange at a time on a kept group (gloo loses messages when receives are
+            # posted on one pair from several threads while its sends arrive): "go" is said
+            # only under the group's lock, so the producer sends in that order. A new group's
+            # lock is held before any other pull can find the group.
+            lock = self.lock if self.lock is not None else threading.Lock()
+            if not lock.acquire(timeout=max(0.0, self.spec.deadline - time.time())):
+                self.chan.put(f"go/{self.pid}", b"0")  # the producer's thread moves on at once
+                raise TransferError(f"transfer {self.spec.transfer_id}: its group stayed busy until the deadline")
             try:
-                if acc.chunks is not None and self.sink is not None:
-                    tensor = buf.view(acc.dtype).view(acc.shape)
-                    digests = receive_chunks(
-                        pg,
-                        self._pid(),
-                        buf,
-                        acc.chunks,
-                        acc.nbytes // acc.shape[0],
-                        works,
-                        tensor,
-                        self.sink,
-                        self.spec,
-                    )
-                    return BlockBatch(
-                        self.puller.ctx.fingerprint,
-                        [str(k) for k in acc.meta["keys"]],
-                        tensor,
-                        self.heads,
-                        digests,
-                        "xxh3_64",
-                        release,
-                    )
-                works.append(pg.recv([buf], 0, tag(self._pid())))
-                works[0].wait(timeout_until(self.spec.deadline))
-            except BaseException:
-                self.puller.quarantine_receive(self.addr, self.gid, pg, works, buf)
-                release = None  # never back to the pool: the producer's bytes may still land
-                raise
-            return batch_from_tensor(acc.meta, buf, self.puller.ctx.fingerprint, release)
+                self.chan.put(f"go/{self.pid}", b"1")
+                pg = (
+                    self.pg
+                    if self.pg is not None
+                    else self.puller.form_group(self.addr, self.gid, self.chan.auth, lock)
+                )
+                return self._receive_kept(acc, pg, buf, release)
+            finally:
+                lock.release()
         except BaseException:
-            if release is not None:
+            if release is not None and not self.quarantined:  # (a quarantined buffer never goes back)
                 release()
             raise
+
+    def _receive_kept(
+        self, acc: _Accepted, pg: Group, buf: torch.Tensor, release: Optional[Callable[[], None]]
+    ) -> BlockBatch:
+        """The payload over the kept gloo group `pg` (streamed chunk by chunk into the sink when
+        the header says so)."""
+        works: list[dist.Work] = []
+        try:
+            if acc.chunks is not None and self.sink is not None:
+                tensor = buf.view(acc.dtype).view(acc.shape)
+                per = acc.nbytes // acc.shape[0]
+                digests = receive_chunks(pg, self._pid(), buf, acc.chunks, per, works, tensor, self.sink, self.spec)
+                keys = [str(k) for k in acc.meta["keys"]]
+                return BlockBatch(self.puller.ctx.fingerprint, keys, tensor, self.heads, digests, "xxh3_64", release)
+            works.append(pg.recv([buf], 0, tag(self._pid())))
+            works[0].wait(timeout_until(self.spec.deadline))
+        except BaseException:
+            self.puller.quarantine_receive(self.addr, str(self.gid), pg, works, buf)
+            self.quarantined = True  # never back to the pool: the producer's bytes may still land
+            raise
+        return batch_from_tensor(acc.meta, buf, self.puller.ctx.fingerprint, release)
 
     def _pid(self) -> int:
         if self.pid is None:

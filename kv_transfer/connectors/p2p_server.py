@@ -1,5 +1,12 @@
 """The producer's side of P2P: an outbox of exports under their leases, and the server that
-answers pulls from it in the order of their ids.
+answers pulls from it.
+
+The server's threads (`p2p_server_threads`, default 8), each with a store client of its own,
+take pull requests from the store's PULLS queue, so pulls are served independently: a
+consumer that stalls mid-pull holds one thread until its STORE_TIMEOUT_S ends, not the
+others, and an id a consumer took and never asked with leaves no gap anybody waits on.
+With the cluster's secret every value is sealed (p2p_auth): a request that is not is
+refused and counted (`refused`), and an id served before is dropped (a replay).
 
 For each pull the server writes the backend and the batch's header (or REGROUP, NOT_YET, or
 nothing for a transfer taken or expired) under "hdr/<pid>", waits for the consumer's verdict
@@ -23,18 +30,20 @@ import torch
 
 from fleetserve.kv_transfer.blocks import BlockBatch
 from fleetserve.kv_transfer.connectors import p2p_net
+from fleetserve.kv_transfer.connectors.p2p_auth import AuthError, Channel, publish_salt
 from fleetserve.kv_transfer.connectors.p2p_net import (
     NOT_YET,
+    PULLS,
     REGROUP,
     STORE_TIMEOUT_S,
     Group,
     Groups,
     PullRequest,
-    store_set,
     stream_tag,
     tag,
 )
 from fleetserve.kv_transfer.errors import TransferError
+from fleetserve.kv_transfer.secret import ClusterSecret, warn_unkeyed
 from fleetserve.kv_transfer.stream import StreamAborted, plan_chunks
 
 if TYPE_CHECKING:
@@ -47,6 +56,8 @@ logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 3600.0
 SWEEP_S = 0.25  # expired leases in the outbox are released this often
 GONE_MEMORY = 4096  # transfers taken or expired that the producer remembers as such
+SERVER_THREADS = 8  # pulls served at once (each thread has a store client of its own)
+REFUSAL_LOG_EVERY = 1000  # refused requests are logged the first time and then once per this many
 
 
 class _Held:
@@ -65,15 +76,24 @@ class _Held:
 class P2PServer:
     """One producer rank's outbox and the server thread that hands it out."""
 
-    def __init__(self, tp_rank: int, max_groups: int) -> None:
+    def __init__(
+        self, tp_rank: int, max_groups: int, secret: Optional[ClusterSecret] = None, threads: int = SERVER_THREADS
+    ) -> None:
         self.tp_rank = tp_rank
+        self._secret = secret
+        self.threads = max(1, threads)
         self._outbox: dict[str, _Held] = {}  # "<transfer id>/r<rank>" -> its export
         self._lock = threading.Lock()
         self._store: Optional[dist.TCPStore] = None
-        self._served = 0  # pulls served, in order of their ids
         self._stop = threading.Event()
-        self.groups: Groups[Group] = Groups(max_groups)  # kept gloo groups by id
+        # Kept gloo groups by id, each with the lock its sends take: one consumer's pulls go out
+        # over its group one at a time (gloo mixes concurrent sends on one pair up), other
+        # consumers' groups are not held up by them.
+        self.groups: Groups[tuple[Group, threading.Lock]] = Groups(max_groups)
         self._gone: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._seen: collections.OrderedDict[int, None] = collections.OrderedDict()  # pull ids served
+        self.refused = 0  # requests not sealed with the secret, malformed, or replayed
+        self.serving = 0  # pulls being served now
 
     @property
     def started(self) -> bool:
@@ -83,10 +103,24 @@ class P2PServer:
         """Listen on a free port of `host` and start serving; returns the port."""
         import torch.distributed as dist
 
-        self._store = store = dist.TCPStore(
-            host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S)
-        )
-        threading.Thread(target=self._loop, args=(store,), name="kv-p2p-server", daemon=True).start()
+        timeout = datetime.timedelta(seconds=STORE_TIMEOUT_S)
+        self._store = store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        idle = datetime.timedelta(seconds=IDLE_WAIT_S)
+        auth = publish_salt(store, self._secret)  # before the address is registered anywhere
+        if auth is None:
+            warn_unkeyed("the P2P KV server", "any client that reaches its port can read and plant KV")
+        for i in range(self.threads):
+            # Two clients a thread: one only pops the queue, one runs the pulls' ops. (A client
+            # that popped can be woken again later for the queue: its next wait, were it for a
+            # pull's key, would return before the key is there.)
+            pops = dist.TCPStore(host, store.port, is_master=False, timeout=idle)
+            ops = dist.TCPStore(host, store.port, is_master=False, timeout=timeout)
+            threading.Thread(
+                target=self._loop,
+                args=(Channel(pops, auth), Channel(ops, auth)),
+                name=f"kv-p2p-server-{i}",
+                daemon=True,
+            ).start()
         threading.Thread(target=self._sweep_loop, name="kv-p2p-leases", daemon=True).start()
         return store.port
 
@@ -148,50 +182,89 @@ class P2PServer:
             self._gone.popitem(last=False)
 
     # ---- serving pulls ----------------------------------------------------------
-    def _loop(self, store: dist.TCPStore) -> None:
-        # Blocks on the next pull's key (woken as soon as the consumer sets it; polling for it
-        # cost every pull a few ms: docs/benchmarks/results/2026-11-29-kv-transfer-zen5.md).
+    def _loop(self, queue: Channel, chan: Channel) -> None:
+        # Blocks on the queue (woken as soon as a consumer pushes; polling cost every pull a few
+        # ms: docs/benchmarks/results/2026-11-29-kv-transfer-zen5.md).
         while not self._stop.is_set():
-            key = f"pull/{self._served + 1}"
             t0 = time.monotonic()
             try:
-                store.wait([key], datetime.timedelta(seconds=IDLE_WAIT_S))
+                raw = queue.pop(PULLS)
+            except AuthError:
+                if not self._stop.is_set():  # (shutdown's wake-ups are not sealed)
+                    self._refuse("not sealed with the cluster's KV secret")
+                continue
             except Exception as e:  # noqa: BLE001 - DistStoreError: idle for IDLE_WAIT_S; wait again
+                if "queue is empty" in str(e):
+                    continue  # woken again for an item this client already took: wait again
                 if time.monotonic() - t0 < 1.0:  # not a timeout: never spin on a broken store
+                    if self._stop.is_set():
+                        return
                     logger.warning("P2P server's wait failed: %s", e)
                     self._stop.wait(1.0)
                 continue
             if self._stop.is_set():
                 return
-            self._served += 1
+            pull = self._request(raw)
+            if pull is None:
+                continue
+            with self._lock:
+                self.serving += 1
             try:
-                self._send(store, self._served, json.loads(store.get(key)))
+                self._send(chan, pull["pid"], pull)
             except Exception as e:  # noqa: BLE001 - one failed pull must not stop the server
-                logger.warning("KV pull %d failed: %s", self._served, e)
+                logger.warning("KV pull %d failed: %s", pull["pid"], e)
+            finally:
+                with self._lock:
+                    self.serving -= 1
 
-    def _send(self, store: dist.TCPStore, pid: int, pull: PullRequest) -> None:
+    def _request(self, raw: bytes) -> Optional[PullRequest]:
+        """The pull request in `raw`, or None (refused) when it is malformed or its id was
+        served before (a replay)."""
+        try:
+            pull: PullRequest = json.loads(raw)
+            pid = int(pull["pid"])
+        except (ValueError, KeyError, TypeError):
+            self._refuse("malformed")
+            return None
+        with self._lock:
+            seen = pid in self._seen
+            self._seen[pid] = None
+            while len(self._seen) > GONE_MEMORY:
+                self._seen.popitem(last=False)
+        if seen:
+            self._refuse(f"pull id {pid} served before (a replay)")
+            return None
+        pull["pid"] = pid
+        return pull
+
+    def _refuse(self, why: str) -> None:
+        with self._lock:
+            self.refused += 1
+            n = self.refused
+        if n == 1 or n % REFUSAL_LOG_EVERY == 0:
+            logger.warning("P2P server refused a pull request (%s); %d refused so far", why, n)
+
+    def _send(self, chan: Channel, pid: int, pull: PullRequest) -> None:
         raw_gid = pull.get("group")  # a kept gloo group the consumer names (None: one for this pull)
         gid = str(raw_gid) if raw_gid is not None else None
         oid = str(pull.get("oid"))
         with self._lock:
             held = oid in self._outbox
         if held and gid is not None and not pull.get("new") and self.groups.get(gid) is None:
-            store_set(store, f"hdr/{pid}", REGROUP)  # evicted here: the consumer forms it again
+            chan.put(f"hdr/{pid}", REGROUP)  # evicted here: the consumer forms it again
             return
         entry, known_gone = self._take(oid, int(pull.get("readers", 1)))
         if entry is None:
             # Taken or expired: a clear "no". Otherwise the export is still being gathered
             # (the producer's reply can overtake it): the consumer asks again.
-            store_set(store, f"hdr/{pid}", b"" if known_gone else NOT_YET)
+            chan.put(f"hdr/{pid}", b"" if known_gone else NOT_YET)
             return
         try:
-            self._send_held(store, pid, pull, gid, entry.batch)
+            self._send_held(chan, pid, pull, gid, entry.batch)
         finally:
             self._unref(entry)
 
-    def _send_held(
-        self, store: dist.TCPStore, pid: int, pull: PullRequest, gid: Optional[str], batch: BlockBatch
-    ) -> None:
+    def _send_held(self, chan: Channel, pid: int, pull: PullRequest, gid: Optional[str], batch: BlockBatch) -> None:
         backend = "nccl" if pull.get("backend") == "nccl" and batch.data.is_cuda else "gloo"
         # Streamed (chunk by chunk, each as soon as it is gathered) when the consumer asks for
         # it on a kept gloo group; else whole, once every chunk is gathered.
@@ -201,7 +274,7 @@ class P2PServer:
             try:
                 prog.wait_all(STORE_TIMEOUT_S)
             except StreamAborted:
-                store_set(store, f"hdr/{pid}", b"")  # nothing to hand over: the load fails at once
+                chan.put(f"hdr/{pid}", b"")  # nothing to hand over: the load fails at once
                 raise
         if backend == "gloo" and batch.data.device.type != "cpu":  # a CPU consumer: via the host
             batch = BlockBatch(batch.fingerprint, batch.keys, batch.data.cpu(), batch.heads)
@@ -209,26 +282,26 @@ class P2PServer:
         if stream:
             n = batch.data.shape[0]
             chunks = prog.chunks if prog is not None else plan_chunks(n, batch.nbytes // n)
-        store_set(
-            store, f"hdr/{pid}", backend.encode() + b"\n" + batch.header([e - s for s, e in chunks] if chunks else None)
-        )
-        if store.get(f"go/{pid}") != b"1":
+        chan.put(f"hdr/{pid}", backend.encode() + b"\n" + batch.header([e - s for s, e in chunks] if chunks else None))
+        if chan.take(f"go/{pid}") != b"1":
             return  # the consumer refused the header: it never joins the group
         payload = batch.data.reshape(-1).view(torch.uint8)
         if backend != "gloo" or gid is None:
-            p2p_net.make_group(store, pid, 0, STORE_TIMEOUT_S, backend).send([payload], 1, 0).wait()
+            p2p_net.make_group(chan, pid, 0, STORE_TIMEOUT_S, backend).send([payload], 1, 0).wait()
             return
-        pg = self.groups.get(gid)
-        if pull.get("new") or pg is None:
-            pg = p2p_net.make_group(store, f"g/{gid}", 0, STORE_TIMEOUT_S, "gloo")
-            self.groups.put(gid, pg)
+        kept = self.groups.get(gid)
+        if pull.get("new") or kept is None:
+            kept = (p2p_net.make_group(chan, f"g/{gid}", 0, STORE_TIMEOUT_S, "gloo"), threading.Lock())
+            self.groups.put(gid, kept)
+        pg, sending = kept
         try:
-            if chunks:
-                self._send_chunks(pg, pid, batch, chunks, payload)
-            else:
-                pg.send([payload], 1, tag(pid)).wait()
+            with sending:
+                if chunks:
+                    self._send_chunks(pg, pid, batch, chunks, payload)
+                else:
+                    pg.send([payload], 1, tag(pid)).wait()
         except BaseException:
-            self.groups.drop(gid, pg)  # the consumer went away or timed out
+            self.groups.drop(gid, kept)  # the consumer went away or timed out
             raise
 
     def _send_chunks(
@@ -262,16 +335,16 @@ class P2PServer:
     def shutdown(self) -> None:
         self._stop.set()
         if self._store is not None:
-            # Wake the server's wait by writing the key it waits for (a pull racing this fails),
-            # through a client of its own: one client's ops run one at a time, so the server's
-            # own would wait out the wait first.
+            # Wake each server thread's wait with an item of its own on the queue, through a
+            # client of its own (a thread's client runs one op at a time).
             import torch.distributed as dist
 
             try:
                 waker = dist.TCPStore(
                     self._store.host, self._store.port, is_master=False, timeout=datetime.timedelta(seconds=2)
                 )
-                waker.set(f"pull/{self._served + 1}", "{}")
-            except Exception:  # noqa: BLE001 - the store is gone: the server thread is too
-                logger.debug("could not wake the P2P server thread", exc_info=True)
+                for _ in range(self.threads):
+                    waker.queue_push(PULLS, b"")
+            except Exception:  # noqa: BLE001 - the store is gone: the server threads are too
+                logger.debug("could not wake the P2P server threads", exc_info=True)
         self.groups.clear()
