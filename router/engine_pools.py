@@ -75,10 +75,10 @@ class EnginePools:
         self.handles = [engine] + ([prefill] if prefill is not None else [])
         self.pd: Optional[PDRouter] = None
         if prefill is not None and settings.pd is not None:
-            self.pd = PDRouter(engine, prefill, settings.pd)
+            self.pd = PDRouter(engine, prefill, settings.pd, max_migrations=settings.max_migrations)
         self.reuse: Optional[PrefixReuse] = None
         if settings.reuse is not None and self.pd is None:
-            self.reuse = PrefixReuse(engine, settings.reuse)
+            self.reuse = PrefixReuse(engine, settings.reuse, max_migrations=settings.max_migrations)
         self.stream = engine.options(stream=True)
         self._generate = self.stream.generate  # built once: each attribute access makes a new handle
         # One Serve stream per engine replica for all requests' deltas (router.feed);

@@ -107,3 +107,24 @@ def test_holder_killed_before_its_export_the_chosen_replica_computes(tiny_model_
         wait_free(holder)
     finally:
         lost.engine.shutdown()
+
+
+def test_the_flows_migrate_at_most_the_ingress_max_migrations():
+    """`max_migrations` (0: never) bounds P/D and reuse streams as it does plain ones."""
+    from fleetserve.router.engine_pools import EnginePools
+    from fleetserve.router.routing.pd import PDSettings
+    from fleetserve.router.settings import IngressSettings
+
+    class Handle:
+        app_name, deployment_name = "app", "engine"
+
+        def options(self, **kwargs):
+            return self
+
+        def __getattr__(self, method):
+            return self
+
+    pd = EnginePools(Handle(), IngressSettings(served_model_name="m", max_migrations=0, pd=PDSettings()), Handle())
+    reuse = EnginePools(Handle(), IngressSettings(served_model_name="m", max_migrations=1, reuse=ReuseSettings()))
+    assert pd.pd is not None and pd.pd.max_migrations == 0
+    assert reuse.reuse is not None and reuse.reuse.max_migrations == 1
