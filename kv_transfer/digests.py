@@ -4,11 +4,17 @@ xxh3_64 of each block's bytes on the CPU (zlib's crc32 cost more than the copies
 docs/benchmarks/results/2026-11-24-kv-transfer-epyc-avx512.md); `wsum64` (a
 position-weighted 64-bit sum computed with tensor ops) where the bytes stay on a GPU (the
 NCCL path), so they are never staged through the host to be checked.
+
+Both check integrity (a torn, truncated or corrupted block), not authenticity: anyone can
+compute them. `KeyedDigest` (the shared-storage folder's `"digest": "keyed"`) is keyed with
+the cluster's KV secret: it also refuses a block forged by someone without the secret.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import hashlib
+import hmac
 import threading
 from typing import Iterator, Optional
 
@@ -18,6 +24,7 @@ import torch
 import xxhash
 
 from fleetserve.kv_transfer.errors import KVFormatError
+from fleetserve.kv_transfer.secret import ClusterSecret
 
 _HASH_POOL: Optional[cf.ThreadPoolExecutor] = None
 _HASH_POOL_LOCK = threading.Lock()
@@ -121,3 +128,38 @@ def compute_digests(data: torch.Tensor, digest: str) -> list[int]:
 def _host_bytes(data: torch.Tensor) -> memoryview:
     """A contiguous host tensor's bytes, no copy."""
     return data.view(torch.uint8).numpy().data.cast("B")
+
+
+KEYED_TAG_BYTES = 32
+
+
+class KeyedDigest:
+    """A keyed digest of one stored block (BLAKE2b-256 keyed with the cluster secret's
+    "storage-digest" key) over its fingerprint, its chain key, its head range, its header and
+    its bytes: only a holder of the secret can make one, and one made for a block is not
+    valid for any other name (another key, heads or model)."""
+
+    __slots__ = ("_key",)
+
+    def __init__(self, secret: ClusterSecret) -> None:
+        self._key = secret.key("storage-digest")
+
+    def tag(self, fingerprint: str, key: str, heads: tuple[int, int], header: bytes, payload: memoryview) -> bytes:
+        h = hashlib.blake2b(key=self._key, digest_size=KEYED_TAG_BYTES, person=b"fleetserve-kvb1")
+        for part in (fingerprint.encode(), key.encode(), f"{heads[0]}-{heads[1]}".encode(), header):
+            h.update(len(part).to_bytes(8, "little"))
+            h.update(part)
+        h.update(payload)  # (hashlib releases the GIL for big buffers)
+        return h.digest()
+
+    def check(
+        self, fingerprint: str, key: str, heads: tuple[int, int], header: bytes, payload: memoryview, tag: bytes
+    ) -> None:
+        """KVFormatError unless `tag` is this block's keyed digest."""
+        if len(tag) != KEYED_TAG_BYTES:
+            raise KVFormatError("the block has no keyed digest (written without the cluster's KV secret)")
+        if not hmac.compare_digest(tag, self.tag(fingerprint, key, heads, header, payload)):
+            raise KVFormatError("the block's keyed digest does not match (not written with the cluster's KV secret)")
+
+    def __repr__(self) -> str:
+        return "KeyedDigest(<redacted>)"

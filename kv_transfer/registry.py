@@ -123,5 +123,9 @@ def _check_options(name: str, extra: object) -> None:
             raise ValueError(f"kv_connector_extra_config.{key} of {name} must be {_KINDS[want]}, not {value!r}")
         if key in _AT_LEAST and value < _AT_LEAST[key]:
             raise ValueError(f"kv_connector_extra_config.{key} must be >= {_AT_LEAST[key]}, not {value}")
+    if name == "SharedStorageConnector" and extra.get("digest", "unkeyed") not in ("unkeyed", "keyed"):
+        raise ValueError(
+            f'kv_connector_extra_config.digest of {name} must be "unkeyed" or "keyed", not {extra["digest"]!r}'
+        )
     if name == "FaultInjectionConnector":
         _check_options(check_connector_name(extra["inner"]), extra.get("inner_extra") or {})

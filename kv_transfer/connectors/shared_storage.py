@@ -16,8 +16,16 @@ a persistent prefix cache. Unlike vLLM's reference connector:
   file's mtime); several processes may read, write and evict one folder at once
   (a file removed under a reader is just a miss).
 
+The digests check integrity, not authenticity: anyone who can write the folder can write
+a well-formed file for a known prefix. With `"digest": "keyed"` every file also ends with
+a keyed digest (digests.KeyedDigest: the cluster's KV secret, the block's fingerprint, key
+and heads, its header and bytes); a file without a valid one is refused (counted in
+`refused`, removed) and its blocks recomputed. One folder, one mode: each refuses the
+other's files.
+
 `kv_connector_extra_config`: `path` (required), `max_bytes` (default 8 GiB),
-`fsync` (default false: the checksum, not the disk, guarantees integrity).
+`fsync` (default false: the checksum, not the disk, guarantees integrity),
+`digest` ("unkeyed", the default, or "keyed": needs FLEETSERVE_KV_SECRET).
 """
 
 from __future__ import annotations
@@ -37,7 +45,9 @@ import torch
 from fleetserve.kv_transfer.base import ConnectorContext, KVConnectorRole, LoadSpec, SaveSpec
 from fleetserve.kv_transfer.blocks import MAGIC, BlockBatch, batch_from_tensor, check_header, parse_header
 from fleetserve.kv_transfer.config import KVTransferConfig
+from fleetserve.kv_transfer.digests import KEYED_TAG_BYTES, KeyedDigest
 from fleetserve.kv_transfer.errors import KVFormatError, TransferError
+from fleetserve.kv_transfer.secret import KV_SECRET_ENV, load_secret
 from fleetserve.kv_transfer.shards import join_shards, local_head_range, producer_shards
 from fleetserve.kv_transfer.stream import ChunkSink
 from fleetserve.kv_transfer.transfer import TransferConnector
@@ -46,6 +56,7 @@ from fleetserve.kv_transfer.transport import Transport
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.005  # a hand-off's files may still be on their way: look again this often
+DIGEST_MODES = ("unkeyed", "keyed")
 
 
 class BlockStore:
@@ -58,6 +69,7 @@ class BlockStore:
         heads: tuple[int, int],
         max_bytes: int = 8 << 30,
         fsync: bool = False,
+        keyed: Optional[KeyedDigest] = None,
     ) -> None:
         self.dir = Path(root) / fingerprint
         self.tmp = self.dir / "tmp"
@@ -66,6 +78,8 @@ class BlockStore:
         self.heads = heads
         self.max_bytes = max_bytes
         self.fsync = fsync
+        self.keyed = keyed  # every file ends with its keyed digest; files without one are refused
+        self.refused = 0  # files refused (corrupt, truncated, foreign, or failing the keyed digest)
         self._lock = threading.Lock()
         self._approx_bytes = self._scan()[1]
 
@@ -88,8 +102,11 @@ class BlockStore:
             tmp = self.tmp / f"{key}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
             try:
                 with open(tmp, "wb") as f:
-                    f.write(one.header())
-                    f.write(one.payload().data)
+                    header, payload = one.header(), one.payload().data
+                    f.write(header)
+                    f.write(payload)
+                    if self.keyed is not None:
+                        f.write(self.keyed.tag(self.fingerprint, key, batch.heads, header, payload.cast("B")))
                     if self.fsync:
                         f.flush()
                         os.fsync(f.fileno())
@@ -114,11 +131,13 @@ class BlockStore:
         path = self.path(key, heads)
         try:
             with open(path, "rb") as f:
-                batch = self._read(f, key, out)
+                batch = self._read(f, key, heads or self.heads, out)
         except FileNotFoundError:
             return None
         except KVFormatError as e:
-            logger.warning("refusing KV file %s: %s; removing it", path, e)
+            with self._lock:
+                self.refused += 1
+            logger.warning("refusing KV file %s: %s; removing it (its blocks are recomputed)", path, e)
             path.unlink(missing_ok=True)
             return None
         try:
@@ -127,11 +146,12 @@ class BlockStore:
             pass
         return batch
 
-    def _read(self, f: io.BufferedReader, key: str, out: Optional[torch.Tensor]) -> BlockBatch:
+    def _read(self, f: io.BufferedReader, key: str, heads: tuple[int, int], out: Optional[torch.Tensor]) -> BlockBatch:
         head = f.read(8)
         if len(head) < 8 or head[:4] != MAGIC:
             raise KVFormatError("not a fleetserve KV payload (bad magic)")
-        meta, _ = parse_header(head + f.read(struct.unpack("<I", head[4:8])[0]))
+        header = head + f.read(struct.unpack("<I", head[4:8])[0])
+        meta, _ = parse_header(header)
         _, shape, nbytes = check_header(meta, self.fingerprint)
         if out is None:
             buf = torch.empty(nbytes, dtype=torch.uint8)
@@ -140,8 +160,13 @@ class BlockStore:
         else:  # the fingerprint fixes the geometry: a file of another shape is damaged
             raise KVFormatError(f"block of shape {shape}, expected {list(out.shape)}")
         got = f.readinto(buf.numpy().data)
-        if got != nbytes or f.read(1):
-            raise KVFormatError(f"payload has {got}+ bytes, header says {nbytes} (truncated?)")
+        if got != nbytes:
+            raise KVFormatError(f"payload has {got} bytes, header says {nbytes} (truncated?)")
+        tail = f.read(KEYED_TAG_BYTES + 1)
+        if self.keyed is not None:  # before anything else trusts the header
+            self.keyed.check(self.fingerprint, key, heads, header, buf.numpy().data.cast("B"), tail)
+        elif tail:
+            raise KVFormatError(f"payload has {got}+ bytes, header says {nbytes} (a keyed file, or damaged)")
         batch = batch_from_tensor(meta, buf, self.fingerprint)
         if batch.keys != [key]:
             raise KVFormatError(f"file holds block {batch.keys}, not {key}")
@@ -202,6 +227,7 @@ class SharedStorageTransport(Transport):
             self.ranges[ctx.tp_rank],
             int(extra.get("max_bytes", 8 << 30)),
             bool(extra.get("fsync", False)),
+            _keyed_digest(str(extra.get("digest", "unkeyed"))),
         )
 
     def lookup(self, keys: list[str]) -> int:
@@ -242,6 +268,20 @@ class SharedStorageTransport(Transport):
             raise TransferError(f"no stored block for {spec.keys[0]}")
         n = len(digests)
         return BlockBatch(self.ctx.fingerprint, list(spec.keys[:n]), data[:n], heads, digests, on_release=release)
+
+
+def _keyed_digest(mode: str) -> Optional[KeyedDigest]:
+    """The folder's keyed digest for `mode`, or None (unkeyed)."""
+    if mode not in DIGEST_MODES:
+        raise ValueError(f"kv_connector_extra_config.digest must be one of {DIGEST_MODES}, not {mode!r}")
+    if mode == "unkeyed":
+        return None
+    secret = load_secret()
+    if secret is None:
+        raise ValueError(
+            f'SharedStorageConnector with "digest": "keyed" needs the cluster\'s KV secret ({KV_SECRET_ENV})'
+        )
+    return KeyedDigest(secret)
 
 
 class SharedStorageConnector(TransferConnector):
