@@ -38,6 +38,7 @@ from ray.serve.config import HTTPOptions, RequestRouterConfig, gRPCOptions
 
 from fleetserve.cluster.app_spec import GRPC_SERVICER, app_args, resolve_api_key
 from fleetserve.cluster.config import AppConfig
+from fleetserve.kv_transfer.secret import KV_SECRET_ENV
 from fleetserve.router.auth import SECRET_ENVS, resolve_lora_admin_key
 from fleetserve.router.cors import CorsSettings
 from fleetserve.router.ingress import IngressDeployment
@@ -116,7 +117,7 @@ def serve_env() -> dict[str, str]:
     replicas of a joined cluster see what this process sees."""
     env = {k: os.environ.get(k, v) for k, v in SERVE_ENV_DEFAULTS.items()}
     env.update(
-        {k: v for k, v in os.environ.items() if k.startswith("FLEETSERVE_") and k not in SECRET_ENVS}
+        {k: v for k, v in os.environ.items() if k.startswith("FLEETSERVE_") and k not in SECRET_ENVS | {KV_SECRET_ENV}}
     )  # secrets stay out
     return env
 

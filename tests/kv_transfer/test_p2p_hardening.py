@@ -205,3 +205,16 @@ def test_the_secret_comes_from_one_place_and_is_checked(tmp_path):
     with pytest.raises(ValueError, match="cannot read the KV secret file"):
         load_secret({KV_SECRET_FILE_ENV: str(tmp_path / "missing")})
     assert repr(from_env) == str(from_env) == "ClusterSecret(<redacted>)"
+
+
+def test_the_launcher_never_copies_the_secret_into_a_runtime_env(monkeypatch, tmp_path):
+    """Replicas of a joined cluster get FLEETSERVE_* settings through their Ray runtime_env,
+    which Ray shows to anyone who lists actors: the secret stays out (each node's environment
+    or a file holds it); the file's path, not a secret, goes along."""
+    from fleetserve.cluster.deploy import serve_env
+
+    monkeypatch.setenv(KV_SECRET_ENV, SECRET)
+    monkeypatch.setenv(KV_SECRET_FILE_ENV, str(tmp_path / "kv.secret"))
+    env = serve_env()
+    assert KV_SECRET_ENV not in env and SECRET not in repr(env)
+    assert env[KV_SECRET_FILE_ENV] == str(tmp_path / "kv.secret")
