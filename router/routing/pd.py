@@ -61,7 +61,9 @@ from fleetserve.scheduler import prefix_salt
 
 logger = logging.getLogger("ray.serve")
 
-RESERVE_TIMEOUT_S = 10.0  # a decode replica's answer to a reservation (or its release)
+# A decode replica's answer to a reservation (or its release); a replica that has not answered
+# by then (dead, or its loop stalled) reserves nothing and the request goes on as without one.
+RESERVE_TIMEOUT_S = 3.0
 # A reservation outlives the prefill calls it waits for by this much (then it is released).
 RESERVATION_GRACE_S = 10.0
 
@@ -217,6 +219,12 @@ class PDRouter:
             logger.warning("request %s: decode slot not reserved on %s: %r", body["request_id"], decode_id, e)
             return None, None
         if answer.get("replica") != decode_id:  # Serve routed it elsewhere: that one is gone
+            logger.warning(
+                "request %s: decode slot not reserved: %s answered for %s",
+                body["request_id"],
+                answer.get("replica"),
+                decode_id,
+            )
             return None, None
         if "error" in answer:
             return None, error_body(answer["error"], int(answer.get("status", 429)))
