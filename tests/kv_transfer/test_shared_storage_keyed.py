@@ -128,6 +128,7 @@ def test_an_engine_recomputes_planted_blocks_and_loads_the_ones_written_with_the
     assert all(torch.equal(a[:, :, 0], b[:, :, 3]) for a, b in zip(w, r))
     assert all(bool((b[:, :, 4:6] == -1.0).all()) for b in r)  # nothing planted landed
     assert reader.half.transport.store.refused == 1 and not store.path(keys[1]).exists()
+    assert (reader.half.take_stats() or {}).get("failed_loads") == 1  # vllm:kv_transfer_failed_loads
     # Written again with the key (the recompute's save), every block loads.
     save(writer, [0, 1, 2], keys)
     assert load(reader, [3, 4, 5], keys) == set()
