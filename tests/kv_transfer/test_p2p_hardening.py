@@ -81,6 +81,11 @@ def raw_client(prod) -> dist.TCPStore:
     return dist.TCPStore(store.host, store.port, is_master=False, timeout=datetime.timedelta(seconds=10))
 
 
+def holds_no_buffer(w) -> bool:
+    """Every staging buffer a consumer took is back in its pool (nothing leaked by a refusal)."""
+    return not w.half.staging._in_use
+
+
 def wait_until(cond, timeout_s: float = 15.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
@@ -119,10 +124,11 @@ def test_a_client_without_the_secret_is_refused(halves, caplog):
         assert hand_off(prod, cons, [f"refused-{n}"], timeout_s=20) == {0, 1, 2}
         assert time.monotonic() - t0 < 15  # (not at the deadline)
         assert says in caplog.text
+        assert holds_no_buffer(cons)
     # An engine with the secret still pulls, and what it gets is the producer's blocks.
     cons = halves("kv_consumer", SECRET)
     assert hand_off(prod, cons, ["with-the-secret"]) == set()
-    assert same_blocks(prod, cons, [0, 1, 2])
+    assert same_blocks(prod, cons, [0, 1, 2]) and holds_no_buffer(cons)
     # The secret is nowhere to be read: not in a log line, a repr, or a pickle.
     assert SECRET not in caplog.text and OTHER not in caplog.text
     for obj in (prod.half.transport, server, cons.half.transport.puller, server._secret):
@@ -163,7 +169,7 @@ def test_a_pull_id_taken_and_never_asked_with_blocks_nothing(halves, secret):
             c[:, :, :3] = -1.0
     raw.add(PULL_IDS, 1)
     assert hand_off(prod, cons, ["after-another-gap"], timeout_s=15) == set()
-    assert same_blocks(prod, cons, [0, 1, 2])
+    assert same_blocks(prod, cons, [0, 1, 2]) and holds_no_buffer(cons)
 
 
 def test_a_consumer_that_stalls_mid_pull_does_not_hold_up_another(halves):
@@ -181,7 +187,7 @@ def test_a_consumer_that_stalls_mid_pull_does_not_hold_up_another(halves):
     wait_until(lambda: server.serving == 1)
     t0 = time.monotonic()
     assert hand_off(prod, cons, ["meanwhile"], timeout_s=20) == set()  # < the stalled one's 30 s
-    assert same_blocks(prod, cons, [0, 1, 2])
+    assert same_blocks(prod, cons, [0, 1, 2]) and holds_no_buffer(cons)
     assert server.serving == 1, "the stalled pull should still be waited on"
     assert time.monotonic() - t0 < 20
     # A replay of the stalled pull's request (sealed, but its id was served) is refused.

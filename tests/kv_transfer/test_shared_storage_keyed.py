@@ -133,6 +133,7 @@ def test_an_engine_recomputes_planted_blocks_and_loads_the_ones_written_with_the
     save(writer, [0, 1, 2], keys)
     assert load(reader, [3, 4, 5], keys) == set()
     assert all(torch.equal(a[:, :, :3], b[:, :, 3:6]) for a, b in zip(w, r))
+    assert not reader.half.staging._in_use  # every staging buffer back, the refused load's too
     for x in (writer, attacker, reader):
         x.shutdown()
 
