@@ -7,6 +7,12 @@ not, some clients that disconnect at a random point):
             Serve replaces the replica) and an overload burst of `--burst` concurrent
             requests arrives;
   after   - nothing wrong again.
+With `--hostile`, 'during' has no fault: hostile clients of every class the hardening
+review found (fleetserve/router/hostile.py: huge prompt lists, huge bias maps, long prompts
+with truncation, slow grammars, contradictory masks, bogus LoRA paths, a flood of /metrics
+scrapes) send concurrently with the normal load, and the report adds, per class, how many
+were sent and how many got a clean answer (must be all), and the normal clients' ITL p99
+during the attack over before it (the target: at most 2x).
 Reports requests completed / refused (429/503) / failed (anything else: must be 0),
 client aborts, leaked KV blocks once idle, the serving processes' RSS (ingress, engine
 replicas, engine cores) at each phase's end, and p50/p99 TTFT, ITL and /health latency
@@ -15,6 +21,7 @@ benchmarks/results/ (soak-<model>.png/.json).
 
     flock -x /tmp/fleetserve-heavy.lock python benchmarks/soak.py --phase-s 60
     python benchmarks/soak.py --model smollm2-135m --phase-s 120   # the real model
+    python benchmarks/soak.py --hostile --phase-s 30                # the hostile mix
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from fleetserve.router import hostile
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -41,29 +50,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_cluster(model: str, replicas: int):
+def start_cluster(model: str, replicas: int, lora_root: str | None = None):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from fleetserve.cluster.config import AppConfig
     from fleetserve.cluster.deploy import connect_ray, deploy, start_serve
 
-    config = AppConfig.model_validate(
-        {
-            "name": "soak",
-            "num_replicas": replicas,
-            "num_cpus_per_replica": 0,
-            "engine": {
-                "model": model,
-                "max_model_len": 512,
-                "num_gpu_blocks_override": 256,
-                "max_num_seqs": 16,
-                "max_waiting_requests": 32,
-                "num_threads": 1,
-            },
-            "http": {"port": _free_port()},
-            "grpc": {"port": _free_port()},
-            "reliability": {"health_check_period_s": 2},
-        }
-    )
+    spec = {
+        "name": "soak",
+        "num_replicas": replicas,
+        "num_cpus_per_replica": 0,
+        "engine": {
+            "model": model,
+            "max_model_len": 512,
+            "num_gpu_blocks_override": 256,
+            "max_num_seqs": 16,
+            "max_waiting_requests": 32,
+            "num_threads": 1,
+        },
+        "http": {"port": _free_port()},
+        "grpc": {"port": _free_port()},
+        "reliability": {"health_check_period_s": 2},
+    }
+    if lora_root is not None:  # --hostile: runtime LoRA loading on, under one root
+        spec["allow_runtime_lora_updating"] = True
+        spec["engine"].update(enable_lora=True, lora_roots=[lora_root])
+    config = AppConfig.model_validate(spec)
     connect_ray(config, num_cpus=2, log_to_driver=False)
     start_serve(config)
     deploy(config)
@@ -193,9 +204,10 @@ async def poll_health(base: str, phase_of, samples: list, stop: asyncio.Event) -
 
 
 async def run(args) -> dict:
-    config = start_cluster(args.model, args.replicas)
+    config = start_cluster(args.model, args.replicas, tempfile.mkdtemp() if args.hostile else None)
     base = f"http://127.0.0.1:{config.http.port}"
     stats = Stats()
+    outcomes: list[hostile.Outcome] = []
     phases = ("before", "during", "after")
     memory = {"start": server_processes()}
     t0 = time.monotonic()
@@ -212,11 +224,22 @@ async def run(args) -> dict:
         tasks = [asyncio.ensure_future(worker(client, stats, phase_of, stop_at, i)) for i in range(args.concurrency)]
         await asyncio.sleep(args.phase_s)
         memory["before"] = server_processes()
-        replicas = await control_all(config.name, "health")
-        victim = sorted(h["core_pid"] for h in replicas.values() if h.get("core_pid"))[0]
-        os.kill(victim, signal.SIGKILL)
-        rng = random.Random(99)
-        burst = [asyncio.ensure_future(one_request(client, stats, phase_of, rng)) for _ in range(args.burst)]
+        victim, burst = None, []
+        if args.hostile:
+            target = await hostile_target(config)
+            burst = [
+                asyncio.ensure_future(
+                    hostile.hostile_worker(client, target, cls, t0 + 2 * args.phase_s, outcomes, seed=i * 10 + w)
+                )
+                for i, cls in enumerate(hostile.CLASSES)
+                for w in range(2 if cls == "scrape_flood" else 1)
+            ]
+        else:
+            replicas = await control_all(config.name, "health")
+            victim = sorted(h["core_pid"] for h in replicas.values() if h.get("core_pid"))[0]
+            os.kill(victim, signal.SIGKILL)
+            rng = random.Random(99)
+            burst = [asyncio.ensure_future(one_request(client, stats, phase_of, rng)) for _ in range(args.burst)]
         await asyncio.sleep(max(0.0, t0 + 2 * args.phase_s - time.monotonic()))
         memory["during"] = server_processes()
         await asyncio.gather(*burst, *tasks)
@@ -231,7 +254,26 @@ async def run(args) -> dict:
             break
         await asyncio.sleep(1)
     memory["idle"] = server_processes()
-    return {"stats": stats, "leaked_blocks": leaked, "memory": memory, "health": health, "victim": victim}
+    return {
+        "stats": stats,
+        "leaked_blocks": leaked,
+        "memory": memory,
+        "health": health,
+        "victim": victim,
+        "hostile": hostile.summary(outcomes) if args.hostile else None,
+    }
+
+
+async def hostile_target(config) -> hostile.Target:
+    """What the hostile clients need: the served name, eos (from an engine's tokenizer)."""
+    from ray import serve
+
+    info = await serve.get_deployment_handle("engine", config.name).get_info.remote()
+    return hostile.Target(
+        model=config.served_model_name,
+        eos_token_id=info["tokenizer"].eos_token_id,
+        max_body_bytes=config.http.max_body_bytes,
+    )
 
 
 def memory_table(memory: dict) -> list[dict]:
@@ -305,6 +347,14 @@ def report(result: dict, out_png: Path, title: str) -> dict:
         )
     for f in stats.failures[:10]:
         print("failure:", f)
+    if result.get("hostile") is not None:
+        summary["hostile"] = result["hostile"]
+        ph = summary["phases"]
+        summary["itl_p99_ratio"] = ph["during"]["itl_p99_ms"] / ph["before"]["itl_p99_ms"]
+        print(f"{'hostile class':14} {'sent':>6} {'clean':>6} {'worst s':>8}  statuses / first unclean")
+        for cls, h in result["hostile"].items():
+            print(f"{cls:14} {h['sent']:6d} {h['clean']:6d} {h['worst_s']:8.2f}  {h['statuses']} {h['unclean'] or ''}")
+        print(f"normal clients' ITL p99 under attack / before: {summary['itl_p99_ratio']:.2f}x (target <= 2x)")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -327,7 +377,8 @@ def report(result: dict, out_png: Path, title: str) -> dict:
         )
     axes[2].set_title("/health (ms)")
     axes[2].legend()
-    fig.suptitle(f"soak ({title}): an engine core SIGKILLed + an overload burst in 'during'")
+    what = "the hostile mix" if result.get("hostile") is not None else "an engine core SIGKILLed + an overload burst"
+    fig.suptitle(f"soak ({title}): {what} in 'during'")
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=100, bbox_inches="tight")
     print(f"plot: {out_png}")
@@ -351,6 +402,7 @@ def main() -> int:
     p.add_argument("--phase-s", type=float, default=60)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--burst", type=int, default=150)
+    p.add_argument("--hostile", action="store_true", help="'during': the hostile mix instead of a fault and a burst")
     args = p.parse_args()
     tiny = args.model is None
     if tiny:
@@ -360,6 +412,7 @@ def main() -> int:
     name = "tiny" if tiny else Path(args.model).name
     result = asyncio.run(run(args))
     results = Path(__file__).parent / "results"
+    name += "-hostile" if args.hostile else ""
     summary = report(result, results / f"soak-{name}.png", name)
     summary.update(model=name, args=vars(args), cpu=_cpu_name(), failures=result["stats"].failures[:50])
     (results / f"soak-{name}.json").write_text(json.dumps(summary, indent=1))
@@ -369,7 +422,8 @@ def main() -> int:
     serve.shutdown()
     ray.shutdown()
     failed = sum(c["failed"] for c in result["stats"].counts.values())
-    return 0 if failed == 0 and result["leaked_blocks"] == 0 else 1
+    unclean = sum(h["sent"] - h["clean"] for h in (result.get("hostile") or {}).values())
+    return 0 if failed == 0 and unclean == 0 and result["leaked_blocks"] == 0 else 1
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from fleetserve.replica.lora.manager import EngineLoRAs
 from fleetserve.replica.lora.paths import LoRANotLoadable
 from fleetserve.replica.model_loader.model_info import generation_defaults, read_model_shape
 from fleetserve.replica.model_loader.registry import resolve_model
+from fleetserve.replica.structured_output import backend as structured_backend
 from fleetserve.scheduler import KVEventLog, SamplingParams
 
 if TYPE_CHECKING:
@@ -192,6 +193,8 @@ class AsyncEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         sp = sp or SamplingParams()
         kv_transfer_params = self._check_kv_transfer_params(kv_transfer_params)
+        if sp.structured_outputs is not None and not structured_backend.loaded():
+            await asyncio.to_thread(structured_backend.load)  # seconds, once: off this loop (health)
         text, requests = self.input_processor.process(
             prompt,
             sp,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -54,7 +55,9 @@ class GrammarCompiles:
         self._prepare_fn = prepare_fn
         self.max_workers = max_workers
         self._cache_size = cache_size
-        self._pool = cf.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fleetserve-grammar")
+        self._pool = cf.ThreadPoolExecutor(
+            max_workers=max_workers, thread_name_prefix="fleetserve-grammar", initializer=_lower_priority
+        )
         self._entries: collections.OrderedDict[tuple, Compile] = collections.OrderedDict()
         self._running: set[Compile] = set()  # started and not finished (what holds the workers)
         self._running_lock = threading.Lock()
@@ -118,6 +121,21 @@ class GrammarCompiles:
         finally:
             with self._running_lock:
                 self._running.discard(entry)
+
+
+# How much nicer than the engine's step loop a compile thread runs (Linux: per thread). A
+# grammar compile is seconds of CPU that the decoding streams of the same replica would
+# otherwise share equally; at nice 10 the kernel gives a busy step loop about ten times the
+# CPU a compile gets, so slow grammars delay their own requests, not everyone's tokens. The
+# threads xgrammar starts from a compile thread inherit it.
+COMPILE_NICE = 10
+
+
+def _lower_priority() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
+    except (AttributeError, OSError):  # not Linux, or not permitted: compiles run at the loop's priority
+        pass
 
 
 def first_done(entries: list[Compile], timeout_s: float) -> None:
