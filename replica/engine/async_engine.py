@@ -19,7 +19,9 @@ that disconnected) aborts its request, and its KV blocks return to the pool.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
+import sys
 import threading
 import uuid
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
@@ -41,7 +43,6 @@ from fleetserve.replica.lora.manager import EngineLoRAs
 from fleetserve.replica.lora.paths import LoRANotLoadable
 from fleetserve.replica.model_loader.model_info import generation_defaults, read_model_shape
 from fleetserve.replica.model_loader.registry import resolve_model
-from fleetserve.replica.structured_output import backend as structured_backend
 from fleetserve.scheduler import KVEventLog, SamplingParams
 
 if TYPE_CHECKING:
@@ -193,8 +194,10 @@ class AsyncEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         sp = sp or SamplingParams()
         kv_transfer_params = self._check_kv_transfer_params(kv_transfer_params)
-        if sp.structured_outputs is not None and not structured_backend.loaded():
-            await asyncio.to_thread(structured_backend.load)  # seconds, once: off this loop (health)
+        if sp.structured_outputs is not None and "xgrammar" not in sys.modules:
+            # seconds of CPU, once: off this loop (health). Imported here, not at the top:
+            # the backend module needs torch, which this process never loads otherwise.
+            await asyncio.to_thread(importlib.import_module, "xgrammar")
         text, requests = self.input_processor.process(
             prompt,
             sp,
