@@ -21,7 +21,9 @@ if TYPE_CHECKING:
     from fleetserve.kv_transfer.connectors.p2p_auth import Channel
 
 STORE_TIMEOUT_S = 30.0
-CONNECT_TIMEOUT_S = 3.0  # a live producer's store accepts at once; a dead one's port refuses
+# A live producer's store accepts at once (3 s was overrun once on a loaded 2-core host);
+# a dead one's port refuses.
+CONNECT_TIMEOUT_S = 6.0
 PULLS = "pulls"  # the queue of pull requests a producer's server threads take from
 PULL_IDS = "pull_ids"  # the counter a consumer takes a pull's id from (names its keys)
 REGROUP = b"!regroup"  # the producer's answer to a pull naming a group it does not have
