@@ -7,7 +7,7 @@ for regular and editable installs alike. Everything else is in pyproject.toml.
 
 from setuptools import find_packages, setup
 
-SUBPACKAGES = ["scheduler", "replica", "router", "cluster", "kv_transfer"]
+SUBPACKAGES = ["scheduler", "replica", "router", "cluster", "kv_transfer", "sim"]
 
 packages = ["fleetserve"]
 package_dir = {"fleetserve": "fleetserve"}
