@@ -42,7 +42,7 @@ import random
 import time
 from abc import abstractmethod
 from collections import deque
-from typing import Optional
+from typing import Callable, Optional
 
 from fleetserve.router.routing.kv_index import KVIndex
 from fleetserve.router.routing.policies.base import ReplicaLoad, RouteRequest, RoutingPolicy, by_load, tiers
@@ -141,11 +141,15 @@ class PrefixAwarePolicy(PrefixAwareBase):
         seed: Optional[int] = None,
         kv_index: Optional[KVIndex] = None,
         linger_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
         **kwargs: object,
     ) -> None:
         super().__init__(block_size, imbalance_threshold, min_match_fraction, seed, **kwargs)
         self.kv_index = kv_index if kv_index is not None else KVIndex()
         self.linger_s = linger_s
+        # What `linger_s` is measured on: the process's monotonic clock, or a simulator's
+        # virtual one (fleetserve.sim), so lingering hints expire in the time requests run in.
+        self.clock = clock
         # request id -> (replica, hashes); replica -> hash -> in-flight requests holding it.
         self._inflight: dict[str, tuple[str, list]] = {}
         self._inflight_hashes: dict[str, dict] = {}
@@ -200,10 +204,10 @@ class PrefixAwarePolicy(PrefixAwareBase):
     def on_completed(self, request_id: str) -> None:
         entry = self._inflight.pop(request_id, None)
         if entry is not None:
-            self._lingering.append((time.monotonic() + self.linger_s, *entry))
+            self._lingering.append((self.clock() + self.linger_s, *entry))
 
     def _expire(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         while self._lingering and self._lingering[0][0] <= now:
             _, replica_id, hashes = self._lingering.popleft()
             self._release(replica_id, hashes)

@@ -1,0 +1,183 @@
+"""One simulated replica: the real scheduler, stepped in virtual time.
+
+`SimReplica` owns a real `fleetserve.scheduler.Scheduler`, built by `create_scheduler` from
+the `SchedulerConfig` and `CacheConfig` that `EngineArgs` derives for `fleetserve serve`,
+and drives it as `replica/engine/engine_core.py`'s `step()` does:
+
+    schedule()  ->  SchedulerOutput  ->  StepShape  ->  cost.step_seconds(shape)
+    ... that much virtual time later ...
+    ModelRunnerOutput (one token per request that reached the end of its tokens)
+    ->  update_from_output()  ->  token times, finishes, KV events
+
+Only the model forward is replaced (by the cost model); queueing, chunked prefill, prefix
+caching, preemption and admission are the scheduler's own. Assumptions, stated once:
+
+* The engine is synchronous: a step's outputs are applied before the next `schedule()`
+  (the real engine's asynchronous scheduling, which overlaps the two, is not modelled).
+* Requests that arrive during a step enter the scheduler's waiting queue at once; the next
+  `schedule()` is the first to see them, as the engine core adds requests between steps.
+* Sampled token ids are deterministic (a function of the request's output position), never
+  the EOS token: requests run with `ignore_eos`, so each finishes at the trace's output
+  length (or earlier where `max_model_len` caps it, as the real engine does).
+* The scheduler's own CPU time is not virtual time: the profile's per-step overhead covers it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from fleetserve.scheduler import (
+    EngineCoreOutput,
+    KVEventBatch,
+    ModelRunnerOutput,
+    Request,
+    SamplingParams,
+    Scheduler,
+    SchedulerOutput,
+    create_scheduler,
+)
+from fleetserve.scheduler.config import CacheConfig, SchedulerConfig
+from fleetserve.sim.shape import StepCostModel, StepShape
+
+
+class ReplicaStalled(RuntimeError):
+    """The scheduler holds unfinished requests but schedules nothing: no step could ever
+    change that, so the simulation stops instead of idling forever."""
+
+
+@dataclass(slots=True)
+class StepStart:
+    """A step that was scheduled and is now running for `seconds` of virtual time."""
+
+    output: SchedulerOutput
+    shape: StepShape
+    runner_output: ModelRunnerOutput  # what the model returns at the step's end
+    seconds: float
+
+
+class SimReplica:
+    """A replica in virtual time: the real scheduler plus a step-cost model."""
+
+    def __init__(
+        self,
+        replica_id: str,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        cost_model: StepCostModel,
+        vocab_size: int = 32000,
+    ) -> None:
+        self.replica_id = replica_id
+        self.scheduler: Scheduler = create_scheduler(scheduler_config, cache_config)
+        self.cost = cost_model
+        self.max_model_len = scheduler_config.max_model_len
+        self.block_size = cache_config.block_size
+        self.vocab_size = vocab_size
+        # The requests this replica holds, by id, until they finish (the scheduler forgets a
+        # request when it frees it; its counters are read after that).
+        self.requests: dict[str, Request] = {}
+        self.busy = False  # a step is in flight
+        self.busy_s = 0.0  # virtual seconds spent in steps
+        self.num_steps = 0
+        self.num_tokens = 0  # tokens computed in all steps
+
+    # ---- requests ------------------------------------------------------------------
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt this replica accepts: the engine refuses one that leaves no room
+        for an output token in `max_model_len` (processor.py), and the scheduler finishes at
+        once one its whole KV pool could not hold (`Scheduler.add_request`)."""
+        pool = self.scheduler.kv.num_blocks * self.block_size
+        return min(self.max_model_len - 1, pool)
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], output_tokens: int, arrival_s: float, priority: int = 0
+    ) -> Request:
+        request = Request(
+            request_id,
+            prompt_token_ids,
+            SamplingParams(max_tokens=output_tokens, ignore_eos=True),
+            eos_token_id=None,
+            arrival_time=arrival_s,
+            priority=priority,
+        )
+        self.scheduler.add_request(request)
+        self.requests[request_id] = request
+        return request
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_requests()
+
+    # ---- the step --------------------------------------------------------------------
+    def start_step(self) -> Optional[StepStart]:
+        """Schedule a step and price it. A step with nothing to compute (only finishes the
+        workers must hear of) costs 0 s; the caller applies it with `finish_step` at once."""
+        so = self.scheduler.schedule()
+        shape, ro = self.model_step(so)
+        if so.total_num_scheduled_tokens == 0:
+            if self.scheduler.has_unfinished_requests() and not self.scheduler.running:
+                raise ReplicaStalled(
+                    f"replica {self.replica_id}: {self.scheduler.get_num_unfinished_requests()} requests "
+                    "unfinished but nothing schedulable"
+                )
+            return StepStart(so, shape, ro, 0.0)
+        seconds = float(self.cost.step_seconds(shape))
+        if not seconds >= 0.0:
+            raise ValueError(f"the cost model returned {seconds!r} s for {shape}")
+        self.busy = True
+        self.busy_s += seconds
+        self.num_steps += 1
+        self.num_tokens += so.total_num_scheduled_tokens
+        return StepStart(so, shape, ro, seconds)
+
+    def model_step(self, so: SchedulerOutput) -> tuple[StepShape, ModelRunnerOutput]:
+        """The step as token counts, and what a model runner returns for it.
+
+        `schedule()` has already advanced every scheduled request's `num_computed_tokens` by
+        its tokens, so the context a chunk computes against is `num_computed_tokens - n`
+        (prefix-cache hits included). A row is a decode when everything before the token(s)
+        it computes is computed and the request has produced output; anything else (a
+        prompt chunk, a recompute after a preemption, a prompt's last token after a full
+        prefix hit) is a prefill chunk. Drafts are counted in `n` already.
+
+        The runner samples one token for each request whose step reaches the end of its
+        known tokens and none for a prompt chunk short of it; the token id is a function of
+        the request's length, so runs repeat."""
+        reqs = self.scheduler.requests
+        p_tokens = p_seqs = d_seqs = d_tokens = d_ctx = 0
+        p_attn = 0.0
+        ids = list(so.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        vocab = self.vocab_size - 1
+        empty: list[int] = []
+        for rid, n in so.num_scheduled_tokens.items():
+            r = reqs[rid]
+            computed = r.num_computed_tokens
+            num_tokens = r.num_tokens
+            before = computed - n
+            if before >= num_tokens - 1 and num_tokens > r.num_prompt_tokens:
+                d_seqs += 1
+                d_tokens += n
+                d_ctx += num_tokens
+            else:
+                p_tokens += n
+                p_seqs += 1
+                p_attn += n * (before + n / 2)
+            sampled.append([1 + (num_tokens * 7919) % vocab] if computed >= num_tokens else empty)
+        shape = StepShape(p_tokens, p_seqs, p_attn, d_seqs, d_tokens, d_ctx)
+        return shape, ModelRunnerOutput(ids, sampled)
+
+    def finish_step(self, step: StepStart) -> tuple[list[EngineCoreOutput], Optional[KVEventBatch]]:
+        """Apply the step's model output; returns the outputs and the step's KV events."""
+        self.busy = False
+        outputs = self.scheduler.update_from_output(step.output, step.runner_output)
+        return outputs, self.scheduler.take_kv_events()
+
+    def forget(self, request_id: str) -> Optional[Request]:
+        return self.requests.pop(request_id, None)
+
+    # ---- checks ------------------------------------------------------------------------
+    def leaked_blocks(self) -> int:
+        """Blocks still referenced once every request is done (0 when none leaked): a free
+        block may keep its prefix-cache hash, but must be back in the free queue."""
+        kv = self.scheduler.kv
+        return kv.num_blocks - kv.num_free_blocks
