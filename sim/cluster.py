@@ -139,6 +139,7 @@ class Cluster:
         if stats_period_s <= 0:
             raise ValueError(f"stats_period_s must be positive, got {stats_period_s}")
         self.now = 0.0
+        self._ran = False
         self.seed = seed
         self.cost = cost_model
         self.network_latency_s = network_latency_s
@@ -221,12 +222,16 @@ class Cluster:
         slo_itl_s: Optional[float] = None,
         progress: Optional[Callable[[int, int], None]] = None,
     ) -> SimResult:
-        """Replay `trace` (arrival times in seconds from 0) and summarize."""
+        """Replay `trace` (arrival times in seconds from 0) and summarize. A cluster runs one
+        trace: its replicas' caches and counters are that run's."""
+        if self._ran:
+            raise RuntimeError("a Cluster runs one trace; build another for the next run")
+        self._ran = True
         wall0 = time.perf_counter()
         order = sorted(range(len(trace)), key=lambda i: trace[i].arrival_s)
         records = [
-            Record(i, trace[i].request_id, trace[i].arrival_s, trace[i].output_tokens, trace[i].tenant)
-            for i in range(len(trace))
+            Record(i, tr.request_id, tr.arrival_s, tr.output_tokens, tr.tenant, tr.priority or 0)
+            for i, tr in enumerate(trace)
         ]
         self._records = {r.request_id: r for r in records}
         self._itl = GapHistogram()
@@ -325,15 +330,12 @@ class Cluster:
     def _on_to_replica(self, idx: int, payload: tuple[Record, list[int]]) -> None:
         rec, ids = payload
         replica = self.replicas[idx]
-        replica.add_request(rec.request_id, ids, rec.output_tokens, rec.arrival_s)
+        replica.add_request(rec.request_id, ids, rec.output_tokens, rec.arrival_s, rec.priority)
         if not replica.busy:
             self._start(idx)
 
     def _start(self, idx: int) -> None:
-        replica = self.replicas[idx]
-        step = replica.start_step()
-        if step is None:
-            return
+        step = self.replicas[idx].start_step()
         if step.seconds == 0.0 and step.output.total_num_scheduled_tokens == 0:
             # Nothing to compute (only finishes to tell the workers): apply it now, go idle.
             self._apply(idx, step)

@@ -108,7 +108,7 @@ class SimReplica:
         return self.scheduler.has_requests()
 
     # ---- the step --------------------------------------------------------------------
-    def start_step(self) -> Optional[StepStart]:
+    def start_step(self) -> StepStart:
         """Schedule a step and price it. A step with nothing to compute (only finishes the
         workers must hear of) costs 0 s; the caller applies it with `finish_step` at once."""
         so = self.scheduler.schedule()

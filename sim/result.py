@@ -32,6 +32,7 @@ class Record:
         "prompt_tokens",
         "output_tokens",
         "tenant",
+        "priority",
         "replica",
         "first_token_s",
         "last_token_s",
@@ -44,7 +45,13 @@ class Record:
     )
 
     def __init__(
-        self, index: int, trace_id: Optional[str], arrival_s: float, output_tokens: int, tenant: Optional[str]
+        self,
+        index: int,
+        trace_id: Optional[str],
+        arrival_s: float,
+        output_tokens: int,
+        tenant: Optional[str],
+        priority: int = 0,
     ) -> None:
         self.index = index
         self.request_id = f"r{index}"
@@ -53,6 +60,7 @@ class Record:
         self.prompt_tokens = 0
         self.output_tokens = output_tokens
         self.tenant = tenant
+        self.priority = priority
         self.replica: Optional[str] = None
         self.first_token_s = -1.0
         self.last_token_s = -1.0
@@ -188,6 +196,7 @@ class SimResult:
     completed: int
     refused: int
     refused_reasons: dict[str, int]
+    truncated: int  # completed with fewer output tokens than asked (max_model_len capped them)
     duration_s: float
     output_tokens: int
     prompt_tokens: int
@@ -217,6 +226,7 @@ class SimResult:
             "completed": self.completed,
             "refused": self.refused,
             "refused_reasons": dict(sorted(self.refused_reasons.items())),
+            "truncated": self.truncated,
             "duration_s": self.duration_s,
             "output_tokens": self.output_tokens,
             "output_tokens_per_s": self.output_tokens_per_s,
@@ -289,6 +299,7 @@ def summarize(
         completed=len(served),
         refused=len(records) - len(served),
         refused_reasons=refused,
+        truncated=sum(1 for r in served if r.num_output < r.output_tokens),
         duration_s=dur,
         output_tokens=out_tokens,
         prompt_tokens=prompt_tokens,

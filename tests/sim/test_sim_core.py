@@ -6,7 +6,11 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import os
 import pkgutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -107,6 +111,34 @@ def test_same_seed_same_result_other_seed_other_result():
     assert json.loads(a)["requests"] == 150
 
 
+_IN_A_PROCESS = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from sim.test_sim_core import LinearCost, _args
+from fleetserve.sim.cluster import run_simulation
+from fleetserve.sim.generators import Lengths, shared_prefix
+trace = shared_prefix(num_requests=120, rate=30.0, seed=4, num_tenants=6, system_prompt_tokens=256,
+                      user=Lengths(median=32, lo=8, hi=64), output=Lengths(median=8, lo=2, hi=16))
+print(run_simulation(trace, LinearCost(), 3, "prefix_aware", _args(num_blocks=60), seed=7).to_json())
+"""
+
+
+def test_a_run_repeats_across_processes_whatever_the_hash_seed():
+    """Set iteration over replica ids follows PYTHONHASHSEED; no result may depend on it."""
+    root = Path(__file__).resolve().parents[2]
+    code = _IN_A_PROCESS.format(tests=str(root / "tests"))
+    outs = []
+    for hash_seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(
+            [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=60
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outs.append(proc.stdout)
+    assert outs[0] == outs[1]
+    assert json.loads(outs[0])["prefix_hit_rate"] > 0
+
+
 # --- conservation ----------------------------------------------------------------------------------
 
 
@@ -154,6 +186,7 @@ def test_output_is_capped_by_max_model_len_as_the_engine_does():
     result = run_simulation(trace, LinearCost(), 1, "power_of_two", _args(max_model_len=1024))
     (rec,) = result.records
     assert rec.finish_reason == "length" and rec.num_output == 24
+    assert result.completed == 1 and result.truncated == 1
 
 
 def test_requests_wait_at_the_router_when_every_replica_is_full():
