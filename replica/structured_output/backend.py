@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from typing import Optional
 
 import torch
@@ -27,16 +26,6 @@ def _xgr():
     import xgrammar
 
     return xgrammar
-
-
-def loaded() -> bool:
-    """Whether xgrammar is imported: its first import takes seconds of CPU, which an event
-    loop must not spend (the async engine imports it on a worker thread first)."""
-    return "xgrammar" in sys.modules
-
-
-def load() -> None:
-    _xgr()
 
 
 def choice_ebnf(choices: list[str]) -> str:
