@@ -23,6 +23,7 @@ import platform
 import pstats
 import sys
 import time
+from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -82,6 +83,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true", help="cProfile the points; print the top 25 functions")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--plot", default=str(Path(HERE) / "results" / "sim_scale.png"), help="the PNG plot's path")
     args = ap.parse_args(argv)
     rows = []
     prof = cProfile.Profile() if args.profile else None
@@ -103,7 +105,33 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
+    png = Path(args.plot)
+    plot(rows, png, args.policy)
+    print(f"wrote {png}")
     return 0
+
+
+def plot(rows: list[dict], path: Path, policy: str) -> None:
+    """Simulated requests per wall second at each point, one bar per point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    labels = [f"{r['replicas']} x {r['requests']}" for r in rows]
+    bars = ax.bar(labels, [r["req_per_wall_s"] for r in rows], color="#48c")
+    for bar, r in zip(bars, rows):
+        ax.annotate(
+            f"{r['wall_s']:.0f} s", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom"
+        )
+    ax.set_xlabel("replicas x requests")
+    ax.set_ylabel("simulated requests / wall s")
+    ax.set_title(f"Fleet simulator speed ({policy}), {platform.processor() or platform.machine()}", fontsize=9)
+    ax.margins(y=0.2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
