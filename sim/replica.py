@@ -38,7 +38,7 @@ from fleetserve.scheduler import (
     create_scheduler,
 )
 from fleetserve.scheduler.config import CacheConfig, SchedulerConfig
-from fleetserve.sim.shape import StepCostModel, StepShape
+from fleetserve.sim.shape import StepCostModel, StepShape, step_shape
 
 
 class ReplicaStalled(RuntimeError):
@@ -130,41 +130,21 @@ class SimReplica:
         return StepStart(so, shape, ro, seconds)
 
     def model_step(self, so: SchedulerOutput) -> tuple[StepShape, ModelRunnerOutput]:
-        """The step as token counts, and what a model runner returns for it.
-
-        `schedule()` has already advanced every scheduled request's `num_computed_tokens` by
-        its tokens, so the context a chunk computes against is `num_computed_tokens - n`
-        (prefix-cache hits included). A row is a decode when everything before the token(s)
-        it computes is computed and the request has produced output; anything else (a
-        prompt chunk, a recompute after a preemption, a prompt's last token after a full
-        prefix hit) is a prefill chunk. Drafts are counted in `n` already.
+        """The step as token counts (`step_shape`), and what a model runner returns for it.
 
         The runner samples one token for each request whose step reaches the end of its
         known tokens and none for a prompt chunk short of it; the token id is a function of
         the request's length, so runs repeat."""
         reqs = self.scheduler.requests
-        p_tokens = p_seqs = d_seqs = d_tokens = d_ctx = 0
-        p_attn = 0.0
-        ids = list(so.num_scheduled_tokens)
-        sampled: list[list[int]] = []
+        shape = step_shape(so.num_scheduled_tokens, reqs)
         vocab = self.vocab_size - 1
         empty: list[int] = []
-        for rid, n in so.num_scheduled_tokens.items():
+        sampled: list[list[int]] = []
+        for rid in so.num_scheduled_tokens:
             r = reqs[rid]
-            computed = r.num_computed_tokens
             num_tokens = r.num_tokens
-            before = computed - n
-            if before >= num_tokens - 1 and num_tokens > r.num_prompt_tokens:
-                d_seqs += 1
-                d_tokens += n
-                d_ctx += num_tokens
-            else:
-                p_tokens += n
-                p_seqs += 1
-                p_attn += n * (before + n / 2)
-            sampled.append([1 + (num_tokens * 7919) % vocab] if computed >= num_tokens else empty)
-        shape = StepShape(p_tokens, p_seqs, p_attn, d_seqs, d_tokens, d_ctx)
-        return shape, ModelRunnerOutput(ids, sampled)
+            sampled.append([1 + (num_tokens * 7919) % vocab] if r.num_computed_tokens >= num_tokens else empty)
+        return shape, ModelRunnerOutput(list(so.num_scheduled_tokens), sampled)
 
     def finish_step(self, step: StepStart) -> tuple[list[EngineCoreOutput], Optional[KVEventBatch]]:
         """Apply the step's model output; returns the outputs and the step's KV events."""

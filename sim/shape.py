@@ -9,7 +9,7 @@ protocol, so the two are built and tested apart.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Mapping, Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,3 +47,30 @@ class StepCostModel(Protocol):
     def kv_transfer_seconds(self, nbytes: int, connector: str) -> float: ...
 
     def kv_bytes_per_token(self) -> int: ...
+
+
+def step_shape(num_scheduled_tokens: Mapping[str, int], requests: Mapping[str, Any]) -> StepShape:
+    """The shape of a step the scheduler just scheduled (`SchedulerOutput.num_scheduled_tokens`
+    over `Scheduler.requests`), for the simulator and for `fleetserve profile` alike.
+
+    `schedule()` has already advanced every scheduled request's `num_computed_tokens` by its
+    tokens, so the context a chunk computes against is `num_computed_tokens - n` (prefix-cache
+    hits included). A row is a decode when everything before the token(s) it computes is
+    computed and the request has produced output; anything else (a prompt chunk, a recompute
+    after a preemption, a prompt's last token after a full prefix hit) is a prefill chunk.
+    Drafts are counted in `n` already."""
+    p_tokens = p_seqs = d_seqs = d_tokens = d_ctx = 0
+    p_attn = 0.0
+    for rid, n in num_scheduled_tokens.items():
+        r = requests[rid]
+        num_tokens = r.num_tokens
+        before = r.num_computed_tokens - n
+        if before >= num_tokens - 1 and num_tokens > r.num_prompt_tokens:
+            d_seqs += 1
+            d_tokens += n
+            d_ctx += num_tokens
+        else:
+            p_tokens += n
+            p_seqs += 1
+            p_attn += n * (before + n / 2)
+    return StepShape(p_tokens, p_seqs, p_attn, d_seqs, d_tokens, d_ctx)
