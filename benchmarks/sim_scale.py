@@ -2,15 +2,16 @@
 
 Each point replays a seeded Poisson trace (lognormal prompts of median 512 tokens, outputs
 of median 128) on N replicas through the real scheduler and the chosen routing policy
-(fleetserve/sim), with a stand-in step-cost model shaped like a Llama-3.1-8B on one H100
-(a fixed step cost for reading the weights, prefill FLOPs, decode KV reads). The cost
-model only sets how many steps a run takes; the simulator's own speed is what is measured.
+(fleetserve/sim), with a step-cost profile (`--profile`, default the shipped analytic
+h100-llama-3.1-8b: fleetserve/sim/profile.py). The cost model only sets how many steps a
+run takes; the simulator's own speed is what is measured.
 Prints one row per point: wall seconds, simulated requests and output tokens per wall
 second, virtual duration, utilization, TTFT p50.
 
     OMP_NUM_THREADS=1 python benchmarks/sim_scale.py                      # 16x5k, 64x20k
     OMP_NUM_THREADS=1 python benchmarks/sim_scale.py --points 128x100000  # the issue's target
-    python benchmarks/sim_scale.py --points 16x5000 --profile              # cProfile, top 25
+    python benchmarks/sim_scale.py --points 16x5000 --cprofile             # cProfile, top 25
+    python benchmarks/sim_scale.py --profile h200-llama-3.1-8b              # another profile
 """
 
 from __future__ import annotations
@@ -30,34 +31,15 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from fleetserve.sim.cluster import run_simulation  # noqa: E402
 from fleetserve.sim.generators import poisson  # noqa: E402
-from fleetserve.sim.shape import StepShape  # noqa: E402
+from fleetserve.sim.profile import load_profile  # noqa: E402
 
 
-class H100Like:
-    """A stand-in cost model: 8B parameters in bf16 read once per step (16 GB at ~3 TB/s),
-    prefill at ~400 TFLOP/s effective, KV of 128 KiB per token read by decodes."""
-
-    KV_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2
-
-    def step_seconds(self, s: StepShape) -> float:
-        weights = 16e9 / 3.0e12
-        prefill = (2 * 8e9 * s.prefill_tokens + 4 * 4096 * 32 * s.prefill_attn_tokens) / 4.0e14
-        decode = self.KV_BYTES_PER_TOKEN * s.decode_context_tokens / 3.0e12
-        return 0.002 + weights + prefill + decode
-
-    def kv_transfer_seconds(self, nbytes: int, connector: str) -> float:
-        return 1e-4 + nbytes / 25e9
-
-    def kv_bytes_per_token(self) -> int:
-        return self.KV_BYTES_PER_TOKEN
-
-
-def run_point(replicas: int, requests: int, rate_per_replica: float, policy: str, seed: int) -> dict:
+def run_point(replicas: int, requests: int, rate_per_replica: float, policy: str, seed: int, cost) -> dict:
     t0 = time.perf_counter()
     trace = poisson(num_requests=requests, rate=rate_per_replica * replicas, seed=seed)
     gen_s = time.perf_counter() - t0
     args = {"max_model_len": 8192, "kv_cache_memory_bytes": 60 * 2**30, "max_num_seqs": 128}
-    result = run_simulation(trace, H100Like(), replicas, policy, args, seed=seed)
+    result = run_simulation(trace, cost, replicas, policy, args, seed=seed)
     util = result.utilization
     return {
         "replicas": replicas,
@@ -81,13 +63,16 @@ def main(argv=None) -> int:
     ap.add_argument("--rate-per-replica", type=float, default=8.0, help="requests/s per replica")
     ap.add_argument("--policy", default="power_of_two")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--profile", action="store_true", help="cProfile the points; print the top 25 functions")
+    ap.add_argument("--profile", default="h100-llama-3.1-8b", help="a step-cost profile: shipped name or JSON path")
+    ap.add_argument("--cprofile", action="store_true", help="cProfile the points; print the top 25 functions")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--plot", default=str(Path(HERE) / "results" / "sim_scale.png"), help="the PNG plot's path")
     args = ap.parse_args(argv)
     rows = []
-    prof = cProfile.Profile() if args.profile else None
-    print(f"# {platform.processor() or platform.machine()}, Python {platform.python_version()}, policy {args.policy}")
+    prof = cProfile.Profile() if args.cprofile else None
+    cost = load_profile(args.profile).cost_model()
+    machine = platform.processor() or platform.machine()
+    print(f"# {machine}, Python {platform.python_version()}, policy {args.policy}, profile {args.profile}")
     cols = ["replicas", "requests", "wall_s", "req_per_wall_s", "tokens_per_wall_s", "virtual_s", "util_mean"]
     cols += ["ttft_p50_s", "completed", "preemptions"]
     print(" ".join(f"{c:>17}" for c in cols))
@@ -95,7 +80,7 @@ def main(argv=None) -> int:
         n_rep, n_req = (int(x) for x in point.lower().split("x"))
         if prof is not None:
             prof.enable()
-        row = run_point(n_rep, n_req, args.rate_per_replica, args.policy, args.seed)
+        row = run_point(n_rep, n_req, args.rate_per_replica, args.policy, args.seed, cost)
         if prof is not None:
             prof.disable()
         rows.append(row)
