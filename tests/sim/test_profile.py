@@ -264,6 +264,15 @@ def test_tp4_70b_is_faster_per_step_than_one_gpu_would_be():
     for shape in (_decode(1, 1024), _decode(64, 2048), _prefill(2048)):
         t1, t4, t8 = (p.cost_model().step_seconds(shape) for p in (tp1, tp4, tp8))
         assert t8 < t4 < t1 / 2.5, shape
+    # 2 all-reduces per layer, each its latency plus a ring over T hidden vectors
+    free = tp8.model_copy(
+        update={
+            "step": tp8.step.model_copy(update={"all_reduce_latency_s": 0.0, "interconnect_bandwidth_bytes_s": 1e30})
+        }
+    )
+    shape = _decode(32, 1024)
+    ar = 160 * (10e-6 + 2 * 7 / 8 * 32 * 8192 * 2 / 450e9)
+    assert tp8.cost_model().step_seconds(shape) - free.cost_model().step_seconds(shape) == pytest.approx(ar)
     with pytest.raises(ProfileError, match="use a larger tensor_parallel_size"):
         analytic_profile("h100", "llama-3.1-70b", 1)
     with pytest.raises(ProfileError, match="known GPUs are h100, h200, l4, a10g"):
@@ -312,3 +321,20 @@ def test_a_simulation_runs_on_a_loaded_profile():
     result = run_simulation(trace, cost, 2, "power_of_two", {"max_model_len": 4096}, seed=0)
     assert result.completed == 60
     assert 0.005 < result.itl_s["p50"] < 0.05
+
+
+def test_the_fit_minimizes_relative_not_absolute_error():
+    """Where no line fits (a convex cost), the 1/t weighting keeps short steps' errors small."""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    samples = [(_prefill(n), 1e-3 + 1e-9 * n**2) for n in (1, 2, 4, 8, 16, 64, 256, 1024, 4096, 8192)]
+    step, stats = fit_linear(samples)
+    a = np.array([P._linear_row(s) for s, _ in samples])
+    t = np.array([t for _, t in samples])
+    scale = np.where(a.max(axis=0) > 0, a.max(axis=0), 1.0)
+    x, _ = nnls(a / scale, t)  # unweighted: absolute error
+    plain = LinearStep.model_validate(dict(zip(P.LINEAR_TERMS, (x / scale).tolist())))
+    plain_rel = P.relative_errors(plain, samples)
+    assert stats.median_rel_error < 0.5 * float(np.median(plain_rel))
+    assert stats.max_rel_error < max(plain_rel)
