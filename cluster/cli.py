@@ -3,6 +3,7 @@
     fleetserve serve [--model M] [--num-replicas 2] [--routing-policy prefix_aware] ...
     fleetserve serve --config app.yaml [--port 8080]      # flags override the file
     fleetserve chat [--url http://127.0.0.1:8000/v1]       # talk to a running server
+    fleetserve profile --num-replicas 2 -o p.json        # measure a replica's step costs
     fleetserve sim --trace T.jsonl --profile P --num-replicas 8   # a simulated fleet
 
 Each subcommand is one `add_<name>_parser(subparsers)` + `cmd_<name>(args)` pair
@@ -28,6 +29,7 @@ from fleetserve.cluster.cli_engine import (
 )
 from fleetserve.cluster.client import add_chat_parser, add_complete_parser
 from fleetserve.cluster.generate import add_generate_parser
+from fleetserve.cluster.profile_cmd import add_profile_parser
 from fleetserve.cluster.sim_cmd import add_sim_parser
 
 log = logging.getLogger("fleetserve")
@@ -99,6 +101,7 @@ SUBCOMMANDS: list[Callable] = [
     add_build_parser,
     add_chat_parser,
     add_complete_parser,
+    add_profile_parser,
     add_sim_parser,
 ]
 
