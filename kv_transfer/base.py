@@ -48,13 +48,14 @@ from __future__ import annotations
 import abc
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, TypedDict, Union
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypedDict, Union
 
 from fleetserve.kv_transfer.config import KVTransferConfig
 from fleetserve.scheduler import ModelRunnerOutput, Request, SchedulerOutput
 from fleetserve.scheduler.connector import KVConnectorScheduler
+
+if TYPE_CHECKING:  # annotations only: the scheduler half (and the simulator) run without torch
+    import torch
 
 
 class KVConnectorRole(enum.Enum):

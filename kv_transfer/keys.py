@@ -18,9 +18,10 @@ from __future__ import annotations
 import array
 import hashlib
 import json
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-import torch
+if TYPE_CHECKING:  # annotations only: chain keys are computed without torch (the scheduler half)
+    import torch
 
 LAYOUT = "2HNBD-v1"  # replica.layers.attention: [2, kv_heads, num_blocks, block_size, head_dim]
 

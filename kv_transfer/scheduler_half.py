@@ -13,14 +13,16 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from fleetserve.kv_transfer.base import ConnectorContext, ConnectorMetadata, LoadSpec, SaveSpec, TransferStats
 from fleetserve.kv_transfer.config import KVTransferConfig
 from fleetserve.kv_transfer.keys import chain_keys
-from fleetserve.kv_transfer.transport import Transport
 from fleetserve.scheduler import ModelRunnerOutput, Request, RequestStatus, SchedulerOutput
 from fleetserve.scheduler.connector import KVConnectorScheduler
+
+if TYPE_CHECKING:  # (the transports import torch; this half runs without it: fleetserve.sim)
+    from fleetserve.kv_transfer.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +32,19 @@ NOTICE_GRACE_S = 2.0
 
 
 class TransferScheduler(KVConnectorScheduler):
-    def __init__(self, config: KVTransferConfig, ctx: ConnectorContext, transport: Transport) -> None:
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        ctx: ConnectorContext,
+        transport: Transport,
+        clock: Optional[Callable[[], float]] = None,
+    ) -> None:
+        # `clock`: what load deadlines are measured in; None: time.time() (the worker ranks,
+        # maybe in other processes, read them). The simulator passes its virtual clock.
         self.config = config
         self.ctx = ctx
         self.transport = transport
+        self._clock = clock
         self._meta = ConnectorMetadata()
         self._loading: dict[str, LoadSpec] = {}  # req_id -> its load, until the worker reports
         self._saving: set[str] = set()
@@ -49,6 +60,9 @@ class TransferScheduler(KVConnectorScheduler):
         self._layer_saved: dict[str, dict[str, Any]] = {}  # req_id -> the params it finishes with
 
     # ---- helpers --------------------------------------------------------------
+    def _now(self) -> float:
+        return time.time() if self._clock is None else self._clock()
+
     def _chain_keys(self, request: Request, num_blocks: int) -> list[str]:
         memo = self._keys.get(request.request_id)
         if memo is None or memo[0] != request.num_tokens or len(memo[1]) < num_blocks:
@@ -113,7 +127,7 @@ class TransferScheduler(KVConnectorScheduler):
             params.get("transfer_id") if remote else None,
             list(block_ids[first:last]),
             self._chain_keys(request, last)[first:],
-            time.time() + self.config.kv_load_timeout_s,
+            self._now() + self.config.kv_load_timeout_s,
             {k: v for k, v in params.items() if k.startswith("remote_")},
             first,
         )
@@ -234,7 +248,7 @@ class TransferScheduler(KVConnectorScheduler):
                 self._loaded.add(rid)
         for rid in runner_output.finished_sending:
             self._saving.discard(rid)
-        now = time.time()
+        now = self._now()
         for rid, spec in list(self._loading.items()):
             if now > spec.deadline + NOTICE_GRACE_S:
                 # The worker failed it at the deadline but its notice never came:

@@ -20,12 +20,16 @@ caching, preemption and admission are the scheduler's own. Assumptions, stated o
   the EOS token: requests run with `ignore_eos`, so each finishes at the trace's output
   length (or earlier where `max_model_len` caps it, as the real engine does).
 * The scheduler's own CPU time is not virtual time: the profile's per-step overhead covers it.
+* With a KV connector (P/D: `Cluster(pd=...)`), its real scheduler half runs in the scheduler;
+  the worker half is the cluster's cost model: the transfers the cluster finishes are reported
+  in the next step end's `finished_sending` / `finished_recving`, as `get_finished` reports
+  what ended by the time the forward is done.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from fleetserve.scheduler import (
     EngineCoreOutput,
@@ -38,6 +42,7 @@ from fleetserve.scheduler import (
     create_scheduler,
 )
 from fleetserve.scheduler.config import CacheConfig, SchedulerConfig
+from fleetserve.scheduler.connector import KVConnectorScheduler
 from fleetserve.sim.shape import StepCostModel, StepShape, step_shape
 
 
@@ -66,9 +71,15 @@ class SimReplica:
         cache_config: CacheConfig,
         cost_model: StepCostModel,
         vocab_size: int = 32000,
+        connector: Optional[KVConnectorScheduler] = None,
+        pool: Optional[str] = None,
     ) -> None:
         self.replica_id = replica_id
-        self.scheduler: Scheduler = create_scheduler(scheduler_config, cache_config)
+        self.pool = pool  # "prefill" / "decode" in a P/D fleet, None when colocated
+        self.scheduler: Scheduler = create_scheduler(scheduler_config, cache_config, connector)
+        # What the connector's worker half would report at the next step's end.
+        self.finished_sending: set[str] = set()
+        self.finished_recving: set[str] = set()
         self.cost = cost_model
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
@@ -90,7 +101,13 @@ class SimReplica:
         return min(self.max_model_len - 1, pool)
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], output_tokens: int, arrival_s: float, priority: int = 0
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_tokens: int,
+        arrival_s: float,
+        priority: int = 0,
+        kv_transfer_params: Optional[dict[str, Any]] = None,
     ) -> Request:
         request = Request(
             request_id,
@@ -99,6 +116,7 @@ class SimReplica:
             eos_token_id=None,
             arrival_time=arrival_s,
             priority=priority,
+            kv_transfer_params=kv_transfer_params,
         )
         self.scheduler.add_request(request)
         self.requests[request_id] = request
@@ -114,7 +132,9 @@ class SimReplica:
         so = self.scheduler.schedule()
         shape, ro = self.model_step(so)
         if so.total_num_scheduled_tokens == 0:
-            if self.scheduler.has_unfinished_requests() and not self.scheduler.running:
+            s = self.scheduler
+            # Stalled unless a transfer in flight (a load, a send holding blocks) frees it.
+            if s.has_unfinished_requests() and not (s.running or s.waiting_for_remote_kvs or s.sending):
                 raise ReplicaStalled(
                     f"replica {self.replica_id}: {self.scheduler.get_num_unfinished_requests()} requests "
                     "unfinished but nothing schedulable"
@@ -149,7 +169,11 @@ class SimReplica:
     def finish_step(self, step: StepStart) -> tuple[list[EngineCoreOutput], Optional[KVEventBatch]]:
         """Apply the step's model output; returns the outputs and the step's KV events."""
         self.busy = False
-        outputs = self.scheduler.update_from_output(step.output, step.runner_output)
+        ro = step.runner_output
+        if self.finished_sending or self.finished_recving:
+            ro.finished_sending, self.finished_sending = self.finished_sending, set()
+            ro.finished_recving, self.finished_recving = self.finished_recving, set()
+        outputs = self.scheduler.update_from_output(step.output, ro)
         return outputs, self.scheduler.take_kv_events()
 
     def forget(self, request_id: str) -> Optional[Request]:

@@ -42,6 +42,9 @@ class Record:
         "num_preemptions",
         "finish_reason",
         "refused",
+        "path",
+        "prefill_replica",
+        "num_remote_tokens",
     )
 
     def __init__(
@@ -70,6 +73,11 @@ class Record:
         self.num_preemptions = 0
         self.finish_reason: Optional[str] = None
         self.refused: Optional[str] = None  # why the request was refused (None: it was served)
+        # P/D only: "pd", "decode_only" or "prefill_failed" (as PDRouter counts them), the
+        # prefill replica, and the prompt tokens the decode replica loaded through the connector.
+        self.path: Optional[str] = None
+        self.prefill_replica: Optional[str] = None
+        self.num_remote_tokens = 0
 
     @property
     def done(self) -> bool:
@@ -98,6 +106,8 @@ class Record:
             "output_tokens": self.num_output,
             "replica": self.replica,
         }
+        if self.path is not None:
+            d.update(path=self.path, prefill_replica=self.prefill_replica, remote_tokens=self.num_remote_tokens)
         if self.refused is not None:
             d["refused"] = self.refused
             return d
@@ -213,6 +223,7 @@ class SimResult:
     replicas: list[dict[str, Any]]
     config: dict[str, Any]
     slo: Optional[dict[str, Any]] = None
+    pd: Optional[dict[str, Any]] = None  # P/D runs: paths taken, KV moved, per-pool utilization
     wall_s: float = 0.0  # host seconds the run took (not in the JSON: it is not deterministic)
     records: list[Record] = field(default_factory=list, repr=False)
 
@@ -244,6 +255,8 @@ class SimResult:
             "replicas": self.replicas,
             "config": self.config,
         }
+        if self.pd is not None:
+            d["pd"] = self.pd
         if self.slo is not None:
             d["slo"] = self.slo
             d["goodput"] = self.slo["goodput"]

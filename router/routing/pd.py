@@ -46,7 +46,6 @@ import contextvars
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, Optional
 
 from fleetserve.kv_transfer.handoff import release_unused
@@ -54,6 +53,7 @@ from fleetserve.router.api.errors import error_body, is_error
 from fleetserve.router.metrics import PDMetrics
 from fleetserve.router.routing.admission import RESERVATION_KEY
 from fleetserve.router.routing.migration import MIGRATED_KEY, MigratingStream
+from fleetserve.router.routing.pd_decision import PDSettings, cached_prompt_tokens, wants_remote_prefill
 from fleetserve.router.routing.policies import RouteRequest
 from fleetserve.router.routing.registry import get_router
 from fleetserve.router.routing.request_router import TARGET_KWARG
@@ -66,15 +66,6 @@ logger = logging.getLogger("ray.serve")
 RESERVE_TIMEOUT_S = 3.0
 # A reservation outlives the prefill calls it waits for by this much (then it is released).
 RESERVATION_GRACE_S = 10.0
-
-
-@dataclass(frozen=True)
-class PDSettings:
-    """The router's side of `cluster.config.PDOptions`."""
-
-    min_prefill_tokens: int = 64
-    max_attempts: int = 2
-    prefill_timeout_s: float = 60.0
 
 
 class PDRouter:
@@ -102,11 +93,7 @@ class PDRouter:
         decode_id, cached = self._pick_decode(body)
         sp = body["sampling_params"]
         # n > 1 and prompt logprobs need the decode engine to run the prompt itself.
-        wants_prefill = (
-            len(prompt) - cached >= max(1, self.settings.min_prefill_tokens)
-            and sp.get("n", 1) == 1
-            and sp.get("prompt_logprobs") is None
-        )
+        wants_prefill = wants_remote_prefill(len(prompt), cached, sp, self.settings)
         owner = None
         if wants_prefill and decode_id is not None:
             # Admitted at the decode side first: a refusal there costs no prefill.
@@ -250,8 +237,7 @@ class PDRouter:
         if not ranked:
             return None, 0
         replica_id, blocks = ranked[0]
-        # The engine never serves the last prompt token from cache (it computes logits).
-        return replica_id, min(blocks * self.block_size, len(request.prompt_token_ids) - 1)
+        return replica_id, cached_prompt_tokens(blocks, self.block_size, len(request.prompt_token_ids))
 
     async def _prefill(self, body: dict) -> Optional[dict]:
         """Run the prompt on a prefill replica; its kv_transfer_params, or None after
