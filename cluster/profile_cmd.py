@@ -9,8 +9,10 @@ reserves for it: with an embedded Ray the replicas split this machine's cores, s
 `--num-replicas 2` on 2 cores is 1 thread each; `cluster/deploy.py`, `topology.split_cores`).
 The replica's EngineCore is built in this process (no Ray) and stepped over a grid of step
 shapes; each step's `StepShape` is taken right after `schedule()` (`sim.shape.step_shape`, the
-rule the simulator prices steps by) and its seconds are the wall time of
-`executor.execute_model` (model forward + sampling, synchronous), as the engine's step times it.
+rule the simulator prices steps by) and its seconds are the wall time of the whole
+`EngineCore.step()`: schedule, model forward and sampling, `update_from_output`. That is the
+time between one step's start and the next in the engine's busy loop, which the simulator's
+replica steps back to back; the scheduler's own CPU time is in it, as the simulator assumes.
 
 The grid (`GRIDS`), after an untimed warm-up (kernels are built on first use):
 
@@ -154,8 +156,8 @@ def _kind(shape) -> str:
 
 
 class StepTimer:
-    """Steps an EngineCore and records each step's shape and execute_model seconds under a
-    scenario label (none: an untimed warm-up step)."""
+    """Steps an EngineCore and records each step's shape and wall seconds under a scenario
+    label (none: an untimed warm-up step)."""
 
     def __init__(self, core) -> None:
         from fleetserve.sim.shape import step_shape
@@ -168,7 +170,7 @@ class StepTimer:
         self._prompts = 0
         self._seconds = 0.0
         sched = core.scheduler
-        schedule, execute = sched.schedule, core.executor.execute_model
+        schedule = sched.schedule
 
         def timed_schedule():
             out = schedule()
@@ -180,14 +182,7 @@ class StepTimer:
             )
             return out
 
-        def timed_execute(scheduler_output):
-            t0 = time.monotonic()
-            out = execute(scheduler_output)
-            self._seconds = time.monotonic() - t0
-            return out
-
         sched.schedule = timed_schedule  # (this instance only: the engine's step is unchanged)
-        core.executor.execute_model = timed_execute
 
     def begin(self, scenario: Optional[str]) -> None:
         self.scenario = scenario
@@ -195,7 +190,9 @@ class StepTimer:
 
     def step(self) -> None:
         self._shape = None
+        t0 = time.monotonic()
         self.core.step()
+        self._seconds = time.monotonic() - t0
         shape = self._shape
         if shape is None or shape.empty or self.scenario is None:
             return
