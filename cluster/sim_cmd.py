@@ -121,16 +121,36 @@ def _pd_ratio(text: str) -> tuple[int, int]:
     return p, d
 
 
-def _gen_options(items: list[str]) -> dict[str, Any]:
+def _gen_options(kind: str, items: list[str]) -> dict[str, Any]:
+    """`--gen` options for generator `kind`. A length option (`prompt`, `output`, `user`) takes
+    a number (its median) or a JSON object of `Lengths` fields laid over the generator's
+    default: `--gen prompt=3000`, `--gen 'output={"median": 256, "hi": 1024}'`."""
+    import dataclasses
+    import inspect
+
+    from fleetserve.sim.generators import GENERATORS, Lengths
+
+    params = inspect.signature(GENERATORS[kind]).parameters if kind in GENERATORS else {}
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise SimUsageError(f"--gen {item!r}: expected KEY=VALUE")
         try:
-            out[key] = json.loads(value)
+            parsed: Any = json.loads(value)
         except json.JSONDecodeError:
-            out[key] = value
+            parsed = value
+        default = params[key].default if key in params else None
+        if isinstance(default, Lengths):
+            fields = {"median": parsed} if isinstance(parsed, (int, float)) else parsed
+            if not isinstance(fields, dict):
+                raise SimUsageError(f"--gen {item!r}: a length is a number (its median) or a JSON object")
+            try:
+                parsed = dataclasses.replace(default, **fields)
+            except TypeError as e:
+                names = ", ".join(f.name for f in dataclasses.fields(Lengths))
+                raise SimUsageError(f"--gen {item!r}: {e} (a length has {names})") from None
+        out[key] = parsed
     return out
 
 
@@ -213,7 +233,7 @@ def _trace(args: argparse.Namespace, rate_override: Optional[float] = None):
         raise SimUsageError("--num-requests and --request-rate must be positive")
     try:
         return generate(
-            kind, num_requests=n, rate=rate, seed=int(a.get("sim_seed", 0)), **_gen_options(a.get("gen", []))
+            kind, num_requests=n, rate=rate, seed=int(a.get("sim_seed", 0)), **_gen_options(kind, a.get("gen", []))
         )
     except TypeError as e:  # an option the generator does not take
         raise SimUsageError(f"--generate {kind}: {e}") from None

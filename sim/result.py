@@ -288,7 +288,9 @@ def summarize(
             refused[key] = refused.get(key, 0) + 1
     out_tokens = sum(r.num_output for r in served)
     prompt_tokens = sum(r.prompt_tokens for r in served)
-    cached = sum(r.num_cached_tokens for r in served)
+    # The engine counts KV loaded through the connector among a request's cached tokens (as
+    # vLLM's num_cached_tokens does); the prefix hit rate is the local cache's hits only.
+    cached = sum(max(0, r.num_cached_tokens - r.num_remote_tokens) for r in served)
     dur = duration_s if duration_s > 0 else 0.0
     slo = None
     if slo_ttft_s is not None or slo_itl_s is not None:

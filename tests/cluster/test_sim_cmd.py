@@ -234,3 +234,36 @@ def test_nothing_imports_the_simulator_but_its_commands_inside_functions():
                 if rel not in SIM_COMMANDS or id(node) in top_level:
                     offenders.append(f"{rel}:{node.lineno}")
     assert not offenders, offenders
+
+
+def test_pd_ratio_runs_two_pools_and_loaded_kv_is_not_a_prefix_hit(tmp_path, capsys):
+    out_path = tmp_path / "r.json"
+    rc, _, err = run(
+        capsys,
+        "--generate",
+        "poisson",
+        "--num-requests",
+        "120",
+        "--request-rate",
+        "4",
+        "--gen",
+        'prompt={"median": 1500, "sigma": 0.3, "hi": 4000}',
+        "--pd",
+        "1:2",
+        "--pd-min-prefill-tokens",
+        "64",
+        "-o",
+        str(out_path),
+    )
+    assert rc == 0, err
+    d = json.loads(out_path.read_text())
+    assert d["pd"]["prefill_replicas"] == 1 and d["pd"]["decode_replicas"] == 2
+    assert d["pd"]["paths"]["pd"] == d["completed"] == 120
+    assert d["kv_bytes_moved"] > 0
+    # Unique prompts: the decode pool loaded their KV, it did not find it in its cache.
+    assert d["prefix_hit_rate"] < 0.05
+
+
+def test_a_bad_length_option_is_named(tmp_path, capsys):
+    rc, _, err = run(capsys, "--generate", "poisson", "--gen", 'prompt={"mean": 3}', "-o", str(tmp_path / "r.json"))
+    assert rc == 2 and "a length has median" in err
