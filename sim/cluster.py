@@ -43,7 +43,10 @@ pool's KV index (`cached_prompt_tokens`), and the real `wants_remote_prefill` de
   token and decodes; TTFT is the trace arrival to its first token.
 
 Transfers do not share a link (each runs at the profile's bandwidth), and an export the decode
-replica never loads (its own cache held the prompt by then) is released at its first token.
+replica never loads (its own cache held the prompt by then) is released at its first token. The
+prefill replica's blocks are held until the pull ends; the real worker half frees them once
+they are copied out of the cache (the export keeps the copy), so the simulator holds them a
+little longer than the engine does (it never frees them earlier).
 
 Every random choice is the policy's, seeded with `seed`; the run is deterministic.
 """

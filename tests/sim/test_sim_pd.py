@@ -209,12 +209,9 @@ def test_bad_pd_settings_are_refused():
 def test_pd_decode_itl_p99_beats_colocated_on_long_prompts():
     """Long prompts, long answers, 4 replicas either way: colocated decodes share steps with
     prompt chunks, P/D's decode steps carry only decodes (and each prompt's last token)."""
-    try:
-        from fleetserve.sim.profile import load_profile
+    from fleetserve.sim.profile import load_profile
 
-        cost = load_profile("h100-llama-3.1-8b").cost_model()
-    except ImportError:  # pragma: no cover - the profiles are part of the package
-        cost = PDCost()
+    cost = load_profile("h100-llama-3.1-8b").cost_model()
     trace = poisson(
         num_requests=120,
         rate=6.0,
