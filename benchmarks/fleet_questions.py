@@ -165,7 +165,15 @@ def question_pd(cost, profile_name: str, n: int, gpus: int, rates: list[float], 
 
 # ---- (2) prefix routing ---------------------------------------------------------------------
 def question_prefix(
-    cost, profile_name: str, n: int, gpus: int, rate: float, tenants: int, prefix: int, seed: int
+    cost,
+    profile_name: str,
+    n: int,
+    gpus: int,
+    rate: float,
+    tenants: int,
+    prefix: int,
+    seed: int,
+    kv_blocks: list[Optional[int]],
 ) -> dict[str, Any]:
     trace = generate(
         "shared_prefix",
@@ -178,20 +186,30 @@ def question_prefix(
         output=Lengths(median=128, sigma=0.6, lo=8, hi=512),
     )
     rows = []
-    for policy in ("power_of_two", "prefix_aware_approx", "prefix_aware"):
-        r = simulate(trace, cost, gpus, policy, None, seed=seed, slo_ttft_s=1.0, slo_itl_s=SLO_TPOT_S)
-        rows.append(row(policy, r, rate=rate))
-        print(rows[-1], flush=True)
-    base = rows[0]
-    for r in rows:
-        r["ttft_p90_vs_power_of_two"] = base["ttft_p90_s"] / r["ttft_p90_s"] if r["ttft_p90_s"] else float("nan")
+    # The profile's KV cache (an H100's memory), then smaller ones: where caches evict, a router
+    # that guesses from where it sent prompts goes stale and one fed by KV events does not.
+    for blocks in kv_blocks:
+        engine = {} if blocks is None else {"num_gpu_blocks_override": blocks}
+        kv = "profile" if blocks is None else f"{blocks * 16 // 1000}k tok"
+        at = []
+        for policy in ("power_of_two", "prefix_aware_approx", "prefix_aware"):
+            r = simulate(
+                trace, cost, gpus, policy, None, seed=seed, slo_ttft_s=1.0, slo_itl_s=SLO_TPOT_S, engine=engine
+            )
+            at.append(row(policy, r, kv_cache=kv, rate=rate))
+            print(at[-1], flush=True)
+        for r in at:
+            r["ttft_p90_vs_power_of_two"] = at[0]["ttft_p90_s"] / r["ttft_p90_s"] if r["ttft_p90_s"] else float("nan")
+        rows.extend(at)
     table(rows, f"(2) {tenants} tenants x {prefix}-token system prompts, {gpus} GPUs, {rate} req/s, {profile_name}")
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))
+    fig.set_size_inches(max(6, 2 * len(rows)), 4)
     xs = range(len(rows))
     ax.bar([x - 0.2 for x in xs], [r["ttft_p50_s"] for r in rows], 0.4, label="TTFT p50")
     ax.bar([x + 0.2 for x in xs], [r["ttft_p90_s"] for r in rows], 0.4, label="TTFT p90")
-    ax.set_xticks(list(xs), [f"{r['config']}\nhit {r['prefix_hit_rate']:.2f}" for r in rows], fontsize=8)
+    labels = [f"{r['config']}\nKV {r['kv_cache']}, hit {r['prefix_hit_rate']:.2f}" for r in rows]
+    ax.set_xticks(list(xs), labels, fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("seconds (simulated)")
     ax.set_title(f"{tenants} tenants x {prefix} tokens, {gpus} GPUs, {rate} req/s", fontsize=9)
@@ -253,6 +271,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--prefix-rate", type=float, default=80.0, help="(2): request rate")
     p.add_argument("--tenants", type=int, default=150)
     p.add_argument("--prefix-tokens", type=int, default=6000)
+    p.add_argument(
+        "--prefix-kv-blocks",
+        default="profile,5000",
+        help="(2): KV blocks per replica to try, comma-separated ('profile': the GPU's memory)",
+    )
     p.add_argument("--plan-rate", type=float, default=48.0, help="(3): the load to plan for")
     p.add_argument("--plan-gpus", type=int, nargs="+", default=[8, 12, 16, 20, 24])
     p.add_argument("--seed", type=int, default=0)
@@ -269,7 +292,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         save("pd", {**out, **out["pd"]})
     if args.part in ("prefix", "all"):
         out["prefix"] = question_prefix(
-            cost, name, args.requests, args.gpus, args.prefix_rate, args.tenants, args.prefix_tokens, args.seed
+            cost,
+            name,
+            args.requests,
+            args.gpus,
+            args.prefix_rate,
+            args.tenants,
+            args.prefix_tokens,
+            args.seed,
+            [None if b.strip() == "profile" else int(b) for b in args.prefix_kv_blocks.split(",")],
         )
         save("prefix", {**out, **out["prefix"]})
     if args.part in ("plan", "all"):
