@@ -13,11 +13,14 @@ relative error and the issue's target:
     python benchmarks/sim_validate.py --profile sim/profiles/<this machine's>.json
     python benchmarks/sim_validate.py --traces poisson --num-requests 60   # one, shorter
 
-Nothing is fitted per trace. Two fixed inputs are measured once per run, before the
-traces, and used for all three: the profile (made by `fleetserve profile` beforehand),
-and the request path's fixed latency (ingress, HTTP, the engine's hand-off: the median
-TTFT of idle 1-token requests minus the profile's time for that step), which the
-simulator takes as `network_latency_s`. Results go to benchmarks/results/sim_validate.{json,png}.
+Nothing is fitted per trace. Three fixed inputs are measured once per run, before the
+traces, and used for all three: the profile (made by `fleetserve profile` beforehand, which
+times the engine core's steps alone); the request path's fixed latency (the median TTFT of
+idle short requests minus the profile's time for that step), which the simulator takes as
+`network_latency_s`; and the served step's overhead (the median ITL of those idle requests
+minus the profile's decode step: streaming each step's tokens to the replica's AsyncEngine
+and on through the ingress), added to every simulated step (`--no-step-overhead` leaves it
+out). Results go to benchmarks/results/sim_validate.{json,png}.
 """
 
 from __future__ import annotations
@@ -138,14 +141,34 @@ async def replay(url: str, model: str, trace: list) -> tuple[list[Result], float
     return results, time.perf_counter() - start
 
 
-async def idle_probe(url: str, model: str, n: int = 12) -> float:
-    """Median TTFT of one-token prompts sent one at a time to an idle app."""
+async def idle_probe(url: str, model: str, n: int = 8, out_tokens: int = 32) -> tuple[float, float]:
+    """Median TTFT and median ITL of short requests sent one at a time to an idle app."""
     async with _client() as session:
-        ttfts = []
+        ttfts, itls = [], []
         for i in range(n):
-            r = await send(session, url, model, [100 + i, 200 + i], 1)
+            r = await send(session, url, model, [100 + i, 200 + i], out_tokens)
             ttfts.append(r.ttft)
-    return statistics.median(ttfts[2:])
+            itls.append(statistics.median(r.itl))
+    return statistics.median(ttfts[2:]), statistics.median(itls[2:])
+
+
+class WithStepOverhead:
+    """A cost model plus a fixed per-step cost: what a served step costs beyond the engine
+    step the profile timed (streaming each step's tokens to the replica's AsyncEngine and
+    on through the ingress), measured once on idle requests."""
+
+    def __init__(self, cost, extra_s: float) -> None:
+        self.cost, self.extra_s = cost, extra_s
+        self.kv_cache_memory_bytes = getattr(cost, "kv_cache_memory_bytes", None)
+
+    def step_seconds(self, shape) -> float:
+        return self.cost.step_seconds(shape) + self.extra_s
+
+    def kv_transfer_seconds(self, nbytes: int, connector: str) -> float:
+        return self.cost.kv_transfer_seconds(nbytes, connector)
+
+    def kv_bytes_per_token(self) -> int:
+        return self.cost.kv_bytes_per_token()
 
 
 def real_metrics(results: list[Result], span: float, url: str, before: dict, after: dict) -> dict[str, Any]:
@@ -209,6 +232,12 @@ def main() -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per replica (both sides)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--no-step-overhead",
+        dest="step_overhead",
+        action="store_false",
+        help="price steps by the profile alone (no served per-step overhead from the idle probe)",
+    )
     p.add_argument("--out", default=str(RESULTS / "sim_validate.json"))
     args = p.parse_args()
 
@@ -231,7 +260,8 @@ def main() -> int:
     connect_ray(config, log_to_driver=False)
     start_serve(config)
     try:
-        latency_s = None
+        latency_s: float | None = None
+        step_extra_s = 0.0
         for name in names:
             trace, policy = all_traces[name]
             config = app_config(args, port, policy)
@@ -244,25 +274,28 @@ def main() -> int:
                 )
             )
             if latency_s is None:
-                idle = asyncio.run(idle_probe(url, model))
+                idle_ttft, idle_itl = asyncio.run(idle_probe(url, model))
                 step = cost.step_seconds(StepShape(prefill_tokens=2, prefill_seqs=1, prefill_attn_tokens=2.0))
-                latency_s = max(0.0, idle - step)
+                decode = cost.step_seconds(StepShape(decode_seqs=1, decode_tokens=1, decode_context_tokens=18))
+                latency_s = max(0.0, idle_ttft - step)
+                step_extra_s = max(0.0, idle_itl - decode) if args.step_overhead else 0.0
                 print(
-                    f"idle 2-token TTFT {idle * 1e3:.1f} ms, profile step {step * 1e3:.1f} ms: "
-                    f"fixed latency {latency_s * 1e3:.1f} ms",
+                    f"idle: 2-token TTFT {idle_ttft * 1e3:.1f} ms (profile step {step * 1e3:.1f} ms): fixed latency "
+                    f"{latency_s * 1e3:.1f} ms; ITL {idle_itl * 1e3:.1f} ms (profile step {decode * 1e3:.1f} ms): "
+                    f"served step overhead {step_extra_s * 1e3:.1f} ms",
                     flush=True,
                 )
             before = scrape(url)
             results, span = asyncio.run(replay(url, model, trace))
             after = scrape(url)
             real = real_metrics(results, span, url, before, after)
-            sim = sim_metrics(config, trace, cost, latency_s)
+            sim = sim_metrics(config, trace, WithStepOverhead(cost, step_extra_s), latency_s)
             rows.append({"trace": name, "policy": policy, "real": real, "sim": sim})
             print(json.dumps(rows[-1]), flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()
-    report(rows, args, profile, latency_s or 0.0)
+    report(rows, args, profile, latency_s or 0.0, step_extra_s)
     return 0
 
 
@@ -270,8 +303,11 @@ def rel_err(real: float, sim: float) -> float:
     return (sim - real) / real if real else float("nan")
 
 
-def report(rows: list[dict[str, Any]], args, profile, latency_s: float) -> None:
-    print(f"\n{cpu_name()}; profile {profile.name} ({profile.kind}); fixed latency {latency_s * 1e3:.1f} ms")
+def report(rows: list[dict[str, Any]], args, profile, latency_s: float, step_extra_s: float) -> None:
+    print(
+        f"\n{cpu_name()}; profile {profile.name} ({profile.kind}); fixed latency {latency_s * 1e3:.1f} ms; "
+        f"served step overhead {step_extra_s * 1e3:.1f} ms"
+    )
     print(f"{'trace':<14}{'metric':<22}{'real':>10}{'sim':>10}{'error':>9}{'target':>8}  ok")
     verdicts = []
     for row in rows:
@@ -294,6 +330,7 @@ def report(rows: list[dict[str, Any]], args, profile, latency_s: float) -> None:
                 "cpu": cpu_name(),
                 "profile": profile.name,
                 "fixed_latency_s": latency_s,
+                "served_step_overhead_s": step_extra_s,
                 "args": vars(args),
                 "rows": rows,
             },
