@@ -226,7 +226,8 @@ def question_plan(cost, profile_name: str, n: int, rate: float, totals: list[int
     rows = []
     for total in totals:
         options: list[Optional[tuple[int, int]]] = [None]
-        options += sorted({(p, total - p) for p in (max(1, total // 8), max(1, total // 4), max(1, 3 * total // 8))})
+        fractions = (total // 8, total // 4, 3 * total // 8, total // 2)
+        options += sorted({(p, total - p) for p in fractions if p >= 1})
         for pd in options:
             label = "colocated" if pd is None else f"P/D {pd[0]}:{pd[1]}"
             r = simulate(trace, cost, total, "least_loaded", pd, seed=seed)
