@@ -392,7 +392,6 @@ def _apply_point(config, point: dict[str, Any]):
 
 def cmd_sim(args: argparse.Namespace) -> int:
     from fleetserve.sim.profile import ProfileError, load_profile
-    from fleetserve.sim.traces import TraceError
 
     a = vars(args)
     try:
@@ -414,7 +413,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
     for point, cfg in zip(points, configs):
         try:
             requests = base_requests if base_requests is not None else _trace(args, point.get("request_rate"))
-        except (TraceError, SimUsageError) as e:
+        except ValueError as e:  # TraceError, SimUsageError, an unknown generator
             print(f"fleetserve sim: {e}", file=sys.stderr)
             return 2
         desc = "sim " + (", ".join(f"{k}={v}" for k, v in point.items()) if point else profile.name)

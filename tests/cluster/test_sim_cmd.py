@@ -167,6 +167,7 @@ def test_a_request_rate_sweep_needs_a_generated_trace(tmp_path, capsys):
         (["--profile", "no-such-gpu"], "no-such-gpu"),
         (["--generate", "poisson", "--gen", "colour=1"], "colour"),
         (["--generate", "zipf"], "zipf"),
+        (["--generate", "zipf", "--sweep", "request_rate=1,2"], "zipf"),
     ],
 )
 def test_bad_flags_get_a_message_and_exit_code_2(tmp_path, capsys, argv, message):
