@@ -519,29 +519,20 @@ def pool_engine(config, pool: str):
 
 
 def cpu_hardware() -> tuple[str, str, str]:
-    """(CPU model name, ISA class, short name) from /proc/cpuinfo."""
-    name, flags = "", ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and not name:
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = line
-    except OSError:
-        pass
+    """(CPU model name, ISA class, short name): the name from /proc/cpuinfo, the ISA the
+    engine's CPU kernels were built for (`replica.kernels.isa()`, what sets the step times)."""
     import platform
 
+    from fleetserve.replica.kernels import isa as kernel_isa
+
+    name = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
     name = name or platform.processor() or platform.machine() or "cpu"
-    isa = (
-        "AVX-512+bf16"
-        if "avx512_bf16" in flags
-        else "AVX-512"
-        if "avx512f" in flags
-        else "AVX2"
-        if "avx2" in flags
-        else ""
-    )
+    isa = {"avx512_bf16": "AVX-512+bf16", "avx512": "AVX-512", "avx2": "AVX2"}.get(kernel_isa() or "", "")
     words = [
         w for w in re.sub(r"\((R|TM|tm|r)\)", "", name).split() if w.isalpha() and w.lower() not in ("cpu", "processor")
     ]
