@@ -199,6 +199,45 @@ def make_tiny_llama(
     return path
 
 
+def make_tiny_model(
+    path: str | Path,
+    config: Any,
+    *,
+    init_std: float = 0.1,
+    norm_center: float = 1.0,
+    seed: int = 0,
+) -> Path:
+    """Write a tiny random HF folder of any architecture: `config` is a transformers config
+    object (Qwen3Config(...), Gemma3TextConfig(...), ...; its `vocab_size` and special token
+    ids are set to the tiny tokenizer's), the model is transformers' own class for it (AutoModelForCausalLM), with
+    seeded random weights as in `make_tiny_llama` (norm weights around `norm_center`: 1 for
+    `x * w` norms, 0 for Gemma's `x * (1 + w)`), saved with `save_pretrained`."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_tokenizer(None)
+    config.vocab_size = len(tokenizer)
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = BOS_TOKEN_ID, EOS_TOKEN_ID, EOS_TOKEN_ID
+    config.initializer_range = init_std
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device("cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(norm_center + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(init_std * torch.randn(p.shape, generator=gen))
+    model.generation_config = GenerationConfig(
+        bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=EOS_TOKEN_ID
+    )
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def make_tiny_lora(
     model_dir: str | Path,
     path: str | Path,

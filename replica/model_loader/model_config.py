@@ -5,8 +5,9 @@ import its activations, hub kernels, weight-conversion machinery and torch.distr
 DTensor: seconds of CPU in every engine process that starts, for a dozen numbers
 (docs/serving/config.md, "Start-up"). `ModelConfig` holds the config.json (or GGUF
 metadata) keys as attributes, with the family's defaults (transformers' own, for the three
-families our Llama model runs: tests/replica/test_model_config.py compares them with
-AutoConfig's) and `rope_parameters` in transformers 5's form. `hf_export` still builds
+families we run: tests/replica/test_model_config.py compares them with AutoConfig's),
+what transformers' config classes derive (`layer_types`, Gemma 3's per-layer-type rope), and
+`rope_parameters` in transformers 5's form. `hf_export` still builds
 transformers' classes, for HF's own model.
 """
 
@@ -59,8 +60,103 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         num_hidden_layers=32,
         num_attention_heads=32,
         max_position_embeddings=32768,
+        use_sliding_window=False,
+        sliding_window=None,
+        max_window_layers=28,
         bos_token_id=None,
         eos_token_id=None,
+    ),
+    "qwen3": dict(
+        _COMMON,
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=22016,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        head_dim=128,
+        max_position_embeddings=32768,
+        use_sliding_window=False,
+        sliding_window=None,
+        max_window_layers=28,
+        bos_token_id=None,
+        eos_token_id=None,
+    ),
+    "qwen3_moe": dict(
+        _COMMON,
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=24,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=32768,
+        use_sliding_window=False,
+        sliding_window=None,
+        decoder_sparse_step=1,
+        moe_intermediate_size=768,
+        num_experts_per_tok=8,
+        num_experts=128,
+        norm_topk_prob=False,
+        mlp_only_layers=[],
+        bos_token_id=None,
+        eos_token_id=None,
+    ),
+    "mixtral": dict(
+        _COMMON,
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=4096 * 32,
+        rms_norm_eps=1e-5,
+        rope_theta=1e6,
+        sliding_window=None,
+        num_experts_per_tok=2,
+        num_local_experts=8,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "phi3": dict(
+        _COMMON,
+        vocab_size=32064,
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        max_position_embeddings=4096,
+        original_max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        sliding_window=None,
+        bos_token_id=1,
+        eos_token_id=32000,
+        pad_token_id=32000,
+    ),
+    "gemma3_text": dict(
+        _COMMON,
+        vocab_size=262208,
+        hidden_size=2304,
+        intermediate_size=9216,
+        num_hidden_layers=26,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        query_pre_attn_scalar=256,
+        sliding_window=4096,
+        sliding_window_pattern=6,
+        rope_local_base_freq=10000.0,
+        rope_theta=1e6,
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+        use_bidirectional_attention=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
     ),
 }
 
@@ -90,7 +186,7 @@ class ModelConfig:
         if model_type not in FAMILY_DEFAULTS:
             raise ValueError(
                 f"unsupported model architecture {raw.get('architectures') or model_type!r}; "
-                f"supported model types: {', '.join(FAMILY_DEFAULTS)} (the Llama family)"
+                f"supported model types: {', '.join(FAMILY_DEFAULTS)}"
             )
         fields = {**FAMILY_DEFAULTS[model_type], **raw}  # an explicit null stays None, as in transformers
         for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size"):
@@ -104,7 +200,22 @@ class ModelConfig:
             )
         fields["num_key_value_heads"] = fields.get("num_key_value_heads") or heads
         fields["head_dim"] = fields.get("head_dim") or fields["hidden_size"] // heads
-        fields["rope_parameters"] = _rope_parameters(fields)
+        if model_type == "gemma3_text":
+            _derive_gemma3(fields)
+        else:
+            fields["rope_parameters"] = _rope_parameters(fields)
+            if model_type == "phi3":
+                fields["rope_parameters"].setdefault("partial_rotary_factor", fields.get("partial_rotary_factor", 1.0))
+            if model_type.startswith("qwen") and not fields.get("use_sliding_window"):
+                fields["sliding_window"] = None  # as transformers: the window is off unless switched on
+            if model_type == "qwen3_moe":
+                fields["num_local_experts"] = fields["num_experts"]  # transformers' attribute_map
+            if model_type in ("qwen2", "qwen3") and not fields.get("layer_types"):
+                window = fields.get("use_sliding_window") and fields.get("sliding_window")
+                fields["layer_types"] = [
+                    "sliding_attention" if window and i >= fields["max_window_layers"] else "full_attention"
+                    for i in range(fields["num_hidden_layers"])
+                ]
         fields.pop("rope_scaling", None)
         fields.pop("rope_theta", None)
         return cls(fields)
@@ -124,6 +235,27 @@ def _rope_parameters(fields: dict[str, Any]) -> dict[str, Any]:
     params.pop("type", None)
     params.setdefault("rope_theta", float(fields.get("rope_theta") or 10000.0))
     return params
+
+
+def _derive_gemma3(fields: dict[str, Any]) -> None:
+    """What transformers' Gemma3TextConfig derives: `layer_types` (every
+    `sliding_window_pattern`-th layer global, the rest sliding) and `rope_parameters` per
+    layer type (global layers: rope_theta and the config's scaling; sliding layers:
+    rope_local_base_freq, unscaled), from either config form."""
+    if not fields.get("layer_types"):
+        pattern = int(fields.get("sliding_window_pattern") or 6)
+        fields["layer_types"] = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(fields["num_hidden_layers"])
+        ]
+    given = fields.get("rope_parameters")
+    if isinstance(given, dict) and "full_attention" in given:
+        full = _rope_parameters({"rope_parameters": given["full_attention"], "rope_theta": fields.get("rope_theta")})
+        local = given.get("sliding_attention") or {"rope_theta": fields.get("rope_local_base_freq")}
+        sliding = _rope_parameters({"rope_parameters": local, "rope_theta": fields.get("rope_local_base_freq")})
+    else:
+        full = _rope_parameters(fields)
+        sliding = {"rope_type": "default", "rope_theta": float(fields.get("rope_local_base_freq") or 10000.0)}
+    fields["rope_parameters"] = {"full_attention": full, "sliding_attention": sliding}
 
 
 def read_model_config(folder: Path) -> ModelConfig:

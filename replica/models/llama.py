@@ -117,10 +117,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, tp: TPGroup):
+    # A family that differs only inside attention or the MLP names its own classes here.
+    attention_cls: type[nn.Module] = LlamaAttention
+    mlp_cls: type[nn.Module] = LlamaMLP
+
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, tp: TPGroup, layer_idx: int = 0):
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary_emb, tp)
-        self.mlp = LlamaMLP(config, tp)
+        self.layer_idx = layer_idx
+        self.self_attn = self.attention_cls(config, rotary_emb, tp)
+        self.mlp = self.mlp_cls(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -185,13 +190,14 @@ PROGRESS_SPLIT_ROWS = 256
 class LlamaModel(nn.Module):
     # Called as each decoder layer starts, when set (replica.engine.progress.hook_layers).
     progress: Optional[Callable[[], None]] = None
+    decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
 
     def __init__(self, config: Any, tp: TPGroup, max_position: int):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group=tp)
         self.rotary_emb = RotaryEmbedding(_head_dim(config), max_position, _rope_parameters(config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary_emb, tp) for _ in range(config.num_hidden_layers)
+            self.decoder_layer_cls(config, self.rotary_emb, tp, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # (key, plan or None, and with None the packings it was refused with): see _kernel_plan
@@ -251,6 +257,9 @@ class LlamaModel(nn.Module):
         layers = list(self.decoder_layers())
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
+            # The kernel is Llama's layer exactly: a family's own norms, experts or windows run as modules.
+            if (type(layer), type(attn), type(mlp)) != (LlamaDecoderLayer, LlamaAttention, LlamaMLP):
+                return None
             if attn.o_proj.tp.world_size != 1 or attn.qkv_proj.gather_output or mlp.gate_up_proj.gather_output:
                 return None
             qkv, o, down = (m.current_small_m() for m in (attn.qkv_proj, attn.o_proj, mlp.down_proj))
@@ -379,6 +388,9 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # The HF architectures this class loads (replica.models.MODELS maps them here).
+    architectures: tuple[str, ...] = SUPPORTED_ARCHITECTURES
+    model_cls: type[LlamaModel] = LlamaModel
     # checkpoint name piece -> (our parameter name piece, shard id)
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
@@ -392,14 +404,14 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: Any, tp_group: Optional[TPGroup] = None, max_position: Optional[int] = None):
         super().__init__()
-        archs = getattr(config, "architectures", None) or ["LlamaForCausalLM"]
-        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-            raise ValueError(f"unsupported architecture {archs}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        archs = getattr(config, "architectures", None) or [self.architectures[0]]
+        if not any(a in self.architectures for a in archs):
+            raise ValueError(f"unsupported architecture {archs}; supported: {', '.join(self.architectures)}")
         tp = tp_group or get_tp_group()
         self.config = config
         self.tp = tp
         max_position = max(max_position or 0, getattr(config, "max_position_embeddings", 0) or 0, 1)
-        self.model = LlamaModel(config, tp, max_position)
+        self.model = self.model_cls(config, tp, max_position)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_group=tp)
         if self.tie_word_embeddings:

@@ -103,6 +103,30 @@ CASES = [
         "bos_token_id": 151643,
         "eos_token_id": 151645,
     },
+    {"model_type": "qwen3"},
+    {"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
+    {"model_type": "qwen3_moe", "num_experts": 16, "mlp_only_layers": [1], "norm_topk_prob": True},
+    {"model_type": "mixtral"},
+    {"model_type": "phi3"},
+    {"model_type": "gemma3_text"},
+    {"model_type": "gemma3_text", "num_hidden_layers": 7, "sliding_window": 16, "rope_local_base_freq": 1000.0},
+]
+
+# What a family reads beyond FIELDS, compared with transformers' config as well.
+FAMILY_FIELDS = [
+    "layer_types",
+    "sliding_window",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "norm_topk_prob",
+    "query_pre_attn_scalar",
+    "hidden_activation",
+    "final_logit_softcapping",
+    "attn_logit_softcapping",
+    "original_max_position_embeddings",
 ]
 
 
@@ -113,8 +137,12 @@ def test_same_as_autoconfig(raw, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     ours = read_model_config(tmp_path)
     theirs = AutoConfig.from_pretrained(str(tmp_path))
-    assert effective(ours) == effective(theirs)
-    assert getattr(ours, "sliding_window", None) == getattr(theirs, "sliding_window", None)
+    if raw.get("model_type") == "gemma3_text":  # rope per layer type: compared whole
+        assert ours.rope_parameters == theirs.rope_parameters
+    else:
+        assert effective(ours) == effective(theirs)
+    for field in FAMILY_FIELDS:
+        assert getattr(ours, field, None) == getattr(theirs, field, None), field
 
 
 def test_family_defaults_cover_what_the_model_reads():
@@ -122,7 +150,7 @@ def test_family_defaults_cover_what_the_model_reads():
         config = ModelConfig.from_dict({"model_type": family})
         for field in FIELDS[:-2]:
             assert hasattr(config, field), (family, field)
-        assert config.head_dim == defaults["hidden_size"] // defaults["num_attention_heads"]
+        assert config.head_dim == defaults.get("head_dim") or defaults["hidden_size"] // defaults["num_attention_heads"]
 
 
 @pytest.mark.parametrize(
