@@ -260,6 +260,7 @@ class LlamaModel(nn.Module):
             # The kernel is Llama's layer exactly: a family's own norms, experts or windows run as modules.
             if (type(layer), type(attn), type(mlp)) != (LlamaDecoderLayer, LlamaAttention, LlamaMLP):
                 return None
+            assert isinstance(attn, LlamaAttention) and isinstance(mlp, LlamaMLP)
             if attn.o_proj.tp.world_size != 1 or attn.qkv_proj.gather_output or mlp.gate_up_proj.gather_output:
                 return None
             qkv, o, down = (m.current_small_m() for m in (attn.qkv_proj, attn.o_proj, mlp.down_proj))
@@ -288,6 +289,7 @@ class LlamaModel(nn.Module):
         if not rows or len(fused) != 1 or any(w.dtype != dtype for w in weights):
             return None
         first = layers[0].self_attn
+        assert isinstance(first, LlamaAttention)
         D = first.head_dim
         return _KernelPlan(
             weights,
