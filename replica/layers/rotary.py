@@ -30,7 +30,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
 
 
 def _hf_rope_init(
-    rope_type: str, rope_parameters: dict[str, Any], head_dim: int, max_position: int
+    rope_type: str, rope_parameters: dict[str, Any], head_dim: int, max_position: int, seq_len: Optional[int] = None
 ) -> tuple[torch.Tensor, float]:
     """Other static rope types (yarn, longrope, ...) through transformers' own init functions."""
     from transformers import PretrainedConfig
@@ -45,8 +45,35 @@ def _hf_rope_init(
     cfg.rope_parameters = dict(rope_parameters)
     cfg.head_dim, cfg.hidden_size, cfg.num_attention_heads = head_dim, head_dim, 1
     cfg.max_position_embeddings = max_position
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu", seq_len=seq_len)
     return inv_freq.float(), float(attention_scaling)
+
+
+def _cos_sin(inv_freq: torch.Tensor, start: int, end: int, scaling: float) -> torch.Tensor:
+    """cos | sin rows for positions [start, end): [end - start, 2 * len(inv_freq)], float32."""
+    freqs = torch.outer(torch.arange(start, end, dtype=torch.float32), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1) * scaling
+
+
+def _longrope_cos_sin(p: dict[str, Any], head_dim: int, max_position: int) -> torch.Tensor:
+    """LongRoPE (Phi-3 / Phi-4-mini): the cos|sin table with `short_factor` for positions below
+    `original_max_position_embeddings` and `long_factor` from there on, both scaled by
+    transformers' attention factor (from `factor`, else max_position_embeddings / original).
+
+    transformers picks one factor per forward pass from its longest position: short while
+    the sequence fits the original length, long for every token of a pass that goes past
+    it. Generation (a prompt within the original length, then one token per pass) is the
+    same here, bit for bit in the table: the tokens before the crossing keep the short
+    rotation they were cached with, those after get the long one. A prompt longer than
+    the original length in one pass differs: transformers rotates all its tokens with the
+    long factor, here the first original-length tokens keep the short one (a position's
+    rotation never depends on what else is in the batch or on how a prompt is chunked).
+    """
+    original = int(p["original_max_position_embeddings"])
+    short, _ = _hf_rope_init("longrope", p, head_dim, max_position, seq_len=None)
+    long, scaling = _hf_rope_init("longrope", p, head_dim, max_position, seq_len=original + 1)
+    split = min(original, max_position)
+    return torch.cat([_cos_sin(short, 0, split, scaling), _cos_sin(long, split, max_position, scaling)])
 
 
 class RotaryEmbedding(nn.Module):
@@ -70,23 +97,34 @@ class RotaryEmbedding(nn.Module):
         p = dict(rope_parameters or {})
         rope_type = p.get("rope_type", p.get("type", "default")) or "default"
         theta = float(p.get("rope_theta", rope_theta))
-        if float(p.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise ValueError("partial rotary embeddings are not supported by the Llama family model")
+        if rope_type == "su":  # LongRoPE's first name (Phi-3's early configs), as transformers maps it
+            rope_type = p["rope_type"] = "longrope"
+        factor = float(p.get("partial_rotary_factor", 1.0))
+        rotary_dim = int(head_dim * factor)  # as transformers rounds it
+        if not 0.0 < factor <= 1.0 or rotary_dim < 2 or rotary_dim % 2:
+            raise ValueError(
+                f"partial_rotary_factor {factor} gives {rotary_dim} rotary dims of a {head_dim}-dim head; "
+                "supported: a factor in (0, 1] that leaves an even number of them"
+            )
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim  # the first rotary_dim of each head rotate, the rest pass through
         self.rope_type = rope_type
         attention_scaling = 1.0
         if rope_type == "default":
-            inv_freq = _inv_freq(head_dim, theta)
+            inv_freq = _inv_freq(rotary_dim, theta)
         elif rope_type == "linear":
-            inv_freq = _inv_freq(head_dim, theta) / float(p["factor"])
+            inv_freq = _inv_freq(rotary_dim, theta) / float(p["factor"])
         elif rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(_inv_freq(head_dim, theta), p)
+            inv_freq = _llama3_inv_freq(_inv_freq(rotary_dim, theta), p)
+        elif rope_type == "longrope":
+            p.setdefault("rope_theta", theta)
+            cos_sin = _longrope_cos_sin(p, head_dim, max_position)
         else:
             p.setdefault("rope_theta", theta)
             inv_freq, attention_scaling = _hf_rope_init(rope_type, p, head_dim, max_position)
         self.max_position = max_position
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)  # [P, d/2]
-        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_scaling  # [P, d]
+        if rope_type != "longrope":
+            cos_sin = _cos_sin(inv_freq, 0, max_position, attention_scaling)  # [P, rotary_dim]
         self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +135,13 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim] -> rotated (same rounding steps as HF's rotate_half formulation)."""
+        """x [T, heads, head_dim] -> rotated (same rounding steps as HF's rotate_half formulation);
+        with cos/sin narrower than half a head (partial rotary), its first 2 * cos.shape[-1]
+        dims, the rest passed through (as HF's Phi-3 / NeoX)."""
+        rotary_dim = 2 * cos.shape[-1]
+        if rotary_dim < x.shape[-1]:
+            rotated = RotaryEmbedding.rotate(x[..., :rotary_dim], cos, sin)
+            return torch.cat([rotated, x[..., rotary_dim:]], dim=-1)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 

@@ -49,6 +49,12 @@ def _rope_parameters(config: Any) -> dict[str, Any]:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     params = dict(params)
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type") or params.get("type")
+    max_len, original = getattr(config, "max_position_embeddings", None), params.get("original_max_position_embeddings")
+    if rope_type in ("longrope", "su") and "factor" not in params and max_len and original:
+        # transformers derives LongRoPE's attention factor from the config's length: not from a
+        # longer one served (RotaryEmbedding's max_position)
+        params["factor"] = max_len / original
     return params
 
 
@@ -80,18 +86,30 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, head_dim)
 
+    def qk_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """q and k of the qkv output [T, (H + 2 KVH) d] as heads [T, H + KVH, d], ready for rope:
+        a view of qkv (they are adjacent, so they are rotated in one go, in place). A family
+        that normalizes q and k per head first (Qwen3) returns its own tensor."""
+        heads = self.num_heads + self.num_kv_heads
+        return qkv[:, : self.q_size + self.kv_size].view(qkv.shape[0], heads, self.head_dim)
+
+    def apply_rope(self, qk: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """qk [T, heads, d] rotated: by the fused kernel in place when `rope` is the positions,
+        else with (cos, sin). Partial rotary (the table narrower than a head): the first
+        rotary_dim of each head only, through (cos, sin) (the kernel rotates whole heads)."""
+        if isinstance(rope, torch.Tensor):  # positions: the fused kernel rotates qk in place
+            if self.rotary_emb.rotary_dim == self.head_dim:
+                ops = ops_for(qk)
+                assert ops is not None, "positions come instead of (cos, sin) only where the kernels run"
+                ops.rotary_embedding_(qk, self.rotary_emb.cos_sin_cache.float(), rope)
+                return qk
+            rope = self.rotary_emb.cos_sin(rope, qk.dtype)
+        return RotaryEmbedding.rotate(qk, *rope)
+
     def forward(self, hidden: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         T = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 KVH) d]
-        # Rotate q and k in one go: they are adjacent in the qkv output.
-        qk = qkv[:, : self.q_size + self.kv_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim)
-        if isinstance(rope, torch.Tensor):  # positions: the fused kernel rotates qkv in place
-            ops = ops_for(qkv)
-            assert ops is not None, "positions come instead of (cos, sin) only where the kernels run"
-            ops.rotary_embedding_(qk, self.rotary_emb.cos_sin_cache.float(), rope)
-        else:
-            qk = RotaryEmbedding.rotate(qk, *rope)
-        qk = qk.view(T, -1)
+        qk = self.apply_rope(self.qk_heads(qkv), rope).view(T, -1)
         q, k = qk.split([self.q_size, self.kv_size], dim=-1)
         v = qkv[:, self.q_size + self.kv_size :]
         return self.o_proj(self.attn(q, k, v, kv_cache, md))
@@ -291,6 +309,8 @@ class LlamaModel(nn.Module):
         first = layers[0].self_attn
         assert isinstance(first, LlamaAttention)
         D = first.head_dim
+        if self.rotary_emb.rotary_dim != D:  # the kernel rotates whole heads
+            return None
         return _KernelPlan(
             weights,
             biases,
