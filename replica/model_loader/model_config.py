@@ -205,11 +205,15 @@ class ModelConfig:
         else:
             fields["rope_parameters"] = _rope_parameters(fields)
             if model_type == "phi3":
-                fields["rope_parameters"].setdefault("partial_rotary_factor", fields.get("partial_rotary_factor", 1.0))
+                _derive_phi3_rope(fields)
             if model_type.startswith("qwen") and not fields.get("use_sliding_window"):
                 fields["sliding_window"] = None  # as transformers: the window is off unless switched on
             if model_type == "qwen3_moe":
-                fields["num_local_experts"] = fields["num_experts"]  # transformers' attribute_map
+                # transformers' attribute_map (num_local_experts -> num_experts): its save_pretrained
+                # writes num_local_experts, the Hub's config.json files num_experts
+                if "num_experts" not in raw and "num_local_experts" in raw:
+                    fields["num_experts"] = raw["num_local_experts"]
+                fields["num_local_experts"] = fields["num_experts"]
             if model_type in ("qwen2", "qwen3") and not fields.get("layer_types"):
                 window = fields.get("use_sliding_window") and fields.get("sliding_window")
                 fields["layer_types"] = [
@@ -235,6 +239,18 @@ def _rope_parameters(fields: dict[str, Any]) -> dict[str, Any]:
     params.pop("type", None)
     params.setdefault("rope_theta", float(fields.get("rope_theta") or 10000.0))
     return params
+
+
+def _derive_phi3_rope(fields: dict[str, Any]) -> None:
+    """What transformers' Phi3Config does to `rope_parameters`: a top-level partial_rotary_factor
+    moves in, "su" and "yarn" (LongRoPE's earlier names) become "longrope", and LongRoPE takes the
+    top-level original_max_position_embeddings over its own (transformers raises for "su" for lack
+    of it; here it gets the top-level one too)."""
+    rope = fields["rope_parameters"]
+    rope.setdefault("partial_rotary_factor", fields.get("partial_rotary_factor", 1.0))
+    if rope["rope_type"] in ("su", "yarn", "longrope"):
+        rope["rope_type"] = "longrope"
+        rope["original_max_position_embeddings"] = fields["original_max_position_embeddings"]
 
 
 def _derive_gemma3(fields: dict[str, Any]) -> None:
