@@ -507,8 +507,12 @@ class LlamaForCausalLM(nn.Module):
                 else:
                     loader(param, tensor, shard_id)
                 loaded.add(hf_name)
+        self.check_complete(loaded, source)
+        return loaded
+
+    def check_complete(self, loaded: set[str], source: str = "checkpoint") -> None:
+        """ValueError naming what `expected_weight_names` has and `loaded` (checkpoint names) lacks."""
         missing = self.expected_weight_names() - loaded
         if missing:
             shown = ", ".join(sorted(missing)[:8])
             raise ValueError(f"{source}: {len(missing)} weight(s) missing, e.g. {shown}")
-        return loaded
