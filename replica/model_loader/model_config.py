@@ -287,3 +287,14 @@ def read_model_config(folder: Path) -> ModelConfig:
         return ModelConfig.from_dict(raw)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
+
+
+def qwen3_moe_sparse_layer(config: Any, layer_idx: int) -> bool:
+    """Whether Qwen3-MoE's layer `layer_idx` has experts (else a dense MLP of intermediate_size):
+    transformers' Qwen3MoeDecoderLayer's rule (mlp_only_layers, decoder_sparse_step)."""
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return (
+        layer_idx not in (getattr(config, "mlp_only_layers", None) or [])
+        and (getattr(config, "num_experts", 0) or 0) > 0
+        and (layer_idx + 1) % step == 0
+    )
