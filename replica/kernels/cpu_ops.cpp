@@ -15,7 +15,9 @@
 //   rotary_embedding_(qk, cos_sin_cache, positions) neox (rotate-half) rope, in place
 //   silu_and_mul(x) -> y                            y = silu(x[:, :d]) * x[:, d:]
 //   reshape_and_cache_(k, v, k_cache, v_cache, slot_mapping, k_tiled=False)
-//   paged_attention(q, k_cache, v_cache, block_table, seq_lens, token_req, scale, k_tiled=False) -> out
+//   paged_attention(q, k_cache, v_cache, block_table, seq_lens, token_req, scale, k_tiled=False,
+//                   window=0, softcap=0) -> out   (window > 0: each token sees its last `window` keys;
+//                                                  softcap > 0: scores s -> softcap * tanh(s / softcap))
 //   k_tiled_supported(dtype, block_size, head_dim) -> whether this build has the tiled key layout
 //   pack_linear_bf16(w) -> packed; linear_bf16(x, packed, bias, n, float_out) -> x w^T + b at small M
 //                                                   (bfloat16; AVX-512 BF16 builds only)
@@ -23,7 +25,7 @@
 //   pack_linear_f32(w) -> packed; linear_f32(x, packed, bias, n) -> the same in float32
 //                                                   (AVX-512 or AVX2+FMA builds)
 //   argmax_rows(x) -> idx                          torch.argmax(x, -1) of a [R, V] float32/bf16 matrix
-//   llama_layers(hidden, positions, ..., weights, biases, ...) -> (hidden, residual)
+//   llama_layers(hidden, positions, ..., weights, biases, ..., windows=[]) -> (hidden, residual)
 //                                                   a model's decoder layers from the ops above, in one call
 //   isa() -> "avx512_bf16" | "avx512" | "avx2" | "scalar"
 //
@@ -887,17 +889,18 @@ void pv_avx2(const float* const* vp, int64_t len, int64_t G, const float* scores
 // dependency chains. The first pass reads the keys from memory: it prefetches keys two groups
 // ahead and this group's value rows (for P*V) into L2, unless `rows_cached`.
 template <int GB>
-void scores_tiled_pass(const bf16* q, int64_t D, const bf16* kh, const int64_t* blocks, int64_t len, int64_t BS,
-                       float scale, float* scores, int64_t stride_row, const bf16* const* vp, NextTaskPrefetch& pf,
-                       bool first, bool rows_cached) {
+void scores_tiled_pass(const bf16* q, int64_t D, const bf16* kh, const int64_t* blocks, int64_t lo, int64_t len,
+                       int64_t BS, float scale, float* scores, int64_t stride_row, const bf16* const* vp,
+                       NextTaskPrefetch& pf, bool first, bool rows_cached) {
   const __m512 sv = _mm512_set1_ps(scale);
   const int64_t P = D / 2;
   for (int64_t l0 = 0; l0 < len; l0 += 16) {
     pf.issue();
-    const bf16* base = kh + blocks[l0 / BS] * BS * D + (l0 % BS) * 2;  // pair j at base + j * BS * 2
+    // key lo + l0 (lo: a multiple of 16): pair j at base + j * BS * 2
+    const bf16* base = kh + blocks[(lo + l0) / BS] * BS * D + ((lo + l0) % BS) * 2;
     if (first && !rows_cached) {
       if (l0 + 32 < len) {
-        const bf16* ahead = kh + blocks[(l0 + 32) / BS] * BS * D + ((l0 + 32) % BS) * 2;
+        const bf16* ahead = kh + blocks[(lo + l0 + 32) / BS] * BS * D + ((lo + l0 + 32) % BS) * 2;
         for (int64_t j = 0; j < P; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * BS * 2), _MM_HINT_T0);
       }
       for (int64_t l = l0; l < std::min<int64_t>(len, l0 + 16); ++l) prefetch_row_l2(vp[l], D * sizeof(bf16));
@@ -921,8 +924,8 @@ void scores_tiled_pass(const bf16* q, int64_t D, const bf16* kh, const int64_t* 
   }
 }
 
-inline void scores_tiled(const bf16* q, int64_t D, const bf16* kh, const int64_t* blocks, int64_t len, int64_t BS,
-                         int64_t G, float scale, float* scores, int64_t stride_row, const bf16* const* vp,
+inline void scores_tiled(const bf16* q, int64_t D, const bf16* kh, const int64_t* blocks, int64_t lo, int64_t len,
+                         int64_t BS, int64_t G, float scale, float* scores, int64_t stride_row, const bf16* const* vp,
                          NextTaskPrefetch& pf, bool rows_cached) {
   for (int64_t g = 0; g < G;) {
     const int64_t n = std::min<int64_t>(4, G - g);
@@ -930,10 +933,10 @@ inline void scores_tiled(const bf16* q, int64_t D, const bf16* kh, const int64_t
     float* sg = scores + g * stride_row;
     const bool first = g == 0;
     switch (n) {
-      case 4: scores_tiled_pass<4>(qg, D, kh, blocks, len, BS, scale, sg, stride_row, vp, pf, first, rows_cached); break;
-      case 3: scores_tiled_pass<3>(qg, D, kh, blocks, len, BS, scale, sg, stride_row, vp, pf, first, rows_cached); break;
-      case 2: scores_tiled_pass<2>(qg, D, kh, blocks, len, BS, scale, sg, stride_row, vp, pf, first, rows_cached); break;
-      default: scores_tiled_pass<1>(qg, D, kh, blocks, len, BS, scale, sg, stride_row, vp, pf, first, rows_cached); break;
+      case 4: scores_tiled_pass<4>(qg, D, kh, blocks, lo, len, BS, scale, sg, stride_row, vp, pf, first, rows_cached); break;
+      case 3: scores_tiled_pass<3>(qg, D, kh, blocks, lo, len, BS, scale, sg, stride_row, vp, pf, first, rows_cached); break;
+      case 2: scores_tiled_pass<2>(qg, D, kh, blocks, lo, len, BS, scale, sg, stride_row, vp, pf, first, rows_cached); break;
+      default: scores_tiled_pass<1>(qg, D, kh, blocks, lo, len, BS, scale, sg, stride_row, vp, pf, first, rows_cached); break;
     }
     g += n;
   }
@@ -1012,6 +1015,7 @@ struct AttnScratch {
   std::vector<const float*> prow;
   std::vector<T*> orow;
   std::vector<int64_t> rlen;
+  std::vector<int64_t> rel;  // per token: keys seen from lo on, then the first of them in its window
 };
 
 // One task: `nt` tokens of one request against one kv head. Token i (its G query heads at
@@ -1023,11 +1027,26 @@ struct AttnScratch {
 // (read from memory once; later heads find it in L1/L2). A row's scores, softmax and P*V are
 // the same operations in the same order whatever nt is: a token's output is the same bits in
 // any tile, so verifying drafts computes what decoding them one at a time would.
+// A sliding `window` (> 0): token i sees keys [lens[i] - window, lens[i]) only. The task reads
+// keys from `lo` on (a multiple of 16 at or before every token's first key; paged_attention picks
+// it), so keys before the window are never read; a token's keys between lo and its own first one
+// get probability 0 (its softmax runs over its window alone, the same bits for any lo). `softcap`
+// (> 0): scores s -> softcap * tanh(s / softcap) before the softmax.
 template <typename T>
 void attend_tokens(const T* q, int64_t q_stride, int64_t nt, const int64_t* lens, int64_t maxlen, const T* kc,
                    const T* vc, const int64_t* blocks, int64_t BS, int64_t D, int64_t G, float scale, T* out,
                    int64_t out_stride, AttnScratch<T>& sc, NextTaskPrefetch& pf, bool rows_cached,
-                   bool k_tiled = false) {
+                   bool k_tiled = false, int64_t lo = 0, int64_t window = 0, float softcap = 0.f) {
+  // From here on key l means key lo + l: lens and maxlen count keys from lo.
+  sc.rel.resize(static_cast<size_t>(2 * nt));
+  int64_t* rel_lens = sc.rel.data();
+  int64_t* first = rel_lens + nt;  // token i's first key in its window
+  for (int64_t i = 0; i < nt; ++i) {
+    rel_lens[i] = lens[i] - lo;
+    first[i] = window > 0 ? std::max<int64_t>(0, lens[i] - window) - lo : 0;
+  }
+  lens = rel_lens;
+  maxlen -= lo;
   const int64_t stride_row = maxlen + 16;
   const int64_t R = nt * G;
   sc.f.resize(static_cast<size_t>(R * stride_row + 2 * G * D + R));
@@ -1039,9 +1058,9 @@ void attend_tokens(const T* q, int64_t q_stride, int64_t nt, const int64_t* lens
   sc.ptrs.resize(static_cast<size_t>(2 * maxlen));
   const T** kp = sc.ptrs.data();
   const T** vp = kp + maxlen;
-  for (int64_t l = 0, blk = 0; l < maxlen; ++blk) {
+  for (int64_t l = 0, blk = lo / BS; l < maxlen; ++blk) {
     const int64_t base = blocks[blk] * BS * D;
-    for (int64_t o = 0; o < BS && l < maxlen; ++o, ++l) {
+    for (int64_t o = (lo + l) % BS; o < BS && l < maxlen; ++o, ++l) {
       vp[l] = vc + base + o * D;
       if (!k_tiled) kp[l] = kc + base + o * D;  // a tiled key cache is read by block (scores_tiled)
     }
@@ -1059,7 +1078,7 @@ void attend_tokens(const T* q, int64_t q_stride, int64_t nt, const int64_t* lens
       if (k_tiled) {  // paged_attention checked k_tiled_supported
         const int64_t passes = (G + 3) / 4;
         if (i == 0) pf.spread(passes * ((len + 15) / 16) + (len + 7) / 8);
-        scores_tiled(qi, D, kc, blocks, len, BS, G, scale, si, stride_row, vp, pf, cached);
+        scores_tiled(qi, D, kc, blocks, lo, len, BS, G, scale, si, stride_row, vp, pf, cached);
         scored = true;
       }
     }
@@ -1112,7 +1131,14 @@ void attend_tokens(const T* q, int64_t q_stride, int64_t nt, const int64_t* lens
     if (!vec) scores_scalar(qf, kp, len, D, G, si, stride_row);
   }
 
-  for (int64_t r = 0; r < R; ++r) inv_sum[r] = softmax_row(scores + r * stride_row, lens[r / G]);
+  for (int64_t r = 0; r < R; ++r) {
+    float* row = scores + r * stride_row;
+    const int64_t f = first[r / G], n = lens[r / G];
+    if (softcap > 0.f)
+      for (int64_t l = f; l < n; ++l) row[l] = softcap * std::tanh(row[l] / softcap);
+    std::fill(row, row + f, 0.f);  // before the window: P*V adds 0 * v
+    inv_sum[r] = softmax_row(row + f, n - f);
+  }
 
   // P*V stays in float (values converted on load): vdpbf16ps over token pairs would round the
   // probabilities to bf16 and was no faster (this loop is memory-bound): docs/benchmarks/results/2026-11-25-cpu-kernels-epyc-avx512.md,
@@ -1176,9 +1202,13 @@ void attend_tokens(const T* q, int64_t q_stride, int64_t nt, const int64_t* lens
 //   q [T, H, D] (rows may be strided; heads and D contiguous), caches [KVH, NB, BS, D],
 //   block_table [R, max_blocks] int64, seq_lens [T] int64 (>= 1),
 //   token_req [T] int64: the block-table row of each token (None: row t, R == T) -> out [T, H * D].
+//   window > 0: token t sees only its last `window` keys [seq_lens[t] - window, seq_lens[t]) (a
+//   sliding window), and its task reads the cache from there (16 keys at most before it); softcap > 0:
+//   scores s -> softcap * tanh(s / softcap) after the scale.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_table, const at::Tensor& seq_lens,
-                           const c10::optional<at::Tensor>& token_req, double scale, bool k_tiled) {
+                           const c10::optional<at::Tensor>& token_req, double scale, bool k_tiled, int64_t window,
+                           double softcap) {
   check_cpu(q, "q");
   check_float_dtype(q, "q");
   FS_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [T, heads, D], rows strided");
@@ -1190,6 +1220,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t KVH = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
   FS_CHECK(k_cache.size(3) == D && H % KVH == 0, "head_dim / head counts do not match the cache");
   const int64_t G = H / KVH;
+  FS_CHECK(window >= 0, "window must be >= 0 (0: no sliding window), got ", window);
+  FS_CHECK(softcap >= 0, "softcap must be >= 0 (0: none)");
   FS_CHECK(!k_tiled || k_tiled_supported(q.scalar_type(), BS, D),
            "k_tiled: this build reads a tiled key cache for bfloat16 with AVX-512 BF16, block sizes that are "
            "multiples of 16 and head_dim 32, 64, 128 or 256");
@@ -1245,6 +1277,14 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     // Take tasks alternately from both ends: causal work grows along a prompt, and the
     // threads each start on a contiguous range of i.
     auto task_of = [&](int64_t i) { return (i % 2 == 0) ? i / 2 : N - 1 - i / 2; };
+    // The first key tile k reads: 0, or under a window the earliest its tokens see, down to a
+    // multiple of 16 (the tiled key layout reads keys 16 at a time within a block).
+    auto tile_lo = [&](int64_t k) -> int64_t {
+      if (window <= 0) return 0;
+      int64_t lo = std::numeric_limits<int64_t>::max();
+      for (int64_t t = tile[k]; t < tile[k + 1]; ++t) lo = std::min(lo, std::max<int64_t>(0, slp[t] - window));
+      return lo / 16 * 16;
+    };
     const int64_t head_elems = NB * BS * D;
     const int64_t block_bytes = BS * D * static_cast<int64_t>(sizeof(scalar_t));
     // A thread's buffers (grown once per thread, not per call) and prefetcher, which starts each
@@ -1269,19 +1309,22 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       const int64_t r = trp ? trp[t0] : t0;
       int64_t maxlen = 0;
       for (int64_t t = t0; t < t1; ++t) maxlen = std::max(maxlen, slp[t]);
+      const int64_t lo = tile_lo(k), lo_blk = lo / BS;
       pf.clear();
       // The next task's rows, unless they are this task's (a prompt's tokens). AVX-512 builds
       // only: on an AVX2-only CPU the spread prefetches of the next task slowed decode attention,
       // and the key pass prefetching this task's own value rows instead did best there
       // (docs/benchmarks/results/2026-11-27-avx2-zen3.md, "Decode attention, float32 on AVX2").
       if (FS_AVX512 && next >= 0) {
-        pf.mark_read(kc + h * head_elems, btp + r * MB, maxlen, BS, block_bytes);  // fetched: not again
+        // fetched: not again
+        pf.mark_read(kc + h * head_elems, btp + r * MB + lo_blk, maxlen - lo_blk * BS, BS, block_bytes);
         const int64_t nk = task_of(next) / KVH, nh = task_of(next) % KVH;
         const int64_t nt0 = tile[nk];
         const int64_t nr = trp ? trp[nt0] : nt0;
+        const int64_t nlo_blk = tile_lo(nk) / BS;
         if (nr != r || nh != h)
-          pf.set(kc + nh * head_elems, vc + nh * head_elems, btp + nr * MB, slp[tile[nk + 1] - 1], BS,
-                 block_bytes);
+          pf.set(kc + nh * head_elems, vc + nh * head_elems, btp + nr * MB + nlo_blk,
+                 slp[tile[nk + 1] - 1] - nlo_blk * BS, BS, block_bytes);
       }
       // A chunk's tokens read keys that its request's other tokens, in this thread's tasks
       // around it, read too: in cache, so the key pass's row prefetches only cost (figures:
@@ -1291,7 +1334,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
           trp && (t1 - t0 > 1 || (t0 > 0 && trp[t0 - 1] == r) || (t1 < T && trp[t1] == r));
       attend_tokens(qp + t0 * q.stride(0) + h * G * D, q.stride(0), t1 - t0, slp + t0, maxlen, kc + h * head_elems,
                     vc + h * head_elems, btp + r * MB, BS, D, G, static_cast<float>(scale),
-                    op + t0 * H * D + h * G * D, H * D, scratch, pf, rows_cached, k_tiled);
+                    op + t0 * H * D + h * G * D, H * D, scratch, pf, rows_cached, k_tiled, lo, window,
+                    static_cast<float>(softcap));
     });
   });
   return out;
@@ -1783,6 +1827,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 //     (packed: for linear_bf16_silu_mul when `fused`, else the plain [gate; up] packing), down (packed)
 //   biases[4i .. 4i+3]: qkv, o, gate|up, down (None: no bias); sizes[4i .. 4i+3]: their out features
 //     (gate|up: d when fused, 2d otherwise); eps[2i], eps[2i+1]: the two norms'.
+//   windows[i]: layer i's sliding window (0: none; windows empty: no layer has one).
 // Linears: linear_bf16 (bf16) or linear_f32 (float32). Returns (hidden, residual) before the final norm.
 // Each call inside is recorded under its op's name for torch.profiler (as if called as an op), so
 // profiles and benchmarks/decode_step.py's breakdown still see the kernels; ~nothing when no
@@ -1798,8 +1843,11 @@ std::tuple<at::Tensor, at::Tensor> llama_layers(
     const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& seq_lens,
     const c10::optional<at::Tensor>& token_req, at::TensorList weights,
     const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef sizes, at::ArrayRef<double> eps,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, bool k_tiled, bool fused) {
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, bool k_tiled, bool fused,
+    at::IntArrayRef windows) {
   const int64_t L = static_cast<int64_t>(kv_caches.size());
+  FS_CHECK(windows.empty() || static_cast<int64_t>(windows.size()) == L,
+           "llama_layers: windows: one sliding window per layer (0: none), or none at all");
   FS_CHECK(L > 0 && static_cast<int64_t>(weights.size()) == 6 * L &&
                static_cast<int64_t>(biases.size()) == 4 * L && static_cast<int64_t>(sizes.size()) == 4 * L &&
                static_cast<int64_t>(eps.size()) == 2 * L,
@@ -1837,7 +1885,7 @@ std::tuple<at::Tensor, at::Tensor> llama_layers(
     });
     at::Tensor attn = recorded("fleetserve::paged_attention", [&] {
       return paged_attention(x.slice(1, 0, q_size).view({T, H, D}), k_cache, v_cache, block_table, seq_lens,
-                             token_req, scale, k_tiled);
+                             token_req, scale, k_tiled, windows.empty() ? 0 : windows[i], 0.0);
     });
     h = linear(attn, weights[6 * i + 2], 4 * i + 1);
     std::tie(h, residual) = recorded("fleetserve::fused_add_rms_norm",
@@ -1876,7 +1924,7 @@ TORCH_LIBRARY(fleetserve, m) {
         "bool k_tiled=False) -> ()");
   m.def("k_tiled_supported(ScalarType dtype, int block_size, int head_dim) -> bool", &k_tiled_supported_op);
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
-        "Tensor? token_req, float scale, bool k_tiled=False) -> Tensor");
+        "Tensor? token_req, float scale, bool k_tiled=False, int window=0, float softcap=0.0) -> Tensor");
   m.def("advise_hugepages(Tensor t) -> bool");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("pack_linear_bf16(Tensor w) -> Tensor");
@@ -1886,8 +1934,8 @@ TORCH_LIBRARY(fleetserve, m) {
   m.def("linear_f32(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
   m.def("llama_layers(Tensor hidden, Tensor positions, Tensor cos_sin, Tensor[] kv_caches, Tensor slot_mapping, "
         "Tensor block_table, Tensor seq_lens, Tensor? token_req, Tensor[] weights, Tensor?[] biases, int[] sizes, "
-        "float[] eps, int num_heads, int num_kv_heads, int head_dim, float scale, bool k_tiled, bool fused) "
-        "-> (Tensor, Tensor)");
+        "float[] eps, int num_heads, int num_kv_heads, int head_dim, float scale, bool k_tiled, bool fused, "
+        "int[] windows=[]) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fleetserve, CPU, m) {

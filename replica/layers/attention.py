@@ -51,6 +51,16 @@ request's first `position + 1` cached keys straight from the blocks (AVX-512,
 float accumulation), after `reshape_and_cache_` wrote the new keys/values.
 The PyTorch paths remain for GPUs and for machines without a compiler.
 
+**Sliding windows** (Mistral, Qwen2's upper layers, Gemma 3's local layers): a layer built with
+`sliding_window=W` lets the query at position p attend to the keys at positions p - W < j <= p
+(W keys, itself included: transformers' `sliding_window_overlay`, `kv_idx > q_idx - W`). The CPU
+kernel reads only the keys inside the window (from the first block holding one: a long
+context costs W keys per token, not p); the PyTorch paths read a prefill chunk's blocks from the
+first one any of its queries sees, and mask the rest of the decode gather. The cache still holds
+every token (blocks wholly outside the window are not freed). **Logit soft-capping**
+(`logit_softcap=c`, Gemma 2/3's `attn_logit_softcapping`): scores become c * tanh(s / c) after
+the scale, before the mask and softmax, as in transformers' eager attention.
+
 All index tensors are built once per step (`AttentionMetadata.build`, and the
 per-cache-shape gather index memoized on first use) and reused by every layer.
 """
@@ -154,13 +164,17 @@ class AttentionMetadata:
         assert self.decode_seq_lens is not None, "built for a step with decode rows"
         return self.decode_seq_lens
 
-    def decode_bias_width(self, width: int) -> torch.Tensor:
-        """[1, B, 1, width] float32: 0 where a key exists, -inf past the row's length (memoized per width)."""
-        key = ("bias", width)
+    def decode_bias_width(self, width: int, window: Optional[int] = None) -> torch.Tensor:
+        """[1, B, 1, width] float32: 0 where a key exists, -inf past the row's length and, with a
+        sliding `window`, before its last `window` keys (memoized per width and window)."""
+        key = ("bias", width, window)
         bias = self._gather_index.get(key)
         if bias is None:
             seq_lens = self._decode_seq_lens()
-            valid = torch.arange(width, device=seq_lens.device)[None, :] < seq_lens[:, None]
+            key_pos = torch.arange(width, device=seq_lens.device)[None, :]
+            valid = key_pos < seq_lens[:, None]
+            if window is not None:
+                valid &= key_pos >= seq_lens[:, None] - window
             bias = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device).masked_fill_(
                 ~valid, float("-inf")
             )[None, :, None, :]
@@ -282,17 +296,35 @@ class AttentionMetadata:
             run.append(chunk)
         close()
 
-    def pack_mask(self, pack: PrefillPack, device: torch.device) -> torch.Tensor:
-        """[L, L] bool, True = attend: causal inside each of the pack's chunks (memoized per step)."""
-        key = ("pack", pack.start)
+    def pack_mask(self, pack: PrefillPack, device: torch.device, window: Optional[int] = None) -> torch.Tensor:
+        """[L, L] bool, True = attend: causal inside each of the pack's chunks, within the last
+        `window` positions when given (memoized per step and window)."""
+        key = ("pack", pack.start, window)
         mask = self._gather_index.get(key)
         if mask is None:
             lens = torch.tensor(pack.seg_lens, device=device)
             seg = torch.repeat_interleave(torch.arange(len(pack.seg_lens), device=device), lens)
             pos = torch.arange(pack.end - pack.start, device=device)
             mask = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
+            if window is not None:
+                mask &= pos[None, :] > pos[:, None] - window
             self._gather_index[key] = mask
         return mask
+
+    def chunk_window(self, chunk: PrefillChunk, window: int, device: torch.device) -> tuple[int, torch.Tensor]:
+        """A prefill chunk under a sliding window: (first key position read, its multiple of
+        block_size; [query_len, keys] bool mask over keys [first, context_len + query_len),
+        True = attend), memoized per step."""
+        key = ("window", chunk.start, window)
+        hit = self._gather_index.get(key)
+        if hit is None:
+            c, q = chunk.context_len, chunk.end - chunk.start
+            first = max(0, c + 1 - window) // self.block_size * self.block_size
+            q_pos = c + torch.arange(q, device=device)[:, None]
+            k_pos = torch.arange(first, c + q, device=device)[None, :]
+            hit = (first, (k_pos <= q_pos) & (k_pos > q_pos - window))
+            self._gather_index[key] = hit
+        return hit
 
     @staticmethod
     def static_decode(
@@ -393,15 +425,31 @@ class PagedAttention(nn.Module):
     # ~17 launches per layer, on a CPU (the no-kernel fallback) it is 10x+ more arithmetic.
     pack_prefills: Optional[bool] = None
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: Optional[float] = None):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: Optional[float] = None,
+        sliding_window: Optional[int] = None,
+        logit_softcap: Optional[float] = None,
+    ):
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive integer or None, got {sliding_window!r}")
+        if logit_softcap is not None and not logit_softcap > 0:
+            raise ValueError(f"the attention logit soft-cap must be positive or None, got {logit_softcap!r}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
         self.scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+        # A query at position p sees the keys at positions > p - sliding_window (None: all before it).
+        self.sliding_window = sliding_window
+        # Scores s -> c * tanh(s / c) after the scale (None: not capped).
+        self.logit_softcap = float(logit_softcap) if logit_softcap is not None else None
         # Decode buffer: (buffer [2, KVH, B, W, D], row keys it holds, cache data_ptr) or None.
         self._dbuf: Optional[tuple] = None
         # Whether the CPU kernels keep this layer's keys tiled (kv_cache_layout), for _layout_key.
@@ -428,7 +476,16 @@ class PagedAttention(nn.Module):
                 # Every token (prefill chunk, continuation or decode) attends to its request's
                 # first seq_len cached keys, read straight from the blocks.
                 return ops.paged_attention(
-                    q, k_cache, v_cache, md.block_table, md.token_seq_lens, md.token_req, self.scale, self._k_tiled
+                    q,
+                    k_cache,
+                    v_cache,
+                    md.block_table,
+                    md.token_seq_lens,
+                    md.token_req,
+                    self.scale,
+                    self._k_tiled,
+                    self.sliding_window or 0,
+                    self.logit_softcap or 0.0,
                 )
         else:
             k_cache.view(KVH, -1, D).index_copy_(1, md.slot_mapping, k.transpose(0, 1))
@@ -445,8 +502,34 @@ class PagedAttention(nn.Module):
             out[pack.start : pack.end] = self._prefill_pack(q, k, v, pack, md)
         for chunk in md.prefills:
             if not (packs and chunk.packed):
-                out[chunk.start : chunk.end] = self._prefill(q, k, v, k_cache, v_cache, chunk)
+                out[chunk.start : chunk.end] = self._prefill(q, k, v, k_cache, v_cache, chunk, md)
         return out.view(T, -1)
+
+    def _attend(self, qs, ks, vs, mask: Optional[torch.Tensor], causal: bool) -> torch.Tensor:
+        """qs [H, q, d] against ks/vs [KVH, n, d] -> [H, q, d]: SDPA, or with a soft-cap the same
+        attention written out (SDPA has no soft-cap): scores in float, capped, masked, softmax."""
+        if self.logit_softcap is None:
+            o = F.scaled_dot_product_attention(
+                qs.unsqueeze(0),
+                ks.unsqueeze(0),
+                vs.unsqueeze(0),
+                attn_mask=mask,
+                is_causal=causal,
+                scale=self.scale,
+                enable_gqa=self.group > 1,
+            )
+            return o[0]
+        if self.group > 1:
+            ks = ks.repeat_interleave(self.group, 0)
+            vs = vs.repeat_interleave(self.group, 0)
+        cap = self.logit_softcap
+        scores = torch.bmm(qs, ks.transpose(1, 2)).float().mul_(self.scale).div_(cap).tanh_().mul_(cap)
+        if causal:
+            n, q = ks.shape[1], qs.shape[1]
+            mask = torch.ones(q, n, dtype=torch.bool, device=qs.device).tril_(n - q)
+        if mask is not None:
+            scores.masked_fill_(~mask, float("-inf"))
+        return torch.bmm(torch.softmax(scores, dim=-1).to(vs.dtype), vs)
 
     def _prefill_pack(self, q, k, v, pack: PrefillPack, md: AttentionMetadata) -> torch.Tensor:
         """Several fresh prompts in one SDPA call under a block-diagonal causal mask. K/V are
@@ -455,36 +538,42 @@ class PagedAttention(nn.Module):
         qs = q[pack.start : pack.end].transpose(0, 1)  # [H, L, d]
         ks = k[pack.start : pack.end].transpose(0, 1)  # [KVH, L, d]
         vs = v[pack.start : pack.end].transpose(0, 1)
+        mask = md.pack_mask(pack, q.device, self.sliding_window)
+        if self.logit_softcap is not None:
+            return self._attend(qs, ks, vs, mask, False).transpose(0, 1)
         if self.group > 1:
             ks = ks.repeat_interleave(self.group, 0)
             vs = vs.repeat_interleave(self.group, 0)
-        mask = md.pack_mask(pack, q.device)
         o = F.scaled_dot_product_attention(
             qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), attn_mask=mask[None, None], scale=self.scale
         )
         return o[0].transpose(0, 1)  # [L, H, d]
 
-    def _prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
+    def _prefill(self, q, k, v, k_cache, v_cache, chunk: PrefillChunk, md: AttentionMetadata) -> torch.Tensor:
         qs = q[chunk.start : chunk.end].transpose(0, 1)  # [H, q, d]
-        if chunk.context_len == 0:
+        window = self.sliding_window
+        if chunk.context_len == 0 and (window is None or window >= chunk.end - chunk.start):
             ks = k[chunk.start : chunk.end].transpose(0, 1)  # [KVH, q, d]
             vs = v[chunk.start : chunk.end].transpose(0, 1)
             mask, causal = None, True
+        elif chunk.context_len == 0:  # a fresh prompt longer than the window: its own keys, banded
+            assert window is not None
+            ks = k[chunk.start : chunk.end].transpose(0, 1)
+            vs = v[chunk.start : chunk.end].transpose(0, 1)
+            mask, causal = md.chunk_window(chunk, window, q.device)[1], False
         else:
+            assert chunk.block_ids is not None and chunk.mask is not None, "built for a chunk with context"
             n = chunk.context_len + (chunk.end - chunk.start)
-            ks = k_cache.index_select(1, chunk.block_ids).flatten(1, 2)[:, :n]  # [KVH, n, d]
-            vs = v_cache.index_select(1, chunk.block_ids).flatten(1, 2)[:, :n]
-            mask, causal = chunk.mask, False
-        o = F.scaled_dot_product_attention(
-            qs.unsqueeze(0),
-            ks.unsqueeze(0),
-            vs.unsqueeze(0),
-            attn_mask=mask,
-            is_causal=causal,
-            scale=self.scale,
-            enable_gqa=self.group > 1,
-        )
-        return o[0].transpose(0, 1)  # [q, H, d]
+            block_ids, first = chunk.block_ids, 0
+            if window is None:
+                mask = chunk.mask
+            else:  # from the first block any of the chunk's queries sees
+                first, mask = md.chunk_window(chunk, window, q.device)
+                block_ids = block_ids[first // md.block_size :]
+            ks = k_cache.index_select(1, block_ids).flatten(1, 2)[:, : n - first]  # [KVH, n - first, d]
+            vs = v_cache.index_select(1, block_ids).flatten(1, 2)[:, : n - first]
+            causal = False
+        return self._attend(qs, ks, vs, mask, causal).transpose(0, 1)  # [q, H, d]
 
     def _decode_buffer(
         self,
@@ -552,7 +641,7 @@ class PagedAttention(nn.Module):
         if buf is not None:
             L = buf.shape[3]
             keys, values = buf[0].view(KVH * B, L, D), buf[1].view(KVH * B, L, D)
-            bias = md.decode_bias_width(L)
+            bias = md.decode_bias_width(L, self.sliding_window)
         else:
             L = md.decode_max_blocks * md.block_size
             num_blocks = k_cache.shape[1]
@@ -560,11 +649,17 @@ class PagedAttention(nn.Module):
             # [KVH * B, L, d]: every decode row's blocks, per kv head, one contiguous copy.
             keys = k_cache.view(KVH * num_blocks, -1).index_select(0, idx).view(KVH * B, L, D)
             values = v_cache.view(KVH * num_blocks, -1).index_select(0, idx).view(KVH * B, L, D)
-            assert md.decode_bias is not None, "built for a step with decode rows"
-            bias = md.decode_bias
+            if self.sliding_window is None:
+                assert md.decode_bias is not None, "built for a step with decode rows"
+                bias = md.decode_bias
+            else:
+                bias = md.decode_bias_width(L, self.sliding_window)
         # Query heads of one kv head are the rows of one small matmul: [KVH * B, G, d].
         qg = q.view(B, KVH, G, D).transpose(0, 1).reshape(KVH * B, G, D)
         scores = torch.bmm(qg, keys.transpose(1, 2)).view(KVH, B, G, L)
-        probs = torch.softmax(scores.float().mul_(self.scale).add_(bias), dim=-1).to(q.dtype)
+        scores = scores.float().mul_(self.scale)
+        if self.logit_softcap is not None:
+            scores.div_(self.logit_softcap).tanh_().mul_(self.logit_softcap)
+        probs = torch.softmax(scores.add_(bias), dim=-1).to(q.dtype)
         out = torch.bmm(probs.view(KVH * B, G, L), values)  # [KVH * B, G, d]
         return out.view(KVH, B, G, D).transpose(0, 1).reshape(B, H * D)

@@ -146,19 +146,24 @@ def test_reshape_and_cache(dtype):
         ops.reshape_and_cache_(k, v, k_cache, v_cache, torch.tensor([0, 1, 2, 3, 40]))
 
 
-def reference_decode(q, k_cache, v_cache, tables, lens, scale):
+def reference_decode(q, k_cache, v_cache, tables, lens, scale, window=0, softcap=0.0):
+    """Row b's query over its first lens[b] keys (its last `window` of them when window > 0),
+    scores soft-capped when softcap > 0, in float64."""
     KVH, _, BS, D = k_cache.shape
     B, H, _ = q.shape
     G = H // KVH
     out = torch.empty(B, H, D, dtype=torch.float64)
     for b in range(B):
         n = lens[b]
+        first = max(0, n - window) if window else 0
         blocks = torch.tensor(tables[b][: -(-n // BS)])
-        keys = k_cache[:, blocks].reshape(KVH, -1, D)[:, :n].double()
-        vals = v_cache[:, blocks].reshape(KVH, -1, D)[:, :n].double()
+        keys = k_cache[:, blocks].reshape(KVH, -1, D)[:, first:n].double()
+        vals = v_cache[:, blocks].reshape(KVH, -1, D)[:, first:n].double()
         for h in range(H):
-            p = torch.softmax(keys[h // G] @ q[b, h].double() * scale, -1)
-            out[b, h] = p @ vals[h // G]
+            s = keys[h // G] @ q[b, h].double() * scale
+            if softcap:
+                s = softcap * torch.tanh(s / softcap)
+            out[b, h] = torch.softmax(s, -1) @ vals[h // G]
     return out.view(B, H * D)
 
 
@@ -228,8 +233,54 @@ def test_paged_attention_chunk_tokens_match_lone_tokens_bit_for_bit(dtype, heads
         _chunk_vs_lone(dtype, layout, heads, kv_heads, head_dim)
 
 
-def _chunk_vs_lone(dtype, layout, heads, kv_heads, head_dim):
-    KVH, H, D, BS, NB = kv_heads, heads, head_dim, 16, 64
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window,softcap", [(1, 0.0), (13, 0.0), (40, 0.0), (0, 5.0), (21, 2.5)])
+def test_paged_attention_sliding_window_and_softcap(dtype, window, softcap):
+    """window > 0: each token sees only its last `window` keys (transformers' sliding window:
+    key j for the query at p when p - window < j <= p), prefills, continuations past the window
+    and decodes alike; softcap > 0: scores s -> softcap * tanh(s / softcap). Against the float64
+    reference, in row-major keys and in the tiled layout where the build has it; and a chunk's
+    tokens are the same bits as the same tokens alone (the task's first key read depends on its
+    tile, a token's result must not)."""
+    layouts = ["rows"] + (["k_tiled"] if dtype == torch.bfloat16 and ops.k_tiled_supported(dtype, 16, 64) else [])
+    for layout in layouts:
+        _chunk_vs_lone(dtype, layout, 6, 2, 64, window=window, softcap=softcap)
+    # blocks of 8 (a task's first key mid-block) and a head_dim with no vector path
+    _chunk_vs_lone(dtype, "rows", 4, 4, 24, window=window, softcap=softcap, block_size=8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_window_skips_keys_before_it(dtype):
+    """Under a window the kernel reads a request's cache from (16 keys at most before) the first
+    key its tokens see: keys and values before that are never loaded, so a long context costs a
+    window's worth per token. NaN there would reach the output if they were read at all."""
+    KVH, H, D, BS, W = 2, 4, 64, 16, 20
+    for layout in ["rows"] + (["k_tiled"] if dtype == torch.bfloat16 and ops.k_tiled_supported(dtype, BS, D) else []):
+        g = torch.Generator().manual_seed(12)
+        k = torch.randn(101, KVH, D, generator=g).to(dtype)
+        v = torch.randn(101, KVH, D, generator=g).to(dtype)
+        k_cache = torch.zeros(KVH, 8, BS, D, dtype=dtype)
+        v_cache = torch.zeros_like(k_cache)
+        table = torch.tensor([[7, 2, 5, 1, 6, 3, 4]])
+        slots = torch.tensor([int(table[0, i // BS]) * BS + i % BS for i in range(101)])
+        ops.reshape_and_cache_(k, v, k_cache, v_cache, slots, layout == "k_tiled")
+        rows_k = k_cache.clone()
+        for positions, lens in ((range(64), [91 + i for i in range(10)]), (range(80), [101])):
+            nan_k, nan_v = k_cache.clone(), v_cache.clone()
+            for p in positions:  # before every token's window, rounded down to 16
+                nan_k[:, table[0, p // BS], p % BS] = float("nan")  # (a tiled block: whole blocks here)
+                nan_v[:, table[0, p // BS], p % BS] = float("nan")
+            q = torch.randn(len(lens), H, D, generator=g).to(dtype)
+            tr = torch.zeros(len(lens), dtype=torch.long)
+            out = ops.paged_attention(q, nan_k, nan_v, table, torch.tensor(lens), tr, 0.125, layout == "k_tiled", W)
+            if layout == "k_tiled":
+                rows_k = k_cache.view(KVH, 8, D // 2, BS, 2).transpose(2, 3).reshape(KVH, 8, BS, D)
+            ref = reference_decode(q, rows_k, v_cache, [table[0].tolist()] * len(lens), lens, 0.125, W)
+            torch.testing.assert_close(out.double(), ref, **tol(dtype))
+
+
+def _chunk_vs_lone(dtype, layout, heads, kv_heads, head_dim, window=0, softcap=0.0, block_size=16):
+    KVH, H, D, BS, NB = kv_heads, heads, head_dim, block_size, 160 // block_size * 8
     g = torch.Generator().manual_seed(8)
     reqs = [(0, 45), (19, 9), (3, 2), (60, 1), (0, 17)]  # (cached context, new tokens)
     perm = (torch.randperm(NB - 1, generator=g) + 1).tolist()
@@ -250,7 +301,7 @@ def _chunk_vs_lone(dtype, layout, heads, kv_heads, head_dim):
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     T = len(token_req)
     q = torch.randn(T, H, D, generator=g).to(dtype)
-    extra = (True,) if layout == "k_tiled" else ()
+    extra = (layout == "k_tiled", window, softcap) if window or softcap else (True,) if layout == "k_tiled" else ()
     scale = 1 / math.sqrt(D)
     chunked = ops.paged_attention(
         q, k_cache, v_cache, table, torch.tensor(seq_lens), torch.tensor(token_req), scale, *extra
@@ -268,8 +319,12 @@ def _chunk_vs_lone(dtype, layout, heads, kv_heads, head_dim):
         *extra,
     )
     assert torch.equal(chunked, lone.flip(0))
-    if layout == "rows":  # and right (the tiled layout's reference check: test_tiled_keys_written_and_read)
-        ref = reference_decode(q, k_cache, v_cache, [tables[r] for r in token_req], seq_lens, scale)
+    # and right (the tiled layout's own reference check: test_tiled_keys_written_and_read)
+    if layout == "rows" or window or softcap:
+        if layout == "k_tiled":  # the reference reads row-major keys
+            k_cache = k_cache.view(KVH, NB, D // 2, BS, 2).transpose(2, 3).reshape(KVH, NB, BS, D)
+        per_token = [tables[r] for r in token_req]
+        ref = reference_decode(q, k_cache, v_cache, per_token, seq_lens, scale, window, softcap)
         torch.testing.assert_close(chunked.double(), ref, **tol(dtype))
 
 

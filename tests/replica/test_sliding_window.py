@@ -1,0 +1,133 @@
+"""Sliding-window attention (and Gemma's logit soft-cap) in PagedAttention against a dense masked
+reference, on every path: the CPU kernel, and with the kernels off the PyTorch paths (SDPA per
+prefill chunk, packed fresh prompts, the decode gather and the decode buffer carried between
+steps). Requests are prefilled in chunks that start past the window, decode past it, and share
+steps with each other; the window follows transformers (`kv_idx > q_idx - window`)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+
+import pytest
+import torch
+
+from fleetserve.replica import kernels
+from fleetserve.replica.layers.attention import AttentionMetadata, PagedAttention
+
+H, KVH, D, BS = 4, 2, 32, 4
+LENGTHS = {"a": 40, "b": 35, "c": 20}
+
+
+def _steps() -> list[list[tuple[str, int, int]]]:
+    """(request, start, end) token ranges per step, each request's tokens in order: prefill
+    chunks (fresh prompts side by side, a continuation past the window, a decode among them),
+    then one token per request per step up to its length."""
+    steps = [
+        [("a", 0, 15), ("b", 0, 25)],
+        [("a", 15, 30), ("c", 0, 5), ("b", 25, 26)],
+        [("a", 30, 31), ("b", 26, 27), ("c", 5, 12)],
+    ]
+    done = {"a": 31, "b": 27, "c": 12}
+    while any(done[r] < n for r, n in LENGTHS.items()):
+        steps.append([(r, done[r], done[r] + 1) for r in LENGTHS if done[r] < LENGTHS[r]])
+        for r, _, e in steps[-1]:
+            done[r] = e
+    return steps
+
+
+STEPS = _steps()
+PATHS = ["kernel", "torch", "torch-packed", "torch-no-decode-buffer"]
+
+
+def reference(q, k, v, window, softcap, scale):
+    """q [n, H, D], k/v [n, KVH, D] of one whole sequence -> [n, H, D], float64, dense masked."""
+    n = q.shape[0]
+    kk = k.double().repeat_interleave(H // KVH, 1).transpose(0, 1)  # [H, n, D]
+    vv = v.double().repeat_interleave(H // KVH, 1).transpose(0, 1)
+    s = torch.bmm(q.double().transpose(0, 1), kk.transpose(1, 2)) * scale  # [H, n, n]
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    mask = j <= i
+    if window:
+        mask &= j > i - window
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.bmm(torch.softmax(s, -1), vv).transpose(0, 1)
+
+
+@contextlib.contextmanager
+def path(name, monkeypatch):
+    if name == "kernel":
+        if kernels.cpu_ops() is None:
+            pytest.skip(f"CPU kernels unavailable: {kernels.unavailable_reason()}")
+        yield
+        return
+    monkeypatch.setattr(PagedAttention, "pack_prefills", name == "torch-packed")
+    monkeypatch.setattr(PagedAttention, "use_decode_buffer", name != "torch-no-decode-buffer")
+    with kernels.disabled():
+        yield
+
+
+def run_steps(attn, seqs, steps, dtype):
+    """Feed `steps` through `attn` over one paged cache (shuffled blocks) -> outputs per request."""
+    blocks = list(range(1, 64))
+    random.Random(1).shuffle(blocks)
+    tables = {r: [blocks.pop() for _ in range(-(-LENGTHS[r] // BS))] for r in LENGTHS}
+    cache = torch.zeros(2, KVH, 64, BS, D, dtype=dtype)
+    out = {r: torch.zeros(LENGTHS[r], H, D, dtype=dtype) for r in LENGTHS}
+    for step in steps:
+        md = AttentionMetadata.build(
+            [e - s for _, s, e in step],
+            [s for _, s, _ in step],
+            [tables[r] for r, _, _ in step],
+            BS,
+            request_ids=[r for r, _, _ in step],
+        )
+        q = torch.cat([seqs[r][0][s:e] for r, s, e in step]).view(-1, H * D)
+        k = torch.cat([seqs[r][1][s:e] for r, s, e in step]).view(-1, KVH * D)
+        v = torch.cat([seqs[r][2][s:e] for r, s, e in step]).view(-1, KVH * D)
+        o = attn(q, k, v, cache, md).view(-1, H, D)
+        t = 0
+        for r, s, e in step:
+            out[r][s:e] = o[t : t + e - s]
+            t += e - s
+    return out
+
+
+@pytest.fixture(scope="module")
+def seqs():
+    g = torch.Generator().manual_seed(0)
+    return {
+        r: (torch.randn(n, H, D, generator=g), torch.randn(n, KVH, D, generator=g), torch.randn(n, KVH, D, generator=g))
+        for r, n in LENGTHS.items()
+    }
+
+
+@pytest.mark.parametrize("name", PATHS)
+@pytest.mark.parametrize("window,softcap", [(None, None), (1, None), (8, None), (64, None), (None, 2.0), (8, 2.0)])
+def test_window_and_softcap_match_dense_reference(name, window, softcap, seqs, monkeypatch):
+    scale = 1 / math.sqrt(D)
+    attn = PagedAttention(H, KVH, D, sliding_window=window, logit_softcap=softcap)
+    with path(name, monkeypatch):
+        got = run_steps(attn, seqs, STEPS, torch.float32)
+    for r, (q, k, v) in seqs.items():
+        torch.testing.assert_close(got[r].double(), reference(q, k, v, window, softcap, scale), atol=2e-5, rtol=1e-5)
+
+
+def test_window_changes_the_result(seqs):
+    """The window is applied at all: outputs past it differ from full attention's, and not before."""
+    with kernels.disabled():
+        full = run_steps(PagedAttention(H, KVH, D), seqs, STEPS, torch.float32)
+        windowed = run_steps(PagedAttention(H, KVH, D, sliding_window=8), seqs, STEPS, torch.float32)
+    for r in LENGTHS:
+        assert torch.equal(full[r][:8], windowed[r][:8])
+        assert (full[r][8:] - windowed[r][8:]).abs().amax(dim=(1, 2)).min() > 1e-4
+
+
+def test_bad_window_or_softcap_is_a_clear_error():
+    with pytest.raises(ValueError, match="sliding_window"):
+        PagedAttention(H, KVH, D, sliding_window=0)
+    with pytest.raises(ValueError, match="soft-cap"):
+        PagedAttention(H, KVH, D, logit_softcap=-1.0)
