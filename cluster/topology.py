@@ -60,7 +60,7 @@ def check_model(config: AppConfig) -> None:
 
     source = resolve_model(config.engine.model)
     model_info.check_model_files(source)
-    model_info.check_tp_size(source, config.engine.tensor_parallel_size)
+    model_info.check_tp_size(source, config.engine.tensor_parallel_size, config.engine.enable_expert_parallel)
     model_info.check_max_model_len(source, config.engine.max_model_len)
     if config.pd.enabled:  # a pool may set its own (pd.prefill.engine, pd.decode.engine)
         for pool_cfg in (config.pd.prefill, config.pd.decode):

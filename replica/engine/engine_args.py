@@ -105,6 +105,16 @@ class EngineArgs(BaseModel):
             "attention heads (smollm2-135m: 1 or 3)."
         ),
     )
+    enable_expert_parallel: bool = Field(
+        False,
+        description=(
+            "Mixture-of-experts models (Mixtral, Qwen3-MoE): place whole experts on each "
+            "tensor-parallel rank (the number of experts must be divisible by "
+            "--tensor-parallel-size) instead of splitting every expert's intermediate size "
+            "across the ranks; tokens stay replicated on every rank and the ranks' outputs are "
+            "summed (no all-to-all dispatch). Refused for a dense model."
+        ),
+    )
     enforce_eager: bool = Field(
         False, description=("Run every step eagerly: no CUDA graphs for decode steps on a GPU (CPUs never use them).")
     )

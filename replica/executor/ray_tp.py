@@ -154,7 +154,7 @@ def check_tp_size(args: EngineArgs) -> None:
     from fleetserve.replica.model_loader import model_info
     from fleetserve.replica.model_loader.registry import resolve_model
 
-    model_info.check_tp_size(resolve_model(args.model), args.tensor_parallel_size)
+    model_info.check_tp_size(resolve_model(args.model), args.tensor_parallel_size, args.enable_expert_parallel)
 
 
 class RayTPExecutor(Executor):

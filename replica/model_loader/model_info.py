@@ -52,6 +52,8 @@ class ModelShape:
     max_position_embeddings: int
     num_hidden_layers: int = 0  # 0: unknown
     head_dim: int = 0  # 0: unknown
+    num_experts: int = 0  # a mixture of experts (Mixtral, Qwen3-MoE); 0: a dense model
+    expert_intermediate_size: int = 0  # each expert's
 
     def kv_bytes_per_block(self, block_size: int, element_size: int, tp: int = 1) -> int:
         """Bytes of one KV cache block on one rank (K and V, every layer), as the engine
@@ -82,18 +84,34 @@ def read_model_shape(source: ModelSource) -> ModelShape:
     from fleetserve.replica.model_loader.model_config import read_model_config
 
     cfg = read_model_config(source.path)
+    intermediate = int(getattr(cfg, "intermediate_size", None) or 0)
+    experts = int(getattr(cfg, "num_local_experts", None) or 0)
+    expert_intermediate = 0
+    if experts:
+        from fleetserve.replica.model_loader.model_config import qwen3_moe_sparse_layer
+
+        if cfg.model_type == "qwen3_moe":
+            expert_intermediate = int(getattr(cfg, "moe_intermediate_size", 0) or 0)
+            # intermediate_size is the dense layers' MLP: split only if there is one
+            if all(qwen3_moe_sparse_layer(cfg, i) for i in range(cfg.num_hidden_layers)):
+                intermediate = 0
+        else:  # Mixtral: every layer's MLP is experts of intermediate_size
+            expert_intermediate, intermediate = intermediate, 0
     return ModelShape(
         cfg.num_attention_heads,
         cfg.num_key_value_heads,
-        int(getattr(cfg, "intermediate_size", None) or 0),
+        intermediate,
         int(getattr(cfg, "max_position_embeddings", None) or 2048),
         int(cfg.num_hidden_layers),
         int(cfg.head_dim),
+        experts,
+        expert_intermediate,
     )
 
 
-def tp_problems(shape: ModelShape, tp: int) -> list[str]:
-    """What keeps `tp` ranks from splitting this model (empty: it splits)."""
+def tp_problems(shape: ModelShape, tp: int, expert_parallel: bool = False) -> list[str]:
+    """What keeps `tp` ranks from splitting this model (empty: it splits); a mixture of
+    experts splits each expert's intermediate size, or with `expert_parallel` the experts."""
     problems = []
     if shape.num_attention_heads % tp:
         problems.append(f"{shape.num_attention_heads} attention heads")
@@ -102,11 +120,24 @@ def tp_problems(shape: ModelShape, tp: int) -> list[str]:
         problems.append(f"{kv} kv heads (neither divisible by it nor dividing it)")
     if shape.intermediate_size and shape.intermediate_size % tp:
         problems.append(f"intermediate size {shape.intermediate_size}")
+    if shape.num_experts and expert_parallel and shape.num_experts % tp:
+        problems.append(f"{shape.num_experts} experts (--enable-expert-parallel places whole experts on each rank)")
+    if shape.num_experts and not expert_parallel and shape.expert_intermediate_size % tp:
+        problems.append(f"the experts' intermediate size {shape.expert_intermediate_size}")
     return problems
 
 
-def allowed_tp_sizes(shape: ModelShape) -> list[int]:
-    return [t for t in range(1, shape.num_attention_heads + 1) if not tp_problems(shape, t)]
+def allowed_tp_sizes(shape: ModelShape, expert_parallel: bool = False) -> list[int]:
+    return [t for t in range(1, shape.num_attention_heads + 1) if not tp_problems(shape, t, expert_parallel)]
+
+
+def check_expert_parallel(source: ModelSource, enable_expert_parallel: bool) -> None:
+    """ValueError when expert parallelism is asked of a model without experts."""
+    if enable_expert_parallel and not read_model_shape(source).num_experts:
+        raise ValueError(
+            f"--enable-expert-parallel: {source.name!r} is not a mixture-of-experts model "
+            "(supported: Mixtral, Qwen3-MoE); leave the flag off for a dense model"
+        )
 
 
 def check_model_files(source: ModelSource) -> None:
@@ -156,12 +187,14 @@ def check_max_model_len(source: ModelSource, max_model_len: int | None) -> None:
         )
 
 
-def check_tp_size(source: ModelSource, tp: int) -> None:
-    """ValueError naming the sizes the model allows, when `tp` does not split it."""
+def check_tp_size(source: ModelSource, tp: int, expert_parallel: bool = False) -> None:
+    """ValueError naming the sizes the model allows, when `tp` does not split it (or, with
+    `expert_parallel`, when the model has no experts)."""
+    check_expert_parallel(source, expert_parallel)
     shape = read_model_shape(source)
-    problems = tp_problems(shape, tp)
+    problems = tp_problems(shape, tp, expert_parallel)
     if problems:
-        sizes = ", ".join(map(str, allowed_tp_sizes(shape)))
+        sizes = ", ".join(map(str, allowed_tp_sizes(shape, expert_parallel)))
         raise ValueError(
             f"tensor_parallel_size={tp} does not divide the model {source.name!r}: "
             f"{', '.join(problems)} are not divisible by {tp}; "

@@ -225,11 +225,14 @@ def load_model(
     device: torch.device | str = "cpu",
     tp_group: TPGroup | None = None,
     max_model_len: int | None = None,
+    enable_expert_parallel: bool = False,
 ):
     """Build our model for `source` on `device` in `dtype` and load this rank's weight shards.
 
     Returns (model in eval mode, hf_config). `max_model_len` extends the rotary
     table past the config's max_position_embeddings if a longer length is served.
+    `enable_expert_parallel`: whole experts per rank (replica.layers.moe); ValueError for a
+    model class without experts (one whose `supports_expert_parallel` is not set).
     """
     tp = tp_group or get_tp_group()
     t0 = time.perf_counter()
@@ -244,12 +247,20 @@ def load_model(
     else:
         raise ValueError(f"unknown model source kind {source.kind!r}")
     model_cls = get_model_class(config)
+    extra: dict[str, Any] = {}
+    if enable_expert_parallel:
+        if not getattr(model_cls, "supports_expert_parallel", False):
+            raise ValueError(
+                f"--enable-expert-parallel: {model_cls.__name__} is not a mixture-of-experts model "
+                "(supported: Mixtral, Qwen3-MoE); leave the flag off for a dense model"
+            )
+        extra["enable_expert_parallel"] = True
     device = torch.device(device)
     prev_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_cls(config, tp_group=tp, max_position=max_model_len)
+            model = model_cls(config, tp_group=tp, max_position=max_model_len, **extra)
     finally:
         torch.set_default_dtype(prev_dtype)
     try:

@@ -152,8 +152,9 @@ class ModelRunner:
         eos_token_id: Optional[int],
         tp_size: int = 1,
         tp_rank: int = 0,
+        enable_expert_parallel: bool = False,
     ) -> "ModelRunner":
-        model, hf_config = load_model(source, dtype, device)
+        model, hf_config = load_model(source, dtype, device, enable_expert_parallel=enable_expert_parallel)
         return cls(
             model,
             hf_config,

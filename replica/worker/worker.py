@@ -77,6 +77,7 @@ class Worker:
             eos_token_id=eos_token_id,
             tp_size=world_size,
             tp_rank=rank,
+            enable_expert_parallel=args.enable_expert_parallel,
         )
         if args.speculative_config is not None:
             from fleetserve.replica.spec_decode.factory import make_proposer
@@ -167,6 +168,8 @@ class Worker:
                 (self.world_size > 1, "tensor parallelism"),
                 (self.kv_connector is not None, "a KV connector"),
                 (self.runner.proposer is not None, "speculative decoding"),
+                # the experts' grouping reads each expert's token count on the host
+                (not getattr(self.runner.model, "cuda_graphs", True), "mixture of experts"),
             )
             if cond
         ]
