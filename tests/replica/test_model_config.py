@@ -106,6 +106,8 @@ CASES = [
     {"model_type": "qwen3"},
     {"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
     {"model_type": "qwen3_moe", "num_experts": 16, "mlp_only_layers": [1], "norm_topk_prob": True},
+    # what transformers' save_pretrained writes (its attribute_map's name for num_experts)
+    {"model_type": "qwen3_moe", "num_local_experts": 6, "decoder_sparse_step": 2},
     {"model_type": "mixtral"},
     {"model_type": "phi3"},
     {"model_type": "gemma3_text"},
