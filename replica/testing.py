@@ -254,10 +254,10 @@ def make_tiny_lora(
     at zero, which would make the adapter a no-op) large enough to change greedy outputs."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     path = Path(path)
-    base = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     cfg = LoraConfig(
         r=r,
         lora_alpha=lora_alpha,

@@ -60,14 +60,17 @@ def _longrope_cos_sin(p: dict[str, Any], head_dim: int, max_position: int) -> to
     `original_max_position_embeddings` and `long_factor` from there on, both scaled by
     transformers' attention factor (from `factor`, else max_position_embeddings / original).
 
-    transformers picks one factor per forward pass from its longest position: short while
-    the sequence fits the original length, long for every token of a pass that goes past
-    it. Generation (a prompt within the original length, then one token per pass) is the
-    same here, bit for bit in the table: the tokens before the crossing keep the short
-    rotation they were cached with, those after get the long one. A prompt longer than
-    the original length in one pass differs: transformers rotates all its tokens with the
-    long factor, here the first original-length tokens keep the short one (a position's
-    rotation never depends on what else is in the batch or on how a prompt is chunked).
+    Within the original length this is transformers exactly (short factor everywhere). Past
+    it, transformers' model picks one factor per forward pass from the pass's longest
+    position (long for every token of a pass that reaches past the original length), and
+    its Phi-3 `generate` drops the KV cache the first time a sequence crosses the original
+    length, so that the whole sequence is recomputed with the long factor. Here a position's
+    rotation is fixed (it never depends on the rest of the batch, on chunking, or on later
+    tokens) and cached keys are kept: a token at or past the original length rotates with
+    the long factor, the ones before it keep the short one. That is transformers' model run
+    pass by pass on its own KV cache (what tests/replica/test_qwen3_phi3.py compares), not
+    its generate past the crossing, nor a one-pass prompt longer than the original length
+    (there transformers rotates the first original-length tokens with the long factor too).
     """
     original = int(p["original_max_position_embeddings"])
     short, _ = _hf_rope_init("longrope", p, head_dim, max_position, seq_len=None)

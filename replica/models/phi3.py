@@ -9,9 +9,9 @@ What differs from Llama is outside the layers:
   tensor-parallel rank keeps its own heads and its own slice of the MLP;
 * rope: LongRoPE ("longrope", or its earlier names "su" / "yarn" in Phi-3 configs) with
   short_factor / long_factor and original_max_position_embeddings
-  (replica.layers.rotary._longrope_cos_sin says which factor a position gets, and where
-  that differs from transformers: a single pass over a prompt longer than the original
-  length); and partial rotary (`partial_rotary_factor` < 1, Phi-4-mini): only the first
+  (replica.layers.rotary._longrope_cos_sin says which factor a position gets: the short one
+  below the original length, the long one from there on, and how that differs from
+  transformers past the original length); and partial rotary (`partial_rotary_factor` < 1, Phi-4-mini): only the first
   rotary_dim of each head rotates.
 
 With full rotary the layers are Llama's own classes, so the fused `llama_layers` kernel

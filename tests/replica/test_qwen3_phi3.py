@@ -1,0 +1,313 @@
+"""Qwen3 and Phi-3 (replica/models/qwen3.py, phi3.py) against transformers' own models, fp32.
+
+Tiny random models of each: Qwen3 with head_dim decoupled from hidden/heads (tied embeddings;
+and one with attention_bias), Phi-3 with LongRoPE (distinct short and long factors, an
+original length of 16 inside a 64-token max) and Phi-4-mini style partial rotary with
+LongRoPE. Logits through the paged cache (prefill, chunked prefill, paged decode; shuffled
+block tables) equal HF's model run pass by pass on its own KV cache within 1e-4 (Phi-3's
+decodes cross the original length and switch to the long factor there), with the CPU kernels
+and with plain torch; greedy tokens through the engine (`LLM`) equal HF
+`generate`'s; a Qwen3 LoRA adapter equals PEFT's; TP=2 equals TP=1 (slow).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from fleetserve.replica.layers.attention import AttentionMetadata
+from fleetserve.replica.model_loader.registry import resolve_model
+from fleetserve.replica.model_loader.weights import allocate_kv_caches, load_model
+from fleetserve.replica.testing import make_tiny_model
+from fleetserve.scheduler import SamplingParams
+
+ATOL = 1e-4
+BLOCK = 4
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+ORIGINAL = 16  # Phi-3's original_max_position_embeddings here
+
+
+def _longrope(n: int) -> dict:
+    return {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.25 * i for i in range(n)],
+        "long_factor": [2.0 + 1.5 * i for i in range(n)],
+    }
+
+
+# name -> (transformers config class, fields over SMALL)
+MODELS = {
+    "qwen3": ("Qwen3Config", dict(head_dim=24, tie_word_embeddings=True, max_position_embeddings=128)),
+    "qwen3_bias": ("Qwen3Config", dict(head_dim=32, attention_bias=True, max_position_embeddings=128)),
+    "phi3_longrope": (
+        "Phi3Config",
+        dict(max_position_embeddings=64, original_max_position_embeddings=ORIGINAL, rope_parameters=_longrope(8)),
+    ),
+    "phi4mini_partial": (
+        "Phi3Config",
+        dict(
+            max_position_embeddings=64,
+            original_max_position_embeddings=ORIGINAL,
+            rope_parameters={**_longrope(4), "partial_rotary_factor": 0.5},
+            tie_word_embeddings=True,
+        ),
+    ),
+}
+
+
+def _make(root, name: str, seed: int = 0):
+    import transformers
+
+    cls, fields = MODELS[name]
+    return make_tiny_model(root / name, getattr(transformers, cls)(**SMALL, **fields), seed=seed)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3_phi3")
+    return {name: _make(root, name, seed=i) for i, name in enumerate(MODELS)}
+
+
+@pytest.fixture(scope="module")
+def hf_models(model_dirs):
+    from transformers import AutoModelForCausalLM
+
+    return {n: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for n, p in model_dirs.items()}
+
+
+@pytest.fixture(params=["cpu-kernels", "plain-torch"])
+def attention_path(request):
+    from fleetserve.replica import kernels
+
+    if request.param == "cpu-kernels":
+        yield request.param
+    else:
+        with kernels.disabled():
+            yield request.param
+
+
+def _prompt(n: int, seed: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def _hf_incremental(hf, ids: list[int], n_prefill: int) -> torch.Tensor:
+    """HF's logits [len(ids), V] as generate computes them: one pass over ids[:n_prefill], then
+    one token per pass with its KV cache."""
+    with torch.no_grad():
+        out = hf(torch.tensor([ids[:n_prefill]]), use_cache=True)
+        logits, cache = [out.logits[0]], out.past_key_values
+        for t in range(n_prefill, len(ids)):
+            out = hf(torch.tensor([[ids[t]]]), cache=cache, use_cache=True)
+            logits.append(out.logits[0])
+            cache = out.past_key_values
+    return torch.cat(logits)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_logits_match_hf(name, model_dirs, hf_models, attention_path):
+    model, cfg = load_model(resolve_model(str(model_dirs[name])), torch.float32, "cpu")
+    assert type(model).__name__ == MODELS[name][0].replace("Config", "ForCausalLM")
+    free = list(range(1, 40))
+    random.Random(1).shuffle(free)
+    caches = allocate_kv_caches(cfg, 40, BLOCK, torch.float32)
+
+    def step(chunks):
+        md = AttentionMetadata.build([len(c[0]) for c in chunks], [c[1] for c in chunks], [c[2] for c in chunks], BLOCK)
+        with torch.no_grad():
+            logits = model.compute_logits(
+                model(torch.tensor([t for c in chunks for t in c[0]]), md.positions, caches, md)
+            )
+        return logits.split([len(c[0]) for c in chunks])
+
+    # a: 11-token prefill, then decodes up to 26 tokens (past Phi-3's original 16);
+    # b: a prefill in uneven chunks (its 14 tokens within the original length), in the same
+    # steps as a's prefill and first decodes
+    a, b = _prompt(26, 1, cfg.vocab_size), _prompt(14, 2, cfg.vocab_size)
+    ta, tb = [free.pop() for _ in range(7)], [free.pop() for _ in range(4)]
+    got_a, got_b = [], []
+    for a_chunk, b_chunk in [((0, 11), (0, 5)), ((11, 12), (5, 6)), ((12, 13), (6, 14))]:
+        la, lb = step([(a[slice(*a_chunk)], a_chunk[0], ta), (b[slice(*b_chunk)], b_chunk[0], tb)])
+        got_a.append(la)
+        got_b.append(lb)
+    for t in range(13, len(a)):
+        (la,) = step([(a[t : t + 1], t, ta)])
+        got_a.append(la)
+    hf = hf_models[name]
+    torch.testing.assert_close(torch.cat(got_a), _hf_incremental(hf, a, 11), atol=ATOL, rtol=0)
+    with torch.no_grad():
+        ref_b = hf(torch.tensor([b])).logits[0]
+    torch.testing.assert_close(torch.cat(got_b), ref_b, atol=ATOL, rtol=0)
+
+
+def test_longrope_table_switches_at_the_original_length(model_dirs):
+    """Rows below the original length rotate with the short factor, from it on with the long one
+    (what HF's generate does once a sequence passes it), both with HF's attention factor."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    model, _ = load_model(resolve_model(str(model_dirs["phi3_longrope"])), torch.float32, "cpu", max_model_len=96)
+    table = model.model.rotary_emb.cos_sin_cache
+    assert table.shape == (96, 16)
+    hf_cfg = AutoConfig.from_pretrained(model_dirs["phi3_longrope"])
+    for seq_len, rows in ((None, range(0, ORIGINAL)), (ORIGINAL + 1, range(ORIGINAL, 96))):
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS["longrope"](hf_cfg, "cpu", seq_len=seq_len)
+        assert scaling > 1.0  # max_position_embeddings / original = 4: the factor of the config, not of 96
+        freqs = torch.outer(torch.tensor(list(rows), dtype=torch.float32), inv_freq)
+        want = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * scaling
+        torch.testing.assert_close(table[rows.start : rows.stop], want, atol=1e-6, rtol=0)
+
+
+def test_engine_greedy_equals_hf_generate(model_dirs, hf_models):
+    """Through LLM (scheduler, chunked prefill beside decodes, tokenizer): HF generate's tokens,
+    for prompts of different lengths (Phi-3's within its original length: past it HF's
+    generate recomputes the whole cache with the long factor, see rotary._longrope_cos_sin)."""
+    from fleetserve.replica.llm import LLM
+
+    prompts = ["Hello", "The quick", "def add(a, b):"]
+    params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
+    for name in ("qwen3", "phi3_longrope"):
+        llm = LLM(
+            str(model_dirs[name]),
+            dtype="float32",
+            block_size=BLOCK,
+            num_gpu_blocks_override=48,
+            num_threads=1,
+            max_num_batched_tokens=16,
+            long_prefill_token_threshold=6,
+        )
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            llm.shutdown()
+        lengths = [len(o.prompt_token_ids) for o in outs]
+        assert len(set(lengths)) == 3 and max(lengths) + 7 <= ORIGINAL, lengths
+        for out in outs:
+            ids = torch.tensor([out.prompt_token_ids])
+            with torch.no_grad():
+                ref = hf_models[name].generate(
+                    ids, max_new_tokens=7, do_sample=False, eos_token_id=None, pad_token_id=2
+                )
+            assert list(out.outputs[0].token_ids) == ref[0, ids.shape[1] :].tolist(), (name, out.prompt)
+
+
+def test_qwen3_lora_equals_peft(model_dirs, hf_models, tmp_path):
+    """A PEFT adapter on all seven projections of Qwen3 (q/k/v into the fused qkv with the q/k
+    norms after it): greedy tokens equal PEFT's model, beside a base-model request."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from fleetserve.replica.llm import LLM
+    from fleetserve.replica.lora import LoRARequest
+    from fleetserve.replica.testing import make_tiny_lora
+
+    adapter = make_tiny_lora(model_dirs["qwen3"], tmp_path / "a", seed=3)
+    base = AutoModelForCausalLM.from_pretrained(model_dirs["qwen3"], dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, str(adapter)).eval()
+    llm = LLM(
+        str(model_dirs["qwen3"]),
+        dtype="float32",
+        block_size=BLOCK,
+        num_gpu_blocks_override=48,
+        num_threads=1,
+        enable_lora=True,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompt = "The quick brown fox jumps"
+    try:
+        with_a, plain = llm.generate(
+            [prompt, prompt], params, use_tqdm=False, lora_request=[LoRARequest("a", 1, str(adapter)), None]
+        )
+    finally:
+        llm.shutdown()
+    ids = torch.tensor([with_a.prompt_token_ids])
+    for out, ref_model in ((with_a, peft), (plain, hf_models["qwen3"])):
+        with torch.no_grad():
+            ref = ref_model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=2)
+        assert list(out.outputs[0].token_ids) == ref[0, ids.shape[1] :].tolist()
+    assert with_a.outputs[0].token_ids != plain.outputs[0].token_ids  # the adapter is not a no-op
+
+
+def test_phi3_checkpoint_problems_are_named(model_dirs, tmp_path):
+    """A fused tensor of the wrong size, or one missing, is a ValueError naming the checkpoint's
+    (fused) tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from fleetserve.replica.models.phi3 import Phi3ForCausalLM
+
+    src = model_dirs["phi3_longrope"]
+    model, _ = load_model(resolve_model(str(src)), torch.float32, "cpu")
+    assert isinstance(model, Phi3ForCausalLM)
+    weights = load_file(str(src / "model.safetensors"))
+    assert "model.layers.0.self_attn.qkv_proj.weight" in model.expected_weight_names()
+    assert model.load_weights(weights.items()) == set(weights)
+    short = dict(weights)
+    short["model.layers.1.mlp.gate_up_proj.weight"] = weights["model.layers.1.mlp.gate_up_proj.weight"][:-2]
+    with pytest.raises(ValueError, match=r"gate_up_proj.weight: 190 rows, expected 192 \(96 \+ 96\)"):
+        model.load_weights(short.items())
+    missing = {k: v for k, v in weights.items() if k != "model.layers.0.self_attn.qkv_proj.weight"}
+    with pytest.raises(ValueError, match=r"1 weight\(s\) missing, e.g. model.layers.0.self_attn.qkv_proj.weight"):
+        model.load_weights(missing.items())
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (bad / f.name).write_bytes(f.read_bytes())
+    save_file(short, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match="190 rows"):
+        load_model(resolve_model(str(bad)), torch.float32, "cpu")
+
+
+def test_partial_rotary_refused_when_it_leaves_odd_dims():
+    from fleetserve.replica.layers import RotaryEmbedding
+
+    assert RotaryEmbedding(16, 32, {"rope_type": "default", "partial_rotary_factor": 0.3}).rotary_dim == 4  # int(4.8)
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.2 gives 3 rotary dims of a 16-dim head"):
+        RotaryEmbedding(16, 32, {"rope_type": "default", "partial_rotary_factor": 0.2})
+    with pytest.raises(ValueError, match=r"a factor in \(0, 1\]"):
+        RotaryEmbedding(16, 32, {"rope_type": "default", "partial_rotary_factor": 1.5})
+
+
+@pytest.mark.slow
+def test_tp2_matches_tp1(model_dirs):
+    """Both families over two ranks (Qwen3's q/k norms replicated, Phi-3's fused tensors split
+    per rank): TP=1's tokens and logprobs."""
+    import os
+
+    ray = pytest.importorskip("ray")
+    from fleetserve.replica.llm import LLM
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(
+            address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1"
+        )
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    prompts = ["The quick brown fox", "def add(a, b):"]
+    try:
+        for name in ("qwen3", "phi4mini_partial"):
+            outs = []
+            for tp in (1, 2):
+                llm = LLM(
+                    str(model_dirs[name]),
+                    dtype="float32",
+                    block_size=BLOCK,
+                    num_gpu_blocks_override=48,
+                    num_threads=1,
+                    tensor_parallel_size=tp,
+                )
+                try:
+                    outs.append(llm.generate(prompts, params, use_tqdm=False))
+                finally:
+                    llm.shutdown()
+            for a, b in zip(*outs, strict=True):
+                assert a.outputs[0].token_ids == b.outputs[0].token_ids, name
+                for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+                    assert la.keys() == lb.keys()
+                    assert all(abs(la[t] - lb[t]) < 1e-4 for t in la)
+    finally:
+        if started:
+            ray.shutdown()
