@@ -188,7 +188,8 @@ def main() -> None:
         engines.remove("vllm")
     rows: list[dict] = []
     for shape in args.shapes.split(","):
-        model_dir = write_shape(shape, Path(args.cache) / f"{shape}-L{args.moe_layers}", args.moe_layers)
+        folder = f"{shape}-L{args.moe_layers}" if SHAPES[shape][0] == "Qwen3MoeConfig" else shape
+        model_dir = write_shape(shape, Path(args.cache) / folder, args.moe_layers)
         cfg = json.loads((model_dir / "config.json").read_text())
         prompts, outputs = workload(args.num_prompts, args.prompt_len, args.max_tokens, cfg["vocab_size"])
         runs: dict[str, list[dict]] = {e: [] for e in engines}
