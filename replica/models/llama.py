@@ -6,9 +6,12 @@
 
 Differences inside the family are config switches: GQA (num_key_value_heads),
 rope scaling (config.rope_parameters), q/k/v biases (Qwen2, or Llama's
-`attention_bias`, which also biases o_proj), `mlp_bias`, tied embeddings.
-Mistral's sliding window is not applied (it only matters past 4096 tokens of
-context; the runner's max_model_len should stay within it).
+`attention_bias`, which also biases o_proj), `mlp_bias`, tied embeddings,
+sliding windows: Mistral's `sliding_window` on every layer, Qwen2's (with
+`use_sliding_window`) on the layers `config.layer_types` marks "sliding_attention"
+(from `max_window_layers` on, as model_config derives it), as transformers applies
+them (`layer_sliding_window`; PagedAttention reads only the keys inside a window).
+The cache keeps every token of a request, also those a window no longer sees.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ Rope = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
 def _rope_parameters(config: Any) -> dict[str, Any]:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if "full_attention" in params:  # per layer type (Gemma 3): the full-attention layers' table
+        params = params["full_attention"] or {}
     params = dict(params)
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     rope_type = params.get("rope_type") or params.get("type")
@@ -56,6 +61,26 @@ def _rope_parameters(config: Any) -> dict[str, Any]:
         # longer one served (RotaryEmbedding's max_position)
         params["factor"] = max_len / original
     return params
+
+
+# Families whose configs say per layer (config.layer_types) which layers slide, as their
+# transformers models read it; the others (Mistral, Mixtral, Phi-3, Qwen3-MoE) apply a config's
+# sliding_window on every layer (and transformers ignores a layer_types they carry).
+LAYER_TYPED_WINDOWS = ("qwen2", "qwen3", "gemma3_text")
+
+
+def layer_sliding_window(config: Any, layer_idx: int) -> Optional[int]:
+    """Decoder layer `layer_idx`'s sliding window as transformers applies it, or None (full
+    attention): config.sliding_window on every layer, or for LAYER_TYPED_WINDOWS families on
+    those config.layer_types marks "sliding_attention"."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    if getattr(config, "model_type", None) in LAYER_TYPED_WINDOWS:
+        types = getattr(config, "layer_types", None) or []
+        if layer_idx >= len(types) or types[layer_idx] != "sliding_attention":
+            return None
+    return int(window)
 
 
 def _head_dim(config: Any) -> int:
@@ -143,6 +168,9 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.self_attn = self.attention_cls(config, rotary_emb, tp)
+        attn = getattr(self.self_attn, "attn", None)
+        if isinstance(attn, PagedAttention):  # any family's attention: its layer's window
+            attn.sliding_window = layer_sliding_window(config, layer_idx)
         self.mlp = self.mlp_cls(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -186,6 +214,7 @@ class _KernelPlan(NamedTuple):
     dims: tuple[int, int, int]  # heads, kv heads, head_dim
     scale: float
     k_tiled: bool
+    windows: list[int]  # per layer: its sliding window, 0 for none (empty: no layer has one)
 
 
 def _plan_holds(plan: _KernelPlan) -> bool:
@@ -221,6 +250,17 @@ class LlamaModel(nn.Module):
         # (key, plan or None, and with None the packings it was refused with): see _kernel_plan
         self._plan: tuple[Optional[tuple], Optional[_KernelPlan], list] = (None, None, [])
         self._linear_states: Optional[list[dict]] = None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] token ids -> [T, hidden]: the embedding rows (a family that scales them, Gemma, says so here)."""
+        return self.embed_tokens(input_ids)
+
+    def rope_inputs(self, positions: torch.Tensor, dtype: torch.dtype, kernels: bool) -> Rope:
+        """What every layer rotates q and k with: the positions where the fused kernel rotates
+        (it reads the layer's own table), else (cos, sin) of this model's table, gathered once
+        per forward. A family whose layers rotate with tables of their own (Gemma 3's local and
+        global ones) passes the positions, and its attention gathers."""
+        return positions if kernels else self.rotary_emb.cos_sin(positions, dtype)
 
     def decoder_layers(self) -> Iterator[LlamaDecoderLayer]:
         """`layers`, typed (an nn.ModuleList yields plain Modules)."""
@@ -272,6 +312,7 @@ class LlamaModel(nn.Module):
         fused: set[bool] = set()
         checks: list[tuple] = []
         rows: list[int] = []
+        windows: list[int] = []
         layers = list(self.decoder_layers())
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -304,6 +345,9 @@ class LlamaModel(nn.Module):
                 )
             ]
             rows += [qkv.max_rows, o.max_rows, gate_up.max_rows, down.max_rows]
+            if attn.attn.logit_softcap is not None:
+                return None
+            windows.append(attn.attn.sliding_window or 0)
         if not rows or len(fused) != 1 or any(w.dtype != dtype for w in weights):
             return None
         first = layers[0].self_attn
@@ -325,6 +369,7 @@ class LlamaModel(nn.Module):
             (first.num_heads, first.num_kv_heads, D),
             first.attn.scale,
             kv_cache_layout(dtype, block_size, D) == "k_tiled",
+            windows if any(windows) else [],
         )
 
     def forward(
@@ -335,9 +380,9 @@ class LlamaModel(nn.Module):
         md: AttentionMetadata,
         kv_hooks: Optional[KVConnectorWorker] = None,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         ops = ops_for(hidden)
-        rope: Rope = positions if ops is not None else self.rotary_emb.cos_sin(positions, hidden.dtype)
+        rope = self.rope_inputs(positions, hidden.dtype, ops is not None)
         plan = None
         if ops is not None and kv_hooks is None and hidden.shape[0] and lora_layers.current() is None:
             plan = self._kernel_plan(hidden, kv_caches)
@@ -393,6 +438,7 @@ class LlamaModel(nn.Module):
                 plan.scale,
                 plan.k_tiled,
                 plan.fused,
+                plan.windows[first : first + count],
             )
 
         if progress is None or hidden.shape[0] < PROGRESS_SPLIT_ROWS:

@@ -131,3 +131,50 @@ def test_bad_window_or_softcap_is_a_clear_error():
         PagedAttention(H, KVH, D, sliding_window=0)
     with pytest.raises(ValueError, match="soft-cap"):
         PagedAttention(H, KVH, D, logit_softcap=-1.0)
+
+
+# ----------------------------------------------------------------------------- models vs transformers
+
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+WINDOWED = {
+    # every layer slides
+    "mistral": ("MistralConfig", dict(sliding_window=8)),
+    # layers from max_window_layers on slide (transformers' layer_types), here the second
+    "qwen2": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(WINDOWED))
+def windowed(request, tmp_path_factory):
+    import transformers
+
+    from fleetserve.replica.testing import make_tiny_model
+    from tests.replica.hf_compare import HFCompare
+
+    cls, extra = WINDOWED[request.param]
+    path = make_tiny_model(tmp_path_factory.mktemp(request.param), getattr(transformers, cls)(**SMALL, **extra))
+    return request.param, HFCompare(path)
+
+
+@pytest.mark.parametrize("kernels_on", [True, False], ids=["cpu-kernels", "plain-torch"])
+def test_windowed_families_match_transformers(windowed, kernels_on):
+    """Mistral and Qwen2 with a window of 8 over 30-token prompts (chunks that start past the
+    window, decodes past it): logits as transformers', greedy tokens identical."""
+    from tests.replica.hf_compare import ATOL, prompt
+
+    family, cmp = windowed
+    windows = [layer.self_attn.attn.sliding_window for layer in cmp.model.model.layers]
+    assert windows == ([8, 8] if family == "mistral" else [None, 8])
+    ctx = contextlib.nullcontext() if kernels_on else kernels.disabled()
+    with ctx:
+        ids = prompt(30, 1, cmp.cfg.vocab_size)
+        torch.testing.assert_close(cmp.chunked_logits(ids, [13, 22]), cmp.reference(ids), atol=ATOL, rtol=0)
+        ours, theirs = cmp.greedy(prompt(11, 2, cmp.cfg.vocab_size), 14)
+    assert ours == theirs
