@@ -136,18 +136,29 @@ class FusedMoE(nn.Module):
 
     def local_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """This rank's share of the output [T, H] (before the all-reduce), in x's dtype."""
+        tokens, weights, counts = self.dispatch(topk_weights, topk_ids)
+        ys = self.run_experts(x[tokens], counts)
+        return self.combine(ys, tokens, weights, x.shape[0]).to(x.dtype)
+
+    def dispatch(
+        self, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """The (token, expert) pairs of this rank's experts, grouped by expert: the token of each
+        pair [P], its routing weight [P] and how many pairs each local expert has (on the host)."""
         T, k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1)
-        flat_weights = topk_weights.reshape(-1)
-        pair = torch.arange(T * k, device=x.device)  # (token, slot) pair p: token p // k
+        pair = torch.arange(T * k, device=topk_ids.device)  # pair p is token p // k's slot p % k
         if self.expert_parallel and self.tp.world_size > 1:
             local = (flat_ids >= self.expert_start) & (flat_ids < self.expert_start + self.num_local_experts)
             pair = pair[local]
         ids, order = torch.sort(flat_ids[pair] - self.expert_start, stable=True)
         pair = pair[order]
-        tokens = pair // k
         counts = torch.bincount(ids, minlength=self.num_local_experts).tolist()
-        xs = x[tokens]  # [P, H]: each token once per expert it goes to, grouped by expert
+        return pair // k, topk_weights.reshape(-1)[pair], counts
+
+    def run_experts(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """xs [P, H] grouped by expert (`counts` rows each) -> down(silu(gate) * up) [P, H]: one
+        gate|up and one down matmul per expert with rows."""
         ys = torch.empty_like(xs)
         n = self.local_intermediate
         start = 0
@@ -158,10 +169,13 @@ class FusedMoE(nn.Module):
             h = F.linear(xs[start:end], self.w13_weight[e])  # [count, 2I]
             ys[start:end] = F.linear(F.silu(h[:, :n]) * h[:, n:], self.w2_weight[e])
             start = end
-        scaled = ys.float() * flat_weights[pair].float().unsqueeze(1)
-        out = torch.zeros(T, self.hidden_size, dtype=torch.float32, device=x.device)
-        out.index_add_(0, tokens, scaled)
-        return out.to(x.dtype)
+        return ys
+
+    def combine(self, ys: torch.Tensor, tokens: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Each expert output row times its routing weight, summed per token (float32) -> [T, H]."""
+        out = torch.zeros(num_tokens, self.hidden_size, dtype=torch.float32, device=ys.device)
+        out.index_add_(0, tokens, ys.float() * weights.float().unsqueeze(1))
+        return out
 
 
 class SparseMoeBlock(nn.Module):
