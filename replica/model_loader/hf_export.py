@@ -15,6 +15,7 @@ import torch
 from fleetserve.replica.model_loader.registry import ModelSource, resolve_model
 from fleetserve.replica.model_loader.weights import (
     gguf_config,
+    gguf_tensor_reader,
     iter_gguf_weights,
     iter_safetensors_weights,
     load_hf_config,
@@ -33,7 +34,7 @@ def build_hf_model(source: ModelSource | str, dtype: torch.dtype = torch.float32
 
     gguf_file = GGUFFile(source.path)
     try:
-        config = gguf_config(gguf_file.metadata, set(gguf_file.tensors), source.path)
+        config = gguf_config(gguf_file.metadata, set(gguf_file.tensors), source.path, gguf_tensor_reader(gguf_file))
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         state = {name: t.to(dtype) for name, t in iter_gguf_weights(source.path, gguf_file, config)}
     finally:

@@ -11,7 +11,9 @@
   ([first halves..., second halves...]) to interleaved pairs, and its
   ``permute`` is undone exactly as transformers' ``LlamaTensorProcessor`` does.
   A `LlamaConfig` is built from the GGUF metadata (no ``output.weight`` means
-  tied embeddings).
+  tied embeddings). ``qwen3`` (attn_q_norm / attn_k_norm) and ``phi3`` (fused
+  attn_qkv, gate|up fused in ffn_up, LongRoPE factors as rope_factors_* tensors)
+  are not permuted by llama.cpp, so they are read as stored.
 
 Every problem with the files (corrupt, truncated, missing tensors, wrong
 shapes) raises ValueError naming the file.
@@ -22,7 +24,7 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -43,23 +45,38 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head norms
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3's fused q|k|v
 }
+# Where an architecture's tensor differs from _GGUF_LAYER_NAMES: llama.cpp's Phi-3 keeps the
+# checkpoint's fused gate|up in ffn_up (no ffn_gate).
+_GGUF_ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for tensors we do not use."""
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (for GGUF architecture
+    `arch`); None for tensors we do not use (Phi-3's rope factors are read as config)."""
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
     m = _LAYER_RE.match(name)
-    if m and m.group(2) in _GGUF_LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m:
+        ours = _GGUF_ARCH_LAYER_NAMES.get(arch, {}).get(m.group(2)) or _GGUF_LAYER_NAMES.get(m.group(2))
+        if ours:
+            return f"model.layers.{m.group(1)}.{ours}.{m.group(3)}"
     return None
 
 
@@ -72,24 +89,38 @@ def reverse_llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 # --------------------------------------------------------------------------- configs
 
 
-def gguf_config(meta: dict[str, Any], tensor_names: set[str], path: Path):
-    """A transformers `LlamaConfig` / `MistralConfig` / `Qwen2Config` from GGUF metadata (for
-    HF's own model: hf_export; the engine reads `gguf_model_config`)."""
+# A GGUF tensor's float32 values by name (Phi-3's LongRoPE factors are tensors).
+TensorReader = Callable[[str], np.ndarray]
+
+
+def gguf_tensor_reader(gguf_file: Any) -> TensorReader:
+    """Values of `gguf_file`'s tensors, dequantized."""
+    return lambda name: np.asarray(dequantize_gguf(gguf_file.raw(name), gguf_file.tensors[name].ggml_type))
+
+
+def gguf_config(meta: dict[str, Any], tensor_names: set[str], path: Path, read_tensor: TensorReader | None = None):
+    """A transformers config (`LlamaConfig`, `Qwen3Config`, `Phi3Config`, ...) from GGUF metadata
+    (for HF's own model: hf_export; the engine reads `gguf_model_config`)."""
     from transformers import AutoConfig
 
-    arch, kwargs = _gguf_config_fields(meta, tensor_names, path)
+    arch, kwargs = _gguf_config_fields(meta, tensor_names, path, read_tensor)
     if arch == "qwen2":
         kwargs.pop("head_dim")
     return AutoConfig.for_model(arch, **kwargs)
 
 
-def gguf_model_config(meta: dict[str, Any], tensor_names: set[str], path: Path) -> ModelConfig:
-    """The engine's config (model_config.ModelConfig) from GGUF metadata."""
-    arch, kwargs = _gguf_config_fields(meta, tensor_names, path)
+def gguf_model_config(
+    meta: dict[str, Any], tensor_names: set[str], path: Path, read_tensor: TensorReader | None = None
+) -> ModelConfig:
+    """The engine's config (model_config.ModelConfig) from GGUF metadata (and, for Phi-3's
+    LongRoPE, the rope factor tensors through `read_tensor`)."""
+    arch, kwargs = _gguf_config_fields(meta, tensor_names, path, read_tensor)
     return ModelConfig.from_dict({"model_type": arch, **kwargs})
 
 
-def _gguf_config_fields(meta: dict[str, Any], tensor_names: set[str], path: Path) -> tuple[str, dict[str, Any]]:
+def _gguf_config_fields(
+    meta: dict[str, Any], tensor_names: set[str], path: Path, read_tensor: TensorReader | None = None
+) -> tuple[str, dict[str, Any]]:
     arch = meta.get("general.architecture")
     if arch not in _GGUF_ARCHITECTURES:
         raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {sorted(_GGUF_ARCHITECTURES)}")
@@ -115,6 +146,11 @@ def _gguf_config_fields(meta: dict[str, Any], tensor_names: set[str], path: Path
         if get("rope.scaling.original_context_length"):
             rope["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
     head_dim = get("attention.key_length") or get("rope.dimension_count") or hidden // heads
+    extra: dict[str, Any] = {}
+    if arch == "phi3":
+        head_dim, extra = _gguf_phi3_rope(get, hidden // heads, rope, tensor_names, path, read_tensor)
+    elif arch == "qwen3":  # GGUF has no key for it: the tensors are there or not
+        extra["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
     kwargs = dict(
         architectures=[_GGUF_ARCHITECTURES[arch]],
         vocab_size=int(vocab),
@@ -131,8 +167,44 @@ def _gguf_config_fields(meta: dict[str, Any], tensor_names: set[str], path: Path
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+        **extra,
     )
     return arch, kwargs
+
+
+def _gguf_phi3_rope(
+    get: Callable[..., Any],
+    head_dim: int,
+    rope: dict[str, Any],
+    tensor_names: set[str],
+    path: Path,
+    read_tensor: TensorReader | None,
+) -> tuple[int, dict[str, Any]]:
+    """Phi-3 as llama.cpp's converter writes it: heads of hidden / heads (no key_length), the
+    rotary part as rope.dimension_count (partial rotary when smaller), LongRoPE as the
+    rope_factors_short / rope_factors_long tensors with rope.scaling.original_context_length.
+    `rope` gets the rope parameters; returns (head_dim, extra config fields). The attention
+    factor is derived from context_length / original as transformers does (llama.cpp's
+    rope.scaling.attn_factor is that same number, rounded to float32)."""
+    extra: dict[str, Any] = {}
+    rotary = get("rope.dimension_count")
+    if rotary and int(rotary) != head_dim:
+        rope["partial_rotary_factor"] = int(rotary) / head_dim
+    original = get("rope.scaling.original_context_length")
+    if original:
+        extra["original_max_position_embeddings"] = int(original)
+    factors = {"short_factor": "rope_factors_short.weight", "long_factor": "rope_factors_long.weight"}
+    present = [name for name in factors.values() if name in tensor_names]
+    if present:
+        if len(present) != 2 or not original or read_tensor is None:
+            raise ValueError(
+                f"{path}: LongRoPE needs both rope_factors_short and rope_factors_long tensors and "
+                "rope.scaling.original_context_length"
+            )
+        rope["rope_type"] = "longrope"
+        for key, name in factors.items():
+            rope[key] = [float(x) for x in read_tensor(name).reshape(-1)]
+    return head_dim, extra
 
 
 # --------------------------------------------------------------------------- tensor iterators
@@ -172,9 +244,10 @@ def dequantize_gguf(raw: np.ndarray, ggml_type: Any) -> np.ndarray:
 def iter_gguf_weights(path: Path, gguf_file: Any, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """(hf_name, float32 tensor) for every tensor we use, dequantized and un-permuted."""
     arch = gguf_file.metadata.get("general.architecture")
-    unpermute = arch == "llama"  # as transformers does: only llama.cpp's llama converter permutes
+    # As transformers does: only llama.cpp's llama converter permutes (not qwen2/qwen3/phi3's).
+    unpermute = arch == "llama"
     for name, info in gguf_file.tensors.items():
-        hf_name = gguf_to_hf_name(name)
+        hf_name = gguf_to_hf_name(name, arch)
         if hf_name is None:
             continue
         try:
@@ -243,7 +316,9 @@ def load_model(
         from fleetserve.replica.model_loader.gguf_reader import GGUFFile
 
         gguf_file = GGUFFile(source.path)
-        config = gguf_model_config(gguf_file.metadata, set(gguf_file.tensors), source.path)
+        config = gguf_model_config(
+            gguf_file.metadata, set(gguf_file.tensors), source.path, gguf_tensor_reader(gguf_file)
+        )
     else:
         raise ValueError(f"unknown model source kind {source.kind!r}")
     model_cls = get_model_class(config)

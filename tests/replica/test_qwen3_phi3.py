@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -311,3 +312,72 @@ def test_tp2_matches_tp1(model_dirs):
     finally:
         if started:
             ray.shutdown()
+
+
+def _write_gguf(path, model_dir, name: str):
+    """A float32 GGUF of the HF folder as llama.cpp's converter lays it out: the gguf package's own
+    HF -> GGUF tensor names, its metadata keys (Qwen3's key_length; Phi-3's rotary dims,
+    original context length and LongRoPE factors as rope_factors_* tensors), no Q/K permute."""
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    arch = {"qwen3": gguf.MODEL_ARCH.QWEN3, "phi3": gguf.MODEL_ARCH.PHI3}[cfg.model_type]
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_vocab_size(cfg.vocab_size)
+    if cfg.model_type == "qwen3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_rope_dimension_count(head_dim)
+    else:
+        rope = cfg.rope_parameters
+        w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+        w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id)
+    for hf_name, t in load_file(str(model_dir / "model.safetensors")).items():
+        w.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), t.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("name", ["qwen3_bias", "phi4mini_partial"])
+def test_gguf_round_trip_matches_hf(name, model_dirs, hf_models, tmp_path):
+    """Qwen3 (q/k norms, biases, no permute) and Phi-3 (fused attn_qkv, gate|up in ffn_up,
+    partial rotary, LongRoPE factor tensors) from a GGUF file: the config and the logits of
+    HF's model on the folder the file was written from."""
+    pytest.importorskip("gguf")
+    from fleetserve.replica.model_loader.hf_export import build_hf_model
+
+    path = _write_gguf(tmp_path / f"{name}.gguf", model_dirs[name], name)
+    source = resolve_model(str(path))
+    model, cfg = load_model(source, torch.float32, "cpu")
+    hf = hf_models[name]
+    ours_from_folder = load_model(resolve_model(str(model_dirs[name])), torch.float32, "cpu")[1]
+    for key in ("head_dim", "num_key_value_heads", "rope_parameters", "tie_word_embeddings", "attention_bias"):
+        assert getattr(cfg, key) == getattr(ours_from_folder, key), key
+    ids = _prompt(14, 5, cfg.vocab_size)
+    caches = allocate_kv_caches(cfg, 8, BLOCK, torch.float32)
+    md = AttentionMetadata.build([14], [0], [[3, 1, 6, 2]], BLOCK)
+    with torch.no_grad():
+        ours = model.compute_logits(model(torch.tensor(ids), md.positions, caches, md))
+        ref = hf(torch.tensor([ids])).logits[0]
+        exported = build_hf_model(source)(torch.tensor([ids])).logits[0]  # hf_export reads the file too
+    torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(exported, ref, atol=ATOL, rtol=0)
