@@ -1,7 +1,7 @@
 """Qwen3 and Phi-3 (replica/models/qwen3.py, phi3.py) against transformers' own models, fp32.
 
 Tiny random models of each: Qwen3 with head_dim decoupled from hidden/heads (tied embeddings;
-and one with attention_bias), Phi-3 with LongRoPE (distinct short and long factors, an
+one with attention_bias; one whose second layer slides), Phi-3 with LongRoPE (distinct short and long factors, an
 original length of 16 inside a 64-token max) and Phi-4-mini style partial rotary with
 LongRoPE. Logits through the paged cache (prefill, chunked prefill, paged decode; shuffled
 block tables) equal HF's model run pass by pass on its own KV cache within 1e-4 (Phi-3's
@@ -42,6 +42,11 @@ def _longrope(n: int) -> dict:
 MODELS = {
     "qwen3": ("Qwen3Config", dict(head_dim=24, tie_word_embeddings=True, max_position_embeddings=128)),
     "qwen3_bias": ("Qwen3Config", dict(head_dim=32, attention_bias=True, max_position_embeddings=128)),
+    # layer 1 of 2 slides (max_window_layers=1) over 6 tokens
+    "qwen3_sliding": (
+        "Qwen3Config",
+        dict(use_sliding_window=True, sliding_window=6, max_window_layers=1, max_position_embeddings=128),
+    ),
     "phi3_longrope": (
         "Phi3Config",
         dict(max_position_embeddings=64, original_max_position_embeddings=ORIGINAL, rope_parameters=_longrope(8)),
@@ -111,6 +116,8 @@ def _hf_incremental(hf, ids: list[int], n_prefill: int) -> torch.Tensor:
 def test_logits_match_hf(name, model_dirs, hf_models, attention_path):
     model, cfg = load_model(resolve_model(str(model_dirs[name])), torch.float32, "cpu")
     assert type(model).__name__ == MODELS[name][0].replace("Config", "ForCausalLM")
+    windows = [layer.self_attn.attn.sliding_window for layer in model.model.layers]
+    assert windows == ([None, 6] if name == "qwen3_sliding" else [None, None])
     free = list(range(1, 40))
     random.Random(1).shuffle(free)
     caches = allocate_kv_caches(cfg, 40, BLOCK, torch.float32)
