@@ -110,6 +110,28 @@ CASES = [
     {"model_type": "qwen3_moe", "num_local_experts": 6, "decoder_sparse_step": 2},
     {"model_type": "mixtral"},
     {"model_type": "phi3"},
+    {  # Phi-4-mini's form: a top-level partial_rotary_factor, LongRoPE under rope_scaling
+        "model_type": "phi3",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 64,
+        "original_max_position_embeddings": 16,
+        "partial_rotary_factor": 0.5,
+        "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.5, 2.0, 2.5], "long_factor": [3.0] * 4},
+    },
+    {  # Phi-3's early "yarn" name for LongRoPE; the top-level original length wins over its own
+        "model_type": "phi3",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 64,
+        "original_max_position_embeddings": 32,
+        "rope_scaling": {
+            "type": "yarn",
+            "short_factor": [1.0] * 8,
+            "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 8,
+        },
+    },
     {"model_type": "gemma3_text"},
     {"model_type": "gemma3_text", "num_hidden_layers": 7, "sliding_window": 16, "rope_local_base_freq": 1000.0},
 ]
