@@ -9,7 +9,10 @@ size 768, softmax then top-k without renormalisation) with random weights, one r
     dispatch  sort the T*8 (token, expert) pairs by expert, count them on the host, gather
               the tokens' rows, then scale by the routing weights and index_add_ them back
               (FusedMoE.dispatch, x[tokens], FusedMoE.combine)
-    experts   per expert with tokens: gate|up matmul, silu * up, down matmul (FusedMoE.run_experts)
+    experts   gate|up matmul, silu * up, down matmul over every expert's tokens: as two grouped
+              GEMMs (torch's grouped_mm, FusedMoE._run_grouped: what run_experts takes where it
+              runs) and, for comparison, one pair of matmuls per expert with tokens
+              (FusedMoE._run_each, with its host read of the counts)
 
 and the whole forward (SparseMoeBlock(x)) as a check that the phases add up. Random router
 weights spread tokens over experts about evenly, which a trained router does not; a
@@ -39,7 +42,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 HIDDEN, EXPERTS, TOP_K, EXPERT_INTERMEDIATE = 2048, 128, 8, 768
 BATCHES = [("decode", 1), ("decode", 8), ("decode", 32), ("prefill", 256)]
-PHASES = ("routing", "dispatch", "experts")
+PHASES = ("routing", "dispatch", "experts", "experts_each")
 
 
 def build(device: torch.device, dtype: torch.dtype):
@@ -82,14 +85,16 @@ def measure(block, T: int, device: torch.device, dtype: torch.dtype, repeats: in
             t_disp, (tokens, pair_w, counts) = timed(sync, moe.dispatch, weights, ids)
             t_gather, xs = timed(sync, x.__getitem__, tokens)
             t_exp, ys = timed(sync, moe.run_experts, xs, counts)
+            t_each, _ = timed(sync, lambda xs, c: moe._run_each(xs, c.tolist()), xs, counts)
             t_comb, _ = timed(sync, combine, ys, tokens, pair_w)
             t_total, _ = timed(sync, block, x)
             if i >= warmup:
                 samples["routing"].append(t_route)
                 samples["dispatch"].append(t_disp + t_gather + t_comb)
                 samples["experts"].append(t_exp)
+                samples["experts_each"].append(t_each)
                 samples["total"].append(t_total)
-        active = sum(1 for c in counts if c)
+        active = int((counts > 0).sum())
     return {"tokens": T, "active_experts": active, **{k: statistics.median(v) * 1e3 for k, v in samples.items()}}
 
 
@@ -101,10 +106,12 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     labels = [f"{r['kind']}\n{r['tokens']} tok" for r in rows]
-    width = 0.27
-    for j, (phase, color) in enumerate(zip(PHASES, ("tab:blue", "tab:orange", "tab:green"))):
-        xs = [i + (j - 1) * width for i in range(len(rows))]
-        ax.bar(xs, [r[phase] for r in rows], width, label=phase, color=color)
+    width = 0.2
+    names = ("routing", "dispatch", "experts (grouped_mm)", "experts (per expert)")
+    colors = ("tab:blue", "tab:orange", "tab:green", "tab:olive")
+    for j, (phase, name, color) in enumerate(zip(PHASES, names, colors)):
+        xs = [i + (j - 1.5) * width for i in range(len(rows))]
+        ax.bar(xs, [r[phase] for r in rows], width, label=name, color=color)
     ax.set_xticks(range(len(rows)), labels)
     ax.set_yscale("log")
     ax.set_ylabel("ms per layer call (median, log scale)")
@@ -128,21 +135,31 @@ def main() -> None:
         args.repeats, args.warmup = 3, 1
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    from fleetserve.replica.layers.moe import _grouped_mm_runs
+
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     block = build(device, dtype)
     rows = []
     for kind, T in BATCHES:
         row = {"kind": kind, **measure(block, T, device, dtype, args.repeats, args.warmup)}
         rows.append(row)
-    where = f"{device.type}, {str(dtype).removeprefix('torch.')}" + (
+    grouped = (
+        "grouped_mm"
+        if block.experts.grouped_mm and _grouped_mm_runs(torch.empty(0, device=device, dtype=dtype))
+        else "per expert"
+    )
+    where = f"{device.type}, {str(dtype).removeprefix('torch.')}, experts {grouped}" + (
         f", {args.threads} thread(s)" if device.type == "cpu" else ""
     )
     print(f"MoE layer {HIDDEN}h x {EXPERTS} experts top-{TOP_K}, expert intermediate {EXPERT_INTERMEDIATE} ({where})")
-    print(f"{'batch':>14} {'active':>7} {'routing ms':>11} {'dispatch ms':>12} {'experts ms':>11} {'total ms':>9}")
+    print(
+        f"{'batch':>14} {'active':>7} {'routing ms':>11} {'dispatch ms':>12} {'experts ms':>11} "
+        f"{'(per expert)':>13} {'total ms':>9}"
+    )
     for r in rows:
         print(
             f"{r['kind'] + ' ' + str(r['tokens']):>14} {r['active_experts']:>7} {r['routing']:>11.3f} "
-            f"{r['dispatch']:>12.3f} {r['experts']:>11.3f} {r['total']:>9.3f}"
+            f"{r['dispatch']:>12.3f} {r['experts']:>11.3f} {r['experts_each']:>13.3f} {r['total']:>9.3f}"
         )
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "moe_step.json").write_text(json.dumps({"setup": where, "rows": rows}, indent=1))

@@ -2,13 +2,16 @@
 
     router_logits [T, E] --select_experts--> weights [T, k] (float32), expert ids [T, k]
     FusedMoE(x [T, H], weights, ids):
-        the T*k (token, expert) pairs sorted by expert; per active expert one
-        gate|up matmul over all of its tokens, silu(gate) * up, one down matmul;
+        the T*k (token, expert) pairs sorted by expert; per expert one gate|up
+        matmul over all of its tokens, silu(gate) * up, one down matmul (grouped GEMMs);
         each row scaled by its routing weight and scatter-added (index_add_) into [T, H]
 
-There is no Python loop over tokens: the loop is over the experts that got at least
-one token this step (at most E, at most T*k). The same torch ops run on every device;
-a fused CPU kernel (as vLLM's fused_moe / Triton on GPUs) is not written.
+The expert matmuls are two grouped GEMMs over all experts (torch's `grouped_mm`, with the
+groups' offsets on the device) where torch runs it for the rows: CPUs, and bfloat16 on
+CUDA GPUs of compute capability 8.0 or newer; elsewhere one pair of matmuls per expert
+that got tokens (a loop over at most E experts, never over tokens). The same torch ops
+run on every device; a fused kernel (vLLM's fused_moe: routing, gather and both GEMMs
+in one Triton kernel) is not written.
 
 Routing (`select_experts`): softmax over all experts' logits (float32), the top k,
 then, with `renormalize`, divided by their sum, which equals a softmax over the top k
@@ -42,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fleetserve.replica.distributed.parallel import TPGroup, get_tp_group
-from fleetserve.replica.layers.linear import ReplicatedLinear, divide, set_weight_loader
+from fleetserve.replica.layers.linear import ReplicatedLinear, divide, env_on, set_weight_loader
 
 GATE, UP, DOWN = 0, 1, 2
 
@@ -57,9 +60,25 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return weights, ids
 
 
+def _grouped_mm_runs(x: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM takes these rows: on CPUs any float dtype; on CUDA
+    bfloat16 on compute capability 8.0 or newer (its documented inputs)."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        return True
+    return (
+        x.device.type == "cuda" and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    )
+
+
 class FusedMoE(nn.Module):
     """The experts of one MoE layer (see the module docstring): forward(x [T, H], topk_weights
     [T, k], topk_ids [T, k]) -> [T, H], summed over the TP group."""
+
+    # The expert matmuls as two grouped GEMMs where torch has them for the rows' device and
+    # dtype (FLEETSERVE_MOE_GROUPED_MM=0: never), else one pair of matmuls per active expert.
+    grouped_mm: bool = env_on("FLEETSERVE_MOE_GROUPED_MM")
 
     def __init__(
         self,
@@ -142,9 +161,9 @@ class FusedMoE(nn.Module):
 
     def dispatch(
         self, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The (token, expert) pairs of this rank's experts, grouped by expert: the token of each
-        pair [P], its routing weight [P] and how many pairs each local expert has (on the host)."""
+        pair [P], its routing weight [P] and how many pairs each local expert has [E_local]."""
         T, k = topk_ids.shape
         flat_ids = topk_ids.reshape(-1)
         pair = torch.arange(T * k, device=topk_ids.device)  # pair p is token p // k's slot p % k
@@ -153,12 +172,26 @@ class FusedMoE(nn.Module):
             pair = pair[local]
         ids, order = torch.sort(flat_ids[pair] - self.expert_start, stable=True)
         pair = pair[order]
-        counts = torch.bincount(ids, minlength=self.num_local_experts).tolist()
+        counts = torch.bincount(ids, minlength=self.num_local_experts)
         return pair // k, topk_weights.reshape(-1)[pair], counts
 
-    def run_experts(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """xs [P, H] grouped by expert (`counts` rows each) -> down(silu(gate) * up) [P, H]: one
-        gate|up and one down matmul per expert with rows."""
+    def run_experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """xs [P, H] grouped by expert (`counts` rows each) -> down(silu(gate) * up) [P, H]."""
+        aligned = all(d * xs.element_size() % 16 == 0 for d in (self.hidden_size, self.local_intermediate))
+        if self.grouped_mm and aligned and _grouped_mm_runs(xs):  # its rows' strides: multiples of 16 bytes
+            return self._run_grouped(xs, counts)
+        return self._run_each(xs, counts.tolist())
+
+    def _run_grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Two grouped GEMMs over every expert at once (torch's grouped_mm, offsets on the device:
+        no host sync and no loop)."""
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        n = self.local_intermediate
+        h = F.grouped_mm(xs, self.w13_weight.transpose(1, 2), offs=offs)  # [P, 2I]
+        return F.grouped_mm(F.silu(h[:, :n]) * h[:, n:], self.w2_weight.transpose(1, 2), offs=offs)
+
+    def _run_each(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """One gate|up and one down matmul per expert with rows (where grouped_mm does not run)."""
         ys = torch.empty_like(xs)
         n = self.local_intermediate
         start = 0
