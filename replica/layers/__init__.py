@@ -1,8 +1,8 @@
 """Model layers: tensor-parallel linears and embeddings, norms, activations, rotary embedding,
 paged attention and the batched sampler."""
 
-from fleetserve.replica.layers.activation import SiluAndMul
-from fleetserve.replica.layers.layernorm import RMSNorm
+from fleetserve.replica.layers.activation import GeluAndMul, SiluAndMul
+from fleetserve.replica.layers.layernorm import GemmaRMSNorm, RMSNorm
 from fleetserve.replica.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -17,6 +17,8 @@ from fleetserve.replica.layers.rotary import RotaryEmbedding
 
 __all__ = [
     "ColumnParallelLinear",
+    "GeluAndMul",
+    "GemmaRMSNorm",
     "MergedColumnParallelLinear",
     "ParallelLMHead",
     "QKVParallelLinear",

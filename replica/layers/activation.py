@@ -1,4 +1,4 @@
-"""Activations: the SiLU-gated product of the merged gate/up projection."""
+"""Activations: the gated products of the merged gate/up projection (SiLU: Llama's; GELU: Gemma's)."""
 
 from __future__ import annotations
 
@@ -18,3 +18,18 @@ class SiluAndMul(nn.Module):
             return ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluAndMul(nn.Module):
+    """[..., 2d] -> gelu(x[..., :d]) * x[..., d:] (GeGLU), in the input's dtype as transformers
+    computes it; approximate="tanh" is transformers' gelu_pytorch_tanh, "none" its exact gelu."""
+
+    def __init__(self, approximate: str = "none"):
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"GELU approximation must be 'none' or 'tanh', got {approximate!r}")
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate) * up

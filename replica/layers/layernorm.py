@@ -1,4 +1,4 @@
-"""RMSNorm, plain and fused with the residual add."""
+"""RMSNorm, plain and fused with the residual add; Gemma's (1 + weight) form."""
 
 from __future__ import annotations
 
@@ -51,5 +51,23 @@ class RMSNorm(nn.Module):
         ops = ops_for(x)
         if ops is not None:
             return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        residual = x + residual
+        return self._norm(residual), residual
+
+
+class GemmaRMSNorm(RMSNorm):
+    """y = x / rms(x) * (1 + weight), all in float32 and rounded to x's dtype once, as
+    transformers' Gemma3RMSNorm (Llama's rounds x / rms(x) first, then multiplies): checkpoints
+    store the offset from 1. `forward(x, residual)` adds the residual in x's dtype first, as
+    transformers' decoder layer does."""
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if residual is None:
+            return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual

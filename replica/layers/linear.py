@@ -392,6 +392,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """
 
     _gated: Optional[_SmallM] = None
+    # The MLP's activation is SiLU (LlamaMLP sets it): only then the fused silu(gate) * up packing.
+    fuse_silu = True
 
     def __init__(
         self, input_size: int, output_sizes: list[int], bias: bool = False, tp_group: Optional[TPGroup] = None
@@ -411,6 +413,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             and len(self.output_sizes) == 2
             and self.output_sizes[0] == self.output_sizes[1]
             and not self.gather_output
+            and self.fuse_silu
             and env_on("FLEETSERVE_FUSED_SILU_MUL")
         ):
             d = w.shape[0] // 2

@@ -144,16 +144,23 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: Any, tp: TPGroup):
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (the Llama family uses silu)")
+        self.act_fn = self.activation(config)
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [config.intermediate_size] * 2, bias=bias, tp_group=tp
         )
+        # silu(gate) * up straight from the gate|up kernel: for SiLU's MLP only
+        self.gate_up_proj.fuse_silu = isinstance(self.act_fn, SiluAndMul)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias, tp_group=tp)
-        self.act_fn = SiluAndMul()
+
+    def activation(self, config: Any) -> nn.Module:
+        """The gated product act(gate) * up the config names (Llama's: SiLU; a family with
+        another returns its own); ValueError for one this MLP does not run."""
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (the Llama family uses silu)")
+        return SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = self.gate_up_proj.silu_and_mul(x)  # one fused kernel where it runs
+        act = self.gate_up_proj.silu_and_mul(x)  # one fused kernel where it runs (SiLU only)
         if act is None:
             act = self.act_fn(self.gate_up_proj(x))
         return self.down_proj(act)
@@ -163,6 +170,7 @@ class LlamaDecoderLayer(nn.Module):
     # A family that differs only inside attention or the MLP names its own classes here.
     attention_cls: type[nn.Module] = LlamaAttention
     mlp_cls: type[nn.Module] = LlamaMLP
+    norm_cls: type[RMSNorm] = RMSNorm
 
     def __init__(self, config: Any, rotary_emb: RotaryEmbedding, tp: TPGroup, layer_idx: int = 0):
         super().__init__()
@@ -172,8 +180,8 @@ class LlamaDecoderLayer(nn.Module):
         if isinstance(attn, PagedAttention):  # any family's attention: its layer's window
             attn.sliding_window = layer_sliding_window(config, layer_idx)
         self.mlp = self.mlp_cls(config, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
@@ -238,6 +246,7 @@ class LlamaModel(nn.Module):
     # Called as each decoder layer starts, when set (replica.engine.progress.hook_layers).
     progress: Optional[Callable[[], None]] = None
     decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    norm_cls: type[RMSNorm] = RMSNorm  # the final norm's
 
     def __init__(self, config: Any, tp: TPGroup, max_position: int):
         super().__init__()
@@ -246,7 +255,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             self.decoder_layer_cls(config, self.rotary_emb, tp, i) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.norm_cls(config.hidden_size, config.rms_norm_eps)
         # (key, plan or None, and with None the packings it was refused with): see _kernel_plan
         self._plan: tuple[Optional[tuple], Optional[_KernelPlan], list] = (None, None, [])
         self._linear_states: Optional[list[dict]] = None

@@ -18,7 +18,7 @@ ATOL = 1e-4
 
 
 class HFCompare:
-    def __init__(self, path, block_size: int = 4, num_blocks: int = 96, attn_implementation: str = "eager"):
+    def __init__(self, path, block_size: int = 4, num_blocks: int = 256, attn_implementation: str = "eager"):
         from transformers import AutoModelForCausalLM
 
         self.block_size = block_size
