@@ -38,6 +38,7 @@ Parallelism, in a TP group of `tp` ranks whose activations are replicated:
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -46,6 +47,8 @@ from torch import nn
 
 from fleetserve.replica.distributed.parallel import TPGroup, get_tp_group
 from fleetserve.replica.layers.linear import ReplicatedLinear, divide, env_on, set_weight_loader
+
+logger = logging.getLogger(__name__)
 
 GATE, UP, DOWN = 0, 1, 2
 
@@ -179,7 +182,16 @@ class FusedMoE(nn.Module):
         """xs [P, H] grouped by expert (`counts` rows each) -> down(silu(gate) * up) [P, H]."""
         aligned = all(d * xs.element_size() % 16 == 0 for d in (self.hidden_size, self.local_intermediate))
         if self.grouped_mm and aligned and _grouped_mm_runs(xs):  # its rows' strides: multiples of 16 bytes
-            return self._run_grouped(xs, counts)
+            try:
+                return self._run_grouped(xs, counts)
+            except RuntimeError as e:
+                if xs.device.type == "cpu":
+                    raise
+                # A GPU build whose grouped GEMM refuses these inputs: the per-expert matmuls from now on.
+                logger.warning(
+                    "MoE: grouped_mm refused %s on %s (%s); using one matmul pair per expert", xs.dtype, xs.device, e
+                )
+                FusedMoE.grouped_mm = False
         return self._run_each(xs, counts.tolist())
 
     def _run_grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -88,6 +88,25 @@ def test_layer_matches_per_token_reference(T, renormalize, experts_path):
     torch.testing.assert_close(block(x), ref, atol=1e-5, rtol=1e-5)
 
 
+def test_a_gpu_that_refuses_grouped_mm_falls_back(monkeypatch, caplog):
+    """Off the CPU, a grouped GEMM the device's build refuses switches the layers to the
+    per-expert matmuls (logged once) instead of failing the step; shapes only, on 'meta'."""
+    from fleetserve.replica.layers import moe as moe_module
+
+    def refuse(*args):
+        raise RuntimeError("grouped gemm is only supported on CUDA devices with compute capability = 9.0")
+
+    monkeypatch.setattr(FusedMoE, "grouped_mm", True)
+    monkeypatch.setattr(FusedMoE, "_run_grouped", refuse)
+    monkeypatch.setattr(moe_module, "_grouped_mm_runs", lambda x: True)
+    with torch.device("meta"):
+        layer = FusedMoE(4, 16, 8)
+        xs = torch.empty(6, 16)
+    ys = layer.run_experts(xs, torch.tensor([2, 0, 3, 1]))
+    assert ys.shape == (6, 16) and FusedMoE.grouped_mm is False
+    assert "grouped_mm refused" in caplog.text
+
+
 def test_select_experts_normalisation():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     w, ids = select_experts(logits, 2, renormalize=True)
