@@ -4,7 +4,7 @@
                          y = sum_k weights_k * w2_k(silu(w1_k x) * w3_k x)
 
 config: num_local_experts, num_experts_per_tok, intermediate_size (each expert's).
-Sliding windows (config.sliding_window) are not applied, as for Mistral (replica.models.llama).
+config.sliding_window, when set, applies to every layer, as for Mistral (replica.models.llama.layer_sliding_window).
 """
 
 from __future__ import annotations
