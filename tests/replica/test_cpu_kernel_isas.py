@@ -63,6 +63,7 @@ def variant_runs(tmp_path_factory):
                 "-x",
                 "tests/replica/test_cpu_kernels.py",
                 "tests/replica/test_model_vs_hf.py",
+                "tests/replica/test_sliding_window.py",
             ],
             cwd=ROOT,
             env=env,
