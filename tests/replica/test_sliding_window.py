@@ -148,6 +148,8 @@ WINDOWED = {
     "mistral": ("MistralConfig", dict(sliding_window=8)),
     # layers from max_window_layers on slide (transformers' layer_types), here the second
     "qwen2": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    "qwen3": ("Qwen3Config", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1, head_dim=16)),
+    "phi3": ("Phi3Config", dict(sliding_window=8, pad_token_id=0)),
 }
 
 
@@ -165,13 +167,14 @@ def windowed(request, tmp_path_factory):
 
 @pytest.mark.parametrize("kernels_on", [True, False], ids=["cpu-kernels", "plain-torch"])
 def test_windowed_families_match_transformers(windowed, kernels_on):
-    """Mistral and Qwen2 with a window of 8 over 30-token prompts (chunks that start past the
-    window, decodes past it): logits as transformers', greedy tokens identical."""
+    """Mistral, Phi-3 (every layer) and Qwen2/Qwen3 (the layers from max_window_layers on) with a
+    window of 8 over 30-token prompts (chunks that start past the window, decodes past it):
+    logits as transformers', greedy tokens identical."""
     from tests.replica.hf_compare import ATOL, prompt
 
     family, cmp = windowed
     windows = [layer.self_attn.attn.sliding_window for layer in cmp.model.model.layers]
-    assert windows == ([8, 8] if family == "mistral" else [None, 8])
+    assert windows == ([8, 8] if family in ("mistral", "phi3") else [None, 8])
     ctx = contextlib.nullcontext() if kernels_on else kernels.disabled()
     with ctx:
         ids = prompt(30, 1, cmp.cfg.vocab_size)
