@@ -245,6 +245,8 @@ def test_paged_attention_sliding_window_and_softcap(dtype, window, softcap):
     layouts = ["rows"] + (["k_tiled"] if dtype == torch.bfloat16 and ops.k_tiled_supported(dtype, 16, 64) else [])
     for layout in layouts:
         _chunk_vs_lone(dtype, layout, 6, 2, 64, window=window, softcap=softcap)
+        # blocks of 32: a task's first key (a multiple of 16) can be mid-block, tiled too
+        _chunk_vs_lone(dtype, layout, 4, 2, 64, window=window, softcap=softcap, block_size=32)
     # blocks of 8 (a task's first key mid-block) and a head_dim with no vector path
     _chunk_vs_lone(dtype, "rows", 4, 4, 24, window=window, softcap=softcap, block_size=8)
 
