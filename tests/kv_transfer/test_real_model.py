@@ -4,15 +4,12 @@ one TP=1 engine's greedy tokens."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from fleetserve.replica.engine.async_engine import AsyncEngine
 from tests.kv_transfer.utils import collect, greedy, hand_off, run, wait_all_free
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
-ray = pytest.importorskip("ray")
 
 QUESTION = [
     {
@@ -43,19 +40,7 @@ def smollm(tp: int) -> AsyncEngine:
     )
 
 
-def test_smollm2_tp1_to_tp3_and_back():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    started = not ray.is_initialized()
-    for attempt in range(3 if started else 0):  # a loaded machine can miss Ray's 30 s start-up
-        try:
-            ray.init(
-                address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1"
-            )
-            break
-        except Exception:  # noqa: BLE001 - Ray raises a bare Exception here
-            ray.shutdown()
-            if attempt == 2:
-                raise
+def test_smollm2_tp1_to_tp3_and_back(local_ray):
     tp1 = tp3 = None
     try:
         tp1, tp3 = smollm(1), smollm(3)
@@ -73,5 +58,3 @@ def test_smollm2_tp1_to_tp3_and_back():
         for e in (tp1, tp3):
             if e is not None:
                 e.shutdown()
-        if started:
-            ray.shutdown()

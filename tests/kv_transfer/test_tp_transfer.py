@@ -4,14 +4,12 @@ the heads they own). Tiny model with 2 KV heads: TP=2 <-> TP=2, TP=1 -> TP=2, TP
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 
 from tests.kv_transfer.utils import BLOCK, collect, engine, greedy, hand_off, run, wait_all_free
 
-ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow  # three engines, four Ray worker actors
 
 
@@ -20,13 +18,7 @@ pytestmark = pytest.mark.slow  # three engines, four Ray worker actors
 # it: it used to go with the first pull, failing the other rank's load), and a TP=1 consumer
 # joins the two shards of a TP=2 producer (whole pulls of streamed exports).
 @pytest.fixture(scope="module", params=["RayObjectStoreConnector", "P2PConnector", "SharedStorageConnector"])
-def engines(tiny_model_dir, request, tmp_path_factory):
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(
-            address="local", num_cpus=6, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1"
-        )
+def engines(tiny_model_dir, local_ray, request, tmp_path_factory):
     kv = {
         "kv_connector": request.param,
         "kv_role": "kv_both",
@@ -45,8 +37,6 @@ def engines(tiny_model_dir, request, tmp_path_factory):
     yield made
     for e in made.values():
         e.shutdown()
-    if started:
-        ray.shutdown()
 
 
 @pytest.mark.parametrize("src,dst", [("tp2a", "tp2b"), ("tp1", "tp2a"), ("tp2b", "tp1")])
