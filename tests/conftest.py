@@ -1,9 +1,19 @@
 """Suite-wide settings. Tests start their own Ray on loopback; Ray 2.60's token
-authentication (which writes a token file under $HOME) is off for them."""
+authentication (which writes a token file under $HOME) is off for them, and so are slow
+reverse-DNS lookups of loopback (RES_OPTIONS below)."""
 
 import os
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# torch's TCPStore (the P2P KV connector's rendezvous and outboxes, gloo's TP groups) formats
+# each socket's peer for its log with getnameinfo, which asks DNS for the name of the
+# IPv4-mapped ::ffff:127.0.0.1 (/etc/hosts lists only 127.0.0.1). The sandboxes this suite
+# runs in answer about one such query in 25 not at all, and glibc's default 5 s timeout then
+# stalls that connection by 5 s (the suite makes hundreds of them). One try of 1 s instead: a
+# lost lookup costs 1 s, and torch logs the address instead of a name. This process and every
+# one it starts (Ray's, the servers', the engine cores) read it; no test resolves a name
+# through DNS.
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
 import pytest  # noqa: E402
 
