@@ -53,18 +53,22 @@ def _implemented(arch: str) -> bool:
     return importlib.util.find_spec(f"fleetserve.replica.models.{module}") is not None
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def family_dir(request, tmp_path_factory):
+def _family_model(name: str, tmp_path_factory):
     import transformers
 
     from fleetserve.replica.testing import make_tiny_model
 
-    cls_name, fields, make_kwargs = FAMILIES[request.param]
+    cls_name, fields, make_kwargs = FAMILIES[name]
     config = getattr(transformers, cls_name)(**{**SMALL, **fields})
     arch = architecture_of(config)
     if not _implemented(arch):
         pytest.skip(f"{arch} is registered but its module is not written yet")
-    return request.param, make_tiny_model(tmp_path_factory.mktemp(request.param), config, **make_kwargs)
+    return make_tiny_model(tmp_path_factory.mktemp(name), config, **make_kwargs)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_dir(request, tmp_path_factory):
+    return request.param, _family_model(request.param, tmp_path_factory)
 
 
 PROMPTS = [
@@ -154,3 +158,45 @@ def test_features_keep_greedy_tokens(family_dir, tmp_path):
         _assert_idle(loader)
     finally:
         loader.shutdown()
+
+
+# Families whose TP=2 runs are not in their own module (Qwen3/Phi-3: test_qwen3_phi3, MoE:
+# test_moe, Llama: test_tp): Gemma 3's sliding and global layers, (1 + w) norms and GeGLU.
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma3"])
+def test_tp2_equals_tp1(name, tmp_path_factory):
+    import os
+
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    model = _family_model(name, tmp_path_factory)
+    started = not ray.is_initialized()
+    if started:
+        ray.init(
+            address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1"
+        )
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    try:
+        outs = []
+        for tp in (1, 2):
+            llm = LLM(
+                str(model),
+                dtype="float32",
+                block_size=BS,
+                num_gpu_blocks_override=64,
+                max_model_len=256,
+                num_threads=1,
+                tensor_parallel_size=tp,
+            )
+            try:
+                outs.append(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False))
+            finally:
+                llm.shutdown()
+        for a, b in zip(*outs, strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids, name
+            for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+                assert la.keys() == lb.keys()
+                assert all(abs(la[t] - lb[t]) < 1e-4 for t in la)
+    finally:
+        if started:
+            ray.shutdown()
