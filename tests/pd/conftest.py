@@ -25,6 +25,21 @@ BLOCK = 16
 REUSE_BLOCK = 8  # reuse_server's engines: a block size other than the default
 REUSE_LEN = 2048  # reuse_server's max_model_len: room for a long stream that keeps a replica busy
 MAX_TOKENS = 8
+# The families this ingress counts itself (router/metrics.py, part 2: P/D, reuse, routing and
+# migration counts, read or counted before the response they count ends): a scrape has them
+# current, with no wait for the engine replicas' next reports.
+INGRESS_FAMILIES = ("fleetserve:pd_", "fleetserve:prefix_reuse_", "fleetserve:router_", "fleetserve:request_migration")
+
+
+@pytest.fixture(scope="package")
+def local_ray():
+    """One in-process Ray for this folder's tests of the P/D and reuse flows on local pools
+    (test_pd_pressure.py, test_reuse_migration.py): up at the first that asks, down after the
+    folder's last test, instead of a start per module (seconds each, tens on a loaded
+    machine). The apps started by `fleetserve serve` run their own embedded Ray."""
+    from tests.pd.local_pools import local_ray_session
+
+    yield from local_ray_session()
 
 
 @pytest.fixture(scope="session")
@@ -58,7 +73,15 @@ class PDServer:
         return list(text_string_to_metric_families(fresh_metrics_text(self.base_url)))
 
     def samples(self, name: str) -> list:
-        return [s for fam in self.metrics() if fam.name == name for s in fam.samples]
+        """`name`'s samples as of now: a family the ingress counts itself from any scrape, an
+        engine's from reports made after this call began (a wait of up to a report interval)."""
+        if name.startswith(INGRESS_FAMILIES):
+            r = httpx.get(self.base_url + "/metrics", timeout=30)
+            assert r.status_code == 200, r.text
+            families = list(text_string_to_metric_families(r.text))
+        else:
+            families = self.metrics()
+        return [s for fam in families if fam.name == name for s in fam.samples]
 
     def pd_tokens(self) -> dict[str, float]:
         return {

@@ -21,7 +21,6 @@ from tests.pd.local_pools import (
     LocalPool,
     feed_open_call,
     kill_core,
-    local_ray_session,
     make_replica,
     open_call,
     read_all,
@@ -48,11 +47,6 @@ def ray_kv(role: str, faults: dict | None = None) -> dict:
             "kv_connector_extra_config": {"inner": "RayObjectStoreConnector", "faults": faults},
         }
     return cfg
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    yield from local_ray_session()
 
 
 @pytest.fixture(scope="module")

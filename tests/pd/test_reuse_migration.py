@@ -16,7 +16,6 @@ from tests.pd.local_pools import (
     ListRouter,
     LocalPool,
     kill_core,
-    local_ray_session,
     make_replica,
     open_call,
     read_all,
@@ -40,11 +39,6 @@ async def plain(pool):
         return stream, await stream.__anext__()
 
     return go
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    yield from local_ray_session()
 
 
 @pytest.fixture(scope="module")
