@@ -8,7 +8,9 @@ same-weights benchmarks meaningful.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -20,6 +22,8 @@ from fleetserve.replica.model_loader.weights import (
     iter_safetensors_weights,
     load_hf_config,
 )
+
+_EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<piece>\w+)\.weight$")
 
 
 def build_hf_model(source: ModelSource | str, dtype: torch.dtype = torch.float32):
@@ -41,10 +45,35 @@ def build_hf_model(source: ModelSource | str, dtype: torch.dtype = torch.float32
         gguf_file.close()
     if config.tie_word_embeddings:
         state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    if any(name.endswith(".experts.gate_up_proj") for name in model.state_dict()):
+        state = _fused_experts(state, config)
     model.load_state_dict(state, strict=True)
     if config.tie_word_embeddings:
         model.tie_weights()
     return model.eval()
+
+
+def _fused_experts(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """Per-expert weights (`...experts.E.<piece>.weight`, as `iter_gguf_weights` names them)
+    stacked as transformers 5's MoE modules hold them: `experts.gate_up_proj` [E, 2I, H] (gate
+    rows, then up rows) and `experts.down_proj` [E, H, I]."""
+    from fleetserve.replica.layers.moe import DOWN, GATE, UP
+    from fleetserve.replica.models import get_model_class
+
+    pieces: dict[str, int] = cast(Any, get_model_class(config)).expert_pieces
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[int, torch.Tensor]]] = {}
+    for name, t in state.items():
+        m = _EXPERT_NAME.match(name)
+        if m is None or m["piece"] not in pieces:
+            out[name] = t
+            continue
+        experts.setdefault(m["prefix"], {}).setdefault(int(m["expert"]), {})[pieces[m["piece"]]] = t
+    for prefix, per_expert in experts.items():
+        order = [per_expert[e] for e in sorted(per_expert)]
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([w[GATE], w[UP]]) for w in order])
+        out[f"{prefix}.down_proj"] = torch.stack([w[DOWN] for w in order])
+    return out
 
 
 def export_hf_folder(model: str, out: Path) -> Path:

@@ -14,6 +14,20 @@
   tied embeddings). ``qwen3`` (attn_q_norm / attn_k_norm) and ``phi3`` (fused
   attn_qkv, gate|up fused in ffn_up, LongRoPE factors as rope_factors_* tensors)
   are not permuted by llama.cpp, so they are read as stored.
+* Mixture of experts: ``llama`` with ``llama.expert_count`` > 0 is Mixtral (Q/K permuted as
+  Llama's), ``qwen3moe`` Qwen3-MoE (experts in every layer, as llama.cpp's graph has them;
+  top-k weights renormalised unless ``expert_weights_norm`` says otherwise, as llama.cpp and
+  transformers' GGUF loader do). ``ffn_gate_inp`` is the router; the experts are read from
+  llama.cpp's merged ``ffn_{gate,up,down}_exps`` [E, ...] tensors or its older per-expert
+  ``ffn_{gate,up,down}.E`` ones, and handed out per expert (views of one tensor, no copies)
+  under the names the family's model class loads.
+* ``gemma3``: llama.cpp's converter stores every RMSNorm weight as 1 + w (``*norm.weight``);
+  the 1 is taken off again for our (1 + w) norms, as transformers' GGUF loader does. Its
+  ``ffn_norm`` is the pre-feedforward norm, ``post_attention_norm`` / ``post_ffw_norm`` the
+  post norms. The converter writes the window but not the layer pattern, the local rope base or
+  query_pre_attn_scalar; those are llama.cpp's: every 6th layer global, base 10000 (keys
+  ``attention.sliding_window_pattern`` / ``rope.freq_base_swa`` are read where present), the
+  scale 1 / sqrt(head_dim), or 1 / sqrt(hidden / heads) for the 62-layer 27B.
 
 Every problem with the files (corrupt, truncated, missing tensors, wrong
 shapes) raises ValueError naming the file.
@@ -24,12 +38,13 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 import numpy as np
 import torch
 
 from fleetserve.replica.distributed.parallel import TPGroup, get_tp_group
+from fleetserve.replica.layers.moe import DOWN, GATE, UP
 from fleetserve.replica.model_loader.model_config import ModelConfig, read_model_config
 from fleetserve.replica.model_loader.registry import ModelSource
 from fleetserve.replica.models import get_model_class
@@ -48,10 +63,19 @@ _GGUF_LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head norms
     "attn_k_norm": "self_attn.k_norm",
     "attn_qkv": "self_attn.qkv_proj",  # Phi-3's fused q|k|v
+    "ffn_gate_inp": "mlp.gate",  # the MoE router (Mixtral, Qwen3-MoE)
 }
 # Where an architecture's tensor differs from _GGUF_LAYER_NAMES: llama.cpp's Phi-3 keeps the
 # checkpoint's fused gate|up in ffn_up (no ffn_gate).
-_GGUF_ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+# llama.cpp's Gemma 3 has four norms per layer.
+_GGUF_ARCH_LAYER_NAMES: dict[str, dict[str, str]] = {
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},
+    "gemma3": {
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -63,8 +87,16 @@ _GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# GGUF architecture -> transformers model_type, where they differ (and `llama` with experts: mixtral)
+_GGUF_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# llama.cpp's experts: merged [E, out, in] (`ffn_gate_exps`) or, in older files, one per expert
+_EXPERTS_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+_EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
+_EXPERT_SHARDS = {"gate": GATE, "up": UP, "down": DOWN}
 
 
 def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
@@ -103,10 +135,10 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], path: Path, read_t
     (for HF's own model: hf_export; the engine reads `gguf_model_config`)."""
     from transformers import AutoConfig
 
-    arch, kwargs = _gguf_config_fields(meta, tensor_names, path, read_tensor)
-    if arch == "qwen2":
+    model_type, kwargs = _gguf_config_fields(meta, tensor_names, path, read_tensor)
+    if model_type == "qwen2":
         kwargs.pop("head_dim")
-    return AutoConfig.for_model(arch, **kwargs)
+    return AutoConfig.for_model(model_type, **kwargs)
 
 
 def gguf_model_config(
@@ -114,13 +146,14 @@ def gguf_model_config(
 ) -> ModelConfig:
     """The engine's config (model_config.ModelConfig) from GGUF metadata (and, for Phi-3's
     LongRoPE, the rope factor tensors through `read_tensor`)."""
-    arch, kwargs = _gguf_config_fields(meta, tensor_names, path, read_tensor)
-    return ModelConfig.from_dict({"model_type": arch, **kwargs})
+    model_type, kwargs = _gguf_config_fields(meta, tensor_names, path, read_tensor)
+    return ModelConfig.from_dict({"model_type": model_type, **kwargs})
 
 
 def _gguf_config_fields(
     meta: dict[str, Any], tensor_names: set[str], path: Path, read_tensor: TensorReader | None = None
 ) -> tuple[str, dict[str, Any]]:
+    """(transformers model_type, config fields) of a GGUF file's metadata and tensor names."""
     arch = meta.get("general.architecture")
     if arch not in _GGUF_ARCHITECTURES:
         raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {sorted(_GGUF_ARCHITECTURES)}")
@@ -147,15 +180,28 @@ def _gguf_config_fields(
             rope["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
     head_dim = get("attention.key_length") or get("rope.dimension_count") or hidden // heads
     extra: dict[str, Any] = {}
+    model_type, architecture = _GGUF_MODEL_TYPES.get(arch, arch), _GGUF_ARCHITECTURES[arch]
     if arch == "phi3":
         head_dim, extra = _gguf_phi3_rope(get, hidden // heads, rope, tensor_names, path, read_tensor)
-    elif arch == "qwen3":  # GGUF has no key for it: the tensors are there or not
+    elif arch in ("qwen3", "qwen3moe"):  # GGUF has no key for it: the tensors are there or not
         extra["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    if arch == "qwen3moe":
+        extra.update(_gguf_qwen3moe_fields(get, tensor_names, path))
+    elif arch == "llama" and int(get("expert_count", 0) or 0) > 0:
+        model_type, architecture = "mixtral", "MixtralForCausalLM"
+        extra.update(
+            num_local_experts=int(get("expert_count")),
+            num_experts_per_tok=int(get("expert_used_count", required=True)),
+            sliding_window=None,
+        )
+    elif arch == "gemma3":
+        extra.update(_gguf_gemma3_fields(get, int(head_dim), hidden, heads, rope))
+        rope = extra.pop("rope_parameters")
     kwargs = dict(
-        architectures=[_GGUF_ARCHITECTURES[arch]],
+        architectures=[architecture],
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length", required=True)),
+        intermediate_size=int(get("feed_forward_length", required=True)),  # Mixtral's: each expert's
         num_hidden_layers=int(get("block_count", required=True)),
         num_attention_heads=heads,
         num_key_value_heads=int(get("attention.head_count_kv", heads)),
@@ -169,7 +215,65 @@ def _gguf_config_fields(
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
         **extra,
     )
-    return arch, kwargs
+    return model_type, kwargs
+
+
+def _gguf_qwen3moe_fields(get: Callable[..., Any], tensor_names: set[str], path: Path) -> dict[str, Any]:
+    """Qwen3-MoE's expert fields. llama.cpp's qwen3moe has experts in every layer (no
+    decoder_sparse_step / mlp_only_layers in GGUF; its tensor list has no dense ffn_gate), so a
+    file with a dense layer is refused. llama.cpp always renormalises the top-k weights, which is
+    norm_topk_prob=True (transformers' GGUF loader sets that too); `expert_weights_norm`, where
+    written, decides."""
+    dense = sorted(n for n in tensor_names if re.match(r"^blk\.\d+\.ffn_(gate|up|down)\.weight$", n))
+    if dense:
+        raise ValueError(
+            f"{path}: qwen3moe GGUF with dense MLP layers ({dense[0]}, ...) is not supported: llama.cpp's "
+            "qwen3moe has experts in every layer (decoder_sparse_step 1, no mlp_only_layers)"
+        )
+    norm = get("expert_weights_norm")
+    return dict(
+        num_experts=int(get("expert_count", required=True)),
+        num_experts_per_tok=int(get("expert_used_count", required=True)),
+        moe_intermediate_size=int(get("expert_feed_forward_length", required=True)),
+        norm_topk_prob=True if norm is None else bool(norm),
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+
+
+def _gguf_gemma3_fields(
+    get: Callable[..., Any], head_dim: int, hidden: int, heads: int, rope: dict[str, Any]
+) -> dict[str, Any]:
+    """Gemma 3's attention fields as llama.cpp reads its GGUF (llama-model.cpp, LLM_ARCH_GEMMA3):
+    with a sliding window, every 6th layer global (or `attention.sliding_window_pattern`: a
+    period, or one bool per layer, true for sliding) and the sliding layers' rope base 10000
+    (or `rope.freq_base_swa`), unscaled; no window: every layer global. The attention scale is
+    1 / sqrt(head_dim), for the 62-layer 27B 1 / sqrt(hidden / heads) (transformers' GGUF loader
+    leaves query_pre_attn_scalar at its default 256 instead). Soft-caps where the keys are
+    written (Gemma 3's converter writes neither)."""
+    layers = int(get("block_count", required=True))
+    window = int(get("attention.sliding_window", 0) or 0)
+    pattern = get("attention.sliding_window_pattern", 6)
+    if not window:
+        layer_types = ["full_attention"] * layers
+    elif isinstance(pattern, (list, tuple)):
+        if len(pattern) != layers:
+            raise ValueError(f"attention.sliding_window_pattern has {len(pattern)} entries for {layers} layers")
+        layer_types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        layer_types = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(layers)]
+    local = float(get("rope.freq_base_swa", 10000.0))
+    fields: dict[str, Any] = dict(
+        layer_types=layer_types,
+        sliding_window=window or None,
+        rope_local_base_freq=local,
+        rope_parameters={"full_attention": rope, "sliding_attention": {"rope_type": "default", "rope_theta": local}},
+        query_pre_attn_scalar=hidden // heads if layers == 62 else head_dim,
+    )
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if get(key):
+            fields[key] = float(get(key))
+    return fields
 
 
 def _gguf_phi3_rope(
@@ -242,27 +346,59 @@ def dequantize_gguf(raw: np.ndarray, ggml_type: Any) -> np.ndarray:
 
 
 def iter_gguf_weights(path: Path, gguf_file: Any, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """(hf_name, float32 tensor) for every tensor we use, dequantized and un-permuted."""
+    """(hf_name, float32 tensor) for every tensor we use, dequantized and un-permuted; experts
+    one per name, `model.layers.N.mlp.experts.E.<piece>.weight` with the pieces of the
+    config's model class (Mixtral w1/w3/w2, Qwen3-MoE gate_proj/up_proj/down_proj), as views of
+    the merged tensor."""
     arch = gguf_file.metadata.get("general.architecture")
     # As transformers does: only llama.cpp's llama converter permutes (not qwen2/qwen3/phi3's).
     unpermute = arch == "llama"
+    pieces: dict[int, str] = {}
+    if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
+        pieces = {shard: piece for piece, shard in cast(Any, get_model_class(config)).expert_pieces.items()}
     for name, info in gguf_file.tensors.items():
+        merged, single = _EXPERTS_RE.match(name), _EXPERT_RE.match(name)
+        expert = merged or single
+        if expert and pieces:
+            layer, piece = expert.group(1), pieces[_EXPERT_SHARDS[expert.group(2)]]
+            w = _gguf_tensor(path, gguf_file, name, info)
+            prefix = f"model.layers.{layer}.mlp.experts"
+            if single:
+                yield f"{prefix}.{single.group(3)}.{piece}.weight", w
+            else:
+                for e in range(w.shape[0]):
+                    yield f"{prefix}.{e}.{piece}.weight", w[e]
+            continue
         hf_name = gguf_to_hf_name(name, arch)
         if hf_name is None:
             continue
-        try:
-            w = dequantize_gguf(gguf_file.raw(name), info.ggml_type)
-        except (ValueError, NotImplementedError) as e:
-            raise ValueError(f"{path}: cannot dequantize {name} ({info.ggml_type.name}): {e}") from e
-        w = np.asarray(w).reshape(info.shape)
+        shift = -1.0 if arch == "gemma3" and name.endswith("norm.weight") else 0.0  # stored as 1 + w
+        head_count = 0
         if unpermute and ".self_attn.q_proj." in hf_name:
-            w = reverse_llama_cpp_permute(w, config.num_attention_heads)
+            head_count = config.num_attention_heads
         elif unpermute and ".self_attn.k_proj." in hf_name:
-            w = reverse_llama_cpp_permute(w, config.num_key_value_heads)
-        w = np.ascontiguousarray(w, dtype=np.float32)
-        if not w.flags.writeable:  # an F32 tensor is a view of the read-only file mapping
-            w = w.copy()
-        yield hf_name, torch.from_numpy(w)
+            head_count = config.num_key_value_heads
+        yield hf_name, _gguf_tensor(path, gguf_file, name, info, head_count, shift)
+
+
+def _gguf_tensor(
+    path: Path, gguf_file: Any, name: str, info: Any, unpermute_heads: int = 0, shift: float = 0.0
+) -> torch.Tensor:
+    """One GGUF tensor as a writable float32 torch tensor of its HF shape: dequantized, its
+    llama.cpp Q/K permute undone over `unpermute_heads` heads (0: none), `shift` added."""
+    try:
+        w = dequantize_gguf(gguf_file.raw(name), info.ggml_type)
+    except (ValueError, NotImplementedError) as e:
+        raise ValueError(f"{path}: cannot dequantize {name} ({info.ggml_type.name}): {e}") from e
+    w = np.asarray(w).reshape(info.shape)
+    if unpermute_heads:
+        w = reverse_llama_cpp_permute(w, unpermute_heads)
+    if shift:
+        w = np.add(w, np.float32(shift), dtype=np.float32)
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    if not w.flags.writeable:  # an F32 tensor is a view of the read-only file mapping
+        w = w.copy()
+    return torch.from_numpy(w)
 
 
 def iter_safetensors_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
