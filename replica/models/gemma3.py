@@ -27,8 +27,9 @@ What differs from Llama, each as transformers' Gemma3 computes it:
 
 `use_bidirectional_attention` (EmbeddingGemma) is refused. The fused `llama_layers` CPU kernel
 is Llama's layer only; Gemma's layers run as modules, over the same attention kernel (windows and
-soft-cap included). GGUF checkpoints of Gemma 3 are not read (llama.cpp stores its norms with the
-1 added; weights.py reads Llama's tensor layout).
+soft-cap included). GGUF checkpoints (llama.cpp's `gemma3`) load too: weights.py takes off the 1
+llama.cpp's converter adds to every norm weight, and fills in what the file does not say
+(layer pattern, local rope base, query_pre_attn_scalar) as llama.cpp does.
 """
 
 from __future__ import annotations
