@@ -57,12 +57,17 @@ def _points(path) -> list[dict]:
 
 
 def test_profile_file_loads_and_names_what_was_measured(profiled, tiny_model_dir):
+    import torch
+
     from fleetserve.sim.profile import load_profile
 
     p = load_profile(profiled)
     assert p.kind == "calibrated"
     assert p.model == str(tiny_model_dir)
-    assert p.dtype == "float32"
+    from fleetserve.replica.worker.device import select_dtype
+
+    # --dtype auto: bfloat16 where the CPU has AVX-512 bf16, float32 elsewhere
+    assert p.dtype == str(select_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
     assert p.tensor_parallel_size == 1
     threads = max(1, _cores() // 2)  # --num-replicas 2 splits this machine's cores
     assert p.threads == threads
