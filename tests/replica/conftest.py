@@ -24,6 +24,26 @@ def tiny_loras(tiny_model_dir, tmp_path_factory):
     }
 
 
+# One local Ray for the folder's tensor-parallel tests (package scope: up at the first test
+# that asks, down after the folder's last test): test_families, test_moe, test_qwen3_phi3 and
+# test_tp each started their own, seconds apiece on CI's two cores. 4 CPUs: one bundle per
+# TP rank of the largest engine here (TP=3), plus one spare.
+@pytest.fixture(scope="package")
+def local_ray():
+    import os
+
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(
+            address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1"
+        )
+    yield ray
+    if started:
+        ray.shutdown()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread():
     # Two cores shared by everything: tests take one thread each.

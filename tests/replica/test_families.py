@@ -164,39 +164,26 @@ def test_features_keep_greedy_tokens(family_dir, tmp_path):
 # test_moe, Llama: test_tp): Gemma 3's sliding and global layers, (1 + w) norms and GeGLU.
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gemma3"])
-def test_tp2_equals_tp1(name, tmp_path_factory):
-    import os
-
-    ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+def test_tp2_equals_tp1(name, local_ray, tmp_path_factory):
     model = _family_model(name, tmp_path_factory)
-    started = not ray.is_initialized()
-    if started:
-        ray.init(
-            address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1"
-        )
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
-    try:
-        outs = []
-        for tp in (1, 2):
-            llm = LLM(
-                str(model),
-                dtype="float32",
-                block_size=BS,
-                num_gpu_blocks_override=64,
-                max_model_len=256,
-                num_threads=1,
-                tensor_parallel_size=tp,
-            )
-            try:
-                outs.append(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False))
-            finally:
-                llm.shutdown()
-        for a, b in zip(*outs, strict=True):
-            assert a.outputs[0].token_ids == b.outputs[0].token_ids, name
-            for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
-                assert la.keys() == lb.keys()
-                assert all(abs(la[t] - lb[t]) < 1e-4 for t in la)
-    finally:
-        if started:
-            ray.shutdown()
+    outs = []
+    for tp in (1, 2):
+        llm = LLM(
+            str(model),
+            dtype="float32",
+            block_size=BS,
+            num_gpu_blocks_override=64,
+            max_model_len=256,
+            num_threads=1,
+            tensor_parallel_size=tp,
+        )
+        try:
+            outs.append(llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False))
+        finally:
+            llm.shutdown()
+    for a, b in zip(*outs, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, name
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert la.keys() == lb.keys()
+            assert all(abs(la[t] - lb[t]) < 1e-4 for t in la)

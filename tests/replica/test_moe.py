@@ -334,22 +334,6 @@ def test_tp_sizes_of_a_moe_model(tmp_path):
 # --------------------------------------------------------------------------- TP / EP end to end
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    import os
-
-    ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(
-            address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1"
-        )
-    yield
-    if started:
-        ray.shutdown()
-
-
 @pytest.mark.slow
 def test_tp2_and_expert_parallel_tp2_match_tp1(local_ray, tmp_path_factory):
     """Qwen3-MoE (dense and sparse layers) through LLM: TP=2 (each expert's intermediate size

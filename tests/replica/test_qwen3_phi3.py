@@ -279,46 +279,33 @@ def test_partial_rotary_refused_when_it_leaves_odd_dims():
 
 
 @pytest.mark.slow
-def test_tp2_matches_tp1(model_dirs):
+def test_tp2_matches_tp1(local_ray, model_dirs):
     """Both families over two ranks (Qwen3's q/k norms replicated, Phi-3's fused tensors split
     per rank): TP=1's tokens and logprobs."""
-    import os
-
-    ray = pytest.importorskip("ray")
     from fleetserve.replica.llm import LLM
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(
-            address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1"
-        )
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
     prompts = ["The quick brown fox", "def add(a, b):"]
-    try:
-        for name in ("qwen3", "phi4mini_partial"):
-            outs = []
-            for tp in (1, 2):
-                llm = LLM(
-                    str(model_dirs[name]),
-                    dtype="float32",
-                    block_size=BLOCK,
-                    num_gpu_blocks_override=48,
-                    num_threads=1,
-                    tensor_parallel_size=tp,
-                )
-                try:
-                    outs.append(llm.generate(prompts, params, use_tqdm=False))
-                finally:
-                    llm.shutdown()
-            for a, b in zip(*outs, strict=True):
-                assert a.outputs[0].token_ids == b.outputs[0].token_ids, name
-                for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
-                    assert la.keys() == lb.keys()
-                    assert all(abs(la[t] - lb[t]) < 1e-4 for t in la)
-    finally:
-        if started:
-            ray.shutdown()
+    for name in ("qwen3", "phi4mini_partial"):
+        outs = []
+        for tp in (1, 2):
+            llm = LLM(
+                str(model_dirs[name]),
+                dtype="float32",
+                block_size=BLOCK,
+                num_gpu_blocks_override=48,
+                num_threads=1,
+                tensor_parallel_size=tp,
+            )
+            try:
+                outs.append(llm.generate(prompts, params, use_tqdm=False))
+            finally:
+                llm.shutdown()
+        for a, b in zip(*outs, strict=True):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids, name
+            for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+                assert la.keys() == lb.keys()
+                assert all(abs(la[t] - lb[t]) < 1e-4 for t in la)
 
 
 def _write_gguf(path, model_dir, name: str):

@@ -1,6 +1,5 @@
 """Tensor parallelism over Ray actors and gloo: TP>1 gives the same tokens as TP=1."""
 
-import os
 import time
 
 import pytest
@@ -11,19 +10,6 @@ ray = pytest.importorskip("ray")
 
 PROMPTS = ["The quick brown fox", "Hello, world! How are you today?", "def add(a, b):"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(
-            address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1"
-        )
-    yield
-    if started:
-        ray.shutdown()
 
 
 def _run(model_dir, tp, **kw):
