@@ -175,6 +175,9 @@ def _start_server(tmp_path, model_dir, pd: dict, name: str = APP, **top):
         "http": {"port": port},
         "grpc": {"port": grpc_port},
         "pd": pd,
+        # Replicas report their metrics twice a second (1 s by default): a test reading an
+        # engine's counts (tests.fresh_metrics) waits for reports made after its requests.
+        "reliability": {"metrics_report_interval_s": 0.5, **top.pop("reliability", {})},
         **top,
     }
     path = tmp_path / "app.yaml"
