@@ -99,6 +99,11 @@ class CacheConfig(BaseModel):
             "must not collide with or probe each other's prefixes; see docs, Security)."
         ),
     )
+    # The window every attention layer of the model has (the largest, where they differ):
+    # a running request's blocks wholly before it are given back as it advances. None: some
+    # layer attends to everything, or the engine keeps every block (a KV connector, a draft
+    # model, or --disable-hybrid-kv-cache-manager). Set by the engine from the model.
+    sliding_window: Optional[int] = Field(None, ge=1)
 
 
 def same_field(model: type[BaseModel], name: str) -> FieldInfo:

@@ -9,6 +9,17 @@ Small verbs, one result type (a list of block ids):
   when the pool cannot hold them;
 * ``free(request)``.
 
+Sliding windows (``sliding_window``: the window every attention layer of the model
+has, the largest where they differ; None when some layer attends to everything): the
+query at position p reads the keys at positions > p - W only, so once a request's
+next token is at p, its blocks wholly at or before p - W are never read again. They go
+back to the pool as the request advances (vLLM's sliding-window manager does the same
+per layer group); their place in the request's list holds ``NULL_BLOCK`` so block
+indices keep meaning token positions. A freed full block keeps its hash: it stays a
+prefix-cache hit until evicted, like the blocks of a finished request. Workers keep
+the ids they were given: the attention reads only the blocks inside the window, and
+the masked reads of the torch paths weigh whatever a reused block holds by zero.
+
 Block hashes chain: ``hash(parent_hash, block_tokens, extra_keys)``. By default
 (``hash_algo="builtin"``) they are Python's hash of a tuple of ints, which is
 deterministic across processes (only str/bytes hashing is salted), so a router
@@ -29,6 +40,9 @@ from fleetserve.scheduler.kv_events import KVEventBatch, KVEventRecorder
 from fleetserve.scheduler.request import Request
 
 NONE_HASH = 0x5EED
+
+# Where a request's list held a block it no longer needs (outside every layer's window).
+NULL_BLOCK = KVCacheBlock(-1)
 
 
 def salt_to_int(cache_salt: Optional[str]) -> int:
@@ -93,10 +107,17 @@ class KVCacheManager:
         enable_caching: bool = True,
         enable_kv_cache_events: bool = False,
         hash_algo: str = "builtin",
+        sliding_window: Optional[int] = None,
     ) -> None:
         if hash_algo not in HASH_ALGOS:
             raise ValueError(f"prefix_caching_hash_algo must be one of {sorted(HASH_ALGOS)}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
         self.hash_algo = hash_algo
+        self.sliding_window = sliding_window
+        # How many leading blocks of each request were given back (outside the window).
+        self.num_window_freed: dict[str, int] = {}
+        self.num_window_freed_blocks = 0  # total, for metrics and tests
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
@@ -124,6 +145,8 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block ids by position; -1 where a block outside the sliding window
+        was given back."""
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -173,6 +196,8 @@ class KVCacheManager:
         by an asynchronous load out of the prefix cache.
         """
         blocks = self.req_to_blocks.get(request.request_id)
+        if self.sliding_window is not None and blocks:
+            self._free_outside_window(request.request_id, blocks, request.num_computed_tokens)
         if blocks is not None and not new_computed_blocks and not num_external_tokens:
             # Fast path (most decodes): the owned blocks already have room.
             total = request.num_computed_tokens + num_new_tokens
@@ -200,7 +225,23 @@ class KVCacheManager:
         if self.enable_caching and not delay_caching:
             # Blocks whose tokens will be known and computed after this step.
             self.cache_blocks(request, min(total, request.num_tokens))
+        # Hits wholly before the window go back at the request's next allocation, after the
+        # workers got its whole block list (NewRequestData) once.
         return [b.block_id for b in added]
+
+    def _free_outside_window(self, rid: str, blocks: list[KVCacheBlock], next_pos: int) -> None:
+        """Give back the leading blocks no query at `next_pos` or later reads: those wholly
+        at positions <= next_pos - sliding_window."""
+        assert self.sliding_window is not None
+        dead = min(len(blocks), max(0, next_pos - self.sliding_window + 1) // self.block_size)
+        done = self.num_window_freed.get(rid, 0)
+        if dead <= done:
+            return
+        gone = blocks[done:dead]
+        blocks[done:dead] = [NULL_BLOCK] * (dead - done)
+        self.num_window_freed[rid] = dead
+        self.num_window_freed_blocks += dead - done
+        self.pool.free_blocks(gone)  # oldest first: the first to be evicted
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the full blocks among the first `num_tokens` tokens."""
@@ -214,19 +255,24 @@ class KVCacheManager:
         hashes = request.block_hashes
         if self.pool.events is None:
             for i in range(done, num_full):
-                self.pool.cache_block(blocks[i], hashes[i])
+                if blocks[i] is not NULL_BLOCK:
+                    self.pool.cache_block(blocks[i], hashes[i])
         else:  # subscribers also get each block's parent and tokens
             bs, tokens = self.block_size, request.all_token_ids
             for i in range(done, num_full):
-                self.pool.cache_block(blocks[i], hashes[i], hashes[i - 1] if i else None, tokens[i * bs : (i + 1) * bs])
+                if blocks[i] is not NULL_BLOCK:
+                    self.pool.cache_block(
+                        blocks[i], hashes[i], hashes[i - 1] if i else None, tokens[i * bs : (i + 1) * bs]
+                    )
         self.num_cached_blocks[rid] = num_full
 
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
+        freed = self.num_window_freed.pop(request.request_id, 0)
         if blocks:
             # Tail blocks first: they are the least likely to be shared.
-            self.pool.free_blocks(reversed(blocks))
+            self.pool.free_blocks(reversed(blocks[freed:]))
 
     def uncache_tail(self, request: Request, num_valid_tokens: int) -> None:
         """Unregister the hashes this request set on blocks past its first
@@ -236,7 +282,7 @@ class KVCacheManager:
         done = self.num_cached_blocks.get(rid, 0)
         if done > keep:
             blocks = self.req_to_blocks[rid]
-            self.pool.uncache_blocks(b.block_id for b in blocks[keep:done])
+            self.pool.uncache_blocks(b.block_id for b in blocks[keep:done] if b is not NULL_BLOCK)
             self.num_cached_blocks[rid] = keep
 
     def uncache_blocks(self, block_ids: set[int]) -> None:
@@ -256,8 +302,11 @@ class KVCacheManager:
     # ---- invariants (tests and debug checks) --------------------------------
     def check_invariants(self) -> None:
         refs = [0] * self.pool.num_blocks
-        for blocks in self.req_to_blocks.values():
-            for b in blocks:
+        for rid, blocks in self.req_to_blocks.items():
+            freed = self.num_window_freed.get(rid, 0)
+            assert all(b is NULL_BLOCK for b in blocks[:freed]), f"{rid}: a freed place holds a block"
+            for b in blocks[freed:]:
+                assert b is not NULL_BLOCK, f"{rid}: a null block inside the window"
                 refs[b.block_id] += 1
         free_ids = {b.block_id for b in self.pool.free_queue}
         assert len(free_ids) == self.pool.free_queue.num_free, "free queue count drifted"

@@ -78,6 +78,7 @@ class Scheduler:
             cache_config.enable_prefix_caching,
             cache_config.enable_kv_cache_events,
             cache_config.prefix_caching_hash_algo,
+            cache_config.sliding_window,
         )
         self.capacity = make_capacity_policy(scheduler_config.capacity_policy)
 
@@ -110,8 +111,12 @@ class Scheduler:
         # The whole pool holds num_blocks * block_size tokens of KV; the last
         # token of a request is never computed, so a request can grow to one
         # more than that. Capping here (finish_reason "length") keeps a request
-        # that alone outgrows the pool from preempting itself forever.
+        # that alone outgrows the pool from preempting itself forever. Under a
+        # sliding window a request holds at most its window, a step's tokens and
+        # a block either side: when that fits, only max_model_len caps it.
         max_len = min(self.config.max_model_len, self.kv.num_blocks * self.block_size + 1)
+        if self.window_fits_pool():
+            max_len = self.config.max_model_len
         sp = request.sampling_params
         room = max_len - request.num_prompt_tokens
         request.max_tokens = room if sp.max_tokens is None else min(sp.max_tokens, room)
@@ -122,6 +127,15 @@ class Scheduler:
             return
         self.requests[rid] = request
         self.waiting.add(request)
+
+    def window_fits_pool(self) -> bool:
+        """Whether a request under the sliding window (one on every layer) holds few enough
+        blocks at once that the pool never caps its length."""
+        window, cfg = self.kv.sliding_window, self.config
+        if window is None:
+            return False
+        step = cfg.max_num_batched_tokens + cfg.num_spec_tokens + cfg.num_lookahead_tokens
+        return self.kv.num_blocks * self.block_size >= window + step + 2 * self.block_size
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Abort the given ids; unknown or already finished ids are ignored.

@@ -115,6 +115,15 @@ class EngineArgs(BaseModel):
             "summed (no all-to-all dispatch). Refused for a dense model."
         ),
     )
+    disable_hybrid_kv_cache_manager: bool = Field(
+        False,
+        description=(
+            "Keep every KV block of a request until it finishes, also those outside the "
+            "sliding window of a model whose every layer has one (Mistral, Phi-3): by default "
+            "they go back to the pool as the request decodes (vLLM's flag; a KV connector or a "
+            "draft model keeps every block in any case)."
+        ),
+    )
     enforce_eager: bool = Field(
         False, description=("Run every step eagerly: no CUDA graphs for decode steps on a GPU (CPUs never use them).")
     )
@@ -358,8 +367,21 @@ class EngineArgs(BaseModel):
             max_loras=self.max_loras if self.enable_lora else 0,
         )
 
-    def cache_config(self, num_blocks: int) -> CacheConfig:
-        return CacheConfig(num_blocks=num_blocks, **{name: getattr(self, name) for name in _CACHE_FIELDS})
+    def cache_config(self, num_blocks: int, model_sliding_window: Optional[int] = None) -> CacheConfig:
+        """The scheduler's cache config; `model_sliding_window` (the window every layer of the
+        model has) frees blocks outside it unless something else still reads them: a KV
+        connector saves or sends whole block lists, a draft model attends to every token."""
+        spec = self.speculative_config
+        keep_all = (
+            self.disable_hybrid_kv_cache_manager
+            or self.kv_transfer_config is not None
+            or (spec is not None and spec.method == "draft_model")
+        )
+        return CacheConfig(
+            num_blocks=num_blocks,
+            sliding_window=None if keep_all else model_sliding_window,
+            **{name: getattr(self, name) for name in _CACHE_FIELDS},
+        )
 
 
 # Fields of the same name and meaning here and in the scheduler's configs.

@@ -32,6 +32,7 @@ from fleetserve.replica.engine.step_result import StepResult
 from fleetserve.replica.executor import Executor, ExecutorError, make_executor
 from fleetserve.replica.kv_connectors import make_scheduler_connector, name_kv_engine
 from fleetserve.replica.lora.loader import LoRALoader
+from fleetserve.replica.model_loader.model_config import model_sliding_window
 from fleetserve.replica.structured_output.manager import StructuredOutputManager
 from fleetserve.scheduler import EngineCoreOutput, Request, RequestStatus, create_scheduler
 
@@ -109,7 +110,9 @@ class EngineCore:
         # The scheduler half of the KV connector (the worker half lives with the KV).
         self.kv_connector = make_scheduler_connector(args, self.hf_config)
         self.scheduler = create_scheduler(
-            args.scheduler_config(self.max_model_len), args.cache_config(num_blocks), self.kv_connector
+            args.scheduler_config(self.max_model_len),
+            args.cache_config(num_blocks, model_sliding_window(self.hf_config)),
+            self.kv_connector,
         )
         # Set by the worker's connector half (its `wakeup()`) when a transfer ends on one of
         # its threads (TP=1: the worker is in this process); steps idling on transfers wait
@@ -122,7 +125,13 @@ class EngineCore:
         self.kv_saves_dropped = 0  # saves given up on at shutdown (past kv_save_timeout_s)
         self._closed = False
         capacity = num_blocks * args.block_size
-        if capacity < self.max_model_len:
+        window = self.scheduler.kv.sliding_window
+        if window is not None:
+            logger.info(
+                "every layer attends within %d tokens: blocks a request's window left behind go back to the pool",
+                window,
+            )
+        if capacity < self.max_model_len and not self.scheduler.window_fits_pool():
             logger.warning(
                 "the KV cache holds %d tokens, fewer than max_model_len=%d: a request "
                 "that alone outgrows the cache finishes with reason 'length'",

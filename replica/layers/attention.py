@@ -56,8 +56,10 @@ The PyTorch paths remain for GPUs and for machines without a compiler.
 (W keys, itself included: transformers' `sliding_window_overlay`, `kv_idx > q_idx - W`). The CPU
 kernel reads only the keys inside the window (from the first block holding one: a long
 context costs W keys per token, not p); the PyTorch paths read a prefill chunk's blocks from the
-first one any of its queries sees, and mask the rest of the decode gather. The cache still holds
-every token (blocks wholly outside the window are not freed). **Logit soft-capping**
+first one any of its queries sees, and mask the rest of the decode gather. When every layer has a
+window, the scheduler gives back a request's blocks wholly before it (scheduler/kv_cache_manager.py)
+while the block table here keeps their old ids: the kernel never reads them, and the masked gather
+weighs whatever another request wrote there by zero. **Logit soft-capping**
 (`logit_softcap=c`, Gemma 2/3's `attn_logit_softcapping`): scores become c * tanh(s / c) after
 the scale, before the mask and softmax, as in transformers' eager attention.
 

@@ -298,3 +298,33 @@ def qwen3_moe_sparse_layer(config: Any, layer_idx: int) -> bool:
         and (getattr(config, "num_experts", 0) or 0) > 0
         and (layer_idx + 1) % step == 0
     )
+
+
+# Families whose configs say per layer (config.layer_types) which layers slide, as their
+# transformers models read it; the others (Mistral, Mixtral, Phi-3, Qwen3-MoE) apply a config's
+# sliding_window on every layer (and transformers ignores a layer_types they carry).
+LAYER_TYPED_WINDOWS = ("qwen2", "qwen3", "gemma3_text")
+
+
+def layer_sliding_window(config: Any, layer_idx: int) -> Optional[int]:
+    """Decoder layer `layer_idx`'s sliding window as transformers applies it, or None (full
+    attention): config.sliding_window on every layer, or for LAYER_TYPED_WINDOWS families on
+    those config.layer_types marks "sliding_attention"."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    if getattr(config, "model_type", None) in LAYER_TYPED_WINDOWS:
+        types = getattr(config, "layer_types", None) or []
+        if layer_idx >= len(types) or types[layer_idx] != "sliding_attention":
+            return None
+    return int(window)
+
+
+def model_sliding_window(config: Any) -> Optional[int]:
+    """The window every decoder layer of the model attends within (the largest, where they
+    differ), or None when some layer attends to everything (Gemma 3's global layers, Qwen2's
+    lower ones): a request's KV blocks wholly before it are read by no layer again."""
+    windows = [layer_sliding_window(config, i) for i in range(int(config.num_hidden_layers))]
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(w for w in windows if w is not None)

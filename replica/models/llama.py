@@ -11,7 +11,8 @@ sliding windows: Mistral's `sliding_window` on every layer, Qwen2's (with
 `use_sliding_window`) on the layers `config.layer_types` marks "sliding_attention"
 (from `max_window_layers` on, as model_config derives it), as transformers applies
 them (`layer_sliding_window`; PagedAttention reads only the keys inside a window).
-The cache keeps every token of a request, also those a window no longer sees.
+When every layer slides, the scheduler gives back the blocks a window left behind
+(scheduler/kv_cache_manager.py); with global layers among them the cache keeps every block.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from fleetserve.replica.layers import linear as linear_module
 from fleetserve.replica.layers.attention import AttentionMetadata, PagedAttention, kv_cache_layout
 from fleetserve.replica.layers.linear import weight_loader_of
 from fleetserve.replica.lora import layers as lora_layers
+from fleetserve.replica.model_loader.model_config import layer_sliding_window
 
 if TYPE_CHECKING:
     from fleetserve.kv_transfer.base import KVConnectorWorker
@@ -61,26 +63,6 @@ def _rope_parameters(config: Any) -> dict[str, Any]:
         # longer one served (RotaryEmbedding's max_position)
         params["factor"] = max_len / original
     return params
-
-
-# Families whose configs say per layer (config.layer_types) which layers slide, as their
-# transformers models read it; the others (Mistral, Mixtral, Phi-3, Qwen3-MoE) apply a config's
-# sliding_window on every layer (and transformers ignores a layer_types they carry).
-LAYER_TYPED_WINDOWS = ("qwen2", "qwen3", "gemma3_text")
-
-
-def layer_sliding_window(config: Any, layer_idx: int) -> Optional[int]:
-    """Decoder layer `layer_idx`'s sliding window as transformers applies it, or None (full
-    attention): config.sliding_window on every layer, or for LAYER_TYPED_WINDOWS families on
-    those config.layer_types marks "sliding_attention"."""
-    window = getattr(config, "sliding_window", None)
-    if not window:
-        return None
-    if getattr(config, "model_type", None) in LAYER_TYPED_WINDOWS:
-        types = getattr(config, "layer_types", None) or []
-        if layer_idx >= len(types) or types[layer_idx] != "sliding_attention":
-            return None
-    return int(window)
 
 
 def _head_dim(config: Any) -> int:

@@ -181,3 +181,78 @@ def test_windowed_families_match_transformers(windowed, kernels_on):
         torch.testing.assert_close(cmp.chunked_logits(ids, [13, 22]), cmp.reference(ids), atol=ATOL, rtol=0)
         ours, theirs = cmp.greedy(prompt(11, 2, cmp.cfg.vocab_size), 14)
     assert ours == theirs
+
+
+# ----------------------------------------------------------------------------- blocks given back
+
+
+@pytest.fixture(scope="module")
+def mistral_w8(tmp_path_factory):
+    import transformers
+
+    from fleetserve.replica.testing import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("mistral-w8"), transformers.MistralConfig(**SMALL, sliding_window=8))
+
+
+@pytest.mark.parametrize("kernels_on", [True, False], ids=["cpu-kernels", "plain-torch"])
+def test_engine_gives_back_blocks_outside_the_window(mistral_w8, kernels_on):
+    """Four 14-token prompts decoding 36 tokens each (13 blocks of 4 each to completion) in a pool
+    of 17 blocks: the engine gives back what the window (8, every layer) left behind, so they run
+    side by side without a preemption. Blocks given back go to the other requests while their
+    first owners still decode with the old ids in the workers' block tables (read, and weighed
+    by zero, by the torch paths); greedy tokens equal transformers'. With
+    --disable-hybrid-kv-cache-manager the same pool preempts; a prompt run again hits the blocks
+    its first run gave back; n-gram drafts stay exact. (tests/scheduler/test_sliding_window.py
+    checks that no block inside a window is given back.)"""
+    from transformers import AutoModelForCausalLM
+
+    from fleetserve.replica.llm import LLM
+    from fleetserve.scheduler import SamplingParams
+    from tests.replica.hf_compare import prompt
+
+    hf = AutoModelForCausalLM.from_pretrained(mistral_w8, dtype=torch.float32, attn_implementation="eager").eval()
+    prompts = [prompt(14, seed, hf.config.vocab_size) for seed in range(4)]
+    want = []
+    with torch.no_grad():
+        for ids in prompts:
+            seq = list(ids)
+            for _ in range(36):
+                seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+            want.append(seq[len(ids) :])
+    params = SamplingParams(temperature=0.0, max_tokens=36, ignore_eos=True)
+    ctx = contextlib.nullcontext() if kernels_on else kernels.disabled()
+    runs = {}
+    for name, extra in {
+        "free": {},
+        "keep": {"disable_hybrid_kv_cache_manager": True},
+        "ngram": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+    }.items():
+        with ctx:
+            llm = LLM(
+                str(mistral_w8),
+                dtype="float32",
+                block_size=BS,
+                num_gpu_blocks_override=17,
+                max_num_seqs=4,
+                num_threads=1,
+                **extra,
+            )
+            try:
+                kv = llm.core.scheduler.kv
+                # One prompt twice (its 13 blocks fit the pool: none evicted), then all four.
+                for _ in range(2):
+                    (one,) = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+                    assert one.outputs[0].token_ids == want[0], name
+                    hit = one.num_cached_tokens
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+                assert [o.outputs[0].token_ids for o in outs] == want, name
+                kv.check_invariants()
+                assert kv.num_free_blocks == kv.num_blocks
+                runs[name] = (llm.core.scheduler.num_preemptions, kv.num_window_freed_blocks, hit)
+            finally:
+                llm.shutdown()
+    assert runs["free"][0] == 0 and runs["free"][1] > 0
+    assert runs["free"][2] == 12  # the prompt's 3 full blocks, given back during the first run
+    assert runs["keep"][0] > 0 and runs["keep"][1] == 0
+    assert runs["ngram"][1] > 0

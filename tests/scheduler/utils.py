@@ -147,8 +147,12 @@ class FakeModelRunner:
         block_size: int,
         connector: Optional["TestConnector"] = None,
         proposer: Optional["FakeProposer"] = None,
+        window: Optional[int] = None,
     ) -> None:
         self.block_size = block_size
+        # A sliding window: a token's KV is also garbage unless every slot of the earlier
+        # positions in its window holds what it should (what a windowed attention reads).
+        self.window = window
         self.proposer = proposer
         self.slots: list[Optional[int]] = [None] * (num_blocks * block_size)
         self.reqs: dict[str, _WorkerReq] = {}
@@ -213,6 +217,11 @@ class FakeModelRunner:
             tokens = req.tokens + drafts
             assert start + n <= len(tokens), "scheduled past the known and draft tokens"
             prev = 7 if start == 0 else self.slots[self._slot(req, start - 1)]
+            if self.window is not None and start > 0:
+                truth = prefix_kv(tokens[:start])
+                lo = max(0, start - self.window + 1)
+                if any(self.slots[self._slot(req, q)] != truth[q] for q in range(lo, start)):
+                    prev = GARBAGE
             for pos in range(start, start + n):
                 prev = GARBAGE if prev in (None, GARBAGE) else kv_value(prev, tokens[pos])
                 self.slots[self._slot(req, pos)] = prev
@@ -386,6 +395,7 @@ def assert_invariants(sched: Scheduler) -> None:
     referenced = set()
     for rid in sched.requests:
         referenced.update(kv.get_block_ids(rid))
+    referenced.discard(-1)  # places given back outside a sliding window
     assert kv.num_free_blocks + len(referenced) == kv.num_blocks
     running = [r.request_id for r in sched.running]
     waiting = [r.request_id for r in sched.waiting]
