@@ -10,7 +10,9 @@ not, some clients that disconnect at a random point):
 With `--hostile`, 'during' has no fault: hostile clients of every class the hardening
 review found (fleetserve/router/hostile.py: huge prompt lists, huge bias maps, long prompts
 with truncation, slow grammars, contradictory masks, bogus LoRA paths, a flood of /metrics
-scrapes) send concurrently with the normal load, and the report adds, per class, how many
+scrapes) send concurrently with the normal load, from a process of their own (building and
+reading their megabyte bodies on the normal clients' event loop would delay those clients
+and measure the benchmark, not the server), and the report adds, per class, how many
 were sent and how many got a clean answer (must be all), and the normal clients' ITL p99
 during the attack over before it (the target: at most 2x).
 Reports requests completed / refused (429/503) / failed (anything else: must be 0),
@@ -28,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
+import multiprocessing
 import os
 import random
 import signal
@@ -225,15 +229,12 @@ async def run(args) -> dict:
         await asyncio.sleep(args.phase_s)
         memory["before"] = server_processes()
         victim, burst = None, []
+        attackers = None
         if args.hostile:
             target = await hostile_target(config)
-            burst = [
-                asyncio.ensure_future(
-                    hostile.hostile_worker(client, target, cls, t0 + 2 * args.phase_s, outcomes, seed=i * 10 + w)
-                )
-                for i, cls in enumerate(hostile.CLASSES)
-                for w in range(2 if cls == "scrape_flood" else 1)
-            ]
+            attackers = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            stop_attack = t0 + 2 * args.phase_s
+            burst = [asyncio.get_running_loop().run_in_executor(attackers, hostile_mix, base, target, stop_attack)]
         else:
             replicas = await control_all(config.name, "health")
             victim = sorted(h["core_pid"] for h in replicas.values() if h.get("core_pid"))[0]
@@ -242,7 +243,10 @@ async def run(args) -> dict:
             burst = [asyncio.ensure_future(one_request(client, stats, phase_of, rng)) for _ in range(args.burst)]
         await asyncio.sleep(max(0.0, t0 + 2 * args.phase_s - time.monotonic()))
         memory["during"] = server_processes()
-        await asyncio.gather(*burst, *tasks)
+        done = await asyncio.gather(*burst, *tasks)
+        if attackers is not None:
+            outcomes.extend(done[0])
+            attackers.shutdown()
         memory["after"] = server_processes()
     stop_health.set()
     await prober
@@ -262,6 +266,25 @@ async def run(args) -> dict:
         "victim": victim,
         "hostile": hostile.summary(outcomes) if args.hostile else None,
     }
+
+
+def hostile_mix(base: str, target: hostile.Target, stop_at: float) -> list[hostile.Outcome]:
+    """Every hostile class at once until `stop_at` (time.monotonic(), the same clock in every
+    process), on a loop and client of its own: run in a process of its own."""
+
+    async def attack() -> list[hostile.Outcome]:
+        outcomes: list[hostile.Outcome] = []
+        async with httpx.AsyncClient(base_url=base, timeout=120, limits=httpx.Limits(max_connections=32)) as client:
+            await asyncio.gather(
+                *(
+                    hostile.hostile_worker(client, target, cls, stop_at, outcomes, seed=i * 10 + w)
+                    for i, cls in enumerate(hostile.CLASSES)
+                    for w in range(2 if cls == "scrape_flood" else 1)
+                )
+            )
+        return outcomes
+
+    return asyncio.run(attack())
 
 
 async def hostile_target(config) -> hostile.Target:
