@@ -201,8 +201,14 @@ class KVCacheManager:
         if blocks is not None and not new_computed_blocks and not num_external_tokens:
             # Fast path (most decodes): the owned blocks already have room.
             total = request.num_computed_tokens + num_new_tokens
-            if total <= len(blocks) * self.block_size:
-                if self.enable_caching and not delay_caching:
+            bs = self.block_size
+            if total <= len(blocks) * bs:
+                # (cache_blocks' own first check, without the call when no block filled up)
+                if (
+                    self.enable_caching
+                    and not delay_caching
+                    and min(total, request.num_tokens) // bs > self.num_cached_blocks.get(request.request_id, 0)
+                ):
                     self.cache_blocks(request, min(total, request.num_tokens))
                 return []
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size

@@ -165,6 +165,11 @@ class Request:
         self.output_token_ids.extend(token_ids)
         self._all_token_ids.extend(token_ids)
 
+    def append_output_token(self, token_id: int) -> None:
+        """One token (the common decode step: no list built for it)."""
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
     # ---- status ------------------------------------------------------------
     @property
     def is_finished(self) -> bool:

@@ -214,17 +214,24 @@ class Scheduler:
         return min(n, budget, self.config.max_model_len - 1 - num_computed)
 
     def _schedule_running(self, batch: StepBatch) -> None:
-        running = self.running
-        num_lookahead = self.config.num_lookahead_tokens
+        running, cfg, kv = self.running, self.config, self.kv
+        num_lookahead = cfg.num_lookahead_tokens
+        # _num_new_tokens, inlined: this loop runs for every running request every step.
+        threshold = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else 0
+        last = cfg.max_model_len - 1
         i = 0
         while i < len(running) and batch.budget > 0:
             request = running[i]
-            n = self._num_new_tokens(request.num_tokens_with_spec, request.num_computed_tokens, batch.budget)
+            num_computed = request.num_computed_tokens
+            n = request.num_tokens_with_spec - num_computed
+            if 0 < threshold < n:
+                n = threshold
+            n = min(n, batch.budget, last - num_computed)
             if n <= 0:
                 i += 1
                 continue
-            slots = n + lookahead_slots(request, n, num_lookahead)
-            blocks = self.kv.allocate_slots(request, slots)
+            slots = n + lookahead_slots(request, n, num_lookahead) if num_lookahead else n
+            blocks = kv.allocate_slots(request, slots)
             if blocks is None and self.capacity.can_preempt:
                 num_preempted = len(batch.preempted)
                 blocks = self._make_room(request, slots, batch)
@@ -455,11 +462,17 @@ class Scheduler:
             if sampled and request.num_computed_tokens >= request.num_tokens:
                 if spec and rid in spec:
                     self._roll_back_rejected(request, len(spec[rid]), len(sampled))
-                for token in sampled:
-                    request.append_output_token_ids([token])
+                if len(sampled) == 1:  # most steps: one token per request
+                    token = sampled[0]
+                    request.append_output_token(token)
                     new_tokens.append(token)
-                    if self._check_stop(request, token):
-                        break
+                    self._check_stop(request, token)
+                else:
+                    for token in sampled:
+                        request.append_output_token(token)
+                        new_tokens.append(token)
+                        if self._check_stop(request, token):
+                            break
             plp = prompt_logprobs.get(rid) if prompt_logprobs else None
             if not new_tokens and not plp:
                 continue

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import csv
 import gzip
+import hashlib
 import io
 import json
-import random
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
@@ -150,7 +150,7 @@ class TraceRequest:
         n = self.num_prompt_tokens
         if self.hash_ids is None:
             seed = f"req:{self.request_id}:{self.arrival_s!r}:{n}:{self.tenant}:{self.session}:{self.output_tokens}"
-            return random.Random(seed).choices(range(vocab_size), k=n)
+            return _draw(seed, n, vocab_size).tolist()
         out: list[int] = []
         for h in self.hash_ids:
             out.extend(_block_ids(h, self.block_tokens, vocab_size))
@@ -178,7 +178,17 @@ class TraceRequest:
 
 @lru_cache(maxsize=8192)
 def _block_ids(hash_id: int, block_tokens: int, vocab_size: int) -> array[int]:
-    return array("i", random.Random(f"block:{hash_id}").choices(range(vocab_size), k=block_tokens))
+    return array("i", _draw(f"block:{hash_id}", block_tokens, vocab_size).astype("int32").tobytes())
+
+
+def _draw(seed: str, n: int, vocab_size: int):
+    """`n` token ids drawn uniformly from [0, vocab_size) by a generator seeded with `seed`
+    (the same on every machine and run; numpy's, which draws a 100k-token prompt in a
+    millisecond where random.choices took tens)."""
+    import numpy as np
+
+    key = int.from_bytes(hashlib.blake2b(seed.encode(), digest_size=8).digest(), "little")
+    return np.random.Generator(np.random.PCG64(key)).integers(0, vocab_size, n, dtype=np.int64)
 
 
 def normalize(requests: Iterable[TraceRequest]) -> list[TraceRequest]:

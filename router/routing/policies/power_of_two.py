@@ -21,5 +21,6 @@ class PowerOfTwoPolicy(RoutingPolicy):
         else:
             pair = self._rng.sample(replicas, 2)
         first = by_load(pair)
-        rest = by_load([r for r in replicas if r not in first])
+        chosen = {id(r) for r in first}  # (by identity: ReplicaLoad's == compares every field)
+        rest = by_load([r for r in replicas if id(r) not in chosen])
         return tiers(first + rest)
