@@ -256,3 +256,29 @@ def test_engine_gives_back_blocks_outside_the_window(mistral_w8, kernels_on):
     assert runs["free"][2] == 12  # the prompt's 3 full blocks, given back during the first run
     assert runs["keep"][0] > 0 and runs["keep"][1] == 0
     assert runs["ngram"][1] > 0
+
+
+def test_the_engine_frees_blocks_only_when_every_layer_slides():
+    """model_sliding_window (what the engine gives the scheduler): the window for Mistral and
+    Phi-3 (every layer), none for Qwen2/Qwen3 with global lower layers or Gemma 3 (global
+    every sixth layer; a Gemma 3 of fewer layers slides on all), none without windows."""
+    import transformers
+
+    from fleetserve.replica.model_loader.model_config import ModelConfig, model_sliding_window
+
+    def window(cls, **extra):
+        cfg = getattr(transformers, cls)(**SMALL, **extra).to_dict()
+        return model_sliding_window(ModelConfig.from_dict(cfg))
+
+    assert {family: window(cls, **extra) for family, (cls, extra) in WINDOWED.items()} == {
+        "mistral": 8,
+        "phi3": 8,
+        "qwen2": None,
+        "qwen3": None,
+    }
+    gemma = {**SMALL, "num_hidden_layers": 6}  # layers 0-4 slide, 5 is global
+    assert (
+        model_sliding_window(ModelConfig.from_dict(transformers.Gemma3TextConfig(**gemma, sliding_window=8).to_dict()))
+        is None
+    )
+    assert window("MistralConfig", sliding_window=None) is None
