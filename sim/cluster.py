@@ -53,7 +53,6 @@ Every random choice is the policy's, seeded with `seed`; the run is deterministi
 
 from __future__ import annotations
 
-import gc
 import heapq
 import time
 from collections import deque
@@ -422,19 +421,7 @@ class Cluster:
         self._pending_arrivals = len(order)
         self._push(0.0, _REPORT, 0, None)
         n = len(order)
-        # The run allocates millions of short-lived objects (outputs, token lists) and frees
-        # them by reference counting: the cyclic collector's passes over the long-lived ones
-        # (the trace, the schedulers' requests and blocks) are pure cost here. Frozen out of
-        # its view and with a larger first generation for the run, restored after it.
-        thresholds = gc.get_threshold()
-        gc.collect()
-        gc.freeze()
-        gc.set_threshold(max(thresholds[0], 50_000), *thresholds[1:])
-        try:
-            done = self._loop(trace, order, records, progress)
-        finally:
-            gc.set_threshold(*thresholds)
-            gc.unfreeze()
+        done = self._loop(trace, order, records, progress)
         if progress is not None:
             progress(done, n)
         self._check_done(records)
