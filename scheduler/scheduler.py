@@ -132,7 +132,9 @@ class Scheduler:
         """Whether a request under the sliding window (one on every layer) holds few enough
         blocks at once that the pool never caps its length."""
         window, cfg = self.kv.sliding_window, self.config
-        if window is None:
+        if window is None or cfg.capacity_policy == "guaranteed_no_evict":
+            # (That policy reserves a request's blocks to completion up front: one longer
+            # than the pool would never be admitted.)
             return False
         step = cfg.max_num_batched_tokens + cfg.num_spec_tokens + cfg.num_lookahead_tokens
         return self.kv.num_blocks * self.block_size >= window + step + 2 * self.block_size

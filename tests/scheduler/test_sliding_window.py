@@ -37,12 +37,16 @@ def _step(sched, runner):
     return so, outs
 
 
-def _run(sched, runner) -> dict[str, list[int]]:
+def _run(sched, runner, max_steps: int = 2000) -> dict[str, list[int]]:
     tokens: dict[str, list[int]] = {}
-    while sched.has_requests():
+    for _ in range(max_steps):
+        if not sched.has_requests():
+            break
         _, outs = _step(sched, runner)
         for rid, o in outs.items():
             tokens.setdefault(rid, []).extend(o.new_token_ids)
+    else:
+        raise AssertionError(f"not idle after {max_steps} steps: {sched.get_stats()}")
     return tokens
 
 
@@ -142,6 +146,29 @@ def test_a_request_longer_than_the_pool_runs_to_its_max_tokens():
         assert tokens == reference_tokens(r, 128)[:want]
         assert sched.get_stats().num_preemptions == 0
         assert_serves_and_no_leaks(sched, runner)
+
+
+def test_guaranteed_no_evict_keeps_the_pool_cap_under_a_window():
+    """That policy reserves blocks to completion at admission: a request longer than the pool
+    would wait forever, so the pool still caps it (49 tokens), and it completes unpreempted."""
+    sched = create_scheduler(
+        num_blocks=12,
+        block_size=BS,
+        sliding_window=W,
+        max_num_batched_tokens=8,
+        max_model_len=128,
+        capacity_policy="guaranteed_no_evict",
+    )
+    runner = FakeModelRunner(12, BS, window=W)
+    reqs = create_requests(2, num_tokens=10, max_tokens=60)
+    for r in reqs:
+        sched.add_request(r)
+    tokens = _run(sched, runner)
+    for r in reqs:
+        assert tokens[r.request_id] == reference_tokens(r, 128)[: 49 - 10]
+    assert sched.get_stats().num_preemptions == 0
+    assert sched.kv.num_window_freed_blocks > 0
+    assert_serves_and_no_leaks(sched, runner)
 
 
 def test_bad_window_is_refused():
