@@ -367,6 +367,16 @@ class Scheduler:
             # Back from a remote KV load: it already holds its blocks.
             return PrefixLookup([], request.num_computed_tokens, 0, False)
         hits, computed = self.kv.get_computed_blocks(request)
+        if hits and self.window_fits_pool():
+            # A request may outgrow the pool here, and so may its hits: with its first
+            # chunk they must fit the pool at once (the ones behind the window go back at
+            # its next step). Past that the rest is recomputed.
+            cfg = self.config
+            step = cfg.max_num_batched_tokens + cfg.num_spec_tokens + cfg.num_lookahead_tokens
+            room = self.kv.num_blocks - self.kv.cdiv(step) - 1
+            if len(hits) > room:
+                hits = hits[: max(0, room)]
+                computed = len(hits) * self.block_size
         if self.connector is None:
             return PrefixLookup(hits, computed, 0, False)
         ext, load_async = self.connector.get_num_new_matched_tokens(request, computed)

@@ -148,6 +148,27 @@ def test_a_request_longer_than_the_pool_runs_to_its_max_tokens():
         assert_serves_and_no_leaks(sched, runner)
 
 
+def test_a_prefix_hit_as_large_as_the_pool_is_admitted():
+    """A 48-token prompt leaves all 12 blocks of the pool cached; the same prompt and 10 more
+    tokens hits all 12, which with its first chunk would need more blocks than the pool has.
+    Only the hits that leave room for a step are taken (the rest is recomputed), so it runs."""
+    sched = create_scheduler(
+        num_blocks=12, block_size=BS, sliding_window=W, max_num_batched_tokens=8, max_model_len=128
+    )
+    runner = FakeModelRunner(12, BS, window=W)
+    (a,) = create_requests(1, num_tokens=48, max_tokens=1)
+    sched.add_request(a)
+    _run(sched, runner)
+    (b,) = create_requests(1, num_tokens=58, max_tokens=20, prefix="longer")
+    b.prompt_token_ids[:48] = a.prompt_token_ids
+    b.all_token_ids[:48] = a.prompt_token_ids
+    sched.add_request(b)
+    tokens = _run(sched, runner)
+    assert tokens["longer0"] == reference_tokens(b, 128)
+    assert 0 < b.num_cached_tokens < 48
+    assert_serves_and_no_leaks(sched, runner)
+
+
 def test_guaranteed_no_evict_keeps_the_pool_cap_under_a_window():
     """That policy reserves blocks to completion at admission: a request longer than the pool
     would wait forever, so the pool still caps it (49 tokens), and it completes unpreempted."""
