@@ -83,3 +83,13 @@ class HFCompare:
 def prompt(n: int, seed: int, vocab: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def assert_same_outputs(a, b, what: str = "", atol: float = 1e-4) -> None:
+    """Two runs' completion outputs (one per prompt, e.g. TP=1 and TP=2): equal tokens, and at
+    each position the same top-logprob ids with values within `atol`."""
+    for x, y in zip(a, b, strict=True):
+        assert x.token_ids == y.token_ids, what
+        for lx, ly in zip(x.logprobs, y.logprobs, strict=True):
+            assert lx.keys() == ly.keys(), what
+            assert all(abs(lx[t] - ly[t]) < atol for t in lx), what
