@@ -33,6 +33,10 @@ FLAG_NAMES = {
     "http.allowed_headers": "--allowed-headers",
     "grpc.enabled": "--grpc",
     "http.return_tokens_as_token_ids": "--return-tokens-as-token-ids",
+    # vLLM's tracing flags
+    "tracing.otlp_traces_endpoint": "--otlp-traces-endpoint",
+    "tracing.collect_detailed_traces": "--collect-detailed-traces",
+    "tracing.otlp_traces_protocol": "--otlp-traces-protocol",
     # A nested model given whole, as vLLM's JSON flag (not walked field by field).
     "speculative_config": "--speculative-config",
     # P/D: `fleetserve serve --pd --num-prefill-replicas 1 --num-decode-replicas 1

@@ -197,6 +197,55 @@ class ClusterReuseOptions(BaseModel):
         }
 
 
+class TracingOptions(BaseModel):
+    """OpenTelemetry traces of requests (router/tracing.py; docs/serving/tracing.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    otlp_traces_endpoint: Optional[str] = Field(
+        default=None,
+        description=(
+            "Send one trace per request (ingress, route, queue, prefill, kv_transfer, decode, "
+            "migration spans) to this OTLP endpoint, e.g. http://127.0.0.1:4318/v1/traces "
+            "(vLLM's flag; unset: the standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else no tracing)."
+        ),
+    )
+    otlp_traces_protocol: Literal["http/protobuf", "grpc"] = Field(
+        default="http/protobuf",
+        description="OTLP transport: http/protobuf (port 4318 by convention) or grpc (4317, host:port).",
+    )
+    collect_detailed_traces: bool = Field(
+        default=False,
+        description=(
+            "Also put every routing candidate's load on the route span and every prefill chunk "
+            "on the prefill span (more bytes per trace)."
+        ),
+    )
+    service_name: str = Field(
+        default="fleetserve", description="The traces' service.name (OTEL_SERVICE_NAME wins when exported)."
+    )
+    max_queue_spans: int = Field(
+        default=4096,
+        ge=1,
+        description=(
+            "Spans each process holds for export; past it (a collector down or slow) spans are "
+            "dropped and counted, never waited for."
+        ),
+    )
+    export_timeout_s: float = Field(default=5.0, gt=0, description="One export call's deadline.")
+
+    def settings(self) -> dict:
+        """router.tracing.TracingSettings' fields."""
+        return {
+            "endpoint": self.otlp_traces_endpoint,
+            "protocol": self.otlp_traces_protocol,
+            "service_name": self.service_name,
+            "detailed": self.collect_detailed_traces,
+            "max_queue_spans": self.max_queue_spans,
+            "export_timeout_s": self.export_timeout_s,
+        }
+
+
 class ReliabilityOptions(BaseModel):
     """Failure handling, drain and admission (issue 15; docs/serving/reliability.md explains each)."""
 
@@ -316,6 +365,10 @@ class AppConfig(BaseModel):
         description=('HTTP paths that need no API key (a JSON list); ["/health"] protects /metrics too.'),
     )
     reliability: ReliabilityOptions = ReliabilityOptions()
+    tracing: TracingOptions = Field(
+        default=TracingOptions(),
+        description="OpenTelemetry traces of requests (--otlp-traces-endpoint, --collect-detailed-traces).",
+    )
     address: Optional[str] = Field(
         default=None,
         description=(

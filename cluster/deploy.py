@@ -312,6 +312,7 @@ def ingress_settings(config: AppConfig, listed: tuple[str, ...], aliases: tuple[
         return_tokens_as_token_ids=config.http.return_tokens_as_token_ids,
         reasoning_parser=config.reasoning_parser,
         lora=lora,
+        tracing=config.tracing.settings(),
     )
 
 
@@ -363,7 +364,12 @@ def _engine_deployment(
         engine_args["num_threads"] = max(1, int(num_cpus))
     if POLICIES[policy].uses_kv_events:
         engine_args["enable_kv_cache_events"] = True  # the router's prefix index reads them
-    return replica.bind(engine_args, config.engine_cls, config.reliability.model_dump())
+    return replica.bind(
+        engine_args,
+        config.engine_cls,
+        config.reliability.model_dump(),
+        {**config.tracing.settings(), "log_phases": config.enable_log_requests},
+    )
 
 
 def _lifecycle_options(config: AppConfig, health: bool) -> dict:

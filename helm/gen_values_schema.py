@@ -116,8 +116,21 @@ def app_schema() -> dict:
             "numCpusPerReplica": {"type": "number", "minimum": 0},
             "httpMaxBodyBytes": int_min(1024),
             "allowRuntimeLoraUpdating": BOOL,
+            "tracing": tracing_schema(),
         }
     )
+
+
+def tracing_schema() -> dict:
+    """app.tracing: the app config's `tracing` block (cluster/config.py TracingOptions), its
+    keys, types and enums the config's own."""
+    from fleetserve.cluster.config import TracingOptions
+
+    props = {}
+    for name, spec in TracingOptions.model_json_schema()["properties"].items():
+        spec = {k: v for k, v in spec.items() if k not in ("title", "default")}
+        props[name] = spec
+    return obj(props)
 
 
 def autoscaling_schema() -> dict:

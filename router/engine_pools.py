@@ -41,6 +41,7 @@ from fleetserve.router.routing.registry import get_router
 from fleetserve.router.routing.request_router import TARGET_KWARG
 from fleetserve.router.settings import IngressSettings
 from fleetserve.router.streams import ReplicaStream
+from fleetserve.router.tracing import attach_to_body
 
 logger = logging.getLogger("ray.serve")
 
@@ -179,6 +180,7 @@ class EnginePools:
 
     async def open_stream(self, body: dict):
         """Send to a replica; return (generator, first item). The first item may be an error."""
+        attach_to_body(body)  # a traced request's engine spans hang from its request span
         if self.pd is not None:
             await self.info()  # the pools' routers exist: the P/D flow picks from them
             return await self.pd.open_stream(body, self._open_call)

@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fleetserve.router import auth as _auth
 from fleetserve.router import cors as _cors
-from fleetserve.router import serve_patches
+from fleetserve.router import serve_patches, tracing
 from fleetserve.router.access_log import AccessLog
 from fleetserve.router.api import completions
 from fleetserve.router.api import embeddings as emb_api
@@ -65,12 +65,14 @@ from fleetserve.router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from fleetserve.router.metrics import RouterMetrics
 from fleetserve.router.settings import IngressSettings
 from fleetserve.router.streams import drain, stream_items
+from fleetserve.router.tracing import TraceRequests
 
 logger = logging.getLogger("ray.serve")
 
 app = FastAPI(title="fleetserve", docs_url=None, redoc_url=None)
 app.add_middleware(RequireApiKey)  # router/auth.py: every path but the open ones
 app.add_middleware(AccessLog)  # outside the key check, so it logs the 401s too
+app.add_middleware(TraceRequests)  # router/tracing.py: a request's span (a 401 too)
 app.add_middleware(Cors)  # router/cors.py: outermost, so preflights need no key
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -125,6 +127,8 @@ class Ingress(GrpcMethods):
         self._metrics = RouterMetrics(
             self.pools.routers, self.pools.feeds, [flow.metrics for flow in self.pools.flows()]
         )
+        if tracing.setup(settings.tracing, role="ingress") is not None:
+            self._metrics.registry.register(tracing.EXPORTS.collector("fleetserve:router_trace_spans"))
         self._auth = ApiKeyAuth(settings.api_key, settings.open_paths, admin_key=settings.lora.admin_key)
         _auth.install(self._auth)
         _cors.install(settings.cors)
@@ -195,10 +199,11 @@ class Ingress(GrpcMethods):
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
-        req = await self._parse(request, CompletionRequest)
-        self.check_model(req.model)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        prompts, bodies, params = await self.bodies.completion_bodies(req, rid)
+        with tracing.ingress_phase():
+            req = await self._parse(request, CompletionRequest)
+            self.check_model(req.model)
+            rid = f"cmpl-{uuid.uuid4().hex}"
+            prompts, bodies, params = await self.bodies.completion_bodies(req, rid)
         if len(bodies) == 1 and not req.echo:
             return await self._respond(bodies[0], req, chat=False, logprobs_n=req.logprobs)
         echo = None
@@ -218,9 +223,10 @@ class Ingress(GrpcMethods):
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        req = await self._parse(request, ChatCompletionRequest)
-        self.check_model(req.model)
-        body, params, tools = await self.bodies.chat_body(req, f"chatcmpl-{uuid.uuid4().hex}")
+        with tracing.ingress_phase():
+            req = await self._parse(request, ChatCompletionRequest)
+            self.check_model(req.model)
+            body, params, tools = await self.bodies.chat_body(req, f"chatcmpl-{uuid.uuid4().hex}")
         return await self._respond(body, req, chat=True, logprobs_n=params.logprobs, tools=tools)
 
     async def _respond(self, body: dict, req, chat: bool, logprobs_n: Optional[int], tools=None):

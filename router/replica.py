@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import time
 import uuid
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, Optional
 
@@ -31,6 +32,9 @@ from fleetserve.router.feed import FEED_END_GRACE_S, FEED_FLAG, FEED_KEY, FeedCh
 from fleetserve.router.metrics_hub import DEFAULT_INTERVAL_S, MetricsReporter
 from fleetserve.router.routing.admission import RESERVATION_KEY, Reservations, admission_refusal
 from fleetserve.router.routing.migration import ENGINE_DEAD, MIGRATED_KEY
+from fleetserve.router.tracing import EXPORTS, PhaseHistograms, engine_timings, record_engine_spans
+from fleetserve.router.tracing import carrier_of as trace_carrier_of
+from fleetserve.router.tracing import setup as setup_tracing
 from fleetserve.scheduler import SamplingParams, resolve_obj_by_qualname
 from fleetserve.scheduler.structured_outputs import GRAMMAR_ERRORS, parse_grammar_error
 
@@ -40,7 +44,13 @@ logger = logging.getLogger("ray.serve")
 class EngineReplica:
     """Deployment class; `router.app.build_app` wraps it with `serve.deployment`."""
 
-    def __init__(self, engine_args: dict, engine_cls: str, reliability: Optional[dict] = None) -> None:
+    def __init__(
+        self,
+        engine_args: dict,
+        engine_cls: str,
+        reliability: Optional[dict] = None,
+        tracing: Optional[dict] = None,
+    ) -> None:
         args = EngineArgs.model_validate(engine_args)
         cls = resolve_obj_by_qualname(engine_cls)
         self.engine = cls(args)
@@ -52,12 +62,19 @@ class EngineReplica:
         self._feeds = FeedChannels()
         self._reservations = Reservations()  # P/D decode slots held before their prefill runs
         self.metrics_reporter: Optional[MetricsReporter] = None
+        self.kv_connector = getattr(args.kv_transfer_config, "kv_connector", None)
+        self.tracing = setup_tracing(tracing, role="engine")
+        self.role = "engine"  # the deployment's name in Serve: engine, prefill or decode
+        self.phases = PhaseHistograms()
+        # --enable-log-requests: one INFO line per request with its phase times
+        self._log_phases = bool((tracing or {}).get("log_phases"))
         try:
             context = serve.get_replica_context()
         except RayServeException:  # outside Serve (unit tests): a random id, no reports
             self.replica_id = uuid.uuid4().hex[:8]
         else:
             self.replica_id = context.replica_id.unique_id
+            self.role = context.deployment
             # Serve builds the replica on its event loop: the reports start now.
             interval_s = (reliability or {}).get("metrics_report_interval_s", DEFAULT_INTERVAL_S)
             self.report_metrics(context.app_name, context.deployment, interval_s)
@@ -133,6 +150,9 @@ class EngineReplica:
         first = True
         kv_params = body.get("kv_transfer_params")
         prompt_logprobs_sent = False
+        carrier = trace_carrier_of(body) if self.tracing is not None else None
+        last = None  # the request's latest output: its metrics and, at the end, its events
+        error: Optional[str] = None
         outputs = self.engine.generate(
             body["prompt_token_ids"],
             params,
@@ -145,6 +165,7 @@ class EngineReplica:
             # multiplexed models are.
             **({"lora_name": body["lora_name"], "lora_path": body.get("lora_path")} if body.get("lora_name") else {}),
             **({"kv_transfer_params": kv_params} if kv_params is not None else {}),
+            **({"trace": True} if carrier is not None else {}),
         )
         try:
             async with contextlib.aclosing(ready_batches(outputs, batching)) as batches:
@@ -154,6 +175,7 @@ class EngineReplica:
                         yield failure
                         return
                     items = []
+                    last = batch[-1]
                     for out in batch:
                         items.append(_encode(out, self.replica_id, prompt_len if first else None))
                         first = False
@@ -165,15 +187,76 @@ class EngineReplica:
                             items[-1]["embedding"] = out.embedding
                     yield items[0] if len(items) == 1 else items
         except QueueFullError as e:
+            error = str(e)
             yield error_body(str(e) or "the replica's waiting queue is full; retry later", status=429)
         except LoRANotLoadable as e:  # its adapter unloaded (or its folder gone) since the body was built
+            error = str(e)
             yield error_body(str(e), status=404, param="model", code="model_not_found")
         except ValueError as e:
+            error = str(e)
             yield error_body(str(e), param=_param_of(str(e)), code=_code_of(str(e)))
         except EngineDeadError as e:
+            error = str(e)
             # Named, so the ingress migrates the request and avoids this replica
             # (router/migration.py) until Serve replaces it.
             yield {**error_body(str(e), status=503, code=ENGINE_DEAD), "replica": self.replica_id}
+        except BaseException:
+            error = "cancelled"  # the caller went away (or the replica is stopping)
+            raise
+        finally:
+            if last is not None:
+                self._observe_phases(body, last, carrier, error)
+
+    def _observe_phases(self, body: dict, out: Any, carrier: Optional[dict], error: Optional[str]) -> None:
+        """The request's phase times into the histograms and, when traced, its spans."""
+        metrics = getattr(out, "metrics", None)
+        if metrics is None:
+            return
+        try:
+            end = metrics.finished_time or metrics.last_token_time or time.monotonic()
+            timings = engine_timings(metrics, getattr(out, "events", None), end)
+            phases = timings.phases()
+            self.phases.observe(self.role, phases)
+            if self._log_phases:
+                logger.info(
+                    "request %s on %s (%s): %s; %d prompt tokens (%d cached), %d output tokens",
+                    body.get("request_id"),
+                    self.replica_id,
+                    self.role,
+                    ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in phases.items()) or "no phase",
+                    len(body["prompt_token_ids"]),
+                    out.num_cached_tokens,
+                    metrics.num_generation_tokens,
+                )
+            if carrier is None or self.tracing is None:
+                return
+            finish = [c.finish_reason for c in out.outputs if c.finish_reason]
+            params = getattr(out, "kv_transfer_params", None) if out.finished else None
+            attributes = {
+                "fleetserve.role": self.role,
+                "fleetserve.replica": self.replica_id,
+                "fleetserve.request_id": body.get("request_id"),
+                "gen_ai.request.model": getattr(self.engine, "model_name", None),
+                "gen_ai.usage.input_tokens": len(body["prompt_token_ids"]),
+                "gen_ai.usage.output_tokens": metrics.num_generation_tokens,
+                "gen_ai.response.finish_reasons": finish or None,
+                "fleetserve.cached_tokens": out.num_cached_tokens,
+                "fleetserve.remote_tokens": getattr(out, "num_remote_tokens", 0),
+                "fleetserve.kv_connector": self.kv_connector,
+                "fleetserve.preemptions": sum(1 for e in timings.events if e[0] == "preempted"),
+                "fleetserve.lora": body.get("lora_name"),
+                "fleetserve.migrated": bool(body.get(MIGRATED_KEY)) or None,
+            }
+            export = None
+            if isinstance(params, dict) and params.get("do_remote_prefill"):  # this engine exported its KV
+                export = {
+                    "connector": params.get("remote_connector") or self.kv_connector,
+                    "tokens": params.get("remote_num_tokens"),
+                    "transfer_id": params.get("transfer_id"),
+                }
+            record_engine_spans(self.tracing, carrier, timings, attributes, kv_export=export, error=error)
+        except Exception as e:  # noqa: BLE001 - observability never fails a request
+            logger.warning("could not record the trace of %s: %r", body.get("request_id"), e)
 
     def _admission_refusal(self, prompt_len: int, reserving: bool = False) -> Optional[str]:
         """Why a new request of `prompt_len` tokens (or, `reserving`, a decode slot for one) is
@@ -277,9 +360,14 @@ class EngineReplica:
     def report_metrics(self, app: str, deployment: str, interval_s: float) -> None:
         """Report the engine's metrics to `app`'s metrics hub every `interval_s`, from a task
         on the running loop (router/metrics_hub.py: /metrics answers from the reports)."""
-        self.metrics_reporter = MetricsReporter(app, deployment, self.replica_id, self.engine.metrics_text, interval_s)
+        self.metrics_reporter = MetricsReporter(app, deployment, self.replica_id, self.metrics_text, interval_s)
         if not self.metrics_reporter.start():
             logger.warning("no event loop: replica %s does not report its metrics", self.replica_id)
+
+    def metrics_text(self) -> str:
+        """The engine's metrics, then this replica's phase histograms (and its span exports
+        when it traces): one exposition text, reported to the metrics hub."""
+        return self.engine.metrics_text() + self.phases.text(self.role, EXPORTS if self.tracing is not None else None)
 
     def get_info(self) -> dict:
         """What the ingress needs to tokenize and validate on its own."""

@@ -55,6 +55,7 @@ class IngressSettings:
     return_tokens_as_token_ids: bool = False
     reasoning_parser: Optional[str] = None
     lora: LoRASettings = LoRASettings()
+    tracing: Optional[dict] = None  # router.tracing.TracingSettings' fields (None: off)
     pd: Optional[PDSettings] = None
     reuse: Optional[ReuseSettings] = None
 

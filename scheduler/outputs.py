@@ -123,6 +123,8 @@ class EngineCoreOutput:
     # Of num_cached_tokens, the prompt tokens whose KV a connector loaded.
     num_remote_tokens: int = 0
     embedding: Optional[list[float]] = None  # SamplingParams.embed: the prompt's
+    # A traced request's scheduling events (Request.events), on its last output only.
+    events: Optional[list[tuple[str, float, dict[str, Any]]]] = None
 
     @property
     def finished(self) -> bool:

@@ -89,6 +89,7 @@ class Request:
         "spec_token_ids",
         "lora_id",
         "lora_name",
+        "events",
     )
 
     def __init__(
@@ -139,6 +140,16 @@ class Request:
         self.max_tokens: int = self.sampling_params.max_tokens or 0
         # Draft tokens proposed for the next step (unverified; see module doc).
         self.spec_token_ids: list[int] = []
+        # A traced request's scheduling events, (name, time.monotonic(), attributes): what
+        # the replica turns into its queue, prefill and kv_transfer spans (router/tracing.py).
+        # None (the default) records nothing: an untraced request costs one None check at
+        # each of its state changes, and none per step.
+        self.events: Optional[list[tuple[str, float, dict[str, Any]]]] = None
+
+    def record(self, name: str, **attributes: Any) -> None:
+        """One scheduling event of a traced request (a no-op when not traced)."""
+        if self.events is not None:
+            self.events.append((name, time.monotonic(), attributes))
 
     # ---- token views -------------------------------------------------------
     @property

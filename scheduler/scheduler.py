@@ -93,6 +93,8 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()  # for the next SchedulerOutput
         self._pending_outputs: list[EngineCoreOutput] = []  # ignored on arrival
         self._finished_recving: set[str] = set()
+        # Traced requests (Request.events) still prefilling: their steps are recorded.
+        self._traced: set[str] = set()
         # Output tokens each worker-known request has not been sent yet.
         self._num_tokens_sent: dict[str, int] = {}
         self.num_preemptions = 0
@@ -279,6 +281,8 @@ class Scheduler:
         request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
+        if request.events is not None:
+            request.record("preempted", num_preemptions=request.num_preemptions)
         self._num_tokens_sent.pop(request.request_id, None)
 
     def _release_waiting_holders(self, keep: Request) -> bool:
@@ -409,6 +413,14 @@ class Scheduler:
         request.num_computed_tokens = lookup.num_computed + lookup.num_external
         if fresh:
             self._admitted_fresh(request, len(lookup.hits) * self.block_size, lookup.num_external)
+        if request.events is not None:
+            self._traced.add(request.request_id)
+            request.record(
+                "scheduled",
+                cached_tokens=lookup.num_computed,
+                external_tokens=lookup.num_external,
+                remote_load=bool(lookup.load_async),
+            )
         if lookup.load_async:
             # Blocks are held; the worker fills them in the background.
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -440,6 +452,8 @@ class Scheduler:
             self.connector.update_connector_output(runner_output)
         if runner_output.invalid_block_ids:
             outputs.extend(self._handle_invalid_blocks(runner_output.invalid_block_ids, scheduler_output))
+        if self._traced:
+            self._record_steps(scheduler_output)
         self._append_sampled(scheduler_output, runner_output, outputs)
         if runner_output.spec_token_ids:
             assign_drafts(
@@ -488,11 +502,13 @@ class Scheduler:
             plp = prompt_logprobs.get(rid) if prompt_logprobs else None
             if not new_tokens and not plp:
                 continue
-            params = reason = None
+            params = reason = events = None
             if request.status != running:
                 stopped.append(request)
                 params = self._free_request(request)
                 reason = request.get_finished_reason()
+                if request.events is not None:
+                    events = self._take_events(request)
             outputs.append(
                 EngineCoreOutput(
                     rid,
@@ -505,11 +521,35 @@ class Scheduler:
                     params,
                     num_remote_tokens=request.num_external_computed_tokens,
                     embedding=pooled.get(rid) if pooled else None,
+                    events=events,
                 )
             )
         if stopped:
             drop = {id(r) for r in stopped}
             self.running = [r for r in self.running if id(r) not in drop]
+
+    def _record_steps(self, scheduler_output: SchedulerOutput) -> None:
+        """A step of each traced request that ran in it: its prefill chunks (tokens, the
+        prompt computed so far) and its first decode step; later decode steps are not
+        recorded one by one (the decode span counts them)."""
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        for rid in list(self._traced):
+            request = self.requests.get(rid)
+            if request is None or request.events is None:
+                self._traced.discard(rid)
+                continue
+            n = num_scheduled.get(rid)
+            if n is None:
+                continue
+            if request.num_computed_tokens <= request.num_prompt_tokens:
+                request.record("prefill_chunk", tokens=n, computed=request.num_computed_tokens)
+            else:
+                self._traced.discard(rid)  # decoding: nothing more per step
+
+    def _take_events(self, request: Request) -> Optional[list[tuple[str, float, dict[str, Any]]]]:
+        self._traced.discard(request.request_id)
+        events, request.events = request.events, None
+        return events
 
     def _roll_back_rejected(self, request: Request, num_drafts: int, num_sampled: int) -> None:
         """The worker returns the accepted drafts plus one token of its own:
@@ -575,6 +615,8 @@ class Scheduler:
                 continue
             # Back to the front of waiting: it already holds its blocks.
             request.status = RequestStatus.WAITING
+            if request.events is not None:
+                request.record("kv_loaded", tokens=request.num_external_computed_tokens)
             if self.kv.enable_caching:
                 self.kv.cache_blocks(request, min(request.num_computed_tokens, request.num_tokens))
             self.waiting.prepend(request)
@@ -593,6 +635,8 @@ class Scheduler:
             good = first_bad * bs
             if request.num_computed_tokens <= good:
                 continue
+            if request.events is not None:
+                request.record("kv_load_failed", valid_tokens=good, lost_tokens=request.num_computed_tokens - good)
             request.num_computed_tokens = good
             lost = request.num_cached_tokens - min(request.num_cached_tokens, good)
             request.num_cached_tokens -= lost
@@ -615,6 +659,7 @@ class Scheduler:
                 r.get_finished_reason(),
                 num_cached_tokens=r.num_cached_tokens,
                 num_remote_tokens=r.num_external_computed_tokens,
+                events=self._take_events(r),
             )
             for r in failed
         ]

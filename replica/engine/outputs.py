@@ -86,6 +86,9 @@ class RequestOutput:
     itl: list[float] = field(default_factory=list)
     # SamplingParams.embed: the prompt's embedding (L2-normalized last-token hidden state).
     embedding: Optional[list[float]] = None
+    # A traced request's engine-core scheduling events (scheduler.Request.events), on its
+    # final item: router/tracing.py builds the replica's spans from them.
+    events: Optional[list] = None
 
 
 def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
@@ -123,6 +126,7 @@ def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     first.kv_transfer_params = then.kv_transfer_params or first.kv_transfer_params
     first.itl = then.itl or first.itl
     first.embedding = first.embedding or then.embedding
+    first.events = then.events or first.events
     return first
 
 

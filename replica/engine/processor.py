@@ -322,12 +322,18 @@ class OutputProcessor:
                 continue
             self._observe(parent, len(out.new_token_ids), now)
             by_parent.setdefault(parent.request_id, []).append(completion)
-            if out.kv_transfer_params is not None or out.num_cached_tokens or out.embedding is not None:
+            if (
+                out.kv_transfer_params is not None
+                or out.num_cached_tokens
+                or out.embedding is not None
+                or out.events is not None
+            ):
                 extra[parent.request_id] = {
                     "kv": out.kv_transfer_params,
                     "cached": out.num_cached_tokens,
                     "remote": out.num_remote_tokens,
                     "embedding": out.embedding,
+                    "events": out.events,
                 }
         results = []
         for rid, completions in by_parent.items():
@@ -345,6 +351,7 @@ class OutputProcessor:
                 kv_transfer_params=info.get("kv"),
                 num_remote_tokens=info.get("remote", 0),
                 embedding=info.get("embedding"),
+                events=info.get("events"),
             )
             if (
                 parent.prompt_logprobs is not None

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from ray.serve.exceptions import gRPCStatusError
 from ray.serve.grpc_util import RayServegRPCContext
 
+from fleetserve.router import tracing
 from fleetserve.router.api import openai_format as fmt
 from fleetserve.router.api.errors import APIError, from_validation_error, is_error
 from fleetserve.router.api.limits import check_sampling, check_token_lists
@@ -310,6 +311,30 @@ def _chat_response(
     )
 
 
+async def _traced(method: str, grpc_context: RayServegRPCContext, responses: AsyncIterator) -> AsyncIterator:
+    """`responses` under the call's SERVER span (router/tracing.py; its metadata may carry a
+    W3C `traceparent`); with tracing off, just `responses`."""
+    if tracing.current() is None:
+        async for response in responses:
+            yield response
+        return
+    metadata = {str(k).lower(): str(v) for k, v in (grpc_context.invocation_metadata() or [])}
+    span, token = tracing.start_request_span(
+        f"fleetserve.v1.FleetServe/{method}",
+        metadata,
+        **{"rpc.system": "grpc", "rpc.service": "fleetserve.v1.FleetServe", "rpc.method": method},
+    )
+    error = None
+    try:
+        async for response in responses:
+            yield response
+    except BaseException as e:
+        error = str(e) or repr(e)
+        raise
+    finally:
+        tracing.end_request_span(span, token, error)
+
+
 class GrpcMethods:
     """Mixed into the ingress class (router/ingress.py), which provides what HTTP uses too:
     `check_api_key`, `check_model`, `info`, `decode_one`, `model_ids`, `embed`,
@@ -341,10 +366,17 @@ class GrpcMethods:
     async def Generate(
         self, request: "pb.GenerateRequest", grpc_context: RayServegRPCContext
     ) -> AsyncIterator["pb.GenerateResponse"]:
+        async for response in _traced("Generate", grpc_context, self._generate(request, grpc_context)):
+            yield response
+
+    async def _generate(
+        self, request: "pb.GenerateRequest", grpc_context: RayServegRPCContext
+    ) -> AsyncIterator["pb.GenerateResponse"]:
         try:
-            self._grpc_auth(grpc_context)
-            _check_decoded(request)
-            body = await self._grpc_body(request)
+            with tracing.ingress_phase():
+                self._grpc_auth(grpc_context)
+                _check_decoded(request)
+                body = await self._grpc_body(request)
             gen, first = await self.pools.open_stream(body)
         except APIError as e:
             _fail(grpc_context, e.status, e.body["error"]["message"])
@@ -382,17 +414,24 @@ class GrpcMethods:
     ) -> AsyncIterator["pb.ChatResponse"]:
         """`/v1/chat/completions`, streamed as its SSE chunks are (the same ChunkWriter turns
         engine deltas into content and tool-call deltas), one message per chunk."""
+        async for response in _traced("Chat", grpc_context, self._chat(request, grpc_context)):
+            yield response
+
+    async def _chat(
+        self, request: "pb.ChatRequest", grpc_context: RayServegRPCContext
+    ) -> AsyncIterator["pb.ChatResponse"]:
         rid = f"grpc-chat-{uuid.uuid4().hex}"
         try:
-            self._grpc_auth(grpc_context)
-            _check_decoded(request)
-            if len(request.request_id) > MAX_CLIENT_REQUEST_ID_CHARS:
-                raise APIError(
-                    f"request_id must be at most {MAX_CLIENT_REQUEST_ID_CHARS} characters", 400, param="request_id"
-                )
-            req = chat_request_from_proto(request)
-            self.check_model(req.model)
-            body, _, tools = await self.bodies.chat_body(req, rid)
+            with tracing.ingress_phase():
+                self._grpc_auth(grpc_context)
+                _check_decoded(request)
+                if len(request.request_id) > MAX_CLIENT_REQUEST_ID_CHARS:
+                    raise APIError(
+                        f"request_id must be at most {MAX_CLIENT_REQUEST_ID_CHARS} characters", 400, param="request_id"
+                    )
+                req = chat_request_from_proto(request)
+                self.check_model(req.model)
+                body, _, tools = await self.bodies.chat_body(req, rid)
             gen, first = await self.pools.open_stream(body)
         except APIError as e:
             _fail(grpc_context, e.status, e.body["error"]["message"])

@@ -44,12 +44,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Callable, Optional
 
 from ray.serve.exceptions import BackPressureError
 
 from fleetserve.router.api.errors import is_error
 from fleetserve.router.metrics import MIGRATIONS
+from fleetserve.router.tracing import TRACE_KEY
+from fleetserve.router.tracing import carrier_of as trace_carrier_of
+from fleetserve.router.tracing import current as current_tracing
 
 logger = logging.getLogger("ray.serve")
 
@@ -119,6 +123,8 @@ class MigratingStream:
         self._finished: set[int] = set()
         # Replicas that served this request, in order (a continuation avoids them).
         self._replicas: list[str] = [replica] if replica else []
+        # A traced request's migration under way: (start, attributes) of its span.
+        self._pending_span: Optional[tuple[int, dict]] = None
 
     def __aiter__(self):
         return self
@@ -147,10 +153,25 @@ class MigratingStream:
                     continue
             if not is_error(item):
                 self._observe(item)
+            if self._pending_span is not None:
+                self._record_migration(item)
             return item
 
     def cancel(self) -> None:
         self._stream.cancel()
+
+    def _record_migration(self, item: dict) -> None:
+        """The `migration` span of a traced request (router/tracing.py): from its replica's
+        failure to the continuation's first item, under the request's span."""
+        start_ns, attrs = self._pending_span or (0, {})
+        self._pending_span = None
+        tracing = current_tracing()
+        carrier = trace_carrier_of(self._body)
+        if tracing is None or carrier is None:
+            return
+        attrs = {**attrs, "fleetserve.migration.to_replica": item.get("replica")}
+        error = item["error"].get("message") if is_error(item) else None
+        tracing.record("migration", tracing.extract(carrier), start_ns, time.time_ns(), attrs, error=error)
 
     # -- internals ---------------------------------------------------------------
 
@@ -178,6 +199,16 @@ class MigratingStream:
         return None
 
     async def _migrate(self, error: BaseException) -> None:
+        if TRACE_KEY in self._body and self._pending_span is None:
+            self._pending_span = (
+                time.time_ns(),
+                {
+                    "fleetserve.migration.from_replica": self._replicas[-1] if self._replicas else None,
+                    "fleetserve.migration.attempt": self.migrations + 1,
+                    "fleetserve.migration.tokens_carried": len(self._generated.get(0, [])),
+                    "fleetserve.migration.error": f"{type(error).__name__}: {str(error)[:200]}",
+                },
+            )
         self.migrations += 1
         MIGRATIONS.migrated += 1
         self._stream.cancel()

@@ -57,6 +57,7 @@ from fleetserve.router.routing.pd_decision import PDSettings, cached_prompt_toke
 from fleetserve.router.routing.policies import RouteRequest
 from fleetserve.router.routing.registry import get_router
 from fleetserve.router.routing.request_router import TARGET_KWARG
+from fleetserve.router.tracing import annotate_request
 from fleetserve.scheduler import prefix_salt
 
 logger = logging.getLogger("ray.serve")
@@ -109,6 +110,13 @@ class PDRouter:
                 path = "pd" if params is not None else "prefill_failed"
                 t_prefill_done = time.perf_counter()
             self.metrics.requests.labels(path).inc()
+            annotate_request(
+                {
+                    "fleetserve.pd.path": path,
+                    "fleetserve.pd.decode_replica": decode_id,
+                    "fleetserve.pd.decode_cached_tokens": cached,
+                }
+            )
             stream, first, loaded = await self._open_decode(body, open_call, decode_id, params, owner, t_prefill_done)
         except BaseException:
             # The client went away or the decode call failed: the slot and the export go now.

@@ -19,7 +19,9 @@ Two kinds of calls go through it:
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from typing import Any, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -34,7 +36,12 @@ from fleetserve.router.routing.policies import (
     prefer_adapter_holders,
 )
 from fleetserve.router.routing.policies.prefix_aware import PrefixAwareBase
+from fleetserve.router.tracing import TRACE_KEY
+from fleetserve.router.tracing import carrier_of as trace_carrier_of
+from fleetserve.router.tracing import current as current_tracing
 from fleetserve.scheduler import prefix_salt
+
+logger = logging.getLogger("ray.serve")
 
 TARGET_KWARG = "_fleetserve_target"
 
@@ -56,6 +63,7 @@ class FleetRequestRouter(RequestRouter):
         self._inflight: dict[str, tuple[str, int, str]] = {}
         self._ongoing: dict[str, list[int]] = {}  # replica id -> [requests, tokens]
         self._lock = threading.Lock()
+        self._fleet_deployment = deployment
         registry.register(self.app_name, deployment, self)
 
     # -- what the ingress asks -------------------------------------------------
@@ -93,6 +101,17 @@ class FleetRequestRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         if not by_id:
             return []
+        traced = _traced_body(pending_request)
+        if traced is not None:
+            start_ns = time.time_ns()
+            tiers = self._choose(by_id, pending_request)
+            self._trace_route(traced, by_id, tiers, pending_request, start_ns)
+            return tiers
+        return self._choose(by_id, pending_request)
+
+    def _choose(
+        self, by_id: dict[str, RunningReplica], pending_request: Optional[PendingRequest]
+    ) -> list[list[RunningReplica]]:
         if pending_request is not None:
             # Without this Serve retries a full tier in a tight loop, starving its
             # own event loop (the probes that would free the tier never run).
@@ -113,6 +132,62 @@ class FleetRequestRouter(RequestRouter):
         if request is not None and pending_request is not None and ranked:
             self._record(ranked[0][0], request, pending_request)
         return [[by_id[rid] for rid in tier] for tier in ranked]
+
+    def _trace_route(
+        self,
+        body: dict,
+        by_id: dict[str, RunningReplica],
+        tiers: list[list[RunningReplica]],
+        pending: Optional[PendingRequest],
+        start_ns: int,
+    ) -> None:
+        """The `route` span of a traced call (router/tracing.py): the policy, the candidates,
+        the pick and why (pinned by the P/D or reuse flow, the policy's first choice, or a
+        migrated request's choice that skips the replicas that failed it), the pick's load."""
+        tracing = current_tracing()
+        carrier = trace_carrier_of(body)
+        if tracing is None or carrier is None:
+            return
+        try:
+            chosen = tiers[0][0].replica_id.unique_id if tiers and tiers[0] else None
+            target = pending.kwargs.get(TARGET_KWARG) if pending is not None else None
+            reason = "pinned" if target is not None and target in by_id else "policy"
+            if body.get(AVOID_KEY):
+                reason = "policy, avoiding failed replicas"
+            attrs: dict[str, Any] = {
+                "fleetserve.route.deployment": self._deployment_name(),
+                "fleetserve.route.policy": getattr(self.policy, "name", type(self.policy).__name__),
+                "fleetserve.route.candidates": len(by_id),
+                "fleetserve.route.replica": chosen,
+                "fleetserve.route.reason": reason,
+                "fleetserve.route.tiers": len(tiers),
+            }
+            if chosen is not None:
+                load = self._load(by_id[chosen])
+                attrs.update(
+                    {
+                        "fleetserve.route.replica_ongoing": load.num_ongoing,
+                        "fleetserve.route.replica_running": load.num_running,
+                        "fleetserve.route.replica_waiting": load.num_waiting,
+                        "fleetserve.route.replica_kv_usage": round(load.kv_cache_usage, 4),
+                    }
+                )
+                request = _route_request(pending)
+                if isinstance(self.policy, PrefixAwareBase) and request is not None:
+                    hits = self.policy.match_lengths(self.policy.block_hashes(request), {chosen})
+                    attrs["fleetserve.route.prefix_hit_blocks"] = hits.get(chosen, 0)
+            if tracing.settings.detailed:
+                attrs["fleetserve.route.candidate_loads"] = [
+                    f"{rid}: ongoing={ld.num_ongoing} running={ld.num_running} waiting={ld.num_waiting} "
+                    f"kv={ld.kv_cache_usage:.3f}"
+                    for rid, ld in ((rid, self._load(r)) for rid, r in sorted(by_id.items()))
+                ]
+            tracing.record("route", tracing.extract(carrier), start_ns, time.time_ns(), attrs)
+        except Exception as e:  # noqa: BLE001 - observability never fails routing
+            logger.debug("route span: %r", e)
+
+    def _deployment_name(self) -> Optional[str]:
+        return getattr(self, "_fleet_deployment", None)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.release_request(internal_request_id)
@@ -185,6 +260,14 @@ def _avoiding(ranked: list[list[str]], pending: Optional[PendingRequest]) -> lis
     kept = [[rid for rid in tier if rid not in avoid] for tier in ranked]
     kept = [tier for tier in kept if tier]
     return kept or ranked
+
+
+def _traced_body(pending: Optional[PendingRequest]) -> Optional[dict]:
+    """The body of a traced call (it carries router.tracing.TRACE_KEY), else None."""
+    if pending is None or not pending.args:
+        return None
+    body = pending.args[0]
+    return body if isinstance(body, dict) and TRACE_KEY in body else None
 
 
 def _route_request(pending: Optional[PendingRequest]) -> Optional[RouteRequest]:

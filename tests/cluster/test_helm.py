@@ -212,6 +212,26 @@ def test_lora_values_reach_the_app_config(helm):
     assert config.engine.lora_roots == ("/models/adapters",)
 
 
+def test_tracing_values_reach_the_app_config(helm):
+    """app.tracing is the app config's `tracing` block (docs/serving/tracing.md)."""
+    from fleetserve.cluster.config import AppConfig
+
+    rs = only(
+        render(
+            helm,
+            [CHART / "ci" / "cpu-small-values.yaml"],
+            [
+                "app.tracing.otlp_traces_endpoint=http://otel-collector.observability:4318/v1/traces",
+                "app.tracing.collect_detailed_traces=true",
+            ],
+        ),
+        "RayService",
+    )
+    config = AppConfig.model_validate(serve_config(rs)["applications"][0]["args"])
+    assert config.tracing.otlp_traces_endpoint == "http://otel-collector.observability:4318/v1/traces"
+    assert config.tracing.collect_detailed_traces and config.tracing.otlp_traces_protocol == "http/protobuf"
+
+
 BAD = [
     # (--set arguments, what the error must name)
     (["workers.engine.replicass=2"], "replicass"),
@@ -219,6 +239,7 @@ BAD = [
     (["engine.max_num_seqs=0"], "/engine/max_num_seqs"),
     (["engine.bogus=1"], "bogus"),
     (["app.routingPolicy=random"], "/app/routingPolicy"),
+    (["app.tracing.otlp_traces_protocol=udp"], "/app/tracing/otlp_traces_protocol"),
     (["engine.tensor_parallel_size=2", "workers.engine.gpus=4"], "workers.engine.gpus"),
     (
         ["engine.tensor_parallel_size=2", "workers.engine.resources.limits.nvidia\\.com/gpu=1"],
@@ -291,6 +312,16 @@ def test_dashboard_queries_name_real_metrics():
     exposed = set(re.findall(r"^([a-z0-9_:]+)(?:\{| )", metrics.text(), re.M))
     used = set(re.findall(r"(vllm:[a-z0-9_]+)", text))
     assert used and used <= exposed, used - exposed
+    # fleetserve's own: the phase histograms and the span exports (router/tracing.py)
+    from fleetserve.router.tracing import ExportCounts, PhaseHistograms
+
+    phases = PhaseHistograms()
+    phases.observe("engine", {"queue": 0.1})
+    ours = phases.text("engine", ExportCounts())
+    exposed_ours = set(re.findall(r"^([a-z0-9_:]+)(?:\{| )", ours, re.M))
+    exposed_ours |= {n.replace("fleetserve:trace_spans", "fleetserve:router_trace_spans") for n in exposed_ours}
+    used_ours = set(re.findall(r"(fleetserve:[a-z0-9_]+)", text))
+    assert used_ours and used_ours <= exposed_ours, used_ours - exposed_ours
 
 
 @pytest.mark.parametrize(

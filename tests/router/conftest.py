@@ -79,7 +79,18 @@ def lora_dirs(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def server(tiny_model_dir, lora_dirs):
+def trace_receiver():
+    """The OTLP/HTTP receiver the session's server sends its traces to (tests/otlp_receiver.py):
+    every request of the router suite is traced, so the suite runs the tracing path throughout
+    (tests/router/test_tracing_e2e.py reads the spans)."""
+    from tests.otlp_receiver import OTLPReceiver
+
+    with OTLPReceiver(port=free_port()) as rx:
+        yield rx
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_dir, lora_dirs, trace_receiver):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
     from ray import serve
@@ -125,12 +136,15 @@ def server(tiny_model_dir, lora_dirs):
             "reasoning_parser": "qwen3",
             "allow_runtime_lora_updating": True,
             "reliability": {"body_timeout_s": 3},
+            "tracing": {"otlp_traces_endpoint": trace_receiver.endpoint},
         }
     )
     connect_ray(config, num_cpus=2, log_to_driver=False)
     start_serve(config)
     deploy(config)
-    yield ServerInfo(config)
+    info = ServerInfo(config)
+    info.traces = trace_receiver
+    yield info
     serve.shutdown()
     ray.shutdown()
 
@@ -143,6 +157,7 @@ class ServerInfo:
         self.model = config.served_model_name
         self.api_key = API_KEY
         self.app = config.name
+        self.traces = None  # the OTLPReceiver its traces go to (the server fixture sets it)
 
     def headers(self) -> dict:
         return {"Authorization": f"Bearer {API_KEY}"}

@@ -142,6 +142,7 @@ def _streams_survive_a_kill(server, kill, wait_for_feed: bool = False, dead_engi
                 if loads[victim]["num_running"] == 0:
                     victim = None
                 else:
+                    killed_ns = time.time_ns()
                     kill(victim)  # mid-stream
                 got = [f.result(timeout=240) for f in ids]
                 streamed = [f.result(timeout=240) for f in sse]
@@ -160,6 +161,7 @@ def _streams_survive_a_kill(server, kill, wait_for_feed: bool = False, dead_engi
             assert res["events"][-1] == "[DONE]"
             assert res["usage"]["completion_tokens"] == MAX_TOKENS, res["usage"]
         assert _migrations(server) > migrated_before  # the streams on the victim were continued
+        _check_migration_spans(server, victim, killed_ns)
         assert feed_items(server) > fed_before  # streams rode the per-step feed (router/feed.py)
         if dead_engine_reported:
             health = httpx.get(server.base_url + "/health", timeout=30).json()
@@ -173,6 +175,31 @@ def _streams_survive_a_kill(server, kill, wait_for_feed: bool = False, dead_engi
     assert victim not in _replica_health(server)
     assert _grpc_ids(server, PROMPTS[0], {}, 0) == reference[PROMPTS[0]]
     server.wait_idle()
+
+
+def _check_migration_spans(server, victim: str, killed_ns: int) -> None:
+    """Each continued stream's trace has a `migration` span under its request span, from the
+    victim to another replica, and the continuation's engine spans in the same trace."""
+
+    def migrations(spans):
+        return [s for s in spans if s.name == "migration" and s.start_ns >= killed_ns]
+
+    spans = server.traces.wait_for(lambda s: migrations(s), timeout_s=30)
+    for m in migrations(spans):
+        assert m.attributes["fleetserve.migration.from_replica"] == victim, m.attributes
+        assert m.attributes["fleetserve.migration.to_replica"] != victim, m.attributes
+        trace = server.traces.wait_for(
+            lambda s, m=m: (
+                any(x.name == "engine" and x.start_ns >= m.start_ns for x in s)
+                and any(x.span_id == m.parent_span_id for x in s)
+            ),
+            timeout_s=30,
+            trace_id=m.trace_id,
+        )
+        root = next(x for x in trace if x.span_id == m.parent_span_id)
+        assert root.kind == 2 and root.parent_span_id is None  # the request's span, a new trace
+        replicas = {x.attributes.get("fleetserve.route.replica") for x in trace if x.name == "route"}
+        assert victim in replicas and len(replicas) == 2, replicas
 
 
 def test_engine_core_killed_mid_stream_streams_migrate(server):

@@ -33,6 +33,7 @@ the app config. When the app config's shape changes (e.g. the P/D keys), change 
       "grpc" (dict "enabled" $v.service.grpc "port" $v.service.grpcPort) -}}
 {{- if $v.app.routing -}}{{- $_ := set $app "routing" $v.app.routing -}}{{- end -}}
 {{- if $v.app.allowRuntimeLoraUpdating -}}{{- $_ := set $app "allow_runtime_lora_updating" true -}}{{- end -}}
+{{- if $v.app.tracing -}}{{- $_ := set $app "tracing" $v.app.tracing -}}{{- end -}}
 {{- if $v.auth.apiKeySecret.name -}}{{- $_ := set $app "api_key_env" "FLEETSERVE_API_KEY" -}}{{- end -}}
 {{- if $v.pd.enabled -}}
   {{- $pools := dict "enabled" true "connector" $v.pd.connector -}}
