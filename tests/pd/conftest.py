@@ -223,13 +223,25 @@ def stop_server(proc) -> None:
         proc.wait(timeout=10)
 
 
+@pytest.fixture(scope="session")
+def pd_traces():
+    """The OTLP/HTTP receiver pd_server sends its traces to (tests/otlp_receiver.py)."""
+    from tests.otlp_receiver import OTLPReceiver
+
+    with OTLPReceiver(port=free_port()) as rx:
+        yield rx
+
+
 @pytest.fixture(scope="module")
-def pd_server(tmp_path_factory, pd_model_dir, pd_lora_dir):
+def pd_server(tmp_path_factory, pd_model_dir, pd_lora_dir, pd_traces):
     tmp = tmp_path_factory.mktemp("pd-app")
     proc, server = start_server(
         tmp,
         pd_model_dir,
         engine={"lora_modules": [f"tiny-lora={pd_lora_dir}"]},
+        # every request traced; --enable-log-requests: the replicas log each one's phases
+        tracing={"otlp_traces_endpoint": pd_traces.endpoint},
+        enable_log_requests=True,
         pd={
             "enabled": True,
             "connector": "ray_object_store",
@@ -240,6 +252,7 @@ def pd_server(tmp_path_factory, pd_model_dir, pd_lora_dir):
             "kv_load_timeout_s": 60.0,
         },
     )
+    server.traces = pd_traces
     yield server
     stop_server(proc)
 

@@ -233,3 +233,76 @@ def test_decode_replica_restart(pd_server, colocated):
     assert body["choices"][0]["text"] == colocated(tokenize(pd_server, prompt=prompt))
     assert body["usage"]["prompt_tokens_details"]["remote_tokens"] > 0
     pd_server.wait_all_free()
+
+
+def test_a_pd_request_is_one_trace_with_both_replicas_and_the_hand_off(pd_server, colocated):
+    """Through `fleetserve serve` (issue 55): a P/D completion sent with a `traceparent` is one
+    trace holding the ingress's spans, a route span per pool, the prefill replica's spans (its
+    KV export) and the decode replica's (the load in WAITING_FOR_REMOTE_KVS, then the rest);
+    a short prompt that skips the prefill pool has the decode replica's spans only."""
+    import secrets
+
+    rx = pd_server.traces
+    trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
+    prompt = long_prompt(random.Random(55))
+    ids = tokenize(pd_server, prompt=prompt)
+    r = httpx.post(
+        pd_server.base_url + "/v1/completions",
+        headers={"traceparent": f"00-{trace_id}-{parent}-01"},
+        json={"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == colocated(ids)
+    want = {"POST /v1/completions", "ingress", "route", "engine prefill", "engine decode", "kv_transfer", "decode"}
+    spans = rx.wait_for(lambda s: want <= {x.name for x in s}, timeout_s=60, trace_id=trace_id)
+    by_id = {s.span_id: s for s in spans}
+    root = next(s for s in spans if s.name == "POST /v1/completions")
+    assert root.parent_span_id == parent and root.attributes["fleetserve.pd.path"] == "pd"
+    engines = {s.name: s for s in spans if s.name.startswith("engine ")}
+    assert all(e.parent_span_id == root.span_id for e in engines.values())
+    assert {s.resource_attributes["fleetserve.role"] for s in spans} == {"ingress", "engine"}
+    routes = {s.attributes["fleetserve.route.deployment"]: s for s in spans if s.name == "route"}
+    assert set(routes) == {"prefill", "decode"}, routes
+    assert (
+        routes["decode"].attributes["fleetserve.route.replica"]
+        == engines["engine decode"].attributes["fleetserve.replica"]
+    )
+    assert routes["decode"].attributes["fleetserve.route.reason"] == "pinned"  # the P/D flow chose it
+
+    def children(engine: str) -> dict:
+        return {s.name: s for s in spans if by_id.get(s.parent_span_id) is engines[engine]}
+
+    prefill_side, decode_side = children("engine prefill"), children("engine decode")
+    assert {"queue", "prefill", "kv_transfer"} <= set(prefill_side), prefill_side
+    assert prefill_side["kv_transfer"].attributes["fleetserve.kv_transfer.direction"] == "export"
+    assert prefill_side["kv_transfer"].attributes["fleetserve.kv_transfer.tokens"] >= len(ids) - BLOCK
+    assert {"queue", "kv_transfer", "prefill", "decode"} <= set(decode_side), decode_side
+    load = decode_side["kv_transfer"]
+    assert load.attributes["fleetserve.kv_transfer.direction"] == "load"
+    assert load.attributes["fleetserve.kv_transfer.outcome"] == "loaded"
+    assert (
+        load.attributes["fleetserve.kv_transfer.tokens"]
+        == engines["engine decode"].attributes["fleetserve.remote_tokens"]
+    )
+    # the hand-off in time order: prefill, export, load, the decode side's own prefill, decode
+    assert prefill_side["prefill"].end_ns <= load.start_ns + 5_000_000
+    assert load.end_ns <= decode_side["prefill"].start_ns + 1000 <= decode_side["decode"].start_ns + 2000
+    assert decode_side["decode"].attributes["gen_ai.usage.output_tokens"] == MAX_TOKENS
+    # --enable-log-requests: the decode replica logged this request's phases
+    assert "transfer" in pd_server.log_path.read_text()
+
+    # A short prompt: decode only, no prefill replica in its trace.
+    trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
+    r = httpx.post(
+        pd_server.base_url + "/v1/completions",
+        headers={"traceparent": f"00-{trace_id}-{parent}-01"},
+        json={"model": "tiny", "prompt": "short", "max_tokens": 2, "ignore_eos": True},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    spans = rx.wait_for(lambda s: {"engine decode", "POST /v1/completions"} <= {x.name for x in s}, 60, trace_id)
+    assert "engine prefill" not in {s.name for s in spans}
+    root = next(s for s in spans if s.name == "POST /v1/completions")
+    assert root.attributes["fleetserve.pd.path"] == "decode_only"
+    pd_server.wait_all_free()
