@@ -4,7 +4,7 @@
     python benchmarks/tracing_overhead.py                        # default model (SmolLM2), 1 replica
     python benchmarks/tracing_overhead.py --repeat 2             # off, on, off, on
     python benchmarks/tracing_overhead.py --concurrency 16 --max-tokens 128 --model smollm2-135m
-    python benchmarks/tracing_overhead.py --on-args "--collect-detailed-traces all"
+    python benchmarks/tracing_overhead.py --on-args "--collect-detailed-traces"
     python benchmarks/tracing_overhead.py --modes off --rounds 1 --concurrency 2 --max-tokens 16   # smoke
 
 Each block starts `fleetserve serve --num-replicas 1` as a user does (its own process

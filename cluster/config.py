@@ -33,6 +33,7 @@ configs are derived from `connector` (prefill: `kv_producer`, decode:
 from __future__ import annotations
 
 import os
+import urllib.parse
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -233,6 +234,28 @@ class TracingOptions(BaseModel):
         ),
     )
     export_timeout_s: float = Field(default=5.0, gt=0, description="One export call's deadline.")
+
+    @model_validator(mode="after")
+    def _check_endpoint(self) -> "TracingOptions":
+        url = self.otlp_traces_endpoint
+        if url is None:
+            return self
+        parsed = urllib.parse.urlsplit(url if "://" in url else f"//{url}")
+        if self.otlp_traces_protocol == "http/protobuf" and (
+            parsed.scheme not in ("http", "https") or not parsed.hostname
+        ):
+            raise ValueError(
+                f"otlp_traces_endpoint {url!r}: http/protobuf needs an http(s) URL, e.g. "
+                "http://127.0.0.1:4318/v1/traces (or --otlp-traces-protocol grpc for host:port)"
+            )
+        if self.otlp_traces_protocol == "grpc":
+            try:
+                port = parsed.port
+            except ValueError:
+                port = None
+            if not parsed.hostname or port is None:
+                raise ValueError(f"otlp_traces_endpoint {url!r}: grpc needs host:port, e.g. 127.0.0.1:4317")
+        return self
 
     def settings(self) -> dict:
         """router.tracing.TracingSettings' fields."""

@@ -250,3 +250,15 @@ def test_served_model_names_must_be_names(value):
     with pytest.raises(ValidationError, match="one or more non-empty names"):
         AppConfig.model_validate({"engine": {"served_model_name": value}})
     assert from_cli("serve", "--served-model-name", "a", "b", "a").engine.served_model_names == ("a", "b")
+
+
+def test_the_tracing_endpoint_must_suit_its_protocol():
+    ok = AppConfig.model_validate({"tracing": {"otlp_traces_endpoint": "http://collector:4318/v1/traces"}})
+    assert ok.tracing.settings()["endpoint"] == "http://collector:4318/v1/traces"
+    AppConfig.model_validate({"tracing": {"otlp_traces_endpoint": "collector:4317", "otlp_traces_protocol": "grpc"}})
+    for bad in (
+        {"otlp_traces_endpoint": "collector:4318"},  # no scheme for OTLP/HTTP
+        {"otlp_traces_endpoint": "collector", "otlp_traces_protocol": "grpc"},  # no port
+    ):
+        with pytest.raises(ValidationError, match="otlp_traces_endpoint"):
+            AppConfig.model_validate({"tracing": bad})
