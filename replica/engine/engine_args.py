@@ -79,7 +79,7 @@ class EngineArgs(BaseModel):
     max_num_batched_tokens: int = _same_field(SchedulerConfig, "max_num_batched_tokens")
     long_prefill_token_threshold: int = _same_field(SchedulerConfig, "long_prefill_token_threshold")
     enable_chunked_prefill: bool = _same_field(SchedulerConfig, "enable_chunked_prefill")
-    scheduling_policy: Literal["fcfs", "priority"] = _same_field(SchedulerConfig, "policy")
+    scheduling_policy: Literal["fcfs", "priority", "fair"] = _same_field(SchedulerConfig, "policy")
     capacity_policy: Literal["max_utilization", "guaranteed_no_evict"] = _same_field(SchedulerConfig, "capacity_policy")
     scheduler_cls: str = _same_field(SchedulerConfig, "scheduler_cls")
     block_size: int = _same_field(CacheConfig, "block_size")
