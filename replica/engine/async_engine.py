@@ -128,16 +128,28 @@ class AsyncEngine:
         admitted: bool = False,
         lora_name: Optional[str] = None,
         lora_path: Optional[str] = None,
+        tenant: Optional[str] = None,
+        tenant_weight: float = 1.0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream `prompt`'s outputs (an async generator: nothing runs, and nothing is raised,
         until it is iterated). `admitted=True` skips the waiting-queue bound: for work the
         cluster accepted already (a migrated request's continuation), which refusing would
         turn into a failed stream rather than back-pressure on a new request. `lora_name`:
         the LoRA adapter to run with; with `lora_path`, one this engine does not hold (loaded
-        at run time elsewhere, or evicted here by --max-cpu-loras) is loaded first."""
+        at run time elsewhere, or evicted here by --max-cpu-loras) is loaded first. `tenant`
+        and its `tenant_weight`: whose request it is (the scheduler's policy "fair")."""
         if lora_name is None:
             return self._stream(
-                prompt, sampling_params, request_id, priority, kv_transfer_params, cache_salt, admitted, None
+                prompt,
+                sampling_params,
+                request_id,
+                priority,
+                kv_transfer_params,
+                cache_salt,
+                admitted,
+                None,
+                tenant,
+                tenant_weight,
             )
         return self._lora_stream(
             prompt,
@@ -149,6 +161,8 @@ class AsyncEngine:
             admitted,
             lora_name,
             lora_path,
+            tenant,
+            tenant_weight,
         )
 
     async def _lora_stream(
@@ -162,6 +176,8 @@ class AsyncEngine:
         admitted,
         lora_name: str,
         lora_path: Optional[str],
+        tenant: Optional[str] = None,
+        tenant_weight: float = 1.0,
     ) -> AsyncIterator[RequestOutput]:
         self.loras.begin_use(lora_name)
         try:
@@ -170,7 +186,16 @@ class AsyncEngine:
                 if lora_name not in self.input_processor.loras:  # unloaded as its load ended
                     raise LoRANotLoadable(lora_name)
             async for item in self._stream(
-                prompt, sp, request_id, priority, kv_transfer_params, cache_salt, admitted, lora_name
+                prompt,
+                sp,
+                request_id,
+                priority,
+                kv_transfer_params,
+                cache_salt,
+                admitted,
+                lora_name,
+                tenant,
+                tenant_weight,
             ):
                 yield item
         finally:
@@ -186,6 +211,8 @@ class AsyncEngine:
         cache_salt: Optional[str],
         admitted: bool,
         lora_name: Optional[str],
+        tenant: Optional[str] = None,
+        tenant_weight: float = 1.0,
     ) -> AsyncIterator[RequestOutput]:
         if self._dead is not None:
             raise EngineDeadError(f"the engine is dead: {self._dead}")
@@ -206,6 +233,8 @@ class AsyncEngine:
             cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params,
             lora_name=lora_name,
+            tenant=tenant,
+            tenant_weight=tenant_weight,
         )
         load = self._client.load()
         if not admitted and load["num_waiting"] + self._client.num_pending_adds >= self.args.max_waiting_requests:
