@@ -64,9 +64,9 @@ def write(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def sim(trace: Path, replicas: int, policy: str, profile: str, out: Path) -> dict:
+def sim(trace: Path, replicas: int, policy: str, profile: str, out: Path, extra: tuple[str, ...] = ()) -> dict:
     cmd = [sys.executable, "-m", "fleetserve.cluster.cli", "sim", "--trace", str(trace), "--profile", profile]
-    cmd += ["--num-replicas", str(replicas), "--scheduling-policy", policy, *ENGINE_FLAGS]
+    cmd += ["--num-replicas", str(replicas), "--scheduling-policy", policy, *ENGINE_FLAGS, *extra]
     cmd += ["--no-progress", "-o", str(out)]
     print("$ fleetserve " + " ".join(cmd[3:]), flush=True)
     t0 = time.perf_counter()
@@ -82,6 +82,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default="h100-llama-3.1-8b")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="fair_share_sim", help="folder for the traces and result JSONs")
+    ap.add_argument("--seat", action="store_true", help="also fair with --fair-preemption-gap 0")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -94,6 +95,9 @@ def main(argv=None) -> int:
         runs = {"alone": sim(alone, n, "fcfs", args.profile, out / f"alone-{n}.json")}
         for policy in ("fcfs", "fair"):
             runs[policy] = sim(both, n, policy, args.profile, out / f"{policy}-{n}.json")
+        if args.seat:
+            gap = ("--fair-preemption-gap", "0")
+            runs["fair+seat"] = sim(both, n, "fair", args.profile, out / f"fair-seat-{n}.json", gap)
         for name, r in runs.items():
             light_t = r["tenants"]["light"]
             heavy_t = r["tenants"].get("heavy")

@@ -42,6 +42,16 @@ class SchedulerConfig(BaseModel):
     # paper's defaults: an output token costs about two prompt tokens.
     fair_input_weight: float = Field(1.0, ge=0, description="Fair share: the cost of a prompt token computed.")
     fair_output_weight: float = Field(2.0, ge=0, description="Fair share: the cost of an output token.")
+    fair_preemption_gap: Optional[float] = Field(
+        None,
+        ge=0,
+        description=(
+            "Fair share: when every seat (--max-num-seqs) is taken and the waiting tenant served "
+            "least trails the running tenant served most by more than this much weighted service, "
+            "preempt one request of the latter (its last admitted) for a seat, at most one a step "
+            "(unset: never; a waiting tenant waits for a free seat)."
+        ),
+    )
     capacity_policy: Literal["max_utilization", "guaranteed_no_evict"] = Field(
         "max_utilization",
         description=(

@@ -17,7 +17,10 @@ weight (`Request.tenant_weight`):
   appended (rejected draft tokens cost nothing). A prompt chunk is charged when it is
   scheduled, so the next admission in the same step already sees it.
 * Preemption: from the running tenant with the largest counter (the one most over its
-  share), its most recently admitted request.
+  share), its most recently admitted request. With `fair_preemption_gap` also for a seat:
+  when every seat is taken and the waiting tenant served least trails that tenant by more
+  than the gap, one such request a step makes room (`seat_victim`); without it a light
+  tenant waits for the next request to finish.
 
 The bound (tests/scheduler/test_fair.py measures it): two tenants backlogged from the
 same moment, counters equal then. While f's counter is above g's, no f request is
@@ -110,6 +113,20 @@ class VirtualTokenCounter:
         counters = self.counters
         top = max(counters.get(r.tenant, 0.0) for r in running)
         return next(r for r in reversed(running) if counters.get(r.tenant, 0.0) == top)
+
+
+def seat_victim(vtc: VirtualTokenCounter, running: list[Request], head: Request, gap: float) -> Optional[Request]:
+    """With every seat taken and `head` first in the waiting queue: the running request to
+    preempt for it (`pick_victim`'s: the last admitted of the running tenant served most),
+    when `head`'s tenant trails that tenant by more than `gap`; else None. The victim waits
+    at its tenant's front; its prompt blocks stay in the prefix cache while nothing needs them.
+    """
+    if not running:
+        return None
+    victim = vtc.pick_victim(running)
+    if victim.tenant == head.tenant or vtc.counter(head.tenant) + gap >= vtc.counter(victim.tenant):
+        return None
+    return victim
 
 
 class FairQueue:

@@ -40,7 +40,7 @@ from fleetserve.scheduler.batch import StepBatch
 from fleetserve.scheduler.block_pool import KVCacheBlock
 from fleetserve.scheduler.config import CacheConfig, SchedulerConfig
 from fleetserve.scheduler.connector import KVConnectorScheduler
-from fleetserve.scheduler.fair import make_vtc
+from fleetserve.scheduler.fair import make_vtc, seat_victim
 from fleetserve.scheduler.kv_cache_manager import KVCacheManager
 from fleetserve.scheduler.kv_events import KVEventBatch
 from fleetserve.scheduler.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
@@ -207,6 +207,7 @@ class Scheduler:
         batch = StepBatch(self.config.max_num_batched_tokens)
         self._schedule_running(batch)
         if not batch.preempted:
+            self._preempt_for_share(batch)
             self._schedule_waiting(batch)
         finished, self._finished_req_ids = self._finished_req_ids, set()
         output = batch.to_output(self.running, self.requests, self.kv, self._num_tokens_sent, finished)
@@ -272,6 +273,17 @@ class Scheduler:
             blocks = self.kv.allocate_slots(request, num_slots)
             if blocks is not None:
                 return blocks
+
+    def _preempt_for_share(self, batch: StepBatch) -> None:
+        """Policy "fair" with fair_preemption_gap: a seat for the waiting tenant served least
+        when every seat is taken by tenants served more (scheduler/fair.py `seat_victim`)."""
+        gap = self.config.fair_preemption_gap
+        if self.vtc is None or gap is None or not self.waiting or self._has_free_seat():
+            return
+        victim = seat_victim(self.vtc, self.running, self.waiting.peek(), gap)
+        if victim is not None:
+            batch.drop(victim)
+            self._preempt(victim)
 
     def _preempt(self, request: Request) -> None:
         """Take every block back from `request`, which will start over (recompute, as

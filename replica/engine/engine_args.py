@@ -80,6 +80,7 @@ class EngineArgs(BaseModel):
     long_prefill_token_threshold: int = _same_field(SchedulerConfig, "long_prefill_token_threshold")
     enable_chunked_prefill: bool = _same_field(SchedulerConfig, "enable_chunked_prefill")
     scheduling_policy: Literal["fcfs", "priority", "fair"] = _same_field(SchedulerConfig, "policy")
+    fair_preemption_gap: Optional[float] = _same_field(SchedulerConfig, "fair_preemption_gap")
     capacity_policy: Literal["max_utilization", "guaranteed_no_evict"] = _same_field(SchedulerConfig, "capacity_policy")
     scheduler_cls: str = _same_field(SchedulerConfig, "scheduler_cls")
     block_size: int = _same_field(CacheConfig, "block_size")
@@ -391,5 +392,6 @@ _SCHEDULER_FIELDS = (
     "enable_chunked_prefill",
     "capacity_policy",
     "scheduler_cls",
+    "fair_preemption_gap",
 )
 _CACHE_FIELDS = ("block_size", "enable_prefix_caching", "enable_kv_cache_events", "prefix_caching_hash_algo")

@@ -9,7 +9,16 @@ import pytest
 from fleetserve.scheduler import Request, SamplingParams
 from fleetserve.scheduler.fair import FairQueue, VirtualTokenCounter
 
-from .utils import EOS, VOCAB, FakeModelRunner, assert_serves_and_no_leaks, create_scheduler, run_to_completion, step
+from .utils import (
+    EOS,
+    VOCAB,
+    FakeModelRunner,
+    assert_serves_and_no_leaks,
+    create_scheduler,
+    reference_tokens,
+    run_to_completion,
+    step,
+)
 
 
 def make(rid: str, tenant: str, num_tokens: int = 8, max_tokens: int = 4, arrival: float = 0.0, weight: float = 1.0):
@@ -155,6 +164,34 @@ def test_preemption_takes_from_the_tenant_most_over_its_share():
         preempted.extend(so.preempted_req_ids)
         sched.update_from_output(so, runner.execute(so))
     assert preempted == ["big"]
+    assert_serves_and_no_leaks(sched, runner)
+
+
+@pytest.mark.parametrize("gap", [None, 0.0, 1e9])
+def test_a_seat_for_the_tenant_served_least_only_with_a_gap(gap):
+    # Two seats, both taken by heavy's long requests; a light request arrives.
+    sched = create_scheduler(policy="fair", max_num_seqs=2, num_blocks=64, fair_preemption_gap=gap)
+    runner = FakeModelRunner(64, 4)
+    heavy = [make(f"h{i}", "heavy", num_tokens=8, max_tokens=40, arrival=i) for i in range(3)]
+    for r in heavy:
+        sched.add_request(r)
+    for _ in range(3):
+        step(sched, runner)
+    light = make("l0", "light", num_tokens=4, max_tokens=2, arrival=10)
+    sched.add_request(light)
+    # Lifted to heavy's counter on arrival: not behind yet, so it waits this step.
+    so, _ = step(sched, runner)
+    assert not so.preempted_req_ids and not so.scheduled_new_reqs
+    so, _ = step(sched, runner)  # heavy decoded one more step: light trails it now
+    if gap == 0.0:
+        # h1, heavy's last admitted, gives its seat; light runs at once.
+        assert so.preempted_req_ids == {"h1"}
+        assert [r.req_id for r in so.scheduled_new_reqs] == ["l0"]
+    else:
+        assert not so.preempted_req_ids and not so.scheduled_new_reqs
+    run_to_completion(sched, runner)
+    for r in (*heavy, light):  # the preempted one recomputed to the same tokens
+        assert r.output_token_ids == reference_tokens(r, sched.config.max_model_len)
     assert_serves_and_no_leaks(sched, runner)
 
 
