@@ -194,7 +194,9 @@ class Ingress(GrpcMethods):
         self.tenants.metrics.observe_request(tenant.name, sum(len(b["prompt_token_ids"]) for b in bodies))
 
     def _http_tenant(self, request: Request) -> Tenant:
-        return self.tenant_of(request.headers.get("authorization"), request.headers.get(TENANT_HEADER))
+        tenant = self.tenant_of(request.headers.get("authorization"), request.headers.get(TENANT_HEADER))
+        request.state.tenant = tenant.name  # for the access log line (router/access_log.py)
+        return tenant
 
     async def embed(
         self,

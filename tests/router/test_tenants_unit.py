@@ -142,3 +142,14 @@ def test_tenant_keys_open_the_api_beside_the_single_key(directory):
     with pytest.raises(APIError):
         only_tenants.check("Bearer shared-key")
     ApiKeyAuth(None).check(None)  # no key configured: open, as before
+
+
+def test_access_log_line_names_the_tenant_the_handler_left_in_the_request_state():
+    from starlette.requests import Request as StarletteRequest
+
+    from fleetserve.router.access_log import request_line
+
+    scope = {"type": "http", "client": ("10.0.0.1", 5), "method": "POST", "path": "/v1/completions", "headers": []}
+    assert "tenant=" not in request_line(scope, 200, 0.01)
+    StarletteRequest(scope).state.tenant = "acme"  # what Ingress._http_tenant does
+    assert request_line(scope, 200, 0.01).endswith("200 10.0 ms tenant=acme")
