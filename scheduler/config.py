@@ -89,6 +89,10 @@ class SchedulerConfig(BaseModel):
                 f"max_model_len ({self.max_model_len}) when chunked prefill is disabled, "
                 "or no long prompt could ever be scheduled"
             )
+        if self.fair_preemption_gap is not None and self.policy != "fair":
+            raise ValueError(
+                f"fair_preemption_gap is for policy 'fair' (--scheduling-policy fair), not {self.policy!r}"
+            )
         if self.fair_input_weight + self.fair_output_weight <= 0:
             raise ValueError("fair_input_weight and fair_output_weight must not both be 0")
         return self

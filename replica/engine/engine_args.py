@@ -342,6 +342,12 @@ class EngineArgs(BaseModel):
         return SpeculativeConfig.parse(value)
 
     @model_validator(mode="after")
+    def _check_fair(self) -> "EngineArgs":
+        if self.fair_preemption_gap is not None and self.scheduling_policy != "fair":
+            raise ValueError("fair_preemption_gap needs scheduling_policy 'fair' (--scheduling-policy fair)")
+        return self
+
+    @model_validator(mode="after")
     def _check_speculative(self) -> "EngineArgs":
         spec = self.speculative_config
         if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:

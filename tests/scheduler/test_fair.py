@@ -195,6 +195,11 @@ def test_a_seat_for_the_tenant_served_least_only_with_a_gap(gap):
     assert_serves_and_no_leaks(sched, runner)
 
 
+def test_the_gap_needs_policy_fair():
+    with pytest.raises(ValueError, match="fair_preemption_gap is for policy 'fair'"):
+        create_scheduler(policy="fcfs", fair_preemption_gap=0.0)
+
+
 def test_fcfs_and_priority_ignore_tenants():
     sched = create_scheduler(policy="fcfs")
     assert sched.vtc is None
