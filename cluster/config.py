@@ -383,6 +383,17 @@ class AppConfig(BaseModel):
     api_key_file: Optional[str] = Field(
         default=None, description=("Or: a file holding the API key (else $FLEETSERVE_API_KEY); keeps it out of `ps`.")
     )
+    api_keys_file: Optional[str] = Field(
+        default=None,
+        description=(
+            "A YAML/JSON map of tenant -> {key or key_sha256, weight, priority, limits: "
+            "{max_tokens}}: each key opens the API and names the request's tenant (docs: Tenants). "
+            "Without it the x-tenant-id header names the tenant (else 'default')."
+        ),
+    )
+    max_tenant_labels: int = Field(
+        default=32, ge=1, description="Most tenant label values in /metrics; later tenants count as 'other'."
+    )
     api_key_open_paths: tuple[str, ...] = Field(
         default=("/health", "/ping", "/metrics"),
         description=('HTTP paths that need no API key (a JSON list); ["/health"] protects /metrics too.'),

@@ -48,6 +48,7 @@ from fleetserve.router.routing.policies import POLICIES
 from fleetserve.router.routing.prefix_reuse import ReuseSettings
 from fleetserve.router.routing.request_router import FleetRequestRouter
 from fleetserve.router.settings import IngressSettings, LoRASettings
+from fleetserve.router.tenants import TenantSettings
 
 logger = logging.getLogger(__name__)
 
@@ -301,6 +302,7 @@ def ingress_settings(config: AppConfig, listed: tuple[str, ...], aliases: tuple[
         model_aliases=aliases,
         listed_names=listed,
         api_key=resolve_api_key(config),
+        tenants=TenantSettings.from_keys_file(config.api_keys_file, config.max_tenant_labels),
         open_paths=tuple(config.api_key_open_paths),
         bind_host=config.http.host,
         cors=CorsSettings(**config.http.cors()),

@@ -1,7 +1,10 @@
 """The ingress's request log: one INFO line per request when asked, and one per failed request always.
 
-    INFO ... 127.0.0.1:52144 "POST /v1/chat/completions" 200 35.1 ms
+    INFO ... 127.0.0.1:52144 "POST /v1/chat/completions" 200 35.1 ms tenant=acme
     INFO ... 127.0.0.1:52150 "POST /v1/completions" 404 0.9 ms: The model `x` does not exist; ...
+
+(`tenant=`: the request's tenant, router/tenants.py, once the ingress named it: the
+handler leaves it in the request's state.)
 
 A pure ASGI middleware (not Starlette's BaseHTTPMiddleware, which would wrap
 streaming responses in another task and hide client disconnects from the
@@ -71,6 +74,9 @@ def request_line(scope, status: int, seconds: float, error: str = "") -> str:
     client = scope.get("client")
     who = f"{client[0]}:{client[1]}" if client else "-"
     line = f'{who} "{scope.get("method", "")} {scope.get("path", "")}" {status} {seconds * 1e3:.1f} ms'
+    tenant = (scope.get("state") or {}).get("tenant")
+    if tenant:
+        line += f" tenant={tenant}"
     return f"{line}: {error}" if error else line
 
 

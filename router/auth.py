@@ -15,6 +15,8 @@
   (or `--api-key-file`: a file holding the key), or the environment variable
   `FLEETSERVE_API_KEY`: the last two keep it out of `ps` and shell history. It is
   never logged and never put in a Ray runtime_env (cluster.deploy.serve_env skips it).
+- Tenants' keys (`--api-keys-file`, router/tenants.py): each one opens what the API key
+  opens, and names the request's tenant. With a keys file and no `--api-key`, only they do.
 - The LoRA admin key (`--lora-admin-key`, `--lora-admin-key-file` or
   `FLEETSERVE_LORA_ADMIN_KEY`, kept the same way): when one is set, the admin paths
   (/v1/load_lora_adapter, /v1/unload_lora_adapter) take it instead of the API key, and
@@ -82,22 +84,34 @@ class ApiKeyAuth:
         open_paths: tuple[str, ...] = ("/health", "/ping", "/metrics"),
         admin_key: Optional[str] = None,
         admin_paths: tuple[str, ...] = LORA_ADMIN_PATHS,
+        tenant_digests: frozenset[bytes] = frozenset(),
     ) -> None:
         self._digest = _digest(api_key) if api_key else None
+        self._tenant_digests = tenant_digests
         self.open_paths = frozenset(open_paths)
         self._admin_digest = _digest(admin_key) if admin_key else None
         self.admin_paths = frozenset(admin_paths)
 
     @property
     def enabled(self) -> bool:
-        return self._digest is not None or self._admin_digest is not None
+        return self._digest is not None or self._admin_digest is not None or bool(self._tenant_digests)
 
     def check(self, authorization: Optional[str]) -> None:
-        """APIError(401) unless `authorization` is `Bearer <the key>` (or no key is set)."""
-        if self._digest is not None and not _matches(self._digest, authorization):
+        """APIError(401) unless `authorization` is `Bearer <the key>` or a tenant's key (or
+        no key is set)."""
+        if self._tenant_digests and self._is_tenant_key(authorization):
+            return
+        needs_key = self._digest is not None or bool(self._tenant_digests)
+        if needs_key and (self._digest is None or not _matches(self._digest, authorization)):
             raise APIError(
                 "Incorrect API key provided: send 'Authorization: Bearer <key>'", 401, code="invalid_api_key"
             )
+
+    def _is_tenant_key(self, authorization: Optional[str]) -> bool:
+        # A set lookup by SHA-256 digest: its timing can tell only which digests are absent,
+        # and finding a key from its digest is preimage search.
+        scheme, _, token = (authorization or "").strip().partition(" ")
+        return scheme.lower() == "bearer" and _digest(token.strip()) in self._tenant_digests
 
     def check_path(self, path: str, authorization: Optional[str]) -> None:
         """The key `path` needs: the admin key on the admin paths when one is set, else the

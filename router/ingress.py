@@ -65,6 +65,7 @@ from fleetserve.router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from fleetserve.router.metrics import RouterMetrics
 from fleetserve.router.settings import IngressSettings
 from fleetserve.router.streams import drain, stream_items
+from fleetserve.router.tenants import NO_TENANT, TENANT_HEADER, Tenant, TenantDirectory, stamp
 from fleetserve.router.tracing import TraceRequests
 
 logger = logging.getLogger("ray.serve")
@@ -124,12 +125,20 @@ class Ingress(GrpcMethods):
         self.loras = LoRAAdmin(settings.lora, reserved=self._served)
         self.pools = EnginePools(engine, settings, prefill, on_info=self.loras.learn_keys)
         self.bodies = BodyBuilder(self.pools, self.loras)
+        self.tenants = TenantDirectory(settings.tenants)  # router/tenants.py
         self._metrics = RouterMetrics(
-            self.pools.routers, self.pools.feeds, [flow.metrics for flow in self.pools.flows()]
+            self.pools.routers,
+            self.pools.feeds,
+            [*(flow.metrics for flow in self.pools.flows()), self.tenants.metrics],
+        )
+        self._auth = ApiKeyAuth(
+            settings.api_key,
+            settings.open_paths,
+            admin_key=settings.lora.admin_key,
+            tenant_digests=self.tenants.digests,
         )
         if tracing.setup(settings.tracing, role="ingress") is not None:
             self._metrics.registry.register(tracing.EXPORTS.collector("fleetserve:router_trace_spans"))
-        self._auth = ApiKeyAuth(settings.api_key, settings.open_paths, admin_key=settings.lora.admin_key)
         _auth.install(self._auth)
         _cors.install(settings.cors)
         self.reasoning = get_reasoning_parser(settings.reasoning_parser)  # router/api/reasoning.py
@@ -178,6 +187,21 @@ class Ingress(GrpcMethods):
     def check_api_key(self, presented: Optional[str]) -> None:
         self._auth.check(presented)
 
+    def tenant_of(self, authorization: Optional[str], claimed: Optional[str]) -> Tenant:
+        """The request's tenant (router/tenants.py): its key's, else `x-tenant-id`'s."""
+        return self.tenants.identify(authorization, claimed)
+
+    def own(self, bodies: list[dict], tenant: Tenant) -> None:
+        """Stamp one API request's engine bodies as `tenant`'s, and count it."""
+        for body in bodies:
+            stamp(body, tenant)
+        self.tenants.metrics.observe_request(tenant.name, sum(len(b["prompt_token_ids"]) for b in bodies))
+
+    def _http_tenant(self, request: Request) -> Tenant:
+        tenant = self.tenant_of(request.headers.get("authorization"), request.headers.get(TENANT_HEADER))
+        request.state.tenant = tenant.name  # for the access log line (router/access_log.py)
+        return tenant
+
     async def embed(
         self,
         inputs: list,
@@ -185,6 +209,7 @@ class Ingress(GrpcMethods):
         truncate_prompt_tokens: Optional[int],
         priority: int,
         model: Optional[str] = None,
+        tenant: Tenant = NO_TENANT,
     ) -> tuple[list[list[float]], int]:
         """(one vector per input, the inputs' tokens) for `/v1/embeddings` and gRPC's Embed:
         each input a request of its own (router/api/embeddings.py: at most `FANOUT` in flight)."""
@@ -192,6 +217,7 @@ class Ingress(GrpcMethods):
         bodies = await self.bodies.embedding_bodies(
             f"embd-{uuid.uuid4().hex}", inputs, add_special_tokens, truncate_prompt_tokens, priority, model
         )
+        self.own(bodies, tenant)
         vectors = await emb_api.embed_all(self.pools.open_stream, bodies)
         return vectors, sum(len(b["prompt_token_ids"]) for b in bodies)
 
@@ -204,6 +230,8 @@ class Ingress(GrpcMethods):
             self.check_model(req.model)
             rid = f"cmpl-{uuid.uuid4().hex}"
             prompts, bodies, params = await self.bodies.completion_bodies(req, rid)
+            tenant = self._http_tenant(request)
+            self.own(bodies, tenant)
         if len(bodies) == 1 and not req.echo:
             return await self._respond(bodies[0], req, chat=False, logprobs_n=req.logprobs)
         echo = None
@@ -219,7 +247,7 @@ class Ingress(GrpcMethods):
                 for p, b in zip(prompts, bodies)
             ]
         gen, first = await completions.MergedStream.open(self.pools.open_stream, bodies, params.n, echo, FANOUT)
-        return await self._respond_with(gen, first, rid, req, chat=False, logprobs_n=req.logprobs)
+        return await self._respond_with(gen, first, rid, req, chat=False, logprobs_n=req.logprobs, tenant=tenant.name)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
@@ -227,13 +255,26 @@ class Ingress(GrpcMethods):
             req = await self._parse(request, ChatCompletionRequest)
             self.check_model(req.model)
             body, params, tools = await self.bodies.chat_body(req, f"chatcmpl-{uuid.uuid4().hex}")
+            self.own([body], self._http_tenant(request))
         return await self._respond(body, req, chat=True, logprobs_n=params.logprobs, tools=tools)
 
     async def _respond(self, body: dict, req, chat: bool, logprobs_n: Optional[int], tools=None):
         gen, first = await self.pools.open_stream(body)
-        return await self._respond_with(gen, first, body["request_id"], req, chat, logprobs_n, tools)
+        return await self._respond_with(
+            gen, first, body["request_id"], req, chat, logprobs_n, tools, body.get("tenant")
+        )
 
-    async def _respond_with(self, gen, first: dict, rid: str, req, chat: bool, logprobs_n: Optional[int], tools=None):
+    async def _respond_with(
+        self,
+        gen,
+        first: dict,
+        rid: str,
+        req,
+        chat: bool,
+        logprobs_n: Optional[int],
+        tools=None,
+        tenant: Optional[str] = None,
+    ):
         if is_error(first):
             return to_response(first)
         model = req.model or self.served_model_name
@@ -249,7 +290,7 @@ class Ingress(GrpcMethods):
                 reasoning=self.reasoning,
             )
             return StreamingResponse(
-                self._sse(gen, first, writer, req.include_usage, req.continuous_usage),
+                self._sse(gen, first, writer, req.include_usage, req.continuous_usage, tenant),
                 media_type="text/event-stream",
                 headers=_SSE_HEADERS,
             )
@@ -264,6 +305,8 @@ class Ingress(GrpcMethods):
             prompt_lp = fmt.prompt_logprobs_of(item) or prompt_lp
 
         error = await drain(gen, first, take)
+        if tenant is not None:
+            self.tenants.metrics.observe_generated(tenant, usage.completion_tokens)
         if error is not None:
             return to_response(error)
         label = self.token_label(req)
@@ -293,7 +336,13 @@ class Ingress(GrpcMethods):
         )
 
     async def _sse(
-        self, gen, first: dict, writer: fmt.ChunkWriter, include_usage: bool, continuous_usage: bool = False
+        self,
+        gen,
+        first: dict,
+        writer: fmt.ChunkWriter,
+        include_usage: bool,
+        continuous_usage: bool = False,
+        tenant: Optional[str] = None,
     ) -> AsyncIterator[str]:
         usage = fmt.Usage()
         try:
@@ -312,6 +361,8 @@ class Ingress(GrpcMethods):
             # handle's stream cancels the replica's generator, which aborts the
             # request in the engine and frees its KV blocks.
             gen.cancel()
+            if tenant is not None:
+                self.tenants.metrics.observe_generated(tenant, usage.completion_tokens)
 
     # -- HTTP: OpenAI's Responses API (router/api/responses.py) ------------------
 
@@ -326,6 +377,7 @@ class Ingress(GrpcMethods):
         rid, stem = resp_api.new_ids()
         try:
             body, _, tools = await self.bodies.chat_body(chat, rid)
+            self.own([body], self._http_tenant(request))
         except APIError as e:
             return to_response(resp_api.in_responses_terms(e.body))
         gen, first = await self.pools.open_stream(body)
@@ -378,6 +430,7 @@ class Ingress(GrpcMethods):
             req.truncate_prompt_tokens,
             req.priority,
             req.model,
+            self._http_tenant(request),
         )
         if req.dimensions is not None and req.dimensions != len(vectors[0]):
             raise APIError(
@@ -399,7 +452,7 @@ class Ingress(GrpcMethods):
             pairs = req.pairs()
         except ValueError as e:
             raise APIError(str(e), 400, param="text_2") from None
-        scores, tokens = await self._similarities(pairs, req)
+        scores, tokens = await self._similarities(pairs, req, self._http_tenant(request))
         return JSONResponse(
             emb_api.score_body(
                 f"score-{uuid.uuid4().hex}", int(time.time()), req.model or self.served_model_name, scores, tokens
@@ -416,16 +469,18 @@ class Ingress(GrpcMethods):
             raise APIError("documents must hold at least one document", 400, param="documents")
         if req.top_n < 0:
             raise APIError(f"top_n must be 0 (every document) or more, got {req.top_n}", 400, param="top_n")
-        scores, tokens = await self._similarities([(req.query, d) for d in req.documents], req)
+        scores, tokens = await self._similarities(
+            [(req.query, d) for d in req.documents], req, self._http_tenant(request)
+        )
         return JSONResponse(
             emb_api.rerank_body(f"rerank-{uuid.uuid4().hex}", req.model or self.served_model_name, req, scores, tokens)
         )
 
-    async def _similarities(self, pairs: list[tuple[str, str]], req) -> tuple[list[float], int]:
+    async def _similarities(self, pairs: list[tuple[str, str]], req, tenant: Tenant) -> tuple[list[float], int]:
         """Each pair's cosine similarity, every distinct text embedded once; and the tokens read."""
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
         vectors, tokens = await self.embed(
-            texts, req.add_special_tokens, req.truncate_prompt_tokens, req.priority, req.model
+            texts, req.add_special_tokens, req.truncate_prompt_tokens, req.priority, req.model, tenant
         )
         by_text = dict(zip(texts, vectors))
         return [emb_api.cosine(by_text[a], by_text[b]) for a, b in pairs], tokens

@@ -159,6 +159,7 @@ class EngineReplica:
             body["request_id"],
             priority=int(body.get("priority", 0)),
             cache_salt=body.get("cache_salt"),
+            **_tenant_kwargs(body),
             **({"admitted": True} if admitted else {}),
             # The adapter's folder too: a replica that lacks it (one loaded at run time before this
             # replica started, or evicted here by --max-cpu-loras) loads it first, as Ray Serve's
@@ -245,6 +246,7 @@ class EngineReplica:
                 "fleetserve.kv_connector": self.kv_connector,
                 "fleetserve.preemptions": sum(1 for e in timings.events if e[0] == "preempted"),
                 "fleetserve.lora": body.get("lora_name"),
+                "fleetserve.tenant": body.get("tenant"),
                 "fleetserve.migrated": bool(body.get(MIGRATED_KEY)) or None,
             }
             export = None
@@ -537,6 +539,13 @@ def _grammar_failure(out) -> Optional[dict]:
             code, message = parsed
             return error_body(message, status=GRAMMAR_ERRORS[code], param=_param_of(message), code=code)
     return None
+
+
+def _tenant_kwargs(body: dict) -> dict:
+    """Whose request it is (router/tenants.py): the scheduler's policy "fair" shares by it."""
+    if not body.get("tenant"):
+        return {}
+    return {"tenant": str(body["tenant"]), "tenant_weight": float(body.get("tenant_weight", 1.0))}
 
 
 def _param_of(message: str) -> Optional[str]:

@@ -16,6 +16,7 @@ from fleetserve.replica.lora.request import LORA_LOAD_TIMEOUT_S
 from fleetserve.router.cors import CorsSettings
 from fleetserve.router.routing.pd import PDSettings
 from fleetserve.router.routing.prefix_reuse import ReuseSettings
+from fleetserve.router.tenants import TenantSettings
 
 OPEN_PATHS = ("/health", "/ping", "/metrics")
 
@@ -44,6 +45,8 @@ class IngressSettings:
     model_aliases: tuple[str, ...] = ()  # accepted in `model`, not listed in /v1/models
     listed_names: tuple[str, ...] = ()  # more served names: accepted and listed
     api_key: Optional[str] = None
+    # Tenants by key digest (--api-keys-file) and the metric label bound (router/tenants.py).
+    tenants: TenantSettings = TenantSettings()
     open_paths: tuple[str, ...] = OPEN_PATHS  # paths that need no API key
     bind_host: Optional[str] = None  # the host the ingress's own HTTP/gRPC servers bind
     cors: CorsSettings = CorsSettings()

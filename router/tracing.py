@@ -715,6 +715,7 @@ def attach_to_body(body: dict) -> None:
                 "gen_ai.request.temperature": sp.get("temperature"),
                 "gen_ai.usage.input_tokens": len(body.get("prompt_token_ids") or ()),
                 "fleetserve.request_id": body.get("request_id"),
+                "fleetserve.tenant": body.get("tenant"),
             }
         )
     )

@@ -30,8 +30,27 @@ class SchedulerConfig(BaseModel):
         0, ge=0, description=("Most prompt tokens one request may prefill in one step (0: no limit).")
     )
     enable_chunked_prefill: bool = Field(True, description=("Split long prompts across steps so decodes keep running."))
-    policy: Literal["fcfs", "priority"] = Field(
-        "fcfs", description=("Order of the waiting queue: first come first served, or by request priority.")
+    policy: Literal["fcfs", "priority", "fair"] = Field(
+        "fcfs",
+        description=(
+            "Order of the waiting queue: first come first served, by request priority, or "
+            "fair (per-tenant fair share: the Virtual Token Counter, the tenant served least first)."
+        ),
+    )
+    # policy "fair": a tenant's service is fair_input_weight * prompt tokens computed +
+    # fair_output_weight * output tokens, divided by its weight (scheduler/fair.py). The
+    # paper's defaults: an output token costs about two prompt tokens.
+    fair_input_weight: float = Field(1.0, ge=0, description="Fair share: the cost of a prompt token computed.")
+    fair_output_weight: float = Field(2.0, ge=0, description="Fair share: the cost of an output token.")
+    fair_preemption_gap: Optional[float] = Field(
+        None,
+        ge=0,
+        description=(
+            "Fair share: when every seat (--max-num-seqs) is taken and the waiting tenant served "
+            "least trails the running tenant served most by more than this much weighted service, "
+            "preempt one request of the latter (its last admitted) for a seat, at most one a step "
+            "(unset: never; a waiting tenant waits for a free seat)."
+        ),
     )
     capacity_policy: Literal["max_utilization", "guaranteed_no_evict"] = Field(
         "max_utilization",
@@ -70,6 +89,12 @@ class SchedulerConfig(BaseModel):
                 f"max_model_len ({self.max_model_len}) when chunked prefill is disabled, "
                 "or no long prompt could ever be scheduled"
             )
+        if self.fair_preemption_gap is not None and self.policy != "fair":
+            raise ValueError(
+                f"fair_preemption_gap is for policy 'fair' (--scheduling-policy fair), not {self.policy!r}"
+            )
+        if self.fair_input_weight + self.fair_output_weight <= 0:
+            raise ValueError("fair_input_weight and fair_output_weight must not both be 0")
         return self
 
 

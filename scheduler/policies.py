@@ -1,6 +1,7 @@
 """The small policy objects the scheduling loop delegates to.
 
-* a waiting queue (FCFS deque or priority heap): the order of admission;
+* a waiting queue (FCFS deque, priority heap, or per-tenant fair share: fair.py): the
+  order of admission;
 * a preemption choice: which running request gives its blocks back;
 * a capacity policy: may a waiting request be admitted, and may the running
   pass preempt at all.
@@ -10,9 +11,10 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequence
 
 from fleetserve.scheduler.block_pool import KVCacheBlock
+from fleetserve.scheduler.fair import FairQueue, VirtualTokenCounter
 from fleetserve.scheduler.kv_cache_manager import KVCacheManager
 from fleetserve.scheduler.request import Request
 
@@ -95,13 +97,20 @@ class PriorityQueue:
         return iter(sorted(self._heap))
 
 
-def make_waiting_queue(policy: str) -> WaitingQueue:
+def make_waiting_queue(policy: str, vtc: Optional[VirtualTokenCounter] = None) -> WaitingQueue:
+    if policy == "fair":
+        if vtc is None:
+            raise ValueError('policy "fair" needs its VirtualTokenCounter')
+        return FairQueue(vtc)
     return PriorityQueue() if policy == "priority" else FCFSQueue()
 
 
 # ---- preemption choice --------------------------------------------------------
-def pick_victim(running: list[Request], policy: str) -> Request:
-    """FCFS: the most recently admitted; priority: the largest (priority, arrival)."""
+def pick_victim(running: list[Request], policy: str, vtc: Optional[VirtualTokenCounter] = None) -> Request:
+    """FCFS: the most recently admitted; priority: the largest (priority, arrival); fair:
+    the most recently admitted of the tenant most over its share."""
+    if vtc is not None:
+        return vtc.pick_victim(running)
     if policy == "priority":
         # The full waiting-queue key, so the victim is the request the queue
         # ranks last. On (priority, arrival) ties vLLM's key picks the first

@@ -66,6 +66,10 @@ def prefix_salt(cache_salt: Optional[str], lora_name: Optional[str] = None) -> O
     return f"{cache_salt or ''}\x00lora:{lora_name}"
 
 
+# The tenant of a request that names none (router: no key file entry, no x-tenant-id).
+DEFAULT_TENANT = "default"
+
+
 class Request:
     __slots__ = (
         "request_id",
@@ -90,6 +94,9 @@ class Request:
         "lora_id",
         "lora_name",
         "events",
+        "tenant",
+        "tenant_weight",
+        "num_charged_prompt_tokens",
     )
 
     def __init__(
@@ -105,6 +112,8 @@ class Request:
         lora_name: Optional[str] = None,
         lora_id: int = 0,
         lora_key: Optional[str] = None,
+        tenant: Optional[str] = None,
+        tenant_weight: float = 1.0,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
@@ -123,6 +132,13 @@ class Request:
         self.lora_name = lora_name
         self.cache_salt = prefix_salt(cache_salt, lora_key or lora_name)
         self.kv_transfer_params = kv_transfer_params
+        # Who the request belongs to, and its share (scheduler/fair.py: policy "fair").
+        if not tenant_weight > 0:
+            raise ValueError(f"request {request_id}: tenant_weight must be positive, got {tenant_weight}")
+        self.tenant = tenant or DEFAULT_TENANT
+        self.tenant_weight = float(tenant_weight)
+        # Prompt tokens the fair-share counter charged (each once, not again on recompute).
+        self.num_charged_prompt_tokens = 0
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.output_token_ids: list[int] = []

@@ -28,7 +28,8 @@ step travel in the SchedulerOutput, and update_from_output rolls
 
 Around this loop: the step's batch and the SchedulerOutput it becomes
 (batch.py), queue order, preemption choice and capacity (policies.py), the
-paged KV cache (kv_cache_manager.py), the stats it reports (stats.py).
+paged KV cache (kv_cache_manager.py), the stats it reports (stats.py); policy "fair" adds
+per-tenant service counters (fair.py), charged where tokens are scheduled and sampled.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from fleetserve.scheduler.batch import StepBatch
 from fleetserve.scheduler.block_pool import KVCacheBlock
 from fleetserve.scheduler.config import CacheConfig, SchedulerConfig
 from fleetserve.scheduler.connector import KVConnectorScheduler
+from fleetserve.scheduler.fair import make_vtc, seat_victim
 from fleetserve.scheduler.kv_cache_manager import KVCacheManager
 from fleetserve.scheduler.kv_events import KVEventBatch
 from fleetserve.scheduler.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
@@ -83,7 +85,11 @@ class Scheduler:
         self.capacity = make_capacity_policy(scheduler_config.capacity_policy)
 
         self.requests: dict[str, Request] = {}
-        self.waiting = make_waiting_queue(scheduler_config.policy)
+        # Policy "fair": the per-tenant service counters the waiting queue orders by.
+        self.vtc = make_vtc(
+            scheduler_config.policy, scheduler_config.fair_input_weight, scheduler_config.fair_output_weight
+        )
+        self.waiting = make_waiting_queue(scheduler_config.policy, self.vtc)
         self.running: list[Request] = []
         # Parked while a connector loads their KV; they hold blocks.
         self.waiting_for_remote_kvs: dict[str, Request] = {}
@@ -128,6 +134,8 @@ class Scheduler:
             self._pending_outputs.append(EngineCoreOutput(rid, [], request.get_finished_reason()))
             return
         self.requests[rid] = request
+        if self.vtc is not None:
+            self.vtc.arrive(request)
         self.waiting.add(request)
 
     def window_fits_pool(self) -> bool:
@@ -201,6 +209,7 @@ class Scheduler:
         batch = StepBatch(self.config.max_num_batched_tokens)
         self._schedule_running(batch)
         if not batch.preempted:
+            self._preempt_for_share(batch)
             self._schedule_waiting(batch)
         finished, self._finished_req_ids = self._finished_req_ids, set()
         output = batch.to_output(self.running, self.requests, self.kv, self._num_tokens_sent, finished)
@@ -244,6 +253,8 @@ class Scheduler:
                 if len(batch.preempted) > num_preempted:
                     i = running.index(request)  # victims ahead of it moved it up
             if blocks is not None:
+                if self.vtc is not None and num_computed < request.num_prompt_tokens:
+                    self.vtc.charge_prompt(request, n)
                 batch.add(request, n, blocks)
             # (blocks is None only without preemption, i.e. guaranteed_no_evict: skip it.)
             i += 1
@@ -253,7 +264,7 @@ class Scheduler:
         """Preempt (`pick_victim`) until `request`, running, gets `num_slots` slots: the
         ids of its new blocks, or None when it had to preempt itself."""
         while True:
-            victim = pick_victim(self.running, self.config.policy)
+            victim = pick_victim(self.running, self.config.policy, self.vtc)
             # Before preempting itself, waiting requests back from remote loads give
             # their blocks back.
             if victim is not request or not self._release_waiting_holders(request):
@@ -264,6 +275,17 @@ class Scheduler:
             blocks = self.kv.allocate_slots(request, num_slots)
             if blocks is not None:
                 return blocks
+
+    def _preempt_for_share(self, batch: StepBatch) -> None:
+        """Policy "fair" with fair_preemption_gap: a seat for the waiting tenant served least
+        when every seat is taken by tenants served more (scheduler/fair.py `seat_victim`)."""
+        gap = self.config.fair_preemption_gap
+        if self.vtc is None or gap is None or not self.waiting or self._has_free_seat():
+            return
+        victim = seat_victim(self.vtc, self.running, self.waiting.peek(), gap)
+        if victim is not None:
+            batch.drop(victim)
+            self._preempt(victim)
 
     def _preempt(self, request: Request) -> None:
         """Take every block back from `request`, which will start over (recompute, as
@@ -428,6 +450,8 @@ class Scheduler:
             return
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        if self.vtc is not None:
+            self.vtc.charge_prompt(request, num_tokens)
         batch.add(request, num_tokens, block_ids)
         batch.new_reqs.append(request)
 
@@ -479,6 +503,7 @@ class Scheduler:
         stopped: list[Request] = []
         requests = self.requests
         running = RequestStatus.RUNNING
+        vtc = self.vtc
         for rid, sampled in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = requests.get(rid)
             if request is None or request.status != running or rid not in num_scheduled:
@@ -499,6 +524,8 @@ class Scheduler:
                         new_tokens.append(token)
                         if self._check_stop(request, token):
                             break
+            if new_tokens and vtc is not None:
+                vtc.charge_output(request, len(new_tokens))
             plp = prompt_logprobs.get(rid) if prompt_logprobs else None
             if not new_tokens and not plp:
                 continue
@@ -591,6 +618,8 @@ class Scheduler:
         rid = request.request_id
         self._finished_req_ids.add(rid)
         self._num_tokens_sent.pop(rid, None)
+        if self.vtc is not None:
+            self.vtc.leave(request)
         if self.draft_policy is not None:
             self.draft_policy.forget(rid)
         delay, params = False, None

@@ -335,6 +335,7 @@ class Cluster:
             "block_size": cache_cfg.block_size,
             "max_num_seqs": sched_cfg.max_num_seqs,
             "max_num_batched_tokens": sched_cfg.max_num_batched_tokens,
+            "scheduling_policy": sched_cfg.policy,
             "enable_prefix_caching": cache_cfg.enable_prefix_caching,
             "enable_chunked_prefill": sched_cfg.enable_chunked_prefill,
             "network_latency_s": network_latency_s,
@@ -592,7 +593,7 @@ class Cluster:
     def _on_to_replica(self, idx: int, payload: tuple[Any, ...]) -> None:
         rec, ids, request_id, max_tokens, params = payload
         replica = self.replicas[idx]
-        replica.add_request(request_id, ids, max_tokens, rec.arrival_s, rec.priority, params)
+        replica.add_request(request_id, ids, max_tokens, rec.arrival_s, rec.priority, params, rec.tenant)
         if not replica.busy:
             self._start(idx)
 

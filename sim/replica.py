@@ -108,6 +108,7 @@ class SimReplica:
         arrival_s: float,
         priority: int = 0,
         kv_transfer_params: Optional[dict[str, Any]] = None,
+        tenant: Optional[str] = None,
     ) -> Request:
         request = Request(
             request_id,
@@ -117,6 +118,7 @@ class SimReplica:
             arrival_time=arrival_s,
             priority=priority,
             kv_transfer_params=kv_transfer_params,
+            tenant=tenant,
         )
         self.scheduler.add_request(request)
         self.requests[request_id] = request

@@ -224,6 +224,8 @@ class SimResult:
     config: dict[str, Any]
     slo: Optional[dict[str, Any]] = None
     pd: Optional[dict[str, Any]] = None  # P/D runs: paths taken, KV moved, per-pool utilization
+    # Traces that name tenants: each one's requests, output tokens and TTFT / E2E percentiles.
+    tenants: Optional[dict[str, dict[str, Any]]] = None
     wall_s: float = 0.0  # host seconds the run took (not in the JSON: it is not deterministic)
     records: list[Record] = field(default_factory=list, repr=False)
 
@@ -257,6 +259,8 @@ class SimResult:
         }
         if self.pd is not None:
             d["pd"] = self.pd
+        if self.tenants is not None:
+            d["tenants"] = self.tenants
         if self.slo is not None:
             d["slo"] = self.slo
             d["goodput"] = self.slo["goodput"]
@@ -331,5 +335,27 @@ def summarize(
         replicas=replicas,
         config=config,
         slo=slo,
+        tenants=by_tenant(records, dur),
         records=records,
     )
+
+
+def by_tenant(records: list[Record], duration_s: float) -> Optional[dict[str, dict[str, Any]]]:
+    """Per tenant (a trace that names none: None): requests, completed, output tokens per
+    second over the run, TTFT and E2E percentiles of its served requests."""
+    if all(r.tenant is None for r in records):
+        return None
+    groups: dict[str, list[Record]] = {}
+    for r in records:
+        groups.setdefault(r.tenant or "default", []).append(r)
+    out = {}
+    for tenant, rs in sorted(groups.items()):
+        served = [r for r in rs if r.refused is None]
+        out[tenant] = {
+            "requests": len(rs),
+            "completed": len(served),
+            "output_tokens_per_s": sum(r.num_output for r in served) / duration_s if duration_s else 0.0,
+            "ttft_s": percentiles([r.ttft_s for r in served]),
+            "e2e_s": percentiles([r.e2e_s for r in served]),
+        }
+    return out

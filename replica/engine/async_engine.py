@@ -129,18 +129,31 @@ class AsyncEngine:
         lora_name: Optional[str] = None,
         lora_path: Optional[str] = None,
         trace: bool = False,
+        tenant: Optional[str] = None,
+        tenant_weight: float = 1.0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream `prompt`'s outputs (an async generator: nothing runs, and nothing is raised,
         until it is iterated). `admitted=True` skips the waiting-queue bound: for work the
         cluster accepted already (a migrated request's continuation), which refusing would
         turn into a failed stream rather than back-pressure on a new request. `lora_name`:
         the LoRA adapter to run with; with `lora_path`, one this engine does not hold (loaded
-        at run time elsewhere, or evicted here by --max-cpu-loras) is loaded first. `trace`:
+        at run time elsewhere, or evicted here by --max-cpu-loras) is loaded first. `tenant`
+        and its `tenant_weight`: whose request it is (the scheduler's policy "fair"). `trace`:
         the engine core records the request's scheduling events, which come back on its final
         output (`RequestOutput.events`, for the replica's trace spans)."""
         if lora_name is None:
             return self._stream(
-                prompt, sampling_params, request_id, priority, kv_transfer_params, cache_salt, admitted, None, trace
+                prompt,
+                sampling_params,
+                request_id,
+                priority,
+                kv_transfer_params,
+                cache_salt,
+                admitted,
+                None,
+                tenant,
+                tenant_weight,
+                trace,
             )
         return self._lora_stream(
             prompt,
@@ -152,6 +165,8 @@ class AsyncEngine:
             admitted,
             lora_name,
             lora_path,
+            tenant,
+            tenant_weight,
             trace,
         )
 
@@ -166,6 +181,8 @@ class AsyncEngine:
         admitted,
         lora_name: str,
         lora_path: Optional[str],
+        tenant: Optional[str] = None,
+        tenant_weight: float = 1.0,
         trace: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         self.loras.begin_use(lora_name)
@@ -175,7 +192,17 @@ class AsyncEngine:
                 if lora_name not in self.input_processor.loras:  # unloaded as its load ended
                     raise LoRANotLoadable(lora_name)
             async for item in self._stream(
-                prompt, sp, request_id, priority, kv_transfer_params, cache_salt, admitted, lora_name, trace
+                prompt,
+                sp,
+                request_id,
+                priority,
+                kv_transfer_params,
+                cache_salt,
+                admitted,
+                lora_name,
+                tenant,
+                tenant_weight,
+                trace,
             ):
                 yield item
         finally:
@@ -191,6 +218,8 @@ class AsyncEngine:
         cache_salt: Optional[str],
         admitted: bool,
         lora_name: Optional[str],
+        tenant: Optional[str] = None,
+        tenant_weight: float = 1.0,
         trace: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         if self._dead is not None:
@@ -212,6 +241,8 @@ class AsyncEngine:
             cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params,
             lora_name=lora_name,
+            tenant=tenant,
+            tenant_weight=tenant_weight,
         )
         if trace:
             for r in requests:

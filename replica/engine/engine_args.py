@@ -79,7 +79,8 @@ class EngineArgs(BaseModel):
     max_num_batched_tokens: int = _same_field(SchedulerConfig, "max_num_batched_tokens")
     long_prefill_token_threshold: int = _same_field(SchedulerConfig, "long_prefill_token_threshold")
     enable_chunked_prefill: bool = _same_field(SchedulerConfig, "enable_chunked_prefill")
-    scheduling_policy: Literal["fcfs", "priority"] = _same_field(SchedulerConfig, "policy")
+    scheduling_policy: Literal["fcfs", "priority", "fair"] = _same_field(SchedulerConfig, "policy")
+    fair_preemption_gap: Optional[float] = _same_field(SchedulerConfig, "fair_preemption_gap")
     capacity_policy: Literal["max_utilization", "guaranteed_no_evict"] = _same_field(SchedulerConfig, "capacity_policy")
     scheduler_cls: str = _same_field(SchedulerConfig, "scheduler_cls")
     block_size: int = _same_field(CacheConfig, "block_size")
@@ -341,6 +342,12 @@ class EngineArgs(BaseModel):
         return SpeculativeConfig.parse(value)
 
     @model_validator(mode="after")
+    def _check_fair(self) -> "EngineArgs":
+        if self.fair_preemption_gap is not None and self.scheduling_policy != "fair":
+            raise ValueError("fair_preemption_gap needs scheduling_policy 'fair' (--scheduling-policy fair)")
+        return self
+
+    @model_validator(mode="after")
     def _check_speculative(self) -> "EngineArgs":
         spec = self.speculative_config
         if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
@@ -391,5 +398,6 @@ _SCHEDULER_FIELDS = (
     "enable_chunked_prefill",
     "capacity_policy",
     "scheduler_cls",
+    "fair_preemption_gap",
 )
 _CACHE_FIELDS = ("block_size", "enable_prefix_caching", "enable_kv_cache_events", "prefix_caching_hash_algo")

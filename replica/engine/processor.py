@@ -78,6 +78,8 @@ class InputProcessor:
         cache_salt: Optional[str] = None,
         kv_transfer_params: Optional[dict[str, Any]] = None,
         lora_name: Optional[str] = None,
+        tenant: Optional[str] = None,
+        tenant_weight: float = 1.0,
     ) -> tuple[Optional[str], list[Request]]:
         lora_id, lora_key = self._lora(lora_name)
         text, token_ids = self.tokenize(prompt)
@@ -125,6 +127,8 @@ class InputProcessor:
                     lora_name,
                     lora_id,
                     lora_key,
+                    tenant,
+                    tenant_weight,
                 )
             )
         return text, requests

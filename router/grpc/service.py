@@ -30,6 +30,7 @@ from fleetserve.router.api.limits import check_sampling, check_token_lists
 from fleetserve.router.api.protocol import ChatCompletionRequest
 from fleetserve.router.grpc.proto import fleetserve_pb2 as pb
 from fleetserve.router.health import replica_health
+from fleetserve.router.tenants import NO_TENANT, TENANT_HEADER, Tenant, TenantDirectory
 from fleetserve.scheduler import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 _STATUS = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
     404: grpc.StatusCode.NOT_FOUND,
     413: grpc.StatusCode.INVALID_ARGUMENT,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -354,6 +356,8 @@ class GrpcMethods:
         def model_ids(self) -> list[str]: ...
         def check_model(self, model: Optional[str]) -> None: ...
         def check_api_key(self, presented: Optional[str]) -> None: ...
+        def tenant_of(self, authorization: Optional[str], claimed: Optional[str]) -> Tenant: ...
+        def own(self, bodies: list[dict], tenant: Tenant) -> None: ...
         async def embed(
             self,
             inputs: list,
@@ -361,7 +365,10 @@ class GrpcMethods:
             truncate_prompt_tokens: Optional[int],
             priority: int,
             model: Optional[str] = None,
+            tenant: Tenant = NO_TENANT,
         ) -> tuple[list[list[float]], int]: ...
+
+    tenants: TenantDirectory
 
     async def Generate(
         self, request: "pb.GenerateRequest", grpc_context: RayServegRPCContext
@@ -374,9 +381,10 @@ class GrpcMethods:
     ) -> AsyncIterator["pb.GenerateResponse"]:
         try:
             with tracing.ingress_phase():
-                self._grpc_auth(grpc_context)
+                tenant = self._grpc_auth(grpc_context)
                 _check_decoded(request)
                 body = await self._grpc_body(request)
+                self.own([body], tenant)
             gen, first = await self.pools.open_stream(body)
         except APIError as e:
             _fail(grpc_context, e.status, e.body["error"]["message"])
@@ -408,6 +416,7 @@ class GrpcMethods:
                     break
         finally:
             gen.cancel()  # a cancelled call aborts the request in the engine
+            self.tenants.metrics.observe_generated(tenant.name, sum(completion_tokens.values()))
 
     async def Chat(
         self, request: "pb.ChatRequest", grpc_context: RayServegRPCContext
@@ -423,7 +432,7 @@ class GrpcMethods:
         rid = f"grpc-chat-{uuid.uuid4().hex}"
         try:
             with tracing.ingress_phase():
-                self._grpc_auth(grpc_context)
+                tenant = self._grpc_auth(grpc_context)
                 _check_decoded(request)
                 if len(request.request_id) > MAX_CLIENT_REQUEST_ID_CHARS:
                     raise APIError(
@@ -432,6 +441,7 @@ class GrpcMethods:
                 req = chat_request_from_proto(request)
                 self.check_model(req.model)
                 body, _, tools = await self.bodies.chat_body(req, rid)
+                self.own([body], tenant)
             gen, first = await self.pools.open_stream(body)
         except APIError as e:
             _fail(grpc_context, e.status, e.body["error"]["message"])
@@ -459,11 +469,12 @@ class GrpcMethods:
                     break
         finally:
             gen.cancel()  # a cancelled call aborts the request in the engine
+            self.tenants.metrics.observe_generated(tenant.name, sum(completion_tokens.values()))
 
     async def Embed(self, request: "pb.EmbedRequest", grpc_context: RayServegRPCContext) -> "pb.EmbedResponse":
         """`/v1/embeddings` (the ingress's `embed`): texts or token ids, never both."""
         try:
-            self._grpc_auth(grpc_context)
+            tenant = self._grpc_auth(grpc_context)
             _check_decoded(request)
             self.check_model(request.model)
             if request.texts and request.token_ids:
@@ -472,7 +483,9 @@ class GrpcMethods:
             if not inputs or any(not i for i in inputs):
                 raise APIError("every input must be non-empty, and there must be one", 400, param="texts")
             truncate = request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None
-            vectors, prompt_tokens = await self.embed(inputs, True, truncate, request.priority, request.model or None)
+            vectors, prompt_tokens = await self.embed(
+                inputs, True, truncate, request.priority, request.model or None, tenant
+            )
         except APIError as e:
             _fail(grpc_context, e.status, e.body["error"]["message"])
         return pb.EmbedResponse(embeddings=[pb.Embedding(values=v) for v in vectors], prompt_tokens=prompt_tokens)
@@ -496,9 +509,11 @@ class GrpcMethods:
             models=[pb.ModelInfo(id=name, max_model_len=info["max_model_len"]) for name in self.model_ids()]
         )
 
-    def _grpc_auth(self, ctx: RayServegRPCContext) -> None:
+    def _grpc_auth(self, ctx: RayServegRPCContext) -> Tenant:
+        """The key checked; the call's tenant (metadata `x-tenant-id`, or its key's)."""
         metadata = dict(ctx.invocation_metadata() or [])
         self.check_api_key(metadata.get("authorization"))
+        return self.tenant_of(metadata.get("authorization"), metadata.get(TENANT_HEADER))
 
     async def _grpc_body(self, request: "pb.GenerateRequest") -> dict:
         self.check_model(request.model)

@@ -10,6 +10,7 @@ look at a stream it is about to drop.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import socket
 import time
@@ -78,6 +79,12 @@ def lora_dirs(tiny_model_dir, tmp_path_factory):
     }
 
 
+# --api-keys-file of the shared server (tests/router/test_tenants_e2e.py): two tenants named by
+# their keys, beside the shared API_KEY (whose requests name their tenant by x-tenant-id).
+TENANT_KEYS = {"acme": "acme-key", "beta": "beta-key"}
+ACME_MAX_TOKENS = 4
+
+
 @pytest.fixture(scope="session")
 def trace_receiver():
     """The OTLP/HTTP receiver the session's server sends its traces to (tests/otlp_receiver.py):
@@ -90,7 +97,7 @@ def trace_receiver():
 
 
 @pytest.fixture(scope="session")
-def server(tiny_model_dir, lora_dirs, trace_receiver):
+def server(tiny_model_dir, lora_dirs, trace_receiver, tmp_path_factory):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
     from ray import serve
@@ -98,6 +105,11 @@ def server(tiny_model_dir, lora_dirs, trace_receiver):
     from fleetserve.cluster.config import AppConfig
     from fleetserve.cluster.deploy import connect_ray, deploy, start_serve
 
+    keys = tmp_path_factory.mktemp("tenants") / "keys.yaml"
+    keys.write_text(
+        f"acme: {{key: {TENANT_KEYS['acme']}, weight: 2, limits: {{max_tokens: {ACME_MAX_TOKENS}}}}}\n"
+        f"beta: {{key_sha256: '{hashlib.sha256(TENANT_KEYS['beta'].encode()).hexdigest()}'}}\n"
+    )
     config = AppConfig.model_validate(
         {
             "name": APP,
@@ -115,6 +127,9 @@ def server(tiny_model_dir, lora_dirs, trace_receiver):
                 "max_num_seqs": 8,
                 "num_threads": 1,
                 "max_waiting_requests": 64,
+                # Every request of the router tests runs through the fair-share scheduler (one
+                # tenant's requests: first come first served, as fcfs).
+                "scheduling_policy": "fair",
                 "enable_lora": True,
                 "lora_modules": [
                     f"{LORA_A}={lora_dirs[LORA_A]}",
@@ -131,6 +146,7 @@ def server(tiny_model_dir, lora_dirs, trace_receiver):
             "http": {"port": free_port(), "max_body_bytes": 64 * 1024},
             "grpc": {"port": free_port()},
             "api_key": API_KEY,
+            "api_keys_file": str(keys),
             # Every chat test runs through the reasoning splitter (a no-op for output that does not
             # open with <think>); tests/router/test_reasoning.py forces some that does.
             "reasoning_parser": "qwen3",

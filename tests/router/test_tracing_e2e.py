@@ -50,7 +50,7 @@ def test_a_traced_http_completion_has_every_phase_under_the_clients_span(server)
     trace_id, parent = _ids()
     r = httpx.post(
         server.base_url + "/v1/completions",
-        headers={**server.headers(), "traceparent": f"00-{trace_id}-{parent}-01"},
+        headers={**server.headers(), "traceparent": f"00-{trace_id}-{parent}-01", "x-tenant-id": "tracer"},
         json={"model": server.model, "prompt": "Tracing a request through " * 6, "max_tokens": 6, "ignore_eos": True},
         timeout=60,
     )
@@ -60,6 +60,7 @@ def test_a_traced_http_completion_has_every_phase_under_the_clients_span(server)
     root = by["POST /v1/completions"]
     assert root.attributes["http.response.status_code"] == 200
     assert root.attributes["gen_ai.operation.name"] == "text_completion"
+    assert root.attributes["fleetserve.tenant"] == by["engine"].attributes["fleetserve.tenant"] == "tracer"
     assert by["prefill"].attributes["gen_ai.usage.input_tokens"] == r.json()["usage"]["prompt_tokens"]
     assert {s.resource_attributes["fleetserve.role"] for s in spans} == {"ingress", "engine"}
     # where no collector runs: the phase histograms
