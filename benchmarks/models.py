@@ -18,6 +18,7 @@ the table shows medians and fleetserve's ratio to each baseline.
     python benchmarks/models.py                                   # both shapes, fleetserve + hf (+ vllm)
     python benchmarks/models.py --shapes qwen3-0.6b --repeats 3
     python benchmarks/models.py --shapes qwen3-30b-a3b --moe-layers 4 --engines fleetserve,hf
+    python benchmarks/models.py --device cuda --dtype bfloat16 --engines fleetserve,hf --num-prompts 64
 
 Writes benchmarks/results/models.{json,png}.
 """
@@ -136,21 +137,24 @@ import offline_throughput as ot
 cfg = json.load(open(sys.argv[1]))
 engine, model_dir = sys.argv[2], sys.argv[3]
 if engine == "fleetserve":
-    r = ot.run_fleetserve(model_dir, cfg["dtype"], cfg["prompts"], cfg["outputs"], len(cfg["prompts"]))
+    run = ot.run_fleetserve
 else:
-    r = ot.run_hf(model_dir, cfg["dtype"], cfg["prompts"], cfg["outputs"], len(cfg["prompts"]))
+    run = ot.run_hf
+r = run(model_dir, cfg["dtype"], cfg["prompts"], cfg["outputs"], len(cfg["prompts"]), device=cfg["device"])
 print("RESULT " + json.dumps(r))
 """
 
 
-def run_one(engine: str, model_dir: Path, prompts, outputs, dtype: str, threads: int, vllm_python: str) -> dict:
+def run_one(
+    engine: str, model_dir: Path, prompts, outputs, dtype: str, threads: int, vllm_python: str, device: str = "cpu"
+) -> dict:
     import offline_throughput as ot
 
     if engine == "vllm":
         return ot.run_vllm(vllm_python, str(model_dir), dtype, prompts, outputs, len(prompts))
     with tempfile.TemporaryDirectory() as d:
         cfg = Path(d) / "cfg.json"
-        cfg.write_text(json.dumps({"dtype": dtype, "prompts": prompts, "outputs": outputs}))
+        cfg.write_text(json.dumps({"dtype": dtype, "device": device, "prompts": prompts, "outputs": outputs}))
         script = Path(d) / "one.py"
         script.write_text(ONE_RUN)
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
@@ -172,6 +176,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--engines", default="fleetserve,hf,vllm")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (fleetserve and HF on the GPU; vLLM CPU is skipped)")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -183,6 +188,9 @@ def main() -> None:
     args = ap.parse_args()
 
     engines = [e for e in args.engines.split(",") if e]
+    if args.device != "cpu" and "vllm" in engines:
+        print(f"vLLM: the installed vLLM is its CPU build; skipped on --device {args.device}")
+        engines.remove("vllm")
     if "vllm" in engines and not Path(args.vllm_python).exists():
         print(f"vLLM: {args.vllm_python} not found (docs/benchmarks/index.md installs it); skipped")
         engines.remove("vllm")
@@ -199,7 +207,9 @@ def main() -> None:
                 if e in errors or (e == "vllm" and cfg["architectures"][0] not in VLLM_ARCHS):
                     continue
                 try:
-                    runs[e].append(run_one(e, model_dir, prompts, outputs, args.dtype, args.threads, args.vllm_python))
+                    runs[e].append(
+                        run_one(e, model_dir, prompts, outputs, args.dtype, args.threads, args.vllm_python, args.device)
+                    )
                 except RuntimeError as err:
                     errors[e] = str(err).strip().splitlines()[-1][:200]
         fs = statistics.median(r["tok_s"] for r in runs["fleetserve"]) if runs.get("fleetserve") else None
@@ -228,8 +238,8 @@ def main() -> None:
 
 def print_table(rows: list[dict], args) -> None:
     print(
-        f"{args.num_prompts} prompts x {args.prompt_len} tokens -> {args.max_tokens} tokens, {args.dtype}, "
-        f"{args.threads} threads, medians of {args.repeats}"
+        f"{args.num_prompts} prompts x {args.prompt_len} tokens -> {args.max_tokens} tokens, {args.dtype} on "
+        f"{args.device}, {args.threads} threads, medians of {args.repeats}"
     )
     header = f"{'shape':<15}{'layers':>7}  {'engine':<12}{'out tok/s':>10}{'TTFT s':>8}{'fleetserve/x':>13}  rounds"
     print(header)
