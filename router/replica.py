@@ -208,6 +208,12 @@ class EngineReplica:
             if last is not None:
                 self._observe_phases(body, last, carrier, error)
 
+    def _kv_bytes(self, tokens: int) -> int:
+        """The KV bytes of `tokens` tokens as a hand-off moves them: whole blocks, every layer
+        and TP rank (0 where the engine does not say)."""
+        per_block = int(getattr(self.engine, "kv_bytes_per_block", 0) or 0)
+        return -(-int(tokens) // self.block_size) * per_block
+
     def _observe_phases(self, body: dict, out: Any, carrier: Optional[dict], error: Optional[str]) -> None:
         """The request's phase times into the histograms and, when traced, its spans."""
         metrics = getattr(out, "metrics", None)
@@ -232,6 +238,7 @@ class EngineReplica:
             if carrier is None or self.tracing is None:
                 return
             finish = [c.finish_reason for c in out.outputs if c.finish_reason]
+            remote = getattr(out, "num_remote_tokens", 0)
             params = getattr(out, "kv_transfer_params", None) if out.finished else None
             attributes = {
                 "fleetserve.role": self.role,
@@ -242,7 +249,8 @@ class EngineReplica:
                 "gen_ai.usage.output_tokens": metrics.num_generation_tokens,
                 "gen_ai.response.finish_reasons": finish or None,
                 "fleetserve.cached_tokens": out.num_cached_tokens,
-                "fleetserve.remote_tokens": getattr(out, "num_remote_tokens", 0),
+                "fleetserve.remote_tokens": remote,
+                "fleetserve.remote_kv_bytes": self._kv_bytes(remote) if remote else None,
                 "fleetserve.kv_connector": self.kv_connector,
                 "fleetserve.preemptions": sum(1 for e in timings.events if e[0] == "preempted"),
                 "fleetserve.lora": body.get("lora_name"),
@@ -254,6 +262,7 @@ class EngineReplica:
                 export = {
                     "connector": params.get("remote_connector") or self.kv_connector,
                     "tokens": params.get("remote_num_tokens"),
+                    "bytes": self._kv_bytes(params.get("remote_num_tokens") or 0) or None,
                     "transfer_id": params.get("transfer_id"),
                 }
             record_engine_spans(self.tracing, carrier, timings, attributes, kv_export=export, error=error)

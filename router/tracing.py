@@ -494,6 +494,10 @@ def record_engine_spans(
                 "fleetserve.kv_transfer.direction": "load",
                 "fleetserve.kv_transfer.outcome": outcome,
                 "fleetserve.kv_transfer.tokens": attributes.get("fleetserve.remote_tokens"),
+                "fleetserve.kv_transfer.bytes": attributes.get("fleetserve.remote_kv_bytes"),
+                # a load is copied into its blocks only after every block matched its digest
+                # (kv_transfer.base): loaded means verified; a mismatch fails the load
+                "fleetserve.kv_transfer.verified": outcome == "loaded",
                 "fleetserve.kv_transfer.connector": attributes.get("fleetserve.kv_connector"),
             },
             events=[(n, ns(ts), a) for n, ts, a in t.events if n in ("kv_loaded", "kv_load_failed")],

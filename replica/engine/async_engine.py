@@ -93,6 +93,8 @@ class AsyncEngine:
             self._client = ThreadCoreClient(args, self.tokenizer.eos_token_id, self._on_step, self._on_failure)
         self.max_model_len = self._client.info.max_model_len
         self.hidden_size = self._client.info.hidden_size  # an embedding's width
+        # one KV block over every TP rank: what a hand-off moves per block (tracing)
+        self.kv_bytes_per_block = self._client.info.kv_bytes_per_block
         self.input_processor = InputProcessor(
             self.tokenizer, self.max_model_len, self._client.info.vocab_size, args.lora_table()
         )

@@ -89,6 +89,9 @@ class CoreInfo:
     max_model_len: int
     vocab_size: int
     hidden_size: Optional[int]  # an embedding's width (None when the config does not say)
+    # Bytes of one KV block over every TP rank (K and V, every layer): what moving one block
+    # of a request's KV to another engine moves (0: unknown)
+    kv_bytes_per_block: int = 0
 
 
 # ---- commands -------------------------------------------------------------------------

@@ -151,7 +151,7 @@ def _start(chan: FrameChannel, init: msg.Init) -> Optional[EngineCore]:
         except OSError:  # gone already (the parent timed out): steps alone will count
             logger.warning("no layer progress counter: %s", init.progress_path)
     cfg = core.hf_config
-    info = msg.CoreInfo(core.max_model_len, cfg.vocab_size, getattr(cfg, "hidden_size", None))
+    info = msg.CoreInfo(core.max_model_len, cfg.vocab_size, getattr(cfg, "hidden_size", None), core.kv_bytes_per_block)
     state = msg.CoreState(core.get_load(), core.scheduler.get_stats(), 0)
     try:
         chan.send(msg.encode(msg.Ready(info, state, progress)))

@@ -107,6 +107,8 @@ class EngineCore:
         self.max_model_len = resolve_max_model_len(args, self.hf_config)
         num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(num_blocks)
+        # what moving one block of a request's KV moves (tracing's kv_transfer spans)
+        self.kv_bytes_per_block = int(getattr(self.executor, "kv_bytes_per_block", 0))
         # The scheduler half of the KV connector (the worker half lives with the KV).
         self.kv_connector = make_scheduler_connector(args, self.hf_config)
         self.scheduler = create_scheduler(

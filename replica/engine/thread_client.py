@@ -38,7 +38,9 @@ class ThreadCoreClient(CoreClientBase):
 
         self.core: EngineCore = EngineCore(args, eos_token_id)
         cfg = self.core.hf_config
-        self.info = CoreInfo(self.core.max_model_len, cfg.vocab_size, getattr(cfg, "hidden_size", None))
+        self.info = CoreInfo(
+            self.core.max_model_len, cfg.vocab_size, getattr(cfg, "hidden_size", None), self.core.kv_bytes_per_block
+        )
         self._on_step, self._on_failure = on_step, on_failure
         self._commands: collections.deque[CoreCommand] = collections.deque()
         self._wake = threading.Event()

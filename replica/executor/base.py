@@ -15,6 +15,7 @@ class ExecutorError(RuntimeError):
 
 class Executor(abc.ABC):
     hf_config: ModelConfig  # the model's, as the workers loaded it
+    kv_bytes_per_block: int  # one KV block over every rank (K and V, every layer)
 
     @abc.abstractmethod
     def determine_num_blocks(self) -> int: ...

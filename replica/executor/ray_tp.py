@@ -75,13 +75,18 @@ class TPWorkerActor:
     @ray.method
     def init_worker(
         self, args: EngineArgs, eos_token_id: Optional[int], rank: int, world_size: int, init_method: str
-    ) -> dict[str, int]:
+    ) -> dict[str, Any]:
         from fleetserve.replica.worker.worker import Worker
 
         self._worker = worker = Worker(
             args, eos_token_id, rank=rank, world_size=world_size, init_method=init_method, threads_share=world_size
         )
-        return {"vocab_size": worker.hf_config.vocab_size, "num_threads": worker.num_threads, "pid": os.getpid()}
+        return {
+            "vocab_size": worker.hf_config.vocab_size,
+            "num_threads": worker.num_threads,
+            "pid": os.getpid(),
+            "kv_bytes_per_block": worker.kv_bytes_per_block(),
+        }
 
     @ray.method(num_returns=1)
     def get_hf_config(self) -> ModelConfig:
@@ -221,6 +226,7 @@ class RayTPExecutor(Executor):
                 start_timeout_s,
             )
             self.hf_config = self._get([self.workers[0].get_hf_config.remote()], start_timeout_s)[0]
+            self.kv_bytes_per_block = sum(int(i["kv_bytes_per_block"]) for i in infos)
         except BaseException:
             self.shutdown()
             raise

@@ -15,6 +15,7 @@ class UniProcExecutor(Executor):
 
         self.worker = Worker(args, eos_token_id)
         self.hf_config = self.worker.hf_config
+        self.kv_bytes_per_block = self.worker.kv_bytes_per_block()
 
     def determine_num_blocks(self) -> int:
         return self.worker.determine_num_blocks()

@@ -15,6 +15,7 @@ import torch
 from fleetserve.replica.engine.engine_args import EngineArgs
 from fleetserve.replica.kv_connectors import make_kv_connector
 from fleetserve.replica.model_loader.registry import resolve_model
+from fleetserve.replica.model_loader.weights import kv_cache_bytes_per_block
 from fleetserve.replica.worker.device import (
     available_cores,
     bind_cpus,
@@ -135,6 +136,12 @@ class Worker:
     @property
     def hf_config(self):
         return self.runner.hf_config
+
+    def kv_bytes_per_block(self) -> int:
+        """This rank's bytes of one block of the model's KV (K and V, every layer; a draft
+        model's cache not counted): what handing one block to another engine moves from here."""
+        r = self.runner
+        return kv_cache_bytes_per_block(r.hf_config, r.block_size, r.dtype, r.tp_size)
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit this rank's KV memory budget (or the explicit override)."""

@@ -9,6 +9,7 @@ app still serves and every replica has all blocks free".
 
 from __future__ import annotations
 
+import json
 import random
 
 import httpx
@@ -235,7 +236,7 @@ def test_decode_replica_restart(pd_server, colocated):
     pd_server.wait_all_free()
 
 
-def test_a_pd_request_is_one_trace_with_both_replicas_and_the_hand_off(pd_server, colocated):
+def test_a_pd_request_is_one_trace_with_both_replicas_and_the_hand_off(pd_server, colocated, pd_model_dir):
     """Through `fleetserve serve` (issue 55): a P/D completion sent with a `traceparent` is one
     trace holding the ingress's spans, a route span per pool, the prefill replica's spans (its
     KV export) and the decode replica's (the load in WAITING_FOR_REMOTE_KVS, then the rest);
@@ -285,6 +286,13 @@ def test_a_pd_request_is_one_trace_with_both_replicas_and_the_hand_off(pd_server
         load.attributes["fleetserve.kv_transfer.tokens"]
         == engines["engine decode"].attributes["fleetserve.remote_tokens"]
     )
+    # the bytes each side moved: whole blocks of K and V over every layer, float32
+    cfg = json.loads((pd_model_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    block_bytes = 2 * cfg["num_key_value_heads"] * head_dim * cfg["num_hidden_layers"] * 4 * BLOCK
+    for side in (load, prefill_side["kv_transfer"]):
+        tokens = side.attributes["fleetserve.kv_transfer.tokens"]
+        assert side.attributes["fleetserve.kv_transfer.bytes"] == -(-tokens // BLOCK) * block_bytes, side.attributes
     # the hand-off in time order: prefill, export, load, the decode side's own prefill, decode
     assert prefill_side["prefill"].end_ns <= load.start_ns + 5_000_000
     assert load.end_ns <= decode_side["prefill"].start_ns + 1000 <= decode_side["decode"].start_ns + 2000

@@ -76,6 +76,19 @@ def test_text_matches_tokens(tiny_model_dir):
     assert c.text == llm.tokenizer.decode(c.token_ids, skip_special_tokens=True)
 
 
+def test_kv_bytes_per_block_are_what_the_cache_holds_per_block(tiny_model_dir):
+    """What a hand-off of one block moves (tracing's kv_transfer bytes): the KV cache's bytes
+    over its blocks (K and V, every layer, float32 here)."""
+    llm = LLM(str(tiny_model_dir), dtype="float32", num_gpu_blocks_override=32, block_size=8)
+    try:
+        caches = llm.core.executor.worker.runner.kv_caches
+        held = sum(c.numel() * c.element_size() for c in caches)
+        assert llm.core.kv_bytes_per_block > 0
+        assert llm.core.kv_bytes_per_block * 32 == held
+    finally:
+        llm.shutdown()
+
+
 def test_step_trace_records_every_step(tiny_model_dir, tmp_path, monkeypatch):
     """FLEETSERVE_STEP_TRACE: one JSON line per step, whose token counts add up to the work done."""
     from fleetserve.replica.engine.engine_core import STEP_TRACE_ENV, StepTrace

@@ -29,6 +29,10 @@ def _run(model_dir, tp, **kw):
         outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         sched = llm.core.scheduler
         assert sched.kv.num_free_blocks == sched.kv.num_blocks
+        # a block over every rank: the ranks' shares of the KV heads add up to the whole
+        # (tiny_model_dir: 2 KV heads of 16 dims, 2 layers, K and V, float32, blocks of 4)
+        if tp in (1, 2):
+            assert llm.core.kv_bytes_per_block == 2 * 2 * 16 * 2 * 4 * 4, llm.core.kv_bytes_per_block
         return outs
     finally:
         llm.core.shutdown()

@@ -56,7 +56,12 @@ def test_engine_spans_have_the_phases_and_parents_and_a_remote_load_is_a_transfe
             tracing,
             CARRIER,
             timings,
-            {"fleetserve.role": "decode", "fleetserve.remote_tokens": 32, "gen_ai.usage.output_tokens": 5},
+            {
+                "fleetserve.role": "decode",
+                "fleetserve.remote_tokens": 32,
+                "fleetserve.remote_kv_bytes": 98304,
+                "gen_ai.usage.output_tokens": 5,
+            },
         )
         spans = rx.wait_for(lambda s: len(s) >= 5, timeout_s=10, trace_id=TRACE_ID)
         by = {s.name: s for s in spans}
@@ -67,6 +72,8 @@ def test_engine_spans_have_the_phases_and_parents_and_a_remote_load_is_a_transfe
             assert by[name].parent_span_id == root.span_id, name
         assert abs((by["kv_transfer"].end_ns - by["kv_transfer"].start_ns) / 1e9 - 0.2) < 1e-3
         assert by["kv_transfer"].attributes["fleetserve.kv_transfer.outcome"] == "loaded"
+        assert by["kv_transfer"].attributes["fleetserve.kv_transfer.bytes"] == 98304
+        assert by["kv_transfer"].attributes["fleetserve.kv_transfer.verified"] is True
         assert by["queue"].end_ns <= by["kv_transfer"].start_ns + 1000 <= by["prefill"].start_ns + 2000
         assert by["prefill"].event_names() == ["prefill_chunk"]
         assert by["decode"].event_names() == ["preempted"]  # it came after the first token
