@@ -520,15 +520,26 @@ def record_engine_spans(
             events=(chunks if tracing.settings.detailed or len(chunks) <= 32 else chunks[:32]) + in_prefill,
         )
         last = t.last_token if t.last_token is not None else first
+        decode_attributes = {
+            "gen_ai.usage.output_tokens": attributes.get("gen_ai.usage.output_tokens"),
+            "gen_ai.response.finish_reasons": attributes.get("gen_ai.response.finish_reasons"),
+        }
+        spec = next((a for n, _, a in t.events if n == "spec_decode"), None)
+        if spec is not None:  # speculative decoding: drafts verified and accepted over the request
+            drafts, accepted = int(spec["draft_tokens"]), int(spec["accepted_tokens"])
+            decode_attributes.update(
+                {
+                    "fleetserve.spec_decode.draft_tokens": drafts,
+                    "fleetserve.spec_decode.accepted_tokens": accepted,
+                    "fleetserve.spec_decode.acceptance_rate": accepted / drafts if drafts else None,
+                }
+            )
         tracing.record(
             "decode",
             engine,
             ns(first),
             ns(max(last, first)),
-            {
-                "gen_ai.usage.output_tokens": attributes.get("gen_ai.usage.output_tokens"),
-                "gen_ai.response.finish_reasons": attributes.get("gen_ai.response.finish_reasons"),
-            },
+            decode_attributes,
             events=[e for e in preempted if e[1] > ns(first)],
         )
     if kv_export is not None:

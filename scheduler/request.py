@@ -97,6 +97,8 @@ class Request:
         "tenant",
         "tenant_weight",
         "num_charged_prompt_tokens",
+        "num_draft_tokens",
+        "num_accepted_draft_tokens",
     )
 
     def __init__(
@@ -156,6 +158,9 @@ class Request:
         self.max_tokens: int = self.sampling_params.max_tokens or 0
         # Draft tokens proposed for the next step (unverified; see module doc).
         self.spec_token_ids: list[int] = []
+        # Speculative decoding over the request's life: drafts verified, drafts accepted.
+        self.num_draft_tokens = 0
+        self.num_accepted_draft_tokens = 0
         # A traced request's scheduling events, (name, time.monotonic(), attributes): what
         # the replica turns into its queue, prefill and kv_transfer spans (router/tracing.py).
         # None (the default) records nothing: an untraced request costs one None check at

@@ -575,6 +575,10 @@ class Scheduler:
 
     def _take_events(self, request: Request) -> Optional[list[tuple[str, float, dict[str, Any]]]]:
         self._traced.discard(request.request_id)
+        if request.num_draft_tokens:  # the decode span's acceptance (a summary, not one per step)
+            request.record(
+                "spec_decode", draft_tokens=request.num_draft_tokens, accepted_tokens=request.num_accepted_draft_tokens
+            )
         events, request.events = request.events, None
         return events
 
@@ -584,6 +588,8 @@ class Scheduler:
         (their slots are overwritten next step)."""
         num_accepted = num_sampled - 1
         request.num_computed_tokens -= num_drafts - num_accepted
+        request.num_draft_tokens += num_drafts
+        request.num_accepted_draft_tokens += num_accepted
         self.spec_stats.observe(num_drafts, num_accepted)
         if self.draft_policy is not None:
             self.draft_policy.observe(request.request_id, num_drafts, num_accepted)

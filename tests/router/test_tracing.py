@@ -47,6 +47,7 @@ def test_engine_spans_have_the_phases_and_parents_and_a_remote_load_is_a_transfe
             ("scheduled", t0 + 0.31, {"cached_tokens": 32, "external_tokens": 0, "remote_load": False}),
             ("prefill_chunk", t0 + 0.45, {"tokens": 8, "computed": 40}),
             ("preempted", t0 + 0.7, {"num_preemptions": 1}),
+            ("spec_decode", t0 + 0.9, {"draft_tokens": 8, "accepted_tokens": 6}),
         ]
         timings = engine_timings(m, events, m.finished_time)
         phases = timings.phases()
@@ -78,6 +79,8 @@ def test_engine_spans_have_the_phases_and_parents_and_a_remote_load_is_a_transfe
         assert by["prefill"].event_names() == ["prefill_chunk"]
         assert by["decode"].event_names() == ["preempted"]  # it came after the first token
         assert by["decode"].attributes["gen_ai.usage.output_tokens"] == 5
+        assert by["decode"].attributes["fleetserve.spec_decode.draft_tokens"] == 8
+        assert by["decode"].attributes["fleetserve.spec_decode.acceptance_rate"] == 0.75
         assert root.resource_attributes["fleetserve.role"] == "test"
         tracing.shutdown()
 

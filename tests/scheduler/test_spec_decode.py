@@ -185,3 +185,19 @@ def test_free_drafts_off_keeps_earned_lengths():
     sched.add_request(req)
     _step(sched, {"r0": [49]}, {"r0": list(range(50, 56))})
     assert req.spec_token_ids == [50, 51]
+
+
+def test_a_traced_request_ends_with_its_drafts_and_acceptances():
+    """What the decode span reports (router/tracing.py): drafts verified and accepted over the
+    request's life, as one summary event on its final output."""
+    sched = create_scheduler(num_spec_tokens=3, block_size=4, adaptive_draft_length=False)
+    (req,) = create_requests(1, num_tokens=6, max_tokens=7)
+    req.events = []
+    sched.add_request(req)
+    _step(sched, {"r0": [50]}, {"r0": [51, 52, 53]})
+    _step(sched, {"r0": [51, 60]}, {"r0": [61, 62, 63]})  # 1 of 3 accepted
+    _, outs = _step(sched, {"r0": [61, 62, 63, 64]})  # 3 of 3: 7 tokens, done
+    assert outs["r0"].finished
+    (spec,) = [a for n, _, a in outs["r0"].events if n == "spec_decode"]
+    assert spec == {"draft_tokens": 6, "accepted_tokens": 4}
+    assert (req.num_draft_tokens, req.num_accepted_draft_tokens) == (6, 4)
