@@ -8,11 +8,12 @@ The model: bucketed quantiles with shrinkage. Each bucket holds a histogram of t
 lengths seen in it on a log scale (`BINS_PER_OCTAVE` bins per doubling, so a bin is
 ~19% wide whatever the length). The buckets form one chain, coarse to fine:
 
+    half of max_tokens                          a prior: `prior_strength` observations
     ()                                          every request
-    (model,)                                    the model or LoRA adapter
-    (model, tenant)
-    (model, tenant, prompt-length octave)
-    (model, tenant, prompt-length octave, max_tokens octave)
+    (max_tokens octave,)                        what the client expects (and caps)
+    (max_tokens octave, model)                  the model or LoRA adapter
+    (max_tokens octave, model, tenant)
+    (max_tokens octave, model, tenant, prompt-length octave)
     the session's earlier turns                 (the chat's own output lengths)
 
 The prediction is a quantile (the median by default: it minimizes the absolute error) of
@@ -114,7 +115,7 @@ class OutputLengthPredictor:
     # ---- the chain of buckets -------------------------------------------------------
     def _keys(self, f: LengthFeatures) -> list[tuple]:
         p, m = _octave(f.prompt_tokens), _octave(f.max_tokens)
-        keys = [(), (f.model,), (f.model, f.tenant), (f.model, f.tenant, p), (f.model, f.tenant, p, m)]
+        keys = [(), (m,), (m, f.model), (m, f.model, f.tenant), (m, f.model, f.tenant, p)]
         return keys[: self.levels]
 
     def _bucket(self, key: tuple) -> _Hist:
@@ -154,9 +155,15 @@ class OutputLengthPredictor:
     # ---- predict ----------------------------------------------------------------------
     def predict(self, features: LengthFeatures) -> int:
         """The predicted output length in tokens, in [1, max_tokens]."""
+        k = self.prior_strength
+        cap = features.max_tokens
+        # The root prior, for a chain with little data: `prior_strength` observations at
+        # half of max_tokens (what a request with nothing learned is predicted).
         dist: Optional[list[float]] = None
         total = 0.0
-        k = self.prior_strength
+        if cap:
+            dist = [0.0] * NUM_BINS
+            dist[length_bin(max(1, cap // 2))] = total = k
         buckets = self._buckets
         for key in self._keys(features):
             h = buckets.get(key)
@@ -181,7 +188,6 @@ class OutputLengthPredictor:
                 for n in turns:
                     dist[length_bin(n)] += w
                 total += w * len(turns)
-        cap = features.max_tokens
         if dist is None:
             # Nothing learned yet: the middle of what the request may produce.
             guess = 1 if not cap else max(1, cap // 2)

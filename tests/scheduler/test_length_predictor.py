@@ -52,7 +52,7 @@ def test_a_sparse_bucket_shrinks_to_its_parent():
 
 def test_never_past_max_tokens_and_at_least_one():
     p = OutputLengthPredictor()
-    assert p.predict(f(max_tokens=64)) == 32  # nothing learned: half the cap
+    assert 28 <= p.predict(f(max_tokens=64)) <= 36  # nothing learned: about half the cap
     assert p.predict(f()) == 1
     for _ in range(100):
         p.observe(f(), 3000)
