@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections import OrderedDict, deque
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 BINS_PER_OCTAVE = 4
 MAX_OCTAVES = 20  # lengths up to 2**20 tokens (longer ones share the last bin)
@@ -108,17 +108,17 @@ class OutputLengthPredictor:
         self.window = window
         self.use_session = use_session
         self.levels = levels
-        self._buckets: OrderedDict[tuple, _Hist] = OrderedDict()
+        self._buckets: OrderedDict[tuple[Any, ...], _Hist] = OrderedDict()
         self._sessions: OrderedDict[str, deque[int]] = OrderedDict()
         self.num_observed = 0
 
     # ---- the chain of buckets -------------------------------------------------------
-    def _keys(self, f: LengthFeatures) -> list[tuple]:
+    def _keys(self, f: LengthFeatures) -> list[tuple[Any, ...]]:
         p, m = _octave(f.prompt_tokens), _octave(f.max_tokens)
         keys = [(), (m,), (m, f.model), (m, f.model, f.tenant), (m, f.model, f.tenant, p)]
         return keys[: self.levels]
 
-    def _bucket(self, key: tuple) -> _Hist:
+    def _bucket(self, key: tuple[Any, ...]) -> _Hist:
         h = self._buckets.get(key)
         if h is None:
             h = self._buckets[key] = _Hist()

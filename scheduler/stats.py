@@ -4,7 +4,7 @@ and preemption counters, speculative decoding, LoRA adapters in use."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional, Protocol
+from typing import Any, Iterable, Optional, Protocol
 
 from fleetserve.scheduler.config import SchedulerConfig
 from fleetserve.scheduler.kv_cache_manager import KVCacheManager
@@ -74,7 +74,7 @@ def snapshot(scheduler: Reporting) -> SchedulerStats:
     )
 
 
-def _length_stats(lengths) -> dict:
+def _length_stats(lengths: Any) -> dict[str, Any]:
     if lengths is None:
         return {}
     return {

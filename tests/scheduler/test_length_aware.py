@@ -167,3 +167,21 @@ def test_sjf_serves_everything_with_the_same_tokens():
     tokens, reasons = run_to_completion(sched, runner)
     assert set(reasons) == {f"q{i}" for i in range(8)}
     assert_serves_and_no_leaks(sched, runner)
+
+
+def test_errors_reach_the_engine_metrics_histogram():
+    from fleetserve.replica.engine.metrics import EngineMetrics
+
+    sched = create_scheduler(policy="sjf")
+    for i, (pred, n) in enumerate([(4, 4), (4, 10), (30, 2)]):
+        sched.add_request(make(f"m{i}", pred=pred, max_tokens=n))
+    run_to_completion(sched, FakeModelRunner(sched.kv.num_blocks, sched.block_size))
+    metrics = EngineMetrics("m")
+    metrics.update_scheduler_stats(sched.get_stats())
+    metrics.update_scheduler_stats(sched.get_stats())  # counted once, by the delta
+    text = metrics.text()
+    name = "fleetserve:output_length_prediction_error_tokens"
+    # Errors 0, 6 and 0 (the last prediction, 30, is capped to its max_tokens, 2).
+    assert f'{name}_count{{engine="0",model_name="m"}} 3.0' in text
+    assert f'{name}_bucket{{engine="0",le="1.0",model_name="m"}} 2.0' in text
+    assert f'{name}_bucket{{engine="0",le="8.0",model_name="m"}} 3.0' in text
