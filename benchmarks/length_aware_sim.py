@@ -18,6 +18,9 @@ Two parts, every figure simulated or computed from generated traces (no model ru
    from its own finished requests).
 
     PYTHONPATH=. python benchmarks/length_aware_sim.py --replicas 16 128 --out /tmp/len
+    # or one fleet size / policy per process, then one table and plot:
+    PYTHONPATH=. python benchmarks/length_aware_sim.py --replicas 128 --skip-predictor --policies sjf --out /tmp/a
+    PYTHONPATH=. python benchmarks/length_aware_sim.py --merge /tmp/len/rows.json /tmp/a/rows.json
 
 Prints the tables, writes rows.json under --out and benchmarks/results/length_aware_sim.png.
 """
@@ -132,13 +135,16 @@ def sim(trace: Path, replicas: int, flags: list[str], profile: str, out: Path) -
     return result
 
 
-def sched_rows(replicas: list[int], per_replica: int, rate_per_replica: float, profile: str, seed: int, out: Path):
+def sched_rows(
+    replicas: list[int], per_replica: int, rate_per_replica: float, profile: str, seed: int, out: Path, policies
+):
     rows = []
     for n in replicas:
         trace = generate("length_mix", num_requests=per_replica * n, rate=rate_per_replica * n, seed=seed)
         path = out / f"length_mix-{n}.jsonl"
         write_trace(path, trace)
-        for name, flags in POLICIES.items():
+        for name in policies:
+            flags = POLICIES[name]
             r = sim(path, n, flags, profile, out / f"{name}-{n}.json")
             lp = r.get("length_prediction") or {}
             rows.append(
@@ -187,11 +193,15 @@ def plot(pred: list[dict], sched: list[dict], path: Path) -> None:
         width = 0.8 / len(POLICIES)
         for k, name in enumerate(POLICIES):
             for q, hatch in (("p50", ""), ("p90", "//")):
-                xs = [i + k * width for i in range(len(fleets))]
-                ys = [
-                    next(r[f"{metric}_{q}"] for r in sched if r["replicas"] == f and r["policy"] == name)
-                    for f in fleets
+                pts = [
+                    (i + k * width, r[f"{metric}_{q}"])
+                    for i, f in enumerate(fleets)
+                    for r in sched
+                    if r["replicas"] == f and r["policy"] == name
                 ]
+                if not pts:
+                    continue
+                xs, ys = [x for x, _ in pts], [y for _, y in pts]
                 ax.bar(
                     xs,
                     ys,
@@ -220,16 +230,36 @@ def main(argv=None) -> int:
     ap.add_argument("--predictor-requests", type=int, default=20000)
     ap.add_argument("--out", default="length_aware_sim", help="folder for the traces and result JSONs")
     ap.add_argument("--skip-sim", action="store_true", help="the predictor table only")
+    ap.add_argument("--skip-predictor", action="store_true", help="the scheduling runs only")
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    ap.add_argument(
+        "--merge", nargs="+", metavar="ROWS_JSON", help="print and plot the rows.json of earlier runs (run nothing)"
+    )
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    pred = predictor_rows(args.predictor_requests, args.seed)
-    print(table(pred), flush=True)
+    pred: list[dict] = []
     sched: list[dict] = []
-    if not args.skip_sim:
-        sched = sched_rows(args.replicas, args.per_replica, args.rate_per_replica, args.profile, args.seed, out)
+    if args.merge:
+        for path in args.merge:
+            got = json.loads(Path(path).read_text())
+            pred = pred or got["predictor"]
+            sched += got["scheduling"]
+        sched.sort(key=lambda r: (r["replicas"], list(POLICIES).index(r["policy"])))
+        print(table(pred))
         print(table(sched))
         plot(pred, sched, RESULTS / "length_aware_sim.png")
+        return 0
+    if not args.skip_predictor:
+        pred = predictor_rows(args.predictor_requests, args.seed)
+        print(table(pred), flush=True)
+    if not args.skip_sim:
+        sched = sched_rows(
+            args.replicas, args.per_replica, args.rate_per_replica, args.profile, args.seed, out, args.policies
+        )
+        print(table(sched))
+        if pred:
+            plot(pred, sched, RESULTS / "length_aware_sim.png")
     (out / "rows.json").write_text(json.dumps({"predictor": pred, "scheduling": sched}, indent=2))
     return 0
 
