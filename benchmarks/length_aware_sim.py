@@ -10,8 +10,9 @@ Two parts, every figure simulated or computed from generated traces (no model ru
    (per-tenant task mixes, sessions; the structure the predictor is for), long_tail
    (independent Pareto lengths: nothing to learn but the distribution) and multiturn.
 
-2. Scheduling. A length_mix trace at ~`--load` of the fleet's capacity, per fleet size, run
-   with `fleetserve sim` (the real scheduler in every replica, the real router, the analytic
+2. Scheduling. A length_mix trace of `--per-replica` requests a replica arriving at
+   `--rate-per-replica` a second (150 at 12/s by default: about twice what a replica with
+   64 seats and 4 GiB of KV serves, for 12.5 s), per fleet size, run with `fleetserve sim` (the real scheduler in every replica, the real router, the analytic
    H100 profile of a Llama-3.1-8B shape) under fcfs, sjf, and sjf with
    --capacity-policy reserve_predicted: TTFT and E2E p50/p90, preemptions, throughput, and the
    online predictor's MAE inside the replicas (each replica's own predictor, learning only
@@ -44,15 +45,16 @@ from fleetserve.sim.generators import generate  # noqa: E402
 from fleetserve.sim.traces import write_trace  # noqa: E402
 
 RESULTS = Path(HERE) / "results"
-# KV for ~65k tokens a replica (8 GiB of Llama-8B KV, 128 KiB a token): with 128 seats and
-# ~1k-token requests the pool, not the seats, is what runs out, so preemption matters.
+# KV for ~32k tokens a replica (4 GiB of Llama-8B KV, 128 KiB a token) and 64 seats: small
+# enough that ~150 requests a replica at 12/s (twice what a replica serves) fill it, so the
+# queue and preemptions appear within a trace the simulator runs in minutes at 128 replicas.
 ENGINE_FLAGS = [
     "--max-model-len",
     "8192",
     "--max-num-seqs",
-    "128",
+    "64",
     "--kv-cache-memory-bytes",
-    str(8 * 2**30),
+    str(4 * 2**30),
 ]
 POLICIES = {
     "fcfs": ["--scheduling-policy", "fcfs"],
@@ -226,7 +228,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default="h100-llama-3.1-8b")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--per-replica", type=int, default=150, help="requests per replica")
-    ap.add_argument("--rate-per-replica", type=float, default=4.0, help="arrivals per second per replica")
+    ap.add_argument("--rate-per-replica", type=float, default=12.0, help="arrivals per second per replica")
     ap.add_argument("--predictor-requests", type=int, default=20000)
     ap.add_argument("--out", default="length_aware_sim", help="folder for the traces and result JSONs")
     ap.add_argument("--skip-sim", action="store_true", help="the predictor table only")
