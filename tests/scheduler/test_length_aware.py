@@ -12,7 +12,15 @@ from fleetserve.scheduler import ModelRunnerOutput, Request, SamplingParams, Sch
 from fleetserve.scheduler.fair import VirtualTokenCounter
 from fleetserve.scheduler.length_aware import FairShortestFirstQueue, ShortestFirstQueue, sjf_victim
 
-from .utils import EOS, VOCAB, FakeModelRunner, assert_serves_and_no_leaks, create_scheduler, run_to_completion
+from .utils import (
+    EOS,
+    VOCAB,
+    FakeModelRunner,
+    assert_serves_and_no_leaks,
+    create_scheduler,
+    reference_tokens,
+    run_to_completion,
+)
 
 
 def make(rid, pred=None, arrival=0.0, tenant=None, num_tokens=8, max_tokens=40, ignore_eos=True):
@@ -159,13 +167,21 @@ def test_reserving_predicted_blocks_preempts_less():
     assert_serves_and_no_leaks(reserve)
 
 
-def test_sjf_serves_everything_with_the_same_tokens():
-    sched = create_scheduler(policy="sjf", num_blocks=24, max_num_seqs=3)
-    for i in range(8):
-        sched.add_request(make(f"q{i}", max_tokens=5 + 4 * (i % 3), arrival=float(i)))
+@pytest.mark.parametrize(
+    "config",
+    [dict(policy="sjf"), dict(policy="fair", fair_shortest_first=True), dict(capacity_policy="reserve_predicted")],
+)
+def test_length_aware_settings_serve_everything_with_the_same_tokens(config):
+    sched = create_scheduler(num_blocks=24, max_num_seqs=3, **config)
+    reqs = [make(f"q{i}", max_tokens=5 + 4 * (i % 3), arrival=float(i), tenant="AB"[i % 2]) for i in range(8)]
+    for r in reqs:
+        sched.add_request(r)
     runner = FakeModelRunner(sched.kv.num_blocks, sched.block_size)
     tokens, reasons = run_to_completion(sched, runner)
     assert set(reasons) == {f"q{i}" for i in range(8)}
+    # Whatever the order and the preemptions, each request's tokens are its own (greedy).
+    for r in reqs:
+        assert tokens[r.request_id] == reference_tokens(r, sched.config.max_model_len)
     assert_serves_and_no_leaks(sched, runner)
 
 
