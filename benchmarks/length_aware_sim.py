@@ -12,8 +12,9 @@ Two parts, every figure simulated or computed from generated traces (no model ru
 
 2. Scheduling. A length_mix trace of `--per-replica` requests a replica arriving at
    `--rate-per-replica` a second (150 at 12/s by default: about twice what a replica with
-   64 seats and 4 GiB of KV serves, for 12.5 s), per fleet size, run with `fleetserve sim` (the real scheduler in every replica, the real router, the analytic
-   H100 profile of a Llama-3.1-8B shape) under fcfs, sjf, and sjf with
+   64 seats and 4 GiB of KV serves, for 12.5 s), per fleet size, run with `fleetserve sim`
+   (the real scheduler in every replica, the real router, the analytic H100 profile of a
+   Llama-3.1-8B shape) under fcfs, sjf, and sjf with
    --capacity-policy reserve_predicted: TTFT and E2E p50/p90, preemptions, throughput, and the
    online predictor's MAE inside the replicas (each replica's own predictor, learning only
    from its own finished requests).
