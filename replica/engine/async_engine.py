@@ -145,7 +145,7 @@ class AsyncEngine:
         output (`RequestOutput.events`, for the replica's trace spans). `session` (the chat it
         continues) and `predicted_output_tokens` (a prediction made before it was sent): for
         output-length-aware scheduling (scheduler/length_aware.py)."""
-        length = {"session": session, "predicted_output_tokens": predicted_output_tokens}
+        length: dict[str, Any] = {"session": session, "predicted_output_tokens": predicted_output_tokens}
         if lora_name is None:
             return self._stream(
                 prompt,
