@@ -63,7 +63,7 @@ def add_sim_parser(sub) -> None:
     src.add_argument(
         "--generate",
         metavar="KIND",
-        help="generate the trace instead: poisson, bursty, long_tail, shared_prefix or multiturn",
+        help="generate the trace instead: poisson, bursty, long_tail, shared_prefix, multiturn or length_mix",
     )
     g.add_argument("--trace-format", help="jsonl, mooncake, azure or burstgpt [default: from the file]")
     g.add_argument("--num-requests", type=int, help="--generate: requests [default: 1000]")

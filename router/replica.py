@@ -160,6 +160,7 @@ class EngineReplica:
             priority=int(body.get("priority", 0)),
             cache_salt=body.get("cache_salt"),
             **_tenant_kwargs(body),
+            **_length_kwargs(body),
             **({"admitted": True} if admitted else {}),
             # The adapter's folder too: a replica that lacks it (one loaded at run time before this
             # replica started, or evicted here by --max-cpu-loras) loads it first, as Ray Serve's
@@ -555,6 +556,20 @@ def _tenant_kwargs(body: dict) -> dict:
     if not body.get("tenant"):
         return {}
     return {"tenant": str(body["tenant"]), "tenant_weight": float(body.get("tenant_weight", 1.0))}
+
+
+def _length_kwargs(body: dict) -> dict:
+    """The engine body's `session` (the chat a request continues) and
+    `predicted_output_tokens` (a prediction made before the request was sent), for the
+    scheduler's output-length-aware policies (scheduler/length_aware.py); absent: the
+    scheduler predicts by itself. A prediction that is not a positive integer is dropped."""
+    out: dict = {}
+    if body.get("session"):
+        out["session"] = str(body["session"])
+    pred = body.get("predicted_output_tokens")
+    if isinstance(pred, int) and not isinstance(pred, bool) and pred >= 1:
+        out["predicted_output_tokens"] = pred
+    return out
 
 
 def _param_of(message: str) -> Optional[str]:

@@ -30,11 +30,12 @@ class SchedulerConfig(BaseModel):
         0, ge=0, description=("Most prompt tokens one request may prefill in one step (0: no limit).")
     )
     enable_chunked_prefill: bool = Field(True, description=("Split long prompts across steps so decodes keep running."))
-    policy: Literal["fcfs", "priority", "fair"] = Field(
+    policy: Literal["fcfs", "priority", "fair", "sjf"] = Field(
         "fcfs",
         description=(
-            "Order of the waiting queue: first come first served, by request priority, or "
-            "fair (per-tenant fair share: the Virtual Token Counter, the tenant served least first)."
+            "Order of the waiting queue: first come first served, by request priority, "
+            "fair (per-tenant fair share: the Virtual Token Counter, the tenant served least first), "
+            "or sjf (shortest predicted output first, with aging: --sjf-aging-rate)."
         ),
     )
     # policy "fair": a tenant's service is fair_input_weight * prompt tokens computed +
@@ -52,13 +53,37 @@ class SchedulerConfig(BaseModel):
             "(unset: never; a waiting tenant waits for a free seat)."
         ),
     )
-    capacity_policy: Literal["max_utilization", "guaranteed_no_evict"] = Field(
+    capacity_policy: Literal["max_utilization", "guaranteed_no_evict", "reserve_predicted"] = Field(
         "max_utilization",
         description=(
             "Admission: admit while KV blocks exist and preempt under pressure "
-            "(max_utilization), or admit only requests whose blocks to completion are "
-            "free (guaranteed_no_evict, never preempts)."
+            "(max_utilization), admit only requests whose blocks to completion are "
+            "free (guaranteed_no_evict, never preempts), or admit while the blocks of every "
+            "request's prompt and predicted output fit (reserve_predicted; preempts when a "
+            "prediction falls short)."
         ),
+    )
+    # Output-length-aware scheduling (scheduler/length_aware.py, length_predictor.py).
+    fair_shortest_first: bool = Field(
+        False,
+        description=(
+            "Fair share: inside a tenant's share, its shortest predicted request first (with the "
+            "aging of --sjf-aging-rate) instead of its oldest. Needs --scheduling-policy fair."
+        ),
+    )
+    sjf_aging_rate: float = Field(
+        50.0,
+        gt=0,
+        description=(
+            "Shortest predicted first: predicted output tokens one second of waiting is worth. "
+            "A request is never passed by one that arrived more than its predicted length / "
+            "this many seconds after it (bounded starvation); large: FCFS."
+        ),
+    )
+    reserve_predicted_margin: float = Field(
+        1.0,
+        ge=0.1,
+        description=("capacity_policy reserve_predicted: reserve KV for predicted output tokens times this."),
     )
     # Qualified name ("package.module:Class" or "package.module.Class") of a
     # Scheduler subclass to use instead of ours, as vLLM's scheduler_cls.
@@ -92,6 +117,11 @@ class SchedulerConfig(BaseModel):
         if self.fair_preemption_gap is not None and self.policy != "fair":
             raise ValueError(
                 f"fair_preemption_gap is for policy 'fair' (--scheduling-policy fair), not {self.policy!r}"
+            )
+        if self.fair_shortest_first and self.policy != "fair":
+            raise ValueError(
+                f"fair_shortest_first is for policy 'fair' (--scheduling-policy fair), not {self.policy!r}; "
+                "--scheduling-policy sjf orders every request shortest predicted first"
             )
         if self.fair_input_weight + self.fair_output_weight <= 0:
             raise ValueError("fair_input_weight and fair_output_weight must not both be 0")

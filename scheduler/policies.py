@@ -1,7 +1,7 @@
 """The small policy objects the scheduling loop delegates to.
 
-* a waiting queue (FCFS deque, priority heap, or per-tenant fair share: fair.py): the
-  order of admission;
+* a waiting queue (FCFS deque, priority heap, per-tenant fair share: fair.py, or shortest
+  predicted output first: length_aware.py): the order of admission;
 * a preemption choice: which running request gives its blocks back;
 * a capacity policy: may a waiting request be admitted, and may the running
   pass preempt at all.
@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequen
 from fleetserve.scheduler.block_pool import KVCacheBlock
 from fleetserve.scheduler.fair import FairQueue, VirtualTokenCounter
 from fleetserve.scheduler.kv_cache_manager import KVCacheManager
+from fleetserve.scheduler.length_aware import FairShortestFirstQueue, ReservePredicted, ShortestFirstQueue, sjf_victim
 from fleetserve.scheduler.request import Request
 
 
@@ -97,20 +98,32 @@ class PriorityQueue:
         return iter(sorted(self._heap))
 
 
-def make_waiting_queue(policy: str, vtc: Optional[VirtualTokenCounter] = None) -> WaitingQueue:
+def make_waiting_queue(
+    policy: str,
+    vtc: Optional[VirtualTokenCounter] = None,
+    sjf_aging_rate: float = 50.0,
+    fair_shortest_first: bool = False,
+) -> WaitingQueue:
     if policy == "fair":
         if vtc is None:
             raise ValueError('policy "fair" needs its VirtualTokenCounter')
-        return FairQueue(vtc)
+        return FairShortestFirstQueue(vtc, sjf_aging_rate) if fair_shortest_first else FairQueue(vtc)
+    if policy == "sjf":
+        return ShortestFirstQueue(sjf_aging_rate)
     return PriorityQueue() if policy == "priority" else FCFSQueue()
 
 
 # ---- preemption choice --------------------------------------------------------
-def pick_victim(running: list[Request], policy: str, vtc: Optional[VirtualTokenCounter] = None) -> Request:
+def pick_victim(
+    running: list[Request], policy: str, vtc: Optional[VirtualTokenCounter] = None, sjf_aging_rate: float = 50.0
+) -> Request:
     """FCFS: the most recently admitted; priority: the largest (priority, arrival); fair:
-    the most recently admitted of the tenant most over its share."""
+    the most recently admitted of the tenant most over its share; sjf: the one its queue
+    ranks last (the largest key: scheduler/length_aware.py)."""
     if vtc is not None:
         return vtc.pick_victim(running)
+    if policy == "sjf":
+        return sjf_victim(running, sjf_aging_rate)
     if policy == "priority":
         # The full waiting-queue key, so the victim is the request the queue
         # ranks last. On (priority, arrival) ties vLLM's key picks the first
@@ -190,7 +203,9 @@ class GuaranteedNoEvict:
         )
 
 
-def make_capacity_policy(name: str) -> CapacityPolicy:
+def make_capacity_policy(name: str, reserve_predicted_margin: float = 1.0) -> CapacityPolicy:
+    if name == "reserve_predicted":
+        return ReservePredicted(reserve_predicted_margin)
     return GuaranteedNoEvict() if name == "guaranteed_no_evict" else MaxUtilization()
 
 

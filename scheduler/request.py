@@ -99,6 +99,8 @@ class Request:
         "num_charged_prompt_tokens",
         "num_draft_tokens",
         "num_accepted_draft_tokens",
+        "session",
+        "predicted_output_tokens",
     )
 
     def __init__(
@@ -116,6 +118,8 @@ class Request:
         lora_key: Optional[str] = None,
         tenant: Optional[str] = None,
         tenant_weight: float = 1.0,
+        session: Optional[str] = None,
+        predicted_output_tokens: Optional[int] = None,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
@@ -141,6 +145,13 @@ class Request:
         self.tenant_weight = float(tenant_weight)
         # Prompt tokens the fair-share counter charged (each once, not again on recompute).
         self.num_charged_prompt_tokens = 0
+        # Output-length-aware scheduling (scheduler/length_aware.py): the chat the request
+        # continues (its earlier turns' lengths are a feature) and its predicted output length
+        # (the router's, or the scheduler's own predictor's at arrival).
+        self.session = session
+        if predicted_output_tokens is not None and predicted_output_tokens < 1:
+            raise ValueError(f"request {request_id}: predicted_output_tokens must be >= 1")
+        self.predicted_output_tokens = predicted_output_tokens
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.output_token_ids: list[int] = []

@@ -30,6 +30,8 @@ Around this loop: the step's batch and the SchedulerOutput it becomes
 (batch.py), queue order, preemption choice and capacity (policies.py), the
 paged KV cache (kv_cache_manager.py), the stats it reports (stats.py); policy "fair" adds
 per-tenant service counters (fair.py), charged where tokens are scheduled and sampled.
+Policy "sjf", fair_shortest_first and capacity "reserve_predicted" add predicted output
+lengths (length_aware.py): predicted on arrival, learned from at the finish.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from fleetserve.scheduler.connector import KVConnectorScheduler
 from fleetserve.scheduler.fair import make_vtc, seat_victim
 from fleetserve.scheduler.kv_cache_manager import KVCacheManager
 from fleetserve.scheduler.kv_events import KVEventBatch
+from fleetserve.scheduler.length_aware import make_length_tracker
 from fleetserve.scheduler.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from fleetserve.scheduler.policies import make_capacity_policy, make_waiting_queue, pick_victim
 from fleetserve.scheduler.request import Request, RequestStatus
@@ -82,14 +85,25 @@ class Scheduler:
             cache_config.prefix_caching_hash_algo,
             cache_config.sliding_window,
         )
-        self.capacity = make_capacity_policy(scheduler_config.capacity_policy)
+        self.capacity = make_capacity_policy(
+            scheduler_config.capacity_policy, scheduler_config.reserve_predicted_margin
+        )
+        # Output-length-aware scheduling: predictions for requests that arrive without the
+        # router's, learned from the requests that finish here (scheduler/length_aware.py).
+        self.lengths = make_length_tracker(
+            scheduler_config.policy, scheduler_config.fair_shortest_first, scheduler_config.capacity_policy
+        )
 
         self.requests: dict[str, Request] = {}
         # Policy "fair": the per-tenant service counters the waiting queue orders by.
         self.vtc = make_vtc(
             scheduler_config.policy, scheduler_config.fair_input_weight, scheduler_config.fair_output_weight
         )
-        self.waiting = make_waiting_queue(scheduler_config.policy, self.vtc)
+        # Whether a preemption victim may sit anywhere in `running` (not only at its end).
+        self._victims_by_rank = scheduler_config.policy == "sjf"
+        self.waiting = make_waiting_queue(
+            scheduler_config.policy, self.vtc, scheduler_config.sjf_aging_rate, scheduler_config.fair_shortest_first
+        )
         self.running: list[Request] = []
         # Parked while a connector loads their KV; they hold blocks.
         self.waiting_for_remote_kvs: dict[str, Request] = {}
@@ -136,6 +150,8 @@ class Scheduler:
         self.requests[rid] = request
         if self.vtc is not None:
             self.vtc.arrive(request)
+        if self.lengths is not None:
+            self.lengths.arrive(request)
         self.waiting.add(request)
 
     def window_fits_pool(self) -> bool:
@@ -249,7 +265,12 @@ class Scheduler:
                 num_preempted = len(batch.preempted)
                 blocks = self._make_room(request, slots, batch)
                 if blocks is None:
-                    break  # it had to preempt itself: nobody else can fit either
+                    if not self._victims_by_rank:
+                        break  # it had to preempt itself: nobody else can fit either
+                    # sjf's victims are not the last admitted: requests after this one in
+                    # `running` were not victims and its blocks are free now; they go on
+                    # (`running[i]` is the next one). A step of none would stall them.
+                    continue
                 if len(batch.preempted) > num_preempted:
                     i = running.index(request)  # victims ahead of it moved it up
             if blocks is not None:
@@ -264,7 +285,7 @@ class Scheduler:
         """Preempt (`pick_victim`) until `request`, running, gets `num_slots` slots: the
         ids of its new blocks, or None when it had to preempt itself."""
         while True:
-            victim = pick_victim(self.running, self.config.policy, self.vtc)
+            victim = pick_victim(self.running, self.config.policy, self.vtc, self.config.sjf_aging_rate)
             # Before preempting itself, waiting requests back from remote loads give
             # their blocks back.
             if victim is not request or not self._release_waiting_holders(request):
@@ -626,6 +647,8 @@ class Scheduler:
         self._num_tokens_sent.pop(rid, None)
         if self.vtc is not None:
             self.vtc.leave(request)
+        if self.lengths is not None:
+            self.lengths.finish(request)
         if self.draft_policy is not None:
             self.draft_policy.forget(rid)
         delay, params = False, None

@@ -4,7 +4,7 @@ and preemption counters, speculative decoding, LoRA adapters in use."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional, Protocol
+from typing import Any, Iterable, Optional, Protocol
 
 from fleetserve.scheduler.config import SchedulerConfig
 from fleetserve.scheduler.kv_cache_manager import KVCacheManager
@@ -29,6 +29,12 @@ class SchedulerStats:
     max_loras: int = 0
     lora_running: Optional[dict[str, int]] = None
     lora_waiting: Optional[dict[str, int]] = None
+    # With output-length prediction (scheduler/length_aware.py): cumulative counts of
+    # |actual - predicted| output tokens per bucket of length_predictor.ERROR_BUCKETS (the
+    # last: larger), their sum, and the number of finished requests they count.
+    length_error_counts: Optional[list[int]] = None
+    length_error_sum: int = 0
+    length_num_predicted: int = 0
 
 
 class Reporting(Protocol):
@@ -64,7 +70,18 @@ def snapshot(scheduler: Reporting) -> SchedulerStats:
         max_loras=max_loras,
         lora_running=lora_running,
         lora_waiting=lora_waiting,
+        **_length_stats(getattr(scheduler, "lengths", None)),
     )
+
+
+def _length_stats(lengths: Any) -> dict[str, Any]:
+    if lengths is None:
+        return {}
+    return {
+        "length_error_counts": list(lengths.error_counts),
+        "length_error_sum": lengths.error_sum,
+        "length_num_predicted": lengths.num_predicted,
+    }
 
 
 def lora_counts(requests: Iterable[Request]) -> dict[str, int]:

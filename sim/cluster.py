@@ -408,6 +408,8 @@ class Cluster:
             Record(i, tr.request_id, tr.arrival_s, tr.output_tokens, tr.tenant, tr.priority or 0)
             for i, tr in enumerate(trace)
         ]
+        for rec, tr in zip(records, trace):  # what a length predictor sees
+            rec.session, rec.max_tokens = tr.session, tr.max_tokens
         self._records = {r.request_id: r for r in records}
         self._prefills: dict[str, Record] = {}  # prefill request id -> its client request
         self._ids: dict[str, list[int]] = {}  # client request id -> prompt, while it is in prefill
@@ -593,7 +595,8 @@ class Cluster:
     def _on_to_replica(self, idx: int, payload: tuple[Any, ...]) -> None:
         rec, ids, request_id, max_tokens, params = payload
         replica = self.replicas[idx]
-        replica.add_request(request_id, ids, max_tokens, rec.arrival_s, rec.priority, params, rec.tenant)
+        client = (rec.session, rec.max_tokens) if request_id == rec.request_id else (None, None)
+        replica.add_request(request_id, ids, max_tokens, rec.arrival_s, rec.priority, params, rec.tenant, *client)
         if not replica.busy:
             self._start(idx)
 
@@ -737,6 +740,7 @@ class Cluster:
         request = replica.forget(rec.request_id)
         if request is not None:
             rec.num_preemptions = request.num_preemptions
+            rec.predicted_output_tokens = request.predicted_output_tokens
         if rec.num_output == 0:
             rec.refused = f"finished_without_output: {reason}"
         self._open -= 1

@@ -244,12 +244,112 @@ def multiturn(
     return out[:num_requests]
 
 
+@dataclass(frozen=True)
+class Task:
+    """A kind of request in `length_mix`: its prompt lengths, its output lengths (before the
+    tenant's and the session's verbosity), and the max_tokens its clients send."""
+
+    name: str
+    prompt: Lengths
+    output: Lengths
+    max_tokens: int
+
+
+# Long-tailed output lengths whose distribution depends on what the request is: from
+# one-word labels to long generations with a Pareto tail, each with a typical max_tokens.
+LENGTH_MIX_TASKS = (
+    Task("classify", Lengths(median=300, sigma=0.6, lo=16, hi=4096), Lengths(median=4, sigma=0.5, lo=1), 16),
+    Task("chat", Lengths(median=200, sigma=0.8, lo=8, hi=4096), Lengths(median=150, sigma=0.8, lo=1), 1024),
+    Task("summarize", Lengths(median=2000, sigma=0.5, lo=256, hi=8192), Lengths(median=120, sigma=0.5, lo=8), 512),
+    Task(
+        "code",
+        Lengths(median=400, sigma=0.8, lo=16, hi=8192),
+        Lengths(median=400, lo=16, kind="pareto", alpha=1.5),
+        4096,
+    ),
+    Task(
+        "essay",
+        Lengths(median=150, sigma=0.7, lo=8, hi=2048),
+        Lengths(median=700, lo=64, kind="pareto", alpha=1.3),
+        4096,
+    ),
+)
+
+
+def length_mix(
+    *,
+    num_requests: int,
+    rate: float,
+    seed: int = 0,
+    num_tenants: int = 6,
+    arrivals: str = "poisson",
+    cv: float = 3.0,
+    session_share: float = 0.5,
+    turns: int = 4,
+    tasks: tuple[Task, ...] = LENGTH_MIX_TASKS,
+    tenant_sigma: float = 0.3,
+    session_sigma: float = 0.5,
+) -> list[TraceRequest]:
+    """Long-tailed output lengths with the structure real traffic has: each tenant sends its
+    own mix of tasks (`LENGTH_MIX_TASKS`: labels, chat, summaries, code, essays) and is more
+    or less verbose (a lognormal factor, `tenant_sigma`); a share of the requests are chat
+    sessions of up to `turns` turns of one task with a verbosity of their own
+    (`session_sigma`). Each request carries its task's `max_tokens` and ends by itself
+    (EOS) at its output length, at most max_tokens. Prompts are counts (nothing shared), so
+    only the lengths matter. Used to measure output-length prediction and ordering
+    (benchmarks/length_aware_sim.py)."""
+    rng = random.Random(seed)
+    times = _arrivals(rng, num_requests, rate, arrivals, cv)
+    # Each tenant's task mix (random weights, one task favoured) and verbosity.
+    mixes = []
+    for _ in range(num_tenants):
+        w = [rng.random() for _ in tasks]
+        w[rng.randrange(len(tasks))] += 2.0
+        mixes.append((w, rng.lognormvariate(0.0, tenant_sigma)))
+    out: list[TraceRequest] = []
+    open_sessions: list[tuple[str, int, Task, float, int]] = []  # id, tenant, task, verbosity, turns left
+    n_sessions = 0
+    for i, t in enumerate(times):
+        if open_sessions and rng.random() < session_share:
+            j = rng.randrange(len(open_sessions))
+            sid, tenant, task, verb, left = open_sessions[j]
+            if left <= 1:
+                open_sessions.pop(j)
+            else:
+                open_sessions[j] = (sid, tenant, task, verb, left - 1)
+            session: str | None = sid
+        else:
+            tenant = rng.randrange(num_tenants)
+            task = rng.choices(tasks, weights=mixes[tenant][0])[0]
+            verb = mixes[tenant][1]
+            session = None
+            if rng.random() < session_share:
+                session = f"session-{n_sessions}"
+                n_sessions += 1
+                verb *= rng.lognormvariate(0.0, session_sigma)
+                open_sessions.append((session, tenant, task, verb, turns - 1))
+        n_out = max(1, min(task.max_tokens, int(round(task.output.sample(rng) * verb))))
+        out.append(
+            TraceRequest(
+                arrival_s=t,
+                prompt_tokens=task.prompt.sample(rng),
+                output_tokens=n_out,
+                max_tokens=task.max_tokens,
+                tenant=f"tenant-{tenant}",
+                session=session,
+                request_id=str(i),
+            )
+        )
+    return out
+
+
 GENERATORS: dict[str, Callable[..., list[TraceRequest]]] = {
     "poisson": poisson,
     "bursty": bursty,
     "long_tail": long_tail,
     "shared_prefix": shared_prefix,
     "multiturn": multiturn,
+    "length_mix": length_mix,
 }
 
 

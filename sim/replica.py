@@ -18,7 +18,9 @@ caching, preemption and admission are the scheduler's own. Assumptions, stated o
   `schedule()` is the first to see them, as the engine core adds requests between steps.
 * Sampled token ids are deterministic (a function of the request's output position), never
   the EOS token: requests run with `ignore_eos`, so each finishes at the trace's output
-  length (or earlier where `max_model_len` caps it, as the real engine does).
+  length (or earlier where `max_model_len` caps it, as the real engine does). A trace
+  request with a client `max_tokens` above its output length instead runs with that cap and
+  samples EOS (`EOS_TOKEN`) as its last token: it ends by itself, at the same length.
 * The scheduler's own CPU time is not virtual time: the profile's per-step overhead covers it.
 * With a KV connector (P/D: `Cluster(pd=...)`), its real scheduler half runs in the scheduler;
   the worker half is the cluster's cost model: the transfers the cluster finishes are reported
@@ -44,6 +46,9 @@ from fleetserve.scheduler import (
 from fleetserve.scheduler.config import CacheConfig, SchedulerConfig
 from fleetserve.scheduler.connector import KVConnectorScheduler
 from fleetserve.sim.shape import StepCostModel, StepShape, step_shape
+
+# The EOS token of requests that end by themselves (sampled ids otherwise start at 1).
+EOS_TOKEN = 0
 
 
 class ReplicaStalled(RuntimeError):
@@ -91,6 +96,9 @@ class SimReplica:
         self.busy_s = 0.0  # virtual seconds spent in steps
         self.num_steps = 0
         self.num_tokens = 0  # tokens computed in all steps
+        # Requests that end by EOS (a client max_tokens above their length): the output
+        # position whose token is EOS.
+        self._eos_at: dict[str, int] = {}
 
     # ---- requests ------------------------------------------------------------------
     def max_prompt_tokens(self) -> int:
@@ -109,16 +117,26 @@ class SimReplica:
         priority: int = 0,
         kv_transfer_params: Optional[dict[str, Any]] = None,
         tenant: Optional[str] = None,
+        session: Optional[str] = None,
+        max_tokens: Optional[int] = None,
     ) -> Request:
+        """`max_tokens`: the client's cap, when the request ends by itself (EOS) after
+        `output_tokens`; unset, it asks for exactly `output_tokens` (with ignore_eos)."""
+        if max_tokens is None or max_tokens <= output_tokens:
+            sp = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
+        else:
+            sp = SamplingParams(max_tokens=max_tokens)
+            self._eos_at[request_id] = output_tokens
         request = Request(
             request_id,
             prompt_token_ids,
-            SamplingParams(max_tokens=output_tokens, ignore_eos=True),
-            eos_token_id=None,
+            sp,
+            eos_token_id=None if sp.ignore_eos else EOS_TOKEN,
             arrival_time=arrival_s,
             priority=priority,
             kv_transfer_params=kv_transfer_params,
             tenant=tenant,
+            session=session,
         )
         self.scheduler.add_request(request)
         self.requests[request_id] = request
@@ -162,10 +180,16 @@ class SimReplica:
         vocab = self.vocab_size - 1
         empty: list[int] = []
         sampled: list[list[int]] = []
+        eos_at = self._eos_at
         for rid in so.num_scheduled_tokens:
             r = reqs[rid]
             num_tokens = r.num_tokens
-            sampled.append([1 + (num_tokens * 7919) % vocab] if r.num_computed_tokens >= num_tokens else empty)
+            if r.num_computed_tokens < num_tokens:
+                sampled.append(empty)
+            elif eos_at and eos_at.get(rid) == len(r.output_token_ids) + 1:
+                sampled.append([EOS_TOKEN])
+            else:
+                sampled.append([1 + (num_tokens * 7919) % vocab])
         return shape, ModelRunnerOutput(list(so.num_scheduled_tokens), sampled)
 
     def finish_step(self, step: StepStart) -> tuple[list[EngineCoreOutput], Optional[KVEventBatch]]:
@@ -179,6 +203,7 @@ class SimReplica:
         return outputs, self.scheduler.take_kv_events()
 
     def forget(self, request_id: str) -> Optional[Request]:
+        self._eos_at.pop(request_id, None)
         return self.requests.pop(request_id, None)
 
     # ---- checks ------------------------------------------------------------------------

@@ -45,6 +45,9 @@ class Record:
         "path",
         "prefill_replica",
         "num_remote_tokens",
+        "session",
+        "max_tokens",
+        "predicted_output_tokens",
     )
 
     def __init__(
@@ -78,6 +81,11 @@ class Record:
         self.path: Optional[str] = None
         self.prefill_replica: Optional[str] = None
         self.num_remote_tokens = 0
+        # The trace's session and client max_tokens (None: it asks for exactly its output
+        # length), and the scheduler's prediction of its output length (length-aware runs).
+        self.session: Optional[str] = None
+        self.max_tokens: Optional[int] = None
+        self.predicted_output_tokens: Optional[int] = None
 
     @property
     def done(self) -> bool:
@@ -226,6 +234,8 @@ class SimResult:
     pd: Optional[dict[str, Any]] = None  # P/D runs: paths taken, KV moved, per-pool utilization
     # Traces that name tenants: each one's requests, output tokens and TTFT / E2E percentiles.
     tenants: Optional[dict[str, dict[str, Any]]] = None
+    # Length-aware runs: the output-length predictions against what the requests produced.
+    length_prediction: Optional[dict[str, Any]] = None
     wall_s: float = 0.0  # host seconds the run took (not in the JSON: it is not deterministic)
     records: list[Record] = field(default_factory=list, repr=False)
 
@@ -264,6 +274,8 @@ class SimResult:
         if self.slo is not None:
             d["slo"] = self.slo
             d["goodput"] = self.slo["goodput"]
+        if self.length_prediction is not None:
+            d["length_prediction"] = self.length_prediction
         return d
 
     def to_json(self, indent: Optional[int] = 2) -> str:
@@ -336,8 +348,25 @@ def summarize(
         config=config,
         slo=slo,
         tenants=by_tenant(records, dur),
+        length_prediction=length_prediction(served),
         records=records,
     )
+
+
+def length_prediction(served: list[Record]) -> Optional[dict[str, Any]]:
+    """The scheduler's output-length predictions (made at each request's arrival at its
+    replica) against the output lengths: mean absolute error and the percentiles of the
+    absolute error, in tokens. None when nothing was predicted."""
+    pairs = [(r.predicted_output_tokens, r.num_output) for r in served if r.predicted_output_tokens is not None]
+    if not pairs:
+        return None
+    errors = [abs(p - n) for p, n in pairs]
+    return {
+        "requests": len(pairs),
+        "mae_tokens": sum(errors) / len(errors),
+        "abs_error_tokens": percentiles([float(e) for e in errors]),
+        "mean_output_tokens": sum(n for _, n in pairs) / len(pairs),
+    }
 
 
 def by_tenant(records: list[Record], duration_s: float) -> Optional[dict[str, dict[str, Any]]]:

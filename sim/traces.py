@@ -47,6 +47,7 @@ _FIELDS = (
     "session",
     "priority",
     "request_id",
+    "max_tokens",
 )
 
 
@@ -88,6 +89,10 @@ class TraceRequest:
     session: str | None = None
     priority: int | None = None
     request_id: str | None = None
+    # The client's max_tokens, when it differs from the output length (a request that ends
+    # by itself, at EOS, after `output_tokens`): what an output-length predictor sees. Unset:
+    # the request asks for exactly `output_tokens` (and runs with ignore_eos in the simulator).
+    max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         a = self.arrival_s
@@ -127,6 +132,10 @@ class TraceRequest:
                 raise ValueError(f"{name} must be a string, got {v!r}")
         if self.priority is not None and not _is_int(self.priority):
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < self.output_tokens):
+            raise ValueError(
+                f"max_tokens must be an integer >= output_tokens ({self.output_tokens}), got {self.max_tokens!r}"
+            )
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -169,7 +178,7 @@ class TraceRequest:
             if self.block_tokens != BLOCK_TOKENS:
                 d["block_tokens"] = self.block_tokens
         d["output_tokens"] = self.output_tokens
-        for name in ("tenant", "session", "priority", "request_id"):
+        for name in ("tenant", "session", "priority", "request_id", "max_tokens"):
             v = getattr(self, name)
             if v is not None:
                 d[name] = v

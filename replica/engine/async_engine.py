@@ -133,6 +133,8 @@ class AsyncEngine:
         trace: bool = False,
         tenant: Optional[str] = None,
         tenant_weight: float = 1.0,
+        session: Optional[str] = None,
+        predicted_output_tokens: Optional[int] = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream `prompt`'s outputs (an async generator: nothing runs, and nothing is raised,
         until it is iterated). `admitted=True` skips the waiting-queue bound: for work the
@@ -142,7 +144,10 @@ class AsyncEngine:
         at run time elsewhere, or evicted here by --max-cpu-loras) is loaded first. `tenant`
         and its `tenant_weight`: whose request it is (the scheduler's policy "fair"). `trace`:
         the engine core records the request's scheduling events, which come back on its final
-        output (`RequestOutput.events`, for the replica's trace spans)."""
+        output (`RequestOutput.events`, for the replica's trace spans). `session` (the chat it
+        continues) and `predicted_output_tokens` (a prediction made before it was sent): for
+        output-length-aware scheduling (scheduler/length_aware.py)."""
+        length: dict[str, Any] = {"session": session, "predicted_output_tokens": predicted_output_tokens}
         if lora_name is None:
             return self._stream(
                 prompt,
@@ -156,6 +161,7 @@ class AsyncEngine:
                 tenant,
                 tenant_weight,
                 trace,
+                **length,
             )
         return self._lora_stream(
             prompt,
@@ -170,6 +176,7 @@ class AsyncEngine:
             tenant,
             tenant_weight,
             trace,
+            **length,
         )
 
     async def _lora_stream(
@@ -186,6 +193,7 @@ class AsyncEngine:
         tenant: Optional[str] = None,
         tenant_weight: float = 1.0,
         trace: bool = False,
+        **length: Any,
     ) -> AsyncIterator[RequestOutput]:
         self.loras.begin_use(lora_name)
         try:
@@ -205,6 +213,7 @@ class AsyncEngine:
                 tenant,
                 tenant_weight,
                 trace,
+                **length,
             ):
                 yield item
         finally:
@@ -223,6 +232,8 @@ class AsyncEngine:
         tenant: Optional[str] = None,
         tenant_weight: float = 1.0,
         trace: bool = False,
+        session: Optional[str] = None,
+        predicted_output_tokens: Optional[int] = None,
     ) -> AsyncIterator[RequestOutput]:
         if self._dead is not None:
             raise EngineDeadError(f"the engine is dead: {self._dead}")
@@ -245,6 +256,8 @@ class AsyncEngine:
             lora_name=lora_name,
             tenant=tenant,
             tenant_weight=tenant_weight,
+            session=session,
+            predicted_output_tokens=predicted_output_tokens,
         )
         if trace:
             for r in requests:

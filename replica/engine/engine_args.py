@@ -79,9 +79,14 @@ class EngineArgs(BaseModel):
     max_num_batched_tokens: int = _same_field(SchedulerConfig, "max_num_batched_tokens")
     long_prefill_token_threshold: int = _same_field(SchedulerConfig, "long_prefill_token_threshold")
     enable_chunked_prefill: bool = _same_field(SchedulerConfig, "enable_chunked_prefill")
-    scheduling_policy: Literal["fcfs", "priority", "fair"] = _same_field(SchedulerConfig, "policy")
+    scheduling_policy: Literal["fcfs", "priority", "fair", "sjf"] = _same_field(SchedulerConfig, "policy")
     fair_preemption_gap: Optional[float] = _same_field(SchedulerConfig, "fair_preemption_gap")
-    capacity_policy: Literal["max_utilization", "guaranteed_no_evict"] = _same_field(SchedulerConfig, "capacity_policy")
+    fair_shortest_first: bool = _same_field(SchedulerConfig, "fair_shortest_first")
+    sjf_aging_rate: float = _same_field(SchedulerConfig, "sjf_aging_rate")
+    capacity_policy: Literal["max_utilization", "guaranteed_no_evict", "reserve_predicted"] = _same_field(
+        SchedulerConfig, "capacity_policy"
+    )
+    reserve_predicted_margin: float = _same_field(SchedulerConfig, "reserve_predicted_margin")
     scheduler_cls: str = _same_field(SchedulerConfig, "scheduler_cls")
     block_size: int = _same_field(CacheConfig, "block_size")
     enable_prefix_caching: bool = _same_field(CacheConfig, "enable_prefix_caching")
@@ -345,6 +350,8 @@ class EngineArgs(BaseModel):
     def _check_fair(self) -> "EngineArgs":
         if self.fair_preemption_gap is not None and self.scheduling_policy != "fair":
             raise ValueError("fair_preemption_gap needs scheduling_policy 'fair' (--scheduling-policy fair)")
+        if self.fair_shortest_first and self.scheduling_policy != "fair":
+            raise ValueError("fair_shortest_first needs scheduling_policy 'fair' (--scheduling-policy fair)")
         return self
 
     @model_validator(mode="after")
@@ -399,5 +406,8 @@ _SCHEDULER_FIELDS = (
     "capacity_policy",
     "scheduler_cls",
     "fair_preemption_gap",
+    "fair_shortest_first",
+    "sjf_aging_rate",
+    "reserve_predicted_margin",
 )
 _CACHE_FIELDS = ("block_size", "enable_prefix_caching", "enable_kv_cache_events", "prefix_caching_hash_algo")

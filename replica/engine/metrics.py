@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from fleetserve.kv_transfer.metrics import KVTransferMetrics
 from fleetserve.scheduler import SchedulerStats
+from fleetserve.scheduler.length_predictor import ERROR_BUCKETS
 from fleetserve.scheduler.spec_decode import SpecDecodingStats
 
 try:  # prometheus_client >= 0.17
@@ -189,6 +190,16 @@ class EngineMetrics:
             "vllm:gpu_prefix_cache_hits", "Prefix cache hits in tokens. DEPRECATED: Use vllm:prefix_cache_hits instead."
         )
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        # Output-length prediction (--scheduling-policy sjf, --fair-shortest-first,
+        # --capacity-policy reserve_predicted): |actual - predicted| output tokens of each
+        # request that finished by itself or at its length. Bucket counts are exact; the
+        # sum counts each error at its bucket's upper bound (the scheduler counts by bucket).
+        self.length_error = family.hist(
+            "fleetserve:output_length_prediction_error_tokens",
+            "Absolute error of the predicted output length, in tokens (length-aware scheduling).",
+            list(ERROR_BUCKETS),
+        )
+        self._last_length_errors: Optional[list[int]] = None
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
 
@@ -345,10 +356,20 @@ class EngineMetrics:
         self._last_queries = stats.prefix_cache_queries
         self._last_hits = stats.prefix_cache_hits
         self._last_preemptions = stats.num_preemptions
+        if stats.length_error_counts is not None:
+            self._update_length_errors(stats.length_error_counts)
         if stats.spec_decoding is not None:
             self._update_spec_decoding(stats.spec_decoding)
         if stats.max_loras:
             self._update_lora_info(stats)
+
+    def _update_length_errors(self, counts: list[int]) -> None:
+        last = self._last_length_errors or [0] * len(counts)
+        bounds = (*ERROR_BUCKETS, 2 * ERROR_BUCKETS[-1])
+        for bound, now, before in zip(bounds, counts, last):
+            for _ in range(now - before):
+                self.length_error.observe(bound)
+        self._last_length_errors = list(counts)
 
     def _update_spec_decoding(self, spec: SpecDecodingStats) -> None:
         """Counters advance by the delta since the last snapshot; acceptance

@@ -80,6 +80,8 @@ class InputProcessor:
         lora_name: Optional[str] = None,
         tenant: Optional[str] = None,
         tenant_weight: float = 1.0,
+        session: Optional[str] = None,
+        predicted_output_tokens: Optional[int] = None,
     ) -> tuple[Optional[str], list[Request]]:
         lora_id, lora_key = self._lora(lora_name)
         text, token_ids = self.tokenize(prompt)
@@ -129,6 +131,8 @@ class InputProcessor:
                     lora_key,
                     tenant,
                     tenant_weight,
+                    session=session,
+                    predicted_output_tokens=predicted_output_tokens,
                 )
             )
         return text, requests

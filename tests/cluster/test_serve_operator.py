@@ -296,7 +296,7 @@ def test_help_gives_every_flag_a_sentence_and_its_default():
     assert not missing, f"schema fields without a flag: {missing}"
     r = _cli("serve", "--help")
     assert r.returncode == 0
-    assert "--tensor-parallel-size" in r.stdout and "{fcfs,priority,fair}" in r.stdout
+    assert "--tensor-parallel-size" in r.stdout and "{fcfs,priority,fair,sjf}" in r.stdout
     assert "[default: 8000]" in r.stdout and "--generation-config" in r.stdout
 
 

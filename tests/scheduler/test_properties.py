@@ -42,8 +42,8 @@ def workloads(draw, with_connector: bool, with_spec: bool = False):
         max_model_len=max_model_len,
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3, 8])),
         enable_chunked_prefill=chunked,
-        policy=draw(st.sampled_from(["fcfs", "priority"])),
-        capacity_policy=draw(st.sampled_from(["max_utilization", "guaranteed_no_evict"])),
+        policy=draw(st.sampled_from(["fcfs", "priority", "sjf"])),
+        capacity_policy=draw(st.sampled_from(["max_utilization", "guaranteed_no_evict", "reserve_predicted"])),
     )
     if with_spec:
         config["num_spec_tokens"] = draw(st.integers(1, 5))
