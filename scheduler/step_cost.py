@@ -268,4 +268,5 @@ def read_profile_json(path: Union[str, os.PathLike[str]]) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise ValueError(f"{p}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
     step_cost_from_profile(data, p)
-    return data
+    out: dict[str, Any] = data
+    return out
