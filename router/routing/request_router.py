@@ -105,8 +105,8 @@ class FleetRequestRouter(RequestRouter):
         or there is no replica yet."""
         slo = getattr(self, "slo", None)
         request = _request_of(body)
-        if slo is None or request is None:
-            return None
+        if slo is None or request is None or not slo.settings.target_for(body.get("tenant")).active:
+            return None  # (a request without targets keeps the policy's routing as it is)
         loads = {r.replica_id.unique_id: self._load(r) for r in list(self.curr_replicas.values())}
         if not loads:
             return None

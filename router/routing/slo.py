@@ -23,9 +23,10 @@ What the router predicts, per candidate replica, from the replica's last load re
   there is no profile.
 
 With both, the larger TTFT is taken (a profile gives the compute bound, the drain rate the
-seat and KV bounds). A replica with no report yet, or no estimate yet (no profile and never
-backlogged), is predicted to meet the SLO: an idle fleet admits everything, and an estimate
-exists once a replica has had a queue.
+seat and KV bounds). A replica with no report yet is priced as an idle one by the profile;
+without a profile, a replica with no estimate yet (no report, or never backlogged) is predicted
+to meet the SLO: an idle fleet admits everything, and an estimate exists once a replica has had
+a queue.
 
 The decision takes the policy's order of candidates and admits to the first whose prediction
 meets every target the request has (times `headroom`); when none does, it refuses with the
@@ -212,9 +213,13 @@ class TtftPredictor:
     def predict(self, replica_id: str, prompt_tokens: int) -> Prediction:
         st = self._replicas.get(replica_id)
         if st is None or st.stats is None:
-            return Prediction(None, None)
+            if self.cost is None:
+                return Prediction(None, None)
+            st = _Replica()  # no report yet: an idle replica, as the profile prices it
+            st.stats, st.at = {}, self.clock()
         s = self.settings
         stats = st.stats
+        assert stats is not None
         ttft: Optional[float] = None
         itl: Optional[float] = st.step_s
         rate: Optional[float] = st.drain_tps  # queued tokens computed per second

@@ -74,9 +74,10 @@ def test_profile_prediction_is_the_steps_the_queue_takes():
     clock = Clock()
     settings = SloSettings(profile=h100(), max_num_batched_tokens=2048, block_size=16)
     pred = TtftPredictor(settings, clock)
-    assert pred.predict("a", 100).ttft_s is None  # no report yet: no estimate
-    pred.report("a", report(q=10_000 + 8, running=8, waiting=3, kv=0.1, blocks=1000))
     cost = step_cost_from_profile(h100())
+    idle_step = cost.step_seconds(StepShape(2048, 1, 2048 * 2048 / 2))
+    assert pred.predict("a", 100).ttft_s == pytest.approx(idle_step)  # no report yet: an idle replica
+    pred.report("a", report(q=10_000 + 8, running=8, waiting=3, kv=0.1, blocks=1000))
     ctx = int(0.1 * 1000 * 16 / 8)
     chunk = 2048 - 8
     step = cost.step_seconds(StepShape(chunk, 1, chunk * chunk / 2, 8, 8, 8 * ctx))
@@ -164,3 +165,27 @@ def test_settings_round_trip_and_checks():
         SloSettings(headroom=0)
     with pytest.raises(ValueError, match="step"):
         SloSettings(profile={"name": "x"})
+
+
+def test_goodput_metrics_count_met_missed_and_refused():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from fleetserve.router.metrics import SloMetrics
+
+    clock = Clock()
+    m = SloMetrics(window_s=10.0, clock=clock)
+    m.finished("gold", True)
+    m.finished("gold", True)
+    m.finished("gold", False)
+    m.refused("gold", "ttft")
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(m.text())
+        for s in fam.samples
+    }
+    assert samples[("fleetserve:slo_requests_total", (("outcome", "met"), ("slo_class", "gold")))] == 2
+    assert samples[("fleetserve:slo_requests_total", (("outcome", "missed"), ("slo_class", "gold")))] == 1
+    assert samples[("fleetserve:slo_refusals_total", (("reason", "ttft"), ("slo_class", "gold")))] == 1
+    assert samples[("fleetserve:slo_goodput", (("slo_class", "gold"),))] == pytest.approx(0.2)
+    clock.t = 11.0  # out of the window
+    assert m.goodput() == {"gold": 0.0}
