@@ -67,6 +67,8 @@ def sim(trace_path: Path, replicas: int, mode: str, args, out: Path) -> dict:
         cmd += ["--slo-ttft-ms", str(args.ttft_ms), "--slo-itl-ms", str(args.itl_ms)]
     if mode == "profile":
         cmd += ["--slo-profile", profile_path(args.profile)]
+    if mode != "off" and args.headroom is not None:
+        cmd += ["--slo-headroom", str(args.headroom)]
     cmd += ["--no-progress", "-o", str(out)]
     print("$ fleetserve " + " ".join(cmd[3:]).replace(ROOT + "/", ""), flush=True)
     t0 = time.perf_counter()
@@ -105,6 +107,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=30.0, help="arrivals for this long [default: 30]")
     ap.add_argument("--ttft-ms", type=float, default=1000.0)
     ap.add_argument("--itl-ms", type=float, default=100.0)
+    ap.add_argument("--headroom", type=float, help="--slo-headroom [default: the flag's, 0.6]")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--out", default="slo_admission_sim", help="folder for the traces and result JSONs")

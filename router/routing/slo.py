@@ -13,9 +13,10 @@ What the router predicts, per candidate replica, from the replica's last load re
 * with a step-cost profile (`--slo-profile`, the JSON of `sim/profiles/*.json` or `fleetserve
   profile`, evaluated by `scheduler/step_cost.py`, the simulator's own formulas): a step with
   `num_running` decode rows (their mean context from the KV cache's use) and a prefill chunk
-  of the rest of `max_num_batched_tokens`; TTFT = the steps that work takes, ceil(work /
-  chunk), times that step's seconds; ITL = the step's seconds with the request decoding in it
-  (with a prefill chunk while a prefill backlog is left, as chunked prefill runs it);
+  of the rest of `max_num_batched_tokens`; TTFT = the full steps that work takes (work //
+  chunk) times that step's seconds, plus a step computing what is left; ITL = the step's
+  seconds with the request decoding in it (with a prefill chunk while a prefill backlog is
+  left, as chunked prefill runs it);
 * online, with or without a profile: the rate at which the replica drained its queued tokens
   between two reports while it had requests waiting (its real prefill capacity, seats and KV
   cache included, which a profile alone does not know), TTFT = work / that rate; and its mean
@@ -240,7 +241,14 @@ class TtftPredictor:
         queued = max(int(stats.get("num_queued_tokens", 0)) + st.routed - rate * elapsed, 0.0)
         work = queued + prompt_tokens
         if self.cost is not None:
-            ttft = math.ceil(work / chunk) * step
+            # Full chunks, then the step that computes the rest with the request's last token.
+            full = int(work // chunk)
+            rest = work - full * chunk
+            ttft = full * step
+            if rest > 0:
+                ttft += self.cost.step_seconds(
+                    StepShape(int(math.ceil(rest)), 1, rest * rest / 2, decodes, decodes, decodes * ctx)
+                )
             rows = min(decodes + 1, s.max_num_seqs)
             backlog = max(queued - decodes, 0.0)  # prefill tokens still queued besides the decodes
             p_tok = int(min(backlog, max(s.max_num_batched_tokens - rows, 0)))

@@ -75,21 +75,25 @@ def test_profile_prediction_is_the_steps_the_queue_takes():
     settings = SloSettings(profile=h100(), max_num_batched_tokens=2048, block_size=16)
     pred = TtftPredictor(settings, clock)
     cost = step_cost_from_profile(h100())
-    idle_step = cost.step_seconds(StepShape(2048, 1, 2048 * 2048 / 2))
-    assert pred.predict("a", 100).ttft_s == pytest.approx(idle_step)  # no report yet: an idle replica
+    # no report yet: an idle replica, one step of the prompt alone
+    assert pred.predict("a", 100).ttft_s == pytest.approx(cost.step_seconds(StepShape(100, 1, 100 * 100 / 2)))
     pred.report("a", report(q=10_000 + 8, running=8, waiting=3, kv=0.1, blocks=1000))
     ctx = int(0.1 * 1000 * 16 / 8)
     chunk = 2048 - 8
     step = cost.step_seconds(StepShape(chunk, 1, chunk * chunk / 2, 8, 8, 8 * ctx))
     p = pred.predict("a", 500)
-    assert p.ttft_s == pytest.approx(math.ceil((10_008 + 500) / chunk) * step)
+    work = 10_008 + 500
+    full, rest = work // chunk, work % chunk  # full chunks, then a step of the rest
+    last = cost.step_seconds(StepShape(rest, 1, rest * rest / 2, 8, 8, 8 * ctx))
+    assert p.ttft_s == pytest.approx(full * step + last)
     assert p.itl_s is not None and p.itl_s > step * 0.5  # a step with a prefill chunk in it
     # what was routed there since the report counts; time since the report drains it
     pred.routed("a", 20_000)
     assert pred.predict("a", 500).ttft_s > p.ttft_s
     clock.t = 100.0
     idle = pred.predict("a", 500).ttft_s
-    assert idle == pytest.approx(math.ceil(500 / chunk) * step)  # all of it computed by now
+    # all of it computed by now: one step of its own 500 tokens beside the decodes
+    assert idle == pytest.approx(cost.step_seconds(StepShape(500, 1, 500 * 500 / 2, 8, 8, 8 * ctx)))
 
 
 def test_online_drain_rate_and_step_time_without_profile():
