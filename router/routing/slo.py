@@ -24,10 +24,10 @@ What the router predicts, per candidate replica, from the replica's last load re
   there is no profile.
 
 With both, the larger TTFT is taken (a profile gives the compute bound, the drain rate the
-seat and KV bounds). A replica with no report yet is priced as an idle one by the profile;
-without a profile, a replica with no estimate yet (no report, or never backlogged) is predicted
-to meet the SLO: an idle fleet admits everything, and an estimate exists once a replica has had
-a queue.
+seat and KV bounds). A replica with no drain estimate of its own (no report yet, or never
+backlogged) takes the mean of the replicas that have one (they run one engine config); a
+replica with no report yet counts as idle. Without a profile and before any replica has been
+backlogged, every replica is predicted to meet the SLO: an idle fleet admits everything.
 
 The decision takes the policy's order of candidates and admits to the first whose prediction
 meets every target the request has (times `headroom`); when none does, it refuses with the
@@ -173,6 +173,10 @@ class TtftPredictor:
             step_cost_from_profile(settings.profile, "slo profile") if settings.profile is not None else None
         )
         self._replicas: dict[str, _Replica] = {}
+        # The mean drain rate of the replicas that have one: what a replica not measured yet is
+        # taken to do (they run one engine config). Without it, a replica with no estimate is
+        # predicted to meet every target and the SLO pick sends it everything.
+        self._fleet_drain: Optional[float] = None
 
     def _state(self, replica_id: str) -> _Replica:
         st = self._replicas.get(replica_id)
@@ -195,6 +199,8 @@ class TtftPredictor:
             if dt > 0 and q_prev >= budget and q_now >= budget:
                 drained = q_prev + st.routed - q_now
                 st.drain_tps = _ewma(st.drain_tps, max(drained, 0) / dt)
+                rates = [r.drain_tps for r in self._replicas.values() if r.drain_tps is not None]
+                self._fleet_drain = sum(rates) / len(rates)
             steps = int(stats.get("num_steps", 0)) - int(prev.get("num_steps", 0))
             if steps > 0:
                 busy = float(stats.get("busy_s", 0.0)) - float(prev.get("busy_s", 0.0))
@@ -214,7 +220,7 @@ class TtftPredictor:
     def predict(self, replica_id: str, prompt_tokens: int) -> Prediction:
         st = self._replicas.get(replica_id)
         if st is None or st.stats is None:
-            if self.cost is None:
+            if self.cost is None and self._fleet_drain is None:
                 return Prediction(None, None)
             st = _Replica()  # no report yet: an idle replica, as the profile prices it
             st.stats, st.at = {}, self.clock()
@@ -223,7 +229,8 @@ class TtftPredictor:
         assert stats is not None
         ttft: Optional[float] = None
         itl: Optional[float] = st.step_s
-        rate: Optional[float] = st.drain_tps  # queued tokens computed per second
+        drain = st.drain_tps if st.drain_tps is not None else self._fleet_drain
+        rate: Optional[float] = drain  # queued tokens computed per second
         chunk = step = 0.0
         decodes = ctx = 0
         if self.cost is not None:
@@ -255,8 +262,8 @@ class TtftPredictor:
             itl = self.cost.step_seconds(
                 StepShape(p_tok, 1 if p_tok else 0, p_tok * p_tok / 2, rows, rows, (rows - 1) * ctx + prompt_tokens)
             )
-        if st.drain_tps is not None:
-            online = work / st.drain_tps if st.drain_tps > 0 else math.inf
+        if drain is not None:
+            online = work / drain if drain > 0 else math.inf
             ttft = online if ttft is None else max(ttft, online)
         return Prediction(ttft, itl)
 

@@ -136,8 +136,9 @@ def test_admission_takes_the_first_candidate_that_meets_and_refuses_when_none_do
     assert d.retry_after_s == math.ceil((50_000 + 10) / 1000.0 - 1.0)
     assert "time-to-first-token SLO of 1000 ms" in d.message
     assert adm.refused == {("default", "ttft"): 1}
-    # an unknown replica (no report) is predicted to meet: an idle fleet admits
-    assert adm.choose(["new"], 10**6).replica_id == "new"
+    # a replica with no report yet: idle, at the fleet's mean drain rate (2500 tokens/s)
+    assert adm.choose(["new"], 2000).replica_id == "new"
+    assert adm.choose(["new"], 3000).refused
 
 
 def test_tenant_targets_itl_refusals_and_no_target():
@@ -193,3 +194,17 @@ def test_goodput_metrics_count_met_missed_and_refused():
     assert samples[("fleetserve:slo_goodput", (("slo_class", "gold"),))] == pytest.approx(0.2)
     clock.t = 11.0  # out of the window
     assert m.goodput() == {"gold": 0.0}
+
+
+def test_a_replica_not_measured_yet_takes_the_fleets_drain_rate():
+    """Without it a replica with no estimate would be predicted to meet every target, and the
+    SLO pick would send it everything (seen on a real 2-replica app)."""
+    clock = Clock()
+    pred = TtftPredictor(SloSettings(max_num_batched_tokens=1000), clock)
+    pred.report("a", report(q=6000, waiting=5))
+    pred.report("b", report(q=30_000, waiting=0))  # one report: never measured
+    clock.t = 1.0
+    pred.report("a", report(q=4000, waiting=5))  # drains 2000 tokens/s
+    # b's queue, less a second at that rate since its report
+    assert pred.predict("b", 0).ttft_s == pytest.approx((30_000 - 2000) / 2000.0)
+    assert pred.predict("unseen", 1000).ttft_s == pytest.approx(1000 / 2000.0)
