@@ -18,8 +18,9 @@ What the router predicts, per candidate replica, from the replica's last load re
   seconds with the request decoding in it (with a prefill chunk while a prefill backlog is
   left, as chunked prefill runs it);
 * online, with or without a profile: the rate at which the replica drained its queued tokens
-  between two reports while it had requests waiting (its real prefill capacity, seats and KV
-  cache included, which a profile alone does not know), TTFT = work / that rate; and its mean
+  between two reports while it was backlogged at both (requests waiting with every seat taken,
+  or more than a step's work queued): its real capacity, seats and KV cache included, which a
+  profile alone does not know; TTFT = work / that rate; and its mean
   step seconds between reports (the engine's step counters), which is the ITL estimate when
   there is no profile.
 
@@ -192,11 +193,10 @@ class TtftPredictor:
         if prev is not None:
             dt = now - st.at
             q_prev = int(prev.get("num_queued_tokens", 0))
-            # More than a step's work queued at both ends: the replica had prefill work the
-            # whole interval, so what it drained is its capacity, not the arrivals'.
-            budget = self.settings.max_num_batched_tokens
+            # Backlogged at both ends (requests waiting while every seat is taken, or more than a
+            # step's work queued): what the replica drained is its capacity, not the arrivals'.
             q_now = int(stats.get("num_queued_tokens", 0))
-            if dt > 0 and q_prev >= budget and q_now >= budget:
+            if dt > 0 and self._backlogged(prev) and self._backlogged(stats):
                 drained = q_prev + st.routed - q_now
                 st.drain_tps = _ewma(st.drain_tps, max(drained, 0) / dt)
                 rates = [r.drain_tps for r in self._replicas.values() if r.drain_tps is not None]
@@ -209,6 +209,15 @@ class TtftPredictor:
         st.stats = stats
         st.at = now
         st.routed = 0
+
+    def _backlogged(self, stats: Mapping[str, Any]) -> bool:
+        if int(stats.get("num_waiting", 0)) <= 0:
+            return False
+        s = self.settings
+        return (
+            int(stats.get("num_running", 0)) >= s.max_num_seqs
+            or int(stats.get("num_queued_tokens", 0)) >= s.max_num_batched_tokens
+        )
 
     def routed(self, replica_id: str, prompt_tokens: int) -> None:
         self._state(replica_id).routed += prompt_tokens

@@ -208,3 +208,19 @@ def test_a_replica_not_measured_yet_takes_the_fleets_drain_rate():
     # b's queue, less a second at that rate since its report
     assert pred.predict("b", 0).ttft_s == pytest.approx((30_000 - 2000) / 2000.0)
     assert pred.predict("unseen", 1000).ttft_s == pytest.approx(1000 / 2000.0)
+
+
+def test_a_seat_bound_replica_is_measured_below_one_step_of_queue():
+    """Every seat taken and requests waiting: the queue drains as seats free, however few
+    tokens it holds (a real SmolLM2 replica with 16 seats was never measured before this)."""
+    clock = Clock()
+    pred = TtftPredictor(SloSettings(max_num_batched_tokens=2048, max_num_seqs=16), clock)
+    pred.report("a", report(q=1500, running=16, waiting=6))
+    clock.t = 2.0
+    pred.report("a", report(q=1100, running=16, waiting=4))
+    assert pred._replicas["a"].drain_tps == pytest.approx(200.0)
+    # not seat-bound and under a step's work: arrivals-limited, not measured
+    pred.report("b", report(q=1500, running=10, waiting=2))
+    clock.t = 4.0
+    pred.report("b", report(q=1100, running=10, waiting=1))
+    assert pred._replicas["b"].drain_tps is None
