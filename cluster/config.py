@@ -269,6 +269,49 @@ class TracingOptions(BaseModel):
         }
 
 
+class SloOptions(BaseModel):
+    """SLO-aware admission at the router (router/routing/slo.py; docs/serving/slo.md): off
+    until a target is set here or in a tenant's `slo` in --api-keys-file."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ttft_ms: Optional[float] = Field(
+        default=None,
+        gt=0,
+        description=(
+            "Time-to-first-token SLO in milliseconds: the router sends a request to a replica predicted "
+            "to meet it, and refuses it early (429 with Retry-After) when none is (unset: no TTFT target)."
+        ),
+    )
+    itl_ms: Optional[float] = Field(
+        default=None,
+        gt=0,
+        description="Inter-token latency SLO in milliseconds (a replica whose steps are slower is not chosen).",
+    )
+    profile: Optional[str] = Field(
+        default=None,
+        description=(
+            "A step-cost profile JSON (fleetserve/sim/profiles/*.json, or `fleetserve profile`'s output) the "
+            "router predicts TTFT and ITL with; unset: estimated online from the replicas' load reports."
+        ),
+    )
+    headroom: float = Field(
+        default=0.6,
+        gt=0.0,
+        le=1.0,
+        description="Admit when the predicted TTFT/ITL is at most this fraction of the target (a safety margin).",
+    )
+
+    @field_validator("profile")
+    @classmethod
+    def _readable_profile(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None:
+            from fleetserve.scheduler.step_cost import read_profile_json
+
+            read_profile_json(os.path.expanduser(v))  # ValueError naming the file and field
+        return v
+
+
 class ReliabilityOptions(BaseModel):
     """Failure handling, drain and admission (issue 15; docs/serving/reliability.md explains each)."""
 
@@ -399,6 +442,10 @@ class AppConfig(BaseModel):
         description=('HTTP paths that need no API key (a JSON list); ["/health"] protects /metrics too.'),
     )
     reliability: ReliabilityOptions = ReliabilityOptions()
+    slo: SloOptions = Field(
+        default=SloOptions(),
+        description="SLO-aware admission (--slo-ttft-ms, --slo-itl-ms, --slo-profile, --slo-headroom).",
+    )
     tracing: TracingOptions = Field(
         default=TracingOptions(),
         description="OpenTelemetry traces of requests (--otlp-traces-endpoint, --collect-detailed-traces).",
@@ -518,6 +565,34 @@ class AppConfig(BaseModel):
         card's parent; the others': the served model name)."""
         engine = self.pool_engine("decode") if self.pd.enabled else self.engine
         return {m.name: m.base_model_name for m in engine.lora_modules or () if m.base_model_name}
+
+    def slo_settings(self):
+        """The router's SLO admission settings (router.routing.slo.SloSettings), or None when no
+        target is set (the app's or any tenant's in the keys file): admission is off."""
+        from fleetserve.router.routing.slo import SloSettings, SloTarget
+        from fleetserve.router.tenants import load_keys_file
+        from fleetserve.scheduler.step_cost import read_profile_json
+
+        o = self.slo
+        default = SloTarget(
+            o.ttft_ms / 1e3 if o.ttft_ms is not None else None, o.itl_ms / 1e3 if o.itl_ms is not None else None
+        )
+        tenants = {}
+        for t in (load_keys_file(self.api_keys_file) if self.api_keys_file else {}).values():
+            if t.slo_ttft_s is not None or t.slo_itl_s is not None:
+                tenants[t.name] = SloTarget(t.slo_ttft_s, t.slo_itl_s)
+        if not default.active and not tenants:
+            return None
+        engine = self.pool_engine("decode") if self.pd.enabled else self.engine
+        return SloSettings(
+            default=default,
+            tenants=tenants,
+            profile=read_profile_json(os.path.expanduser(o.profile)) if o.profile else None,
+            max_num_batched_tokens=engine.max_num_batched_tokens,
+            max_num_seqs=engine.max_num_seqs,
+            block_size=engine.block_size,
+            headroom=o.headroom,
+        )
 
     def reuse_engine(self) -> EngineArgs:
         """The app's engine with the kv_both connector cluster reuse needs."""

@@ -315,6 +315,7 @@ def ingress_settings(config: AppConfig, listed: tuple[str, ...], aliases: tuple[
         reasoning_parser=config.reasoning_parser,
         lora=lora,
         tracing=config.tracing.settings(),
+        slo=slo.to_dict() if (slo := config.slo_settings()) is not None else None,
     )
 
 
@@ -336,6 +337,11 @@ def _engine_deployment(
         "min_match_fraction": config.routing.min_match_fraction,
         "max_table_entries": config.routing.max_table_entries,
     }
+    # SLO-aware admission decides where requests enter: the colocated pool, or the decode pool
+    # (the P/D flow picks the decode replica first); the prefill pool's router has none.
+    slo = config.slo_settings() if name in (ENGINE_DEPLOYMENT, DECODE_DEPLOYMENT) else None
+    if slo is not None:
+        policy_kwargs["slo"] = slo.to_dict()
     # (The ignores: Ray annotates RequestRouterConfig(**kwargs: dict[str, Any]), every value a dict.)
     router_config = RequestRouterConfig(
         request_router_class=FleetRequestRouter,  # type: ignore[arg-type]

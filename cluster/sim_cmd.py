@@ -86,11 +86,16 @@ def add_sim_parser(sub) -> None:
         metavar="P:D",
         help="prefill/decode disaggregation on; with P:D, the pools' replica counts (--pd 2:6)",
     )
-    g.add_argument("--slo-ttft-s", type=float, help="TTFT SLO in seconds (goodput counts requests meeting both)")
+    g.add_argument(
+        "--slo-ttft-s",
+        type=float,
+        help="goodput's TTFT SLO in seconds (goodput counts requests meeting both) [default: --slo-ttft-ms's]",
+    )
     g.add_argument(
         "--slo-itl-s",
         type=float,
-        help="ITL SLO in seconds (a request's mean inter-token time, TPOT, must meet it)",
+        help="goodput's ITL SLO in seconds (a request's mean inter-token time, TPOT, must meet it) "
+        "[default: --slo-itl-ms's]; --slo-ttft-ms/--slo-itl-ms also turn SLO-aware admission on",
     )
     g.add_argument("--sim-seed", type=int, help="the simulation's seed (policies, generated traces) [default: 0]")
     g.add_argument("--network-latency-s", type=float, help="router -> replica one-way latency [default: 0.0005]")
@@ -244,10 +249,15 @@ def simulate(config, requests, cost_model, args: argparse.Namespace, progress=No
     from fleetserve.sim.cluster import run_simulation
 
     a = vars(args)
+    # SLO-aware admission (--slo-ttft-ms, --slo-itl-ms, --slo-profile, tenants' `slo` in
+    # --api-keys-file), as `fleetserve serve` runs it; its targets are goodput's unless
+    # --slo-ttft-s / --slo-itl-s say otherwise.
+    slo = config.slo_settings()
     kwargs: dict[str, Any] = {
         "seed": int(a.get("sim_seed", 0)),
-        "slo_ttft_s": a.get("slo_ttft_s"),
-        "slo_itl_s": a.get("slo_itl_s"),
+        "slo_ttft_s": a.get("slo_ttft_s", slo.default.ttft_s if slo is not None else None),
+        "slo_itl_s": a.get("slo_itl_s", slo.default.itl_s if slo is not None else None),
+        "slo": slo,
         "stats_period_s": config.routing.stats_period_s,
         "policy_kwargs": {
             "imbalance_threshold": config.routing.imbalance_threshold,

@@ -32,6 +32,7 @@ from ray.serve.handle import DeploymentHandle
 from fleetserve.router.api.errors import APIError, error_body, is_error
 from fleetserve.router.api.limits import max_token_chars
 from fleetserve.router.feed import FeedHub
+from fleetserve.router.metrics import SloMetrics
 from fleetserve.router.metrics_hub import ReplicaReports
 from fleetserve.router.routing.kv_subscriber import KVEventSubscriber
 from fleetserve.router.routing.migration import MigratingStream
@@ -39,6 +40,7 @@ from fleetserve.router.routing.pd import PDRouter
 from fleetserve.router.routing.prefix_reuse import PrefixReuse
 from fleetserve.router.routing.registry import get_router
 from fleetserve.router.routing.request_router import TARGET_KWARG
+from fleetserve.router.routing.slo import SLO_PICK_KEY, SloSettings
 from fleetserve.router.settings import IngressSettings
 from fleetserve.router.streams import ReplicaStream
 from fleetserve.router.tracing import attach_to_body
@@ -91,10 +93,49 @@ class EnginePools:
         self._info_lock = asyncio.Lock()
         self._kv_subscribers: dict[str, KVEventSubscriber] = {}
         self.reports = ReplicaReports(_app_name(), self.live_replicas)
+        # SLO-aware admission (router/routing/slo.py): decided by the entry pool's request
+        # router (`slo_decide`) before a request is sent; its counts and goodput here.
+        self.slo = SloSettings.from_dict(settings.slo) if settings.slo else None
+        self.slo_metrics = SloMetrics() if self.slo is not None else None
 
     def flows(self) -> list:
         """The P/D or reuse flow in use (its metrics are exported with the router's)."""
         return [flow for flow in (self.pd, self.reuse) if flow is not None]
+
+    def slo_admit(self, body: dict) -> Optional[dict]:
+        """SLO admission of a generate body: None to send it (to the replica the admission
+        chose, where it chose one: `SLO_PICK_KEY`), or its 429 body (with `retry_after`).
+        Before the pool's router exists (its handle's first call) every request goes."""
+        if self.slo is None:
+            return None
+        router = get_router(self.engine.app_name, self.engine.deployment_name)
+        decide = getattr(router, "slo_decide", None)
+        decision = decide(body) if decide is not None else None
+        if decision is None:
+            return None
+        if decision.refused:
+            if self.slo_metrics is not None:
+                self.slo_metrics.refused(decision.slo_class, str(decision.reason))
+            refusal = error_body(decision.message, 429, code=f"slo_{decision.reason}_unattainable")
+            refusal["retry_after"] = decision.retry_after_s
+            return refusal
+        if decision.replica_id is not None:
+            body[SLO_PICK_KEY] = decision.replica_id
+        return None
+
+    def slo_observe(self, tenant: Optional[str], ttft_s: float, tpot_s: Optional[float]) -> None:
+        """A finished request's TTFT and mean time per output token after the first, judged by
+        its class's targets (requests of a class without targets are not counted)."""
+        if self.slo is None or self.slo_metrics is None:
+            return
+        target = self.slo.target_for(tenant)
+        if not target.active:
+            return
+        met = (target.ttft_s is None or ttft_s <= target.ttft_s) and (
+            target.itl_s is None or tpot_s is None or tpot_s <= target.itl_s
+        )
+        cls = tenant if tenant is not None and tenant in self.slo.tenants else "default"
+        self.slo_metrics.finished(cls, met)
 
     # -- the engines' info ---------------------------------------------------------
 
@@ -181,6 +222,9 @@ class EnginePools:
     async def open_stream(self, body: dict):
         """Send to a replica; return (generator, first item). The first item may be an error."""
         attach_to_body(body)  # a traced request's engine spans hang from its request span
+        refusal = self.slo_admit(body)
+        if refusal is not None:
+            return _NO_STREAM, refusal
         if self.pd is not None:
             await self.info()  # the pools' routers exist: the P/D flow picks from them
             return await self.pd.open_stream(body, self._open_call)
@@ -223,6 +267,22 @@ class EnginePools:
                 r = await asyncio.wait_for(call, timeout_s)
                 results[r["replica"]] = r
         return results
+
+
+class _NoStream:
+    """The stream of a request refused before it was sent: nothing to read or cancel."""
+
+    def cancel(self) -> None:
+        return None
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        raise StopAsyncIteration
+
+
+_NO_STREAM = _NoStream()
 
 
 def _app_name() -> Optional[str]:

@@ -129,7 +129,11 @@ class Ingress(GrpcMethods):
         self._metrics = RouterMetrics(
             self.pools.routers,
             self.pools.feeds,
-            [*(flow.metrics for flow in self.pools.flows()), self.tenants.metrics],
+            [
+                *(flow.metrics for flow in self.pools.flows()),
+                self.tenants.metrics,
+                *([self.pools.slo_metrics] if self.pools.slo_metrics is not None else []),
+            ],
         )
         self._auth = ApiKeyAuth(
             settings.api_key,
@@ -259,9 +263,14 @@ class Ingress(GrpcMethods):
         return await self._respond(body, req, chat=True, logprobs_n=params.logprobs, tools=tools)
 
     async def _respond(self, body: dict, req, chat: bool, logprobs_n: Optional[int], tools=None):
+        start = time.monotonic()
         gen, first = await self.pools.open_stream(body)
+        slo = None
+        if self.pools.slo is not None and not is_error(first):
+            # Judged for the goodput metrics: TTFT from here to the first item, TPOT to the end.
+            slo = _SloClock(self.pools, body.get("tenant"), start, time.monotonic())
         return await self._respond_with(
-            gen, first, body["request_id"], req, chat, logprobs_n, tools, body.get("tenant")
+            gen, first, body["request_id"], req, chat, logprobs_n, tools, body.get("tenant"), slo
         )
 
     async def _respond_with(
@@ -274,6 +283,7 @@ class Ingress(GrpcMethods):
         logprobs_n: Optional[int],
         tools=None,
         tenant: Optional[str] = None,
+        slo: Optional["_SloClock"] = None,
     ):
         if is_error(first):
             return to_response(first)
@@ -290,7 +300,7 @@ class Ingress(GrpcMethods):
                 reasoning=self.reasoning,
             )
             return StreamingResponse(
-                self._sse(gen, first, writer, req.include_usage, req.continuous_usage, tenant),
+                self._sse(gen, first, writer, req.include_usage, req.continuous_usage, tenant, slo),
                 media_type="text/event-stream",
                 headers=_SSE_HEADERS,
             )
@@ -307,6 +317,8 @@ class Ingress(GrpcMethods):
         error = await drain(gen, first, take)
         if tenant is not None:
             self.tenants.metrics.observe_generated(tenant, usage.completion_tokens)
+        if slo is not None and error is None:
+            slo.done(usage.completion_tokens)
         if error is not None:
             return to_response(error)
         label = self.token_label(req)
@@ -343,11 +355,14 @@ class Ingress(GrpcMethods):
         include_usage: bool,
         continuous_usage: bool = False,
         tenant: Optional[str] = None,
+        slo: Optional["_SloClock"] = None,
     ) -> AsyncIterator[str]:
         usage = fmt.Usage()
+        failed = False
         try:
             async for item in stream_items(gen, first):
                 if is_error(item):
+                    failed = True
                     yield fmt.sse({"error": item["error"]})
                     break
                 fmt.observe(item, usage)
@@ -356,6 +371,8 @@ class Ingress(GrpcMethods):
             if include_usage:
                 yield writer.usage_chunk(usage)
             yield fmt.SSE_DONE
+            if slo is not None and not failed:
+                slo.done(usage.completion_tokens)
         finally:
             # Client gone (this generator cancelled/closed) or done: cancelling the
             # handle's stream cancels the replica's generator, which aborts the
@@ -641,3 +658,16 @@ add_request_bodies(
     },
 )
 IngressDeployment = serve.ingress(app)(Ingress)
+
+
+class _SloClock:
+    """One request's times for the SLO goodput metrics (EnginePools.slo_observe)."""
+
+    __slots__ = ("pools", "tenant", "start", "first")
+
+    def __init__(self, pools: EnginePools, tenant: Optional[str], start: float, first: float) -> None:
+        self.pools, self.tenant, self.start, self.first = pools, tenant, start, first
+
+    def done(self, tokens: int) -> None:
+        tpot = (time.monotonic() - self.first) / (tokens - 1) if tokens > 1 else None
+        self.pools.slo_observe(self.tenant, self.first - self.start, tpot)

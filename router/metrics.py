@@ -21,6 +21,8 @@
    fleetserve:pd_*{path|stage|source}                          P/D (`PDMetrics`, router/routing/pd.py)
    fleetserve:prefix_reuse_*{outcome|source}                   reuse (`ReuseMetrics`, router/routing/prefix_reuse.py)
    fleetserve:request_migrations_total, fleetserve:request_migration_failures_total
+   fleetserve:slo_requests_total{slo_class,outcome}, _slo_refusals_total{slo_class,reason},
+   fleetserve:slo_goodput{slo_class}                           SLO admission (`SloMetrics`)
 
 The router_* families are read from the request routers and the feed hub at scrape time
 (a custom collector: the routers count for routing, not for us); the P/D and reuse ones
@@ -31,7 +33,9 @@ counts are this process's (`MIGRATIONS`, counted by router/routing/migration.py)
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
+import time
 from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, Optional, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -148,6 +152,76 @@ class PDMetrics(_OwnRegistry):
             buckets=BUCKETS,
             registry=self.registry,
         )
+
+
+class SloMetrics(_OwnRegistry):
+    """SLO-aware admission (router/routing/slo.py), per class (a tenant with its own targets,
+    else `default`):
+
+    fleetserve:slo_requests_total{slo_class,outcome}   counter  met / missed (finished requests,
+                                                                judged at the ingress) / refused
+    fleetserve:slo_refusals_total{slo_class,reason}    counter  early refusals (429) by reason: ttft, itl
+    fleetserve:slo_goodput{slo_class}                  gauge    requests/s that met their SLO, over
+                                                                the last `window_s` seconds
+
+    Goodput is also `rate(fleetserve:slo_requests_total{outcome="met"}[1m])`."""
+
+    def __init__(self, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.registry = CollectorRegistry()
+        self.window_s = window_s
+        self._clock = clock
+        self._met: dict[str, collections.deque] = {}
+        self.requests = Counter(
+            "fleetserve:slo_requests",
+            "Requests with an SLO by outcome: met or missed (finished), refused (429 before any work)",
+            ["slo_class", "outcome"],
+            registry=self.registry,
+        )
+        self.refusals = Counter(
+            "fleetserve:slo_refusals",
+            "Requests refused early because no replica was predicted to meet their SLO, by the target missed",
+            ["slo_class", "reason"],
+            registry=self.registry,
+        )
+        self.registry.register(_GoodputCollector(self))
+
+    def refused(self, slo_class: str, reason: str) -> None:
+        self.requests.labels(slo_class, "refused").inc()
+        self.refusals.labels(slo_class, reason).inc()
+
+    def finished(self, slo_class: str, met: bool) -> None:
+        self.requests.labels(slo_class, "met" if met else "missed").inc()
+        times = self._met.setdefault(slo_class, collections.deque())
+        if met:
+            times.append(self._clock())
+        self._trim(times)
+
+    def _trim(self, times: collections.deque) -> None:
+        cutoff = self._clock() - self.window_s
+        while times and times[0] < cutoff:
+            times.popleft()
+
+    def goodput(self) -> dict[str, float]:
+        out = {}
+        for cls, times in self._met.items():
+            self._trim(times)
+            out[cls] = len(times) / self.window_s
+        return out
+
+
+class _GoodputCollector:
+    def __init__(self, metrics: SloMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        g = GaugeMetricFamily(
+            "fleetserve:slo_goodput",
+            f"Requests per second that met their SLO, over the last {self._metrics.window_s:g} s",
+            labels=["slo_class"],
+        )
+        for cls, v in sorted(self._metrics.goodput().items()):
+            g.add_metric([cls], v)
+        yield g
 
 
 class ReuseMetrics(_OwnRegistry):

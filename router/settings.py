@@ -61,6 +61,9 @@ class IngressSettings:
     tracing: Optional[dict] = None  # router.tracing.TracingSettings' fields (None: off)
     pd: Optional[PDSettings] = None
     reuse: Optional[ReuseSettings] = None
+    # SLO-aware admission's settings (router.routing.slo.SloSettings.to_dict(); None: off): the
+    # ingress judges finished requests by its targets for the goodput metrics.
+    slo: Optional[dict] = None
 
     def __post_init__(self) -> None:
         if not self.served_model_name:

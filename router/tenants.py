@@ -15,7 +15,8 @@
 What a tenant gets: its `weight` travels to the engine with the request (the scheduler's
 `--scheduling-policy fair` shares by it: scheduler/fair.py); its `priority` is the best
 (lowest) priority its requests run at (a request may ask for a worse one, never a better
-one); `limits.max_tokens` caps what one request may ask for (400 beyond it).
+one); `limits.max_tokens` caps what one request may ask for (400 beyond it); `slo: {ttft_ms,
+itl_ms}` are its own targets for SLO-aware admission (router/routing/slo.py).
 
 Metrics (`TenantMetrics`, in the ingress's /metrics): requests, prompt tokens and generated
 tokens per tenant. The `tenant` label takes at most `--max-tenant-labels` values: the
@@ -52,6 +53,16 @@ class TenantLimits(BaseModel):
     max_tokens: Optional[int] = Field(None, ge=1, description="The most output tokens one request may ask for.")
 
 
+class TenantSlo(BaseModel):
+    """A tenant's own SLO targets (router/routing/slo.py): SLO-aware admission routes and
+    refuses its requests by these instead of the app's --slo-ttft-ms / --slo-itl-ms."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ttft_ms: Optional[float] = Field(None, gt=0, description="Time to first token, in milliseconds.")
+    itl_ms: Optional[float] = Field(None, gt=0, description="Mean time between output tokens, in milliseconds.")
+
+
 class TenantSpec(BaseModel):
     """One entry of `--api-keys-file`."""
 
@@ -62,6 +73,7 @@ class TenantSpec(BaseModel):
     weight: float = Field(1.0, gt=0, description="Its share under --scheduling-policy fair.")
     priority: int = Field(0, description="The best priority its requests run at (lower runs first).")
     limits: TenantLimits = TenantLimits.model_validate({})
+    slo: Optional[TenantSlo] = None
 
     @model_validator(mode="after")
     def _one_key(self) -> "TenantSpec":
@@ -90,6 +102,8 @@ class Tenant:
     priority: int = 0
     max_tokens: Optional[int] = None
     keyed: bool = False  # named by its key (an entry of the keys file)
+    slo_ttft_s: Optional[float] = None  # its own SLO targets (the keys file's `slo`), seconds
+    slo_itl_s: Optional[float] = None
 
 
 # A request that names no tenant.
@@ -142,7 +156,16 @@ def load_keys_file(path: str) -> dict[str, Tenant]:
         digest = spec.digest()
         if digest in out:
             raise ValueError(f"api_keys_file {path!r}: tenants {out[digest].name!r} and {name!r} have the same key")
-        out[digest] = Tenant(name, spec.weight, spec.priority, spec.limits.max_tokens, keyed=True)
+        slo = spec.slo or TenantSlo.model_validate({})
+        out[digest] = Tenant(
+            name,
+            spec.weight,
+            spec.priority,
+            spec.limits.max_tokens,
+            keyed=True,
+            slo_ttft_s=slo.ttft_ms / 1e3 if slo.ttft_ms is not None else None,
+            slo_itl_s=slo.itl_ms / 1e3 if slo.itl_ms is not None else None,
+        )
     return out
 
 

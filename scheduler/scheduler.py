@@ -726,6 +726,13 @@ class Scheduler:
     def get_stats(self) -> SchedulerStats:
         return snapshot(self)
 
+    def num_queued_tokens(self) -> int:
+        """Tokens still to compute: what running requests have left (a prefill's rest, a
+        decode's next token) plus every waiting request's tokens. The engine's load report
+        carries it; the router's admission and SLO predictor read it."""
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in self.running)
+        return queued + sum(r.num_tokens for r in self.waiting)
+
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
 

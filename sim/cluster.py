@@ -53,6 +53,7 @@ Every random choice is the policy's, seeded with `seed`; the run is deterministi
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import time
 from collections import deque
@@ -66,6 +67,7 @@ from fleetserve.router.routing.kv_index import KVIndex
 from fleetserve.router.routing.pd_decision import PDSettings, cached_prompt_tokens, wants_remote_prefill
 from fleetserve.router.routing.policies import ReplicaLoad, RouteRequest, RoutingPolicy, make_policy
 from fleetserve.router.routing.policies.prefix_aware import PrefixAwareBase
+from fleetserve.router.routing.slo import SloAdmission, SloDecision, SloSettings
 from fleetserve.scheduler import KVEventBatch, KVEventLog
 from fleetserve.sim.replica import SimReplica, StepStart
 from fleetserve.sim.result import GapHistogram, Record, SimResult, summarize
@@ -119,9 +121,14 @@ def _engine_args(engine_args: Any, overrides: dict[str, Any]) -> Any:
 class SimRouter:
     """The ingress router's choice, as `FleetRequestRouter` makes it, over simulated replicas."""
 
-    def __init__(self, policy: RoutingPolicy, replica_ids: list[str], max_ongoing: int) -> None:
+    def __init__(
+        self, policy: RoutingPolicy, replica_ids: list[str], max_ongoing: int, slo: Optional[SloAdmission] = None
+    ) -> None:
         self.policy = policy
         self.max_ongoing = max_ongoing
+        # SLO-aware admission (router/routing/slo.py), the object the ingress uses; None: off.
+        self.slo = slo
+        self.refusal: Optional[SloDecision] = None  # the last `pick`'s refusal, if it refused
         # One load snapshot per replica, updated in place (the policies only read them).
         self.loads = {rid: ReplicaLoad(rid) for rid in replica_ids}
         self._load_list = list(self.loads.values())
@@ -129,18 +136,30 @@ class SimRouter:
         self.held: deque[tuple[Record, list[int]]] = deque()  # every replica was full
         self.num_held = 0
 
-    def route(self, request: RouteRequest) -> Optional[str]:
+    def route(self, request: RouteRequest, tenant: Optional[str] = None) -> Optional[str]:
         """The replica `request` goes to (recorded as in flight there), or None when every
-        replica has `max_ongoing` requests of this router in flight."""
-        rid = self.pick(request)
+        replica has `max_ongoing` requests of this router in flight (or the SLO admission
+        refused it: `refusal`)."""
+        rid = self.pick(request, tenant)
         if rid is not None:
             self.record(rid, request)
         return rid
 
-    def pick(self, request: RouteRequest) -> Optional[str]:
-        """The policy's first replica with room for `request`, not recorded yet."""
+    def pick(self, request: RouteRequest, tenant: Optional[str] = None) -> Optional[str]:
+        """The policy's first replica with room for `request`, not recorded yet; with SLO
+        admission, the first of those predicted to meet the request's SLO (None and
+        `refusal` set when none is)."""
         ranked = self.policy.rank(self._load_list, request)
         cap, loads = self.max_ongoing, self.loads
+        self.refusal = None
+        if self.slo is not None:
+            room = [rid for tier in ranked for rid in tier if loads[rid].num_ongoing < cap]
+            if not room:
+                return None
+            decision = self.slo.choose(room, len(request.prompt_token_ids), tenant)
+            if decision.refused:
+                self.refusal = decision
+            return decision.replica_id
         for tier in ranked:
             for rid in tier:
                 if loads[rid].num_ongoing < cap:
@@ -161,6 +180,8 @@ class SimRouter:
         load.num_ongoing += 1
         load.ongoing_tokens += n
         self.policy.on_routed(replica_id, request)
+        if self.slo is not None:
+            self.slo.routed(replica_id, n)
 
     def release(self, request_id: str) -> None:
         entry = self._inflight.pop(request_id, None)
@@ -176,16 +197,26 @@ class SimRouter:
         load.num_running = int(stats.get("num_running", 0))
         load.num_waiting = int(stats.get("num_waiting", 0))
         load.kv_cache_usage = float(stats.get("kv_cache_usage", 0.0))
+        if self.slo is not None:
+            self.slo.report(replica_id, stats)
 
 
 class _Pool:
     """Replicas behind one router: the whole fleet, or one P/D pool."""
 
-    def __init__(self, name: str, policy: RoutingPolicy, indices: list[int], ids: list[str], max_ongoing: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        policy: RoutingPolicy,
+        indices: list[int],
+        ids: list[str],
+        max_ongoing: int,
+        slo: Optional[SloAdmission] = None,
+    ) -> None:
         self.name = name
         self.policy = policy
         self.indices = indices  # into Cluster.replicas
-        self.router = SimRouter(policy, ids, max_ongoing)
+        self.router = SimRouter(policy, ids, max_ongoing, slo)
         self.kv_index: Optional[KVIndex] = getattr(policy, "kv_index", None) if policy.uses_kv_events else None
 
 
@@ -213,6 +244,7 @@ class Cluster:
         pd: Optional[tuple[int, int]] = None,
         pd_min_prefill_tokens: int = PDSettings.min_prefill_tokens,
         kv_connector: str = DEFAULT_KV_CONNECTOR,
+        slo: Optional[SloSettings] = None,
     ) -> None:
         if pd is not None:
             num_prefill, num_decode = (int(x) for x in pd)
@@ -274,12 +306,24 @@ class Cluster:
                 p.set_hashing(cache_cfg.block_size, cache_cfg.prefix_caching_hash_algo)
         if max_ongoing_requests is None:
             max_ongoing_requests = args.max_num_seqs + args.max_waiting_requests + 8
+        # SLO-aware admission at the (decode pool's) router, with the engines' step budget.
+        self.slo: Optional[SloAdmission] = None
+        if slo is not None and slo.enabled:
+            slo = dataclasses.replace(
+                slo,
+                max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
+                max_num_seqs=sched_cfg.max_num_seqs,
+                block_size=cache_cfg.block_size,
+            )
+            self.slo = SloAdmission(slo, self.clock)
         if self.pd is None:
             self.replicas = [
                 SimReplica(f"replica-{i}", sched_cfg, cache_cfg, cost_model, vocab_size) for i in range(num_replicas)
             ]
             ids = [r.replica_id for r in self.replicas]
-            self.decode_pool = _Pool("colocated", self.policy, list(range(num_replicas)), ids, max_ongoing_requests)
+            self.decode_pool = _Pool(
+                "colocated", self.policy, list(range(num_replicas)), ids, max_ongoing_requests, self.slo
+            )
             self.prefill_pool: Optional[_Pool] = None
             pools = [self.decode_pool]
         else:
@@ -314,7 +358,12 @@ class Cluster:
                 "prefill", prefill_policy, p_idx, [self.replicas[i].replica_id for i in p_idx], max_ongoing_requests
             )
             self.decode_pool = _Pool(
-                "decode", self.policy, d_idx, [self.replicas[i].replica_id for i in d_idx], max_ongoing_requests
+                "decode",
+                self.policy,
+                d_idx,
+                [self.replicas[i].replica_id for i in d_idx],
+                max_ongoing_requests,
+                self.slo,
             )
             pools = [self.prefill_pool, self.decode_pool]
         self.pools = pools
@@ -343,6 +392,15 @@ class Cluster:
             "kv_event_lag_s": kv_event_lag_s,
             "max_ongoing_requests": max_ongoing_requests,
         }
+        if self.slo is not None:
+            st = self.slo.settings
+            self.config["slo_admission"] = {
+                "ttft_s": st.default.ttft_s,
+                "itl_s": st.default.itl_s,
+                "tenants": {k: v.to_dict() for k, v in st.tenants.items()},
+                "profile": (st.profile or {}).get("name", "unnamed") if st.profile is not None else None,
+                "headroom": st.headroom,
+            }
         if self.pd is not None:
             self.config.update(pd=list(self.pd), pd_min_prefill_tokens=pd_min_prefill_tokens, kv_connector=kv_connector)
 
@@ -550,16 +608,16 @@ class Cluster:
         router = self.decode_pool.router
         request = RouteRequest(rec.request_id, ids)
         if self.pd is None:
-            rid = router.route(request)
+            rid = router.route(request, rec.tenant)
             if rid is None:
-                return False
+                return self._refused_by_slo(rec, router)
             rec.replica = rid
             self._send(self._by_id[rid], (rec, ids, rec.request_id, rec.output_tokens, None), 1)
             return True
         # P/D (router/routing/pd.py): the decode replica first, then the decision.
-        rid = router.pick(request)
+        rid = router.pick(request, rec.tenant)
         if rid is None:
-            return False
+            return self._refused_by_slo(rec, router)
         cached = cached_prompt_tokens(router.cached_blocks(request, rid), self.block_size, len(ids))
         router.record(rid, request)  # the reservation, taken before any prefill runs
         rec.replica = rid
@@ -572,6 +630,16 @@ class Cluster:
             assert self.prefill_pool is not None
             self.prefill_pool.router.held.append((rec, ids))
             self.prefill_pool.router.num_held += 1
+        return True
+
+    def _refused_by_slo(self, rec: Record, router: SimRouter) -> bool:
+        """After a pick found no replica: True when the SLO admission refused the request (it
+        is done, as the client's 429), False when every replica was full (it waits)."""
+        decision = router.refusal
+        if decision is None:
+            return False
+        rec.refused = f"slo_{decision.reason}: {decision.message}"
+        self._open -= 1
         return True
 
     def _dispatch_prefill(self, rec: Record, ids: list[int]) -> bool:
@@ -758,14 +826,20 @@ class Cluster:
             for i in pool.indices:
                 r = self.replicas[i]
                 stats = r.scheduler.get_stats()
-                router.report(
-                    r.replica_id,
-                    {
-                        "num_running": stats.num_running,
-                        "num_waiting": stats.num_waiting + stats.num_waiting_for_remote_kvs,
-                        "kv_cache_usage": stats.kv_cache_usage,
-                    },
-                )
+                report = {
+                    "num_running": stats.num_running,
+                    "num_waiting": stats.num_waiting + stats.num_waiting_for_remote_kvs,
+                    "kv_cache_usage": stats.kv_cache_usage,
+                }
+                if router.slo is not None:  # the rest of EngineCore.get_load, which it reads
+                    report.update(
+                        num_queued_tokens=r.scheduler.num_queued_tokens(),
+                        num_blocks=stats.num_blocks,
+                        num_steps=r.num_steps,
+                        busy_s=r.busy_s,
+                        num_step_tokens=r.num_tokens,
+                    )
+                router.report(r.replica_id, report)
         if self._open or self._pending_arrivals:
             self._push(self.now + self.stats_period_s, _REPORT, 0, None)
 

@@ -79,21 +79,15 @@ from pydantic import (
     model_validator,
 )
 
-from fleetserve.sim.shape import StepShape
+from fleetserve.scheduler.step_cost import (
+    LinearStepCost,
+    RooflineStepCost,
+    StepShape,
+    dtype_bytes,
+)
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 SCHEMA_VERSION = 1
-
-DTYPE_BYTES: dict[str, int] = {
-    "float32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "fp8": 1,
-    "float8_e4m3fn": 1,
-}
-
-# A flash-attention kernel's query tile: a prefill chunk's KV context is read once per tile.
-ATTN_QUERY_TILE = 128
 
 # Connector names as `--kv-connector` and the app config's `pd.connector` spell them, and the
 # registered class names they stand for (kv_transfer/registry.py), so either finds a link.
@@ -256,10 +250,7 @@ class Profile(_Model):
 
 
 def _dtype_bytes(dtype: str) -> int:
-    try:
-        return DTYPE_BYTES[dtype]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_BYTES)}") from None
+    return dtype_bytes(dtype)
 
 
 # ---- cost models (the simulator's hot path: plain attributes, no pydantic) -----------------
@@ -292,77 +283,36 @@ class ProfileCostModel:
 
 
 class LinearCostModel(ProfileCostModel):
-    __slots__ = ("_c0", "_tok", "_attn", "_pseq", "_dseq", "_dctx")
+    """A calibrated profile's step cost: `scheduler.step_cost.LinearStepCost` (the formula the
+    router's SLO admission evaluates too)."""
+
+    __slots__ = ("_step",)
 
     def __init__(self, profile: Profile) -> None:
         super().__init__(profile)
         s = profile.step
         assert isinstance(s, LinearStep)
-        self._c0 = s.overhead_s
-        self._tok = s.per_prefill_token_s
-        self._attn = s.per_prefill_attn_token_s
-        self._pseq = s.per_prefill_seq_s
-        self._dseq = s.per_decode_seq_s
-        self._dctx = s.per_decode_context_token_s
+        self._step = LinearStepCost(**s.model_dump(exclude={"form"}))
 
     def step_seconds(self, shape: StepShape) -> float:
-        d_seqs = shape.decode_seqs
-        return (
-            self._c0
-            + self._tok * (shape.prefill_tokens + shape.decode_tokens - d_seqs)
-            + self._attn * shape.prefill_attn_tokens
-            + self._pseq * shape.prefill_seqs
-            + self._dseq * d_seqs
-            + self._dctx * shape.decode_context_tokens
-        )
+        return self._step.step_seconds(shape)
 
 
 class RooflineCostModel(ProfileCostModel):
-    __slots__ = ("_c0", "_f_tok", "_f_head", "_f_attn", "_m_w", "_m_kv", "_ar_fixed", "_ar_tok")
+    """An analytic profile's step cost: `scheduler.step_cost.RooflineStepCost`."""
+
+    __slots__ = ("_step",)
 
     def __init__(self, profile: Profile) -> None:
         super().__init__(profile)
         s = profile.step
         assert isinstance(s, RooflineStep)
-        m = profile.model_shape
-        tp = profile.tensor_parallel_size
-        nbytes = _dtype_bytes(profile.dtype)
-        flops_s = s.peak_flops * s.mfu
-        bytes_s = s.mem_bandwidth_bytes_s * s.mbu
-        self._c0 = s.overhead_s
-        # seconds of compute per token, per sampled position, per attended key (one rank)
-        self._f_tok = 2.0 * m.body_params / tp / flops_s
-        self._f_head = 2.0 * m.embedding_params / tp / flops_s
-        self._f_attn = 4.0 * m.num_layers * m.num_attention_heads * m.head_dim / tp / flops_s
-        # seconds of memory traffic per step (weights) and per token of KV (one rank's heads)
-        weights = m.num_params - (0 if m.tie_word_embeddings else m.embedding_params)
-        self._m_w = weights * nbytes / tp / bytes_s
-        kv_heads_rank = max(1.0, m.num_kv_heads / tp)  # heads are replicated when tp > kv heads
-        self._m_kv = 2.0 * m.num_layers * kv_heads_rank * m.head_dim * nbytes / bytes_s
-        if tp > 1:
-            assert s.interconnect_bandwidth_bytes_s is not None
-            n_ar = 2 * m.num_layers
-            self._ar_fixed = n_ar * s.all_reduce_latency_s
-            self._ar_tok = n_ar * 2.0 * (tp - 1) / tp * m.hidden_size * nbytes / s.interconnect_bandwidth_bytes_s
-        else:
-            self._ar_fixed = self._ar_tok = 0.0
+        self._step = RooflineStepCost(
+            s.model_dump(), profile.model_shape.model_dump(), profile.dtype, profile.tensor_parallel_size
+        )
 
     def step_seconds(self, shape: StepShape) -> float:
-        p_tok = shape.prefill_tokens
-        d_tok = shape.decode_tokens
-        d_seqs = shape.decode_seqs
-        tokens = p_tok + d_tok
-        p_attn = shape.prefill_attn_tokens
-        d_ctx = shape.decode_context_tokens
-        d_attn = d_ctx * d_tok / d_seqs if d_seqs else 0.0
-        compute = self._f_tok * tokens + self._f_head * (d_tok + shape.prefill_seqs) + self._f_attn * (p_attn + d_attn)
-        if p_tok:
-            per_seq = shape.prefill_seqs / p_tok
-            p_kv = p_attn * (per_seq if per_seq > 1.0 / ATTN_QUERY_TILE else 1.0 / ATTN_QUERY_TILE)
-        else:
-            p_kv = 0.0
-        memory = self._m_w + self._m_kv * (d_ctx + p_kv + tokens)
-        return self._c0 + (compute if compute > memory else memory) + self._ar_fixed + self._ar_tok * tokens
+        return self._step.step_seconds(shape)
 
 
 # ---- loading ---------------------------------------------------------------------------------

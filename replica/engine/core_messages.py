@@ -71,6 +71,10 @@ class EngineLoad(TypedDict):
     # time.monotonic() since when no grammar can compile: every compile worker busy past the
     # compile deadline (0.0: not so; StructuredOutputManager.stalled_since). Health reads it.
     grammar_stalled_since: NotRequired[float]
+    # Cumulative: steps that computed tokens, their seconds, their tokens (router/routing/slo.py).
+    num_steps: NotRequired[int]
+    busy_s: NotRequired[float]
+    num_step_tokens: NotRequired[int]
 
 
 @dataclass(frozen=True, slots=True)

@@ -126,6 +126,10 @@ class EngineCore:
         self._kv_saves_in_flight = 0
         self.kv_saves_dropped = 0  # saves given up on at shutdown (past kv_save_timeout_s)
         self._closed = False
+        # Steps that computed tokens, their model time (schedule to model output) and tokens.
+        self.num_steps = 0
+        self.busy_s = 0.0
+        self.num_step_tokens = 0
         capacity = num_blocks * args.block_size
         window = self.scheduler.kv.sliding_window
         if window is not None:
@@ -304,6 +308,10 @@ class EngineCore:
         self._kv_saves_in_flight = 0  # (unknown after a step that raised: not kept busy by it)
         runner_output = self.executor.execute_model(scheduler_output)
         model_end = time.monotonic()
+        if scheduler_output.total_num_scheduled_tokens:
+            self.num_steps += 1
+            self.busy_s += model_end - start
+            self.num_step_tokens += scheduler_output.total_num_scheduled_tokens
         self._kv_saves_in_flight = getattr(runner_output, "kv_saves_in_flight", 0)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if runner_output.sampling_errors:
@@ -397,8 +405,7 @@ class EngineCore:
 
     def get_load(self) -> EngineLoad:
         s = self.scheduler
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in s.running)
-        queued += sum(r.num_tokens for r in s.waiting)
+        queued = s.num_queued_tokens()
         stats = s.get_stats()
         return {
             "num_running": stats.num_running,
@@ -408,6 +415,11 @@ class EngineCore:
             "num_free_blocks": stats.num_free_blocks,
             "num_blocks": stats.num_blocks,
             "grammar_stalled_since": self.structured.stalled_since(),
+            # Cumulative step counters: the router's SLO predictor (router/routing/slo.py)
+            # estimates this replica's step time and token rate from their change between reports.
+            "num_steps": self.num_steps,
+            "busy_s": self.busy_s,
+            "num_step_tokens": self.num_step_tokens,
         }
 
     def shutdown(self) -> int:

@@ -53,7 +53,8 @@ RETRY_AFTER_S = 1  # what 429/503 answers tell a client to wait (Retry-After)
 
 def to_response(body: dict) -> JSONResponse:
     status = body.get("status", 400)
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+    # An SLO refusal says how long its replica's queue needs (router/routing/slo.py).
+    headers = {"Retry-After": str(int(body.get("retry_after", RETRY_AFTER_S)))} if status in (429, 503) else None
     return JSONResponse({"error": body["error"]}, status_code=status, headers=headers)
 
 

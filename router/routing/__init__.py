@@ -9,4 +9,5 @@ pd.py              prefill/decode disaggregation: decode replica first, then a p
 prefix_reuse.py    a prefix another replica caches, handed over instead of recomputed
 migration.py       a stream whose replica dies goes on elsewhere
 admission.py       the replica's KV-aware admission (429 before a request only waits)
+slo.py             SLO-aware admission: predicted TTFT/ITL per replica, early 429 (the simulator runs it too)
 """

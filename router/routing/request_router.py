@@ -36,6 +36,7 @@ from fleetserve.router.routing.policies import (
     prefer_adapter_holders,
 )
 from fleetserve.router.routing.policies.prefix_aware import PrefixAwareBase
+from fleetserve.router.routing.slo import SLO_PICK_KEY, SloAdmission, SloDecision, SloSettings
 from fleetserve.router.tracing import TRACE_KEY
 from fleetserve.router.tracing import carrier_of as trace_carrier_of
 from fleetserve.router.tracing import current as current_tracing
@@ -50,12 +51,17 @@ class FleetRequestRouter(RequestRouter):
     # Serve declares `initialize_state(**kwargs)`; it calls it with the deployment's
     # request_router_kwargs as keywords, which these name.
     def initialize_state(  # type: ignore[override]
-        self, deployment: str, policy: str = "power_of_two", **policy_kwargs: Any
+        self, deployment: str, policy: str = "power_of_two", slo: Optional[dict] = None, **policy_kwargs: Any
     ) -> None:
         """Serve's call with the deployment's `request_router_kwargs` (cluster/deploy.py):
         `deployment`, the deployment's name (what the registry keys this router by, with the
-        public `app_name`), the policy's name and its settings."""
+        public `app_name`), the policy's name and its settings, and the SLO admission's
+        settings (`SloSettings.to_dict()`; None: off)."""
         self.policy: RoutingPolicy = make_policy(policy, **policy_kwargs)
+        # SLO-aware admission (router/routing/slo.py): the ingress asks `slo_decide` before it
+        # sends a request, and the pick it makes goes first here. Fed the replicas' reports.
+        self.slo: Optional[SloAdmission] = SloAdmission(SloSettings.from_dict(slo)) if slo else None
+        self._slo_seen: dict[str, int] = {}  # replica id -> id() of the last report fed to it
         # How many more requests a replica holding a request's LoRA adapter may have than the
         # policy's pick that lacks it, and still be preferred (prefer_adapter_holders).
         self._lora_slack = int(policy_kwargs.get("imbalance_threshold", 4))
@@ -93,6 +99,20 @@ class FleetRequestRouter(RequestRouter):
         hits = self.policy.match_lengths(self.policy.block_hashes(request), set(ranked))
         return [(rid, hits.get(rid, 0)) for rid in ranked]
 
+    def slo_decide(self, body: dict) -> Optional[SloDecision]:
+        """SLO admission for a generate body (its prompt, its tenant) over the current replicas
+        in the policy's order: where it should go, or its refusal; None when admission is off
+        or there is no replica yet."""
+        slo = getattr(self, "slo", None)
+        request = _request_of(body)
+        if slo is None or request is None or not slo.settings.target_for(body.get("tenant")).active:
+            return None  # (a request without targets keeps the policy's routing as it is)
+        loads = {r.replica_id.unique_id: self._load(r) for r in list(self.curr_replicas.values())}
+        if not loads:
+            return None
+        ranked = [rid for tier in _avoiding_ids(self._rank(loads, request), body) for rid in tier]
+        return slo.choose(ranked, len(request.prompt_token_ids), body.get("tenant"))
+
     # -- Serve's hooks ---------------------------------------------------------
 
     async def choose_replicas(
@@ -129,6 +149,9 @@ class FleetRequestRouter(RequestRouter):
             return [[by_id[target]]]
         ranked = self._rank({rid: self._load(r) for rid, r in by_id.items()}, request)
         ranked = _avoiding(ranked, pending_request)
+        pick = _slo_pick(pending_request)
+        if pick is not None and any(pick in tier for tier in ranked):  # the SLO admission's choice goes first
+            ranked = [[pick]] + [t for t in ([r for r in tier if r != pick] for tier in ranked) if t]
         if request is not None and pending_request is not None and ranked:
             self._record(ranked[0][0], request, pending_request)
         return [[by_id[rid] for rid in tier] for tier in ranked]
@@ -204,7 +227,11 @@ class FleetRequestRouter(RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        self.policy.on_replicas_changed({r.replica_id.unique_id for r in replicas})
+        ids = {r.replica_id.unique_id for r in replicas}
+        self.policy.on_replicas_changed(ids)
+        slo = getattr(self, "slo", None)
+        if slo is not None:
+            slo.forget(ids)
 
     # -- bookkeeping -----------------------------------------------------------
 
@@ -217,6 +244,11 @@ class FleetRequestRouter(RequestRouter):
     def _load(self, r: RunningReplica) -> ReplicaLoad:
         rid = r.replica_id.unique_id
         stats = r.routing_stats or {}
+        slo = getattr(self, "slo", None)
+        if slo is not None and stats and self._slo_seen.get(rid) != id(stats):
+            # Serve replaces the dict at each poll of record_routing_stats: a new report.
+            self._slo_seen[rid] = id(stats)
+            slo.report(rid, stats)
         with self._lock:
             requests, tokens = self._ongoing.get(rid, (0, 0))
         return ReplicaLoad(
@@ -242,6 +274,9 @@ class FleetRequestRouter(RequestRouter):
             counts[1] += len(request.prompt_token_ids)
         if previous is None:
             self.policy.on_routed(replica_id, request)
+            slo = getattr(self, "slo", None)
+            if slo is not None:
+                slo.routed(replica_id, len(request.prompt_token_ids))
 
     def _release(self, replica_id: str, num_tokens: int) -> None:
         counts = self._ongoing.get(replica_id)
@@ -262,6 +297,19 @@ def _avoiding(ranked: list[list[str]], pending: Optional[PendingRequest]) -> lis
     return kept or ranked
 
 
+def _avoiding_ids(ranked: list[list[str]], body: dict) -> list[list[str]]:
+    avoid = body.get(AVOID_KEY)
+    if not avoid:
+        return ranked
+    kept = [t for t in ([rid for rid in tier if rid not in avoid] for tier in ranked) if t]
+    return kept or ranked
+
+
+def _slo_pick(pending: Optional[PendingRequest]) -> Optional[str]:
+    body = pending.args[0] if pending is not None and pending.args else None
+    return body.get(SLO_PICK_KEY) if isinstance(body, dict) else None
+
+
 def _traced_body(pending: Optional[PendingRequest]) -> Optional[dict]:
     """The body of a traced call (it carries router.tracing.TRACE_KEY), else None."""
     if pending is None or not pending.args:
@@ -273,7 +321,10 @@ def _traced_body(pending: Optional[PendingRequest]) -> Optional[dict]:
 def _route_request(pending: Optional[PendingRequest]) -> Optional[RouteRequest]:
     if pending is None or not pending.args or not isinstance(pending.args[0], dict):
         return None
-    body = pending.args[0]
+    return _request_of(pending.args[0])
+
+
+def _request_of(body: dict) -> Optional[RouteRequest]:
     token_ids = body.get("prompt_token_ids")
     if not isinstance(token_ids, list):
         return None

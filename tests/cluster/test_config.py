@@ -262,3 +262,30 @@ def test_the_tracing_endpoint_must_suit_its_protocol():
     ):
         with pytest.raises(ValidationError, match="otlp_traces_endpoint"):
             AppConfig.model_validate({"tracing": bad})
+
+
+def test_slo_flags_and_tenant_targets(tmp_path):
+    """SLO-aware admission: off by default; --slo-* flags and a tenant's `slo` in the keys file
+    build the router's settings with the engines' step budget; a bad profile is named."""
+    from pathlib import Path
+
+    assert AppConfig().slo_settings() is None
+    profile = Path(__file__).resolve().parents[2] / "sim" / "profiles" / "h100-llama-3.1-8b.json"
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("gold: {key: g, slo: {ttft_ms: 300, itl_ms: 40}}\nplain: {key: p}\n")
+    c = from_cli(
+        "--slo-ttft-ms", "1500", "--slo-profile", str(profile), "--slo-headroom", "0.8",
+        "--max-num-batched-tokens", "4096", "--api-keys-file", str(keys),
+    )  # fmt: skip
+    s = c.slo_settings()
+    assert s.default.ttft_s == 1.5 and s.default.itl_s is None and s.headroom == 0.8
+    assert s.tenants["gold"].ttft_s == 0.3 and s.tenants["gold"].itl_s == 0.04 and "plain" not in s.tenants
+    assert s.max_num_batched_tokens == 4096 and s.profile["name"] == "h100-llama-3.1-8b"
+    only_tenants = from_cli("--api-keys-file", str(keys)).slo_settings()  # a tenant's target turns it on
+    assert only_tenants is not None and not only_tenants.default.active
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"step": {"form": "roofline", "overhead_s": 0.001}}')
+    with pytest.raises(ValidationError, match="peak_flops"):
+        AppConfig.model_validate({"slo": {"profile": str(bad)}})
+    with pytest.raises(ValidationError, match="slo.ttft_ms"):
+        AppConfig.model_validate({"slo": {"ttft_ms": 0}})

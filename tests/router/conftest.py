@@ -81,8 +81,18 @@ def lora_dirs(tiny_model_dir, tmp_path_factory):
 
 # --api-keys-file of the shared server (tests/router/test_tenants_e2e.py): two tenants named by
 # their keys, beside the shared API_KEY (whose requests name their tenant by x-tenant-id).
-TENANT_KEYS = {"acme": "acme-key", "beta": "beta-key"}
+TENANT_KEYS = {"acme": "acme-key", "beta": "beta-key", "slo-strict": "slo-strict-key"}
 ACME_MAX_TOKENS = 4
+# SLO-aware admission (tests/router/test_slo_e2e.py): only this tenant has a target, 5 ms to the
+# first token, which the server's --slo-profile (the calibrated SmolLM2 CPU profile: 32 ms a step
+# at least) says no replica can meet; every other tenant's requests are not judged.
+SLO_TENANT, SLO_TENANT_TTFT_MS = "slo-strict", 5
+SLO_PROFILE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    "sim",
+    "profiles",
+    "cpu-amd-epyc-avx2-smollm2-135m-1t.json",
+)
 
 
 @pytest.fixture(scope="session")
@@ -109,6 +119,7 @@ def server(tiny_model_dir, lora_dirs, trace_receiver, tmp_path_factory):
     keys.write_text(
         f"acme: {{key: {TENANT_KEYS['acme']}, weight: 2, limits: {{max_tokens: {ACME_MAX_TOKENS}}}}}\n"
         f"beta: {{key_sha256: '{hashlib.sha256(TENANT_KEYS['beta'].encode()).hexdigest()}'}}\n"
+        f"{SLO_TENANT}: {{key: {TENANT_KEYS[SLO_TENANT]}, slo: {{ttft_ms: {SLO_TENANT_TTFT_MS}}}}}\n"
     )
     config = AppConfig.model_validate(
         {
@@ -152,6 +163,7 @@ def server(tiny_model_dir, lora_dirs, trace_receiver, tmp_path_factory):
             "reasoning_parser": "qwen3",
             "allow_runtime_lora_updating": True,
             "reliability": {"body_timeout_s": 3},
+            "slo": {"profile": SLO_PROFILE},
             "tracing": {"otlp_traces_endpoint": trace_receiver.endpoint},
         }
     )
