@@ -116,18 +116,19 @@ def app_schema() -> dict:
             "numCpusPerReplica": {"type": "number", "minimum": 0},
             "httpMaxBodyBytes": int_min(1024),
             "allowRuntimeLoraUpdating": BOOL,
-            "tracing": tracing_schema(),
+            "tracing": options_schema("TracingOptions"),
+            "slo": options_schema("SloOptions"),
         }
     )
 
 
-def tracing_schema() -> dict:
-    """app.tracing: the app config's `tracing` block (cluster/config.py TracingOptions), its
-    keys, types and enums the config's own."""
-    from fleetserve.cluster.config import TracingOptions
+def options_schema(model: str) -> dict:
+    """app.tracing / app.slo: the app config's `tracing` / `slo` block (cluster/config.py
+    TracingOptions / SloOptions), their keys, types and bounds the config's own."""
+    from fleetserve.cluster import config
 
     props = {}
-    for name, spec in TracingOptions.model_json_schema()["properties"].items():
+    for name, spec in getattr(config, model).model_json_schema()["properties"].items():
         spec = {k: v for k, v in spec.items() if k not in ("title", "default")}
         props[name] = spec
     return obj(props)

@@ -232,8 +232,21 @@ def test_tracing_values_reach_the_app_config(helm):
     assert config.tracing.collect_detailed_traces and config.tracing.otlp_traces_protocol == "http/protobuf"
 
 
+def test_slo_values_reach_the_app_config(helm):
+    """app.slo is the app config's `slo` block (docs/serving/slo.md); its bounds are the config's."""
+    from fleetserve.cluster.config import AppConfig
+
+    rs = only(
+        render(helm, [CHART / "ci" / "cpu-small-values.yaml"], ["app.slo.ttft_ms=2000", "app.slo.itl_ms=100"]),
+        "RayService",
+    )
+    config = AppConfig.model_validate(serve_config(rs)["applications"][0]["args"])
+    assert (config.slo.ttft_ms, config.slo.itl_ms, config.slo.headroom) == (2000, 100, 0.6)
+
+
 BAD = [
     # (--set arguments, what the error must name)
+    (["app.slo.ttft_ms=0"], "/app/slo/ttft_ms"),
     (["workers.engine.replicass=2"], "replicass"),
     (["workers.engine.replicas=two"], "/workers/engine/replicas"),
     (["engine.max_num_seqs=0"], "/engine/max_num_seqs"),

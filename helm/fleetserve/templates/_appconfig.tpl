@@ -34,6 +34,7 @@ the app config. When the app config's shape changes (e.g. the P/D keys), change 
 {{- if $v.app.routing -}}{{- $_ := set $app "routing" $v.app.routing -}}{{- end -}}
 {{- if $v.app.allowRuntimeLoraUpdating -}}{{- $_ := set $app "allow_runtime_lora_updating" true -}}{{- end -}}
 {{- if $v.app.tracing -}}{{- $_ := set $app "tracing" $v.app.tracing -}}{{- end -}}
+{{- if $v.app.slo -}}{{- $_ := set $app "slo" $v.app.slo -}}{{- end -}}
 {{- if $v.auth.apiKeySecret.name -}}{{- $_ := set $app "api_key_env" "FLEETSERVE_API_KEY" -}}{{- end -}}
 {{- if $v.pd.enabled -}}
   {{- $pools := dict "enabled" true "connector" $v.pd.connector -}}
