@@ -291,7 +291,8 @@ class SloOptions(BaseModel):
     profile: Optional[str] = Field(
         default=None,
         description=(
-            "A step-cost profile JSON (fleetserve/sim/profiles/*.json, or `fleetserve profile`'s output) the "
+            "A step-cost profile: a shipped one's name (as `fleetserve sim --profile` takes, e.g. "
+            "h100-llama-3.1-8b) or a JSON file (`fleetserve profile`'s output) the "
             "router predicts TTFT and ITL with; unset: estimated online from the replicas' load reports."
         ),
     )

@@ -255,9 +255,24 @@ def step_cost_from_profile(
         raise ValueError(f"{where}: {e}") from None
 
 
+# The profiles the package ships (data files beside the simulator's code; read, not imported).
+SHIPPED_PROFILES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sim", "profiles")
+
+
+def resolve_profile(name_or_path: Union[str, os.PathLike[str]]) -> str:
+    """The file of a profile named as `fleetserve sim --profile` names one: a shipped profile's
+    name (e.g. `h100-llama-3.1-8b`) or a path (`~` expanded)."""
+    s = os.path.expanduser(os.fspath(name_or_path))
+    shipped = os.path.join(SHIPPED_PROFILES_DIR, f"{s}.json")
+    if os.sep not in s and not s.endswith(".json") and not os.path.exists(s) and os.path.isfile(shipped):
+        return shipped
+    return s
+
+
 def read_profile_json(path: Union[str, os.PathLike[str]]) -> dict[str, Any]:
-    """A profile file's JSON, checked by `step_cost_from_profile`; ValueError naming the file."""
-    p = os.fspath(path)
+    """A profile's JSON (a shipped profile's name or a file: `resolve_profile`), checked by
+    `step_cost_from_profile`; ValueError naming the file."""
+    p = resolve_profile(path)
     try:
         with open(p) as f:
             text = f.read()

@@ -58,6 +58,15 @@ def test_a_bad_profile_is_refused_naming_the_field(tmp_path):
     assert read_profile_json(p)["name"] == "h100-llama-3.1-8b"
 
 
+@pytest.mark.parametrize("name", shipped_profiles())
+def test_a_shipped_profile_is_named_as_fleetserve_sim_names_it(name):
+    """--slo-profile h100-llama-3.1-8b reads the shipped file, as `fleetserve sim --profile` does
+    (the router reads the data file; it does not import the simulator)."""
+    assert read_profile_json(name) == json.loads(load_profile(name).to_json())
+    with pytest.raises(ValueError, match="no-such-profile"):
+        read_profile_json("no-such-profile")
+
+
 def report(q=0, running=0, waiting=0, kv=0.0, blocks=1000, steps=0, busy=0.0):
     return {
         "num_queued_tokens": q,
