@@ -35,7 +35,7 @@ paper's 2 * max(w_in * L_in, w_out * M) when w_out >= w_in (the default 1 and 2)
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 from fleetserve.scheduler.request import Request
 
@@ -130,35 +130,67 @@ def seat_victim(vtc: VirtualTokenCounter, running: list[Request], head: Request,
 
 
 class FairQueue:
-    """The waiting queue of `policy="fair"`: one FCFS deque per tenant; the head of the
+    """The waiting queue of `policy="fair"`: one queue per tenant, FCFS here (a deque; a
+    subclass orders each tenant's queue otherwise through the `_q*` hooks); the head of the
     tenant with the least counter (then the earliest head) comes first."""
 
     def __init__(self, vtc: VirtualTokenCounter) -> None:
         self.vtc = vtc
-        self._queues: dict[str, deque[Request]] = {}
+        self._queues: dict[str, Any] = {}  # tenant -> its queue (never empty)
         self._len = 0
 
+    # ---- one tenant's queue: FCFS ---------------------------------------------------
+    def _qnew(self) -> Any:
+        return deque()
+
+    def _qpush(self, q: Any, request: Request, front: bool) -> None:
+        if front:
+            q.appendleft(request)
+        else:
+            q.append(request)
+
+    def _qhead(self, q: Any) -> Request:
+        head: Request = q[0]
+        return head
+
+    def _qpop(self, q: Any) -> Request:
+        request: Request = q.popleft()
+        return request
+
+    def _qwithout(self, q: Any, drop: set[int]) -> Any:
+        return deque(r for r in q if id(r) not in drop)
+
+    def _qordered(self, q: Any) -> Iterable[Request]:
+        ordered: Iterable[Request] = q
+        return ordered
+
+    # ---- the tenants ----------------------------------------------------------------
     def add(self, request: Request) -> None:
-        self._queues.setdefault(request.tenant, deque()).append(request)
-        self._len += 1
+        self._push(request, front=False)
 
     def prepend(self, request: Request) -> None:
-        self._queues.setdefault(request.tenant, deque()).appendleft(request)
+        self._push(request, front=True)
+
+    def _push(self, request: Request, front: bool) -> None:
+        q = self._queues.get(request.tenant)
+        if q is None:
+            q = self._queues[request.tenant] = self._qnew()
+        self._qpush(q, request, front)
         self._len += 1
 
     def _next_tenant(self) -> str:
         if not self._len:
             raise IndexError("peek from an empty waiting queue")
-        counter = self.vtc.counter
-        return min(self._queues, key=lambda t: (counter(t), self._queues[t][0].arrival_time))
+        counter, queues, head = self.vtc.counter, self._queues, self._qhead
+        return min(queues, key=lambda t: (counter(t), head(queues[t]).arrival_time))
 
     def peek(self) -> Request:
-        return self._queues[self._next_tenant()][0]
+        return self._qhead(self._queues[self._next_tenant()])
 
     def pop(self) -> Request:
         t = self._next_tenant()
         q = self._queues[t]
-        request = q.popleft()
+        request = self._qpop(q)
         if not q:
             del self._queues[t]
         self._len -= 1
@@ -167,7 +199,7 @@ class FairQueue:
     def remove_many(self, requests: Iterable[Request]) -> None:
         drop = {id(r) for r in requests}
         for t in list(self._queues):
-            kept = deque(r for r in self._queues[t] if id(r) not in drop)
+            kept = self._qwithout(self._queues[t], drop)
             self._len -= len(self._queues[t]) - len(kept)
             if kept:
                 self._queues[t] = kept
@@ -182,7 +214,7 @@ class FairQueue:
 
     def __iter__(self) -> Iterator[Request]:
         for q in list(self._queues.values()):
-            yield from q
+            yield from self._qordered(q)
 
 
 def make_vtc(policy: str, input_weight: float, output_weight: float) -> Optional[VirtualTokenCounter]:

@@ -35,10 +35,10 @@ from __future__ import annotations
 
 import heapq
 from itertools import count
-from typing import Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from fleetserve.scheduler.block_pool import KVCacheBlock
-from fleetserve.scheduler.fair import VirtualTokenCounter
+from fleetserve.scheduler.fair import FairQueue, VirtualTokenCounter
 from fleetserve.scheduler.kv_cache_manager import KVCacheManager
 from fleetserve.scheduler.length_predictor import (
     ERROR_BUCKETS,
@@ -106,63 +106,38 @@ class ShortestFirstQueue:
         return iter([e[3] for e in sorted(self._heap, key=lambda e: e[:3])])
 
 
-class FairShortestFirstQueue:
+class FairShortestFirstQueue(FairQueue):
     """Policy "fair" with fair_shortest_first: the tenant served least goes next (the
     Virtual Token Counter, as `FairQueue`), and inside its share its request with the least
-    `sjf_key` (not its oldest)."""
+    `sjf_key` (not its oldest): each tenant's queue is a heap of (key, arrival, seq, request)."""
 
     def __init__(self, vtc: VirtualTokenCounter, aging_rate: float) -> None:
-        self.vtc = vtc
+        super().__init__(vtc)
         self.aging_rate = aging_rate
-        self._queues: dict[str, list[tuple[float, float, int, Request]]] = {}
-        self._len = 0
         self._seq = count()
 
-    def add(self, request: Request) -> None:
-        entry = (sjf_key(request, self.aging_rate), request.arrival_time, next(self._seq), request)
-        heapq.heappush(self._queues.setdefault(request.tenant, []), entry)
-        self._len += 1
+    def _qnew(self) -> Any:
+        return []
 
-    prepend = add
+    def _qpush(self, q: Any, request: Request, front: bool) -> None:
+        # (front or not: the key already puts a request back where it belongs)
+        heapq.heappush(q, (sjf_key(request, self.aging_rate), request.arrival_time, next(self._seq), request))
 
-    def _next_tenant(self) -> str:
-        if not self._len:
-            raise IndexError("peek from an empty waiting queue")
-        counter, queues = self.vtc.counter, self._queues
-        return min(queues, key=lambda t: (counter(t), queues[t][0][1]))
+    def _qhead(self, q: Any) -> Request:
+        head: Request = q[0][3]
+        return head
 
-    def peek(self) -> Request:
-        return self._queues[self._next_tenant()][0][3]
-
-    def pop(self) -> Request:
-        t = self._next_tenant()
-        q = self._queues[t]
-        request = heapq.heappop(q)[3]
-        if not q:
-            del self._queues[t]
-        self._len -= 1
+    def _qpop(self, q: Any) -> Request:
+        request: Request = heapq.heappop(q)[3]
         return request
 
-    def remove_many(self, requests: Iterable[Request]) -> None:
-        drop = {id(r) for r in requests}
-        for t in list(self._queues):
-            kept = [e for e in self._queues[t] if id(e[3]) not in drop]
-            self._len -= len(self._queues[t]) - len(kept)
-            if kept:
-                heapq.heapify(kept)
-                self._queues[t] = kept
-            else:
-                del self._queues[t]
+    def _qwithout(self, q: Any, drop: set[int]) -> Any:
+        kept = [e for e in q if id(e[3]) not in drop]
+        heapq.heapify(kept)
+        return kept
 
-    def __len__(self) -> int:
-        return self._len
-
-    def __bool__(self) -> bool:
-        return self._len > 0
-
-    def __iter__(self) -> Iterator[Request]:
-        for q in list(self._queues.values()):
-            yield from (e[3] for e in sorted(q, key=lambda e: e[:3]))
+    def _qordered(self, q: Any) -> Iterable[Request]:
+        return [e[3] for e in sorted(q, key=lambda e: e[:3])]
 
 
 def sjf_victim(running: list[Request], aging_rate: float) -> Request:
